@@ -1,0 +1,209 @@
+"""Configuration: one frozen Struct per service, loaded once and passed down.
+
+Order (later wins): the Struct's defaults, a TOML or JSON file (`--config FILE` or
+KAIROS_CONFIG), environment variables `KAIROS_<FIELD>` (upper case), then command-line flags
+`--<field-with-dashes>`. The flags and their help come from the Struct's fields, so `--help`
+always matches what the service reads. Nothing else in the code reads os.environ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+
+import msgspec
+
+from common.errors import ConfigError
+
+ENV_PREFIX = "KAIROS_"
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def H(default_type: Any, help_text: str) -> Any:
+    """Annotate a config field with its --help text."""
+    return Annotated[default_type, msgspec.Meta(description=help_text)]
+
+
+# -------------------------------------------------------------------- the service configs
+
+
+class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the router's bus sockets are; every service shares these fields."""
+
+    router_host: H(str, "host of the router's bus sockets (workers and monitor connect here)") = "127.0.0.1"
+    work_port: H(int, "router ROUTER socket: work, results, tokens") = 5555
+    heartbeat_port: H(int, "router SUB socket: worker heartbeats") = 5556
+    telemetry_port: H(int, "router PUB socket: decisions and outcomes for the monitor") = 5557
+    curve_keys_dir: H(str, "directory made by `kairos keys`; set it to require CURVE on the bus") = ""
+    max_message_bytes: H(int, "largest bus message accepted, bytes") = 64 << 20
+    log_level: H(str, "debug, info, warning or error") = "info"
+    log_format: H(str, "json, console, or auto (json unless stdout is a terminal)") = "auto"
+
+
+class RouterConfig(BusConfig, frozen=True, kw_only=True):
+    http_host: H(str, "address the HTTP API listens on") = "127.0.0.1"
+    http_port: H(int, "port of the OpenAI-compatible HTTP API") = 8000
+    bind_host: H(str, "address the bus sockets bind to") = "127.0.0.1"
+    policy: H(str, "kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg or deflect-all") = "kairos"
+    profile: H(str, "performance profile used when a worker reports no coefficients") = "a100-dsv2-lite"
+    served_model_name: H(str, "model name the API reports and accepts") = "kairos-sim"
+    tokenizer: H(str, "'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory") = "simple"
+    max_prompt_tokens: H(int, "longest prompt accepted (HTTP 400 above)") = 32768
+    max_output_tokens: H(int, "largest max_tokens accepted") = 8192
+    default_max_tokens: H(int, "max_tokens when the client gives none") = 256
+    ttft_slo: H(float, "default TTFT SLO, seconds") = 2.0
+    tbt_slo: H(float, "default TBT SLO, seconds") = 0.1
+    heartbeat_interval: H(float, "worker heartbeat interval the router asks for, seconds") = 0.1
+    liveness: H(int, "a worker silent for liveness x heartbeat_interval is declared dead") = 10
+    max_in_flight: H(int, "admission limit: requests in flight before HTTP 429") = 4096
+    request_timeout: H(float, "deadline of a request from arrival, seconds") = 300.0
+    max_attempts: H(int, "dispatch attempts per request when workers die before its first token") = 3
+    api_key: H(str, "if set, clients must send 'Authorization: Bearer <key>'") = ""
+    max_body_bytes: H(int, "largest HTTP request body accepted") = 4 << 20
+    ledger: H(bool, "fold work dispatched since a worker's last heartbeat into its load view") = True
+    alpha: H(float, "kairos: deflect iff TTFT_D <= alpha x TTFT_P") = 1.3
+    beta: H(float, "kairos: TBT budget = beta x strictest resident TBT SLO") = 0.9
+    candidates: H(str, "kairos: chunk candidates, comma separated") = "2048,1024,512,256,128"
+    transfer_term: H(bool, "kairos: add the KV transfer time to the prefill path's TTFT") = True
+    max_deflections: H(int, "kairos: concurrent in-place prefills per decode worker") = 1
+    per_worker_models: H(bool, "kairos: use each worker's own model coefficients from its heartbeats") = True
+    prefix_aware: H(bool, "kairos: count only uncached prompt tokens when an engine reports hits") = True
+
+
+class WorkerConfig(BusConfig, frozen=True, kw_only=True):
+    worker_id: H(str, "unique worker name (default: role-host-pid)") = ""
+    engine: H(str, "sim (simulated, timed by the profile) or vllm") = "sim"
+    profile: H(str, "performance profile of the simulated engine (name or .json path)") = "a100-dsv2-lite"
+    time_scale: H(float, "sim: multiply every modeled step time by this (0.001: near-zero steps)") = 1.0
+    model: H(str, "vllm: model directory") = ""
+    served_model_name: H(str, "model name reported to the router") = "kairos-sim"
+    heartbeat_interval: H(float, "heartbeat period, seconds (the router's Welcome overrides it)") = 0.1
+    kv_transport: H(str, "modeled (time from the profile, no bytes) or nixl (real bytes over NIXL)") = "modeled"
+    kv_timeout: H(float, "deadline for one KV transfer, seconds") = 10.0
+    kv_pool_mib: H(int, "nixl: host memory registered for KV blocks, MiB") = 64
+    kv_block_tokens: H(int, "nixl: tokens per KV block") = 16
+    kv_bytes_per_token: H(int, "nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)") = 0
+    max_queue_requests: H(int, "requests queued on this worker before it answers busy") = 1024
+    drain_timeout: H(float, "on SIGTERM, seconds to finish held requests before handing them back") = 30.0
+    vllm_max_model_len: H(int, "vllm: max model length") = 2048
+    vllm_kv_cache_mib: H(int, "vllm: KV cache size, MiB") = 256
+    vllm_token_budget: H(int, "vllm: max_num_batched_tokens") = 512
+
+
+class MonitorConfig(BusConfig, frozen=True, kw_only=True):
+    http_host: H(str, "address the metrics and dashboard server listens on") = "127.0.0.1"
+    http_port: H(int, "port of /metrics and the dashboard") = 9100
+
+
+# -------------------------------------------------------------------- loading
+
+
+def _field_help(cls: type[msgspec.Struct]) -> dict[str, tuple[Any, str]]:
+    hints = get_type_hints(cls, include_extras=True)
+    out: dict[str, tuple[Any, str]] = {}
+    for name in cls.__struct_fields__:
+        hint = hints[name]
+        help_text = ""
+        base = hint
+        if get_origin(hint) is Annotated:
+            base, *extra = get_args(hint)
+            for e in extra:
+                if isinstance(e, msgspec.Meta) and e.description:
+                    help_text = e.description
+        out[name] = (base, help_text)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with any of the options below")
+    defaults = cls()
+    for name, (base, help_text) in _field_help(cls).items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        env = ENV_PREFIX + name.upper()
+        text = f"{help_text} (default: {default!r}; env {env})"
+        if base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            parser.add_argument(flag, dest=name, type=base, default=None, metavar=name.upper(), help=text)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from e
+    try:
+        data = json.loads(raw) if p.suffix == ".json" else tomllib.loads(raw.decode())
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a table of options")
+    return data
+
+
+def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> T:
+    """Build a config: defaults, then file, then environment, then flags, then `overrides`."""
+    env = os.environ if env is None else env
+    fields = _field_help(cls)
+    data: dict[str, Any] = {}
+    file = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
+    if file:
+        for k, v in _read_file(file).items():
+            if k not in fields:
+                raise ConfigError(f"config file {file}: unknown option {k!r}")
+            data[k] = v
+    for name, (base, _) in fields.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if base is bool:
+            data[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            data[name] = raw
+    if args is not None:
+        for name in fields:
+            v = getattr(args, name, None)
+            if v is not None:
+                data[name] = v
+    if overrides:
+        data.update(overrides)
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from e
+
+
+def to_env(cfg: msgspec.Struct, *, skip_defaults: bool = True) -> dict[str, str]:
+    """The environment that reproduces `cfg` (what `kairos up` and compose pass to services)."""
+    defaults = type(cfg)()
+    out = {}
+    for name in cfg.__struct_fields__:
+        v = getattr(cfg, name)
+        if skip_defaults and v == getattr(defaults, name):
+            continue
+        out[ENV_PREFIX + name.upper()] = str(v).lower() if isinstance(v, bool) else str(v)
+    return out
+
+
+def parse_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise ConfigError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str) -> T:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser, cls)
+    ns = parser.parse_args(argv)
+    return load(cls, args=ns)

@@ -1,0 +1,106 @@
+"""The engine interface both worker roles drive, whatever the engine (sim or vllm).
+
+A worker service owns the sockets; the engine owns the batch. The service calls `add`,
+`abort` and `load`; the engine calls back `on_tokens` (decode role: new tokens of one step)
+and `on_prefilled` (prefill role: a prompt's KV is complete). `run()` is the step loop, a
+task in the service's TaskGroup; it returns when cancelled.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from common.messages import Coeffs, KvHandle, Sampling, TokenItem
+
+Mode = Literal["prefill", "handoff", "deflect"]
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    attempt: int
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    mode: Mode
+    tbt_slo: float = 0.1
+    chunk_schedule: tuple[int, ...] = ()
+    kv: KvHandle | None = None
+    cached_tokens: int = 0
+
+
+class EngineLoad(msgspec.Struct, kw_only=True):
+    """What the heartbeats report; see messages.PrefillHeartbeat / DecodeHeartbeat."""
+
+    queued_tokens: int = 0
+    queued_requests: int = 0
+    batch: int = 0
+    kv_tokens: int = 0
+    kv_free_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    resident_prefill_tokens: int = 0
+    deflections: int = 0
+    strictest_tbt_slo: float | None = None
+    step_ms_p50: float = 0.0
+    step_ms_max: float = 0.0
+    steps: int = 0
+
+
+class Prefilled(msgspec.Struct, kw_only=True):
+    request_id: str
+    attempt: int
+    queue_s: float
+    prefill_s: float
+    first_token_id: int | None = None
+    kv_params: dict[str, object] = {}
+
+
+TokensCallback = Callable[[list[TokenItem], float], None]
+PrefilledCallback = Callable[[Prefilled], None]
+
+
+class Engine(abc.ABC):
+    role: Literal["prefill", "decode"]
+    name: str
+    token_budget: int
+    max_batch: int
+    kv_capacity_tokens: int
+
+    def __init__(self) -> None:
+        self.on_tokens: TokensCallback = lambda items, step_s: None
+        self.on_prefilled: PrefilledCallback = lambda p: None
+
+    async def start(self) -> None:
+        """Load weights, allocate caches (may take long; the worker registers only after)."""
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """The step loop; runs until cancelled."""
+
+    @abc.abstractmethod
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request. Raises common.errors.Overloaded when it cannot be held."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; True if it was held."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    @abc.abstractmethod
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Decode role: is there KV room for this request (prompt plus output)?"""
+
+    def coeffs(self) -> Coeffs | None:
+        """The step-time model this engine is timed by or was fitted to, for the router."""
+        return None
+
+    def held(self) -> list[str]:
+        """Request ids currently held (for drain and hand-back)."""
+        return []
+
+    async def close(self) -> None:
+        """Release engine resources."""

@@ -1,0 +1,242 @@
+"""Continuous batching with chunked prefill and per-request chunk schedules: a pure class.
+
+No I/O and no clock: the caller asks for a plan, times it (a performance model on the real
+clock in the simulated engine, a virtual clock in `kairos sim`), then commits it. The live
+simulated engine and the discrete-event simulator share this class, so they batch alike.
+
+Decode role, each step: every running decode gets one token first; then every in-place
+(deflected) prefill gets its next chunk, exactly the next entry of its schedule when it has one
+(the router sized it for the TBT budget), else up to the engine's default chunk within the
+remaining token budget. The step that runs a prompt's last chunk also samples its first token,
+as vLLM does. A handed-off request (KV from a prefill worker) joins as a decode.
+
+Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt
+is complete leaves the batch (its KV then goes to a decode worker).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    request_id: str
+    attempt: int
+    prompt_len: int
+    max_tokens: int
+    tbt_slo: float = 0.1
+    computed: int = 0
+    generated: int = 0
+    schedule: deque[int] | None = None
+    deflected: bool = False
+    arrived: float = 0.0
+    admitted: float | None = None
+    prefill_started: float | None = None
+    user: object = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.computed + self.generated
+
+    @property
+    def remaining_prompt(self) -> int:
+        return self.prompt_len - self.computed
+
+    @property
+    def kv_reserve(self) -> int:
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[Seq]
+    chunks: list[tuple[Seq, int, int]]  # (seq, chunk tokens, context before the chunk)
+    kv_tokens: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.decodes)
+
+    def chunk_pairs(self) -> list[tuple[int, int]]:
+        return [(chi, k) for _, chi, k in self.chunks]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(chi for _, chi, _ in self.chunks)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    tokens: list[Seq] = field(default_factory=list)       # seqs that sampled one new token
+    first_tokens: list[Seq] = field(default_factory=list)  # of those, the ones whose first it was
+    finished: list[Seq] = field(default_factory=list)     # reached max_tokens
+    prefilled: list[Seq] = field(default_factory=list)    # prefill role: prompt complete
+
+
+class Batcher:
+    """The batching state of one engine. See the module docstring for the step rules."""
+
+    def __init__(self, *, role: Literal["prefill", "decode"], token_budget: int, max_batch: int,
+                 kv_capacity_tokens: int, default_chunk: int) -> None:
+        if token_budget <= 0 or default_chunk <= 0:
+            raise ValueError("token_budget and default_chunk must be positive")
+        self.role = role
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.kv_capacity = kv_capacity_tokens
+        self.default_chunk = default_chunk
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq] = deque()
+        self._by_id: dict[str, Seq] = {}
+        self.kv_reserved = 0
+        self.steps = 0
+
+    # -- membership -----------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, request_id: str) -> Seq | None:
+        return self._by_id.get(request_id)
+
+    def kv_free(self) -> int:
+        return self.kv_capacity - self.kv_reserved
+
+    def can_admit(self, seq: Seq) -> bool:
+        return self.kv_reserved + seq.kv_reserve <= self.kv_capacity
+
+    def add(self, seq: Seq) -> None:
+        """Queue a request. Prefill role: FIFO. Decode role: joins the running batch at once
+        (the worker checked `can_admit`; KV is reserved for the whole prompt plus output)."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id} is already in this batch")
+        self._by_id[seq.request_id] = seq
+        if self.role == "prefill":
+            self.waiting.append(seq)
+        else:
+            self.kv_reserved += seq.kv_reserve
+            self.running.append(seq)
+
+    def remove(self, request_id: str) -> Seq | None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+            if self.role == "decode":
+                self.kv_reserved -= seq.kv_reserve
+        else:
+            self.waiting.remove(seq)
+        return seq
+
+    # -- load, as heartbeats report it ---------------------------------------------------
+    def queued_tokens(self) -> int:
+        """Sum over running and waiting of the prompt tokens not yet prefilled (Equation 1's sum)."""
+        return sum(s.remaining_prompt for s in self._by_id.values())
+
+    def decode_batch(self) -> int:
+        return sum(1 for s in self.running if not s.prefilling)
+
+    def kv_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self.running if not s.prefilling)
+
+    def resident_prefill_tokens(self) -> int:
+        return sum(s.remaining_prompt for s in self.running if s.prefilling)
+
+    def deflections(self) -> int:
+        return sum(1 for s in self.running if s.prefilling)
+
+    def strictest_tbt_slo(self) -> float | None:
+        slos = [s.tbt_slo for s in self.running]
+        return min(slos) if slos else None
+
+    # -- stepping -------------------------------------------------------------------------
+    def plan(self) -> StepPlan | None:
+        if self.role == "prefill":
+            return self._plan_prefill()
+        return self._plan_decode()
+
+    def _plan_prefill(self) -> StepPlan | None:
+        budget = self.token_budget
+        chunks: list[tuple[Seq, int, int]] = []
+        while self.waiting and len(self.running) < self.max_batch:
+            self.running.append(self.waiting.popleft())
+        for seq in self.running:
+            if budget <= 0:
+                break
+            chi = min(seq.remaining_prompt, budget)
+            if chi > 0:
+                chunks.append((seq, chi, seq.computed))
+                budget -= chi
+        if not chunks:
+            return None
+        return StepPlan(decodes=[], chunks=chunks, kv_tokens=0)
+
+    def _plan_decode(self) -> StepPlan | None:
+        decodes: list[Seq] = []
+        kv = 0
+        prefills: list[Seq] = []
+        for seq in self.running:
+            if seq.prefilling:
+                prefills.append(seq)
+            elif len(decodes) < self.max_batch:
+                decodes.append(seq)
+                kv += seq.kv_tokens
+        budget = self.token_budget - len(decodes)
+        chunks: list[tuple[Seq, int, int]] = []
+        for seq in prefills:
+            if seq.schedule:
+                chi = min(seq.schedule[0], seq.remaining_prompt)  # exact: the router sized it
+            else:
+                chi = min(self.default_chunk, seq.remaining_prompt, budget)
+            if chi <= 0:
+                continue
+            chunks.append((seq, chi, seq.computed))
+            budget -= chi
+        if not decodes and not chunks:
+            return None
+        return StepPlan(decodes=decodes, chunks=chunks, kv_tokens=kv)
+
+    def commit(self, plan: StepPlan) -> StepOutcome:
+        """Apply a planned step. Sequences removed since `plan()` are skipped."""
+        out = StepOutcome()
+        self.steps += 1
+        for seq in plan.decodes:
+            if seq.request_id not in self._by_id:
+                continue
+            seq.generated += 1
+            out.tokens.append(seq)
+            if seq.generated == 1:
+                out.first_tokens.append(seq)
+            if seq.generated >= seq.max_tokens:
+                out.finished.append(seq)
+        for seq, chi, _ in plan.chunks:
+            if seq.request_id not in self._by_id:
+                continue
+            seq.computed += chi
+            if seq.schedule:
+                seq.schedule.popleft()
+            if seq.computed < seq.prompt_len:
+                continue
+            if self.role == "prefill":
+                out.prefilled.append(seq)
+            else:
+                seq.generated += 1
+                out.tokens.append(seq)
+                out.first_tokens.append(seq)
+                if seq.generated >= seq.max_tokens:
+                    out.finished.append(seq)
+        for seq in out.prefilled:
+            self.remove(seq.request_id)
+        for seq in out.finished:
+            self.remove(seq.request_id)
+        return out

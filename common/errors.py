@@ -1,0 +1,54 @@
+"""The error hierarchy, drawn as a tree.
+
+KairosError
+├── ConfigError            bad configuration; the process exits with a clear message
+├── ProtocolError          a peer spoke a version or message we do not accept
+├── RequestError           a client request we refuse (HTTP 400)
+├── Unavailable            no live worker of a needed kind, or draining (HTTP 503, retryable)
+├── Overloaded             admission control refused (HTTP 429, retryable)
+├── WorkerLostError        a worker died holding a request
+└── KvTransferError        a KV-cache transfer failed or timed out (fallback: prefill in place)
+"""
+
+from __future__ import annotations
+
+
+class KairosError(Exception):
+    """Base of every error Kairos raises on purpose."""
+
+
+class ConfigError(KairosError):
+    pass
+
+
+class ProtocolError(KairosError):
+    pass
+
+
+class RequestError(KairosError):
+    """A client request that is invalid. `param` names the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class Unavailable(KairosError):
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(KairosError):
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class WorkerLostError(KairosError):
+    pass
+
+
+class KvTransferError(KairosError):
+    pass

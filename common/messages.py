@@ -1,0 +1,364 @@
+"""The wire contract: every message that crosses a process boundary.
+
+Topology (the router binds every socket; workers and the monitor connect)::
+
+    prefill worker  DEALER ──work/results──▶ ROUTER  router   (router.work, tcp://*:5555)
+    decode worker   DEALER ──work/tokens───▶ ROUTER  router
+    workers         PUB ────heartbeats─────▶ SUB     router   (router.heartbeats, tcp://*:5556)
+    router          PUB ────telemetry──────▶ SUB     monitor  (router.telemetry, tcp://*:5557)
+    prefill worker  ──KV bytes over NIXL (WRITE + notification)──▶ decode worker
+
+Frame layouts, written down once:
+    ROUTER side:  [identity, payload]      DEALER side: [payload]
+    PUB/SUB:      [topic, seq (8-byte big-endian), payload]
+
+Which message arrives where (each inbox has one union alias and one decoder):
+    RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvTarget, TokenBatch, RequestFailed, Goodbye
+    HeartbeatInbox (SUB, from workers)     PrefillHeartbeat, DecodeHeartbeat
+    PrefillInbox  (DEALER, from router)    Welcome, Reregister, PrefillWork, KvTarget, Cancel, Drain
+    DecodeInbox   (DEALER, from router)    Welcome, Reregister, DecodeWork, KvReady, Cancel, Drain
+    TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
+
+Schema evolution: every field added after version 1 has a default, and decoders ignore
+unknown fields, so an older peer can read a newer message. `Hello.protocol` carries
+PROTOCOL_VERSION; the router refuses a worker whose major version differs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode"]
+Route = Literal["disagg", "deflect"]
+
+
+class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Base of every message on the bus; the tag is the class name."""
+
+
+class Coeffs(msgspec.Struct, frozen=True, kw_only=True):
+    """Step-time model coefficients (see common.perf_model) carried in registrations and heartbeats.
+
+    t = a0 + a1*B + a2*K + a3*chi + a4*chi*(k + chi/2) + a5*chi**2; transfer = t0 + L*bytes_per_token/bandwidth.
+    """
+
+    a0: float
+    a1: float
+    a2: float
+    a3: float
+    a4: float
+    a5: float = 0.0
+    xfer_t0: float = 0.0
+    xfer_bandwidth: float = 1e10
+    kv_bytes_per_token: int = 0
+
+
+class KvAgentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A NIXL agent's identity and the memory it exposes (decode workers: their KV region)."""
+
+    agent_name: str
+    metadata: bytes
+    region_addr: int = 0
+    region_bytes: int = 0
+    block_bytes: int = 0
+    num_blocks: int = 0
+
+
+# ---------------------------------------------------------------- membership
+
+
+class Hello(Msg):
+    """Worker -> router: registration. Sent at start and whenever the router asks again."""
+
+    protocol: int
+    worker_id: str
+    role: Role
+    incarnation: str
+    engine: str
+    model: str
+    token_budget: int
+    kv_capacity_tokens: int = 0
+    max_batch: int = 0
+    coeffs: Coeffs | None = None
+    kv_transport: str = "modeled"
+    kv_agent: KvAgentInfo | None = None
+
+
+class Welcome(Msg):
+    """Router -> worker: registration accepted."""
+
+    router_incarnation: str
+    heartbeat_interval_s: float
+
+
+class Reregister(Msg):
+    """Router -> worker: I do not know you (I restarted, or declared you dead): say Hello again."""
+
+    router_incarnation: str
+    reason: str = ""
+
+
+class Goodbye(Msg):
+    """Worker -> router: I am draining and leaving; send me no new work."""
+
+    worker_id: str
+    incarnation: str
+    reason: str = "shutdown"
+
+
+class Drain(Msg):
+    """Router -> worker: stop accepting work (router is shutting down or the operator asked)."""
+
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- heartbeats
+
+
+class PrefillHeartbeat(Msg):
+    """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget)."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    queued_tokens: int
+    queued_requests: int
+    token_budget: int
+    last_dispatch: int = 0
+    step_ms_p50: float = 0.0
+    steps: int = 0
+    coeffs: Coeffs | None = None
+    draining: bool = False
+
+
+class DecodeHeartbeat(Msg):
+    """Decode worker TBT-slack heartbeat: what Algorithm 1 needs."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    batch: int
+    kv_tokens: int
+    kv_free_tokens: int
+    kv_capacity_tokens: int
+    resident_prefill_tokens: int
+    deflections: int
+    strictest_tbt_slo: float | None
+    token_budget: int
+    waiting_kv: int = 0
+    last_dispatch: int = 0
+    step_ms_p50: float = 0.0
+    step_ms_max: float = 0.0
+    tbt_slack_ms: float | None = None
+    steps: int = 0
+    coeffs: Coeffs | None = None
+    draining: bool = False
+
+
+# ---------------------------------------------------------------- work
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request's KV cache is and how to get it."""
+
+    transport: str
+    source_worker: str
+    tokens: int
+    nbytes: int = 0
+    transfer_s: float = 0.0
+    params: dict[str, object] = {}
+
+
+class PrefillWork(Msg):
+    """Router -> prefill worker: prefill this prompt, then hand the KV to `decode_worker`."""
+
+    request_id: str
+    attempt: int
+    dispatch: int
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    decode_worker: str
+    deadline_s: float
+    cached_tokens: int = 0
+
+
+class PrefillDone(Msg):
+    """Prefill worker -> router: prefilled; KV pushed (or ready to be pulled)."""
+
+    request_id: str
+    attempt: int
+    worker_id: str
+    kv: KvHandle
+    queue_s: float
+    prefill_s: float
+    first_token_id: int | None = None
+
+
+class DecodeWork(Msg):
+    """Router -> decode worker. mode="handoff": KV comes from a prefill worker (await KvReady).
+
+    mode="deflect": prefill in place, one chunk of `chunk_schedule` per step (empty: the engine's
+    default chunking).
+    """
+
+    request_id: str
+    attempt: int
+    dispatch: int
+    mode: Route
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    tbt_slo: float
+    deadline_s: float
+    chunk_schedule: tuple[int, ...] = ()
+    prefill_worker: str = ""
+    cached_tokens: int = 0
+
+
+class KvTarget(Msg):
+    """Decode worker -> router -> prefill worker: where to WRITE the KV of a handoff request."""
+
+    request_id: str
+    attempt: int
+    decode_worker: str
+    agent_name: str = ""
+    block_ids: list[int] = []
+    error: str = ""
+
+
+class KvReady(Msg):
+    """Router -> decode worker: the prefill side finished; the KV is in place (or failed)."""
+
+    request_id: str
+    attempt: int
+    kv: KvHandle | None
+    error: str = ""
+
+
+class Cancel(Msg):
+    """Router -> worker: abandon this request (client gone, deadline passed, re-dispatched)."""
+
+    request_id: str
+    attempt: int = -1
+    reason: str = ""
+
+
+class TokenItem(msgspec.Struct, frozen=True, array_like=True):
+    """One request's new tokens from one engine step (array_like: compact on the hot path)."""
+
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class TokenBatch(Msg):
+    """Decode worker -> router: new tokens of every request that produced some in one step."""
+
+    worker_id: str
+    items: list[TokenItem]
+    step_s: float = 0.0
+    kv_fallback: list[str] = []
+
+
+class RequestFailed(Msg):
+    """Worker -> router: this request cannot proceed here."""
+
+    request_id: str
+    attempt: int
+    worker_id: str
+    reason: str
+    retryable: bool = True
+
+
+# ---------------------------------------------------------------- telemetry (router -> monitor)
+
+
+class WorkerSeen(Msg):
+    worker_id: str
+    role: Role
+    incarnation: str
+    engine: str
+    state: dict[str, float]
+    at: float
+
+
+class WorkerLost(Msg):
+    worker_id: str
+    role: Role
+    reason: str
+    at: float
+
+
+class DecisionRecord(Msg):
+    """One routing decision with its reason and both predictions."""
+
+    request_id: str
+    policy: str
+    route: Route
+    prefill_worker: str | None
+    decode_worker: str
+    reason: str
+    prompt_tokens: int
+    ttft_prefill_pred: float | None
+    ttft_decode_pred: float | None
+    chunk_schedule: tuple[int, ...]
+    decision_us: float
+    at: float
+    attempt: int = 0
+
+
+class RequestRecord(Msg):
+    """The canonical per-request outcome, as logged by the router."""
+
+    request_id: str
+    route: Route | None
+    reason: str
+    prefill_worker: str | None
+    decode_worker: str | None
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    ttft_pred_s: float | None
+    tbt_p50_s: float | None
+    tbt_p99_s: float | None
+    tbt_max_s: float | None
+    e2e_s: float
+    outcome: str
+    attempts: int = 1
+    kv_fallback: bool = False
+    at: float = 0.0
+
+
+class RouterStats(Msg):
+    at: float
+    in_flight: int
+    accepted: int
+    completed: int
+    failed: int
+    rejected: int
+
+
+RouterInbox = Hello | PrefillDone | KvTarget | TokenBatch | RequestFailed | Goodbye
+HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
+PrefillInbox = Welcome | Reregister | PrefillWork | KvTarget | Cancel | Drain
+DecodeInbox = Welcome | Reregister | DecodeWork | KvReady | Cancel | Drain
+TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
+
+ALL_MESSAGES: tuple[type[Msg], ...] = (
+    Hello, Welcome, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
+    PrefillDone, DecodeWork, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
+    WorkerLost, DecisionRecord, RequestRecord, RouterStats,
+)

@@ -1,0 +1,31 @@
+"""Routing policies, selectable by name. See base.py for the shared types."""
+
+from __future__ import annotations
+
+from common.perf_model import PerfModel
+from services.router.policy.base import (
+    ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec)
+from services.router.policy.baselines import (
+    ConditionalConfig, ConditionalDisagg, DeflectAll, DisaggLeastLoaded, DisaggRoundRobin)
+from services.router.policy.kairos import Kairos, KairosConfig
+
+POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "deflect-all")
+
+__all__ = ["POLICIES", "ClusterView", "ConditionalConfig", "Decision", "DecodeView", "Kairos",
+           "KairosConfig", "NoWorkers", "Policy", "PrefillView", "RequestSpec", "make_policy"]
+
+
+def make_policy(name: str, *, kairos: KairosConfig | None = None, conditional: ConditionalConfig | None = None,
+                default_model: PerfModel | None = None) -> Policy:
+    """A fresh policy object by name (round-robin keeps a counter, so make one per router)."""
+    if name == "kairos":
+        return Kairos(kairos, default_model=default_model)
+    if name == "disagg-least-loaded":
+        return DisaggLeastLoaded()
+    if name == "disagg-round-robin":
+        return DisaggRoundRobin()
+    if name == "conditional-disagg":
+        return ConditionalDisagg(conditional)
+    if name == "deflect-all":
+        return DeflectAll()
+    raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

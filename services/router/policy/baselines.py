@@ -1,0 +1,89 @@
+"""The stock disaggregated baselines, the Dynamo/llm-d style conditional rule, and deflect-all."""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.router.policy.base import (
+    ClusterView, Decision, NoWorkers, RequestSpec, least_loaded_decode, least_loaded_prefill)
+
+
+class DisaggRoundRobin:
+    """vLLM's toy proxy: always prefill -> decode, round-robin over each pool, no load awareness."""
+
+    name = "disagg-round-robin"
+
+    def __init__(self) -> None:
+        self._p = 0
+        self._d = 0
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        if not view.prefill:
+            raise NoWorkers("no live prefill worker")
+        if not view.decode:
+            raise NoWorkers("no live decode worker")
+        p = view.prefill[self._p % len(view.prefill)]
+        d = view.decode[self._d % len(view.decode)]
+        self._p += 1
+        self._d += 1
+        return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id,
+                        reason="round_robin")
+
+
+class DisaggLeastLoaded:
+    """Always disaggregated: the prefill worker with the fewest queued tokens, the decode worker
+    with the lightest batch (llm-d / Dynamo style load-aware proxy without bypass)."""
+
+    name = "disagg-least-loaded"
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        p = least_loaded_prefill(view)
+        d = least_loaded_decode(view, req)
+        return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id,
+                        reason="least_loaded")
+
+
+class DeflectAll:
+    """Every request prefilled in place on the least-loaded decode worker (exercises that path)."""
+
+    name = "deflect-all"
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        d = least_loaded_decode(view, req)
+        return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id, reason="deflect_all")
+
+
+class ConditionalConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Dynamo's `isl_or_load` conditional disaggregation (see reference/vllm.md section 7)."""
+
+    eff_isl_threshold: int = 2048
+    eff_isl_ratio_threshold: float = 0.7
+    prefill_busy_threshold: float = 2.0   # x the prefill worker's token budget
+    decode_busy_threshold: float = 0.9    # KV use above which a decode worker never takes a prefill
+
+
+class ConditionalDisagg:
+    """Prefill on the decode worker iff the prompt is short and mostly cached, or the prefill
+    worker the router would pick is busy; vetoed when that decode worker's KV is nearly full."""
+
+    name = "conditional-disagg"
+
+    def __init__(self, cfg: ConditionalConfig | None = None) -> None:
+        self.cfg = cfg or ConditionalConfig()
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        d = least_loaded_decode(view, req)
+        if not view.prefill:
+            return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id,
+                            reason="no_prefill_worker")
+        p = least_loaded_prefill(view)
+        c = self.cfg
+        eff = req.prompt_tokens - req.cached_tokens
+        isl_ok = eff < c.eff_isl_threshold and eff / max(req.prompt_tokens, 1) < c.eff_isl_ratio_threshold
+        busy = p.queued_tokens > c.prefill_busy_threshold * p.token_budget
+        used = 1.0 - d.kv_free_tokens / max(d.kv_capacity_tokens, 1)
+        if (isl_ok or busy) and used <= c.decode_busy_threshold:
+            return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id,
+                            reason="short_cached_prompt" if isl_ok else "prefill_busy")
+        reason = "decode_busy" if (isl_ok or busy) else "prefill_not_busy"
+        return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id, reason=reason)

@@ -41,6 +41,7 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_port: H(int, "router SUB socket: worker heartbeats") = 5556
     telemetry_port: H(int, "router PUB socket: decisions and outcomes for the monitor") = 5557
     curve_keys_dir: H(str, "directory made by `kairos keys`; set it to require CURVE on the bus") = ""
+    curve_key_name: H(str, "CURVE client key name in curve_keys_dir (default: worker, or monitor)") = ""
     max_message_bytes: H(int, "largest bus message accepted, bytes") = 64 << 20
     log_level: H(str, "debug, info, warning or error") = "info"
     log_format: H(str, "json, console, or auto (json unless stdout is a terminal)") = "auto"

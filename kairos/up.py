@@ -1,0 +1,303 @@
+"""`kairos up`: a whole local cluster in one command.
+
+Starts the router, the monitor, N prefill and M decode workers as separate processes (the
+same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
+docker-compose.yml runs), waits until every worker has registered, prints the API address, and
+on Ctrl-C or SIGTERM stops them in order (router first, so intake stops and in-flight requests
+drain; then workers; then the monitor), leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import ConfigError
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class ClusterSpec:
+    prefill: int = 2
+    decode: int = 2
+    policy: str = "kairos"
+    http_port: int = 8000
+    work_port: int = 5555
+    heartbeat_port: int = 5556
+    telemetry_port: int = 5557
+    monitor_port: int = 9100
+    engine: str = "sim"
+    profile: str = "a100-dsv2-lite"
+    model: str = ""
+    kv_transport: str = "modeled"
+    time_scale: float = 1.0
+    log_dir: str = "kairos-logs"
+    log_level: str = "info"
+    monitor: bool = True
+    router_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def ephemeral(cls, **kw: object) -> ClusterSpec:
+        """Free ports everywhere (tests, benchmarks)."""
+        ports = {k: free_port() for k in ("http_port", "work_port", "heartbeat_port", "telemetry_port",
+                                          "monitor_port")}
+        ports.update({k: v for k, v in kw.items() if k in ports})  # type: ignore[misc]
+        rest = {k: v for k, v in kw.items() if k not in ports}
+        return cls(**ports, **rest)  # type: ignore[arg-type]
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def kairos_cmd(service: str) -> list[str]:
+    """The exact command of a service: `kairos <service>` run by this interpreter."""
+    return [sys.executable, "-m", "kairos.cli", service]
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.services: dict[str, Service] = {}
+        s = spec
+        bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
+               "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
+               "KAIROS_LOG_LEVEL": s.log_level, "KAIROS_LOG_FORMAT": "json"}
+        self.bus_env = bus
+        self._add("router", {**bus, "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
+                             "KAIROS_PROFILE": s.profile if s.engine == "sim" else "a100-dsv2-lite",
+                             **({"KAIROS_TOKENIZER": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name}
+                                if s.engine == "vllm" and s.model else {}),
+                             **s.router_env})
+        if s.monitor:
+            self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port)})
+        wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
+                "KAIROS_TIME_SCALE": str(s.time_scale),
+                **({"KAIROS_MODEL": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name} if s.model else {}),
+                **s.worker_env}
+        for i in range(s.prefill):
+            self._add(f"prefill-{i}", {**wenv, "KAIROS_WORKER_ID": f"prefill-{i}"}, "prefill-worker")
+        for i in range(s.decode):
+            self._add(f"decode-{i}", {**wenv, "KAIROS_WORKER_ID": f"decode-{i}"}, "decode-worker")
+
+    def _add(self, name: str, env: dict[str, str], service: str | None = None) -> None:
+        self.services[name] = Service(name, kairos_cmd(service or name), env)
+
+    # -- processes ---------------------------------------------------------------------------
+    def spawn(self, name: str) -> None:
+        svc = self.services[name]
+        log_dir = Path(self.spec.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        svc.log_path = log_dir / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
+        env.update(svc.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(svc.log_path, "ab") as out:
+            svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.spawn("router")
+        self.wait_http("/health", timeout)
+        for name in self.services:
+            if name != "router":
+                self.spawn(name)
+        self.wait_ready(timeout)
+
+    def get(self, path: str, timeout: float = 2.0) -> tuple[int, dict[str, object]]:
+        try:
+            with urllib.request.urlopen(self.spec.api + path, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def wait_http(self, path: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(OSError, ValueError):
+                if self.get(path)[0] == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"router did not answer {path} within {timeout:.0f}s; see {self.spec.log_dir}/router.log")
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every worker we started is registered with the router."""
+        deadline = time.monotonic() + timeout
+        want_p, want_d = self.spec.prefill, self.spec.decode
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(OSError, ValueError):
+                _, body = self.get("/ready")
+                if body.get("prefill_workers") == want_p and body.get("decode_workers") == want_d:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"workers did not all register within {timeout:.0f}s; see the logs in {self.spec.log_dir}/")
+
+    def check_alive(self) -> None:
+        for svc in self.services.values():
+            if svc.proc is not None and svc.proc.poll() is not None:
+                tail = ""
+                if svc.log_path and svc.log_path.exists():
+                    tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-15:])
+                raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}; last log lines:\n{tail}")
+
+    def signal(self, name: str, sig: int) -> None:
+        p = self.services[name].proc
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def wait_exit(self, name: str, timeout: float) -> int | None:
+        p = self.services[name].proc
+        if p is None:
+            return None
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop_service(self, name: str, timeout: float = 40.0) -> None:
+        self.signal(name, signal.SIGTERM)
+        if self.wait_exit(name, timeout) is None:
+            self.signal(name, signal.SIGKILL)
+            self.wait_exit(name, 5)
+
+    def stop(self, timeout: float = 40.0) -> None:
+        """Router first (stops intake, drains), then workers, then the monitor; SIGKILL stragglers."""
+        if "router" in self.services:
+            self.stop_service("router", timeout)
+        rest = [n for n in self.services if n not in ("router", "monitor")]
+        for n in rest:
+            self.signal(n, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for n in rest:
+            if self.wait_exit(n, max(0.1, deadline - time.monotonic())) is None:
+                self.signal(n, signal.SIGKILL)
+                self.wait_exit(n, 5)
+        if "monitor" in self.services:
+            self.stop_service("monitor", 10)
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop(5)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kairos up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    p.add_argument("--policy", default="kairos", help="routing policy (default kairos)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP API port (default 8000)")
+    p.add_argument("--bus-port", type=int, default=5555,
+                   help="first of three bus ports: work, heartbeats, telemetry (default 5555)")
+    p.add_argument("--monitor-port", type=int, default=9100, help="monitor /metrics and dashboard port (default 9100)")
+    p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
+    p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
+    p.add_argument("--profile", default="a100-dsv2-lite", help="sim: performance profile (default a100-dsv2-lite)")
+    p.add_argument("--kv-transport", default="modeled", choices=["modeled", "nixl"],
+                   help="sim: how KV moves from prefill to decode workers (default modeled)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="sim: scale every modeled step time (default 1)")
+    p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.prefill < 0 or a.decode < 1:
+        print("error: need at least one decode worker (--decode)", file=sys.stderr)
+        return 2
+    if a.engine == "vllm" and not a.model:
+        print("error: --engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)", file=sys.stderr)
+        return 2
+    spec = ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
+                       heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
+                       engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
+                       time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor)
+    cluster = Cluster(spec)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        print(f"starting {a.prefill} prefill + {a.decode} decode workers ({a.engine} engine, policy {a.policy}); "
+              f"logs in {a.log_dir}/", flush=True)
+        cluster.start(timeout=300 if a.engine == "vllm" else 60)
+        print(f"\nKairos is up.\n  OpenAI API:  {spec.api}/v1   (model: "
+              f"{Path(a.model).name if a.model else 'kairos-sim'})\n"
+              f"  dashboard:   http://127.0.0.1:{spec.monitor_port}/   metrics: http://127.0.0.1:{spec.monitor_port}/metrics\n"
+              f"  stats:       {spec.api}/v1/kairos/stats\n"
+              f"  try:  curl -s {spec.api}/v1/completions -H 'content-type: application/json' "
+              f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
+              "Ctrl-C stops everything.", flush=True)
+        while True:
+            cluster.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nstopping (router first, then workers)...", flush=True)
+        return_code = 0
+    except (RuntimeError, TimeoutError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return_code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+    print("stopped.", flush=True)
+    return return_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""`python -m services.decode_worker` / `kairos decode-worker`."""
+
+from __future__ import annotations
+
+import sys
+
+from common import config, logging
+from common.engines import make_engine
+from common.service import run
+from services.decode_worker.service import DecodeWorker
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config.flags(argv, config.WorkerConfig, "kairos decode-worker",
+                       "Kairos decode worker: decodes handed-off requests, prefills deflected ones in place, publishes TBT-slack heartbeats. "
+                       "Connects to the router; needs no other address.")
+
+    async def _main() -> int:
+        logging.configure("decode_worker", level=cfg.log_level, fmt=cfg.log_format)
+        return await DecodeWorker(cfg, make_engine(cfg, "decode")).run()
+
+    return run(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

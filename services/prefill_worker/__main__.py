@@ -1,0 +1,26 @@
+"""`python -m services.prefill_worker` / `kairos prefill-worker`."""
+
+from __future__ import annotations
+
+import sys
+
+from common import config, logging
+from common.engines import make_engine
+from common.service import run
+from services.prefill_worker.service import PrefillWorker
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config.flags(argv, config.WorkerConfig, "kairos prefill-worker",
+                       "Kairos prefill worker: prefills prompts and pushes their KV cache to decode workers. "
+                       "Connects to the router; needs no other address.")
+
+    async def _main() -> int:
+        logging.configure("prefill_worker", level=cfg.log_level, fmt=cfg.log_format)
+        return await PrefillWorker(cfg, make_engine(cfg, "prefill")).run()
+
+    return run(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

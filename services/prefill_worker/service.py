@@ -1,0 +1,116 @@
+"""Prefill worker: prefills prompts, then hands the KV cache to the decode worker the router chose.
+
+Inbox (DEALER from the router): PrefillWork, KvTarget, Cancel, Drain (+ Welcome, Reregister).
+Outbox: PrefillDone / RequestFailed to the router; PrefillHeartbeat on the heartbeat PUB.
+KV transport "modeled": the transfer takes the profile's T_xfer(L) and moves no bytes (the
+simulator's assumption); "nixl": the KV blocks are written into the decode worker's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from common import codec
+from common import messages as m
+from common.engines.base import EngineRequest, Prefilled
+from common.errors import Overloaded
+from common.worker import WorkerService
+
+
+class PrefillWorker(WorkerService):
+    role = "prefill"
+    decoder = codec.prefill_inbox
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.work: dict[str, m.PrefillWork] = {}
+        self._transfers: set[asyncio.Task[None]] = set()
+        self.engine.on_prefilled = self._on_prefilled
+        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, refused=0)
+
+    def heartbeat(self) -> m.PrefillHeartbeat:
+        load = self.engine.load()
+        return m.PrefillHeartbeat(
+            worker_id=self.worker_id, incarnation=self.incarnation, seq=self.hb_seq,
+            queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
+            token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
+            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.engine.coeffs(), draining=self.draining)
+
+    def held_requests(self) -> list[tuple[str, int]]:
+        return [(rid, w.attempt) for rid, w in self.work.items()]
+
+    async def on_message(self, msg: Any) -> None:
+        match msg:
+            case m.PrefillWork():
+                self._on_work(msg)
+            case m.KvTarget():
+                self._on_kv_target(msg)
+            case m.Cancel():
+                w = self.work.get(msg.request_id)
+                if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
+                    self.work.pop(msg.request_id)
+                    self.engine.abort(msg.request_id)
+                    self.log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
+            case m.Drain():
+                self.log.info("drain_requested", reason=msg.reason)
+                self.stop.set()
+            case _:
+                self.log.warning("unexpected_message", message=type(msg).__name__)
+
+    def _on_work(self, w: m.PrefillWork) -> None:
+        self.last_dispatch = max(self.last_dispatch, w.dispatch)
+        if self.draining:
+            self._refuse(w, "worker_draining")
+            return
+        old = self.work.get(w.request_id)
+        if old is not None:  # a re-dispatch of something we still hold: drop the old attempt
+            self.engine.abort(w.request_id)
+        try:
+            self.engine.add(EngineRequest(request_id=w.request_id, attempt=w.attempt,
+                                          prompt_token_ids=w.prompt_token_ids, sampling=w.sampling, mode="prefill",
+                                          cached_tokens=w.cached_tokens))
+        except Overloaded as e:
+            self._refuse(w, f"overloaded: {e}")
+            return
+        self.work[w.request_id] = w
+        self.beat_now()
+
+    def _refuse(self, w: m.PrefillWork, reason: str) -> None:
+        self.counters["refused"] += 1
+        self.log.warning("work_refused", request_id=w.request_id, reason=reason)
+        self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
+                                  reason=reason, retryable=True))
+
+    def _on_kv_target(self, t: m.KvTarget) -> None:
+        self.log.debug("kv_target", request_id=t.request_id, blocks=len(t.block_ids))
+
+    def _on_prefilled(self, p: Prefilled) -> None:
+        w = self.work.get(p.request_id)
+        if w is None or w.attempt != p.attempt:
+            return
+        self.counters["prefilled"] += 1
+        self.beat_now()
+        task = asyncio.create_task(self._hand_off(w, p))
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
+    async def _hand_off(self, w: m.PrefillWork, p: Prefilled) -> None:
+        tokens = len(w.prompt_token_ids)
+        t0 = time.monotonic()
+        model = self.engine.coeffs()
+        nbytes = tokens * (model.kv_bytes_per_token if model else 0)
+        if self.cfg.kv_transport == "modeled" and model is not None:
+            await asyncio.sleep(model.xfer_t0 + nbytes / model.xfer_bandwidth)
+        if self.work.get(w.request_id) is not w:
+            return  # cancelled or re-dispatched meanwhile
+        self.work.pop(w.request_id, None)
+        self.counters["kv_transfers"] += 1
+        kv = m.KvHandle(transport=self.cfg.kv_transport if self.engine.name == "sim" else self.engine.name,
+                        source_worker=self.worker_id, tokens=tokens, nbytes=nbytes,
+                        transfer_s=time.monotonic() - t0, params=p.kv_params)
+        self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
+                                queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id))
+        self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
+                       prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)

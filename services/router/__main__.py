@@ -1,0 +1,65 @@
+"""`python -m services.router` / `kairos router`: the HTTP API and the decision maker."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+import uvicorn
+
+from common import config, logging
+from common.service import install_signals, run
+from services.router.http import App
+from services.router.service import Router
+
+
+async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None) -> int:
+    logging.configure("router", level=cfg.log_level, fmt=cfg.log_format)
+    log = structlog.get_logger()
+    router = Router(cfg)
+    router.open()
+    stop = router.stop
+    install_signals(stop)
+    server = uvicorn.Server(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
+                                           access_log=False, log_level="warning", http="httptools",
+                                           timeout_graceful_shutdown=5, limit_concurrency=cfg.max_in_flight + 256))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours set `stop`
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c, name=n) for n, c in router.loops()]
+            http = tg.create_task(server.serve(), name="http")
+            while not server.started:
+                if http.done():
+                    break
+                await asyncio.sleep(0.02)
+            if not server.started:
+                log.error("http_failed_to_start", host=cfg.http_host, port=cfg.http_port,
+                          hint="is the port in use? pick another with --http-port")
+                stop.set()
+            else:
+                log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy)
+                if ready is not None:
+                    ready.set()
+            await stop.wait()
+            log.info("router_stopping", in_flight=len(router.requests))
+            await router.drain(timeout=30.0)
+            server.should_exit = True
+            await http
+            for t in tasks:
+                t.cancel()
+    finally:
+        router.close()
+    log.info("router_stopped")
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config.flags(argv, config.RouterConfig, "kairos router",
+                       "Kairos router: the OpenAI-compatible HTTP API and the per-request deflection decision. "
+                       "Binds the bus; workers and the monitor connect to it.")
+    return run(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

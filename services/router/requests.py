@@ -1,0 +1,68 @@
+"""One in-flight request at the router: its state, its timing, and the events for its client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from common import messages as m
+from services.router.policy.base import Decision
+
+
+@dataclass(slots=True)
+class Event:
+    """What the HTTP layer reads: new token ids, or the end (finish_reason), or an error."""
+
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: m.Sampling
+    ttft_slo: float
+    tbt_slo: float
+    arrival: float
+    deadline: float
+    cached_tokens: int = 0
+    attempt: int = 0
+    decision: Decision | None = None
+    decided_at: float = 0.0
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    prefill_done: bool = False
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    n_out: int = 0
+    done: bool = False
+    outcome: str = ""
+    kv_fallback: bool = False
+    exclude: set[str] = field(default_factory=set)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    @property
+    def streamed(self) -> bool:
+        return self.n_out > 0
+
+    def record(self) -> m.RequestRecord:
+        d = self.decision
+        gaps = sorted(self.gaps)
+
+        def pct(q: float) -> float | None:
+            return gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else None
+
+        return m.RequestRecord(
+            request_id=self.request_id, route=d.route if d else None, reason=d.reason if d else "",
+            prefill_worker=self.prefill_worker, decode_worker=self.decode_worker,
+            prompt_tokens=len(self.prompt_token_ids), output_tokens=self.n_out,
+            ttft_s=(self.first_token_at - self.arrival) if self.first_token_at else None,
+            ttft_pred_s=(d.ttft_decode_pred if d.route == "deflect" else d.ttft_prefill_pred) if d else None,
+            tbt_p50_s=pct(0.5), tbt_p99_s=pct(0.99), tbt_max_s=gaps[-1] if gaps else None,
+            e2e_s=time.monotonic() - self.arrival, outcome=self.outcome, attempts=self.attempt + 1,
+            kv_fallback=self.kv_fallback, at=time.time())

@@ -1,0 +1,478 @@
+"""The router: front door and decision maker.
+
+Binds the bus (workers connect to it), keeps the worker table from heartbeats, runs the policy
+per request, sends work down the disaggregated path (PrefillWork + DecodeWork(handoff), then
+KvReady when the prefill side is done) or the deflected path (DecodeWork(deflect) with the chunk
+schedule), relays tokens to the HTTP layer, and publishes every decision and outcome to the
+monitor. Reliability: a worker silent for liveness x interval is removed; its requests are
+re-dispatched if no token reached the client yet, else failed with a clear error. Every
+request has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import structlog
+
+from common import codec
+from common import messages as m
+from common.config import RouterConfig, parse_list
+from common.errors import Overloaded, ProtocolError, Unavailable
+from common.perf_model import load_profile
+from common.sockets import RouterBus, send_nowait
+from common.tokenizer import make_tokenizer
+from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
+from services.router.requests import Event, Request
+from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
+
+log = structlog.get_logger()
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.profile = load_profile(cfg.profile)
+        kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
+                            transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
+                            per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
+        self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
+                                  default_model=self.profile.model)
+        self.tokenizer = make_tokenizer(cfg.tokenizer)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
+        self.requests: dict[str, Request] = {}
+        self.counts: Counter[str] = Counter()
+        self.routes: Counter[str] = Counter()
+        self.reasons: Counter[tuple[str, str]] = Counter()
+        self.bus: RouterBus | None = None
+        self.stop = asyncio.Event()
+        self.accepting = True
+        self.liveness_s = cfg.liveness * cfg.heartbeat_interval
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        self.bus = RouterBus(self.cfg)
+        log.info("router_bus_bound", work=self.cfg.work_port, heartbeats=self.cfg.heartbeat_port,
+                 telemetry=self.cfg.telemetry_port, policy=self.policy.name, incarnation=self.incarnation,
+                 curve=bool(self.cfg.curve_keys_dir))
+
+    def close(self) -> None:
+        if self.bus is not None:
+            self.bus.close()
+            self.bus = None
+
+    def loops(self) -> list[tuple[str, Any]]:
+        return [("work", self._work_loop()), ("heartbeats", self._heartbeat_loop()),
+                ("liveness", self._liveness_loop()), ("telemetry", self._telemetry_loop())]
+
+    async def drain(self, timeout: float) -> None:
+        """Stop intake, then wait for in-flight requests to finish (bounded)."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for req in list(self.requests.values()):
+            self._fail(req, "router shutting down", code="router_shutdown")
+
+    # ------------------------------------------------------------------ admission and dispatch
+    def submit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
+               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+        if not self.accepting:
+            raise Unavailable("router is shutting down", retry_after_s=2.0)
+        if len(self.requests) >= self.cfg.max_in_flight:
+            self.counts["rejected"] += 1
+            raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            rid = f"{rid}-{uuid.uuid4().hex[:6]}"
+        now = time.monotonic()
+        req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
+                      ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
+                      arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens)
+        try:
+            self._dispatch(req)
+        except NoWorkers as e:
+            self.counts["unavailable"] += 1
+            raise Unavailable(f"cannot serve now: {e}", retry_after_s=1.0) from e
+        self.requests[rid] = req
+        self.counts["accepted"] += 1
+        return req
+
+    def _dispatch(self, req: Request) -> None:
+        t0 = time.perf_counter()
+        view = self.table.view(use_ledger=self.cfg.ledger, exclude=frozenset(req.exclude))
+        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
+                           max_tokens=req.sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+                           cached_tokens=req.cached_tokens)
+        decision = self.policy.decide(spec, view, time.monotonic())
+        decision_us = (time.perf_counter() - t0) * 1e6
+        req.decision = decision
+        req.decided_at = time.monotonic()
+        req.decode_worker = decision.decode_worker
+        req.prefill_worker = decision.prefill_worker
+        req.prefill_done = decision.route == "deflect"
+        remaining = max(0.1, req.deadline - time.monotonic())
+        dw = self.table.workers[decision.decode_worker]
+        tokens = len(req.prompt_token_ids)
+        reserve = tokens + req.sampling.max_tokens
+        if decision.route == "deflect":
+            no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
+            dw.deflecting[req.request_id] = dw.model.chunk_cost(decision.chunk_schedule[0], 0) \
+                if decision.chunk_schedule else 0.0
+            dw.holding.add(req.request_id)
+            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
+                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens))
+        else:
+            assert decision.prefill_worker is not None
+            pw = self.table.workers[decision.prefill_worker]
+            pno = pw.next_dispatch(LedgerEntry(req.request_id, tokens, 0, deflect=False))
+            dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
+            pw.holding.add(req.request_id)
+            dw.holding.add(req.request_id)
+            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=dno, mode="handoff",
+                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens))
+            self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
+                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                         decode_worker=dw.worker_id, deadline_s=remaining,
+                                         cached_tokens=req.cached_tokens))
+        self.routes[decision.route] += 1
+        self.reasons[(decision.route, decision.reason)] += 1
+        rec = m.DecisionRecord(request_id=req.request_id, policy=self.policy.name, route=decision.route,
+                               prefill_worker=decision.prefill_worker, decode_worker=decision.decode_worker,
+                               reason=decision.reason, prompt_tokens=tokens,
+                               ttft_prefill_pred=decision.ttft_prefill_pred,
+                               ttft_decode_pred=decision.ttft_decode_pred, chunk_schedule=decision.chunk_schedule,
+                               decision_us=decision_us, at=time.time(), attempt=req.attempt)
+        self._publish(rec)
+        log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
+                  decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
+                  ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
+                  schedule=list(decision.chunk_schedule), decision_us=round(decision_us, 1), attempt=req.attempt)
+
+    def _send(self, w: WorkerEntry, msg: m.Msg) -> None:
+        assert self.bus is not None
+        if not send_nowait(self.bus.work, [w.identity, codec.encode(msg)]):
+            # unroutable (gone) or its queue is full: the liveness loop will settle it; make it soon
+            log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
+            w.last_seen = min(w.last_seen, time.monotonic() - self.liveness_s + 0.05)
+
+    def _publish(self, msg: m.Msg) -> None:
+        if self.bus is not None:
+            self.bus.publish(codec.encode(msg))
+
+    # ------------------------------------------------------------------ request end states
+    def _release(self, req: Request) -> None:
+        for wid in (req.prefill_worker, req.decode_worker):
+            w = self.table.workers.get(wid) if wid else None
+            if w is not None:
+                w.holding.discard(req.request_id)
+                w.deflecting.pop(req.request_id, None)
+
+    def _finish(self, req: Request, finish_reason: str) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.outcome = "ok"
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+        self.counts["completed"] += 1
+        req.events.put_nowait(Event(finish_reason=finish_reason))
+        self._log_done(req)
+
+    def _fail(self, req: Request, message: str, *, code: str) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.outcome = code
+        self._cancel_on_workers(req, code)
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+        self.counts["failed"] += 1
+        req.events.put_nowait(Event(error=message, error_code=code))
+        self._log_done(req)
+
+    def abort(self, req: Request, reason: str = "client_disconnected") -> None:
+        """The client went away: stop the work on the workers."""
+        if req.done:
+            return
+        req.done = True
+        req.outcome = reason
+        self._cancel_on_workers(req, reason)
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+        self.counts["aborted"] += 1
+        self._log_done(req)
+
+    def _cancel_on_workers(self, req: Request, reason: str) -> None:
+        for wid in {req.prefill_worker, req.decode_worker}:
+            w = self.table.workers.get(wid) if wid else None
+            if w is not None:
+                self._send(w, m.Cancel(request_id=req.request_id, attempt=req.attempt, reason=reason))
+
+    def _log_done(self, req: Request) -> None:
+        rec = req.record()
+        self._publish(rec)
+        log.info("request_done", request_id=req.request_id, route=rec.route, reason=rec.reason,
+                 prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
+                 prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
+                 ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,
+                 ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
+                 tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
+                 tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
+                 outcome=rec.outcome, attempts=rec.attempts, kv_fallback=rec.kv_fallback)
+
+    def _redispatch(self, req: Request, why: str, bad_worker: str | None) -> None:
+        """Retry a request no token of which reached the client; else fail it clearly."""
+        if req.done:
+            return
+        if req.streamed:
+            self._fail(req, f"worker failed after streaming {req.n_out} tokens ({why}); the output is incomplete",
+                       code="worker_lost_midstream")
+            return
+        if req.attempt + 1 >= self.cfg.max_attempts:
+            self._fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", code="retries_exhausted")
+            return
+        self._cancel_on_workers(req, "redispatched")
+        self._release(req)
+        if bad_worker:
+            req.exclude.add(bad_worker)
+        req.attempt += 1
+        self.counts["redispatched"] += 1
+        log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
+                    bad_worker=bad_worker)
+        try:
+            self._dispatch(req)
+        except NoWorkers:
+            req.exclude.clear()
+            try:
+                self._dispatch(req)
+            except NoWorkers as e:
+                self._fail(req, f"no worker left to retry on: {e}", code="unavailable")
+
+    # ------------------------------------------------------------------ inbox: work socket
+    async def _work_loop(self) -> None:
+        assert self.bus is not None
+        sock = self.bus.work
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                self.counts["bad_frames"] += 1
+                log.warning("bad_frame_dropped", socket="work", frames=len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = codec.router_inbox.decode(payload)
+            except codec.DecodeError as e:
+                self.counts["bad_frames"] += 1
+                log.warning("bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
+                continue
+            try:
+                self._on_work_message(identity, msg)
+            except ProtocolError as e:
+                log.warning("protocol_error", error=str(e))
+
+    def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
+        match msg:
+            case m.TokenBatch():
+                self._on_tokens(msg)
+            case m.PrefillDone():
+                self._on_prefill_done(msg)
+            case m.Hello():
+                self._on_hello(identity, msg)
+            case m.RequestFailed():
+                self._on_failed(msg)
+            case m.KvTarget():
+                self._on_kv_target(msg)
+            case m.Goodbye():
+                self._on_goodbye(msg)
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__} on the work socket")
+
+    def _on_hello(self, identity: bytes, h: m.Hello) -> None:
+        if h.protocol != m.PROTOCOL_VERSION:
+            log.error("worker_refused", worker=h.worker_id, reason="protocol", theirs=h.protocol,
+                      ours=m.PROTOCOL_VERSION)
+            return
+        if identity != h.worker_id.encode():
+            log.error("worker_refused", worker=h.worker_id, reason="identity does not match worker_id")
+            return
+        known = self.table.workers.get(h.worker_id)
+        is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
+        entry, old = self.table.register(h, identity)
+        if old is not None:
+            log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
+                        incarnation=h.incarnation)
+            self._worker_gone(old, "restarted")
+        if is_new:
+            log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
+                     token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
+                     kv_transport=h.kv_transport)
+        self._send(entry, m.Welcome(router_incarnation=self.incarnation,
+                                    heartbeat_interval_s=self.cfg.heartbeat_interval))
+
+    def _on_goodbye(self, g: m.Goodbye) -> None:
+        w = self.table.workers.get(g.worker_id)
+        if w is not None and w.incarnation == g.incarnation:
+            w.draining = True
+            log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
+
+    def _on_tokens(self, b: m.TokenBatch) -> None:
+        now = time.monotonic()
+        reqs = self.requests
+        w = self.table.workers.get(b.worker_id)
+        if w is not None:
+            w.last_seen = now
+        for rid in b.kv_fallback:
+            r = reqs.get(rid)
+            if r is not None:
+                r.kv_fallback = True
+                self.counts["kv_fallbacks"] += 1
+        for it in b.items:
+            req = reqs.get(it.request_id)
+            if req is None or req.attempt != it.attempt or req.done:
+                if w is not None and it.finish_reason is None:  # a stale attempt still running there
+                    self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
+                continue
+            if req.first_token_at is None:
+                req.first_token_at = now
+                if w is not None:
+                    w.deflecting.pop(req.request_id, None)
+            else:
+                req.gaps.append(now - req.last_token_at)
+            req.last_token_at = now
+            req.n_out += len(it.token_ids)
+            req.events.put_nowait(Event(token_ids=it.token_ids))
+            if it.finish_reason is not None:
+                self._finish(req, it.finish_reason)
+
+    def _on_prefill_done(self, p: m.PrefillDone) -> None:
+        req = self.requests.get(p.request_id)
+        pw = self.table.workers.get(p.worker_id)
+        if pw is not None:
+            pw.holding.discard(p.request_id)
+            pw.last_seen = time.monotonic()
+        if req is None or req.attempt != p.attempt or req.done:
+            return
+        req.prefill_done = True
+        dw = self.table.workers.get(req.decode_worker or "")
+        if dw is None:
+            self._redispatch(req, "decode worker gone before the KV handoff", req.decode_worker)
+            return
+        self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv))
+
+    def _on_kv_target(self, t: m.KvTarget) -> None:
+        req = self.requests.get(t.request_id)
+        if req is None or req.attempt != t.attempt or not req.prefill_worker:
+            return
+        pw = self.table.workers.get(req.prefill_worker)
+        if pw is not None:
+            self._send(pw, t)
+
+    def _on_failed(self, f: m.RequestFailed) -> None:
+        req = self.requests.get(f.request_id)
+        if req is None or req.attempt != f.attempt or req.done:
+            return
+        log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
+                    retryable=f.retryable)
+        if f.retryable:
+            self._redispatch(req, f.reason, f.worker_id)
+        else:
+            self._fail(req, f"worker {f.worker_id}: {f.reason}", code="worker_error")
+
+    # ------------------------------------------------------------------ heartbeats and liveness
+    async def _heartbeat_loop(self) -> None:
+        assert self.bus is not None
+        sock = self.bus.heartbeats
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3:
+                self.counts["bad_frames"] += 1
+                log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
+                continue
+            try:
+                hb = codec.heartbeat_inbox.decode(frames[2])
+            except codec.DecodeError as e:
+                self.counts["bad_frames"] += 1
+                log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
+                continue
+            if self.table.heartbeat(hb) is None:
+                # unknown worker or old incarnation: the router restarted, or declared it dead
+                w = self.table.workers.get(hb.worker_id)
+                if w is None or w.incarnation != hb.incarnation:
+                    self._ask_hello(hb.worker_id)
+
+    def _ask_hello(self, worker_id: str) -> None:
+        assert self.bus is not None
+        now = time.monotonic()
+        last = getattr(self, "_asked", {})
+        if now - last.get(worker_id, 0.0) < 0.5:
+            return
+        last[worker_id] = now
+        self._asked = last
+        send_nowait(self.bus.work, [worker_id.encode(), codec.encode(
+            m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))])
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            for w in self.table.expired(self.liveness_s):
+                log.warning("worker_lost", worker=w.worker_id, role=w.role,
+                            silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
+                self.table.remove(w.worker_id)
+                self._worker_gone(w, "heartbeat timeout")
+            now = time.monotonic()
+            for req in [r for r in self.requests.values() if now > r.deadline]:
+                self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
+
+    def _worker_gone(self, w: WorkerEntry, why: str) -> None:
+        self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
+        for rid in list(w.holding):
+            req = self.requests.get(rid)
+            if req is None or req.done:
+                continue
+            if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id):
+                continue
+            self._redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id)
+
+    async def _telemetry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for w in self.table.workers.values():
+                hb = w.hb
+                state: dict[str, float] = {}
+                if isinstance(hb, m.PrefillHeartbeat):
+                    state = {"queued_tokens": hb.queued_tokens, "queued_requests": hb.queued_requests,
+                             "step_ms_p50": hb.step_ms_p50}
+                elif isinstance(hb, m.DecodeHeartbeat):
+                    state = {"batch": hb.batch, "kv_tokens": hb.kv_tokens,
+                             "kv_used": 1.0 - hb.kv_free_tokens / max(hb.kv_capacity_tokens, 1),
+                             "deflections": hb.deflections, "step_ms_p50": hb.step_ms_p50,
+                             "step_ms_max": hb.step_ms_max,
+                             "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0}
+                self._publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
+                                           engine=w.hello.engine, state=state, at=now))
+            self._publish(m.RouterStats(at=now, in_flight=len(self.requests), accepted=self.counts["accepted"],
+                                        completed=self.counts["completed"], failed=self.counts["failed"],
+                                        rejected=self.counts["rejected"]))
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "in_flight": len(self.requests),
+            "counts": dict(self.counts),
+            "routes": dict(self.routes),
+            "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
+            "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
+                                      "holding": len(w.holding)} for w in self.table.workers.values()},
+        }

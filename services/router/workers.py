@@ -1,0 +1,146 @@
+"""The router's table of live workers: latest heartbeat + the ledger of work dispatched since.
+
+Heartbeats are timed on the router's own monotonic clock. A worker's view for the policy is its
+last heartbeat plus every dispatch the worker had not yet acknowledged in it (heartbeats carry
+the highest dispatch number the worker has seen), so back-to-back decisions between two
+heartbeats do not herd onto the same "idle" worker. The ledger can be switched off to measure
+what it buys (the paper's stale-view behaviour).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common import messages as m
+from common.perf_model import PerfModel
+from services.router.policy.base import ClusterView, DecodeView, PrefillView
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    request_id: str
+    prompt_tokens: int
+    reserve_tokens: int
+    deflect: bool
+
+
+@dataclass(slots=True, eq=False)
+class WorkerEntry:
+    worker_id: str
+    role: m.Role
+    incarnation: str
+    identity: bytes
+    hello: m.Hello
+    model: PerfModel
+    joined: float
+    last_seen: float
+    hb: m.PrefillHeartbeat | m.DecodeHeartbeat | None = None
+    dispatch_no: int = 0
+    ledger: dict[int, LedgerEntry] = field(default_factory=dict)
+    deflecting: dict[str, float] = field(default_factory=dict)  # request -> reserved step cost (s)
+    holding: set[str] = field(default_factory=set)             # requests this worker is working on
+    draining: bool = False
+    heartbeats: int = 0
+
+    def next_dispatch(self, entry: LedgerEntry) -> int:
+        self.dispatch_no += 1
+        self.ledger[self.dispatch_no] = entry
+        return self.dispatch_no
+
+    def acknowledge(self, last_dispatch: int) -> None:
+        if self.ledger:
+            for k in [k for k in self.ledger if k <= last_dispatch]:
+                del self.ledger[k]
+
+    def prefill_view(self, use_ledger: bool) -> PrefillView:
+        hb = self.hb
+        queued = hb.queued_tokens if isinstance(hb, m.PrefillHeartbeat) else 0
+        reqs = hb.queued_requests if isinstance(hb, m.PrefillHeartbeat) else 0
+        if use_ledger:
+            for e in self.ledger.values():
+                queued += e.prompt_tokens
+                reqs += 1
+        return PrefillView(worker_id=self.worker_id, queued_tokens=queued, queued_requests=reqs,
+                           token_budget=self.hello.token_budget, model=self.model)
+
+    def decode_view(self, use_ledger: bool) -> DecodeView:
+        hb = self.hb
+        h = self.hello
+        if isinstance(hb, m.DecodeHeartbeat):
+            batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
+            resident, defl, slo, pending = hb.resident_prefill_tokens, hb.deflections, hb.strictest_tbt_slo, hb.waiting_kv
+        else:
+            batch, kv, free, resident, defl, slo, pending = 0, 0, h.kv_capacity_tokens, 0, 0, None, 0
+        reserved = 0.0
+        if use_ledger:
+            for e in self.ledger.values():
+                free -= e.reserve_tokens
+                if e.deflect:
+                    resident += e.prompt_tokens
+                else:
+                    pending += 1
+            defl = len(self.deflecting)  # exact: the router sees every deflection start and end
+            reserved = sum(self.deflecting.values())
+        return DecodeView(worker_id=self.worker_id, batch=batch, kv_tokens=kv, kv_free_tokens=max(free, 0),
+                          kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
+                          deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
+                          reserved_step_s=reserved, pending=pending)
+
+
+class WorkerTable:
+    def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True) -> None:
+        self.workers: dict[str, WorkerEntry] = {}
+        self.default_model = default_model
+        self.per_worker_models = per_worker_models
+
+    def register(self, hello: m.Hello, identity: bytes) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """Add or refresh a worker. Returns (entry, replaced entry of an older incarnation)."""
+        now = time.monotonic()
+        old = self.workers.get(hello.worker_id)
+        if old is not None and old.incarnation == hello.incarnation and old.role == hello.role:
+            old.last_seen = now
+            old.hello = hello
+            old.identity = identity
+            return old, None
+        model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
+        entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
+                            identity=identity, hello=hello, model=model, joined=now, last_seen=now)
+        self.workers[hello.worker_id] = entry
+        return entry, old
+
+    def heartbeat(self, hb: m.PrefillHeartbeat | m.DecodeHeartbeat) -> WorkerEntry | None:
+        e = self.workers.get(hb.worker_id)
+        if e is None or e.incarnation != hb.incarnation:
+            return None
+        if e.hb is not None and hb.seq <= e.hb.seq:
+            return e  # reordered or duplicate: keep the newer one
+        e.hb = hb
+        e.heartbeats += 1
+        e.last_seen = time.monotonic()
+        e.draining = e.draining or hb.draining
+        e.acknowledge(hb.last_dispatch)
+        if hb.coeffs is not None and self.per_worker_models:
+            e.model = PerfModel.from_coeffs(hb.coeffs)
+        return e
+
+    def remove(self, worker_id: str) -> WorkerEntry | None:
+        return self.workers.pop(worker_id, None)
+
+    def expired(self, timeout_s: float) -> list[WorkerEntry]:
+        now = time.monotonic()
+        return [e for e in self.workers.values() if now - e.last_seen > timeout_s]
+
+    def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:
+        p, d = [], []
+        for e in self.workers.values():
+            if e.draining or e.worker_id in exclude:
+                continue
+            if e.role == "prefill":
+                p.append(e.prefill_view(use_ledger))
+            else:
+                d.append(e.decode_view(use_ledger))
+        return ClusterView(prefill=tuple(p), decode=tuple(d))
+
+    def count(self, role: m.Role) -> int:
+        return sum(1 for e in self.workers.values() if e.role == role and not e.draining)

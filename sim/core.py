@@ -1,0 +1,497 @@
+"""The discrete-event simulator behind `kairos sim`: a virtual clock, the real policies, the
+real `Batcher`.
+
+One event per engine step per worker (not per token), one per KV transfer, and the trace's
+arrivals merged in from a sorted list. Each step is planned by the worker's `Batcher`, timed by
+`PerfModel.step_time` (times an optional lognormal error) and committed when its end event fires.
+
+Model of a request:
+    arrival -> policy.decide(view) -> disagg:  prefill worker queue -> chunked prefill ->
+                                               KV transfer (PerfModel.xfer_time, "modeled") ->
+                                               decode worker (joins as a decode; next step
+                                               samples the first token)
+                                   -> deflect: decode worker, prefilled in place one chunk of
+                                               the router's schedule per step; the step with the
+                                               last chunk samples the first token
+
+What the policy sees is what the live router sees: per-worker views built from heartbeats that
+each worker publishes every `heartbeat_interval` seconds (phases staggered across workers), so
+they are stale in between, plus, unless switched off, the router's ledger of work it has
+dispatched to the worker since that worker's last heartbeat. A heartbeat is the worker's state at
+the heartbeat instant; since state only changes at events, it is captured lazily (just before the
+first event at or after the instant touches the worker), which is exact and costs nothing while
+a worker is idle. `heartbeat_interval = 0` gives the policy perfect, instantaneous views.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from common.engines.batcher import Batcher, Seq, StepPlan
+from common.perf_model import PerfModel, Profile
+from common.traces import TraceRequest
+from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from sim.stats import RequestTiming, summarize
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    prefill: int = 2
+    decode: int = 2
+    ttft_slo: float = 2.0
+    tbt_slo: float = 0.1
+    heartbeat_interval: float = 0.1
+    ledger: bool = True
+    step_noise: float = 0.0   # sigma of a mean-1 lognormal factor on every executed step time
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("need at least one decode worker and a non-negative number of prefill workers")
+        if self.heartbeat_interval < 0 or self.step_noise < 0:
+            raise ValueError("heartbeat_interval and step_noise must be >= 0")
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    rid: str
+    arrival: float
+    prompt: int
+    output: int
+    route: str | None = None
+    reason: str = ""
+    decode_worker: str = ""
+    ttft_pred: float | None = None
+    prefill_started: float = -1.0
+    prefilled: float = -1.0
+    xfer: float = -1.0
+    first: float = -1.0
+    last: float = -1.0
+    done: float = -1.0
+    ntok: int = 0
+    gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+
+
+class _Worker:
+    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "view", "wid")
+
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+        self.wid = wid
+        self.batcher = batcher
+        self.model = model
+        self.busy = False
+        self.busy_s = 0.0
+        self.phase = phase
+        self.next_hb = phase
+        self.hb: tuple[Any, ...] = ()
+        self.view: Any = None
+
+
+class _Prefill(_Worker):
+    __slots__ = ("led_reqs", "led_tokens", "queued_reqs", "queued_tokens")
+
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+        super().__init__(wid, batcher, model, phase)
+        self.queued_tokens = 0
+        self.queued_reqs = 0
+        self.led_tokens = 0
+        self.led_reqs = 0
+
+
+class _Decode(_Worker):
+    __slots__ = ("admit_wait", "led_defl", "led_kv", "led_pending", "led_res", "led_slo", "reserved",
+                 "waiting_kv", "waiting_kv_tokens")
+
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+        super().__init__(wid, batcher, model, phase)
+        self.waiting_kv = 0
+        self.waiting_kv_tokens = 0
+        self.admit_wait: deque[Seq] = deque()
+        self.reserved: dict[str, float] = {}
+        self.led_defl = self.led_res = self.led_kv = self.led_pending = 0
+        self.led_slo = math.inf
+
+
+_STEP_P, _STEP_D, _XFER = 0, 1, 2
+
+
+class SimResult(msgspec.Struct, kw_only=True):
+    records: list[RequestTiming]
+    stats: dict[str, Any]
+
+
+def worker_ids(role: str, n: int) -> list[str]:
+    width = len(str(max(n - 1, 0)))
+    return [f"{role}-{i:0{width}d}" for i in range(n)]
+
+
+def max_chunk_cost(model: PerfModel, schedule: Sequence[int]) -> float:
+    """The largest step time a deflection's schedule adds to its decode worker (the ledger
+    reserves it out of the budget of a further concurrent deflection)."""
+    done = 0
+    worst = 0.0
+    for chi in schedule:
+        worst = max(worst, model.chunk_cost(chi, done))
+        done += chi
+    return worst
+
+
+class Simulation:
+    """One run: a trace through one policy on one cluster. Build a fresh one per run."""
+
+    def __init__(self, profile: Profile, policy: Policy, cfg: SimConfig) -> None:
+        self.profile = profile
+        self.policy = policy
+        self.cfg = cfg
+        model = profile.model
+        self.model = model
+        n_workers = cfg.prefill + cfg.decode
+        h = cfg.heartbeat_interval
+
+        def phase(i: int) -> float:
+            return h * i / n_workers if h > 0 else math.inf
+
+        self.prefill = [
+            _Prefill(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
+                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
+                                  default_chunk=profile.prefill_token_budget), model, phase(i))
+            for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
+        self.decode = [
+            _Decode(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
+                                 max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
+                                 default_chunk=profile.decode_default_chunk), model, phase(cfg.prefill + i))
+            for i, wid in enumerate(worker_ids("decode", cfg.decode))]
+        self._p_by_id = {w.wid: w for w in self.prefill}
+        self._d_by_id = {w.wid: w for w in self.decode}
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self._cluster: ClusterView | None = None
+        self._rng = random.Random(cfg.seed)
+        self._noise_mu = -cfg.step_noise ** 2 / 2.0
+        self.steps = 0
+        self.decision_ns: list[int] = []
+        for w in (*self.prefill, *self.decode):
+            self._snapshot(w)  # the state announced at registration: idle
+
+    # -- heartbeats and views -------------------------------------------------------------
+    def _touch(self, w: _Worker, now: float) -> None:
+        """Capture the heartbeat(s) due by `now` before `w` changes (see the module docstring)."""
+        if now >= w.next_hb:
+            h = self.cfg.heartbeat_interval
+            w.next_hb = w.phase + (math.floor((now - w.phase) / h) + 1) * h
+            self._snapshot(w)
+
+    def _snapshot(self, w: _Worker) -> None:
+        if isinstance(w, _Prefill):
+            w.hb = (w.queued_tokens, w.queued_reqs)
+            w.led_tokens = w.led_reqs = 0
+        else:
+            assert isinstance(w, _Decode)
+            batch = kv = res = defl = 0
+            slo = math.inf
+            for s in w.batcher.running:
+                if s.computed < s.prompt_len:
+                    res += s.prompt_len - s.computed
+                    defl += 1
+                else:
+                    batch += 1
+                    kv += s.computed + s.generated
+                if s.tbt_slo < slo:
+                    slo = s.tbt_slo
+            pending = w.waiting_kv + len(w.admit_wait)
+            free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
+            w.hb = (batch, kv, free, res, defl, slo, pending)
+            w.led_defl = w.led_res = w.led_kv = w.led_pending = 0
+            w.led_slo = math.inf
+        w.view = None
+        self._cluster = None
+
+    def _prefill_view(self, w: _Prefill) -> PrefillView:
+        q, n = w.hb
+        return PrefillView(worker_id=w.wid, queued_tokens=q + w.led_tokens, queued_requests=n + w.led_reqs,
+                           token_budget=w.batcher.token_budget, model=w.model)
+
+    def _decode_view(self, w: _Decode) -> DecodeView:
+        batch, kv, free, res, defl, slo, pending = w.hb
+        slo = min(slo, w.led_slo)
+        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=free - w.led_kv,
+                          kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
+                          deflections=defl + w.led_defl, strictest_tbt_slo=None if slo == math.inf else slo,
+                          token_budget=w.batcher.token_budget, model=w.model,
+                          reserved_step_s=sum(w.reserved.values()) if self.cfg.ledger else 0.0,
+                          pending=pending + w.led_pending)
+
+    def _view(self, now: float) -> ClusterView:
+        fresh = self.cfg.heartbeat_interval <= 0
+        for w in self.prefill:
+            if fresh:
+                self._snapshot(w)
+            else:
+                self._touch(w, now)
+        for d in self.decode:
+            if fresh:
+                self._snapshot(d)
+            else:
+                self._touch(d, now)
+        if self._cluster is None:
+            for w in self.prefill:
+                if w.view is None:
+                    w.view = self._prefill_view(w)
+            for d in self.decode:
+                if d.view is None:
+                    d.view = self._decode_view(d)
+            self._cluster = ClusterView(tuple(w.view for w in self.prefill), tuple(d.view for d in self.decode))
+        return self._cluster
+
+    def _ledger_changed(self, w: _Worker) -> None:
+        w.view = None
+        self._cluster = None
+
+    # -- engine steps ---------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj: Any, extra: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, obj, extra))
+
+    def _duration(self, w: _Worker, plan: StepPlan) -> float:
+        m = w.model
+        dt = m.a0 + m.a1 * len(plan.decodes) + m.a2 * plan.kv_tokens
+        for _, chi, k in plan.chunks:
+            dt += m.a3 * chi + m.a4 * chi * (k + chi / 2.0) + m.a5 * chi * chi
+        if self.cfg.step_noise > 0:
+            dt *= self._rng.lognormvariate(self._noise_mu, self.cfg.step_noise)
+        return dt
+
+    def _start(self, w: _Worker, now: float) -> None:
+        plan = w.batcher.plan()
+        if plan is None:
+            w.busy = False
+            return
+        w.busy = True
+        for seq, _, _ in plan.chunks:
+            if seq.prefill_started is None:
+                seq.prefill_started = now
+                seq.user.prefill_started = now  # type: ignore[attr-defined]
+        dt = self._duration(w, plan)
+        w.busy_s += dt
+        self.steps += 1
+        self._push(now + dt, _STEP_P if isinstance(w, _Prefill) else _STEP_D, w, plan)
+
+    def _prefill_done(self, w: _Prefill, plan: StepPlan, now: float) -> None:
+        self._touch(w, now)
+        out = w.batcher.commit(plan)
+        w.queued_tokens -= sum(chi for _, chi, _ in plan.chunks)
+        w.queued_reqs -= len(out.prefilled)
+        for seq in out.prefilled:
+            r: _Req = seq.user  # type: ignore[assignment]
+            r.prefilled = now
+            self._push(now + w.model.xfer_time(seq.prompt_len), _XFER, r, None)
+        self._start(w, now)
+
+    def _decode_done(self, w: _Decode, plan: StepPlan, now: float) -> None:
+        self._touch(w, now)
+        out = w.batcher.commit(plan)
+        for seq in out.tokens:
+            r: _Req = seq.user  # type: ignore[assignment]
+            if r.ntok:
+                r.gaps.append(now - r.last)
+            else:
+                r.first = now
+                if seq.deflected:
+                    r.prefilled = now
+                    if w.reserved.pop(r.rid, None) is not None:
+                        self._ledger_changed(w)
+            r.last = now
+            r.ntok += 1
+        for seq in out.finished:
+            seq.user.done = now  # type: ignore[attr-defined]
+        if out.finished and w.admit_wait:
+            self._drain_admissions(w)
+        self._start(w, now)
+
+    def _admit(self, w: _Decode, seq: Seq, now: float) -> None:
+        if w.admit_wait or not w.batcher.can_admit(seq):
+            w.admit_wait.append(seq)
+        else:
+            w.batcher.add(seq)
+        if not w.busy:
+            self._start(w, now)
+
+    def _drain_admissions(self, w: _Decode) -> None:
+        while w.admit_wait and w.batcher.can_admit(w.admit_wait[0]):
+            w.batcher.add(w.admit_wait.popleft())
+
+    def _kv_landed(self, r: _Req, now: float) -> None:
+        w = self._d_by_id[r.decode_worker]
+        self._touch(w, now)
+        r.xfer = now
+        w.waiting_kv -= 1
+        w.waiting_kv_tokens -= r.prompt + r.output
+        seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
+                  tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r)
+        self._admit(w, seq, now)
+
+    # -- arrivals -------------------------------------------------------------------------
+    def _arrive(self, r: _Req, now: float) -> None:
+        cfg = self.cfg
+        spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
+                           ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+        view = self._view(now)
+        t0 = time.perf_counter_ns()
+        try:
+            d = self.policy.decide(spec, view, now)
+        except NoWorkers as e:
+            r.reason = f"rejected: {e}"
+            return
+        finally:
+            self.decision_ns.append(time.perf_counter_ns() - t0)
+        r.route = d.route
+        r.reason = d.reason
+        r.decode_worker = d.decode_worker
+        dw = self._d_by_id[d.decode_worker]
+        self._touch(dw, now)
+        need = r.prompt + r.output
+        if d.route == "deflect":
+            r.ttft_pred = d.ttft_decode_pred
+            seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
+                      schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
+                      arrived=now, user=r)
+            if cfg.ledger:
+                dw.led_defl += 1
+                dw.led_res += r.prompt
+                dw.led_kv += need
+                dw.led_slo = min(dw.led_slo, cfg.tbt_slo)
+                if d.chunk_schedule:
+                    dw.reserved[r.rid] = max_chunk_cost(dw.model, d.chunk_schedule)
+                self._ledger_changed(dw)
+            self._admit(dw, seq, now)
+            return
+        assert d.prefill_worker is not None
+        r.ttft_pred = d.ttft_prefill_pred
+        pw = self._p_by_id[d.prefill_worker]
+        self._touch(pw, now)
+        pw.batcher.add(Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
+                           tbt_slo=cfg.tbt_slo, arrived=now, user=r))
+        pw.queued_tokens += r.prompt
+        pw.queued_reqs += 1
+        dw.waiting_kv += 1
+        dw.waiting_kv_tokens += need
+        if cfg.ledger:
+            pw.led_tokens += r.prompt
+            pw.led_reqs += 1
+            dw.led_pending += 1
+            dw.led_kv += need
+            dw.led_slo = min(dw.led_slo, cfg.tbt_slo)
+            self._ledger_changed(pw)
+            self._ledger_changed(dw)
+        if not pw.busy:
+            self._start(pw, now)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, trace: Sequence[TraceRequest]) -> SimResult:
+        wall0 = time.perf_counter()
+        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length)
+                for i, tr in enumerate(trace)]
+        if any(b.t < a.t for a, b in zip(trace, trace[1:], strict=False)):
+            raise ValueError("trace must be sorted by arrival time")
+        heap = self._heap
+        pop = heapq.heappop
+        n = len(reqs)
+        ai = 0
+        events = 0
+        now = 0.0
+        while True:
+            if heap and (ai >= n or heap[0][0] <= reqs[ai].arrival):
+                now, _, kind, obj, plan = pop(heap)
+                if kind == _STEP_D:
+                    self._decode_done(obj, plan, now)
+                elif kind == _STEP_P:
+                    self._prefill_done(obj, plan, now)
+                else:
+                    self._kv_landed(obj, now)
+            elif ai < n:
+                now = reqs[ai].arrival
+                self._arrive(reqs[ai], now)
+                ai += 1
+            else:
+                break
+            events += 1
+        stuck = [r.rid for r in reqs if r.route is not None and r.done < 0]
+        if stuck:
+            raise RuntimeError(f"simulation ended with {len(stuck)} unfinished requests (first: {stuck[0]})")
+        records = [self._timing(r) for r in reqs]
+        span = max((tr.t for tr in trace), default=0.0)
+        dec = sorted(self.decision_ns)
+        stats: dict[str, Any] = {
+            "events": events,
+            "steps": self.steps,
+            "makespan_s": now,
+            "wall_s": time.perf_counter() - wall0,
+            "decision_us_p50": dec[len(dec) // 2] / 1e3 if dec else None,
+            "decision_us_p99": dec[min(len(dec) - 1, int(len(dec) * 0.99))] / 1e3 if dec else None,
+            "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, now)),
+            "decode_busy": _util([w.busy_s for w in self.decode], max(span, now)),
+        }
+        return SimResult(records=records, stats=stats)
+
+    @staticmethod
+    def _timing(r: _Req) -> RequestTiming:
+        if r.route is None or r.first < 0:
+            return RequestTiming(ttft=None, route=r.route, reason=r.reason, prompt_tokens=r.prompt)
+        return RequestTiming(
+            ttft=r.first - r.arrival, tbt_gaps=r.gaps, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
+            output_tokens=r.ntok, e2e=r.done - r.arrival,
+            queue_s=r.prefill_started - r.arrival if r.prefill_started >= 0 else None,
+            prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
+            xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred)
+
+
+def _util(busy: list[float], span: float) -> float | None:
+    if not busy or span <= 0:
+        return None
+    return sum(busy) / (len(busy) * span)
+
+
+def simulate(trace: Sequence[TraceRequest], profile: Profile, policy: Policy, cfg: SimConfig) -> SimResult:
+    return Simulation(profile, policy, cfg).run(trace)
+
+
+def lower_bound(trace: Sequence[TraceRequest], profile: Profile, *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """The physical limit: every request's own prefill, alone on an idle prefill worker at its
+    token budget, no queueing and no KV transfer (the last chunk's step samples the first token).
+    TBT: a decode step with the request alone. The TTFT keys match `summarize`."""
+    model = profile.model
+    chunk = profile.prefill_token_budget
+    cache: dict[int, float] = {}
+    recs = []
+    for tr in trace:
+        t = cache.get(tr.input_length)
+        if t is None:
+            t = cache[tr.input_length] = model.prefill_exec(tr.input_length, chunk)
+        recs.append(RequestTiming(ttft=t, route=None, prompt_tokens=tr.input_length, output_tokens=tr.output_length))
+    s = summarize(recs, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+    keep = ("requests", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99", "ttft_max",
+            "ttft_slo", "ttft_slo_attainment", "prompt_tokens")
+    out = {k: s[k] for k in keep}
+    out["tbt_single_decode_step"] = model.decode_time(1, 0)
+    return out
+
+
+def prefill_load(trace: Sequence[TraceRequest], profile: Profile, n_prefill: int) -> float | None:
+    """Offered load on the prefill pool: the trace's total prefill work (each prompt alone at
+    the token budget) over the trace span times the number of prefill workers."""
+    if not trace or n_prefill < 1:
+        return None
+    span = trace[-1].t - trace[0].t
+    if span <= 0:
+        return None
+    work = sum(profile.model.prefill_exec(tr.input_length, profile.prefill_token_budget) for tr in trace)
+    return work / (span * n_prefill)

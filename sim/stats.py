@@ -1,0 +1,124 @@
+"""Summary statistics of per-request timings, shared by `kairos sim` and the load generator.
+
+Definitions (the same wherever these keys appear):
+- TTFT: arrival (at the router) to the first output token. A request that never produced a
+  token (rejected or failed) has `ttft=None`; it counts in `requests`, is left out of the TTFT
+  percentiles, and misses both SLOs.
+- TBT: the gaps between a request's consecutive output tokens. `tbt_pXX` are percentiles over
+  the gaps of all requests pooled (each gap weighs the same).
+- A request meets the TTFT SLO iff its TTFT <= ttft_slo.
+- A request meets the TBT SLO iff it completed and its **largest** gap <= tbt_slo: every token
+  arrived in time (a request with one output token has no gap and meets it). We use the max and
+  not a per-request percentile because a deflected prefill hurts the residents through a few
+  long steps, which a per-request p95 would hide for long outputs.
+- `slo_attainment`: fraction of all requests that meet both.
+- `deflection_rate`: fraction of all requests routed "deflect" (prefilled on a decode worker).
+- Percentiles use linear interpolation between order statistics (numpy's default); a key whose
+  sample is empty is None.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """One request's outcome. Only `ttft` and `tbt_gaps` are required; the rest is reported
+    when given (None or empty: unknown)."""
+
+    ttft: float | None
+    tbt_gaps: Sequence[float] = ()
+    route: str | None = None
+    reason: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    e2e: float | None = None
+    queue_s: float | None = None      # arrival to the first prefill chunk (either path)
+    prefill_s: float | None = None    # first prefill chunk to prompt complete
+    xfer_s: float | None = None       # KV transfer (disaggregated path)
+    ttft_pred: float | None = None    # the policy's prediction for the path it chose
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if values.size else None
+
+
+def _mean(values: np.ndarray) -> float | None:
+    return float(values.mean()) if values.size else None
+
+
+def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """The summary dict of a run; see the module docstring for the definitions."""
+    n = len(records)
+    ttft = np.array([r.ttft for r in records if r.ttft is not None], dtype=np.float64)
+    gap_arrays = [np.asarray(r.tbt_gaps, dtype=np.float64) for r in records if len(r.tbt_gaps)]
+    gaps = np.concatenate(gap_arrays) if gap_arrays else np.zeros(0)
+    max_gap = np.array([float(np.max(r.tbt_gaps)) if len(r.tbt_gaps) else 0.0
+                        for r in records if r.ttft is not None], dtype=np.float64)
+    ttft_ok = tbt_ok = both_ok = 0
+    for r in records:
+        if r.ttft is None:
+            continue
+        t_ok = r.ttft <= ttft_slo
+        g_ok = (max(r.tbt_gaps) if len(r.tbt_gaps) else 0.0) <= tbt_slo
+        ttft_ok += t_ok
+        tbt_ok += g_ok
+        both_ok += t_ok and g_ok
+    routes = Counter(r.route for r in records if r.route is not None)
+    reasons = Counter(r.reason for r in records if r.reason)
+
+    def opt(values: list[float | None]) -> np.ndarray:
+        return np.array([v for v in values if v is not None], dtype=np.float64)
+
+    queue = opt([r.queue_s for r in records])
+    prefill = opt([r.prefill_s for r in records])
+    xfer = opt([r.xfer_s for r in records])
+    e2e = opt([r.e2e for r in records])
+    pred_err = opt([abs(r.ttft_pred - r.ttft) / r.ttft for r in records
+                    if r.ttft_pred is not None and r.ttft is not None and r.ttft > 0])
+    deflected = np.array([r.ttft for r in records if r.route == "deflect" and r.ttft is not None])
+    disagg = np.array([r.ttft for r in records if r.route == "disagg" and r.ttft is not None])
+    out: dict[str, Any] = {
+        "requests": n,
+        "completed": int(ttft.size),
+        "failed": n - int(ttft.size),
+        "ttft_mean": _mean(ttft),
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p90": _pct(ttft, 90),
+        "ttft_p95": _pct(ttft, 95),
+        "ttft_p99": _pct(ttft, 99),
+        "ttft_max": float(ttft.max()) if ttft.size else None,
+        "tbt_mean": _mean(gaps),
+        "tbt_p50": _pct(gaps, 50),
+        "tbt_p95": _pct(gaps, 95),
+        "tbt_p99": _pct(gaps, 99),
+        "tbt_max": float(gaps.max()) if gaps.size else None,
+        "tbt_max_gap_p99": _pct(max_gap, 99),
+        "ttft_slo": ttft_slo,
+        "tbt_slo": tbt_slo,
+        "ttft_slo_attainment": ttft_ok / n if n else None,
+        "tbt_slo_attainment": tbt_ok / n if n else None,
+        "slo_attainment": both_ok / n if n else None,
+        "deflection_rate": routes.get("deflect", 0) / n if n else None,
+        "routes": dict(sorted(routes.items())),
+        "reasons": dict(sorted(reasons.items())),
+        "ttft_p95_deflected": _pct(deflected, 95),
+        "ttft_p95_disagg": _pct(disagg, 95),
+        "queue_mean": _mean(queue),
+        "queue_p50": _pct(queue, 50),
+        "queue_p95": _pct(queue, 95),
+        "prefill_mean": _mean(prefill),
+        "xfer_mean": _mean(xfer),
+        "e2e_p50": _pct(e2e, 50),
+        "e2e_p95": _pct(e2e, 95),
+        "ttft_pred_mape": _mean(pred_err),
+        "prompt_tokens": int(sum(r.prompt_tokens for r in records)),
+        "output_tokens": int(sum(r.output_tokens for r in records)),
+    }
+    return out

@@ -266,7 +266,8 @@ def _onoff(rng: np.random.Generator, rate: float, cv: float, duration: float) ->
     cum = np.concatenate([[0.0], np.cumsum(on_lens)])
     on_times = _renewal(rng, rate_on, cv, float(cum[-1]), poisson=False)
     idx = np.searchsorted(cum, on_times, side="right") - 1
-    return np.asarray(on_starts)[idx] + (on_times - cum[idx])
+    times: np.ndarray = np.asarray(on_starts)[idx] + (on_times - cum[idx])
+    return times
 
 
 def synthetic(*, rate: float, duration: float, arrival: str = "gamma", cv: float = 2.0,

@@ -26,6 +26,7 @@ a worker is idle. `heartbeat_interval = 0` gives the policy perfect, instantaneo
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 import time
@@ -108,17 +109,15 @@ class _Prefill(_Worker):
 
 
 class _Decode(_Worker):
-    __slots__ = ("admit_wait", "led_defl", "led_kv", "led_pending", "led_res", "led_slo", "reserved",
-                 "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "waiting_kv", "waiting_kv_tokens")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
         self.waiting_kv = 0
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
-        self.reserved: dict[str, float] = {}
-        self.led_defl = self.led_res = self.led_kv = self.led_pending = 0
-        self.led_slo = math.inf
+        self.deflecting: dict[str, float] = {}  # router side: deflection -> reserved step cost (s)
+        self.led_res = self.led_kv = self.led_pending = 0
 
 
 _STEP_P, _STEP_D, _XFER = 0, 1, 2
@@ -132,17 +131,6 @@ class SimResult(msgspec.Struct, kw_only=True):
 def worker_ids(role: str, n: int) -> list[str]:
     width = len(str(max(n - 1, 0)))
     return [f"{role}-{i:0{width}d}" for i in range(n)]
-
-
-def max_chunk_cost(model: PerfModel, schedule: Sequence[int]) -> float:
-    """The largest step time a deflection's schedule adds to its decode worker (the ledger
-    reserves it out of the budget of a further concurrent deflection)."""
-    done = 0
-    worst = 0.0
-    for chi in schedule:
-        worst = max(worst, model.chunk_cost(chi, done))
-        done += chi
-    return worst
 
 
 class Simulation:
@@ -210,8 +198,7 @@ class Simulation:
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
             w.hb = (batch, kv, free, res, defl, slo, pending)
-            w.led_defl = w.led_res = w.led_kv = w.led_pending = 0
-            w.led_slo = math.inf
+            w.led_res = w.led_kv = w.led_pending = 0
         w.view = None
         self._cluster = None
 
@@ -221,13 +208,17 @@ class Simulation:
                            token_budget=w.batcher.token_budget, model=w.model)
 
     def _decode_view(self, w: _Decode) -> DecodeView:
+        """As services/router/workers.py builds it: with the ledger, the deflection count and the
+        reserved step cost come from the router's own exact record of deflections in flight."""
         batch, kv, free, res, defl, slo, pending = w.hb
-        slo = min(slo, w.led_slo)
-        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=free - w.led_kv,
+        reserved = 0.0
+        if self.cfg.ledger:
+            defl = len(w.deflecting)
+            reserved = sum(w.deflecting.values())
+        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - w.led_kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
-                          deflections=defl + w.led_defl, strictest_tbt_slo=None if slo == math.inf else slo,
-                          token_budget=w.batcher.token_budget, model=w.model,
-                          reserved_step_s=sum(w.reserved.values()) if self.cfg.ledger else 0.0,
+                          deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
+                          token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
                           pending=pending + w.led_pending)
 
     def _view(self, now: float) -> ClusterView:
@@ -307,7 +298,8 @@ class Simulation:
                 r.first = now
                 if seq.deflected:
                     r.prefilled = now
-                    if w.reserved.pop(r.rid, None) is not None:
+                    w.deflecting.pop(r.rid, None)
+                    if self.cfg.ledger:
                         self._ledger_changed(w)
             r.last = now
             r.ntok += 1
@@ -364,13 +356,11 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
+            # the live router reserves the first chunk's added step time (services/router/service.py)
+            dw.deflecting[r.rid] = dw.model.chunk_cost(d.chunk_schedule[0], 0) if d.chunk_schedule else 0.0
             if cfg.ledger:
-                dw.led_defl += 1
                 dw.led_res += r.prompt
                 dw.led_kv += need
-                dw.led_slo = min(dw.led_slo, cfg.tbt_slo)
-                if d.chunk_schedule:
-                    dw.reserved[r.rid] = max_chunk_cost(dw.model, d.chunk_schedule)
                 self._ledger_changed(dw)
             self._admit(dw, seq, now)
             return
@@ -389,7 +379,6 @@ class Simulation:
             pw.led_reqs += 1
             dw.led_pending += 1
             dw.led_kv += need
-            dw.led_slo = min(dw.led_slo, cfg.tbt_slo)
             self._ledger_changed(pw)
             self._ledger_changed(dw)
         if not pw.busy:
@@ -400,7 +389,7 @@ class Simulation:
         wall0 = time.perf_counter()
         reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length)
                 for i, tr in enumerate(trace)]
-        if any(b.t < a.t for a, b in zip(trace, trace[1:], strict=False)):
+        if any(b.t < a.t for a, b in itertools.pairwise(trace)):
             raise ValueError("trace must be sorted by arrival time")
         heap = self._heap
         pop = heapq.heappop
@@ -464,18 +453,38 @@ def simulate(trace: Sequence[TraceRequest], profile: Profile, policy: Policy, cf
     return Simulation(profile, policy, cfg).run(trace)
 
 
+def fastest_prefill(model: PerfModel, tokens: int) -> float:
+    """The shortest time a prompt alone can be prefilled in on an idle engine, over every way
+    of chunking it: with the step model, n chunks cost n*a0 + a3*L + a4*L^2/2 + a5*sum(chi^2)
+    (the attention term does not depend on the chunking), so the best is n near L*sqrt(a5/a0)
+    chunks of equal size (about 680 tokens for a100-dsv2-lite; one chunk when a5 = 0)."""
+    if tokens <= 0:
+        return 0.0
+    fixed = model.a3 * tokens + model.a4 * tokens * tokens / 2.0
+
+    def cost(n: int) -> float:
+        q, r = divmod(tokens, n)
+        return n * model.a0 + fixed + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
+
+    if model.a5 <= 0 or model.a0 <= 0:
+        return cost(1) if model.a5 <= 0 else cost(tokens)
+    guess = tokens * math.sqrt(model.a5 / model.a0)
+    lo = max(1, int(guess) - 2)
+    return min(cost(n) for n in range(lo, min(tokens, int(guess) + 3) + 1))
+
+
 def lower_bound(trace: Sequence[TraceRequest], profile: Profile, *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
-    """The physical limit: every request's own prefill, alone on an idle prefill worker at its
-    token budget, no queueing and no KV transfer (the last chunk's step samples the first token).
-    TBT: a decode step with the request alone. The TTFT keys match `summarize`."""
+    """The physical limit: every request's own prefill, alone on an idle worker, chunked the
+    fastest way (`fastest_prefill`), with no queueing and no KV transfer (the last chunk's step
+    samples the first token). The TTFT keys match `summarize`; `tbt_single_decode_step` is a
+    decode step with one request and an empty cache."""
     model = profile.model
-    chunk = profile.prefill_token_budget
     cache: dict[int, float] = {}
     recs = []
     for tr in trace:
         t = cache.get(tr.input_length)
         if t is None:
-            t = cache[tr.input_length] = model.prefill_exec(tr.input_length, chunk)
+            t = cache[tr.input_length] = fastest_prefill(model, tr.input_length)
         recs.append(RequestTiming(ttft=t, route=None, prompt_tokens=tr.input_length, output_tokens=tr.output_length))
     s = summarize(recs, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
     keep = ("requests", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99", "ttft_max",

@@ -1,0 +1,224 @@
+"""`kairos sim`: replay a trace through the routing policies on a simulated cluster.
+
+    kairos sim --trace code --prefill 2 --decode 2 --profile a100-dsv2-lite \\
+               --policy kairos --policy disagg-least-loaded --rate-scale 0.5,1,2 --out results.json
+
+Every policy sees the same trace (and, with --step-noise, the same noise seed). results.json:
+    {"config": {...}, "lower_bound": {...}, "policies": {NAME: {summary keys, "sim": {...}}},
+     "sweep": [{"rate_scale": X, "prefill_load": RHO, "requests": N, "lower_bound": {...},
+                "policies": {...}}, ...]}
+The top-level "lower_bound" and "policies" are those of the first --rate-scale value; "sweep"
+holds every value. Summary keys and their definitions: sim/stats.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from common.errors import ConfigError
+from common.perf_model import load_profile
+from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
+from services.router.policy import POLICIES, KairosConfig, make_policy
+from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
+from sim.stats import summarize
+
+DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kairos sim", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace", default="code",
+                   help="a CSV or JSON-lines file, 'code' or 'conv' (the Azure 2023 traces in ../shared/traces), "
+                        "or 'synthetic' (default: code)")
+    t.add_argument("--start", type=float, default=0.0, help="slice start, seconds of trace time (default 0)")
+    t.add_argument("--duration", type=float, default=None,
+                   help="slice length, seconds of trace time (default: to the end; synthetic: 600)")
+    t.add_argument("--bursty", type=float, default=None, metavar="S",
+                   help="replay the S-second window with the most prompt tokens (overrides --start/--duration)")
+    t.add_argument("--rate-scale", default="1",
+                   help="time compression, 2 = twice the request rate; a comma list runs a sweep (default 1)")
+    t.add_argument("--rate", type=float, default=2.57, help="synthetic: mean requests/s (default 2.57)")
+    t.add_argument("--arrival", choices=("gamma", "poisson", "onoff"), default="onoff",
+                   help="synthetic: arrival process (default onoff, the code trace's bursts)")
+    t.add_argument("--cv", type=float, default=2.2, help="synthetic: inter-arrival CV (inside bursts for onoff)")
+    t.add_argument("--lengths", choices=tuple(LENGTHS), default="code",
+                   help="synthetic: lognormal prompt/output lengths fitted to this trace (default code)")
+    t.add_argument("--seed", type=int, default=0, help="synthetic trace and --step-noise seed (default 0)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    c.add_argument("--profile", default="a100-dsv2-lite", help="performance profile name or .json path")
+    c.add_argument("--heartbeat-interval", type=float, default=0.1,
+                   help="seconds between worker heartbeats; 0 = the policy sees the live state (default 0.1)")
+    c.add_argument("--no-ledger", action="store_true",
+                   help="the policy sees heartbeats only, not the router's ledger of work dispatched since")
+    c.add_argument("--step-noise", type=float, default=0.0,
+                   help="sigma of a mean-1 lognormal error on every executed step (the policy predicts "
+                        "without it), e.g. 0.1 for ~10%% model error (default 0)")
+    s = p.add_argument_group("policies and SLOs")
+    s.add_argument("--policy", action="append", choices=POLICIES, default=None,
+                   help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
+    s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
+    s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
+    s.add_argument("--alpha", type=float, default=1.3, help="kairos: deflect iff TTFT_D <= alpha x TTFT_P")
+    s.add_argument("--beta", type=float, default=0.9, help="kairos: TBT budget = beta x strictest TBT SLO")
+    s.add_argument("--candidates", default="2048,1024,512,256,128", help="kairos: chunk candidates")
+    s.add_argument("--no-transfer-term", action="store_true", help="kairos: leave T_xfer out of TTFT_P")
+    s.add_argument("--max-deflections", type=int, default=1, help="kairos: concurrent deflections per decode worker")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="write results JSON here")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write TTFT CDFs and attainment vs load here")
+    o.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    return p
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise ConfigError(f"{what} is empty")
+    return vals
+
+
+def _load(args: argparse.Namespace, rate_scale: float) -> tuple[list[TraceRequest], dict[str, Any]]:
+    info: dict[str, Any] = {"trace": args.trace}
+    if args.trace == "synthetic":
+        duration = args.duration or 600.0
+        base = synthetic(rate=args.rate, duration=duration, arrival=args.arrival, cv=args.cv, seed=args.seed,
+                         **LENGTHS[args.lengths])  # type: ignore[arg-type]
+        reqs = [TraceRequest(t=r.t / rate_scale, input_length=r.input_length, output_length=r.output_length)
+                for r in base]
+        info.update(rate=args.rate, arrival=args.arrival, cv=args.cv, lengths=args.lengths, seed=args.seed,
+                    start=0.0, duration=duration)
+        return reqs, info
+    path = trace_path(args.trace)
+    start, duration = args.start, args.duration
+    if args.bursty is not None:
+        start = find_bursty_window(load_trace(path), args.bursty)
+        duration = args.bursty
+    info.update(trace_path=str(path), start=start, duration=duration)
+    return load_trace(path, start=start, duration=duration, rate_scale=rate_scale), info
+
+
+def _fmt(v: Any, kind: str = "s") -> str:
+    if v is None:
+        return "-"
+    if kind == "%":
+        return f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1000 * v:.0f}"
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def _table(point: dict[str, Any], title: str) -> Table:
+    tab = Table(title=title, title_justify="left")
+    for col in ("policy", "deflect", "TTFT p50 s", "p95 s", "p99 s", "TBT p95 ms", "p99 ms",
+                "TTFT SLO", "TBT SLO", "both", "pred err", "sim s"):
+        tab.add_column(col, justify="left" if col == "policy" else "right")
+    lb = point["lower_bound"]
+    tab.add_row("[dim]lower bound[/]", "-", _fmt(lb["ttft_p50"]), _fmt(lb["ttft_p95"]), _fmt(lb["ttft_p99"]),
+                "-", "-", _fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", style="dim")
+    for name, s in point["policies"].items():
+        tab.add_row(name, _fmt(s["deflection_rate"], "%"), _fmt(s["ttft_p50"]), _fmt(s["ttft_p95"]),
+                    _fmt(s["ttft_p99"]), _fmt(s["tbt_p95"], "ms"), _fmt(s["tbt_p99"], "ms"),
+                    _fmt(s["ttft_slo_attainment"], "%"), _fmt(s["tbt_slo_attainment"], "%"),
+                    _fmt(s["slo_attainment"], "%"), _fmt(s["ttft_pred_mape"], "%"), f"{s['sim']['wall_s']:.1f}")
+    return tab
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(quiet=args.quiet)
+    if not console.is_terminal:
+        console = Console(quiet=args.quiet, width=150)  # logs and pipes: do not squeeze the table
+    err = Console(stderr=True)
+    try:
+        return _run(args, console)
+    except (ConfigError, ValueError) as e:
+        err.print(f"[red]kairos sim: {e}[/]")
+        return 2
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    profile = load_profile(args.profile)
+    scales = _floats(args.rate_scale, "--rate-scale")
+    if any(x <= 0 for x in scales):
+        raise ConfigError("--rate-scale values must be positive")
+    cands = tuple(int(x) for x in _floats(args.candidates, "--candidates"))
+    kcfg = KairosConfig(candidates=cands, alpha=args.alpha, beta=args.beta, transfer_term=not args.no_transfer_term,
+                        max_deflections=args.max_deflections)
+    cfg = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
+                    heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
+                    step_noise=args.step_noise, seed=args.seed)
+    policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
+    sweep: list[dict[str, Any]] = []
+    cdfs: list[tuple[float, dict[str, list[float]]]] = []
+    info: dict[str, Any] = {}
+    for scale in scales:
+        trace, info = _load(args, scale)
+        if not trace:
+            raise ConfigError("the selected trace slice holds no request")
+        point: dict[str, Any] = {
+            "rate_scale": scale, "requests": len(trace), "span_s": trace[-1].t - trace[0].t,
+            "prefill_load": prefill_load(trace, profile, args.prefill),
+            "lower_bound": lower_bound(trace, profile, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo),
+            "policies": {}}
+        ttfts: dict[str, list[float]] = {}
+        for name in policies:
+            policy = make_policy(name, kairos=kcfg, default_model=profile.model)
+            res = simulate(trace, profile, policy, cfg)
+            summary = summarize(res.records, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
+            summary["sim"] = res.stats
+            point["policies"][name] = summary
+            ttfts[name] = [r.ttft for r in res.records if r.ttft is not None]
+        ttfts["lower bound"] = [fastest_prefill(profile.model, r.input_length) for r in trace]
+        sweep.append(point)
+        cdfs.append((scale, ttfts))
+        load = point["prefill_load"]
+        console.print(_table(point, f"{info['trace']} x{scale:g}: {len(trace)} requests over {point['span_s']:.0f} s, "
+                                    f"{args.prefill}P{args.decode}D {profile.name}, offered prefill load "
+                                    f"{'-' if load is None else f'{load:.2f}'}"))
+    config: dict[str, Any] = {
+        **info, "rate_scales": scales, "prefill": args.prefill, "decode": args.decode, "profile": profile.name,
+        "policies": policies, "ttft_slo": args.ttft_slo, "tbt_slo": args.tbt_slo,
+        "tbt_slo_definition": "a request meets the TBT SLO iff its largest inter-token gap <= tbt_slo",
+        "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
+        "alpha": args.alpha, "beta": args.beta, "candidates": list(cands), "transfer_term": not args.no_transfer_term,
+        "max_deflections": args.max_deflections, "date": datetime.date.today().isoformat()}
+    result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],
+              "sweep": sweep}
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        _plots(Path(args.plot), sweep, cdfs, config, trace_name=str(info["trace"]))
+    return 0
+
+
+def _plots(folder: Path, sweep: list[dict[str, Any]], cdfs: list[tuple[float, dict[str, list[float]]]],
+           config: dict[str, Any], *, trace_name: str) -> None:
+    from sim import plots  # matplotlib is slow to import; only when asked
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shape = f"{config['prefill']}P{config['decode']}D {config['profile']}"
+    for scale, ttfts in cdfs:
+        plots.ttft_cdf(ttfts, folder / f"ttft_cdf_x{scale:g}.png",
+                       title=f"TTFT CDF, {trace_name} x{scale:g}, {shape}", ttft_slo=config["ttft_slo"])
+    plots.attainment_vs_load(sweep, folder / "attainment_vs_load.png", title=f"{trace_name}, {shape}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

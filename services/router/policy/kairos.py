@@ -47,9 +47,11 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
     """Algorithm 1 on one decode worker. Returns (schedule, TTFT_D) or None if some step has no
     safe candidate, or if the running TTFT_D already exceeds `limit_s` (it can only lose).
 
-    The step cost rises with the prompt's own context, so once a candidate fails it fails for
-    every later step: the search resumes from the last candidate that fit (non-increasing
-    schedule), which keeps a decision to O(steps + candidates) per worker.
+    The step cost rises with the prompt's own context, so once a candidate fails as a full chunk
+    it fails for every later step: the search resumes from the last candidate that fit, which
+    keeps a decision to O(steps + candidates) per worker. Only the remainder can fit again (a
+    smaller chunk), so the scan restarts from the top once the remainder is within the largest
+    candidate; the schedule is non-increasing except possibly for its last chunk.
     """
     a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
     base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
@@ -65,6 +67,10 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
     while done < tokens:
         rem = tokens - done
         base = base0 + a2 * done
+        if rem <= cands[0]:
+            # near the end every candidate >= rem proposes the whole remainder, which may fit
+            # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
+            i = 0
         while i < n:
             chi = cands[i] if cands[i] < rem else rem
             t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi

@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 1
 
 Role = Literal["prefill", "decode"]
 Route = Literal["disagg", "deflect"]
+DecodeMode = Literal["handoff", "deflect"]
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -217,7 +218,7 @@ class DecodeWork(Msg):
     request_id: str
     attempt: int
     dispatch: int
-    mode: Route
+    mode: DecodeMode
     prompt_token_ids: list[int]
     sampling: Sampling
     tbt_slo: float

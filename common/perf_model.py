@@ -153,7 +153,8 @@ def features(s: StepSample) -> list[float]:
     return [1.0, float(s.batch), float(s.kv_tokens), chi_sum, attn, sq]
 
 
-def fit(samples: Sequence[StepSample], *, use_a5: bool = True, base: PerfModel | None = None) -> tuple[PerfModel, float]:
+def fit(samples: Sequence[StepSample], *, use_a5: bool = True,
+        base: PerfModel | None = None) -> tuple[PerfModel, float]:
     """Least-squares fit on relative error; returns the model and its MAPE over the samples.
 
     Coefficients are constrained to be non-negative (a negative cost would let the policy

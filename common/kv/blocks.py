@@ -35,6 +35,16 @@ class BlockAllocator:
         self.free_count -= n
         return ids
 
+    def take(self, ids: list[int]) -> bool:
+        """Allocate exactly `ids` (distinct, in range) if all are free; False (nothing taken) otherwise."""
+        if len(set(ids)) != len(ids) or any(not 0 <= i < self.num_blocks for i in ids):
+            raise ValueError("block ids must be distinct and in range")
+        if not ids or not self._free[ids].all():
+            return False
+        self._free[ids] = False
+        self.free_count -= len(ids)
+        return True
+
     def free(self, ids: list[int]) -> None:
         if not ids:
             return

@@ -12,7 +12,8 @@ from services.decode_worker.service import DecodeWorker
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config.flags(argv, config.WorkerConfig, "kairos decode-worker",
-                       "Kairos decode worker: decodes handed-off requests, prefills deflected ones in place, publishes TBT-slack heartbeats. "
+                       "Kairos decode worker: decodes handed-off requests, prefills deflected ones in place, "
+                       "publishes TBT-slack heartbeats. "
                        "Connects to the router; needs no other address.")
 
     async def _main() -> int:

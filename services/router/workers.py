@@ -69,7 +69,8 @@ class WorkerEntry:
         h = self.hello
         if isinstance(hb, m.DecodeHeartbeat):
             batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
-            resident, defl, slo, pending = hb.resident_prefill_tokens, hb.deflections, hb.strictest_tbt_slo, hb.waiting_kv
+            resident, defl = hb.resident_prefill_tokens, hb.deflections
+            slo, pending = hb.strictest_tbt_slo, hb.waiting_kv
         else:
             batch, kv, free, resident, defl, slo, pending = 0, 0, h.kv_capacity_tokens, 0, 0, None, 0
         reserved = 0.0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from common.perf_model import PerfModel
-from services.router.policy.base import (
-    ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec)
+from services.router.policy.base import ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
 from services.router.policy.baselines import (
-    ConditionalConfig, ConditionalDisagg, DeflectAll, DisaggLeastLoaded, DisaggRoundRobin)
+    ConditionalConfig,
+    ConditionalDisagg,
+    DeflectAll,
+    DisaggLeastLoaded,
+    DisaggRoundRobin,
+)
 from services.router.policy.kairos import Kairos, KairosConfig
 
 POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "deflect-all")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import msgspec
 
 from services.router.policy.base import (
-    ClusterView, Decision, NoWorkers, RequestSpec, least_loaded_decode, least_loaded_prefill)
+    ClusterView,
+    Decision,
+    NoWorkers,
+    RequestSpec,
+    least_loaded_decode,
+    least_loaded_prefill,
+)
 
 
 class DisaggRoundRobin:

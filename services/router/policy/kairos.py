@@ -17,7 +17,14 @@ import msgspec
 
 from common.perf_model import PerfModel
 from services.router.policy.base import (
-    ClusterView, Decision, DecodeView, NoWorkers, RequestSpec, least_loaded_decode, ttft_prefill_path)
+    ClusterView,
+    Decision,
+    DecodeView,
+    NoWorkers,
+    RequestSpec,
+    least_loaded_decode,
+    ttft_prefill_path,
+)
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,224 @@
+"""The vLLM scheduler Kairos runs inside each vLLM engine core (`scheduler_cls`).
+
+It changes three things in vLLM 0.32.0's `Scheduler` and leaves the rest alone:
+
+1. **Per-request chunk schedules.** A request whose `SamplingParams.extra_args` carries
+   `kairos_chunks` (the router's schedule, in prompt tokens) gets exactly the next chunk of
+   it in every step until its prompt is prefilled: chunk i ends at the prompt position
+   base + c1 + ... + ci, where base is what was already computed when the request was first
+   scheduled (a prefix-cache hit). The cap is applied in `_reserve_prefill_lookahead`, the
+   one hook vLLM calls for every request after its own budget clamps (running and waiting
+   alike), so the chunk can only shrink there; the token budget is sized so that it does
+   not (see 3). After the schedule is used up (or for requests without one) vLLM's own
+   chunking applies.
+2. **Decodes first.** `self.running` is stably sorted each step: requests needing one token
+   (decodes, and handed-off requests whose KV has landed and that recompute their last prompt
+   token), then scheduled prefills, then other prefills. vLLM walks `running` in list order,
+   so without this a chunked prefill admitted earlier can eat the budget of a later decode.
+   As a consequence, under KV pressure FCFS preemption (it takes `running[-1]`) hits a
+   prefill before a decode.
+3. **Budget for the others.** Prefills without a schedule get only what is left of the
+   step's token budget after the decodes, the handed-off requests and the scheduled chunks,
+   so they never squeeze a scheduled chunk.
+
+Per-step records. vLLM's iteration details time only `future.result()` of the model call; with
+the in-process (uniproc) executor that CPU engines use the forward pass has already run by
+then, so `elapsed_ms` is the sampler's time alone (measured: ~0.1 ms for a ~2 ms step). This
+scheduler therefore times each step itself, from the start of `schedule()` to the end of
+`update_from_output()` (the whole engine iteration, which is what a decode's TBT feels), and
+sends one `StepRecord` per model step (same numbering as vLLM's iteration index) to the
+engine wrapper over a ZeroMQ PUSH socket (non-blocking; a full queue drops records and counts
+them). The address comes from `additional_config["kairos"]["step_channel"]`.
+
+This module is imported in the engine-core process (vLLM spawns it on CPU), so it must stay
+importable from there: it is part of the installed project, no path tricks needed.
+Not a public vLLM interface: pinned to vLLM 0.32.0.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.v1.core.sched.scheduler import Scheduler
+
+CHUNKS_KEY = "kairos_chunks"
+ID_KEY = "kairos_id"
+
+
+class StepRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One engine step as the scheduler planned and timed it.
+
+    `chunks`: (request key, chunk tokens, tokens computed before the chunk) for every request
+    that computed prompt tokens (a 1-token chunk at k = prompt - 1 is a handed-off request
+    finishing its prompt after the KV load). `kv_tokens`: KV tokens the decodes attend over
+    (the common.perf_model convention: prompt plus tokens generated so far). `misses`:
+    (request key, scheduled chunk, chunk run) for scheduled chunks vLLM could not run whole.
+    """
+
+    index: int
+    started: float  # time.monotonic() in the engine-core process (CLOCK_MONOTONIC, host-wide)
+    seconds: float
+    decodes: int
+    kv_tokens: int
+    chunks: list[tuple[str, int, int]]
+    decode_keys: list[str]
+    misses: list[tuple[str, int, int]]
+    dropped: int = 0
+
+
+def request_key(request: Any) -> str:
+    """The wrapper's id for a request (`extra_args[kairos_id]`), else vLLM's internal id."""
+    sp = request.sampling_params
+    extra = sp.extra_args if sp is not None and sp.extra_args else None
+    if extra and ID_KEY in extra:
+        return str(extra[ID_KEY])
+    return str(request.request_id)
+
+
+def chunk_schedule(request: Any) -> tuple[int, ...]:
+    sp = request.sampling_params
+    extra = sp.extra_args if sp is not None and sp.extra_args else None
+    if not extra or CHUNKS_KEY not in extra:
+        return ()
+    return tuple(int(c) for c in extra[CHUNKS_KEY])
+
+
+def next_scheduled_chunk(schedule: tuple[int, ...], base: int, computed: int, prompt: int) -> int | None:
+    """Tokens to run next under `schedule` (chunk boundaries base+c1, base+c1+c2, ...), or None
+    when the schedule is used up. Pure; shared with the tests."""
+    end = base
+    for c in schedule:
+        end += c
+        if end > computed:
+            return min(end, prompt) - computed
+    return None
+
+
+class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for mypy
+    """See the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = (self.vllm_config.additional_config or {}).get("kairos", {})
+        self._bases: dict[str, int] = {}
+        self._others_left = 0
+        self._model_steps = 0
+        self._dropped = 0
+        self._pending: tuple[float, StepRecord] | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        addr = cfg.get("step_channel")
+        if addr:
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.SNDHWM, 100_000)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(addr)
+
+    # -- ordering and budgets -----------------------------------------------------------------
+    @staticmethod
+    def _needs_one(request: Any) -> bool:
+        return bool(request.num_tokens_with_spec - request.num_computed_tokens <= 1)
+
+    def _order(self, request: Any) -> int:
+        if self._needs_one(request):
+            return 0
+        if request.num_computed_tokens < request.num_prompt_tokens and chunk_schedule(request):
+            return 1
+        return 2
+
+    def _planned_chunk(self, request: Any, computed: int) -> int | None:
+        schedule = chunk_schedule(request)
+        if not schedule or computed >= request.num_prompt_tokens:
+            return None
+        base = self._bases.get(request.request_id, computed)
+        return next_scheduled_chunk(schedule, base, computed, request.num_prompt_tokens)
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        started = time.monotonic()
+        if self._bases:
+            for rid in [r for r in self._bases if r not in self.requests]:
+                del self._bases[rid]
+        self.running.sort(key=self._order)
+        reserved = 0
+        for request in self.running:
+            if self._needs_one(request):
+                reserved += 1
+            else:
+                reserved += self._planned_chunk(request, request.num_computed_tokens) or 0
+        reserved += len(self.kv_holding_waiting)  # handed-off requests: one token each once loaded
+        for request in self.waiting:
+            reserved += self._planned_chunk(request, request.num_computed_tokens) or 0
+        self._others_left = max(self.max_num_scheduled_tokens - reserved, 0)
+
+        out = super().schedule(throttle_prefills)
+
+        if out.total_num_scheduled_tokens > 0:
+            self._pending = (started, self._record(out, started))
+        return out
+
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        n: int = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if n <= 1 or num_computed_tokens >= request.num_prompt_tokens:
+            return n  # a decode, or a one-token prompt tail: never held back
+        if chunk_schedule(request):
+            self._bases.setdefault(request.request_id, num_computed_tokens)
+            cap = self._planned_chunk(request, num_computed_tokens)
+            if cap is not None:
+                return min(n, cap)
+        n = min(n, self._others_left)
+        self._others_left -= n
+        return n
+
+    # -- per-step records -----------------------------------------------------------------------
+    def _record(self, out: Any, started: float) -> StepRecord:
+        decodes = 0
+        kv = 0
+        chunks: list[tuple[str, int, int]] = []
+        decode_keys: list[str] = []
+        misses: list[tuple[str, int, int]] = []
+        for rid, n in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            k = request.num_computed_tokens - n  # schedule() has already advanced it
+            key = request_key(request)
+            if k >= request.num_prompt_tokens:
+                decodes += 1
+                kv += k + 1
+                decode_keys.append(key)
+                continue
+            chunks.append((key, n, k))
+            if chunk_schedule(request):
+                want = self._planned_chunk(request, k)
+                if want is not None and want != n:
+                    misses.append((key, want, n))
+        record = StepRecord(index=self._model_steps, started=started, seconds=0.0, decodes=decodes,
+                            kv_tokens=kv, chunks=chunks, decode_keys=decode_keys, misses=misses,
+                            dropped=self._dropped)
+        self._model_steps += 1
+        return record
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        pending, self._pending = self._pending, None
+        if pending is not None and self._sock is not None:
+            started, record = pending
+            record = msgspec.structs.replace(record, seconds=time.monotonic() - started)
+            try:
+                self._sock.send(msgspec.msgpack.encode(record), zmq.NOBLOCK)
+            except zmq.Again:
+                self._dropped += 1
+        return result
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -1,0 +1,30 @@
+"""Shared fixtures: real local clusters of processes on free loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kairos.up import Cluster, ClusterSpec
+
+
+def start_cluster(tmp: Path, **kw: object) -> Cluster:
+    spec = ClusterSpec.ephemeral(log_dir=str(tmp), monitor=False, **kw)
+    c = Cluster(spec)
+    try:
+        c.start(timeout=60)
+    except BaseException:
+        c.stop(5)
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def fast_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """1 prefill + 1 decode worker on the near-zero `fast` profile; policy from the module's POLICY."""
+    policy = getattr(request.module, "POLICY", "kairos")
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), prefill=1, decode=1, profile="fast", policy=policy)
+    yield c
+    c.stop(15)

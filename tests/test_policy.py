@@ -1,0 +1,370 @@
+"""Table-driven tests of every routing policy, including the paper's edge cases for Kairos.
+
+Views are built by hand with the a100-dsv2-lite model; expected predictions are recomputed
+here from the printed formulas (Equation 1, Algorithm 1), independently of the policy code.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from common.perf_model import PerfModel, load_profile
+from services.router.policy import (
+    POLICIES, ClusterView, DecodeView, KairosConfig, NoWorkers, PrefillView, RequestSpec, make_policy)
+from services.router.policy.baselines import ConditionalConfig
+from services.router.policy.kairos import largest_safe_schedule
+
+M = load_profile("a100-dsv2-lite").model
+CANDS = (2048, 1024, 512, 256, 128)
+
+
+def pv(wid: str = "prefill-0", queued: int = 0, reqs: int | None = None, budget: int = 2048,
+       model: PerfModel = M) -> PrefillView:
+    return PrefillView(worker_id=wid, queued_tokens=queued, queued_requests=(queued + 999) // 1000 if reqs is None
+                       else reqs, token_budget=budget, model=model)
+
+
+def dv(wid: str = "decode-0", batch: int = 0, kv: int | None = None, free: int = 1_000_000, cap: int = 1_000_000,
+       res: int = 0, defl: int = 0, slo: float | None = 0.1, budget: int = 2304, reserved: float = 0.0,
+       pending: int = 0, model: PerfModel = M) -> DecodeView:
+    return DecodeView(worker_id=wid, batch=batch, kv_tokens=batch * 2000 if kv is None else kv, kv_free_tokens=free,
+                      kv_capacity_tokens=cap, resident_prefill_tokens=res, deflections=defl,
+                      strictest_tbt_slo=slo if batch or defl else None, token_budget=budget, model=model,
+                      reserved_step_s=reserved, pending=pending)
+
+
+def rq(tokens: int = 512, out: int = 16, ttft_slo: float = 2.0, tbt_slo: float = 0.1, cached: int = 0) -> RequestSpec:
+    return RequestSpec(request_id="r", prompt_tokens=tokens, max_tokens=out, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
+                       cached_tokens=cached)
+
+
+def cluster(prefill: list[PrefillView], decode: list[DecodeView]) -> ClusterView:
+    return ClusterView(prefill=tuple(prefill), decode=tuple(decode))
+
+
+# ------------------------------------------------------------------ independent reference formulas
+
+
+def eq1(m: PerfModel, queued: int, tokens: int, chunk: int, *, transfer: bool = True, xfer_tokens: int | None = None
+        ) -> float:
+    """Equation 1 written out: W_q + Exec (+ T_xfer)."""
+    def step(chi: int, k: float) -> float:
+        return m.a0 + m.a3 * chi + m.a4 * chi * (k + chi / 2) + m.a5 * chi * chi
+    wq = (queued / chunk) * step(chunk, queued // 2) if queued > 0 else 0.0
+    ex, done = 0.0, 0
+    while done < tokens:
+        chi = min(chunk, tokens - done)
+        ex += step(chi, done)
+        done += chi
+    xfer = m.xfer_t0 + (tokens if xfer_tokens is None else xfer_tokens) * m.kv_bytes_per_token / m.xfer_bandwidth
+    return wq + ex + (xfer if transfer else 0.0)
+
+
+def algorithm1(m: PerfModel, d: DecodeView, tokens: int, budget: float, cands: tuple[int, ...] = CANDS,
+               max_steps: int = 4096) -> tuple[tuple[int, ...], float] | None:
+    """Algorithm 1 as printed: every step, the largest candidate (capped by the remainder) that
+    keeps the mixed step within the budget; ineligible if none fits."""
+    usable = [c for c in sorted(cands, reverse=True) if c <= d.token_budget - d.batch]
+    done, total, sched = 0, 0.0, []
+    while done < tokens:
+        base = m.a0 + m.a1 * d.batch + m.a2 * (d.kv_tokens + done) + d.reserved_step_s
+        for c in usable:
+            x = min(c, tokens - done)
+            t = base + m.a3 * x + m.a4 * x * (done + x / 2) + m.a5 * x * x
+            if t <= budget:
+                break
+        else:
+            return None
+        sched.append(x)
+        total += t
+        done += x
+        if len(sched) > max_steps:
+            return None
+    return tuple(sched), total
+
+
+def decide(policy: str, req: RequestSpec, view: ClusterView, **kcfg: Any) -> Any:
+    p = make_policy(policy, kairos=KairosConfig(**kcfg) if kcfg else None, default_model=M)
+    return p.decide(req, view, 0.0)
+
+
+# ------------------------------------------------------------------ kairos: decision table
+
+IDLE2 = [dv("decode-0"), dv("decode-1")]
+KAIROS_CASES: list[tuple[str, RequestSpec, ClusterView, dict[str, Any], str, str | None, str]] = [
+    # (name, request, view, config, route, decode worker (None: any), reason)
+    ("idle cluster, short prompt: no transfer makes decode faster",
+     rq(512), cluster([pv()], IDLE2), {}, "deflect", "decode-0", "decode_faster"),
+    ("queued prefill: deflect", rq(2048), cluster([pv(queued=20_000)], [dv(batch=16)]), {},
+     "deflect", "decode-0", "decode_faster"),
+    ("no decode slack (the decode step alone exceeds beta x TBT SLO)",
+     rq(512), cluster([pv(queued=50_000)], [dv(batch=256, kv=600_000)]), {}, "disagg", "decode-0", "no_decode_slack"),
+    ("the residents' strict TBT SLO leaves no room for even 128 tokens",
+     rq(512), cluster([pv(queued=50_000)], [dv(batch=40, slo=0.02)]), {}, "disagg", "decode-0", "no_decode_slack"),
+    ("one decode worker already deflecting: the other takes it",
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {},
+     "deflect", "decode-1", "decode_faster"),
+    ("every decode worker already deflecting (max_deflections=1)",
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", defl=1, res=100)]), {},
+     "disagg", None, "deflection_in_flight"),
+    ("max_deflections=2 admits a second deflection",
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000, reserved=0.02)]), {"max_deflections": 2},
+     "deflect", "decode-0", "decode_faster"),
+    ("TTFT SLO gate: the decode path is within alpha but misses the request's TTFT SLO",
+     rq(7000, ttft_slo=0.5), cluster([pv(queued=60_000)], [dv(batch=20)]), {}, "disagg", "decode-0", "ttft_slo_gate"),
+    ("prompt longer than any schedule can take (its own context outgrows the budget)",
+     rq(60_000), cluster([pv(queued=500_000)], [dv(batch=10, slo=0.04)]), {}, "disagg", "decode-0",
+     "no_decode_slack"),
+    ("alpha margin: decode slower but within 1.3 x TTFT_P",
+     rq(512), cluster([pv()], [dv(batch=30)]), {"transfer_term": False}, "deflect", "decode-0", "within_alpha"),
+    ("alpha = 1: the same request stays disaggregated",
+     rq(512), cluster([pv()], [dv(batch=30)]), {"transfer_term": False, "alpha": 1.0}, "disagg", "decode-0",
+     "decode_slower"),
+    ("the transfer term tips a borderline request to the decode path",
+     rq(512), cluster([pv()], [dv(batch=30)]), {"alpha": 1.0}, "deflect", "decode-0", "decode_faster"),
+    ("ties go to the lowest worker id, whatever the view order",
+     rq(1024), cluster([pv(queued=8000)], [dv("decode-1", batch=8), dv("decode-0", batch=8)]), {},
+     "deflect", "decode-0", "decode_faster"),
+    ("the faster decode worker wins over a lower id",
+     rq(1024), cluster([pv(queued=8000)], [dv("decode-0", batch=100), dv("decode-1", batch=8)]), {},
+     "deflect", "decode-1", "decode_faster"),
+    ("a decode worker without KV room is skipped",
+     rq(1024, out=100), cluster([pv(queued=8000)], [dv("decode-0", free=1000), dv("decode-1", batch=50)]), {},
+     "deflect", "decode-1", "decode_faster"),
+    ("no prefill worker: deflect when a decode worker can",
+     rq(1024), cluster([], [dv(batch=10)]), {}, "deflect", "decode-0", "decode_faster"),
+]
+
+
+@pytest.mark.parametrize(("name", "req", "view", "kcfg", "route", "worker", "reason"), KAIROS_CASES,
+                         ids=[c[0] for c in KAIROS_CASES])
+def test_kairos_table(name: str, req: RequestSpec, view: ClusterView, kcfg: dict[str, Any], route: str,
+                      worker: str | None, reason: str) -> None:
+    d = decide("kairos", req, view, **kcfg)
+    assert (d.route, d.reason) == (route, reason)
+    if worker is not None:
+        assert d.decode_worker == worker
+    cfg = KairosConfig(**kcfg)
+    if view.prefill:
+        best_p = min(eq1(M, p.queued_tokens, req.prompt_tokens, p.token_budget, transfer=cfg.transfer_term)
+                     for p in view.prefill)
+        assert d.ttft_prefill_pred == pytest.approx(best_p, rel=1e-9)
+    if route == "deflect":
+        assert d.prefill_worker is None
+        target = next(x for x in view.decode if x.worker_id == d.decode_worker)
+        slo = target.strictest_tbt_slo if target.strictest_tbt_slo is not None else req.tbt_slo
+        ref = algorithm1(M, target, req.prompt_tokens, cfg.beta * slo, cfg.candidates)
+        assert ref is not None
+        assert d.chunk_schedule == ref[0]
+        assert d.ttft_decode_pred == pytest.approx(ref[1], rel=1e-9)
+        assert sum(d.chunk_schedule) == req.prompt_tokens
+        assert d.ttft_decode_pred <= cfg.alpha * (d.ttft_prefill_pred or float("inf"))
+        assert d.ttft_decode_pred <= req.ttft_slo
+    else:
+        assert d.prefill_worker is not None and d.chunk_schedule == ()
+
+
+def test_kairos_slo_gate_is_the_only_blocker() -> None:
+    """The gate case deflects once the TTFT SLO is relaxed (so the gate, not slack, decided)."""
+    view = cluster([pv(queued=60_000)], [dv(batch=20)])
+    assert decide("kairos", rq(7000, ttft_slo=0.5), view).route == "disagg"
+    assert decide("kairos", rq(7000, ttft_slo=5.0), view).route == "deflect"
+
+
+def test_kairos_long_prompt_fails_partway() -> None:
+    """The 60k-token prompt is not refused at the first step: early chunks fit, a later one cannot."""
+    d = dv(batch=10, slo=0.04)
+    assert largest_safe_schedule(M, d, 2000, 0.9 * 0.04, CANDS, float("inf"), 4096) is not None
+    assert largest_safe_schedule(M, d, 60_000, 0.9 * 0.04, CANDS, float("inf"), 4096) is None
+    assert algorithm1(M, d, 60_000, 0.9 * 0.04) is None
+
+
+def test_kairos_step_cap() -> None:
+    d = dv(batch=10)
+    assert largest_safe_schedule(M, d, 5000, 0.09, CANDS, float("inf"), max_steps=2) is None
+    assert largest_safe_schedule(M, d, 5000, 0.09, CANDS, float("inf"), max_steps=4096) is not None
+
+
+def test_kairos_schedule_steps_fit_the_budget_and_shrink() -> None:
+    d = dv(batch=40)
+    found = largest_safe_schedule(M, d, 7000, 0.09, CANDS, float("inf"), 4096)
+    assert found is not None
+    sched, total = found
+    done, acc = 0, 0.0
+    for chi in sched:
+        t = M.step_time(d.batch, d.kv_tokens + done, [(chi, done)])
+        assert t <= 0.09 + 1e-12
+        acc += t
+        done += chi
+    assert acc == pytest.approx(total)
+    body = sched[:-1]
+    assert list(body) == sorted(body, reverse=True)  # non-increasing (the last chunk is the remainder)
+
+
+def test_kairos_reserved_step_shrinks_the_schedule() -> None:
+    free = largest_safe_schedule(M, dv(batch=10), 4000, 0.09, CANDS, float("inf"), 4096)
+    busy = largest_safe_schedule(M, dv(batch=10, reserved=0.05), 4000, 0.09, CANDS, float("inf"), 4096)
+    full = largest_safe_schedule(M, dv(batch=10, reserved=0.08), 4000, 0.09, CANDS, float("inf"), 4096)
+    assert free is not None and busy is not None and full is None
+    assert max(busy[0]) < max(free[0]) and busy[1] > free[1]
+
+
+def test_kairos_candidates_above_the_token_cap_are_dropped() -> None:
+    d = dv(batch=88, budget=600)  # 512 tokens left beside the decodes
+    found = largest_safe_schedule(M, d, 3000, 1.0, CANDS, float("inf"), 4096)
+    assert found is not None and max(found[0]) == 512
+    assert largest_safe_schedule(M, dv(batch=100, budget=200), 3000, 1.0, CANDS, float("inf"), 4096) is None
+
+
+def test_kairos_prefix_cache_counts_uncached_tokens_only() -> None:
+    view = cluster([pv(queued=4000)], [dv(batch=10)])
+    plain = decide("kairos", rq(4096), view)
+    cached = decide("kairos", rq(4096, cached=3072), view)
+    assert sum(cached.chunk_schedule) == 1024 and sum(plain.chunk_schedule) == 4096
+    assert cached.ttft_prefill_pred == pytest.approx(eq1(M, 4000, 1024, 2048, xfer_tokens=4096))
+    off = decide("kairos", rq(4096, cached=3072), view, prefix_aware=False)
+    assert sum(off.chunk_schedule) == 4096
+
+
+def test_kairos_best_prefill_worker_and_no_workers() -> None:
+    view = cluster([pv("prefill-0", queued=30_000), pv("prefill-1", queued=2000)], [dv(batch=250, kv=900_000)])
+    d = decide("kairos", rq(512), view)
+    assert (d.route, d.prefill_worker) == ("disagg", "prefill-1")
+    with pytest.raises(NoWorkers):
+        decide("kairos", rq(512), cluster([pv()], []))
+    with pytest.raises(NoWorkers):  # no prefill worker and no decode slack
+        decide("kairos", rq(512), cluster([], [dv(batch=256, kv=600_000)]))
+
+
+def test_kairos_ledger_view_blocks_a_second_deflection() -> None:
+    """What the router's ledger changes: right after a deflection, the stale heartbeat still
+    says 0 deflections (a second one would land on the same worker); the ledger's count does not."""
+    stale = cluster([pv(queued=20_000)], [dv("decode-0", batch=10), dv("decode-1", batch=60)])
+    ledger = cluster([pv(queued=20_000)], [dv("decode-0", batch=10, defl=1, res=2048), dv("decode-1", batch=60)])
+    assert decide("kairos", rq(2048), stale).decode_worker == "decode-0"
+    assert decide("kairos", rq(2048), ledger).decode_worker == "decode-1"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_largest_safe_schedule_matches_algorithm1(seed: int) -> None:
+    """The optimised search equals the printed greedy on random states (schedule and TTFT_D)."""
+    rng = random.Random(seed)
+    for _ in range(250):
+        d = dv(batch=rng.randint(0, 120), kv=rng.randint(0, 300_000), reserved=rng.choice([0.0, 0.0, 0.01]))
+        tokens = rng.randint(1, 16_000)
+        budget = rng.choice([0.03, 0.05, 0.09, 0.2, 0.4])
+        cands = rng.choice([CANDS, (1024, 256), (512,), (2048, 128)])
+        got = largest_safe_schedule(M, d, tokens, budget, cands, float("inf"), 4096)
+        ref = algorithm1(M, d, tokens, budget, cands)
+        assert (got is None) == (ref is None)
+        if got is not None and ref is not None:
+            assert got[0] == ref[0]
+            assert got[1] == pytest.approx(ref[1], rel=1e-9)
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"alpha": 0.9}, "alpha"), ({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),
+                                         ({"candidates": ()}, "candidates"), ({"candidates": (512, -1)}, "candidates"),
+                                         ({"max_deflections": 0}, "max_deflections")])
+def test_kairos_config_validation(kw: dict[str, Any], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        KairosConfig(**kw)
+
+
+# ------------------------------------------------------------------ baselines
+
+LL_CASES = [
+    # (name, prefill views, decode views, request, expected prefill, expected decode)
+    ("fewest queued tokens wins", [pv("prefill-0", 5000), pv("prefill-1", 1000)], [dv("decode-0")], rq(),
+     "prefill-1", "decode-0"),
+    ("prefill ties by requests, then id", [pv("prefill-1", 1000, reqs=1), pv("prefill-0", 1000, reqs=1),
+                                           pv("prefill-2", 1000, reqs=0)], [dv()], rq(), "prefill-2", "decode-0"),
+    ("lightest decode batch", [pv()], [dv("decode-0", batch=20), dv("decode-1", batch=5)], rq(), "prefill-0",
+     "decode-1"),
+    ("pending handoffs (ledger) count as load", [pv()], [dv("decode-0", batch=5, pending=4), dv("decode-1", batch=6)],
+     rq(), "prefill-0", "decode-1"),
+    ("deflections count as load", [pv()], [dv("decode-0", batch=5, defl=2), dv("decode-1", batch=6)], rq(),
+     "prefill-0", "decode-1"),
+    ("decode ties by KV tokens, then id", [pv()], [dv("decode-1", batch=5, kv=100), dv("decode-0", batch=5, kv=100),
+                                                   dv("decode-2", batch=5, kv=200)], rq(), "prefill-0", "decode-0"),
+    ("decode without KV room skipped", [pv()], [dv("decode-0", free=100), dv("decode-1", batch=50)], rq(512),
+     "prefill-0", "decode-1"),
+]
+
+
+@pytest.mark.parametrize(("name", "prefill", "decode", "req", "p", "d"), LL_CASES, ids=[c[0] for c in LL_CASES])
+def test_disagg_least_loaded(name: str, prefill: list[PrefillView], decode: list[DecodeView], req: RequestSpec,
+                             p: str, d: str) -> None:
+    dec = decide("disagg-least-loaded", req, cluster(prefill, decode))
+    assert (dec.route, dec.prefill_worker, dec.decode_worker, dec.reason) == ("disagg", p, d, "least_loaded")
+
+
+NO_DECODE = [(policy, decode) for policy in POLICIES for decode in ([], [dv(free=10)])
+             if not (policy == "disagg-round-robin" and decode)]  # round-robin does not look at KV room
+
+
+@pytest.mark.parametrize(("policy", "decode"), NO_DECODE)
+def test_no_usable_decode_worker_raises(policy: str, decode: list[DecodeView]) -> None:
+    with pytest.raises(NoWorkers):
+        decide(policy, rq(), cluster([pv()], decode))
+
+
+def test_disagg_needs_a_prefill_worker() -> None:
+    for policy in ("disagg-least-loaded", "disagg-round-robin"):
+        with pytest.raises(NoWorkers, match="prefill"):
+            decide(policy, rq(), cluster([], [dv()]))
+
+
+def test_round_robin_cycles_each_pool() -> None:
+    p = make_policy("disagg-round-robin")
+    view = cluster([pv("prefill-0"), pv("prefill-1")], [dv("decode-0"), dv("decode-1"), dv("decode-2")])
+    got = [(d.prefill_worker, d.decode_worker) for d in (p.decide(rq(), view, 0.0) for _ in range(4))]
+    assert got == [("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-2"),
+                   ("prefill-1", "decode-0")]
+    assert make_policy("disagg-round-robin").decide(rq(), view, 0.0).decode_worker == "decode-0"  # fresh counter
+
+
+COND_CASES = [
+    # (name, prefill queue, decode view, request, config, route, reason)
+    ("long uncached prompt, idle prefill", 0, dv(), rq(4096), ConditionalConfig(), "disagg", "prefill_not_busy"),
+    ("short but uncached prompt still goes to prefill", 0, dv(), rq(500), ConditionalConfig(), "disagg",
+     "prefill_not_busy"),
+    ("short, mostly cached prompt", 0, dv(), rq(1000, cached=600), ConditionalConfig(), "deflect",
+     "short_cached_prompt"),
+    ("prefill busy (> 2 x budget queued)", 5000, dv(), rq(4096), ConditionalConfig(), "deflect", "prefill_busy"),
+    ("prefill at exactly 2 x budget is not busy", 4096, dv(), rq(4096), ConditionalConfig(), "disagg",
+     "prefill_not_busy"),
+    ("busy prefill but the decode KV is nearly full", 5000, dv(free=50_000, cap=1_000_000), rq(4096),
+     ConditionalConfig(), "disagg", "decode_busy"),
+    ("custom threshold", 5000, dv(), rq(4096), ConditionalConfig(prefill_busy_threshold=4.0), "disagg",
+     "prefill_not_busy"),
+]
+
+
+@pytest.mark.parametrize(("name", "queued", "d", "req", "cfg", "route", "reason"), COND_CASES,
+                         ids=[c[0] for c in COND_CASES])
+def test_conditional_disagg(name: str, queued: int, d: DecodeView, req: RequestSpec, cfg: ConditionalConfig,
+                            route: str, reason: str) -> None:
+    dec = make_policy("conditional-disagg", conditional=cfg).decide(req, cluster([pv(queued=queued)], [d]), 0.0)
+    assert (dec.route, dec.reason, dec.decode_worker) == (route, reason, "decode-0")
+    assert (dec.prefill_worker is None) == (route == "deflect")
+    assert dec.chunk_schedule == ()  # the engine's default chunking, no TBT-aware schedule
+
+
+def test_conditional_without_prefill_workers_deflects() -> None:
+    dec = decide("conditional-disagg", rq(4096), cluster([], [dv()]))
+    assert (dec.route, dec.reason) == ("deflect", "no_prefill_worker")
+
+
+def test_deflect_all_picks_least_loaded_decode() -> None:
+    dec = decide("deflect-all", rq(4096), cluster([pv()], [dv("decode-0", batch=9), dv("decode-1", batch=3)]))
+    assert (dec.route, dec.decode_worker, dec.prefill_worker, dec.chunk_schedule) == ("deflect", "decode-1", None, ())
+
+
+def test_make_policy_names() -> None:
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")

@@ -13,7 +13,15 @@ import pytest
 
 from common.perf_model import PerfModel, load_profile
 from services.router.policy import (
-    POLICIES, ClusterView, DecodeView, KairosConfig, NoWorkers, PrefillView, RequestSpec, make_policy)
+    POLICIES,
+    ClusterView,
+    DecodeView,
+    KairosConfig,
+    NoWorkers,
+    PrefillView,
+    RequestSpec,
+    make_policy,
+)
 from services.router.policy.baselines import ConditionalConfig
 from services.router.policy.kairos import largest_safe_schedule
 

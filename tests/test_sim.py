@@ -1,0 +1,244 @@
+"""The discrete-event simulator: exact timings of lone requests, invariants over traces, the
+heartbeat/ledger model, determinism, the summary statistics and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from common.perf_model import Profile, load_profile
+from common.traces import TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
+from services.router.policy import POLICIES, KairosConfig, RequestSpec, make_policy
+from sim.cli import main
+from sim.core import SimConfig, Simulation, fastest_prefill, lower_bound, simulate
+from sim.stats import RequestTiming, summarize
+
+PROF = load_profile("a100-dsv2-lite")
+M = PROF.model
+
+
+def run(trace: list[TraceRequest], policy: str, profile: Profile = PROF, kairos: KairosConfig | None = None,
+        **cfg: object) -> list[RequestTiming]:
+    return simulate(trace, profile, make_policy(policy, kairos=kairos, default_model=profile.model),
+                    SimConfig(**cfg)).records  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ exact timings of one request
+
+
+def test_lone_disaggregated_request_timing() -> None:
+    (r,) = run([TraceRequest(0.0, 1000, 5)], "disagg-least-loaded")
+    prefill = M.step_time(0, 0, [(1000, 0)])
+    first_decode = M.step_time(1, 1000)
+    assert r.ttft == pytest.approx(prefill + M.xfer_time(1000) + first_decode, rel=1e-12)
+    assert list(r.tbt_gaps) == pytest.approx([M.step_time(1, 1000 + j) for j in range(1, 5)], rel=1e-12)
+    assert (r.route, r.output_tokens, r.queue_s, r.prefill_s) == ("disagg", 5, 0.0, pytest.approx(prefill))
+    assert r.xfer_s == pytest.approx(M.xfer_time(1000))
+
+
+def test_lone_prompt_over_the_budget_is_chunked() -> None:
+    (r,) = run([TraceRequest(0.0, 5000, 1)], "disagg-least-loaded")
+    steps = M.step_time(0, 0, [(2048, 0)]) + M.step_time(0, 0, [(2048, 2048)]) + M.step_time(0, 0, [(904, 4096)])
+    assert r.ttft == pytest.approx(steps + M.xfer_time(5000) + M.step_time(1, 5000))
+    assert list(r.tbt_gaps) == []
+
+
+def test_lone_deflected_request_uses_the_default_chunk() -> None:
+    (r,) = run([TraceRequest(0.0, 1300, 3)], "deflect-all")
+    chunks = M.step_time(0, 0, [(512, 0)]) + M.step_time(0, 0, [(512, 512)]) + M.step_time(0, 0, [(276, 1024)])
+    assert r.ttft == pytest.approx(chunks)  # the last chunk's step samples the first token; no transfer
+    assert list(r.tbt_gaps) == pytest.approx([M.step_time(1, 1301), M.step_time(1, 1302)])
+    assert r.route == "deflect" and r.xfer_s is None
+
+
+def test_kairos_runs_its_schedule_and_predicts_ttft() -> None:
+    (r,) = run([TraceRequest(0.0, 3000, 2)], "kairos")
+    assert r.route == "deflect" and r.reason == "decode_faster"
+    spec = RequestSpec(request_id="x", prompt_tokens=3000, max_tokens=2, ttft_slo=2.0, tbt_slo=0.1)
+    found = make_policy("kairos").decide(spec, Simulation(PROF, make_policy("kairos"), SimConfig())._view(0.0), 0.0)
+    actual = 0.0
+    done = 0
+    for chi in found.chunk_schedule:
+        actual += M.step_time(0, 0, [(chi, done)])
+        done += chi
+    assert r.ttft == pytest.approx(actual)
+    # the prediction charges the prompt's own KV as decode reads (Algorithm 1), so it is a bit higher
+    assert r.ttft_pred is not None and r.ttft <= r.ttft_pred <= r.ttft * 1.01
+
+
+# ------------------------------------------------------------------ invariants over a trace
+
+SYN = synthetic(rate=6.0, duration=60.0, arrival="onoff", cv=2.2, seed=5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_completes_with_its_tokens(policy: str) -> None:
+    recs = run(SYN, policy)
+    assert len(recs) == len(SYN)
+    for tr, r in zip(SYN, recs, strict=True):
+        assert r.ttft is not None and r.output_tokens == tr.output_length
+        assert len(r.tbt_gaps) == tr.output_length - 1
+        assert r.ttft >= fastest_prefill(M, tr.input_length) - 1e-12  # never beats the physical limit
+        assert all(g >= M.a0 for g in r.tbt_gaps)
+        assert r.e2e is not None and r.e2e >= r.ttft + sum(r.tbt_gaps) - 1e-9
+    s = summarize(recs, ttft_slo=2.0, tbt_slo=0.1)
+    assert s["output_tokens"] == sum(tr.output_length for tr in SYN)
+    if policy in ("disagg-least-loaded", "disagg-round-robin"):
+        assert s["deflection_rate"] == 0.0
+    if policy == "deflect-all":
+        assert s["deflection_rate"] == 1.0
+
+
+def test_deterministic() -> None:
+    def summary(**cfg: object) -> dict[str, object]:
+        return summarize(run(SYN, "kairos", **cfg), ttft_slo=2.0, tbt_slo=0.1)
+    assert summary() == summary()
+    assert summary(step_noise=0.1, seed=1) == summary(step_noise=0.1, seed=1)
+    assert summary(step_noise=0.1, seed=1) != summary(step_noise=0.1, seed=2)
+
+
+def test_lower_bound() -> None:
+    lb = lower_bound(SYN, PROF, ttft_slo=2.0, tbt_slo=0.1)
+    assert lb["requests"] == len(SYN)
+    assert lb["ttft_p95"] <= summarize(run(SYN, "kairos"), ttft_slo=2.0, tbt_slo=0.1)["ttft_p95"]
+    # the fastest chunking of a lone prompt beats the prefill worker's 2048-token chunks
+    assert fastest_prefill(M, 7436) < M.prefill_exec(7436, 2048)
+    assert fastest_prefill(M, 7436) == pytest.approx(min(M.prefill_exec(7436, c) for c in range(256, 2049)))
+
+
+# ------------------------------------------------------------------ heartbeats and the ledger
+
+
+def _busy(policy: str, **cfg: object) -> list[float]:
+    burst = [TraceRequest(0.001 * i, 2000, 4) for i in range(8)]
+    sim = Simulation(PROF, make_policy(policy), SimConfig(**cfg))  # type: ignore[arg-type]
+    sim.run(burst)
+    return [w.busy_s for w in sim.prefill]
+
+
+def test_stale_heartbeats_herd_without_the_ledger() -> None:
+    """Eight requests within 8 ms, heartbeats every second: without the ledger least-loaded
+    sends them all to the prefill worker that looked idle; the ledger spreads them."""
+    herd = _busy("disagg-least-loaded", heartbeat_interval=1.0, ledger=False)
+    spread = _busy("disagg-least-loaded", heartbeat_interval=1.0, ledger=True)
+    fresh = _busy("disagg-least-loaded", heartbeat_interval=0.0, ledger=False)
+    assert min(herd) == 0.0 and max(herd) > 0
+    assert min(spread) > 0 and min(fresh) > 0
+    assert max(spread) == pytest.approx(min(spread), rel=0.05)
+
+
+def test_stale_views_let_kairos_stack_deflections() -> None:
+    """Without the ledger, a stale heartbeat shows no deflection in flight, so Kairos puts
+    several on one decode worker and the stacked chunks break the TBT budget."""
+    burst = [TraceRequest(0.0, 200, 50)] * 10 + [TraceRequest(0.01 + 0.002 * i, 3000, 10) for i in range(6)]
+    with_ledger = summarize(run(burst, "kairos", heartbeat_interval=0.5), ttft_slo=2.0, tbt_slo=0.1)
+    stale = summarize(run(burst, "kairos", heartbeat_interval=0.5, ledger=False), ttft_slo=2.0, tbt_slo=0.1)
+    assert with_ledger["tbt_max"] <= 0.1
+    assert stale["tbt_max"] > 0.1
+    assert stale["routes"]["deflect"] > with_ledger["routes"]["deflect"]
+
+
+def test_kv_admission_waits_and_rejections() -> None:
+    small = msgspec.structs.replace(PROF, kv_capacity_tokens=1500)
+    # fresh views: the second request sees no room and is rejected (a clear failure, not a hang)
+    recs = run([TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 2000, 1)],
+               "disagg-least-loaded", profile=small, heartbeat_interval=0.0, decode=1)
+    assert [r.ttft is not None for r in recs] == [True, False, False]
+    assert recs[1].reason.startswith("rejected")
+    # stale views: both accepted; the second waits at the decode worker for KV room
+    recs = run([TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10)], "disagg-least-loaded", profile=small,
+               heartbeat_interval=10.0, ledger=False, decode=1)
+    assert all(r.ttft is not None for r in recs)
+    assert recs[1].ttft is not None and recs[0].e2e is not None and recs[1].ttft > recs[0].e2e
+    s = summarize(recs, ttft_slo=2.0, tbt_slo=0.1)
+    assert s["failed"] == 0
+
+
+# ------------------------------------------------------------------ the headline claim
+
+
+def test_kairos_beats_least_loaded_on_a_bursty_code_slice() -> None:
+    full = load_trace(trace_path("code"))
+    start = find_bursty_window(full, 120.0)
+    trace = load_trace(trace_path("code"), start=start, duration=120.0)
+    assert len(trace) > 500
+    k = summarize(run(trace, "kairos"), ttft_slo=2.0, tbt_slo=0.1)
+    ll = summarize(run(trace, "disagg-least-loaded"), ttft_slo=2.0, tbt_slo=0.1)
+    assert k["ttft_p95"] < 0.8 * ll["ttft_p95"]
+    assert k["tbt_slo_attainment"] >= ll["tbt_slo_attainment"] - 0.01
+    assert k["slo_attainment"] > ll["slo_attainment"]
+    assert 0 < k["deflection_rate"] < 1
+
+
+# ------------------------------------------------------------------ summary statistics
+
+
+def test_summarize_definitions() -> None:
+    recs = [
+        RequestTiming(ttft=0.5, tbt_gaps=[0.02, 0.03], route="disagg"),   # meets both
+        RequestTiming(ttft=3.0, tbt_gaps=[0.02], route="disagg"),         # misses TTFT
+        RequestTiming(ttft=1.0, tbt_gaps=[0.05, 0.2, 0.05], route="deflect", reason="decode_faster"),  # misses TBT
+        RequestTiming(ttft=0.1, tbt_gaps=[], route="deflect", reason="decode_faster"),  # one token: meets both
+        RequestTiming(ttft=None, route=None, reason="rejected: no room"),  # failed: misses both
+    ]
+    s = summarize(recs, ttft_slo=2.0, tbt_slo=0.1)
+    assert (s["requests"], s["completed"], s["failed"]) == (5, 4, 1)
+    assert s["ttft_slo_attainment"] == pytest.approx(3 / 5)
+    assert s["tbt_slo_attainment"] == pytest.approx(3 / 5)
+    assert s["slo_attainment"] == pytest.approx(2 / 5)
+    assert s["deflection_rate"] == pytest.approx(2 / 5)
+    assert s["ttft_p50"] == pytest.approx(0.75)  # of 0.1, 0.5, 1.0, 3.0
+    assert s["ttft_mean"] == pytest.approx(4.6 / 4)
+    assert s["tbt_p50"] == pytest.approx(0.04)   # pooled gaps 0.02 0.02 0.03 0.05 0.05 0.2
+    assert s["tbt_max"] == pytest.approx(0.2)
+    assert s["routes"] == {"deflect": 2, "disagg": 2}
+    assert s["reasons"] == {"decode_faster": 2, "rejected: no room": 1}
+    empty = summarize([], ttft_slo=1.0, tbt_slo=0.1)
+    assert empty["requests"] == 0 and empty["ttft_p95"] is None and empty["slo_attainment"] is None
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 40 * i, "input_length": 300 + 97 * i % 4000,
+                                           "output_length": 5 + i % 30}) for i in range(300)))
+    out = tmp_path / "r.json"
+    rc = main(["--trace", str(trace), "--policy", "kairos", "--policy", "disagg-least-loaded", "--rate-scale",
+               "1,3", "--out", str(out), "--plot", str(tmp_path / "plots"), "--quiet"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"config", "lower_bound", "policies", "sweep"}
+    assert list(res["policies"]) == ["kairos", "disagg-least-loaded"]
+    for key in ("ttft_p50", "ttft_p95", "ttft_p99", "tbt_p95", "tbt_p99", "ttft_slo_attainment",
+                "tbt_slo_attainment", "slo_attainment", "deflection_rate", "requests"):
+        assert key in res["policies"]["kairos"]
+    assert res["policies"]["kairos"]["requests"] == 300
+    assert [p["rate_scale"] for p in res["sweep"]] == [1.0, 3.0]
+    assert res["sweep"][1]["prefill_load"] == pytest.approx(3 * res["sweep"][0]["prefill_load"], rel=0.01)
+    assert res["config"]["profile"] == "a100-dsv2-lite" and res["config"]["ledger"] is True
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "attainment_vs_load.png", "ttft_cdf_x1.png", "ttft_cdf_x3.png"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--trace", "synthetic", "--duration", "5", "--alpha", "0.5"],
+    ["--trace", "nope.csv"],
+    ["--trace", "synthetic", "--duration", "5", "--rate-scale", "0"],
+    ["--trace", "synthetic", "--duration", "5", "--candidates", "a,b"],
+])
+def test_cli_rejects_bad_options(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, "--quiet"]) == 2
+    assert "kairos sim:" in capsys.readouterr().err
+
+
+def test_cli_synthetic(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["--trace", "synthetic", "--rate", "5", "--duration", "20", "--arrival", "gamma", "--cv", "2",
+                 "--lengths", "conv", "--policy", "conditional-disagg", "--out", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["arrival"] == "gamma" and res["policies"]["conditional-disagg"]["requests"] > 50

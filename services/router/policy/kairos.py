@@ -13,6 +13,8 @@ is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`)
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from common.perf_model import PerfModel
@@ -23,7 +25,6 @@ from services.router.policy.base import (
     NoWorkers,
     RequestSpec,
     least_loaded_decode,
-    ttft_prefill_path,
 )
 
 
@@ -48,6 +49,45 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_deflections must be >= 1")
 
 
+_OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
+_INF = float("inf")
+
+
+def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int]) -> float:
+    """A lower bound on TTFT_D of any schedule the search can build, to skip a worker that
+    cannot beat the limit without walking its steps.
+
+    n chunks cost at least n*base0 + a3*L + a4*L^2/2 + a5*L^2/n: the attention term sums to
+    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n. Every chunk satisfies
+    base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
+    the bound stays valid under float error); all but the last are candidates <= chi_max, so
+    n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate)."""
+    a3, a4, a5 = model.a3, model.a4, model.a5
+    room = budget_s - base0
+    if room <= 0:
+        return 0.0  # no chunk fits: the search finds that at its first step
+    q = a4 / 2.0 + a5
+    if q > 0:
+        chi_max = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q)
+    elif a3 > 0:
+        chi_max = room / a3
+    else:
+        chi_max = _INF
+    chi_max = chi_max * (1 + 1e-9) + 1e-6
+    last = min(cands[0], chi_max)
+    body = next((c for c in cands if c <= chi_max), 0)
+    if tokens <= last:
+        n_min = 1.0
+    elif body == 0:
+        return 0.0  # infeasible: left to the search
+    else:
+        n_min = 1.0 + math.ceil((tokens - last) / body)
+    n = n_min
+    if a5 > 0 and base0 > 0:
+        n = max(n_min, tokens * math.sqrt(a5 / base0))
+    return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4 * tokens * tokens / 2.0
+
+
 def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s: float,
                           candidates: tuple[int, ...], limit_s: float, max_steps: int
                           ) -> tuple[tuple[int, ...], float] | None:
@@ -60,21 +100,33 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
     smaller chunk), so the scan restarts from the top once the remainder is within the largest
     candidate; the schedule is non-increasing except possibly for its last chunk.
     """
-    a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
-    base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
     cap = d.token_budget - d.batch
     cands = [c for c in sorted(candidates, reverse=True) if c <= cap]
+    status, sched, total = _search(model, d, tokens, budget_s, cands, limit_s, max_steps)
+    return (sched, total) if status == _OK else None
+
+
+def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
+            max_steps: int) -> tuple[int, tuple[int, ...], float]:
+    """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
+    some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
+    feasibility beyond is unknown). `cands`: usable candidates, largest first."""
     if not cands:
-        return None
+        return _INFEASIBLE, (), 0.0
+    a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
+    base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
+    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands) > limit_s * (1 + 1e-9):
+        return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
     total = 0.0
     done = 0
     i = 0
     n = len(cands)
+    top = cands[0]
     while done < tokens:
         rem = tokens - done
         base = base0 + a2 * done
-        if rem <= cands[0]:
+        if rem <= top:
             # near the end every candidate >= rem proposes the whole remainder, which may fit
             # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
             i = 0
@@ -85,13 +137,15 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
                 break
             i += 1
         else:
-            return None
+            return _INFEASIBLE, (), 0.0
         sched.append(chi)
         total += t
         done += chi
-        if total > limit_s or len(sched) > max_steps:
-            return None
-    return tuple(sched), total
+        if len(sched) > max_steps:
+            return _INFEASIBLE, (), 0.0
+        if total > limit_s:
+            return _OVER_LIMIT, (), 0.0
+    return _OK, tuple(sched), total
 
 
 class Kairos:
@@ -100,22 +154,45 @@ class Kairos:
     def __init__(self, cfg: KairosConfig | None = None, *, default_model: PerfModel | None = None) -> None:
         self.cfg = cfg or KairosConfig()
         self.default_model = default_model
+        self._desc = sorted(self.cfg.candidates, reverse=True)
+        self._cands_by_cap: dict[int, list[int]] = {}
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
             return m
         return self.default_model
 
+    def _cands(self, cap: int) -> list[int]:
+        c = self._cands_by_cap.get(cap)
+        if c is None:
+            if len(self._cands_by_cap) > 256:
+                self._cands_by_cap.clear()
+            c = self._cands_by_cap[cap] = [x for x in self._desc if x <= cap]
+        return c
+
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
-        # prefill path: Equation 1 on every prefill worker, take the best
+        # prefill path: Equation 1 on every prefill worker, take the best. Exec and T_xfer depend
+        # only on the model and the token budget, so they are computed once per distinct pair.
         best_p = None
         ttft_p = float("inf")
+        own: dict[tuple[PerfModel, int], tuple[float, float]] = {}
+        last_m: PerfModel | None = None
+        last_chunk = 0
+        ex = xfer = 0.0
         for p in view.prefill:
-            pv = p if cfg.per_worker_models or self.default_model is None else msgspec.structs.replace(
-                p, model=self.default_model)
-            t = ttft_prefill_path(pv, req, transfer=cfg.transfer_term, prefix_aware=cfg.prefix_aware)
+            m = self._model(p.model)
+            chunk = p.token_budget
+            if m is not last_m or chunk != last_chunk:
+                got = own.get((m, chunk))
+                if got is None:
+                    got = own[(m, chunk)] = (m.prefill_exec(tokens, chunk), m.xfer_time(req.prompt_tokens))
+                ex, xfer = got
+                last_m, last_chunk = m, chunk
+            t = m.queue_wait(p.queued_tokens, chunk) + ex
+            if cfg.transfer_term:
+                t += xfer
             if t < ttft_p:
                 best_p, ttft_p = p, t
         if not view.decode:
@@ -126,6 +203,7 @@ class Kairos:
         best: tuple[tuple[int, ...], float] | None = None
         why_not = "no_decode_slack"
         need_kv = req.prompt_tokens + req.max_tokens
+        status: dict[str, int] = {}
         for d in sorted(view.decode, key=lambda x: x.worker_id):
             if d.deflections >= cfg.max_deflections:
                 why_not = "deflection_in_flight" if why_not == "no_decode_slack" else why_not
@@ -134,19 +212,20 @@ class Kairos:
                 continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
             cut = limit if best is None else min(limit, best[1])
-            found = largest_safe_schedule(self._model(d.model), d, tokens, cfg.beta * slo,
-                                          cfg.candidates, cut, cfg.max_steps)
-            if found is None:
+            st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo,
+                                       self._cands(d.token_budget - d.batch), cut, cfg.max_steps)
+            status[d.worker_id] = st
+            if st != _OK:
                 continue
-            if best is None or found[1] < best[1]:
-                best_d, best = d, found
+            if best is None or total < best[1]:
+                best_d, best = d, (sched, total)
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
             d = least_loaded_decode(view, req)
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
-                reason = self._reason_without_schedule(req, view, tokens, ttft_p)
+                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None)
         sched, ttft_d = best
@@ -155,17 +234,23 @@ class Kairos:
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
                         chunk_schedule=sched)
 
-    def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float) -> str:
-        """Explain a disaggregated decision: was there no slack, or was the decode path just slower?"""
+    def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
+                                 status: dict[str, int]) -> str:
+        """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
+
+        `status`: what the limited search found per worker; one found infeasible stays so without
+        the limit (the same steps fail), so only the others are searched again."""
         cfg = self.cfg
         for d in view.decode:
             if d.deflections >= cfg.max_deflections or d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
                 continue
+            if status.get(d.worker_id) == _INFEASIBLE:
+                continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            found = largest_safe_schedule(self._model(d.model), d, tokens, cfg.beta * slo, cfg.candidates,
-                                          float("inf"), cfg.max_steps)
-            if found is not None:
-                if found[1] > req.ttft_slo and found[1] <= cfg.alpha * ttft_p:
+            st, _, total = _search(self._model(d.model), d, tokens, cfg.beta * slo,
+                                   self._cands(d.token_budget - d.batch), float("inf"), cfg.max_steps)
+            if st == _OK:
+                if total > req.ttft_slo and total <= cfg.alpha * ttft_p:
                     return "ttft_slo_gate"
                 return "decode_slower"
         return "no_decode_slack"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgspec
 import pytest
 
 from common.perf_model import PerfModel, load_profile
@@ -23,7 +24,7 @@ from services.router.policy import (
     make_policy,
 )
 from services.router.policy.baselines import ConditionalConfig
-from services.router.policy.kairos import largest_safe_schedule
+from services.router.policy.kairos import _lower_bound, largest_safe_schedule
 
 M = load_profile("a100-dsv2-lite").model
 CANDS = (2048, 1024, 512, 256, 128)
@@ -271,6 +272,83 @@ def test_largest_safe_schedule_matches_algorithm1(seed: int) -> None:
         if got is not None and ref is not None:
             assert got[0] == ref[0]
             assert got[1] == pytest.approx(ref[1], rel=1e-9)
+
+
+def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> tuple[str, str | None, str | None,
+                                                                                    tuple[int, ...]]:
+    """The printed rule, straight: best prefill worker by Equation 1, best decode worker by
+    Algorithm 1 (ties to the lowest id), deflect iff both gates hold."""
+    tokens = req.prompt_tokens - req.cached_tokens
+    ttft_p, best_p = float("inf"), None
+    for p in view.prefill:
+        t = eq1(p.model, p.queued_tokens, tokens, p.token_budget, transfer=cfg.transfer_term,
+                xfer_tokens=req.prompt_tokens)
+        if t < ttft_p:
+            ttft_p, best_p = t, p.worker_id
+    best: tuple[float, str, tuple[int, ...]] | None = None
+    for d in sorted(view.decode, key=lambda x: x.worker_id):
+        if d.deflections >= cfg.max_deflections or d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
+            continue
+        slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
+        found = algorithm1(d.model, d, tokens, cfg.beta * slo, cfg.candidates, cfg.max_steps)
+        if found is not None and (best is None or found[1] < best[0]):
+            best = (found[1], d.worker_id, found[0])
+    if best is not None and best[0] <= cfg.alpha * ttft_p and best[0] <= req.ttft_slo:
+        return "deflect", None, best[1], best[2]
+    return "disagg", best_p, None, ()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
+    """Route, workers and schedule equal a straight implementation of the rule (the policy
+    prunes workers that cannot win; this checks the pruning never changes a decision)."""
+    rng = random.Random(100 + seed)
+    slow = M.scaled(1.4)
+    for _ in range(300):
+        n_p, n_d = rng.randint(0, 4), rng.randint(1, 6)
+        prefill = [pv(f"prefill-{i}", queued=rng.choice([0, rng.randint(1, 80_000)]), model=rng.choice([M, slow]))
+                   for i in range(n_p)]
+        decode = [dv(f"decode-{i}", batch=rng.randint(0, 220), kv=rng.randint(0, 400_000),
+                     defl=rng.choice([0, 0, 0, 1, 2]), slo=rng.choice([0.05, 0.1, 0.2]),
+                     free=rng.choice([1_000_000, 3000]), reserved=rng.choice([0.0, 0.0, 0.01]),
+                     model=rng.choice([M, slow])) for i in range(n_d)]
+        rng.shuffle(decode)
+        if rng.random() < 0.2:  # an exact twin under another id: a tie
+            decode.append(msgspec.structs.replace(decode[0], worker_id="decode-9"))
+        cfg = rng.choice([KairosConfig(), KairosConfig(alpha=1.0), KairosConfig(transfer_term=False),
+                          KairosConfig(max_deflections=2), KairosConfig(candidates=(1024, 256), beta=1.0)])
+        req = rq(rng.choice([rng.randint(1, 9000), 7436, 2048]), out=rng.randint(1, 400),
+                 ttft_slo=rng.choice([0.3, 1.0, 2.0, 30.0]), cached=rng.choice([0, 0, 500]))
+        view = cluster(prefill, decode)
+        ref = reference_kairos(req, view, cfg)
+        try:
+            d = make_policy("kairos", kairos=cfg).decide(req, view, 0.0)
+        except NoWorkers:  # no prefill worker, or no decode worker with KV room for the handoff
+            room = any(x.kv_free_tokens >= req.prompt_tokens + req.max_tokens for x in decode)
+            assert ref[0] == "disagg" and (ref[1] is None or not room)
+            continue
+        assert d.route == ref[0]
+        if d.route == "deflect":
+            assert (d.decode_worker, d.chunk_schedule) == (ref[2], ref[3])
+        else:
+            assert d.prefill_worker == ref[1]
+
+
+def test_lower_bound_never_exceeds_the_schedule() -> None:
+    """The pruning bound is a true lower bound (else a worker that could win would be skipped)."""
+    rng = random.Random(7)
+    models = [M, M.scaled(0.5), msgspec.structs.replace(M, a5=0.0), msgspec.structs.replace(M, a4=0.0, a5=0.0)]
+    for _ in range(3000):
+        m = rng.choice(models)
+        d = dv(batch=rng.randint(0, 200), kv=rng.randint(0, 400_000), reserved=rng.choice([0.0, 0.02]), model=m)
+        tokens = rng.randint(1, 20_000)
+        budget = rng.choice([0.03, 0.06, 0.09, 0.2, 1.0])
+        cands = sorted(rng.choice([CANDS, (1024, 256), (512,), (2048, 128), (300, 100)]), reverse=True)
+        found = algorithm1(m, d, tokens, budget, tuple(cands))
+        if found is None:
+            continue
+        base0 = m.a0 + m.a1 * d.batch + m.a2 * d.kv_tokens + d.reserved_step_s
+        assert _lower_bound(m, base0, tokens, budget, cands) <= found[1] * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(("kw", "msg"), [({"alpha": 0.9}, "alpha"), ({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),

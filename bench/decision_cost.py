@@ -1,0 +1,146 @@
+"""`kairos bench-decision`: the cost of one routing decision (the paper: < 1 ms per request).
+
+For each cluster size (N prefill + N decode workers) it builds a set of realistic, loaded
+views (seeded): decode workers with 8-64 (a fifth: 64-200) running decodes of 1-4k tokens of context each, a
+TBT SLO of 100 ms, a quarter of them with a deflection in flight; prefill workers idle (half
+of them) or with 1-60k queued prompt tokens. Prompts are drawn from the Azure code trace
+(synthetic code-like lengths if the trace is absent). Each decision is timed alone with perf_counter_ns, after a
+warm-up, with the garbage collector on (as in the router), in several passes; the median
+pass's p50 and p99 are reported (a shared machine's preemptions hit single passes), with the
+maximum over all passes and the routes taken, so that one can see the decisions were not trivial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from common.errors import ConfigError
+from common.perf_model import PerfModel, load_profile
+from common.traces import synthetic
+from services.router.policy import ClusterView, DecodeView, KairosConfig, PrefillView, RequestSpec, make_policy
+
+
+def make_view(rng: random.Random, n: int, model: PerfModel, prefill_budget: int, decode_budget: int,
+              kv_capacity: int) -> ClusterView:
+    prefill = tuple(PrefillView(worker_id=f"prefill-{i:03d}",
+                                queued_tokens=0 if rng.random() < 0.5 else rng.randint(1, 60_000),
+                                queued_requests=rng.randint(0, 20), token_budget=prefill_budget, model=model)
+                    for i in range(n))
+    decode = []
+    for i in range(n):
+        batch = rng.randint(8, 64) if rng.random() < 0.8 else rng.randint(64, 200)
+        kv = sum(rng.randint(1000, 4000) for _ in range(batch))
+        defl = 1 if rng.random() < 0.25 else 0
+        decode.append(DecodeView(worker_id=f"decode-{i:03d}", batch=batch, kv_tokens=kv,
+                                 kv_free_tokens=kv_capacity - kv, kv_capacity_tokens=kv_capacity,
+                                 resident_prefill_tokens=rng.randint(500, 6000) if defl else 0, deflections=defl,
+                                 strictest_tbt_slo=0.1, token_budget=decode_budget, model=model,
+                                 pending=rng.randint(0, 3)))
+    return ClusterView(prefill=prefill, decode=tuple(decode))
+
+
+def prompts(trace: str, n: int, seed: int) -> list[int]:
+    from common.traces import load_trace, trace_path
+
+    try:
+        lengths = [r.input_length for r in load_trace(trace_path(trace))]
+    except ConfigError:
+        lengths = [r.input_length for r in synthetic(rate=10.0, duration=1000.0, seed=seed)]
+    rng = random.Random(seed)
+    return [rng.choice(lengths) for _ in range(n)]
+
+
+def measure(policy_name: str, n: int, *, decisions: int, seed: int, lengths: list[int], profile: str,
+            kcfg: KairosConfig, repeat: int = 3) -> dict[str, Any]:
+    prof = load_profile(profile)
+    rng = random.Random(seed * 1000 + n)
+    views = [make_view(rng, n, prof.model, prof.prefill_token_budget, prof.decode_token_budget,
+                       prof.kv_capacity_tokens) for _ in range(64)]
+    reqs = [RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64, ttft_slo=2.0,
+                        tbt_slo=0.1) for i in range(decisions)]
+    policy = make_policy(policy_name, kairos=kcfg, default_model=prof.model)
+    for i in range(min(500, decisions)):  # warm-up
+        policy.decide(reqs[i], views[i % len(views)], 0.0)
+    clock = time.perf_counter_ns
+    reps: list[list[int]] = []
+    routes: dict[str, int] = {}
+    for _ in range(repeat):
+        ns: list[int] = []
+        routes = {}
+        gc.collect()
+        for i, req in enumerate(reqs):
+            view = views[i % len(views)]
+            t0 = clock()
+            d = policy.decide(req, view, 0.0)
+            ns.append(clock() - t0)
+            routes[d.route] = routes.get(d.route, 0) + 1
+        ns.sort()
+        reps.append(ns)
+
+    def q(ns: list[int], f: float) -> float:
+        return ns[min(len(ns) - 1, int(len(ns) * f))] / 1e3
+
+    return {"policy": policy_name, "prefill_workers": n, "decode_workers": n, "decisions": decisions,
+            "repeat": repeat, "p50_us": statistics.median(q(ns, 0.5) for ns in reps),
+            "p99_us": statistics.median(q(ns, 0.99) for ns in reps), "max_us": max(ns[-1] for ns in reps) / 1e3,
+            "mean_us": statistics.median(sum(ns) / len(ns) for ns in reps) / 1e3,
+            "p99_us_runs": [q(ns, 0.99) for ns in reps], "deflect_share": routes.get("deflect", 0) / decisions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kairos bench-decision", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="2,8,32,128", help="decode (and prefill) workers per run, comma separated")
+    ap.add_argument("--decisions", type=int, default=5000, help="timed decisions per size (default 5000)")
+    ap.add_argument("--policy", action="append", default=None,
+                    help="policies to time (default: kairos and disagg-least-loaded)")
+    ap.add_argument("--profile", default="a100-dsv2-lite")
+    ap.add_argument("--trace", default="code", help="prompt lengths from this trace (default code)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed passes per size; the median pass's p50/p99 are reported (default 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    err = Console(stderr=True)
+    try:
+        sizes = [int(x) for x in args.workers.split(",") if x.strip()]
+        if not sizes or min(sizes) < 1 or args.decisions < 1 or args.repeat < 1:
+            raise ConfigError("--workers needs positive integers; --decisions and --repeat must be >= 1")
+        lengths = prompts(args.trace, 4096, args.seed)
+        kcfg = KairosConfig()
+        rows = [measure(p, n, decisions=args.decisions, seed=args.seed, lengths=lengths, profile=args.profile,
+                        kcfg=kcfg, repeat=args.repeat)
+                for p in (args.policy or ["kairos", "disagg-least-loaded"]) for n in sizes]
+    except (ConfigError, ValueError) as e:
+        err.print(f"[red]kairos bench-decision: {e}[/]")
+        return 2
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    tab = Table(title=f"decision cost, {args.profile}, prompts from {args.trace}, Python {platform.python_version()}")
+    for col in ("policy", "P+D workers", "p50 µs", "p99 µs", "max µs", "mean µs", "deflect"):
+        tab.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        tab.add_row(r["policy"], f"{r['prefill_workers']}+{r['decode_workers']}", f"{r['p50_us']:.1f}",
+                    f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}", f"{r['mean_us']:.1f}",
+                    f"{100 * r['deflect_share']:.0f}%")
+    console.print(tab)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
+                                              "profile": args.profile, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

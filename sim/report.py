@@ -1,0 +1,75 @@
+"""`python -m sim.report results.json ...`: one markdown table over several `kairos sim` results.
+
+One row per (file, rate scale, policy). The leading columns are the trace, the rate scale and
+the offered prefill load, then any config field that differs between the files (alpha, chunk
+candidates, heartbeat interval, ledger, ...), then the policy and its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+VARYING = ("alpha", "beta", "candidates", "heartbeat_interval", "ledger", "transfer_term", "max_deflections",
+           "step_noise", "ttft_slo", "tbt_slo", "prefill", "decode", "profile")
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("ttft_p50", "TTFT p50 s", "s"), ("ttft_p95", "TTFT p95 s", "s"), ("ttft_p99", "TTFT p99 s", "s"),
+    ("tbt_p99", "TBT p99 ms", "ms"), ("ttft_slo_attainment", "TTFT SLO", "%"),
+    ("tbt_slo_attainment", "TBT SLO", "%"), ("slo_attainment", "both SLOs", "%"), ("deflection_rate", "deflected", "%"),
+)
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "%":
+        return f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1000 * v:.0f}"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, list):
+        return ",".join(str(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def table(results: list[dict[str, Any]], policies: list[str] | None = None) -> str:
+    varying = [k for k in VARYING if len({json.dumps(r["config"].get(k)) for r in results}) > 1]
+    head = ["trace", "rate x", "prefill load", *varying, "policy", *(c[1] for c in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for res in results:
+        cfg = res["config"]
+        for point in res.get("sweep") or [{"rate_scale": cfg.get("rate_scales", [1])[0],
+                                           "prefill_load": None, "policies": res["policies"]}]:
+            for name, s in point["policies"].items():
+                if policies and name not in policies:
+                    continue
+                row = [str(cfg.get("trace")), f"{point['rate_scale']:g}", _fmt(point.get("prefill_load"), "s"),
+                       *(_fmt(cfg.get(k), "s") for k in varying), name,
+                       *(_fmt(s.get(k), kind) for k, _, kind in COLUMNS)]
+                lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="results.json files written by kairos sim --out")
+    ap.add_argument("--policy", action="append", default=None, help="only these policies")
+    args = ap.parse_args(argv)
+    try:
+        results = [json.loads(Path(f).read_text()) for f in args.files]
+    except (OSError, ValueError) as e:
+        print(f"sim.report: {e}", file=sys.stderr)
+        return 2
+    print(table(results, args.policy))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

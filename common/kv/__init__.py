@@ -14,6 +14,7 @@ The flow (the router only relays the small control messages)::
                                                                 payload = fill_pattern(request_id, L, bpt)
     view = await rx.wait(key, timeout,      ◀── NIXL WRITE ──── await tx.push(agent_name, key, ids, payload,
                          tokens=L, bytes_per_token=bpt)             timeout=cfg.kv_timeout)
+                                                                (push_pattern: the same, no temporary array)
     rx.release(key); admit the request          KvReady ◀───── PrefillDone(kv=KvHandle(..., transfer_s=...))
 
 `key` names one transfer attempt: transfer_key(request_id, attempt) == f"{request_id}:{attempt}".
@@ -42,10 +43,9 @@ Prefill worker (sender)::
     tx = sender_from_config(cfg, name=worker_id)
     tx.add_peer(info)                               # every time the router relays a decode worker's info
     bpt = layout_from_info(tx.peer_info(target.agent_name), cfg.kv_block_tokens).bytes_per_token
-    payload = fill_pattern(request_id, L, bpt)
-    try:
-        r = await tx.push(target.agent_name, transfer_key(request_id, attempt), target.block_ids, payload,
-                          timeout=cfg.kv_timeout)
+    try:                                            # fill_pattern(request_id, L, bpt), written into staging:
+        r = await tx.push_pattern(target.agent_name, transfer_key(request_id, attempt), target.block_ids,
+                                  request_id=request_id, tokens=L, bytes_per_token=bpt, timeout=cfg.kv_timeout)
         kv = KvHandle(transport="nixl", source_worker=worker_id, tokens=L, nbytes=r.nbytes,
                       transfer_s=r.transfer_s)
     except KvTransferError as e:

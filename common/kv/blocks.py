@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 
@@ -48,11 +50,11 @@ class BlockAllocator:
     def free(self, ids: list[int]) -> None:
         if not ids:
             return
-        if self._free[ids].any():
+        if len(set(ids)) != len(ids) or self._free[ids].any():
             raise ValueError("double free of KV blocks")
         self._free[ids] = True
         self.free_count += len(ids)
 
 
 def is_contiguous(ids: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
+    return all(b == a + 1 for a, b in itertools.pairwise(ids))

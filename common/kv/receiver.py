@@ -30,7 +30,7 @@ import numpy.typing as npt
 from common import logging as klog
 from common.kv import _nixl
 from common.kv.blocks import BlockAllocator, is_contiguous
-from common.kv.errors import KvBadDescriptor, KvCorrupt, KvError, KvNoSpace, KvTimeout
+from common.kv.errors import KvBadDescriptor, KvCorrupt, KvError, KvNoSpace, KvTimeout, KvUnavailable
 from common.kv.layout import KvLayout
 from common.kv.pattern import verify_pattern
 from common.messages import KvAgentInfo
@@ -55,7 +55,7 @@ class _Reservation:
     nbytes: int
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     source: str = ""
-    error: str = ""  # set when the notification disagrees with the reservation
+    outcome: KvError | None = None  # a failure to raise from wait(): bad size, released, closed
 
 
 class KvReceiver:
@@ -66,7 +66,7 @@ class KvReceiver:
     """
 
     def __init__(self, name: str, *, num_blocks: int, block_bytes: int, poll_s: float = 0.0002,
-                 idle_poll_s: float = 0.002, quarantine_s: float = 11.0, layout: KvLayout | None = None) -> None:
+                 idle_poll_s: float = 0.01, quarantine_s: float = 11.0, layout: KvLayout | None = None) -> None:
         if num_blocks < 1 or block_bytes < 1:
             raise KvBadDescriptor(f"KV pool needs num_blocks >= 1 and block_bytes >= 1, got {num_blocks}, "
                                   f"{block_bytes}")
@@ -85,7 +85,7 @@ class KvReceiver:
         self._addr = int(self._pool.ctypes.data)
         try:
             self._reg = self._agent.register_memory([(self._addr, self._pool.nbytes, 0, "")], "DRAM")
-        except Exception as e:  # noqa: BLE001 - any NIXL failure: typed error
+        except Exception as e:
             raise _nixl.translate(e, f"registering {self._pool.nbytes} bytes") from e
         self._blocks = BlockAllocator(num_blocks)
         self._res: dict[str, _Reservation] = {}
@@ -115,12 +115,13 @@ class KvReceiver:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for res in self._res.values():
-            res.error = res.error or "receiver closed"
-            res.arrived.set()
+        for key, res in self._res.items():
+            if not res.arrived.is_set():
+                res.outcome = KvUnavailable(f"{key}: receiver {self.name!r} closed while waiting")
+                res.arrived.set()
         try:
             self._agent.deregister_memory(self._reg)
-        except Exception as e:  # noqa: BLE001 - shutdown: log and carry on
+        except Exception as e:
             self._log.warning("kv_deregister_failed", error=str(e))
         self._agent = None
 
@@ -191,7 +192,7 @@ class KvReceiver:
         if res is None:
             raise KvBadDescriptor(f"{key}: not reserved")
         if self._task is None or self._task.done():
-            raise RuntimeError("KvReceiver is not started (use `async with receiver` or `await receiver.start()`)")
+            raise RuntimeError("KvReceiver poller is not running (`async with receiver` or `await receiver.start()`)")
         if not res.arrived.is_set():
             try:
                 await asyncio.wait_for(res.arrived.wait(), timeout)
@@ -199,9 +200,10 @@ class KvReceiver:
                 self._failures[KvTimeout.reason] += 1
                 raise KvTimeout(f"{key}: no KV notification within {timeout:.3f}s ({res.nbytes} bytes in "
                                 f"{len(res.blocks)} blocks expected)") from None
-        if res.error:
-            self._failures[KvCorrupt.reason] += 1
-            raise KvCorrupt(f"{key}: {res.error}")
+        if res.outcome is not None:
+            if isinstance(res.outcome, KvCorrupt):
+                self._failures[KvCorrupt.reason] += 1
+            raise res.outcome
         data = self.view(key)
         if tokens is not None:
             if bytes_per_token is None:
@@ -233,7 +235,12 @@ class KvReceiver:
         if res is None:
             return
         self._counts["released"] += 1
-        if res.arrived.is_set() or self.quarantine_s <= 0 or self._closed:
+        if res.arrived.is_set() or self._closed:  # the WRITE is complete: nothing more will land
+            self._blocks.free(res.blocks)
+            return
+        res.outcome = KvBadDescriptor(f"{key}: released while waiting for its KV")
+        res.arrived.set()  # wake a waiter: this transfer is abandoned
+        if self.quarantine_s <= 0:
             self._blocks.free(res.blocks)
         else:
             self._quarantine[key] = (res.blocks, time.monotonic() + self.quarantine_s)
@@ -268,7 +275,7 @@ class KvReceiver:
         while True:
             try:
                 notifs = self._agent.get_new_notifs()
-            except Exception as e:  # noqa: BLE001 - a failed poll must not end the poller
+            except Exception as e:
                 self._failures[_nixl.translate(e, "polling notifications").reason] += 1
                 self._log.warning("kv_poll_failed", error=f"{type(e).__name__}: {e}")
                 await asyncio.sleep(self.idle_poll_s)
@@ -278,7 +285,7 @@ class KvReceiver:
                     self._on_notification(str(source), bytes(msg))
             if self._quarantine:
                 self._sweep_quarantine(time.monotonic())
-            expecting = any(not r.arrived.is_set() for r in self._res.values())
+            expecting = any(not r.arrived.is_set() for r in self._res.values())  # O(pending): small
             await asyncio.sleep(self.poll_s if expecting else self.idle_poll_s)
 
     def _on_notification(self, source: str, msg: bytes) -> None:
@@ -296,7 +303,7 @@ class KvReceiver:
             self._log.info("kv_late_notification", key=key, source=source, freed=late is not None)
             return
         if nbytes != res.nbytes:
-            res.error = f"{source} wrote {nbytes} bytes, {res.nbytes} were reserved"
+            res.outcome = KvCorrupt(f"{key}: {source} wrote {nbytes} bytes, {res.nbytes} were reserved")
         res.source = source
         res.arrived.set()
         self._counts["arrived"] += 1
@@ -318,4 +325,4 @@ def request_of(key: str) -> str:
     return head if sep and tail.isdigit() else key
 
 
-__all__ = ["KvError", "KvReceiver", "parse_notification", "request_of", "transfer_key"]
+__all__ = ["KvReceiver", "parse_notification", "request_of", "transfer_key"]

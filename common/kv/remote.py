@@ -52,32 +52,32 @@ class Ctl(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     agent: str = ""
 
 
-class CtlInfo(Ctl):
+class CtlInfo(Ctl, frozen=True, kw_only=True):
     pass
 
 
-class CtlReserve(Ctl):
+class CtlReserve(Ctl, frozen=True, kw_only=True):
     key: str
     nbytes: int
     block_ids: list[int] | None = None
 
 
-class CtlWait(Ctl):
+class CtlWait(Ctl, frozen=True, kw_only=True):
     key: str
     timeout: float
     tokens: int | None = None
     bytes_per_token: int | None = None
 
 
-class CtlRelease(Ctl):
+class CtlRelease(Ctl, frozen=True, kw_only=True):
     key: str
 
 
-class CtlStats(Ctl):
+class CtlStats(Ctl, frozen=True, kw_only=True):
     pass
 
 
-class CtlQuit(Ctl):
+class CtlQuit(Ctl, frozen=True, kw_only=True):
     pass
 
 

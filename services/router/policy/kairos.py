@@ -148,6 +148,19 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     return _OK, tuple(sched), total
 
 
+def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int]) -> float:
+    """The step time a deflection in flight may add to its decode worker: the largest chunk
+    cost over its schedule, each chunk at the context it will run at. This is what to put in
+    `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
+    the first chunk alone underestimates it, since later chunks attend over a longer prefix."""
+    worst = 0.0
+    done = 0
+    for chi in schedule:
+        worst = max(worst, model.chunk_cost(chi, done))
+        done += chi
+    return worst
+
+
 class Kairos:
     name = "kairos"
 

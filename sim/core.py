@@ -42,6 +42,7 @@ from common.engines.batcher import Batcher, Seq, StepPlan
 from common.perf_model import PerfModel, Profile
 from common.traces import TraceRequest
 from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from services.router.policy.kairos import reserved_step_cost
 from sim.stats import RequestTiming, summarize
 
 
@@ -356,8 +357,7 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
-            # the live router reserves the first chunk's added step time (services/router/service.py)
-            dw.deflecting[r.rid] = dw.model.chunk_cost(d.chunk_schedule[0], 0) if d.chunk_schedule else 0.0
+            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule)
             if cfg.ledger:
                 dw.led_res += r.prompt
                 dw.led_kv += need

@@ -24,7 +24,7 @@ from services.router.policy import (
     make_policy,
 )
 from services.router.policy.baselines import ConditionalConfig
-from services.router.policy.kairos import _lower_bound, largest_safe_schedule
+from services.router.policy.kairos import _lower_bound, largest_safe_schedule, reserved_step_cost
 
 M = load_profile("a100-dsv2-lite").model
 CANDS = (2048, 1024, 512, 256, 128)
@@ -219,6 +219,15 @@ def test_kairos_reserved_step_shrinks_the_schedule() -> None:
     full = largest_safe_schedule(M, dv(batch=10, reserved=0.08), 4000, 0.09, CANDS, float("inf"), 4096)
     assert free is not None and busy is not None and full is None
     assert max(busy[0]) < max(free[0]) and busy[1] > free[1]
+
+
+def test_reserved_step_cost_takes_the_costliest_chunk_at_its_context() -> None:
+    sched = (512, 512, 512, 512, 512, 512, 512, 512, 512, 512, 300)
+    want = max(M.chunk_cost(c, 512 * i) for i, c in enumerate(sched))
+    assert reserved_step_cost(M, sched) == pytest.approx(want)
+    assert reserved_step_cost(M, sched) > M.chunk_cost(sched[0], 0)  # later chunks attend over more
+    assert reserved_step_cost(M, (1024, 512)) == pytest.approx(M.chunk_cost(1024, 0))
+    assert reserved_step_cost(M, ()) == 0.0
 
 
 def test_kairos_candidates_above_the_token_cap_are_dropped() -> None:

@@ -37,7 +37,7 @@ def make_tiny_model(out: Path) -> int:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [("the quick brown fox jumps over the lazy dog %d " % i) * 4 for i in range(2000)]
+    corpus = [f"the quick brown fox jumps over the lazy dog {i} " * 4 for i in range(2000)]
     corpus += ["lorem ipsum dolor sit amet consectetur adipiscing elit " * 3] * 200
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<unk>"],

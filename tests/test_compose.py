@@ -1,0 +1,444 @@
+"""The compose files run what `kairos up` runs, and only real commands and config fields.
+
+- docker-compose.sim.yml (the simulated cluster): each service's command and KAIROS_*
+  environment equal what kairos/up.py's Cluster builds for the same shape, at the defaults and
+  with every parameter changed; the services then start as plain processes and every compose
+  health check passes against them.
+- docker-compose.yml (GPU, vLLM): the same wiring as `kairos up --engine vllm`, one GPU reserved
+  per worker, nothing reserved for the router and monitor.
+- Both: commands are `kairos` subcommands that start, KAIROS_* keys are config fields of that
+  service, compose-only variables are documented, health checks parse, graceful stop periods
+  cover the drain.
+- scripts/check-compose.sh (`docker-compose config` of every file) when docker-compose is
+  installed; .ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the compose files (the dev extra)")
+
+from common import config  # noqa: E402
+from kairos import health  # noqa: E402
+from kairos.cli import COMMANDS  # noqa: E402
+from kairos.up import Cluster, ClusterSpec, Service, free_port, kairos_cmd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_FILE = ROOT / "docker-compose.yml"
+SIM_FILE = ROOT / "docker-compose.sim.yml"
+RDMA_FILE = ROOT / "docker-compose.rdma.yml"
+SERVICES = {"router", "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+WORKERS = SERVICES - {"router", "monitor"}
+
+CONFIG_OF: dict[str, type[config.BusConfig]] = {
+    "router": config.RouterConfig,
+    "monitor": config.MonitorConfig,
+    "prefill-worker": config.WorkerConfig,
+    "decode-worker": config.WorkerConfig,
+}
+# Variables the compose files interpolate that are not config fields (each file documents them).
+COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME", "KAIROS_MONITOR_PORT",
+                "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1"}
+# Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
+PASSTHROUGH = {"UCX_TLS", "UCX_NET_DEVICES"}
+# `kairos up` passes these to every worker; they only mean something to the simulated engine.
+SIM_ONLY = {"KAIROS_KV_TRANSPORT", "KAIROS_TIME_SCALE"}
+
+
+# ------------------------------------------------------------------------- reading compose
+
+
+_VAR = re.compile(r"\$(?:(?P<esc>\$)|\{(?P<braced>[^}]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_BRACED = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|-)(?P<default>.*))?$", re.S)
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation, the subset we use: $$, $NAME, ${NAME}, ${NAME:-default}, ${NAME-default}."""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group("esc"):
+            return "$"
+        if m.group("bare"):
+            return env.get(m.group("bare"), "")
+        b = _BRACED.match(m.group("braced"))
+        if b is None:
+            raise ValueError(f"unsupported interpolation ${{{m.group('braced')}}}")
+        value = env.get(b.group("name"))
+        if b.group("op") == ":-" and not value:
+            return interpolate(b.group("default"), env)
+        if b.group("op") == "-" and value is None:
+            return interpolate(b.group("default"), env)
+        return value or ""
+
+    return _VAR.sub(one, text)
+
+
+def resolve(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, dict):
+        return {k: resolve(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [resolve(v, env) for v in node]
+    return node
+
+
+def services(path: Path, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The file's services after YAML anchors/merges and interpolation (env: the shell's variables)."""
+    data = yaml.safe_load(path.read_text())
+    svcs: dict[str, dict[str, Any]] = resolve(data["services"], env or {})
+    return svcs
+
+
+def environment(svc: dict[str, Any]) -> dict[str, str | None]:
+    raw = svc.get("environment") or {}
+    if isinstance(raw, list):  # KEY=VALUE or KEY (pass-through)
+        raw = dict(item.split("=", 1) if "=" in item else (item, None) for item in raw)
+    return {k: None if v is None else str(v) for k, v in raw.items()}
+
+
+def kairos_env(svc: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in environment(svc).items() if k.startswith("KAIROS_") and v is not None}
+
+
+def interpolated_names(path: Path) -> set[str]:
+    names = set()
+    for m in _VAR.finditer(path.read_text()):
+        if m.group("braced"):
+            b = _BRACED.match(m.group("braced"))
+            assert b is not None, f"{path.name}: unsupported interpolation ${{{m.group('braced')}}}"
+            names.add(b.group("name"))
+        elif m.group("bare"):
+            names.add(m.group("bare"))
+    return names
+
+
+def field_env_names(cls: type[msgspec.Struct]) -> set[str]:
+    return {config.ENV_PREFIX + name.upper() for name in cls.__struct_fields__}
+
+
+ALL_FIELDS = set().union(*(field_env_names(c) for c in CONFIG_OF.values()))
+
+
+def duration_s(text: str) -> float:
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a compose duration: {text!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def cluster_services(spec: ClusterSpec) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """What `kairos up` runs for `spec`: service name -> (kairos arguments, environment)."""
+    out = {}
+    for name, svc in Cluster(spec).services.items():
+        prefix = kairos_cmd("")[:-1]  # [python, -m, kairos.cli]
+        assert svc.command[: len(prefix)] == prefix
+        out[name] = (svc.command[len(prefix):], dict(svc.env))
+    return out
+
+
+# ------------------------------------------------------------------------- both files
+
+
+@pytest.fixture(params=[GPU_FILE, SIM_FILE], ids=["gpu", "sim"])
+def compose_file(request: pytest.FixtureRequest) -> Path:
+    path: Path = request.param
+    return path
+
+
+def test_services_are_the_cluster(compose_file: Path) -> None:
+    assert set(services(compose_file)) == SERVICES
+
+
+def test_commands_are_kairos_subcommands_that_start(compose_file: Path) -> None:
+    commands = {tuple(svc["command"]) for svc in services(compose_file).values()}
+    for cmd in commands:
+        assert cmd[0] in COMMANDS, f"{compose_file.name}: `kairos {cmd[0]}` is not a kairos command"
+        assert cmd[0] in CONFIG_OF, f"{compose_file.name}: `kairos {cmd[0]}` is not a service"
+        r = subprocess.run([sys.executable, "-m", "kairos.cli", *cmd, "--help"], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env=_clean_env())
+        assert r.returncode == 0, f"`kairos {' '.join(cmd)} --help` failed:\n{r.stderr[-2000:]}"
+
+
+def test_environment_keys_are_config_fields_of_the_service(compose_file: Path) -> None:
+    for name, svc in services(compose_file).items():
+        cls = CONFIG_OF[svc["command"][0]]
+        for key, value in environment(svc).items():
+            if key.startswith("KAIROS_"):
+                assert key in field_env_names(cls), (
+                    f"{compose_file.name}: {name} sets {key}, which is not a field of {cls.__name__}")
+            else:
+                assert compose_file == GPU_FILE and key in PASSTHROUGH and value is None, (
+                    f"{compose_file.name}: {name} sets {key}: services are configured by KAIROS_* only "
+                    f"(pass-through allowed for {sorted(PASSTHROUGH)} on GPU workers)")
+        cfg = config.load(cls, env=kairos_env(svc))  # the values convert: ports are ints, ...
+        assert cfg.log_format == "json", f"{compose_file.name}: {name} must log JSON (KAIROS_LOG_FORMAT=json)"
+
+
+def test_interpolated_variables_are_fields_or_documented(compose_file: Path) -> None:
+    text = compose_file.read_text()
+    header = text.split("\nx-", 1)[0]
+    for var in interpolated_names(compose_file):
+        if var in ALL_FIELDS:
+            continue
+        assert var in COMPOSE_ONLY | PASSTHROUGH, (
+            f"{compose_file.name}: ${{{var}}} is neither a config field nor a documented compose variable")
+        assert var in header, f"{compose_file.name}: compose variable {var} is not documented in the header"
+    # A field-named variable sets that same field: no `KAIROS_HTTP_PORT: ${KAIROS_WORK_PORT}` crossings.
+    for name, svc in yaml.safe_load(text)["services"].items():
+        for key, value in (svc.get("environment") or {}).items():
+            for var in interpolated_names_in(str(value)):
+                assert var not in ALL_FIELDS or var == key, (
+                    f"{compose_file.name}: {name}: {key} is set from ${{{var}}}, another field's variable")
+
+
+def interpolated_names_in(text: str) -> set[str]:
+    out = set()
+    for m in _VAR.finditer(text):
+        b = _BRACED.match(m.group("braced") or "")
+        if b is not None:
+            out.add(b.group("name"))
+    return out
+
+
+def test_operations_settings(compose_file: Path) -> None:
+    drain = config.WorkerConfig().drain_timeout
+    for name, svc in services(compose_file).items():
+        where = f"{compose_file.name}: {name}"
+        assert svc.get("network_mode") == "host", f"{where}: host networking"
+        assert svc.get("restart") == "unless-stopped", f"{where}: restart: unless-stopped"
+        assert svc.get("init") is True, f"{where}: init: true (signals, zombie reaping)"
+        assert "ports" not in svc, f"{where}: host networking publishes no ports"
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kairos", "health"], f"{where}: health check is `kairos health ...`"
+        health.parser().parse_args(test[3:])  # valid arguments (argparse exits on a bad flag)
+        grace = duration_s(svc.get("stop_grace_period", "10s"))
+        if name in WORKERS:
+            env_drain = float(kairos_env(svc).get("KAIROS_DRAIN_TIMEOUT", drain))
+            assert grace >= env_drain + 10, f"{where}: stop_grace_period {grace}s leaves no time after the drain"
+            assert test[3] == "worker"
+            assert svc["depends_on"]["router"]["condition"] == "service_healthy"
+        elif name == "router":
+            assert grace >= 40, f"{where}: the router drains for 30 s on SIGTERM"
+            assert test[3] == "router"
+        else:
+            assert test[3] == "monitor"
+
+
+# ------------------------------------------------------------------------- the simulated cluster
+
+
+SIM_SHAPES = {
+    "defaults": ({}, {}),
+    "everything-changed": (
+        {"KAIROS_POLICY": "disagg-least-loaded", "KAIROS_PROFILE": "fast", "KAIROS_HTTP_PORT": "18000",
+         "KAIROS_WORK_PORT": "15555", "KAIROS_HEARTBEAT_PORT": "15556", "KAIROS_TELEMETRY_PORT": "15557",
+         "KAIROS_MONITOR_PORT": "19100", "KAIROS_KV_TRANSPORT": "nixl", "KAIROS_TIME_SCALE": "0.5",
+         "KAIROS_LOG_LEVEL": "debug"},
+        {"policy": "disagg-least-loaded", "profile": "fast", "http_port": 18000, "work_port": 15555,
+         "heartbeat_port": 15556, "telemetry_port": 15557, "monitor_port": 19100, "kv_transport": "nixl",
+         "time_scale": 0.5, "log_level": "debug"}),
+}
+
+
+@pytest.mark.parametrize("shape", SIM_SHAPES)
+def test_sim_runs_exactly_what_kairos_up_runs(shape: str) -> None:
+    shell, spec_kw = SIM_SHAPES[shape]
+    want = cluster_services(ClusterSpec(prefill=2, decode=2, **spec_kw))  # type: ignore[arg-type]
+    got = services(SIM_FILE, shell)
+    assert set(got) == set(want)
+    for name, (args, env) in want.items():
+        assert got[name]["command"] == args, f"{name}: compose runs `kairos {' '.join(got[name]['command'])}`"
+        assert environment(got[name]) == env, f"{name}: environment differs from kairos up's"
+
+
+def test_sim_needs_no_gpu() -> None:
+    data = yaml.safe_load(SIM_FILE.read_text())
+    assert "nvidia" not in SIM_FILE.read_text()
+    for name, svc in services(SIM_FILE).items():
+        assert "deploy" not in svc, f"{name}: the simulated cluster reserves nothing"
+        assert svc["image"] == "kairos:cpu" and svc["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+        assert kairos_env(svc).get("KAIROS_ENGINE", "sim") == "sim"
+    assert "services" in data
+
+
+# ------------------------------------------------------------------------- the GPU cluster
+
+
+def test_gpu_wiring_matches_kairos_up_vllm() -> None:
+    model = "/models/DeepSeek-V2-Lite"  # the file's default: /models/${KAIROS_MODEL_NAME}
+    want = cluster_services(ClusterSpec(prefill=2, decode=2, engine="vllm", model=model))
+    got = services(GPU_FILE)
+    for name, (args, env) in want.items():
+        assert got[name]["command"] == args
+        have = kairos_env(got[name])
+        for key, value in env.items():
+            if key in SIM_ONLY:
+                continue
+            assert have.get(key) == value, f"{name}: {key}={have.get(key)!r}, kairos up sets {value!r}"
+        assert have.get("KAIROS_ENGINE", "sim") == ("vllm" if name in WORKERS else "sim")
+
+
+def test_gpu_one_reserved_gpu_per_worker() -> None:
+    seen: list[str] = []
+    for name, svc in services(GPU_FILE).items():
+        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices")
+        if name not in WORKERS:
+            assert devices is None, f"{name} needs no GPU"
+            continue
+        assert isinstance(devices, list) and len(devices) == 1, f"{name}: one device reservation"
+        d = devices[0]
+        assert d["driver"] == "nvidia" and d["capabilities"] == ["gpu"] and len(d["device_ids"]) == 1
+        seen += d["device_ids"]
+        assert svc.get("ipc") == "host"
+        assert "/models:ro" in " ".join(svc.get("volumes", []))
+    assert sorted(seen) == ["0", "1", "2", "3"], f"GPUs must differ per worker: {seen}"
+    moved = services(GPU_FILE, {"KAIROS_GPU_DECODE_1": "7"})
+    assert moved["decode-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["7"]
+
+
+def test_rdma_override_only_adds_devices_to_workers() -> None:
+    data = yaml.safe_load(RDMA_FILE.read_text())
+    assert set(data["services"]) == WORKERS
+    for svc in data["services"].values():
+        assert set(svc) <= {"devices", "cap_add", "ulimits"}
+
+
+# ------------------------------------------------------------------------- the Dockerfiles (no daemon: static)
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in path.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            word, _, rest = pending.strip().partition(" ")
+            out.append((word.upper(), " ".join(rest.split())))
+            pending = ""
+    return out
+
+
+def dockerignored(rel: str) -> bool:
+    from fnmatch import fnmatch
+
+    patterns = [p.strip().removeprefix("**/") for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    parts = Path(rel).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch(pre, pat) or fnmatch(Path(pre).name, pat) for pat in patterns for pre in prefixes)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_dockerfile(name: str) -> None:
+    path = ROOT / "docker" / name
+    ins = dockerfile_instructions(path)
+    text = " ".join(args for _, args in ins)
+    assert ins[0][0] in ("ARG", "FROM")
+    stages = [i for i, (w, _) in enumerate(ins) if w == "FROM"]
+    final = ins[stages[-1]:]
+    users = [args for w, args in final if w == "USER"]
+    assert users and users[-1] not in ("root", "0"), f"{name}: the final stage runs as a non-root user"
+    assert ("ENTRYPOINT", '["kairos"]') in final, f"{name}: ENTRYPOINT [\"kairos\"] (exec form)"
+    for w, args in ins:
+        if w == "FROM":
+            assert not args.split()[0].endswith(":latest")
+        if w in ("CMD", "ENTRYPOINT"):
+            assert args.startswith("["), f"{name}: {w} in exec form, so signals reach the service"
+        if w == "COPY" and "--from=" not in args:
+            for src in args.split()[:-1]:
+                if src != ".":
+                    assert (ROOT / src).exists(), f"{name}: COPY {src}: no such file"
+                    assert not dockerignored(src), f"{name}: COPY {src} is excluded by .dockerignore"
+        if w == "RUN" and "apt-get install" in args:
+            assert "--no-install-recommends" in args
+    for needed in ("pyproject.toml", "requirements/vllm-cpu.txt", "common", "services", "kairos", "sim", "bench"):
+        assert not dockerignored(needed), f".dockerignore must keep {needed} (pip install . needs it)"
+    assert "nixl==1.5.1" in text
+    if name == "Dockerfile.cpu":
+        assert "python:3.11-slim" in text
+        assert "--no-deps nixl-cu13==1.5.1 nixl==1.5.1" in text, "the lean NIXL install"
+    else:
+        assert "vllm==0.32.0" in text and "vllm/vllm-openai:v0.32.0" in text
+
+
+# ------------------------------------------------------------------------- docker-compose itself
+
+
+def test_check_compose_script() -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (.ci/run installs it: scripts/check-compose.sh)")
+    r = subprocess.run(["bash", str(ROOT / "scripts/check-compose.sh"), "--no-install"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------- running the sim services
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
+
+
+@pytest.fixture(scope="module")
+def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """docker-compose.sim.yml's services as plain processes: its commands, its environment."""
+    ports = {"KAIROS_HTTP_PORT": free_port(), "KAIROS_WORK_PORT": free_port(),
+             "KAIROS_HEARTBEAT_PORT": free_port(), "KAIROS_TELEMETRY_PORT": free_port(),
+             "KAIROS_MONITOR_PORT": free_port()}
+    shell = {k: str(v) for k, v in ports.items()}
+    svcs = services(SIM_FILE, shell)
+    spec = ClusterSpec(prefill=2, decode=2, http_port=ports["KAIROS_HTTP_PORT"],
+                       log_dir=str(tmp_path_factory.mktemp("compose-sim")))
+    c = Cluster(spec)
+    c.services = {name: Service(name, kairos_cmd(svc["command"][0]), dict(kairos_env(svc)))
+                  for name, svc in svcs.items()}
+    try:
+        c.start(timeout=90)
+    except BaseException:
+        c.stop(5)
+        raise
+    yield c, svcs
+    c.stop(20)
+
+
+def run_healthcheck(svc: dict[str, Any], deadline_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """The service's compose health check, in its environment, until it passes or time runs out."""
+    args = [sys.executable, "-m", "kairos.cli", *svc["healthcheck"]["test"][2:]]
+    env = {**_clean_env(), **kairos_env(svc)}
+    end = time.monotonic() + deadline_s
+    while True:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
+        if r.returncode == 0 or time.monotonic() > end:
+            return r
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("name", ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"])
+def test_sim_healthchecks_pass_against_the_running_services(sim_processes: Any, name: str) -> None:
+    _, svcs = sim_processes
+    r = run_healthcheck(svcs[name])
+    assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
+    assert len(r.stdout.strip().splitlines()) == 1 and " ok" in r.stdout
+
+
+@pytest.mark.xfail(reason="the monitor's HTTP server (GET /health) is being built in the monitor issue",
+                   strict=False)
+def test_sim_monitor_healthcheck_passes(sim_processes: Any) -> None:
+    _, svcs = sim_processes
+    r = run_healthcheck(svcs["monitor"], deadline_s=10)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,248 @@
+"""`kairos bench` (bench/loadgen.py): SSE parsing, arrival scheduling, a plain OpenAI server
+without Kairos extras (in process), and a short replay end to end against a real local cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.loadgen import LoadConfig, Replay, SSEParser, classify, dispatch, main, report
+from common.traces import TraceRequest
+from kairos.up import Cluster
+from sim.stats import summarize
+
+# ---------------------------------------------------------------------------------- SSE parsing
+
+STREAM = (b'data: {"choices":[{"index":0,"text":" a","finish_reason":null}]}\n\n'
+          b": keep-alive comment\r\n\r\n"
+          b'data: {"choices":[{"index":0,"text":" b",\r\n'
+          b'data: "finish_reason":null}]}\r\n\r\n'
+          b"event: message\rid: 7\rdata: [DONE]\r\r\n")
+EVENTS = [b'{"choices":[{"index":0,"text":" a","finish_reason":null}]}',
+          b'{"choices":[{"index":0,"text":" b",\n"finish_reason":null}]}',
+          b"[DONE]"]
+
+
+def test_sse_whole_stream() -> None:
+    assert SSEParser().feed(STREAM) == EVENTS
+
+
+@pytest.mark.parametrize("cut", range(1, len(STREAM)))
+def test_sse_split_anywhere(cut: int) -> None:
+    """Split in two at every byte (inside CRLF, inside 'data:', inside the JSON): same events."""
+    p = SSEParser()
+    assert p.feed(STREAM[:cut]) + p.feed(STREAM[cut:]) == EVENTS
+
+
+def test_sse_byte_by_byte_and_incomplete_tail() -> None:
+    p = SSEParser()
+    out = [e for i in range(len(STREAM)) for e in p.feed(STREAM[i:i + 1])]
+    assert out == EVENTS
+    assert p.feed(b"data: {\"half\": ") == []  # no blank line yet: not an event
+    assert p.feed(b"1}\n\n") == [b'{"half": 1}']
+
+
+def test_classify_completions_and_chat() -> None:
+    tok = classify(b'{"choices":[{"index":0,"text":" x","finish_reason":null}]}')
+    assert tok.token and tok.finish_reason is None
+    # vLLM puts the last token and the finish reason in one event; Kairos sends the reason alone
+    last = classify(b'{"choices":[{"index":0,"text":" y","finish_reason":"length"}]}')
+    assert last.token and last.finish_reason == "length"
+    fin = classify(b'{"choices":[{"index":0,"text":"","finish_reason":"length"}]}')
+    assert not fin.token and fin.finish_reason == "length"
+    held = classify(b'{"choices":[{"index":0,"text":"","finish_reason":null}]}')  # half a UTF-8 char held back
+    assert held.token
+    assert not classify(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}').token
+    assert classify(b'{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}').token
+    assert not classify(b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}').token
+    usage = classify(b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12}}')
+    assert usage.usage_tokens == 9 and not usage.token
+    err = classify(b'{"error":{"message":"worker lost","type":"server_error","code":"unavailable"}}')
+    assert err.error == "worker lost" and err.error_code == "unavailable"
+    assert classify(b"[DONE]").done
+    assert classify(b"{not json").error_code == "bad_event"
+
+
+# ---------------------------------------------------------------------------------- arrivals
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, d: float) -> None:
+        self.sleeps.append(d)
+        self.now += d
+
+
+async def test_dispatch_fires_on_schedule_with_a_fake_clock() -> None:
+    clock = FakeClock()
+    fired: list[tuple[int, float, float]] = []
+    offsets = [0.0, 0.25, 0.25, 0.5, 2.0]
+    await dispatch(offsets, lambda i, target: fired.append((i, target, clock.now)), t0=clock.now,
+                   clock=clock, sleep=clock.sleep)
+    assert [f[0] for f in fired] == [0, 1, 2, 3, 4]
+    assert [f[1] - 100.0 for f in fired] == offsets          # the scheduled times
+    assert [f[2] - 100.0 for f in fired] == offsets          # fired exactly then
+    assert clock.sleeps == [0.25, 0.25, 1.5]                  # no sleep for arrivals already due
+
+
+async def test_dispatch_late_start_fires_due_arrivals_back_to_back() -> None:
+    clock = FakeClock()
+    fired: list[float] = []
+    await dispatch([0.0, 0.1, 0.2, 3.0], lambda i, t: fired.append(clock.now), t0=clock.now - 1.0,
+                   clock=clock, sleep=clock.sleep)
+    assert fired[:3] == [100.0, 100.0, 100.0]  # already due: no waiting, no reordering
+    assert fired[3] == pytest.approx(102.0)
+    assert clock.sleeps == [pytest.approx(2.0)]
+
+
+async def test_dispatch_is_open_loop_on_the_real_clock() -> None:
+    """Slow responses must not delay later arrivals."""
+    loop = asyncio.get_running_loop()
+    sent: list[float] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    def fire(i: int, target: float) -> None:
+        sent.append(loop.time() - target)
+        tasks.append(asyncio.create_task(asyncio.sleep(0.5)))  # a "request" far longer than the gaps
+
+    offsets = [0.02 * i for i in range(10)]
+    await dispatch(offsets, fire, t0=loop.time() + 0.01, clock=loop.time)
+    assert len(sent) == 10
+    assert max(sent) < 0.1  # every send within 100 ms of its time although none had finished
+    assert not any(t.done() for t in tasks)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------- a plain OpenAI server
+
+
+class PlainServer:
+    """vLLM-like: no /v1/kairos/stats (404), no x-kairos headers; the last token carries the
+    finish reason; a usage event before [DONE]. Prompt 'BUSY' lengths get 429, 'FAIL' a stream error."""
+
+    def __init__(self, busy_len: int = -1, fail_len: int = -1) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.busy_len, self.fail_len = busy_len, fail_len
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]})
+        if path != "/v1/completions":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        n = body["max_tokens"]
+        if len(body["prompt"]) == self.busy_len:
+            return httpx.Response(429, json={"error": {"message": "busy", "code": "overloaded"}})
+        fail = len(body["prompt"]) == self.fail_len
+
+        async def events() -> Any:
+            for i in range(n):
+                await asyncio.sleep(0.002)
+                if fail and i == 1:
+                    yield b'data: {"error":{"message":"engine died","code":"engine_dead"}}\n\n'
+                    return
+                fr = '"length"' if i == n - 1 else "null"
+                yield f'data: {{"choices":[{{"index":0,"text":" t{i}","finish_reason":{fr}}}]}}\n\n'.encode()
+            yield (b'data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d}}\n\n'
+                   % (len(body["prompt"]), n))
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+
+async def test_replay_against_a_plain_openai_server() -> None:
+    server = PlainServer(busy_len=33, fail_len=44)
+    reqs = [TraceRequest(0.01 * i, 10 + i, 3 + i % 4) for i in range(8)] + [
+        TraceRequest(0.1, 33, 5), TraceRequest(0.11, 44, 5)]
+    reqs.sort(key=lambda r: r.t)
+    cfg = LoadConfig(url="http://plain.test/v1", max_concurrency=4, ttft_slo=1.0, tbt_slo=0.5)
+    rp = Replay(reqs, cfg, transport=httpx.MockTransport(server))
+    await rp.run()
+    res = report(rp)
+    assert rp.model == "tiny-llama"
+    assert res["kairos"] is None  # the stats endpoint answered 404: tolerated
+    assert res["requests"] == 10 and res["completed"] == 8
+    assert res["errors"] == {"http_429": 1, "stream_error:engine_dead": 1}
+    assert res["length_mismatch"] == 0
+    assert res["deflection_rate"] == 0.0 and res["ttft_by_route"] == {}
+    assert res["concurrency"]["peak"] <= 4
+    ok = [r for r in rp.records if r.ok]
+    assert all(r.tokens == r.output_length and len(r.gaps) == r.output_length - 1 for r in ok)
+    for body in server.bodies:
+        assert body["model"] == "tiny-llama" and body["stream"] is True
+        assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"]
+        assert all(1000 <= t < 2000 for t in body["prompt"])
+    asked = sorted((len(b["prompt"]), b["max_tokens"]) for b in server.bodies)
+    assert asked == sorted((r.input_length, r.output_length) for r in reqs)
+    # the summary keys are exactly those of sim.stats.summarize, plus the load generator's
+    assert set(summarize([], ttft_slo=1.0, tbt_slo=0.5)) <= set(res)
+
+
+async def test_concurrency_bound_is_counted() -> None:
+    server = PlainServer()
+    reqs = [TraceRequest(0.0, 8, 6) for _ in range(6)]
+    rp = Replay(reqs, LoadConfig(url="http://plain.test/v1", max_concurrency=2),
+                transport=httpx.MockTransport(server))
+    await rp.run()
+    res = report(rp)
+    assert res["completed"] == 6
+    assert res["concurrency"]["peak"] == 2
+    assert res["concurrency"]["bound_hits"] == 4  # six at once, two slots
+    assert res["concurrency"]["bound_wait_max"] > 0.005
+
+
+def test_text_mode_and_chat_need_text() -> None:
+    with pytest.raises(Exception, match="chat endpoint takes text"):
+        LoadConfig(url="http://x/v1", endpoint="chat")
+    from bench.loadgen import build_body
+
+    body = json.loads(build_body(LoadConfig(url="http://x/v1", prompt_mode="text", endpoint="chat"),
+                                 TraceRequest(0.0, 12, 3), 0, None))
+    assert len(body["messages"][0]["content"].split()) == 12 and "model" not in body
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def test_replay_end_to_end_against_kairos(fast_cluster: Cluster, tmp_path: Path) -> None:
+    """~8 s of synthetic load through a real router and workers; the documented keys come back."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["--url", fast_cluster.spec.api + "/v1", "--trace", "synthetic", "--rate", "12",
+               "--arrival", "poisson", "--duration", "8", "--seed", "3", "--max-input-len", "2048",
+               "--max-output-len", "48", "--out", str(out), "--plot", str(png), "--no-progress", "--quiet",
+               "--records"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    n = res["requests"]
+    assert n > 40
+    assert res["completed"] == n and res["failed"] == 0 and res["errors"] == {}
+    for key in ("ttft_p50", "ttft_p95", "ttft_p99", "tbt_p95", "tbt_p99", "ttft_slo_attainment",
+                "tbt_slo_attainment", "slo_attainment", "deflection_rate", "goodput", "achieved_rate",
+                "offered_rate", "concurrency", "ttft_by_route", "kairos", "send_lag_p99", "length_mismatch"):
+        assert key in res, key
+    assert 0 < res["ttft_p50"] <= res["ttft_p95"] <= res["ttft_p99"] < 5
+    assert res["length_mismatch"] == 0
+    assert res["output_tokens"] == sum(r["output_length"] for r in res["records"])
+    assert res["achieved_rate"] == pytest.approx(res["offered_rate"], rel=0.1)
+    # the router's own counts for the run agree with the per-request headers
+    k = res["kairos"]
+    assert k["policy"] == "kairos" and sum(k["routes"].values()) == n
+    assert k["routes"] == res["routes"]
+    assert {r: s["requests"] for r, s in res["ttft_by_route"].items()} == res["routes"]
+    assert res["deflection_rate"] == pytest.approx(k["routes"].get("deflect", 0) / n)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,76 +1,148 @@
-"""The monitor: subscribes to the router's telemetry and keeps the cluster picture.
+"""The monitor: subscribes to the router's telemetry, exports metrics, serves the dashboard.
 
-This first version logs what it sees (workers, decisions, outcomes); metrics and the dashboard
-build on the same `Monitor.on_message` dispatch.
+Loops (one TaskGroup): `telemetry` decodes frames from the bus and folds each message into the
+state (services/monitor/state.py) and the metrics (services/monitor/metrics.py); `tick` builds
+the dashboard snapshot once a second and wakes the event streams; `http` is uvicorn serving
+services/monitor/http.py. The monitor never talks back to the router: if it is slow, the
+router's PUB socket drops telemetry (counted here from sequence gaps) rather than wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import structlog
+import uvicorn
 
 from common import codec
 from common import messages as m
 from common.config import MonitorConfig
 from common.service import install_signals
 from common.sockets import MonitorBus
+from services.monitor.http import App, Feed
+from services.monitor.metrics import MonitorMetrics
+from services.monitor.state import MonitorState
 
 log = structlog.get_logger()
 
+_json = msgspec.json.Encoder()
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits the process when it cannot bind; we report it and stop instead
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: SIGTERM/SIGINT set our `stop`, and we stop uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
 
 class Monitor:
-    def __init__(self, cfg: MonitorConfig) -> None:
+    def __init__(self, cfg: MonitorConfig, *, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.stop = asyncio.Event()
-        self.workers: dict[str, m.WorkerSeen] = {}
-        self.counts: dict[str, int] = {"bad_frames": 0, "decisions": 0, "requests": 0}
+        self.state = MonitorState()
+        self.metrics = MonitorMetrics(self.state, clock)
+        self.feed = Feed()
+        self.app = App(snapshot=self.snapshot, metrics=self.metrics.render, health=self.health, feed=self.feed,
+                       stop=self.stop)
 
-    def on_message(self, msg: Any) -> None:
+    # ------------------------------------------------------------------ intake
+    def on_message(self, msg: m.TelemetryInbox) -> None:
         match msg:
             case m.WorkerSeen():
-                if msg.worker_id not in self.workers:
-                    log.info("worker_seen", worker=msg.worker_id, role=msg.role, engine=msg.engine)
-                self.workers[msg.worker_id] = msg
+                known = self.state.workers.get(msg.worker_id)
+                if known is None or known.seen.incarnation != msg.incarnation:
+                    log.info("worker_seen", worker=msg.worker_id, role=msg.role, engine=msg.engine,
+                             incarnation=msg.incarnation)
             case m.WorkerLost():
-                self.workers.pop(msg.worker_id, None)
                 log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
-            case m.DecisionRecord():
-                self.counts["decisions"] += 1
-                log.debug("decision", request_id=msg.request_id, route=msg.route, reason=msg.reason,
-                          decode_worker=msg.decode_worker, prefill_worker=msg.prefill_worker)
-            case m.RequestRecord():
-                self.counts["requests"] += 1
-            case m.RouterStats():
+            case m.DecisionRecord() | m.RequestRecord() | m.RouterStats():
                 pass
             case _:
                 log.warning("unexpected_message", message=type(msg).__name__)
+                return
+        self.state.on_message(msg, self.clock())
+        self.metrics.observe(msg)
 
-    async def _recv_loop(self, bus: MonitorBus) -> None:
+    def on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.state.on_bad_frame()
+            log.warning("bad_frame_dropped", frames=len(frames))
+            return
+        missed = self.state.on_frame_seq(codec.unpack_seq(frames[1]))
+        if missed:
+            log.warning("telemetry_missed", messages=missed)
+        try:
+            msg = codec.telemetry_inbox.decode(frames[2])
+        except codec.DecodeError as e:
+            self.state.on_bad_frame()
+            log.warning("bad_frame_dropped", error=str(e)[:200])
+            return
+        self.on_message(msg)
+
+    # ------------------------------------------------------------------ what HTTP serves
+    def snapshot(self) -> dict[str, Any]:
+        return self.state.snapshot(self.clock())
+
+    def health(self) -> dict[str, Any]:
+        st = self.state
+        now = self.clock()
+        return {"status": "ok", "router_seen_s_ago": round(now - st.router_seen, 3) if st.router else None,
+                "workers": len(st.workers)}
+
+    # ------------------------------------------------------------------ loops
+    async def _telemetry_loop(self, bus: MonitorBus) -> None:
         while True:
-            frames = await bus.telemetry.recv_multipart()
-            if len(frames) != 3:
-                self.counts["bad_frames"] += 1
-                continue
-            try:
-                msg = codec.telemetry_inbox.decode(frames[2])
-            except codec.DecodeError as e:
-                self.counts["bad_frames"] += 1
-                log.warning("bad_frame_dropped", error=str(e)[:200])
-                continue
-            self.on_message(msg)
+            self.on_frames(await bus.telemetry.recv_multipart())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            for wid in self.state.expire(self.clock()):
+                log.warning("worker_unreported", worker=wid, after_s=self.state.worker_expiry_s)
+            self.feed.publish(_json.encode(self.snapshot()))
+            await asyncio.sleep(1.0)
 
     async def run(self) -> int:
         install_signals(self.stop)
-        bus = MonitorBus(self.cfg)
-        log.info("monitor_started", router=f"{self.cfg.router_host}:{self.cfg.telemetry_port}")
+        cfg = self.cfg
+        server = _Server(uvicorn.Config(self.app, host=cfg.http_host, port=cfg.http_port, lifespan="off",
+                                               access_log=False, log_level="warning", http="httptools",
+                                               timeout_graceful_shutdown=3, limit_concurrency=256))
+        bus = MonitorBus(cfg)
         try:
             async with asyncio.TaskGroup() as tg:
-                t = tg.create_task(self._recv_loop(bus))
+                loops = [tg.create_task(self._telemetry_loop(bus), name="telemetry"),
+                         tg.create_task(self._tick_loop(), name="tick")]
+                http = tg.create_task(_serve(server), name="http")
+                while not server.started and not http.done():
+                    await asyncio.sleep(0.02)
+                if not server.started:
+                    log.error("http_failed_to_start", host=cfg.http_host, port=cfg.http_port,
+                              hint="is the port in use? pick another with --http-port")
+                    self.stop.set()
+                else:
+                    log.info("monitor_started", router=f"{cfg.router_host}:{cfg.telemetry_port}",
+                             dashboard=f"http://{cfg.http_host}:{cfg.http_port}/")
                 await self.stop.wait()
-                t.cancel()
+                self.feed.publish(self.feed.data)  # wake the event streams so they see `stop` and end
+                server.should_exit = True
+                await http
+                for t in loops:
+                    t.cancel()
         finally:
             bus.close()
         log.info("monitor_stopped")
-        return 0
+        return 0 if server.started else 1

@@ -1,0 +1,157 @@
+"""`kairos top`: the dashboard's picture in a terminal (rich), refreshed once a second.
+
+It reads the monitor's `GET /api/state` rather than subscribing to the bus itself: the monitor
+already holds the rolling window (a fresh subscriber would start with an empty one and miss
+everything before it joined), the numbers match the dashboard and /metrics exactly, it needs
+only HTTP access to the monitor (no bus port, no CURVE keys), and it adds no subscriber to the
+router's telemetry socket.
+
+    kairos top                          # live, Ctrl-C quits
+    kairos top --once                   # one snapshot, then exit (scripts, tests)
+    kairos top --url http://host:9100   # another monitor
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def fmt_s(s: float | None) -> str:
+    if s is None:
+        return "–"
+    if abs(s) < 1:
+        return f"{s * 1000:.1f} ms" if abs(s) < 0.01 else f"{s * 1000:.0f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def fmt_n(x: float | None, digits: int = 0) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def spark(values: Sequence[float | None], width: int = 30) -> str:
+    vals = list(values)[-width:]
+    present = [v for v in vals if v is not None]
+    top = max(present) if present else 0.0
+    if top <= 0:
+        return "".join(" " if v is None else BLOCKS[0] for v in vals)
+    return "".join(" " if v is None else BLOCKS[min(7, int(7 * v / top + 0.5))] for v in vals)
+
+
+def render(s: dict[str, Any], url: str) -> Group:
+    w = s["window"]
+    r = s["router"]
+    if r is None:
+        router = Text("router: no telemetry yet", style="bold red")
+    elif r["age_s"] > 5:
+        router = Text(f"router silent for {r['age_s']:.0f} s", style="bold red")
+    else:
+        router = Text(f"router ok · {r['in_flight']} in flight · {r['accepted']} accepted · {r['failed']} failed "
+                      f"· {r['rejected']} rejected", style="green")
+    live = s["live_workers"]
+    head = Text.assemble(("Kairos ", "bold"), (f"policy {s['policy'] or '?'}  ", "dim"), router,
+                         (f"   {live['prefill']} prefill · {live['decode']} decode workers   ", ""), (url, "dim"))
+    series = s["series"]
+    kpis = Table.grid(padding=(0, 3))
+    for _ in range(4):
+        kpis.add_column()
+    kpis.add_row(f"req/s [b]{fmt_n(w['rps'], 1)}[/b]", f"deflected [b]{fmt_pct(w['deflect_ratio'])}[/b]",
+                 f"TTFT p50/p95 [b]{fmt_s(w['ttft_p50'])} / {fmt_s(w['ttft_p95'])}[/b]",
+                 f"TBT p50/p99 [b]{fmt_s(w['tbt_p50'])} / {fmt_s(w['tbt_p99'])}[/b]")
+    err_style = "bold red" if w["errors"] else "b"
+    kpis.add_row(f"errors [{err_style}]{w['errors']}[/{err_style}]", f"KV fallbacks [b]{w['kv_fallbacks']}[/b]",
+                 f"TTFT pred. − actual [b]{fmt_s(w['ttft_pred_bias'])}[/b]",
+                 f"SLO attained [b]{fmt_pct(w['slo_attainment'])}[/b]  decision p99 "
+                 f"[b]{fmt_n(w['decision_us_p99'])} µs[/b]")
+    kpis.add_row(f"req/s  {spark([p['rps'] for p in series])}",
+                 f"defl. {spark([p['deflect_ratio'] for p in series])}",
+                 f"TTFT p95 {spark([p['ttft_p95'] for p in series])}",
+                 f"TBT p99 {spark([p['tbt_p99'] for p in series])}")
+
+    workers = Table(title=f"workers (last {s['window_s']} s)", expand=True, title_justify="left")
+    for col in ("worker", "role", "load", "queue / batch", "KV used", "TBT slack", "step p50/max", "defl.",
+                "reported"):
+        workers.add_column(col, no_wrap=True)
+    for wk in s["workers"]:
+        st = wk["state"]
+        prefill = wk["role"] == "prefill"
+        slack = st.get("tbt_slack_ms")
+        stale = wk["age_s"] > 3
+        workers.add_row(
+            wk["worker_id"], wk["role"], spark([v for _, v in wk["load_history"]], 20),
+            f"{fmt_n(st.get('queued_tokens'))} tok · {fmt_n(st.get('queued_requests'))} req" if prefill
+            else f"batch {fmt_n(st.get('batch'))}",
+            "" if prefill else fmt_pct(st.get("kv_used")),
+            "" if prefill or slack is None or slack < 0 else fmt_s(slack / 1000),
+            f"{fmt_n(st.get('step_ms_p50'), 1)} / {'–' if prefill else fmt_n(st.get('step_ms_max'), 1)} ms",
+            "" if prefill else fmt_n(st.get("deflections")),
+            Text(f"{wk['age_s']:.0f} s ago!", style="bold yellow") if stale else Text("live", style="green"))
+    for lost in s["lost"]:
+        workers.add_row(lost["worker_id"], lost["role"], Text(f"lost {lost['ago_s']:.0f} s ago: {lost['reason']}",
+                                                                style="red"))
+
+    recent = Table(title="recent decisions", expand=True, title_justify="left")
+    for col in ("request", "route", "reason", "workers", "prompt", "pred. P / D", "TTFT", "outcome"):
+        recent.add_column(col, no_wrap=True)
+    for d in s["recent"][:12]:
+        bad = d["outcome"] and d["outcome"] != "ok"
+        recent.add_row(d["request_id"][:10], Text(d["route"], style="cyan" if d["route"] == "disagg" else "yellow"),
+                       d["reason"], (f"{d['prefill_worker']} → " if d["prefill_worker"] else "") + d["decode_worker"],
+                       str(d["prompt_tokens"]), f"{fmt_s(d['ttft_prefill_pred'])} / {fmt_s(d['ttft_decode_pred'])}",
+                       fmt_s(d["ttft_s"]), Text(d["outcome"] or "running", style="bold red" if bad else ""))
+    return Group(Panel(Group(head, kpis)), workers, recent)
+
+
+def fetch(client: httpx.Client, url: str) -> dict[str, Any]:
+    r = client.get(url.rstrip("/") + "/api/state")
+    r.raise_for_status()
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kairos top", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:9100", help="the monitor (default http://127.0.0.1:9100)")
+    p.add_argument("--interval", type=float, default=1.0, help="refresh period, seconds (default 1)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    a = p.parse_args(argv)
+    console = Console()
+    with httpx.Client(timeout=5.0) as client:
+        if a.once:
+            try:
+                console.print(render(fetch(client, a.url), a.url))
+            except (httpx.HTTPError, ValueError) as e:
+                print(f"error: cannot read {a.url}/api/state: {e}", file=sys.stderr)
+                return 1
+            return 0
+        try:
+            with Live(Text(f"connecting to {a.url}…"), console=console, refresh_per_second=4, screen=False) as live:
+                while True:
+                    try:
+                        live.update(render(fetch(client, a.url), a.url))
+                    except (httpx.HTTPError, ValueError) as e:
+                        live.update(Text(f"cannot read {a.url}/api/state: {e} (retrying)", style="bold red"))
+                    time.sleep(max(0.1, a.interval))
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The router process's own Prometheus metrics (served on the router's GET /metrics).
+
+The monitor holds the cluster-wide picture from telemetry; these are what one router saw
+itself, available even with no monitor running, and exact where telemetry is not (every
+inter-token gap, admission rejections). Names carry `kairos_router_` so the two never mix when
+one Prometheus scrapes both. Module-level metrics in prometheus_client's default registry, as
+the router's /metrics serves that registry; the service calls the functions below, nothing else
+touches the metric objects. Every function is cheap and never raises on odd input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from common import messages as m
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+MAX_GAPS_OBSERVED = 8192
+
+DECISIONS = Counter("kairos_router_decisions", "Routing decisions by route and reason (re-dispatches included).",
+                    ["route", "reason"])
+DECISION_TIME = Histogram("kairos_router_decision_seconds", "Time to take one routing decision.",
+                          buckets=DECISION_BUCKETS)
+REQUESTS = Counter("kairos_router_requests", "Finished requests by route and outcome (ok, or the error code).",
+                   ["route", "outcome"])
+REJECTED = Counter("kairos_router_rejected_requests", "Requests refused at admission (429 overloaded, 503 no "
+                   "worker or shutting down).", ["reason"])
+TTFT = Histogram("kairos_router_time_to_first_token_seconds", "Time to first token sent to the client.", ["route"],
+                 buckets=TTFT_BUCKETS)
+ITL = Histogram("kairos_router_inter_token_latency_seconds", "Gaps between consecutive tokens of a request.",
+                ["route"], buckets=ITL_BUCKETS)
+E2E = Histogram("kairos_router_e2e_request_latency_seconds", "End-to-end latency of requests that finished ok.",
+                ["route"], buckets=E2E_BUCKETS)
+IN_FLIGHT = Gauge("kairos_router_requests_in_flight", "Requests admitted and not finished.")
+WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining ones excluded).", ["role"])
+REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")
+KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
+                       "place by their decode worker.")
+WORKERS_LOST = Counter("kairos_router_workers_lost", "Workers removed (heartbeat timeout, restart).", ["role"])
+BAD_FRAMES = Counter("kairos_router_bad_frames", "Bus frames that did not decode and were dropped.", ["socket"])
+
+
+def observe_decision(rec: m.DecisionRecord) -> None:
+    DECISIONS.labels(rec.route, rec.reason).inc()
+    DECISION_TIME.observe(max(0.0, rec.decision_us) / 1e6)
+
+
+def observe_request(rec: m.RequestRecord, gaps: Sequence[float] = ()) -> None:
+    """A request's end (any outcome); `gaps` are its inter-token gaps in seconds (Request.gaps)."""
+    route = rec.route or "none"
+    REQUESTS.labels(route, rec.outcome or "unknown").inc()
+    if rec.ttft_s is not None:
+        TTFT.labels(route).observe(rec.ttft_s)
+    if rec.outcome == "ok":
+        E2E.labels(route).observe(rec.e2e_s)
+    if gaps:
+        itl = ITL.labels(route)
+        for g in gaps[:MAX_GAPS_OBSERVED]:
+            itl.observe(g)
+
+
+def observe_rejected(reason: str) -> None:
+    REJECTED.labels(reason).inc()
+
+
+def observe_redispatch() -> None:
+    REDISPATCHES.inc()
+
+
+def observe_kv_fallback() -> None:
+    KV_FALLBACKS.inc()
+
+
+def observe_worker_lost(role: str) -> None:
+    WORKERS_LOST.labels(role).inc()
+
+
+def observe_bad_frame(socket: str) -> None:
+    BAD_FRAMES.labels(socket).inc()
+
+
+def set_in_flight(n: int) -> None:
+    IN_FLIGHT.set(n)
+
+
+def set_workers(prefill: int, decode: int) -> None:
+    WORKERS.labels("prefill").set(prefill)
+    WORKERS.labels("decode").set(decode)

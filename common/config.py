@@ -85,7 +85,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     model: H(str, "vllm: model directory") = ""
     served_model_name: H(str, "model name reported to the router") = "kairos-sim"
     heartbeat_interval: H(float, "heartbeat period, seconds (the router's Welcome overrides it)") = 0.1
-    kv_transport: H(str, "modeled (time from the profile, no bytes) or nixl (real bytes over NIXL)") = "modeled"
+    kv_transport: H(str, "nixl (real KV bytes over NIXL, timed by the profile) or modeled (time only, no bytes)") \
+        = "nixl"
     kv_timeout: H(float, "deadline for one KV transfer, seconds") = 10.0
     kv_pool_mib: H(int, "nixl: host memory registered for KV blocks, MiB") = 64
     kv_block_tokens: H(int, "nixl: tokens per KV block") = 16

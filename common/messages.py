@@ -206,6 +206,7 @@ class PrefillDone(Msg):
     queue_s: float
     prefill_s: float
     first_token_id: int | None = None
+    kv_error: str = ""
 
 
 class DecodeWork(Msg):
@@ -237,6 +238,7 @@ class KvTarget(Msg):
     agent_name: str = ""
     block_ids: list[int] = []
     error: str = ""
+    kv_agent: KvAgentInfo | None = None  # the decode worker's agent, so a restarted peer is re-added
 
 
 class KvReady(Msg):

@@ -70,6 +70,7 @@ class WorkerService(abc.ABC):
         self.log.info("worker_starting", role=self.role, engine=self.engine.name, incarnation=self.incarnation,
                       router=f"{self.cfg.router_host}:{self.cfg.work_port}")
         await self.engine.start()
+        await self.setup()
         self.bus = WorkerBus(self.cfg, self.worker_id)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -84,12 +85,19 @@ class WorkerService(abc.ABC):
                     t.cancel()
         finally:
             self.bus.close()
+            await self.teardown()
             await self.engine.close()
         self.log.info("worker_stopped")
         return 0
 
     def extra_loops(self) -> list[tuple[str, Any]]:
         return []
+
+    async def setup(self) -> None:
+        """Role-specific resources (the NIXL agent) created after the engine, before registering."""
+
+    async def teardown(self) -> None:
+        """Release what setup() created."""
 
     async def _drain(self) -> None:
         self.draining = True

@@ -63,11 +63,12 @@ class ClusterSpec:
     engine: str = "sim"
     profile: str = "a100-dsv2-lite"
     model: str = ""
-    kv_transport: str = "modeled"
+    kv_transport: str = "nixl"
     time_scale: float = 1.0
     log_dir: str = "kairos-logs"
     log_level: str = "info"
     monitor: bool = True
+    curve_keys_dir: str = ""
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
 
@@ -97,7 +98,8 @@ class Cluster:
         s = spec
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
-               "KAIROS_LOG_LEVEL": s.log_level, "KAIROS_LOG_FORMAT": "json"}
+               "KAIROS_LOG_LEVEL": s.log_level, "KAIROS_LOG_FORMAT": "json",
+               **({"KAIROS_CURVE_KEYS_DIR": s.curve_keys_dir} if s.curve_keys_dir else {})}
         self.bus_env = bus
         self._add("router", {**bus, "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
                              "KAIROS_PROFILE": s.profile if s.engine == "sim" else "a100-dsv2-lite",
@@ -238,12 +240,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
     p.add_argument("--profile", default="a100-dsv2-lite", help="sim: performance profile (default a100-dsv2-lite)")
-    p.add_argument("--kv-transport", default="modeled", choices=["modeled", "nixl"],
-                   help="sim: how KV moves from prefill to decode workers (default modeled)")
+    p.add_argument("--kv-transport", default="nixl", choices=["nixl", "modeled"],
+                   help="sim: how KV moves from prefill to decode workers: real bytes over NIXL (default), or "
+                        "modeled (time only, no NIXL needed)")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim: scale every modeled step time (default 1)")
     p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
+    p.add_argument("--curve-keys-dir", default="", help="require CURVE on the bus with keys from `kairos keys DIR`")
     return p
 
 
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
-                       time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor)
+                       time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
+                       curve_keys_dir=a.curve_keys_dir)
     cluster = Cluster(spec)
     stopping = False
 

@@ -15,19 +15,23 @@ import asyncio
 import time
 from typing import Any
 
+from msgspec.structs import replace as msgspec_replace
+
 from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest
 from common.errors import Overloaded
+from common.kv import KvError, KvReceiver, receiver_from_config, transfer_key
 from common.worker import WorkerService
 
 
 class _Pending:
-    __slots__ = ("deadline", "work")
+    __slots__ = ("deadline", "key", "work")
 
-    def __init__(self, work: m.DecodeWork, deadline: float) -> None:
+    def __init__(self, work: m.DecodeWork, deadline: float, key: str = "") -> None:
         self.work = work
         self.deadline = deadline
+        self.key = key  # the NIXL transfer key when KV space is reserved for it
 
 
 class DecodeWorker(WorkerService):
@@ -39,6 +43,8 @@ class DecodeWorker(WorkerService):
         self.pending: dict[str, _Pending] = {}
         self.active: dict[str, m.DecodeWork] = {}
         self._fallbacks: list[str] = []
+        self.rx: KvReceiver | None = None
+        self._kv_tasks: set[asyncio.Task[None]] = set()
         self.engine.on_tokens = self._on_tokens
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, refused=0, finished=0)
 
@@ -66,6 +72,20 @@ class DecodeWorker(WorkerService):
     def extra_loops(self) -> list[tuple[str, Any]]:
         return [("kv-deadlines", self._deadline_loop())]
 
+    async def setup(self) -> None:
+        if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
+            model = self.engine.coeffs()
+            self.rx = receiver_from_config(self.cfg, name=self.worker_id,
+                                           profile_bytes_per_token=model.kv_bytes_per_token if model else 1024)
+            await self.rx.start()
+
+    async def teardown(self) -> None:
+        if self.rx is not None:
+            await self.rx.close()
+
+    def extra_hello(self) -> dict[str, Any]:
+        return {"kv_agent": self.rx.agent_info()} if self.rx is not None else {}
+
     # -- inbox ---------------------------------------------------------------------------------
     async def on_message(self, msg: Any) -> None:
         match msg:
@@ -92,7 +112,10 @@ class DecodeWorker(WorkerService):
             self._refuse(w, f"kv_full: {need} tokens needed")
             return
         if w.mode == "handoff":
-            self.pending[w.request_id] = _Pending(w, time.monotonic() + w.deadline_s)
+            p = _Pending(w, time.monotonic() + w.deadline_s)
+            self.pending[w.request_id] = p
+            if self.rx is not None:
+                self._reserve_kv(p)
             self.beat_now()
             return
         self._admit(w, "deflect", w.chunk_schedule)
@@ -117,6 +140,22 @@ class DecodeWorker(WorkerService):
         self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
                                   reason=reason, retryable=True))
 
+    def _reserve_kv(self, p: _Pending) -> None:
+        """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write."""
+        assert self.rx is not None
+        w = p.work
+        key = transfer_key(w.request_id, w.attempt)
+        target = m.KvTarget(request_id=w.request_id, attempt=w.attempt, decode_worker=self.worker_id,
+                            agent_name=self.rx.name, kv_agent=self.rx.agent_info())
+        try:
+            ids = self.rx.reserve(key, self.rx.layout.nbytes(len(w.prompt_token_ids)))
+        except KvError as e:
+            self.log.warning("kv_reserve_failed", request_id=w.request_id, reason=e.reason, error=str(e))
+            self.send(msgspec_replace(target, error=f"{e.reason}: {e}"))
+            return
+        p.key = key
+        self.send(msgspec_replace(target, block_ids=ids))
+
     def _on_kv_ready(self, r: m.KvReady) -> None:
         p = self.pending.get(r.request_id)
         if p is None or p.work.attempt != r.attempt:
@@ -124,9 +163,37 @@ class DecodeWorker(WorkerService):
             return
         del self.pending[r.request_id]
         if r.error or r.kv is None:
+            self._release_kv(p)
             self._fallback(p.work, r.error or "no kv handle")
             return
+        if p.key and self.rx is not None:
+            task = asyncio.create_task(self._await_kv(p, r.kv))
+            self._kv_tasks.add(task)
+            task.add_done_callback(self._kv_tasks.discard)
+            return
         self._admit(p.work, "handoff", (), kv=r.kv)
+
+    async def _await_kv(self, p: _Pending, kv: m.KvHandle) -> None:
+        """The prefill side says the WRITE is done: wait for its notification, verify, admit."""
+        assert self.rx is not None
+        w = p.work
+        self.active[w.request_id] = w  # held (for drain and cancel) while we verify
+        try:
+            await self.rx.wait(p.key, self.cfg.kv_timeout, tokens=len(w.prompt_token_ids),
+                               bytes_per_token=self.rx.layout.bytes_per_token)
+        except KvError as e:
+            if self.active.pop(w.request_id, None) is not None:
+                self._fallback(w, f"kv_{e.reason}: {e}")
+            return
+        finally:
+            self._release_kv(p)
+        if self.active.pop(w.request_id, None) is not None:  # not cancelled meanwhile
+            self._admit(w, "handoff", (), kv=kv)
+
+    def _release_kv(self, p: _Pending) -> None:
+        if p.key and self.rx is not None:
+            self.rx.release(p.key)
+            p.key = ""
 
     def _fallback(self, w: m.DecodeWork, reason: str) -> None:
         """KV did not arrive: prefill in place (an explicit, counted deflection)."""
@@ -144,7 +211,9 @@ class DecodeWorker(WorkerService):
         self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
 
     def _drop(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+        p = self.pending.pop(request_id, None)
+        if p is not None:
+            self._release_kv(p)
         if self.active.pop(request_id, None) is not None:
             self.engine.abort(request_id)
             self.beat_now()
@@ -156,6 +225,7 @@ class DecodeWorker(WorkerService):
             for rid, p in list(self.pending.items()):
                 if now >= p.deadline:
                     del self.pending[rid]
+                    self._release_kv(p)
                     self._fallback(p.work, "kv_timeout")
 
     # -- engine output -------------------------------------------------------------------------

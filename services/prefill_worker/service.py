@@ -16,6 +16,7 @@ from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.errors import Overloaded
+from common.kv import KvError, KvSender, layout_from_info, sender_from_config, transfer_key
 from common.worker import WorkerService
 
 
@@ -27,6 +28,9 @@ class PrefillWorker(WorkerService):
         super().__init__(*args, **kwargs)
         self.work: dict[str, m.PrefillWork] = {}
         self._transfers: set[asyncio.Task[None]] = set()
+        self.targets: dict[str, m.KvTarget] = {}
+        self._target_arrived: dict[str, asyncio.Event] = {}
+        self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
         self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, refused=0)
 
@@ -37,6 +41,14 @@ class PrefillWorker(WorkerService):
             queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
             token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
             step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.engine.coeffs(), draining=self.draining)
+
+    async def setup(self) -> None:
+        if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
+            self.tx = sender_from_config(self.cfg, name=self.worker_id)
+
+    async def teardown(self) -> None:
+        if self.tx is not None:
+            self.tx.close()
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
@@ -51,6 +63,7 @@ class PrefillWorker(WorkerService):
                 w = self.work.get(msg.request_id)
                 if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
                     self.work.pop(msg.request_id)
+                    self._forget_target(msg.request_id)
                     self.engine.abort(msg.request_id)
                     self.log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
             case m.Drain():
@@ -84,7 +97,41 @@ class PrefillWorker(WorkerService):
                                   reason=reason, retryable=True))
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
-        self.log.debug("kv_target", request_id=t.request_id, blocks=len(t.block_ids))
+        w = self.work.get(t.request_id)
+        if w is None or w.attempt != t.attempt:
+            return
+        self.targets[t.request_id] = t
+        self._target_arrived.setdefault(t.request_id, asyncio.Event()).set()
+
+    def _forget_target(self, request_id: str) -> None:
+        self.targets.pop(request_id, None)
+        self._target_arrived.pop(request_id, None)
+
+    async def _push_nixl(self, w: m.PrefillWork) -> tuple[int, str]:
+        """WRITE the request's KV into the decode worker's reserved blocks. Returns (bytes, error)."""
+        assert self.tx is not None
+        ev = self._target_arrived.setdefault(w.request_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout)
+        except TimeoutError:
+            return 0, "no KV target from the decode worker in time"
+        t = self.targets[w.request_id]
+        if t.error:
+            return 0, f"decode worker could not take the KV: {t.error}"
+        if t.kv_agent is None:
+            return 0, "decode worker sent no NIXL agent"
+        tokens = len(w.prompt_token_ids)
+        try:
+            self.tx.add_peer(t.kv_agent)
+            bpt = layout_from_info(t.kv_agent, self.cfg.kv_block_tokens).bytes_per_token
+            r = await self.tx.push_pattern(t.agent_name, transfer_key(w.request_id, w.attempt), t.block_ids,
+                                           request_id=w.request_id, tokens=tokens, bytes_per_token=bpt,
+                                           timeout=self.cfg.kv_timeout)
+        except KvError as e:
+            self.log.warning("kv_push_failed", request_id=w.request_id, decode_worker=t.decode_worker,
+                             reason=e.reason, error=str(e))
+            return 0, f"kv_{e.reason}: {e}"
+        return r.nbytes, ""
 
     def _on_prefilled(self, p: Prefilled) -> None:
         w = self.work.get(p.request_id)
@@ -101,16 +148,26 @@ class PrefillWorker(WorkerService):
         t0 = time.monotonic()
         model = self.engine.coeffs()
         nbytes = tokens * (model.kv_bytes_per_token if model else 0)
-        if self.cfg.kv_transport == "modeled" and model is not None:
+        error = ""
+        if self.tx is not None:
+            modeled_nbytes = nbytes
+            nbytes, error = await self._push_nixl(w)
+            if model is not None and not error:  # real bytes moved; keep the profile's timing (GPU-like)
+                rest = model.xfer_t0 + modeled_nbytes / model.xfer_bandwidth - (time.monotonic() - t0)
+                if rest > 0:
+                    await asyncio.sleep(rest)
+        elif self.cfg.kv_transport == "modeled" and model is not None:
             await asyncio.sleep(model.xfer_t0 + nbytes / model.xfer_bandwidth)
+        self._forget_target(w.request_id)
         if self.work.get(w.request_id) is not w:
             return  # cancelled or re-dispatched meanwhile
         self.work.pop(w.request_id, None)
-        self.counters["kv_transfers"] += 1
+        self.counters["kv_failures" if error else "kv_transfers"] += 1
         kv = m.KvHandle(transport=self.cfg.kv_transport if self.engine.name == "sim" else self.engine.name,
                         source_worker=self.worker_id, tokens=tokens, nbytes=nbytes,
                         transfer_s=time.monotonic() - t0, params=p.kv_params)
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
-                                queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id))
+                                queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
+                                kv_error=error))
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)

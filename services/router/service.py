@@ -367,7 +367,11 @@ class Router:
         if dw is None:
             self._redispatch(req, "decode worker gone before the KV handoff", req.decode_worker)
             return
-        self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv))
+        if p.kv_error:
+            self.counts["kv_failures"] += 1
+            log.warning("kv_transfer_failed", request_id=req.request_id, prefill_worker=p.worker_id,
+                        decode_worker=dw.worker_id, reason=p.kv_error)
+        self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv, error=p.kv_error))
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
         req = self.requests.get(t.request_id)

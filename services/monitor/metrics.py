@@ -51,6 +51,11 @@ WORKER_GAUGES: dict[str, tuple[str, str, float]] = {
 STEP_KEYS = {"step_ms_p50": "p50", "step_ms_max": "max"}
 
 
+def kv_reason(error: str) -> str:
+    """A bounded label from a KV error text such as "kv_timeout: no notification after 10 s"."""
+    return error.split(":", 1)[0].strip()[:40] or "unknown"
+
+
 class _StateCollector:
     """Level metrics, read from the monitor state at scrape time."""
 
@@ -216,7 +221,7 @@ class MonitorMetrics:
         if rec.kv_fallback:
             self.kv_fallbacks.labels(route).inc()
         if rec.kv_fallback or kv_error:
-            self.kv_failures.labels(kv_error or "unknown").inc()
+            self.kv_failures.labels(kv_reason(kv_error)).inc()
         kv_bytes = getattr(rec, "kv_bytes", 0)
         if kv_bytes:
             self.kv_bytes.inc(kv_bytes)

@@ -23,6 +23,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+KV_XFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MAX_GAPS_OBSERVED = 8192
 
 DECISIONS = Counter("kairos_router_decisions", "Routing decisions by route and reason (re-dispatches included).",
@@ -44,6 +45,16 @@ WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining o
 REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")
 KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
                        "place by their decode worker.")
+KV_BYTES = Counter("kairos_router_kv_transfer_bytes", "KV-cache bytes prefill workers reported moving to decode "
+                   "workers.")
+KV_TIME = Histogram("kairos_router_kv_transfer_seconds", "One request's KV transfer, as its prefill worker timed it.",
+                    buckets=KV_XFER_BUCKETS)
+KV_FAILURES = Counter("kairos_router_kv_transfer_failures", "KV transfers a prefill worker reported failed, by "
+                      "reason.", ["reason"])
+QUEUE_TIME = Histogram("kairos_router_request_queue_time_seconds", "Time a request waited in a prefill worker's "
+                       "queue.", buckets=TTFT_BUCKETS)
+PREFILL_TIME = Histogram("kairos_router_request_prefill_time_seconds", "Time a prefill worker spent prefilling a "
+                         "request.", buckets=TTFT_BUCKETS)
 WORKERS_LOST = Counter("kairos_router_workers_lost", "Workers removed (heartbeat timeout, restart).", ["role"])
 BAD_FRAMES = Counter("kairos_router_bad_frames", "Bus frames that did not decode and were dropped.", ["socket"])
 
@@ -65,6 +76,25 @@ def observe_request(rec: m.RequestRecord, gaps: Sequence[float] = ()) -> None:
         itl = ITL.labels(route)
         for g in gaps[:MAX_GAPS_OBSERVED]:
             itl.observe(g)
+
+
+def kv_reason(error: str) -> str:
+    """A bounded label from a KV error text such as "kv_timeout: no notification after 10 s"."""
+    return error.split(":", 1)[0].strip()[:40] or "unknown"
+
+
+def observe_prefill_done(p: m.PrefillDone) -> None:
+    """Every PrefillDone, stale attempts included (their bytes moved all the same)."""
+    QUEUE_TIME.observe(max(0.0, p.queue_s))
+    PREFILL_TIME.observe(max(0.0, p.prefill_s))
+    error: str = getattr(p, "kv_error", "")  # PrefillDone.kv_error is newer than protocol 1's first cut
+    if error:
+        KV_FAILURES.labels(kv_reason(error)).inc()
+        return
+    if p.kv.nbytes > 0:
+        KV_BYTES.inc(p.kv.nbytes)
+    if p.kv.transfer_s > 0:
+        KV_TIME.observe(p.kv.transfer_s)
 
 
 def observe_rejected(reason: str) -> None:

@@ -166,7 +166,8 @@ def test_proposed_record_fields_feed_their_metrics(clock: Clock) -> None:
     mon.on_message(record("g", "deflect", ttft=0.1, pred=0.1, cls=RecordV2, tbt_gaps_s=(0.01, 0.02, 0.2),
                           ttft_slo_s=2.0, tbt_slo_s=0.1))                      # TTFT met, TBT p99 0.05 met
     mon.on_message(record("h", "disagg", ttft=3.0, pred=0.5, cls=RecordV2, kv_bytes=1 << 20, kv_transfer_s=0.02,
-                          prefill_queue_s=0.5, prefill_s=0.25, kv_error="kv_timeout", kv_fallback=True,
+                          prefill_queue_s=0.5, prefill_s=0.25, kv_error="kv_timeout: no notification in 10 s",
+                          kv_fallback=True,
                           ttft_slo_s=2.0, tbt_slo_s=0.1))                      # TTFT missed
     s = parse_metrics(mon.metrics.render().decode())
     assert value(s, "kairos_inter_token_latency_seconds_count", route="deflect") == 3
@@ -294,6 +295,14 @@ def test_router_metrics_module() -> None:
     router_metrics.set_in_flight(3)
     router_metrics.set_workers(prefill=2, decode=1)
     router_metrics.observe_rejected("overloaded")
+    kv = m.KvHandle(transport="modeled", source_worker="prefill-0", tokens=100, nbytes=4096, transfer_s=0.02)
+    kv_before = get("kairos_router_kv_transfer_bytes_total")
+    router_metrics.observe_prefill_done(m.PrefillDone(request_id="r1", attempt=0, worker_id="prefill-0", kv=kv,
+                                                      queue_s=0.1, prefill_s=0.2))
+    assert get("kairos_router_kv_transfer_bytes_total") == kv_before + 4096
+    assert get("kairos_router_request_prefill_time_seconds_count") >= 1
+    assert router_metrics.kv_reason("kv_timeout: no notification in 10 s") == "kv_timeout"
+    assert router_metrics.kv_reason("") == "unknown"
     assert get("kairos_router_decisions_total", route="deflect", reason="decode_faster") == before[0] + 1
     assert get("kairos_router_inter_token_latency_seconds_count", route="deflect") == before[1] + 2
     assert get("kairos_router_requests_total", route="none", outcome="unavailable") == before[2] + 1

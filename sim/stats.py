@@ -13,6 +13,8 @@ Definitions (the same wherever these keys appear):
   long steps, which a per-request p95 would hide for long outputs.
 - `slo_attainment`: fraction of all requests that meet both.
 - `deflection_rate`: fraction of all requests routed "deflect" (prefilled on a decode worker).
+- `ttft_tail_*_share`: over the requests with TTFT >= its P95, the mean share of TTFT spent
+  queueing for prefill, prefilling and transferring the KV cache.
 - Percentiles use linear interpolation between order statistics (numpy's default); a key whose
   sample is empty is None.
 """
@@ -53,6 +55,24 @@ def _mean(values: np.ndarray) -> float | None:
     return float(values.mean()) if values.size else None
 
 
+def _tail_shares(records: Sequence[RequestTiming], p95: float | None) -> tuple[float | None, ...]:
+    """Mean shares of queueing, prefill execution and KV transfer in the TTFT of the requests at
+    or above the P95 TTFT (the paper's Table 3 breakdown); the rest is the first decode step and
+    the wait to join the decode batch. None when no tail request reports its components."""
+    if p95 is None:
+        return (None, None, None)
+    q, e, x = [], [], []
+    for r in records:
+        if r.ttft is None or r.ttft < p95 or r.ttft <= 0 or r.queue_s is None or r.prefill_s is None:
+            continue
+        q.append(r.queue_s / r.ttft)
+        e.append(r.prefill_s / r.ttft)
+        x.append((r.xfer_s or 0.0) / r.ttft)
+    if not q:
+        return (None, None, None)
+    return (sum(q) / len(q), sum(e) / len(e), sum(x) / len(x))
+
+
 def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
     """The summary dict of a run; see the module docstring for the definitions."""
     n = len(records)
@@ -84,6 +104,7 @@ def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: flo
                     if r.ttft_pred is not None and r.ttft is not None and r.ttft > 0])
     deflected = np.array([r.ttft for r in records if r.route == "deflect" and r.ttft is not None])
     disagg = np.array([r.ttft for r in records if r.route == "disagg" and r.ttft is not None])
+    tail = _tail_shares(records, _pct(ttft, 95))
     out: dict[str, Any] = {
         "requests": n,
         "completed": int(ttft.size),
@@ -118,6 +139,9 @@ def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: flo
         "e2e_p50": _pct(e2e, 50),
         "e2e_p95": _pct(e2e, 95),
         "ttft_pred_mape": _mean(pred_err),
+        "ttft_tail_queue_share": tail[0],
+        "ttft_tail_prefill_share": tail[1],
+        "ttft_tail_xfer_share": tail[2],
         "prompt_tokens": int(sum(r.prompt_tokens for r in records)),
         "output_tokens": int(sum(r.output_tokens for r in records)),
     }

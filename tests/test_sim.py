@@ -207,6 +207,12 @@ def test_summarize_definitions() -> None:
     assert s["tbt_max"] == pytest.approx(0.2)
     assert s["routes"] == {"deflect": 2, "disagg": 2}
     assert s["reasons"] == {"decode_faster": 2, "rejected: no room": 1}
+    parts = [RequestTiming(ttft=1.0, queue_s=0.5, prefill_s=0.3, xfer_s=0.1),
+             RequestTiming(ttft=4.0, queue_s=3.0, prefill_s=0.6, xfer_s=0.2)] + [RequestTiming(ttft=0.1)] * 38
+    tail = summarize(parts, ttft_slo=2.0, tbt_slo=0.1)  # P95 = 0.145: both requests with parts are the tail
+    assert tail["ttft_tail_queue_share"] == pytest.approx((0.5 + 0.75) / 2)
+    assert tail["ttft_tail_prefill_share"] == pytest.approx((0.3 + 0.15) / 2)
+    assert tail["ttft_tail_xfer_share"] == pytest.approx((0.1 + 0.05) / 2)
     empty = summarize([], ttft_slo=1.0, tbt_slo=0.1)
     assert empty["requests"] == 0 and empty["ttft_p95"] is None and empty["slo_attainment"] is None
 

@@ -91,6 +91,7 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     kv_pool_mib: H(int, "nixl: host memory registered for KV blocks, MiB") = 64
     kv_block_tokens: H(int, "nixl: tokens per KV block") = 16
     kv_bytes_per_token: H(int, "nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)") = 0
+    kv_fault_rate: H(float, "fault injection for chaos tests: corrupt this fraction of pushed KV (keep 0)") = 0.0
     max_queue_requests: H(int, "requests queued on this worker before it answers busy") = 1024
     drain_timeout: H(float, "on SIGTERM, seconds to finish held requests before handing them back") = 30.0
     vllm_max_model_len: H(int, "vllm: max model length") = 2048

@@ -180,6 +180,29 @@ class Cluster:
                     tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-15:])
                 raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}; last log lines:\n{tail}")
 
+    def restart(self, name: str) -> None:
+        """Start a service again after it exited (or was killed): same command, same environment."""
+        p = self.services[name].proc
+        if p is not None and p.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.spawn(name)
+
+    def registered(self) -> set[str]:
+        """Worker ids the router has registered (empty when the router does not answer)."""
+        with contextlib.suppress(OSError, ValueError):
+            status, body = self.get("/v1/kairos/stats")
+            if status == 200:
+                return {w for w, info in body["workers"].items() if not info.get("draining")}  # type: ignore
+        return set()
+
+    def wait_registered(self, names: set[str], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if names <= self.registered():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{sorted(names - self.registered())} did not (re)register within {timeout:.0f}s")
+
     def signal(self, name: str, sig: int) -> None:
         p = self.services[name].proc
         if p is not None and p.poll() is None:

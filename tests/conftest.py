@@ -11,7 +11,8 @@ from kairos.up import Cluster, ClusterSpec
 
 
 def start_cluster(tmp: Path, **kw: object) -> Cluster:
-    spec = ClusterSpec.ephemeral(log_dir=str(tmp), monitor=False, **kw)
+    kw.setdefault("monitor", False)
+    spec = ClusterSpec.ephemeral(log_dir=str(tmp), **kw)
     c = Cluster(spec)
     try:
         c.start(timeout=60)

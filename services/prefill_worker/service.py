@@ -9,6 +9,7 @@ simulator's assumption); "nixl": the KV blocks are written into the decode worke
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.errors import Overloaded
-from common.kv import KvError, KvSender, layout_from_info, sender_from_config, transfer_key
+from common.kv import KvError, KvSender, fill_pattern, layout_from_info, sender_from_config, transfer_key
 from common.worker import WorkerService
 
 
@@ -124,9 +125,15 @@ class PrefillWorker(WorkerService):
         try:
             self.tx.add_peer(t.kv_agent)
             bpt = layout_from_info(t.kv_agent, self.cfg.kv_block_tokens).bytes_per_token
-            r = await self.tx.push_pattern(t.agent_name, transfer_key(w.request_id, w.attempt), t.block_ids,
-                                           request_id=w.request_id, tokens=tokens, bytes_per_token=bpt,
-                                           timeout=self.cfg.kv_timeout)
+            key = transfer_key(w.request_id, w.attempt)
+            if self.cfg.kv_fault_rate and random.random() < self.cfg.kv_fault_rate:
+                self.log.warning("kv_fault_injected", request_id=w.request_id, decode_worker=t.decode_worker)
+                r = await self.tx.push(t.agent_name, key, t.block_ids, fill_pattern("corrupt-" + w.request_id,
+                                                                                    tokens, bpt),
+                                       timeout=self.cfg.kv_timeout)
+            else:
+                r = await self.tx.push_pattern(t.agent_name, key, t.block_ids, request_id=w.request_id,
+                                               tokens=tokens, bytes_per_token=bpt, timeout=self.cfg.kv_timeout)
         except KvError as e:
             self.log.warning("kv_push_failed", request_id=w.request_id, decode_worker=t.decode_worker,
                              reason=e.reason, error=str(e))

@@ -1,0 +1,133 @@
+"""A steady, bounded load for the chaos suite, and the ledger of what happened to each request.
+
+Each request streams; the client honours the server's "retry later" answers (429/503 with
+Retry-After, or connection refused while the router restarts) like a well-behaved OpenAI client,
+at most `retry_for` seconds. Every request ends in exactly one bucket:
+
+    completed   [DONE] after exactly max_tokens tokens and a finish_reason
+    failed      a clear error: HTTP error status, an error event in the stream, the connection
+                dropped (only the router dying does that), or never admitted within retry_for
+    lost        a 200 stream that ended without [DONE] and without an error, or a success with
+                the wrong number of tokens: the client cannot tell it went wrong
+    hung        still running at the deadline
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Tally:
+    accepted: int = 0
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    hung: int = 0
+    retries: int = 0
+    sent: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def row(self, name: str) -> str:
+        errs = ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "-"
+        return (f"{name:<28} sent={self.sent:<4} accepted={self.accepted:<4} completed={self.completed:<4} "
+                f"failed={self.failed:<3} lost={self.lost} hung={self.hung} retries={self.retries:<3} errors: {errs}")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: random.Random, *,
+                      retry_for: float) -> None:
+    tally.sent += 1
+    prompt_tokens = int(min(6000, max(16, rng.lognormvariate(6.6, 0.9))))
+    max_tokens = rng.randint(8, 48)
+    body = {"prompt": [1000 + (i % 997) for i in range(prompt_tokens)], "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+    give_up = time.monotonic() + retry_for
+    while True:
+        try:
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code in (429, 503) and time.monotonic() < give_up:
+                    tally.retries += 1
+                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "0.2")) * 0.25))
+                    continue
+                if r.status_code != 200:
+                    await r.aread()
+                    tally.failed += 1
+                    tally.errors[f"http_{r.status_code}"] += 1
+                    return
+                tally.accepted += 1
+                await _consume(r, tally, max_tokens)
+                return
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if time.monotonic() < give_up:
+                tally.retries += 1
+                await asyncio.sleep(0.2)
+                continue
+            tally.failed += 1
+            tally.errors["never_connected"] += 1
+            return
+        except httpx.ReadTimeout:
+            tally.hung += 1
+            tally.errors["read_timeout"] += 1
+            return
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            tally.failed += 1
+            tally.errors[f"connection_dropped:{type(e).__name__}"] += 1
+            return
+
+
+async def _consume(r: httpx.Response, tally: Tally, max_tokens: int) -> None:
+    tokens = 0
+    finish = None
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            if finish is not None and tokens == max_tokens:
+                tally.completed += 1
+            else:
+                tally.lost += 1
+                tally.errors[f"bad_completion:{tokens}/{max_tokens}:{finish}"] += 1
+            return
+        ev = json.loads(data)
+        if "error" in ev:
+            tally.failed += 1
+            tally.errors[ev["error"].get("code") or "stream_error"] += 1
+            return
+        ch = ev["choices"][0]
+        if ch.get("text"):
+            tokens += len(ch["text"].split())
+        if ch.get("finish_reason"):
+            finish = ch["finish_reason"]
+    tally.lost += 1
+    tally.errors["stream_ended_silently"] += 1
+
+
+async def run_load(url: str, *, rate: float, duration: float, seed: int, retry_for: float = 20.0,
+                   hang_after: float = 60.0) -> Tally:
+    """Poisson arrivals at `rate` for `duration` s; then wait up to `hang_after` s for stragglers."""
+    rng = random.Random(seed)
+    tally = Tally()
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after, connect=2.0), limits=limits) as client:
+        tasks: list[asyncio.Task[None]] = []
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            tasks.append(asyncio.create_task(one_request(client, url, tally, rng, retry_for=retry_for)))
+            await asyncio.sleep(rng.expovariate(rate))
+        done, pending = await asyncio.wait(tasks, timeout=hang_after)
+        for t in pending:
+            t.cancel()
+        tally.hung = len(pending)
+        for t in done:
+            if t.exception() is not None:
+                tally.failed += 1
+                tally.errors[f"client_exception:{type(t.exception()).__name__}"] += 1
+    return tally

@@ -1,0 +1,178 @@
+"""The chaos suite: a local cluster under steady load while services die, freeze, restart and
+receive garbage. For each scenario: accepted, completed, failed (with a clear error), lost, hung.
+Lost and hung must be 0; a rolling restart and a monitor crash must fail nothing.
+
+Run alone: `.venv/bin/pytest -m chaos -s tests/chaos` (about 2-3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from kairos.up import Cluster
+from tests.chaos.load import Tally, run_load
+from tests.conftest import start_cluster
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+RATE = 12.0          # requests/s, Poisson
+DURATION = 8.0       # seconds of load per scenario
+WORKERS = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+RESULTS: dict[str, dict[str, object]] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # a100 timing sped up 5x: requests live long enough (0.1-1 s) to be caught mid-flight
+    c = start_cluster(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, profile="a100-dsv2-lite",
+                      policy="kairos", monitor=True, time_scale=0.2)
+    yield c
+    c.stop(20)
+    out = Path(os.environ.get("KAIROS_CHAOS_RESULTS", "chaos-results.json"))
+    out.write_text(json.dumps(RESULTS, indent=2, sort_keys=True) + "\n")
+
+
+async def scenario(c: Cluster, name: str, fault: object, *, seed: int) -> Tally:
+    load = asyncio.create_task(run_load(c.spec.api + "/v1/completions", rate=RATE, duration=DURATION, seed=seed))
+    await asyncio.sleep(2.0)
+    await fault  # type: ignore[misc]
+    tally = await load
+    await asyncio.to_thread(c.wait_registered, WORKERS, 30.0)
+    RESULTS[name] = {"sent": tally.sent, "accepted": tally.accepted, "completed": tally.completed,
+                     "failed": tally.failed, "lost": tally.lost, "hung": tally.hung, "retries": tally.retries,
+                     "errors": dict(tally.errors)}
+    print("\n" + tally.row(name))
+    assert tally.lost == 0, tally.errors
+    assert tally.hung == 0, tally.errors
+    assert tally.completed > 0
+    return tally
+
+
+async def kill_and_restart(c: Cluster, name: str, down_s: float = 1.0) -> None:
+    c.signal(name, signal.SIGKILL)
+    await asyncio.to_thread(c.wait_exit, name, 10)
+    await asyncio.sleep(down_s)
+    c.restart(name)
+
+
+async def test_kill_decode_worker(cluster: Cluster) -> None:
+    t = await scenario(cluster, "kill -9 decode-0", kill_and_restart(cluster, "decode-0"), seed=1)
+    assert set(t.errors) <= {"worker_lost_midstream"}
+
+
+async def test_kill_prefill_worker(cluster: Cluster) -> None:
+    t = await scenario(cluster, "kill -9 prefill-0", kill_and_restart(cluster, "prefill-0"), seed=2)
+    assert t.failed == 0, t.errors  # nothing had streamed yet: every request is re-dispatched
+
+
+async def test_kill_router(cluster: Cluster) -> None:
+    async def fault() -> None:
+        await kill_and_restart(cluster, "router", down_s=0.5)
+        await asyncio.to_thread(cluster.wait_http, "/health", 30.0)
+
+    t = await scenario(cluster, "kill -9 router", fault(), seed=3)
+    # in-flight connections die with the router; that is the only failure allowed
+    assert all(k.startswith("connection_dropped") for k in t.errors), t.errors
+
+
+async def test_kill_monitor(cluster: Cluster) -> None:
+    t = await scenario(cluster, "kill -9 monitor", kill_and_restart(cluster, "monitor"), seed=4)
+    assert t.failed == 0, t.errors
+
+
+async def test_freeze_decode_worker(cluster: Cluster) -> None:
+    async def fault() -> None:
+        cluster.signal("decode-1", signal.SIGSTOP)
+        await asyncio.sleep(2.5)  # well past liveness (10 x 100 ms): the router declares it dead
+        cluster.signal("decode-1", signal.SIGCONT)  # it comes back, is asked to re-register
+
+    t = await scenario(cluster, "SIGSTOP/SIGCONT decode-1", fault(), seed=5)
+    assert set(t.errors) <= {"worker_lost_midstream"}, t.errors
+
+
+async def test_rolling_restart_fails_nothing(cluster: Cluster) -> None:
+    async def fault() -> None:
+        for name in ("router", "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"):
+            cluster.signal(name, signal.SIGTERM)
+            rc = await asyncio.to_thread(cluster.wait_exit, name, 40)
+            assert rc == 0, f"{name} exited with {rc} on SIGTERM"
+            cluster.restart(name)
+            if name == "router":
+                await asyncio.to_thread(cluster.wait_http, "/health", 30.0)
+            await asyncio.to_thread(cluster.wait_registered, WORKERS, 30.0)
+
+    t = await scenario(cluster, "rolling restart (SIGTERM)", fault(), seed=6)
+    assert t.failed == 0, t.errors
+
+
+async def test_garbage_on_the_bus_under_load(cluster: Cluster) -> None:
+    async def fault() -> None:
+        ctx = zmq.Context()
+        try:
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.IDENTITY, b"decode-0")  # even impersonating a live worker's identity
+            d.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
+            p = ctx.socket(zmq.PUB)
+            p.setsockopt(zmq.LINGER, 0)
+            p.connect(f"tcp://127.0.0.1:{cluster.spec.heartbeat_port}")
+            await asyncio.sleep(0.3)
+            for i in range(200):
+                junk = os.urandom(i % 64 + 1)
+                try:
+                    d.send_multipart([junk], zmq.NOBLOCK)
+                    p.send_multipart([b"hb", junk, junk], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                await asyncio.sleep(0.005)
+        finally:
+            ctx.destroy(linger=0)
+
+    t = await scenario(cluster, "garbage frames on the bus", fault(), seed=7)
+    assert t.failed == 0, t.errors
+
+
+@pytest.fixture(scope="module")
+def faulty_kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("kvfault"), prefill=2, decode=2, profile="a100-dsv2-lite",
+                      policy="disagg-least-loaded", time_scale=0.2, worker_env={"KAIROS_KV_FAULT_RATE": "0.3"})
+    yield c
+    c.stop(20)
+
+
+async def test_broken_kv_transfers_fall_back(faulty_kv_cluster: Cluster) -> None:
+    c = faulty_kv_cluster
+
+    async def fault() -> None:
+        await asyncio.sleep(0)
+
+    t = await scenario(c, "30% of KV transfers corrupted", fault(), seed=8)
+    assert t.failed == 0, t.errors
+    stats = httpx.get(c.spec.api + "/v1/kairos/stats", timeout=5).json()
+    assert stats["counts"].get("kv_fallbacks", 0) > 0  # each one verified, refused, prefilled in place
+    log = "".join((p.read_text() for p in Path(c.spec.log_dir).glob("decode-*.log")))
+    assert "kv_fallback_prefill_in_place" in log and "corrupt" in log
+    RESULTS["30% of KV transfers corrupted"]["kv_fallbacks"] = stats["counts"]["kv_fallbacks"]
+
+
+def test_waits_are_bounded_when_the_router_is_gone(tmp_path: Path) -> None:
+    """A worker whose router vanishes keeps retrying Hello on a bounded loop and exits on SIGTERM."""
+    c = start_cluster(tmp_path, prefill=0, decode=1, profile="fast", policy="deflect-all")
+    try:
+        c.signal("router", signal.SIGKILL)
+        c.wait_exit("router", 10)
+        time.sleep(1.5)
+        c.signal("decode-0", signal.SIGTERM)
+        assert c.wait_exit("decode-0", 15) == 0
+    finally:
+        c.stop(10)

@@ -155,6 +155,7 @@ class VllmEngine(Engine):
         self._held: dict[str, _Held] = {}        # by request_id
         self._by_key: dict[str, _Held] = {}      # by the id vLLM sees
         self._pending_items: list[TokenItem] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._flush_scheduled = False
         self._step_ms: deque[float] = deque(maxlen=64)
         self.samples: deque[StepSample] = deque(maxlen=4096)
@@ -312,6 +313,8 @@ class VllmEngine(Engine):
             if req.mode == "handoff" and (req.kv is None or not req.kv.params):
                 raise ValueError(f"handoff {req.request_id} carries no kv params to load")
             if not self.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
+                if req.mode == "handoff" and req.kv is not None:
+                    self.release_kv(f"{req.request_id}:{req.attempt}:rejected", req.kv.params)
                 raise Overloaded(f"decode engine KV full ({self._kv_free()} tokens free, "
                                  f"{len(req.prompt_token_ids) + req.sampling.max_tokens} needed)")
         h = _Held(req=req, key=f"{req.request_id}:{req.attempt}", submitted=time.monotonic(),
@@ -320,6 +323,17 @@ class VllmEngine(Engine):
         self._by_key[h.key] = h
         serve = self._serve_prefill(h) if self.role == "prefill" else self._serve_decode(h)
         h.task = asyncio.get_running_loop().create_task(serve, name=f"vllm-{h.key}")
+
+    def release_kv(self, key: str, kv_params: dict[str, object]) -> None:
+        """Decode role: tell the prefill engine to free the KV blocks of a handoff this engine will
+        not load (refused, or cancelled before it was added), instead of holding them until the
+        lease expires (vLLM's notify_kv_transfer_request_rejected)."""
+        if self._llm is None or self.role != "decode" or not kv_params:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._llm.notify_kv_transfer_request_rejected(key, dict(kv_params)), name=f"vllm-release-{key}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def abort(self, request_id: str) -> bool:
         h = self._held.pop(request_id, None)
@@ -332,6 +346,10 @@ class VllmEngine(Engine):
 
     def held(self) -> list[str]:
         return list(self._held)
+
+    def waiting_kv(self) -> int:
+        """Decode role: handed-off requests whose KV has not landed yet (DecodeHeartbeat.waiting_kv)."""
+        return sum(1 for h in self._held.values() if h.kv_wait)
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
         return self._kv_free() >= prompt_tokens + max_tokens

@@ -58,8 +58,11 @@ async def test_disaggregated_matches_single_engine(pd: PD) -> None:
     assert pre.kv_params["do_remote_prefill"] is True and pre.kv_params["transfer_mode"] == "pull"
     assert pre.kv_params["remote_port"] == pd.prefill.side_channel_port
     assert pre.prefill_s > 0 and pre.queue_s >= 0
-    got = await pd.run_decode(request("pd", LONG, kv_params=pre.kv_params, mode="handoff"))
+    pd.decode.add(request("pd", LONG, kv_params=pre.kv_params, mode="handoff"))
+    assert pd.decode.waiting_kv() == 1
+    got = await pd.out.wait("pd")
     assert got == want
+    assert pd.decode.waiting_kv() == 0
     # the decode engine computed only the last prompt token: the other 299 came over NIXL
     assert [(chi, k) for _, chi, k in steps_of(pd, "pd:0")] == [(1, len(LONG) - 1)]
     assert pd.out.fallbacks == []

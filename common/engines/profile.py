@@ -1,0 +1,381 @@
+"""`kairos profile`: measure an engine's step times, fit the performance model, write a profile.
+
+The sweep drives a decode-role engine through the Engine interface, so the vLLM engine and the
+simulated engine are measured the same way. For every (context, batch, chunk) point it starts
+`batch` background requests with `context`-token prompts, waits until all of them decode, then
+deflects one prompt of `chunks-per-prompt` x `chunk` tokens with the schedule (chunk, chunk, ...)
+and lets the background requests run `decode-steps` more tokens. Every engine step of the sweep
+becomes a StepSample (decode batch, its KV tokens, the chunks with their contexts, seconds):
+prefill-only steps (the background prompts), mixed steps (decodes + one scheduled chunk) and
+decode-only steps. `perf_model.fit` fits the step-time model to them, refitted without the
+steps that contention from other processes slowed down (`robust_fit`, `--trim`); the MAPE is
+reported over the kept steps, per kind of step (which terms of the model are active) and per
+scheduled chunk size, and over all steps untrimmed, and stored in the profile's `fit_mape`.
+
+For vLLM it also measures the KV handoff (prefill engine -> NIXL -> decode engine): the time
+from a handoff's submission to its first token, less the decode engine's own step for it,
+over several prompt lengths, fitted as t0 + L * kv_bytes_per_token / bandwidth.
+
+    .venv-vllm/bin/python -m common.engines.profile --engine vllm --out common/profiles/cpu-tiny-llama.json
+    python -m common.engines.profile --engine sim --sim-profile a100-dsv2-lite --out /tmp/sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import parse_list
+from common.engines.base import Engine, EngineRequest
+from common.messages import KvHandle, Sampling, TokenItem
+from common.perf_model import PerfModel, Profile, StepSample, fit, load_profile, mape, save_profile
+
+
+class _Tracker:
+    """Which requests finished, and when each produced its first token."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.finished: set[str] = set()
+        self.failed: list[str] = []
+        self.event = asyncio.Event()
+
+    def on_tokens(self, items: list[TokenItem], step_s: float) -> None:
+        now = time.monotonic()
+        for it in items:
+            if it.token_ids:
+                self.first.setdefault(it.request_id, now)
+            if it.finish_reason is not None:
+                self.finished.add(it.request_id)
+                if it.finish_reason == "error":
+                    self.failed.append(it.request_id)
+        self.event.set()
+
+    async def until(self, cond: Any, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if self.failed:
+                raise RuntimeError(f"profile requests failed in the engine: {self.failed}")
+            self.event.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("profile sweep: the engine stopped making progress")
+            try:
+                await asyncio.wait_for(self.event.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int, *, schedule: tuple[int, ...] = (),
+         mode: str = "deflect", kv: KvHandle | None = None) -> EngineRequest:
+    return EngineRequest(request_id=rid, attempt=0, prompt_token_ids=prompt, mode=mode,  # type: ignore[arg-type]
+                         sampling=Sampling(max_tokens=max_tokens, ignore_eos=True), chunk_schedule=schedule, kv=kv)
+
+
+async def sweep(engine: Engine, samples_of: Any, *, contexts: Sequence[int], batches: Sequence[int],
+                chunks: Sequence[int], chunks_per_prompt: int, decode_steps: int, vocab: int,
+                tag: str = "", progress: Any = None) -> list[StepSample]:
+    """Run the sweep on a started decode-role engine whose step loop runs; returns the samples."""
+    rng = random.Random(tag)
+    track = _Tracker()
+    engine.on_tokens = track.on_tokens
+    start = len(samples_of())
+    n = 0
+    for ctx in contexts:
+        for batch in batches:
+            for chi in chunks:
+                n += 1
+                point = f"{tag}c{ctx}-b{batch}-x{chi}"
+                bg = [f"{point}-bg{i}" for i in range(batch)]
+                for rid in bg:
+                    engine.add(_req(rid, [rng.randrange(3, vocab) for _ in range(ctx)],
+                                    chunks_per_prompt + decode_steps + 2))
+                await track.until(lambda: all(r in track.first for r in bg))  # noqa: B023
+                rid = f"{point}-deflect"
+                engine.add(_req(rid, [rng.randrange(3, vocab) for _ in range(chi * chunks_per_prompt)], 1,
+                                schedule=(chi,) * chunks_per_prompt))
+                await track.until(lambda: rid in track.finished and all(r in track.finished for r in bg))  # noqa: B023
+                if progress is not None:
+                    progress(n, point)
+    return list(samples_of())[start:]
+
+
+def kind(s: StepSample) -> str:
+    if s.batch and s.chunks:
+        return "mixed"
+    return "decode_only" if s.batch else "prefill_only"
+
+
+def mape_table(model: PerfModel, samples: Sequence[StepSample], chunk_sizes: Sequence[int] = ()) -> dict[str, float]:
+    """MAPE over all steps, per kind of step (which model terms are active) and per scheduled chunk size."""
+    out = {"all": mape(model, samples)}
+    for k in ("decode_only", "prefill_only", "mixed"):
+        sub = [s for s in samples if kind(s) == k]
+        if sub:
+            out[k] = mape(model, sub)
+    for c in chunk_sizes:
+        sub = [s for s in samples if kind(s) == "mixed" and any(chi == c for chi, _ in s.chunks)]
+        if sub:
+            out[f"mixed_chunk_{c}"] = mape(model, sub)
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def robust_fit(samples: Sequence[StepSample], *, trim: float, use_a5: bool, base: PerfModel,
+               rounds: int = 8, floor: float = 0.05) -> tuple[PerfModel, list[StepSample]]:
+    """`perf_model.fit` made robust to the two kinds of step that are not the engine's.
+
+    1. Steps shorter than `floor` x the median step: the simulated engine sleeps to absolute
+       deadlines, so a step after an overslept one returns almost at once (microseconds);
+       relative-error least squares would weight such a step a thousand times over.
+    2. Steps more than `trim` slower than the current fit: on a shared machine another process
+       can only make a step slower, never faster. They are dropped and the model refitted until
+       the kept set stops changing; a round that would leave less than two thirds of the steps
+       is not taken (the fit is then too poor to judge by). The result models the engine on a
+       quiet machine.
+    trim <= 0 skips 2.
+    """
+    median = float(np.median([s.seconds for s in samples]))
+    kept = [s for s in samples if s.seconds >= floor * median]
+    total = len(kept)
+    model, _ = fit(kept, use_a5=use_a5, base=base)
+    if trim <= 0:
+        return model, kept
+    for _ in range(rounds):
+        new = [s for s in kept if s.seconds <= (1 + trim) * model.step_time(s.batch, s.kv_tokens, s.chunks)]
+        if len(new) == len(kept) or len(new) < max(6, (2 * total) // 3):
+            break
+        kept = new
+        model, _ = fit(kept, use_a5=use_a5, base=base)
+    return model, kept
+
+
+def fit_xfer(points: Sequence[tuple[int, float]], bytes_per_token: int) -> tuple[float, float]:
+    """Least squares of seconds = t0 + tokens * bytes_per_token / bandwidth; returns (t0, bandwidth)."""
+    x = np.array([p[0] * bytes_per_token for p in points], dtype=np.float64)
+    y = np.array([p[1] for p in points], dtype=np.float64)
+    slope, t0 = np.polyfit(x, y, 1)
+    if slope <= 0:  # the bytes are too few to show on this machine: time is all fixed cost
+        return max(float(np.mean(y)), 0.0), 1e12
+    return float(max(t0, 0.0)), float(1.0 / slope)
+
+
+async def measure_xfer(prefill: Any, decode: Any, *, lengths: Sequence[int], repeats: int,
+                       vocab: int) -> list[tuple[int, float]]:
+    """Handoff time (submit to first token, less the decode step that computed it) per prompt length."""
+    rng = random.Random(1)
+    done: dict[str, Any] = {}
+    prefill.on_prefilled = lambda p: done.__setitem__(p.request_id, p)
+    track = _Tracker()
+    decode.on_tokens = track.on_tokens
+    points: list[tuple[int, float]] = []
+    for i, length in enumerate([lengths[0], *[x for x in lengths for _ in range(repeats)]]):
+        rid = f"xfer{i}-{length}"
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        prefill.add(_req(rid, prompt, 1, mode="prefill"))
+        while rid not in done:
+            await asyncio.sleep(0.002)
+        kv = KvHandle(transport="nixl", source_worker="profile", tokens=length, params=done.pop(rid).kv_params)
+        t0 = time.monotonic()
+        decode.add(_req(rid, prompt, 1, mode="handoff", kv=kv))
+        await track.until(lambda: rid in track.finished)  # noqa: B023
+        total = track.first[rid] - t0
+        step = next((r.seconds for r in reversed(decode.step_records) for key, _, _ in r.chunks
+                     if key == f"{rid}:0"), 0.0)
+        if decode.kv_fallbacks:
+            raise RuntimeError("a KV handoff fell back to in-place prefill while profiling")
+        if i > 0:  # the first one pays the NIXL handshake
+            points.append((length, max(total - step, 1e-6)))
+    return points
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 4) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return int(cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes)
+
+
+async def _profile(args: argparse.Namespace) -> Profile:
+    contexts, batches, chunks = parse_list(args.contexts), parse_list(args.batches), parse_list(args.chunks)
+    say = print if not args.quiet else (lambda *a, **k: None)
+    t_start = time.monotonic()
+    xfer_points: list[tuple[int, float]] = []
+    base = PerfModel(a0=0.0)
+    if args.engine == "sim":
+        from common.engines.sim import SimEngine
+
+        src = load_profile(args.sim_profile)
+        engine: Any = SimEngine("decode", src, time_scale=args.time_scale)
+        base = src.model
+        kv_capacity, budget, max_batch, vocab = engine.kv_capacity_tokens, engine.token_budget, engine.max_batch, 1000
+        what = f"the simulated engine timed by profile {src.name!r} (time_scale {args.time_scale:g})"
+        prefill = None
+    else:
+        from common.engines.vllm import VllmEngine, free_port
+
+        model = args.model
+        if not model:
+            from common.engines.tiny_model import make_tiny_model
+
+            model = tempfile.mkdtemp(prefix="kairos-tiny-")
+            make_tiny_model(Path(model))
+            say(f"made the tiny model in {model}")
+        opts: dict[str, Any] = dict(model=model, max_model_len=args.max_model_len, kv_cache_mib=args.kv_cache_mib,
+                                    token_budget=args.token_budget, max_batch=args.max_batch, prefix_caching=False)
+        engine = VllmEngine("decode", side_channel_port=free_port(), **opts)
+        prefill = VllmEngine("prefill", side_channel_port=free_port(), **opts) if args.xfer else None
+        say("starting vLLM engine(s) ...")
+        await engine.start()
+        if prefill is not None:
+            await prefill.start()
+        kv_capacity, budget, max_batch = engine.kv_capacity_tokens, engine.token_budget, engine.max_batch
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        base = PerfModel(a0=0.0, kv_bytes_per_token=kv_bytes_per_token(model))
+        what = f"vLLM {_vllm_version()} (model {Path(model).name or model}, {args.kv_cache_mib} MiB KV)"
+    runs = [asyncio.create_task(engine.run())]
+    if prefill is not None:
+        runs.append(asyncio.create_task(prefill.run()))
+    try:
+        total = len(contexts) * len(batches) * len(chunks)
+        samples: list[StepSample] = []
+        for rep in range(args.repeats):
+            samples += await sweep(engine, lambda: engine.samples, contexts=contexts, batches=batches,
+                                   chunks=chunks, chunks_per_prompt=args.chunks_per_prompt,
+                                   decode_steps=args.decode_steps, vocab=vocab, tag=f"r{rep}",
+                                   progress=lambda i, tag: say(f"  [{i}/{total}] {tag}", end="\r"))
+        say(f"\nswept {len(samples)} steps in {time.monotonic() - t_start:.1f} s")
+        if prefill is not None:
+            xfer_points = await measure_xfer(prefill, engine, lengths=parse_list(args.xfer_lengths),
+                                             repeats=args.xfer_repeats, vocab=vocab)
+    finally:
+        for t in runs:
+            t.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        await engine.close()
+        if prefill is not None:
+            await prefill.close()
+
+    model_fit, kept = robust_fit(samples, trim=args.trim, use_a5=args.a5, base=base)
+    if xfer_points:
+        t0, bw = fit_xfer(xfer_points, base.kv_bytes_per_token)
+        model_fit = PerfModel(**{**_fields(model_fit), "xfer_t0": t0, "xfer_bandwidth": bw})
+    table = mape_table(model_fit, kept, chunks)
+    table["all_steps_untrimmed"] = round(mape(model_fit, samples), 4)
+    if xfer_points:
+        errs = [abs(model_fit.xfer_time(n) - s) / s for n, s in xfer_points]
+        table["xfer"] = round(float(np.mean(errs)), 4)
+    if args.samples_out:
+        Path(args.samples_out).write_text(json.dumps([[s.batch, s.kv_tokens, s.chunks, s.seconds] for s in samples]))
+    cmd = "kairos profile " + " ".join(sys.argv[1:]) if args.cmdline is None else args.cmdline
+    derivation = (
+        f"Measured with `{cmd}` on {platform.machine()} {platform.processor() or ''} "
+        f"({_cpus()} CPUs) against {what}: {len(samples)} engine steps over contexts {list(contexts)}, "
+        f"background decode batches {list(batches)} and scheduled chunks {list(chunks)} "
+        f"({args.chunks_per_prompt} chunks per deflected prompt), fitted by common.perf_model.fit "
+        f"(least squares on relative error, non-negative), refitted without steps more than {args.trim:.0%} "
+        f"slower than the fit (contention from other processes; {len(kept)} of {len(samples)} steps kept). "
+        f"Step time = the scheduler's wall time from "
+        f"schedule() to update_from_output() (vllm) or the engine's real-clock step (sim)."
+        + (f" KV handoff over NIXL fitted on {len(xfer_points)} handoffs of {parse_list(args.xfer_lengths)} "
+           f"tokens (first handoff, which pays the handshake, excluded)." if xfer_points else "")
+        + " MAPE per kind of step in fit_mape.")
+    return Profile(name=args.name, description=args.description or f"{args.name}: fitted by kairos profile",
+                   derivation=derivation, model=model_fit, prefill_token_budget=budget, decode_token_budget=budget,
+                   decode_default_chunk=max(c for c in chunks if c <= budget - 1) if chunks else budget,
+                   kv_capacity_tokens=kv_capacity, max_batch=max_batch, fit_mape=table)
+
+
+def _fields(m: PerfModel) -> dict[str, Any]:
+    return {f: getattr(m, f) for f in m.__struct_fields__}
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def print_report(profile: Profile) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = profile.model
+    coeffs = Table(title=f"profile {profile.name}: step-time model")
+    coeffs.add_column("term")
+    coeffs.add_column("value", justify="right")
+    for name, value, unit in (("a0", m.a0 * 1e3, "ms per step"), ("a1", m.a1 * 1e6, "us per decode"),
+                              ("a2", m.a2 * 1e9, "ns per KV token"), ("a3", m.a3 * 1e6, "us per chunk token"),
+                              ("a4", m.a4 * 1e9, "ns per chunk token x context"),
+                              ("a5", m.a5 * 1e9, "ns per chunk token^2"), ("xfer_t0", m.xfer_t0 * 1e3, "ms"),
+                              ("xfer_bandwidth", m.xfer_bandwidth / 1e9, "GB/s")):
+        coeffs.add_row(f"{name} ({unit})", f"{value:.4g}")
+    errs = Table(title="fit MAPE")
+    errs.add_column("steps")
+    errs.add_column("MAPE", justify="right")
+    for k, v in profile.fit_mape.items():
+        errs.add_row(k, f"{100 * v:.1f} %")
+    console = Console()
+    console.print(coeffs)
+    console.print(errs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kairos profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
+    p.add_argument("--model", default="", help="vllm: model directory (default: make the tiny model in a temp dir)")
+    p.add_argument("--sim-profile", default="a100-dsv2-lite", help="sim: the profile that times the simulated engine")
+    p.add_argument("--time-scale", type=float, default=1.0, help="sim: step-time multiplier")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--name", default="", help="profile name (default: the --out file's stem)")
+    p.add_argument("--description", default="")
+    p.add_argument("--contexts", default="32,256,1024", help="prompt tokens of each background decode")
+    p.add_argument("--batches", default="0,1,4,8,16", help="background decode batch sizes")
+    p.add_argument("--chunks", default="16,64,128,256", help="scheduled chunk sizes of the deflected prompt")
+    p.add_argument("--chunks-per-prompt", type=int, default=4)
+    p.add_argument("--decode-steps", type=int, default=12, help="decode-only steps after each deflection")
+    p.add_argument("--trim", type=float, default=0.25,
+                   help="drop steps this much slower than the fit and refit (0: plain fit); see robust_fit")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole sweep this many times")
+    p.add_argument("--a5", action=argparse.BooleanOptionalAction, default=True, help="fit the chunk^2 term")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--xfer", action=argparse.BooleanOptionalAction, default=True,
+                   help="vllm: also measure the KV handoff over NIXL (starts a prefill engine)")
+    p.add_argument("--xfer-lengths", default="128,512,1024,1536")
+    p.add_argument("--xfer-repeats", type=int, default=3)
+    p.add_argument("--samples-out", default="", help="also write the raw step samples (JSON)")
+    p.add_argument("--cmdline", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if not args.name:
+        args.name = Path(args.out).stem
+    profile = asyncio.run(_profile(args))
+    save_profile(profile, Path(args.out))
+    if not args.quiet:
+        print_report(profile)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -274,6 +274,7 @@ class TokenBatch(Msg):
     items: list[TokenItem]
     step_s: float = 0.0
     kv_fallback: list[str] = []
+    kv_fallback_reasons: list[str] = []  # parallel to kv_fallback
 
 
 class RequestFailed(Msg):
@@ -343,6 +344,14 @@ class RequestRecord(Msg):
     attempts: int = 1
     kv_fallback: bool = False
     at: float = 0.0
+    tbt_gaps_s: list[float] = []
+    kv_bytes: int = 0
+    kv_transfer_s: float | None = None
+    kv_error: str = ""
+    prefill_queue_s: float | None = None
+    prefill_s: float | None = None
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
 
 
 class RouterStats(Msg):

@@ -4,11 +4,24 @@ fixed shutdown order (stop intake -> drain with timeout -> cancel -> close)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+
+import uvicorn
 
 from common.errors import ConfigError
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: SIGTERM/SIGINT only set the service's stop event,
+    and the service stops uvicorn itself after draining (uvicorn would otherwise close the HTTP
+    side first and cut off streams)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def install_signals(stop: asyncio.Event) -> None:

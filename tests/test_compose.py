@@ -436,8 +436,6 @@ def test_sim_healthchecks_pass_against_the_running_services(sim_processes: Any, 
     assert len(r.stdout.strip().splitlines()) == 1 and " ok" in r.stdout
 
 
-@pytest.mark.xfail(reason="the monitor's HTTP server (GET /health) is being built in the monitor issue",
-                   strict=False)
 def test_sim_monitor_healthcheck_passes(sim_processes: Any) -> None:
     _, svcs = sim_processes
     r = run_healthcheck(svcs["monitor"], deadline_s=10)

@@ -43,6 +43,7 @@ class DecodeWorker(WorkerService):
         self.pending: dict[str, _Pending] = {}
         self.active: dict[str, m.DecodeWork] = {}
         self._fallbacks: list[str] = []
+        self._fallback_reasons: list[str] = []
         self.rx: KvReceiver | None = None
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self.engine.on_tokens = self._on_tokens
@@ -132,6 +133,8 @@ class DecodeWorker(WorkerService):
             return
         self.active[w.request_id] = w
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
+        self.log.debug("request_admitted", request_id=w.request_id, attempt=w.attempt, mode=mode,
+                       prompt_tokens=len(w.prompt_token_ids), chunk_schedule=list(schedule))
         self.beat_now()
 
     def _refuse(self, w: m.DecodeWork, reason: str) -> None:
@@ -201,6 +204,7 @@ class DecodeWorker(WorkerService):
         self.log.warning("kv_fallback_prefill_in_place", request_id=w.request_id, reason=reason,
                          prompt_tokens=len(w.prompt_token_ids))
         self._fallbacks.append(w.request_id)
+        self._fallback_reasons.append(reason)
         self._admit(w, "deflect", ())
 
     def _on_cancel(self, c: m.Cancel) -> None:
@@ -231,12 +235,16 @@ class DecodeWorker(WorkerService):
     # -- engine output -------------------------------------------------------------------------
     def _on_tokens(self, items: list[m.TokenItem], step_s: float) -> None:
         fb, self._fallbacks = self._fallbacks, []
-        self.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s, kv_fallback=fb))
+        why, self._fallback_reasons = self._fallback_reasons, []
+        self.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s, kv_fallback=fb,
+                               kv_fallback_reasons=why))
         changed = False
         for it in items:
             if it.finish_reason is not None:
                 self.active.pop(it.request_id, None)
                 self.counters["finished"] += 1
                 changed = True
+                self.log.debug("request_finished", request_id=it.request_id, attempt=it.attempt,
+                               finish_reason=it.finish_reason)
         if changed:
             self.beat_now()

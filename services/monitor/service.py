@@ -10,9 +10,8 @@ router's PUB socket drops telemetry (counted here from sequence gaps) rather tha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -22,7 +21,7 @@ import uvicorn
 from common import codec
 from common import messages as m
 from common.config import MonitorConfig
-from common.service import install_signals
+from common.service import HttpServer, install_signals
 from common.sockets import MonitorBus
 from services.monitor.http import App, Feed
 from services.monitor.metrics import MonitorMetrics
@@ -38,14 +37,6 @@ async def _serve(server: uvicorn.Server) -> None:
         await server.serve()
     except SystemExit:  # uvicorn exits the process when it cannot bind; we report it and stop instead
         pass
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: SIGTERM/SIGINT set our `stop`, and we stop uvicorn."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Monitor:
@@ -118,7 +109,7 @@ class Monitor:
     async def run(self) -> int:
         install_signals(self.stop)
         cfg = self.cfg
-        server = _Server(uvicorn.Config(self.app, host=cfg.http_host, port=cfg.http_port, lifespan="off",
+        server = HttpServer(uvicorn.Config(self.app, host=cfg.http_host, port=cfg.http_port, lifespan="off",
                                                access_log=False, log_level="warning", http="httptools",
                                                timeout_graceful_shutdown=3, limit_concurrency=256))
         bus = MonitorBus(cfg)

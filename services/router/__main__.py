@@ -9,7 +9,7 @@ import structlog
 import uvicorn
 
 from common import config, logging
-from common.service import install_signals, run
+from common.service import HttpServer, install_signals, run
 from services.router.http import App
 from services.router.service import Router
 
@@ -21,10 +21,9 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
     router.open()
     stop = router.stop
     install_signals(stop)
-    server = uvicorn.Server(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
+    server = HttpServer(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
                                            access_log=False, log_level="warning", http="httptools",
                                            timeout_graceful_shutdown=5, limit_concurrency=cfg.max_in_flight + 256))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours set `stop`
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(c, name=n) for n, c in router.loops()]

@@ -43,6 +43,8 @@ class Request:
     done: bool = False
     outcome: str = ""
     kv_fallback: bool = False
+    kv_error: str = ""
+    prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
@@ -65,4 +67,9 @@ class Request:
             ttft_pred_s=(d.ttft_decode_pred if d.route == "deflect" else d.ttft_prefill_pred) if d else None,
             tbt_p50_s=pct(0.5), tbt_p99_s=pct(0.99), tbt_max_s=gaps[-1] if gaps else None,
             e2e_s=time.monotonic() - self.arrival, outcome=self.outcome, attempts=self.attempt + 1,
-            kv_fallback=self.kv_fallback, at=time.time())
+            kv_fallback=self.kv_fallback, at=time.time(), tbt_gaps_s=self.gaps[:4096],
+            kv_bytes=self.prefill.kv.nbytes if self.prefill else 0,
+            kv_transfer_s=self.prefill.kv.transfer_s if self.prefill else None, kv_error=self.kv_error,
+            prefill_queue_s=self.prefill.queue_s if self.prefill else None,
+            prefill_s=self.prefill.prefill_s if self.prefill else None, ttft_slo_s=self.ttft_slo,
+            tbt_slo_s=self.tbt_slo)

@@ -26,6 +26,7 @@ from common.errors import Overloaded, ProtocolError, Unavailable
 from common.perf_model import load_profile
 from common.sockets import RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
+from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
 from services.router.requests import Event, Request
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
@@ -83,9 +84,11 @@ class Router:
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
                tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
         if not self.accepting:
+            metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
         if len(self.requests) >= self.cfg.max_in_flight:
             self.counts["rejected"] += 1
+            metrics.observe_rejected("overloaded")
             raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
@@ -98,8 +101,10 @@ class Router:
             self._dispatch(req)
         except NoWorkers as e:
             self.counts["unavailable"] += 1
+            metrics.observe_rejected("no_worker")
             raise Unavailable(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
+        metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
         return req
 
@@ -153,6 +158,7 @@ class Router:
                                ttft_decode_pred=decision.ttft_decode_pred, chunk_schedule=decision.chunk_schedule,
                                decision_us=decision_us, at=time.time(), attempt=req.attempt)
         self._publish(rec)
+        metrics.observe_decision(rec)
         log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
                   decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
                   ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
@@ -221,6 +227,8 @@ class Router:
     def _log_done(self, req: Request) -> None:
         rec = req.record()
         self._publish(rec)
+        metrics.observe_request(rec, req.gaps)
+        metrics.set_in_flight(len(self.requests))
         log.info("request_done", request_id=req.request_id, route=rec.route, reason=rec.reason,
                  prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
                  prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
@@ -247,6 +255,7 @@ class Router:
             req.exclude.add(bad_worker)
         req.attempt += 1
         self.counts["redispatched"] += 1
+        metrics.observe_redispatch()
         log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
                     bad_worker=bad_worker)
         try:
@@ -266,6 +275,7 @@ class Router:
             frames = await sock.recv_multipart()
             if len(frames) != 2:
                 self.counts["bad_frames"] += 1
+                metrics.observe_bad_frame("work")
                 log.warning("bad_frame_dropped", socket="work", frames=len(frames))
                 continue
             identity, payload = frames
@@ -273,6 +283,7 @@ class Router:
                 msg = codec.router_inbox.decode(payload)
             except codec.DecodeError as e:
                 self.counts["bad_frames"] += 1
+                metrics.observe_bad_frame("work")
                 log.warning("bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
                 continue
             try:
@@ -331,11 +342,14 @@ class Router:
         w = self.table.workers.get(b.worker_id)
         if w is not None:
             w.last_seen = now
-        for rid in b.kv_fallback:
+        for i, rid in enumerate(b.kv_fallback):
             r = reqs.get(rid)
             if r is not None:
                 r.kv_fallback = True
+                if i < len(b.kv_fallback_reasons):
+                    r.kv_error = r.kv_error or b.kv_fallback_reasons[i]
                 self.counts["kv_fallbacks"] += 1
+                metrics.observe_kv_fallback()
         for it in b.items:
             req = reqs.get(it.request_id)
             if req is None or req.attempt != it.attempt or req.done:
@@ -355,6 +369,7 @@ class Router:
                 self._finish(req, it.finish_reason)
 
     def _on_prefill_done(self, p: m.PrefillDone) -> None:
+        metrics.observe_prefill_done(p)
         req = self.requests.get(p.request_id)
         pw = self.table.workers.get(p.worker_id)
         if pw is not None:
@@ -363,6 +378,9 @@ class Router:
         if req is None or req.attempt != p.attempt or req.done:
             return
         req.prefill_done = True
+        req.prefill = p
+        if p.kv_error:
+            req.kv_error = p.kv_error
         dw = self.table.workers.get(req.decode_worker or "")
         if dw is None:
             self._redispatch(req, "decode worker gone before the KV handoff", req.decode_worker)
@@ -400,12 +418,14 @@ class Router:
             frames = await sock.recv_multipart()
             if len(frames) != 3:
                 self.counts["bad_frames"] += 1
+                metrics.observe_bad_frame("heartbeats")
                 log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
                 continue
             try:
                 hb = codec.heartbeat_inbox.decode(frames[2])
             except codec.DecodeError as e:
                 self.counts["bad_frames"] += 1
+                metrics.observe_bad_frame("heartbeats")
                 log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
                 continue
             if self.table.heartbeat(hb) is None:
@@ -438,6 +458,7 @@ class Router:
                 self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
 
     def _worker_gone(self, w: WorkerEntry, why: str) -> None:
+        metrics.observe_worker_lost(w.role)
         self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
         for rid in list(w.holding):
             req = self.requests.get(rid)
@@ -462,9 +483,14 @@ class Router:
                              "kv_used": 1.0 - hb.kv_free_tokens / max(hb.kv_capacity_tokens, 1),
                              "deflections": hb.deflections, "step_ms_p50": hb.step_ms_p50,
                              "step_ms_max": hb.step_ms_max,
-                             "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0}
+                             "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0,
+                             "waiting_kv": hb.waiting_kv, "resident_prefill_tokens": hb.resident_prefill_tokens}
+                state["draining"] = float(w.draining)
+                state["holding"] = len(w.holding)
                 self._publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
                                            engine=w.hello.engine, state=state, at=now))
+            metrics.set_in_flight(len(self.requests))
+            metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
             self._publish(m.RouterStats(at=now, in_flight=len(self.requests), accepted=self.counts["accepted"],
                                         completed=self.counts["completed"], failed=self.counts["failed"],
                                         rejected=self.counts["rejected"]))

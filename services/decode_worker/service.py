@@ -145,7 +145,7 @@ class DecodeWorker(WorkerService):
 
     def _reserve_kv(self, p: _Pending) -> None:
         """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write."""
-        assert self.rx is not None
+        assert self.rx is not None and self.rx.layout is not None
         w = p.work
         key = transfer_key(w.request_id, w.attempt)
         target = m.KvTarget(request_id=w.request_id, attempt=w.attempt, decode_worker=self.worker_id,
@@ -178,7 +178,7 @@ class DecodeWorker(WorkerService):
 
     async def _await_kv(self, p: _Pending, kv: m.KvHandle) -> None:
         """The prefill side says the WRITE is done: wait for its notification, verify, admit."""
-        assert self.rx is not None
+        assert self.rx is not None and self.rx.layout is not None
         w = p.work
         self.active[w.request_id] = w  # held (for drain and cancel) while we verify
         try:

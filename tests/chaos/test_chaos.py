@@ -160,7 +160,7 @@ async def test_broken_kv_transfers_fall_back(faulty_kv_cluster: Cluster) -> None
     assert t.failed == 0, t.errors
     stats = httpx.get(c.spec.api + "/v1/kairos/stats", timeout=5).json()
     assert stats["counts"].get("kv_fallbacks", 0) > 0  # each one verified, refused, prefilled in place
-    log = "".join((p.read_text() for p in Path(c.spec.log_dir).glob("decode-*.log")))
+    log = "".join(p.read_text() for p in Path(c.spec.log_dir).glob("decode-*.log"))
     assert "kv_fallback_prefill_in_place" in log and "corrupt" in log
     RESULTS["30% of KV transfers corrupted"]["kv_fallbacks"] = stats["counts"]["kv_fallbacks"]
 

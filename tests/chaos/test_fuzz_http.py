@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.chaos]
 OK = {200, 400, 401, 404, 405, 413, 429, 503}
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
     max_leaves=30)
 fields = st.sampled_from(["prompt", "messages", "max_tokens", "stream", "temperature", "top_p", "n", "model",

@@ -28,6 +28,7 @@ from common.sockets import RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
+from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
@@ -127,8 +128,7 @@ class Router:
         reserve = tokens + req.sampling.max_tokens
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
-            dw.deflecting[req.request_id] = dw.model.chunk_cost(decision.chunk_schedule[0], 0) \
-                if decision.chunk_schedule else 0.0
+            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,

@@ -30,6 +30,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,13 @@ async def _profile(args: argparse.Namespace) -> Profile:
         kv_capacity, budget, max_batch = engine.kv_capacity_tokens, engine.token_budget, engine.max_batch
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         base = PerfModel(a0=0.0, kv_bytes_per_token=kv_bytes_per_token(model))
-        what = f"vLLM {_vllm_version()} (model {Path(model).name or model}, {args.kv_cache_mib} MiB KV)"
+        model_name = "the tiny Llama of common/engines/tiny_model.py" if not args.model else Path(model).name
+        what = (f"vLLM {_vllm_version()} ({model_name}, {args.kv_cache_mib} MiB KV, token budget "
+                f"{args.token_budget}, max batch {args.max_batch})")
+    attr = "samples"
+    if args.engine == "vllm" and (args.clock == "cpu" or (args.clock == "auto" and _on_cpu())):
+        attr = "cpu_samples"
+    setattr(engine, attr, deque())  # unbounded while profiling, so indices into it stay put
     runs = [asyncio.create_task(engine.run())]
     if prefill is not None:
         runs.append(asyncio.create_task(prefill.run()))
@@ -261,7 +268,7 @@ async def _profile(args: argparse.Namespace) -> Profile:
         total = len(contexts) * len(batches) * len(chunks)
         samples: list[StepSample] = []
         for rep in range(args.repeats):
-            samples += await sweep(engine, lambda: engine.samples, contexts=contexts, batches=batches,
+            samples += await sweep(engine, lambda: getattr(engine, attr), contexts=contexts, batches=batches,
                                    chunks=chunks, chunks_per_prompt=args.chunks_per_prompt,
                                    decode_steps=args.decode_steps, vocab=vocab, tag=f"r{rep}",
                                    progress=lambda i, tag: say(f"  [{i}/{total}] {tag}", end="\r"))
@@ -293,15 +300,19 @@ async def _profile(args: argparse.Namespace) -> Profile:
         table["xfer"] = round(float(np.mean(errs)), 4)
     if args.samples_out:
         Path(args.samples_out).write_text(json.dumps([[s.batch, s.kv_tokens, s.chunks, s.seconds] for s in measured]))
-    cmd = "kairos profile " + " ".join(sys.argv[1:]) if args.cmdline is None else args.cmdline
+    cmd = args.cmdline or "kairos profile " + " ".join(_shown_args(sys.argv[1:]))
+    clock_text = {"samples": "the engine's real-clock step" if args.engine == "sim" else
+                  "the scheduler's wall time from schedule() to update_from_output()",
+                  "cpu_samples": "the engine-core thread's CPU time from schedule() to update_from_output() "
+                                 "(the model runs in that thread with OMP_NUM_THREADS=1)"}[attr]
     reduced = (f" {args.repeats} repeats of the sweep were reduced to the fastest of each distinct step shape "
                f"({len(samples)} shapes from {len(measured)} steps)." if measured is not samples else "")
     derivation = (
-        f"Measured with `{cmd}` on {platform.machine()} {platform.processor() or ''} ({_cpus()} CPUs) against "
+        f"Measured with `{cmd}` on {' '.join(filter(None, (platform.machine(), platform.processor())))} "
+        f"({_cpus()} CPUs) against "
         f"{what}: {len(measured)} engine steps over background prompts of {list(contexts)} tokens, decode "
         f"batches {list(batches)} and scheduled chunks {list(chunks)} ({args.chunks_per_prompt} per deflected "
-        f"prompt). Step time = the scheduler's wall time from schedule() to update_from_output() (vllm) or the "
-        f"engine's real-clock step (sim).{reduced} Fitted by common.perf_model.fit (least squares on relative "
+        f"prompt). Step time = {clock_text}.{reduced} Fitted by common.perf_model.fit (least squares on relative "
         f"error, non-negative), refitted without steps more than {args.trim:.0%} slower than the fit "
         f"(contention from other processes; {len(kept)} of {len(samples)} kept; see profile.robust_fit)."
         + (f" KV handoff over NIXL fitted on {len(xfer_points)} handoffs of {parse_list(args.xfer_lengths)} "
@@ -313,6 +324,20 @@ async def _profile(args: argparse.Namespace) -> Profile:
                    kv_capacity_tokens=kv_capacity, max_batch=max_batch, fit_mape=table)
 
 
+def _shown_args(argv: Sequence[str]) -> list[str]:
+    """The command line for the derivation text, without the (long) description."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--description":
+            skip = True
+        elif not a.startswith("--description="):
+            out.append(a)
+    return out
+
+
 def _fields(m: PerfModel) -> dict[str, Any]:
     return {f: getattr(m, f) for f in m.__struct_fields__}
 
@@ -321,6 +346,12 @@ def _vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _cpus() -> int:
@@ -368,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunks", default="16,64,128,256", help="scheduled chunk sizes of the deflected prompt")
     p.add_argument("--chunks-per-prompt", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=12, help="decode-only steps after each deflection")
+    p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="vllm: time steps by wall clock or by the engine-core thread's CPU time (auto: CPU time "
+                        "on a CPU platform, where the model runs in that one thread and other processes can only "
+                        "inflate the wall clock; wall time on GPUs)")
     p.add_argument("--trim", type=float, default=0.25,
                    help="drop steps this much slower than the fit and refit (0: plain fit); see robust_fit")
     p.add_argument("--repeats", type=int, default=1, help="run the whole sweep this many times")

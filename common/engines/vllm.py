@@ -158,7 +158,8 @@ class VllmEngine(Engine):
         self._background: set[asyncio.Task[None]] = set()
         self._flush_scheduled = False
         self._step_ms: deque[float] = deque(maxlen=64)
-        self.samples: deque[StepSample] = deque(maxlen=4096)
+        self.samples: deque[StepSample] = deque(maxlen=4096)      # wall time: what the requests felt
+        self.cpu_samples: deque[StepSample] = deque(maxlen=4096)  # engine-core CPU time (for profiling)
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         self.iteration_details: deque[Any] = deque(maxlen=4096)
         self._details_by_index: dict[int, Any] = {}
@@ -559,8 +560,10 @@ class VllmEngine(Engine):
             self.chunk_misses += len(rec.misses)
             _log.warning("chunk_schedule_missed", step=rec.index, misses=rec.misses)
         if rec.seconds > 0:
-            self.samples.append(StepSample(rec.decodes, rec.kv_tokens, [(chi, k) for _, chi, k in rec.chunks],
-                                           rec.seconds))
+            chunks = [(chi, k) for _, chi, k in rec.chunks]
+            self.samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.seconds))
+            if rec.cpu_seconds > 0:
+                self.cpu_samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.cpu_seconds))
         details = self._details_by_index.pop(rec.index, None)
         if details is not None:
             self._check(rec, details)

@@ -26,7 +26,8 @@ the in-process (uniproc) executor that CPU engines use the forward pass has alre
 then, so `elapsed_ms` is the sampler's time alone (measured: ~0.1 ms for a ~2 ms step). This
 scheduler therefore times each step itself, from the start of `schedule()` to the end of
 `update_from_output()` (the whole engine iteration, which is what a decode's TBT feels), and
-sends one `StepRecord` per model step (same numbering as vLLM's iteration index) to the
+sends one `StepRecord` per model step (same numbering as vLLM's iteration index; with the
+thread's CPU time too, which other processes on a shared machine cannot inflate) to the
 engine wrapper over a ZeroMQ PUSH socket (non-blocking; a full queue drops records and counts
 them). The address comes from `additional_config["kairos"]["step_channel"]`.
 
@@ -67,6 +68,7 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     decode_keys: list[str]
     misses: list[tuple[str, int, int]]
     dropped: int = 0
+    cpu_seconds: float = 0.0  # the engine-core thread's CPU time over the step (not slowed by other processes)
 
 
 def request_key(request: Any) -> str:
@@ -107,7 +109,7 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         self._others_left = 0
         self._model_steps = 0
         self._dropped = 0
-        self._pending: tuple[float, StepRecord] | None = None
+        self._pending: tuple[float, float, StepRecord] | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         addr = cfg.get("step_channel")
@@ -139,6 +141,7 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         started = time.monotonic()
+        cpu_started = time.thread_time()
         if self._bases:
             for rid in [r for r in self._bases if r not in self.requests]:
                 del self._bases[rid]
@@ -157,7 +160,7 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         out = super().schedule(throttle_prefills)
 
         if out.total_num_scheduled_tokens > 0:
-            self._pending = (started, self._record(out, started))
+            self._pending = (started, cpu_started, self._record(out, started))
         return out
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -206,8 +209,9 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         result = super().update_from_output(scheduler_output, model_runner_output)
         pending, self._pending = self._pending, None
         if pending is not None and self._sock is not None:
-            started, record = pending
-            record = msgspec.structs.replace(record, seconds=time.monotonic() - started)
+            started, cpu_started, record = pending
+            record = msgspec.structs.replace(record, seconds=time.monotonic() - started,
+                                             cpu_seconds=time.thread_time() - cpu_started)
             try:
                 self._sock.send(msgspec.msgpack.encode(record), zmq.NOBLOCK)
             except zmq.Again:

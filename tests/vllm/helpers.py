@@ -33,8 +33,10 @@ class Collector:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     done: dict[str, asyncio.Event] = field(default_factory=dict)
+    calls: list[int] = field(default_factory=list)  # items per on_tokens call
 
     def on_tokens(self, items: list[TokenItem], step_s: float) -> None:
+        self.calls.append(len(items))
         for it in items:
             self.tokens.setdefault(it.request_id, []).extend(it.token_ids)
             if it.finish_reason is not None:

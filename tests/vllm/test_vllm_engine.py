@@ -76,7 +76,10 @@ async def test_deflected_schedule_is_exact_while_others_decode(pd: PD) -> None:
     while any(len(pd.out.tokens.get(rid, [])) < 2 for rid in background):
         await asyncio.sleep(0.002)
     schedule = (64, 32, 100, 104)
+    calls_before = len(pd.out.calls)
     got = await pd.run_decode(request("defl", LONG, schedule=schedule))
+    # one on_tokens call per engine step carries the tokens of every request in it
+    assert max(pd.out.calls[calls_before:]) == len(background) + 1
     assert got == want
     for rid in background:
         assert (await pd.out.wait(rid))[:16] == REFERENCE[(5, 6, 7, 8, 9)]  # the others were left alone

@@ -294,9 +294,17 @@ class VllmEngine(Engine):
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop vLLM's prefix cache (tests and benchmarks that replay one prompt on purpose)."""
-        await self._llm.reset_prefix_cache()
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Drop vLLM's prefix cache (tests and benchmarks that replay one prompt on purpose).
+
+        vLLM refuses while blocks of finished or aborted requests are not yet freed (an aborted
+        handoff keeps its blocks until its NIXL handshake gives up), so retry until `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not await self._llm.reset_prefix_cache():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     # -- Engine interface -------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:

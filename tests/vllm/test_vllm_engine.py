@@ -34,9 +34,10 @@ LONG = [(7 * i + 3) % 1000 + 3 for i in range(300)]  # 300 tokens: two full KV b
 
 
 async def alone(pd: PD, rid: str, prompt: list[int], max_tokens: int = 16) -> list[int]:
-    await pd.decode.reset_prefix_cache()
+    """The prompt served by the decode engine on its own, with an empty prefix cache before and after."""
+    assert await pd.decode.reset_prefix_cache()
     toks = await pd.run_decode(request(rid, prompt, max_tokens))
-    await pd.decode.reset_prefix_cache()
+    assert await pd.decode.reset_prefix_cache()
     return toks
 
 
@@ -158,3 +159,31 @@ async def test_hung_kv_transfer_times_out_and_falls_back(pd: PD) -> None:
     assert got == want
     assert pd.out.fallbacks[-1] == ("hang", "timeout")
     assert 1.0 <= elapsed < 4.0  # vLLM's own handshake timeout (5 s) never came into play
+
+
+async def test_unscheduled_prefill_gets_only_the_leftover_budget(pd: PD) -> None:
+    want = await alone(pd, "mix-alone", LONG)
+    other = [5 + (i % 50) for i in range(600)]  # no schedule: vLLM's own chunking, within what is left
+    want_other = await alone(pd, "mix-other-alone", other, max_tokens=4)
+    for rid in ("mbg0", "mbg1"):
+        pd.decode.add(request(rid, [5, 6, 7, 8, 9], max_tokens=60))
+    while any(len(pd.out.tokens.get(rid, [])) < 2 for rid in ("mbg0", "mbg1")):
+        await asyncio.sleep(0.002)
+    schedule = (100,) * 3
+    pd.decode.add(request("mix-other", other, max_tokens=4))
+    pd.decode.add(request("mix", LONG, schedule=schedule))
+    assert await pd.out.wait("mix") == want
+    assert await pd.out.wait("mix-other") == want_other
+    for rid in ("mbg0", "mbg1"):
+        await pd.out.wait(rid)
+
+    ours = {i: chi for i, chi, _ in steps_of(pd, "mix:0")}
+    assert list(ours.values()) == list(schedule)
+    budget = pd.decode.token_budget
+    for r in pd.decode.step_records:
+        if r.index in ours:
+            theirs = sum(chi for key, chi, _ in r.chunks if key == "mix-other:0")
+            assert r.decodes == 2
+            assert theirs <= budget - r.decodes - ours[r.index]
+    assert sum(chi for _, chi, _ in steps_of(pd, "mix-other:0")) == len(other)
+    assert pd.decode.chunk_misses == 0

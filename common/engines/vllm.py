@@ -51,7 +51,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -98,7 +98,6 @@ class _Held:
     first_chunk_at: float | None = None
     kv_wait: bool = False          # handoff still waiting for its KV (no token yet)
     fallback: str | None = None    # reason, once the KV path was abandoned
-    chunks_run: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -561,7 +560,6 @@ class VllmEngine(Engine):
             h = self._by_key.get(key)
             if h is not None:
                 h.computed = k + chi
-                h.chunks_run.append(chi)
                 if h.first_chunk_at is None:
                     h.first_chunk_at = rec.started
         if rec.misses:

@@ -97,6 +97,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     vllm_max_model_len: Annotated[int, doc("vllm: max model length")] = 2048
     vllm_kv_cache_mib: Annotated[int, doc("vllm: KV cache size, MiB")] = 256
     vllm_token_budget: Annotated[int, doc("vllm: max_num_batched_tokens")] = 512
+    vllm_max_batch: Annotated[int, doc("vllm: max_num_seqs, the most requests in one batch")] = 64
+    vllm_side_channel_host: Annotated[str, doc("vllm prefill workers: the address decode workers reach this host's NIXL side channel on")] = "127.0.0.1"
+    vllm_side_channel_port: Annotated[int, doc("vllm prefill workers: NIXL side-channel port (0: any free port; set one to open it in a firewall)")] = 0
 
 
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):

@@ -47,6 +47,8 @@ class WorkerService(abc.ABC):
         self._hello_now = asyncio.Event()
         self.bus: WorkerBus
         self.counters: dict[str, int] = {"bad_frames": 0}
+        if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
+            engine.on_failed = self._on_engine_failed
 
     # -- to implement -------------------------------------------------------------------
     @abc.abstractmethod
@@ -171,6 +173,15 @@ class WorkerService(abc.ABC):
                     self._hello_now.set()
                 case _:
                     await self.on_message(msg)
+
+    def _on_engine_failed(self, request_id: str, attempt: int, reason: str) -> None:
+        self.log.warning("engine_request_failed", request_id=request_id, reason=reason)
+        self.forget(request_id)
+        self.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id, reason=reason,
+                                  retryable=True))
+
+    def forget(self, request_id: str) -> None:
+        """Drop the worker's own bookkeeping of a request the engine gave up on."""
 
     def send(self, msg: m.Msg) -> None:
         if not send_nowait(self.bus.work, codec.encode(msg)):

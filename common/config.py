@@ -93,6 +93,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     kv_bytes_per_token: Annotated[int, doc("nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)")] = 0
     kv_fault_rate: Annotated[float, doc("fault injection for chaos tests: corrupt this fraction of pushed KV (keep 0)")] = 0.0
     max_queue_requests: Annotated[int, doc("requests queued on this worker before it answers busy")] = 1024
+    refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
+    refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0
     vllm_max_model_len: Annotated[int, doc("vllm: max model length")] = 2048
     vllm_kv_cache_mib: Annotated[int, doc("vllm: KV cache size, MiB")] = 256

@@ -47,6 +47,7 @@ class WorkerService(abc.ABC):
         self._hello_now = asyncio.Event()
         self.bus: WorkerBus
         self.counters: dict[str, int] = {"bad_frames": 0}
+        self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
             engine.on_failed = self._on_engine_failed
 
@@ -80,6 +81,7 @@ class WorkerService(abc.ABC):
                          tg.create_task(self._hello_loop(), name="hello"),
                          tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
+                         tg.create_task(self._refit_loop(), name="refit"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
                 await self.stop.wait()
                 await self._drain()
@@ -125,7 +127,7 @@ class WorkerService(abc.ABC):
                             incarnation=self.incarnation, engine=self.engine.name,
                             model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
                             kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
-                            coeffs=self.engine.coeffs(), kv_transport=self.cfg.kv_transport, **self.extra_hello())
+                            coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport, **self.extra_hello())
             await self.bus.send(codec.encode(hello))
             try:
                 await asyncio.wait_for(self.welcomed.wait(), timeout=1.0)
@@ -145,6 +147,27 @@ class WorkerService(abc.ABC):
             self._beat_now.clear()
             self.hb_seq += 1
             self.bus.beat(codec.encode(self.heartbeat()))
+
+    def coeffs(self) -> m.Coeffs | None:
+        """The step-time model the router should predict this worker with: the online refit when
+        there is a good one, else the engine's profile."""
+        return self.fitted or self.engine.coeffs()
+
+    async def _refit_loop(self) -> None:
+        refit = getattr(self.engine, "refit", None)
+        if refit is None or self.cfg.refit_interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.cfg.refit_interval)
+            result = refit()
+            if result is None:
+                continue
+            model, mape = result
+            accepted = mape <= self.cfg.refit_max_mape
+            self.log.info("model_refit", mape=round(mape, 4), accepted=accepted, a0=model.a0, a1=model.a1,
+                          a2=model.a2, a3=model.a3, a4=model.a4, a5=model.a5)
+            if accepted:
+                self.fitted = model.to_coeffs()
 
     def beat_now(self) -> None:
         self._beat_now.set()

@@ -41,7 +41,7 @@ class PrefillWorker(WorkerService):
             worker_id=self.worker_id, incarnation=self.incarnation, seq=self.hb_seq,
             queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
             token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
-            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.engine.coeffs(), draining=self.draining)
+            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.coeffs(), draining=self.draining)
 
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":

@@ -246,3 +246,93 @@ def test_replay_end_to_end_against_kairos(fast_cluster: Cluster, tmp_path: Path)
     assert {r: s["requests"] for r, s in res["ttft_by_route"].items()} == res["routes"]
     assert res["deflection_rate"] == pytest.approx(k["routes"].get("deflect", 0) / n)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------- bench-router helpers
+
+
+async def test_rawclient_streams_chunked_sse_over_keep_alive() -> None:
+    """The lean client of `kairos bench-router`: chunked SSE split at odd places, two requests on
+    one keep-alive connection, then an error response with a Content-Length body."""
+    from bench.rawclient import Pool, post
+
+    served: list[bytes] = []
+    handlers_done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            served.append(await reader.readexactly(length))
+            if len(served) == 3:
+                body = b'{"error":{"message":"busy","code":"overloaded"}}'
+                writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                continue
+            events = [b'data: {"choices":[{"index":0,"text":" t%d","finish_reason":null}]}\n\n' % i
+                      for i in range(3)]
+            events += [b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n', b"data: [DONE]\n\n"]
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-kairos-route: deflect\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for ev in events:
+                chunk = b"%x\r\n%s\r\n" % (len(ev), ev)
+                for part in (chunk[:3], chunk[3:11], chunk[11:]):  # split inside the size line and the data
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.003)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        handlers_done.set()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool("127.0.0.1", port, 1)
+    try:
+        for i in range(2):
+            r = await pool.request(post("127.0.0.1", port, "/v1/completions", b'{"n": %d}' % i), timeout=5)
+            assert r.error is None and r.status == 200 and r.route == "deflect"
+            assert r.tokens == 3 and r.ttft is not None and r.e2e is not None and r.e2e > r.ttft
+            assert r.max_gap >= 0.003
+        r = await pool.request(post("127.0.0.1", port, "/v1/completions", b"{}"), timeout=5)
+        assert r.error == "http_429" and r.tokens == 0
+        assert served == [b'{"n": 0}', b'{"n": 1}', b"{}"]  # one connection served all three
+    finally:
+        pool.close()
+        await asyncio.wait_for(handlers_done.wait(), 5)  # the server side saw the close
+        server.close()
+        await server.wait_closed()
+
+
+def test_bench_router_helpers() -> None:
+    from bench.router_throughput import modeled_ttft, parse_cpus, summarize_stacks, sustained
+    from common.perf_model import load_profile
+
+    assert parse_cpus("0,2-4, 7") == {0, 2, 3, 4, 7}
+    stacks = ("main (a.py:1);loop (b.py:2);send (zmq/socket.py:713) 30\n"
+              "main (a.py:1);loop (b.py:2);parse (http.py:9) 10\n"
+              "main (a.py:1);decide (kairos.py:5) 60\n")
+    prof = summarize_stacks(stacks)
+    assert prof["samples"] == 100
+    assert prof["self"][0] == ("decide (kairos.py)", 0.6)
+    assert dict(prof["inclusive"])["loop (b.py)"] == 0.4 and dict(prof["inclusive"])["main (a.py)"] == 1.0
+
+    def step(rate: float, sent: int, done_rate: float, p50: float, errors: dict[str, int] | None = None
+             ) -> dict[str, object]:
+        return {"offered_rate": rate, "sent": sent, "duration_s": 5.0, "completed_rate": done_rate,
+                "ttft_p50": p50, "errors": errors or {}}
+
+    steps = [step(100, 510, 101, 0.003), step(500, 2480, 490, 0.006), step(1000, 5000, 990, 0.009),
+             step(2000, 10000, 1500, 0.2)]
+    assert sustained(steps) is steps[1]  # 1000/s kept up the rate but its TTFT p50 grew past 2x + 2 ms
+    steps[1]["errors"] = {"http_503": 1}
+    assert sustained(steps) is steps[0]
+    fast = load_profile("fast").model
+    assert modeled_ttft(fast, "deflect", 128) == pytest.approx(fast.step_time(0, 0, [(128, 0)]))
+    assert modeled_ttft(fast, "disagg", 128) > modeled_ttft(fast, "deflect", 128)

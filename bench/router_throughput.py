@@ -1,0 +1,688 @@
+"""`kairos bench-router`: how much one router process carries, and what it adds to TTFT.
+
+    kairos bench-router --out router.json
+
+Starts a local cluster on the simulated engine with the `fast` profile (0.5 ms steps: the
+engines are never what is measured), pins the router to its own CPU(s) (--router-cpus) and
+everything else (workers, load generator processes) to the others, then:
+
+1. latency: a moderate open-loop load (--moderate-rate, 128-token prompts, 16 output tokens).
+   For every request it compares three clocks: the client's TTFT (send to first SSE token),
+   the router's own TTFT for the same request id (arrival to first token relayed, from the
+   router's telemetry stream), and the engine's modeled time on the path taken (the profile's
+   step times: one mixed step when deflected; prefill step + KV transfer + decode step when
+   disaggregated). client - router = HTTP and SSE in the router process plus the client;
+   router - modeled = bus, worker and event-loop overhead.
+2. requests: open-loop Poisson request rates (--rates), 1 output token each, so every request
+   is a full router round trip with the least streaming.
+3. tokens: rates of requests with --stream-tokens output tokens each (--token-rates), which
+   measures the streamed-token path (TokenBatch in, one SSE event per token out).
+At every step: offered and completed rate, client TTFT p50/p99, and the CPU seconds each
+process used during the step (from /proc, all threads), so a step where the router's CPU is
+pegged is told apart from one where the load generator or the workers ran out of CPU. The sustained
+maximum is the highest step that completed >= 97% of its offered requests without errors
+and kept the TTFT p50 within 2x (+2 ms) of the lowest step's. `router_us_per_request` and
+`router_us_per_token` (router CPU time beyond its idle use / work done) give the capacity of one
+dedicated router core independently of what the rest of the machine could feed it.
+With --py-spy RATE, it also samples the router with py-spy during a request-rate step at RATE
+and reports where the router's time goes (self and inclusive, by function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.loadgen import run_loop
+from bench.rawclient import Pool, Result, post
+from common.errors import ConfigError
+from common.perf_model import PerfModel, load_profile
+from kairos.up import Cluster, ClusterSpec
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------- CPU accounting
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + parts[4]
+    return float(sum(parts) - idle), float(sum(parts))
+
+
+def parse_cpus(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.update(range(int(lo), int(hi) + 1))
+        else:
+            out.add(int(part))
+    return out
+
+
+# ---------------------------------------------------------------------------------- client processes
+
+
+@dataclass(frozen=True)
+class Step:
+    rate: float
+    duration: float
+    start_at: float          # time.time() at which every client starts sending
+    max_tokens: int
+    prompt_tokens: int
+    tag: str = ""            # request ids are f"{tag}-{client}-{n}" when set (telemetry matching)
+
+
+def _client_main(index: int, host: str, port: int, connections: int, cpus: list[int], seed: int,
+                 conn: Connection) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    run_loop(_client_loop(index, host, port, connections, seed, conn))
+
+
+async def _client_loop(index: int, host: str, port: int, connections: int, seed: int, conn: Connection) -> None:
+    pool = Pool(host, port, connections)
+    rng = random.Random(seed * 1000 + index)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            msg = await loop.run_in_executor(None, conn.recv)
+            if msg is None:
+                return
+            step: Step = msg
+            conn.send(await _client_step(index, pool, rng, step, host, port))
+    finally:
+        pool.close()
+
+
+async def _client_step(index: int, pool: Pool, rng: random.Random, step: Step, host: str, port: int
+                       ) -> dict[str, Any]:
+    bodies = []
+    for k in range(16):
+        ids = [1000 + (k * 131 + j * 7 + index) % 1000 for j in range(step.prompt_tokens)]
+        bodies.append(msgspec.json.encode({"prompt": ids, "max_tokens": step.max_tokens, "stream": True,
+                                           "ignore_eos": True, "min_tokens": step.max_tokens}))
+    results: list[Result] = []
+    sent_at: list[float] = []
+    tasks: set[asyncio.Task[None]] = set()
+    waits0 = pool.waits
+    cpu0 = time.process_time()
+
+    last_done = 0.0
+
+    async def one(raw: bytes, rid: str) -> None:
+        nonlocal last_done
+        results.append(await pool.request(raw, rid, timeout=30.0))
+        last_done = time.perf_counter() - t0
+
+    # wall clock to line the processes up, then the monotonic perf_counter for the schedule
+    delay = step.start_at - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t0 = time.perf_counter()
+    t_next = 0.0
+    n = 0
+    lag_max = 0.0
+    while t_next < step.duration:
+        now = time.perf_counter() - t0
+        if t_next > now:
+            await asyncio.sleep(t_next - now)
+            now = time.perf_counter() - t0
+        lag_max = max(lag_max, now - t_next)
+        rid = f"{step.tag}-{index}-{n}" if step.tag else ""
+        raw = post(host, pool.port, "/v1/completions", bodies[n % len(bodies)], request_id=rid)
+        sent_at.append(now)
+        task = asyncio.create_task(one(raw, rid))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        n += 1
+        t_next += rng.expovariate(step.rate)
+    cpu_send = time.process_time() - cpu0
+    if tasks:
+        await asyncio.wait(set(tasks), timeout=35.0)
+    return {"sent": n, "results": [(r.ttft, r.e2e, r.tokens, r.max_gap, r.error, r.route, r.request_id)
+                                   for r in results],
+            "pool_waits": pool.waits - waits0, "cpu_s": time.process_time() - cpu0, "cpu_send_s": cpu_send,
+            "lag_max": lag_max, "span": last_done}
+
+
+class Clients:
+    """N load generator processes, each with its own event loop and connection pool."""
+
+    def __init__(self, n: int, host: str, port: int, connections: int, cpus: Sequence[int], seed: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_client_main, args=(i, host, port, connections, list(cpus), seed, child),
+                            daemon=True, name=f"bench-client-{i}")
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def run(self, step: Step) -> list[dict[str, Any]]:
+        per = Step(step.rate / len(self.conns), step.duration, step.start_at, step.max_tokens, step.prompt_tokens,
+                   step.tag)
+        for c in self.conns:
+            c.send(per)
+        return [c.recv() for c in self.conns]
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+
+
+# ---------------------------------------------------------------------------------- one measured step
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
+
+
+class Bench:
+    def __init__(self, cluster: Cluster, clients: Clients, console: Console) -> None:
+        self.cluster = cluster
+        self.clients = clients
+        self.console = console
+        self.router_pid = self._pid("router")
+        self.worker_pids = [s.proc.pid for n, s in cluster.services.items() if n != "router" and s.proc]
+        self.idle_cpu = 0.0
+
+    def measure_idle(self, seconds: float) -> float:
+        """The router's CPU use with no requests (heartbeats, liveness and telemetry loops), in
+        cores; subtracted from the per-request and per-token costs."""
+        c0, t0 = cpu_seconds(self.router_pid), time.perf_counter()
+        time.sleep(seconds)
+        self.idle_cpu = (cpu_seconds(self.router_pid) - c0) / (time.perf_counter() - t0)
+        return self.idle_cpu
+
+    def _pid(self, name: str) -> int:
+        p = self.cluster.services[name].proc
+        assert p is not None
+        return p.pid
+
+    def step(self, rate: float, duration: float, *, max_tokens: int, prompt_tokens: int, tag: str = "",
+             during: Any = None) -> dict[str, Any]:
+        start_at = time.time() + 0.3
+        sampler: dict[str, Any] = {}
+
+        def sample() -> dict[str, Any]:
+            return {"router": cpu_seconds(self.router_pid), "workers": sum(map(cpu_seconds, self.worker_pids)),
+                    "machine": machine_busy(), "t": time.perf_counter()}
+
+        def start() -> None:  # counters when the clients start sending; then the profiler, if any
+            time.sleep(max(0.0, start_at - time.time()))
+            sampler["a"] = sample()
+            if during is not None:
+                during(duration)
+
+        th = threading.Thread(target=start, daemon=True)
+        th.start()
+        outs = self.clients.run(Step(rate, duration, start_at, max_tokens, prompt_tokens, tag))
+        th.join()
+        # ... and when the last response is in: work done after the sending window (a backlog
+        # draining) is part of what these requests cost
+        b = sample()
+        a = sampler["a"]
+        self.cluster.check_alive()
+        rows = [r for o in outs for r in o["results"]]
+        sent = sum(o["sent"] for o in outs)
+        ok = [r for r in rows if r[4] is None]
+        errors = Counter(r[4] for r in rows if r[4] is not None)
+        errors["not_finished"] = sent - len(rows)
+        errors = +errors
+        ttft = [r[0] for r in ok if r[0] is not None]
+        tokens = sum(r[2] for r in ok)
+        wall = b["t"] - a["t"]
+        router_cpu = b["router"] - a["router"]
+        busy_cpu = max(0.0, router_cpu - self.idle_cpu * wall)  # what the requests cost
+        (b0, t0), (b1, t1) = a["machine"], b["machine"]
+        ncpu = os.cpu_count() or 1
+        span = max(duration, max(o["span"] for o in outs))  # first send to last response
+        return {
+            "offered_rate": rate, "duration_s": duration, "span_s": span, "sent": sent, "completed": len(ok),
+            "completed_rate": len(ok) / span, "errors": dict(errors),
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttft_max": max(ttft) if ttft else None,
+            "max_gap_p99": _pct([r[3] for r in ok], 99),
+            "tokens": tokens, "tokens_per_s": tokens / span,
+            "router_cpu": router_cpu / wall, "workers_cpu": (b["workers"] - a["workers"]) / wall,
+            "clients_cpu": sum(o["cpu_s"] for o in outs) / wall,
+            "machine_cpu": (b1 - b0) / max(t1 - t0, 1.0) * ncpu,
+            "router_idle_cpu": self.idle_cpu,
+            "router_us_per_request": 1e6 * busy_cpu / len(ok) if ok else None,
+            "router_us_per_token": 1e6 * busy_cpu / tokens if tokens else None,
+            "pool_waits": sum(o["pool_waits"] for o in outs), "send_lag_max": max(o["lag_max"] for o in outs),
+            "_rows": rows,
+        }
+
+
+def sustained(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The highest step that kept up: its completion rate (over the time to its last response)
+    >= 97% of the rate it sent at (Poisson: the sent count varies around the offered rate), no
+    errors, and TTFT p50 within 2x (+2 ms) of the lowest step's."""
+    if not steps or steps[0]["ttft_p50"] is None:
+        return None
+    base = steps[0]["ttft_p50"]
+    best = None
+    for s in steps:
+        if (s["completed_rate"] >= 0.97 * s["sent"] / s["duration_s"] and not s["errors"]
+                and s["ttft_p50"] is not None and s["ttft_p50"] <= 2 * base + 0.002):
+            best = s
+    return best
+
+
+# ---------------------------------------------------------------------------------- latency breakdown
+
+
+def modeled_ttft(model: PerfModel, route: str, prompt: int) -> float:
+    """The engine's own time to the first token on an idle cluster, by path."""
+    if route == "deflect":
+        return model.step_time(0, 0, [(prompt, 0)])
+    return model.step_time(0, 0, [(prompt, 0)]) + model.xfer_time(prompt) + model.step_time(1, prompt)
+
+
+class Telemetry:
+    """Subscribes to the router's telemetry PUB and keeps each request's router-side TTFT."""
+
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        from common import codec
+        from common import messages as m
+        from common.sockets import TELEMETRY_TOPIC
+
+        self._zmq, self._codec, self._m = zmq, codec, m
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 1_000_000)
+        self.sock.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.ttft: dict[str, float] = {}
+        self.decision_us: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._loop, daemon=True)
+        self._th.start()
+
+    def _loop(self) -> None:
+        zmq, m = self._zmq, self._m
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self.sock.recv_multipart()
+            try:
+                msg = self._codec.telemetry_inbox.decode(frames[-1])
+            except self._codec.DecodeError:
+                continue
+            if isinstance(msg, m.RequestRecord) and msg.ttft_s is not None:
+                self.ttft[msg.request_id] = msg.ttft_s
+            elif isinstance(msg, m.DecisionRecord):
+                self.decision_us[msg.request_id] = msg.decision_us
+
+    def close(self) -> None:
+        self._stop.set()
+        self._th.join(2)
+        self.sock.close()
+        self.ctx.term()
+
+
+def latency_breakdown(step: dict[str, Any], tele: Telemetry, model: PerfModel, prompt: int) -> dict[str, Any]:
+    client, router, modeled, decision = [], [], [], []
+    routes: Counter[str] = Counter()
+    for ttft, _e2e, _tok, _gap, err, route, rid in step["_rows"]:
+        if err is not None or ttft is None or rid not in tele.ttft:
+            continue
+        routes[route] += 1
+        client.append(ttft)
+        router.append(tele.ttft[rid])
+        modeled.append(modeled_ttft(model, route, prompt))
+        if rid in tele.decision_us:
+            decision.append(tele.decision_us[rid] / 1e6)
+    c, r, mo = (np.asarray(x) for x in (client, router, modeled))
+    out: dict[str, Any] = {"matched": len(client), "routes": dict(routes)}
+    if len(client):
+        for q in (50, 99):
+            out[f"client_ttft_p{q}"] = float(np.percentile(c, q))
+            out[f"router_ttft_p{q}"] = float(np.percentile(r, q))
+            out[f"modeled_ttft_p{q}"] = float(np.percentile(mo, q))
+            out[f"added_p{q}"] = float(np.percentile(c - mo, q))
+            out[f"http_sse_p{q}"] = float(np.percentile(c - r, q))
+            out[f"bus_worker_p{q}"] = float(np.percentile(r - mo, q))
+        if decision:
+            out["decision_p50"] = float(np.percentile(decision, 50))
+            out["decision_p99"] = float(np.percentile(decision, 99))
+    return out
+
+
+# ---------------------------------------------------------------------------------- py-spy
+
+
+def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, native: bool = False
+           ) -> dict[str, Any] | None:
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        return {"error": "py-spy not installed (pip install py-spy)"}
+    raw = out_dir / "router-pyspy.txt"
+    cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "200",
+           "--format", "raw", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
+    if cpus:
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
+    if proc.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy failed ({proc.returncode}): {proc.stderr.strip()[-400:]}"}
+    return summarize_stacks(raw.read_text(), raw_path=str(raw))
+
+
+def summarize_stacks(text: str, *, raw_path: str = "", top: int = 25) -> dict[str, Any]:
+    """Self and inclusive sample shares by function, from py-spy's collapsed ("raw") stacks."""
+    self_c: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        self_c[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    return {"samples": total, "raw": raw_path,
+            "self": [(f, n / total) for f, n in self_c.most_common(top)] if total else [],
+            "inclusive": [(f, n / total) for f, n in incl.most_common(top)] if total else []}
+
+
+# ---------------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kairos bench-router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    p.add_argument("--decode", type=int, default=4, help="decode workers (default 4)")
+    p.add_argument("--policy", default="kairos", help="routing policy (default kairos)")
+    p.add_argument("--profile", default="fast", help="engine profile (default fast)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="scale every modeled step time (default 1)")
+    p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="modeled",
+                   help="KV from prefill to decode workers: modeled (no bytes; default) or nixl (real transfers, "
+                        "and one more message through the router per disaggregated request)")
+    p.add_argument("--clients", type=int, default=0,
+                   help="load generator processes (default: one per CPU not given to the router, at most 8)")
+    p.add_argument("--connections", type=int, default=256, help="keep-alive connections per client (default 256)")
+    p.add_argument("--router-cpus", default="0", help="CPUs for the router, taskset list (default 0; '' = no pinning)")
+    p.add_argument("--other-cpus", default="",
+                   help="CPUs for workers and clients (default: every CPU not given to the router)")
+    p.add_argument("--step", type=float, default=5.0, help="seconds per load step (default 5)")
+    p.add_argument("--moderate-rate", type=float, default=50.0, help="latency phase: requests/s (default 50)")
+    p.add_argument("--rates", default="100,250,500,1000,1500,2000,3000",
+                   help="request-rate steps, requests/s (1 output token each)")
+    p.add_argument("--token-rates", default="20,50,100,200,400,600",
+                   help="token-rate steps, requests/s of --stream-tokens tokens each")
+    p.add_argument("--stream-tokens", type=int, default=100, help="output tokens per request in the token phase")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in the rate phases (default 16)")
+    p.add_argument("--phases", default="latency,requests,tokens", help="which phases to run")
+    p.add_argument("--py-spy", type=float, default=None, metavar="RATE",
+                   help="also sample the router with py-spy during a request step at RATE req/s")
+    p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
+                   help="also sample the router with py-spy during a token step at RATE req/s")
+    p.add_argument("--liveness", type=int, default=50,
+                   help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
+                        "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
+    p.add_argument("--native", action="store_true", help="py-spy: include native frames (libzmq, uvloop)")
+    p.add_argument("--log-level", default="info",
+                   help="services' log level (default info, as deployed: one JSON line per request)")
+    p.add_argument("--log-dir", default="", help="cluster logs (default: a temporary folder)")
+    p.add_argument("--out", default=None, help="write results JSON here")
+    return p
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}"
+
+
+def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
+    tab = Table(title=title, title_justify="left")
+    for col in ("offered/s", "done/s", "tokens/s", "TTFT p50 ms", "p99 ms", "errors", "router CPU",
+                "workers CPU", "clients CPU", "machine CPU", "router us/req", "us/token"):
+        tab.add_column(col, justify="right")
+    for s in steps:
+        tab.add_row(_fmt(s["offered_rate"], digits=0), _fmt(s["completed_rate"], digits=0),
+                    _fmt(s["tokens_per_s"], digits=0), _fmt(s["ttft_p50"], 1e3, 2), _fmt(s["ttft_p99"], 1e3, 1),
+                    ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0",
+                    _fmt(s["router_cpu"], 1, 2), _fmt(s["workers_cpu"], 1, 2), _fmt(s["clients_cpu"], 1, 2),
+                    _fmt(s["machine_cpu"], 1, 2), _fmt(s["router_us_per_request"], digits=0),
+                    _fmt(s["router_us_per_token"], digits=1))
+    return tab
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)
+    try:
+        profile = load_profile(args.profile)
+        rates, token_rates = _floats(args.rates), _floats(args.token_rates)
+        phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+        if not phases <= {"latency", "requests", "tokens"}:
+            raise ConfigError(f"unknown phase in {args.phases!r}")
+        all_cpus = sorted(os.sched_getaffinity(0))
+        router_cpus = sorted(parse_cpus(args.router_cpus)) if args.router_cpus else []
+        other_cpus = sorted(parse_cpus(args.other_cpus)) if args.other_cpus else \
+            [c for c in all_cpus if c not in router_cpus] or all_cpus
+    except (ConfigError, ValueError) as e:
+        console.print(f"[red]kairos bench-router: {e}[/]")
+        return 2
+    n_clients = args.clients or max(1, min(8, len(other_cpus)))
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kairos-bench-router-")
+    spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
+                                 time_scale=args.time_scale, kv_transport=args.kv_transport, monitor=False,
+                                 log_dir=log_dir, log_level=args.log_level,
+                                 router_env={"KAIROS_LIVENESS": str(args.liveness)})
+    cluster = Cluster(spec)
+    for name, svc in cluster.services.items():
+        cpus = router_cpus if name == "router" else other_cpus
+        if cpus:
+            svc.command = ["taskset", "-c", ",".join(map(str, cpus)), *svc.command]
+    console.print(f"cluster: router on CPUs {router_cpus or 'any'}, {args.prefill}P{args.decode}D workers and "
+                  f"{n_clients} client processes on CPUs {other_cpus}; profile {profile.name} x{args.time_scale:g},"
+                  f" policy {args.policy}, KV {args.kv_transport}; logs {log_dir}")
+    results: dict[str, Any] = {"config": {
+        "prefill": args.prefill, "decode": args.decode, "policy": args.policy, "profile": profile.name,
+        "time_scale": args.time_scale, "kv_transport": args.kv_transport, "clients": n_clients,
+        "log_level": args.log_level,
+        "connections": args.connections,
+        "router_cpus": router_cpus, "other_cpus": other_cpus, "step_s": args.step,
+        "prompt_tokens": args.prompt_tokens, "stream_tokens": args.stream_tokens,
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {len(all_cpus)} CPUs"}}
+    clients: Clients | None = None
+    tele: Telemetry | None = None
+    try:
+        cluster.start()
+        clients = Clients(n_clients, "127.0.0.1", spec.http_port, args.connections, other_cpus)
+        bench = Bench(cluster, clients, console)
+        bench.step(50, 1.5, max_tokens=4, prompt_tokens=args.prompt_tokens)  # warm up connections and workers
+        idle = bench.measure_idle(3.0)
+        results["router_idle_cpu"] = idle
+        console.print(f"router CPU with no load: {idle:.3f} cores (subtracted from the per-request costs)")
+        if "latency" in phases:
+            tele = Telemetry(spec.telemetry_port)
+            time.sleep(0.3)  # the subscription must reach the router before the records do
+            s = bench.step(args.moderate_rate, max(args.step, 5.0), max_tokens=16, prompt_tokens=128, tag="lat")
+            time.sleep(0.5)
+            lat = latency_breakdown(s, tele, profile.model.scaled(args.time_scale)
+                                    if args.time_scale != 1.0 else profile.model, 128)
+            s.pop("_rows")
+            results["latency"] = {"step": s, **lat}
+            _print_latency(console, args, lat)
+        if "requests" in phases:
+            steps = []
+            for r in rates:
+                s = bench.step(r, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens)
+                s.pop("_rows")
+                steps.append(s)
+                console.print(f"  requests {r:,.0f}/s: done {s['completed_rate']:,.0f}/s, TTFT p50 "
+                              f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, router CPU {s['router_cpu']:.2f}")
+                if s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0:
+                    break  # far past saturation: stop before queues explode
+            best = sustained(steps)
+            results["requests"] = {"steps": steps, "sustained": best}
+            console.print(step_table("request rate (1 output token per request)", steps))
+        if "tokens" in phases:
+            steps = []
+            for r in token_rates:
+                s = bench.step(r, args.step, max_tokens=args.stream_tokens, prompt_tokens=args.prompt_tokens)
+                s.pop("_rows")
+                steps.append(s)
+                console.print(f"  tokens {r:,.0f} req/s: {s['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
+                              f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, router CPU {s['router_cpu']:.2f}")
+                if s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0:
+                    break
+            best = sustained(steps)
+            results["tokens"] = {"steps": steps, "sustained": best}
+            console.print(step_table(f"streamed tokens ({args.stream_tokens} per request)", steps))
+        for key, rate, tokens in (("py_spy_requests", args.py_spy, 1), ("py_spy_tokens", args.py_spy_tokens,
+                                                                       args.stream_tokens)):
+            if rate is None:
+                continue
+            prof: dict[str, Any] = {}
+            out_dir = Path(args.out).parent if args.out else Path(log_dir)
+            out_dir = out_dir / key
+            out_dir.mkdir(parents=True, exist_ok=True)
+
+            def during(d: float, _prof: dict[str, Any] = prof, _dir: Path = out_dir) -> None:
+                _prof.update(py_spy(bench.router_pid, d, _dir, other_cpus, native=args.native) or {})
+
+            s = bench.step(rate, args.step, max_tokens=tokens, prompt_tokens=args.prompt_tokens, during=during)
+            s.pop("_rows")
+            results[key] = {"step": s, "profile": prof}
+            _print_profile(console, key, rate, s, prof)
+    except (RuntimeError, TimeoutError) as e:
+        console.print(f"[red]kairos bench-router: {e}[/]")
+        return 1
+    finally:
+        if tele is not None:
+            tele.close()
+        if clients is not None:
+            clients.close()
+        cluster.stop(10)
+    _print_summary(console, results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        console.print(f"results: {args.out}")
+    return 0
+
+
+def _print_latency(console: Console, args: argparse.Namespace, lat: dict[str, Any]) -> None:
+    if not lat.get("matched"):
+        console.print("[yellow]latency: no request matched the router's telemetry[/]")
+        return
+    ms = 1e3
+    console.print(
+        f"latency at {args.moderate_rate:g} req/s (128-token prompts, {lat['matched']} requests, routes "
+        f"{lat['routes']}): client TTFT p50 {lat['client_ttft_p50'] * ms:.2f} ms / p99 "
+        f"{lat['client_ttft_p99'] * ms:.2f} ms; router TTFT p50 {lat['router_ttft_p50'] * ms:.2f} ms; engine model "
+        f"p50 {lat['modeled_ttft_p50'] * ms:.2f} ms -> added p50 {lat['added_p50'] * ms:.2f} ms / p99 "
+        f"{lat['added_p99'] * ms:.2f} ms (HTTP+SSE p50 {lat['http_sse_p50'] * ms:.2f} ms, bus+workers p50 "
+        f"{lat['bus_worker_p50'] * ms:.2f} ms)")
+
+
+def _print_profile(console: Console, key: str, rate: float, s: dict[str, Any], prof: dict[str, Any]) -> None:
+    if "error" in prof:
+        console.print(f"[yellow]{key}: {prof['error']}[/]")
+        return
+    tab = Table(title=f"router profile at {rate:g} req/s ({key}; {prof.get('samples', 0)} samples, router CPU "
+                      f"{s['router_cpu']:.2f})", title_justify="left")
+    tab.add_column("self", justify="right")
+    tab.add_column("function (self time)")
+    tab.add_column("inclusive", justify="right")
+    tab.add_column("function (inclusive)")
+    selfs, incl = prof.get("self", [])[:15], prof.get("inclusive", [])[:15]
+    for i in range(max(len(selfs), len(incl))):
+        a = selfs[i] if i < len(selfs) else ("", 0.0)
+        b = incl[i] if i < len(incl) else ("", 0.0)
+        tab.add_row(f"{100 * a[1]:.1f}%" if a[0] else "", a[0], f"{100 * b[1]:.1f}%" if b[0] else "", b[0])
+    console.print(tab)
+
+
+def _print_summary(console: Console, results: dict[str, Any]) -> None:
+    for key, unit, per in (("requests", "requests/s", "request"), ("tokens", "tokens/s", "token")):
+        part = results.get(key)
+        if not part:
+            continue
+        best = part["sustained"]
+        ck = "router_us_per_request" if key == "requests" else "router_us_per_token"
+        if best is None:
+            console.print(f"{key}: no step kept up")
+        else:
+            rate = best["completed_rate"] if key == "requests" else best["tokens_per_s"]
+            cost = best[ck]
+            console.print(f"{key}: sustained {rate:,.0f} {unit} (step {best['offered_rate']:g} req/s, TTFT p50 "
+                          f"{_fmt(best['ttft_p50'], 1e3, 2)} ms, router CPU {best['router_cpu']:.2f}, "
+                          f"{_fmt(cost, digits=1)} us per {per}"
+                          + (f" -> ~{1e6 / cost:,.0f} {unit} per dedicated router core at that cost)" if cost else ")"))
+        top = max(part["steps"], key=lambda s: s["completed_rate"])
+        console.print(f"  most carried: {top['completed_rate']:,.0f} requests/s, {top['tokens_per_s']:,.0f} tokens/s "
+                      f"(step {top['offered_rate']:g} req/s) with router CPU {top['router_cpu']:.2f} and "
+                      f"{_fmt(top[ck], digits=1)} us per {per}; machine CPU {top['machine_cpu']:.2f} of "
+                      f"{os.cpu_count()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,6 +38,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                       policy="kairos", monitor=True, time_scale=0.2)
     yield c
     c.stop(20)
+
+
+def save_results() -> None:
     out = Path(os.environ.get("KAIROS_CHAOS_RESULTS", "chaos-results.json"))
     out.write_text(json.dumps(RESULTS, indent=2, sort_keys=True) + "\n")
 
@@ -51,6 +54,7 @@ async def scenario(c: Cluster, name: str, fault: object, *, seed: int) -> Tally:
     RESULTS[name] = {"sent": tally.sent, "accepted": tally.accepted, "completed": tally.completed,
                      "failed": tally.failed, "lost": tally.lost, "hung": tally.hung, "retries": tally.retries,
                      "errors": dict(tally.errors)}
+    save_results()
     print("\n" + tally.row(name))
     assert tally.lost == 0, tally.errors
     assert tally.hung == 0, tally.errors
@@ -163,6 +167,7 @@ async def test_broken_kv_transfers_fall_back(faulty_kv_cluster: Cluster) -> None
     log = "".join(p.read_text() for p in Path(c.spec.log_dir).glob("decode-*.log"))
     assert "kv_fallback_prefill_in_place" in log and "corrupt" in log
     RESULTS["30% of KV transfers corrupted"]["kv_fallbacks"] = stats["counts"]["kv_fallbacks"]
+    save_results()
 
 
 def test_waits_are_bounded_when_the_router_is_gone(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ Frame layouts, written down once:
     PUB/SUB:      [topic, seq (8-byte big-endian), payload]
 
 Which message arrives where (each inbox has one union alias and one decoder):
-    RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvTarget, TokenBatch, RequestFailed, Goodbye
+    RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye
     HeartbeatInbox (SUB, from workers)     PrefillHeartbeat, DecodeHeartbeat
     PrefillInbox  (DEALER, from router)    Welcome, Reregister, PrefillWork, KvTarget, Cancel, Drain
-    DecodeInbox   (DEALER, from router)    Welcome, Reregister, DecodeWork, KvReady, Cancel, Drain
+    DecodeInbox   (DEALER, from router)    Welcome, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -229,6 +229,16 @@ class DecodeWork(Msg, frozen=True):
     cached_tokens: int = 0
 
 
+class KvWant(Msg, frozen=True):
+    """Prefill worker -> router -> decode worker: this request's KV is ready to push; reserve
+    landing blocks now (late reservation: blocks are held only for the transfer itself, not
+    while the request waits in the prefill queue) and answer with a KvTarget."""
+
+    request_id: str
+    attempt: int
+    tokens: int
+
+
 class KvTarget(Msg, frozen=True):
     """Decode worker -> router -> prefill worker: where to WRITE the KV of a handoff request."""
 
@@ -363,14 +373,14 @@ class RouterStats(Msg, frozen=True):
     rejected: int
 
 
-RouterInbox = Hello | PrefillDone | KvTarget | TokenBatch | RequestFailed | Goodbye
+RouterInbox = Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
 PrefillInbox = Welcome | Reregister | PrefillWork | KvTarget | Cancel | Drain
-DecodeInbox = Welcome | Reregister | DecodeWork | KvReady | Cancel | Drain
+DecodeInbox = Welcome | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
 TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
     Hello, Welcome, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
-    PrefillDone, DecodeWork, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
+    PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
     WorkerLost, DecisionRecord, RequestRecord, RouterStats,
 )

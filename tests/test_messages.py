@@ -38,6 +38,7 @@ SAMPLES: list[m.Msg] = [
     m.DecodeWork(request_id="r", attempt=1, dispatch=2, mode="handoff", prompt_token_ids=[1, 2], sampling=SAMPLING,
                  tbt_slo=0.1, deadline_s=10.0, chunk_schedule=(512, 256, 128)),
     m.KvTarget(request_id="r", attempt=0, decode_worker="decode-0", agent_name="decode-0", block_ids=[3, 4]),
+    m.KvWant(request_id="r", attempt=0, tokens=100),
     m.KvReady(request_id="r", attempt=0, kv=KV),
     m.KvReady(request_id="r", attempt=0, kv=None, error="transfer failed"),
     m.Cancel(request_id="r", attempt=0, reason="client_disconnected"),

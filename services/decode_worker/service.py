@@ -97,6 +97,10 @@ class DecodeWorker(WorkerService):
                 self._on_work(msg)
             case m.KvReady():
                 self._on_kv_ready(msg)
+            case m.KvWant():
+                p = self.pending.get(msg.request_id)
+                if p is not None and p.work.attempt == msg.attempt and self.rx is not None and not p.key:
+                    self._reserve_kv(p)
             case m.Cancel():
                 self._on_cancel(msg)
             case m.Drain():
@@ -116,10 +120,7 @@ class DecodeWorker(WorkerService):
             self._refuse(w, f"kv_full: {need} tokens needed")
             return
         if w.mode == "handoff":
-            p = _Pending(w, time.monotonic() + w.deadline_s)
-            self.pending[w.request_id] = p
-            if self.rx is not None:
-                self._reserve_kv(p)
+            self.pending[w.request_id] = _Pending(w, time.monotonic() + w.deadline_s)
             self.beat_now()
             return
         self._admit(w, "deflect", w.chunk_schedule)
@@ -147,7 +148,8 @@ class DecodeWorker(WorkerService):
                                   reason=reason, retryable=True))
 
     def _reserve_kv(self, p: _Pending) -> None:
-        """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write."""
+        """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write.
+        Done when the prefill side asks (KvWant), so blocks are held only for the transfer."""
         assert self.rx is not None and self.rx.layout is not None
         w = p.work
         key = transfer_key(w.request_id, w.attempt)

@@ -116,6 +116,7 @@ class PrefillWorker(WorkerService):
         """WRITE the request's KV into the decode worker's reserved blocks. Returns (bytes, error)."""
         assert self.tx is not None
         ev = self._target_arrived.setdefault(w.request_id, asyncio.Event())
+        self.send(m.KvWant(request_id=w.request_id, attempt=w.attempt, tokens=len(w.prompt_token_ids)))
         try:
             await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout)
         except TimeoutError:

@@ -303,6 +303,8 @@ class Router:
                 self._on_failed(msg)
             case m.KvTarget():
                 self._on_kv_target(msg)
+            case m.KvWant():
+                self._on_kv_want(msg)
             case m.Goodbye():
                 self._on_goodbye(msg)
             case _:
@@ -390,6 +392,14 @@ class Router:
             log.warning("kv_transfer_failed", request_id=req.request_id, prefill_worker=p.worker_id,
                         decode_worker=dw.worker_id, reason=p.kv_error)
         self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv, error=p.kv_error))
+
+    def _on_kv_want(self, k: m.KvWant) -> None:
+        req = self.requests.get(k.request_id)
+        if req is None or req.attempt != k.attempt or not req.decode_worker:
+            return
+        dw = self.table.workers.get(req.decode_worker)
+        if dw is not None:
+            self._send(dw, k)
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
         req = self.requests.get(t.request_id)

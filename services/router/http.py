@@ -339,18 +339,18 @@ class App:
         detok = Detokenizer(self.router)
         parts: list[str] = []
         finish = None
-        while True:
-            ev = await req.events.get()
-            if ev.token_ids:
-                parts.append(detok.push(ev.token_ids))
-            if ev.error is not None:
-                status = 503 if ev.error_code in ("unavailable", "retries_exhausted", "router_shutdown") else 500
-                if ev.error_code == "deadline_exceeded":
-                    status = 504
-                raise HttpError(status, ev.error, type_="server_error", code=ev.error_code)
-            if ev.finish_reason is not None:
-                finish = ev.finish_reason
-                break
+        while finish is None:
+            for ev in await req.events.take():
+                if ev.token_ids:
+                    parts.append(detok.push(ev.token_ids))
+                if ev.error is not None:
+                    status = 503 if ev.error_code in ("unavailable", "retries_exhausted", "router_shutdown") else 500
+                    if ev.error_code == "deadline_exceeded":
+                        status = 504
+                    raise HttpError(status, ev.error, type_="server_error", code=ev.error_code)
+                if ev.finish_reason is not None:
+                    finish = ev.finish_reason
+                    break
         text = "".join(parts)
         cid, _ = self._base(req, p)
         usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": req.n_out,
@@ -380,46 +380,44 @@ class App:
                            '"finish_reason":null}]}'
             await send({"type": "http.response.body", "body": f"data: {first}\n\n".encode(), "more_body": True})
         events = req.events
+        # every token event is the same bytes around the text: build those once per request
+        if p.chat:
+            tok_pre = f'data: {head}"choices":[{{"index":0,"delta":{{"content":'.encode()
+            tok_post = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            tok_pre = f'data: {head}"choices":[{{"index":0,"text":'.encode()
+            tok_post = b',"logprobs":null,"finish_reason":null}]}\n\n'
         while True:
-            ev = await events.get()
-            batch = [ev]
-            while not events.empty():
-                batch.append(events.get_nowait())
-            out: list[str] = []
+            batch = await events.take()
+            out: list[bytes] = []
             end = False
             for ev in batch:
                 if ev.token_ids:
-                    text = _json.encode(detok.push(ev.token_ids)).decode()
-                    if p.chat:
-                        out.append(f'data: {head}"choices":[{{"index":0,"delta":{{"content":{text}}},'
-                                   f'"logprobs":null,"finish_reason":null}}]}}\n\n')
-                    else:
-                        out.append(f'data: {head}"choices":[{{"index":0,"text":{text},"logprobs":null,'
-                                   f'"finish_reason":null}}]}}\n\n')
+                    out += (tok_pre, _json.encode(detok.push(ev.token_ids)), tok_post)
                 if ev.error is not None:
                     err = {"error": {"message": ev.error, "type": "server_error", "param": None,
                                      "code": ev.error_code}}
-                    out.append(f"data: {_json.encode(err).decode()}\n\n")
+                    out.append(b"data: " + _json.encode(err) + b"\n\n")
                     end = True
                     break
                 if ev.finish_reason is not None:
                     fr = _json.encode(ev.finish_reason).decode()
                     if p.chat:
                         out.append(f'data: {head}"choices":[{{"index":0,"delta":{{}},"logprobs":null,'
-                                   f'"finish_reason":{fr}}}]}}\n\n')
+                                   f'"finish_reason":{fr}}}]}}\n\n'.encode())
                     else:
                         out.append(f'data: {head}"choices":[{{"index":0,"text":"","logprobs":null,'
-                                   f'"finish_reason":{fr}}}]}}\n\n')
+                                   f'"finish_reason":{fr}}}]}}\n\n'.encode())
                     if p.include_usage:
                         usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": req.n_out,
                                  "total_tokens": len(p.prompt_ids) + req.n_out}
-                        out.append(f'data: {head}"choices":[],"usage":{_json.encode(usage).decode()}}}\n\n')
+                        out.append(f'data: {head}"choices":[],"usage":{_json.encode(usage).decode()}}}\n\n'.encode())
                     end = True
                     break
             if end:
-                out.append("data: [DONE]\n\n")
+                out.append(b"data: [DONE]\n\n")
             if out:
-                await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": not end})
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": not end})
             if end:
                 return
 

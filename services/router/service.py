@@ -12,6 +12,7 @@ request has a deadline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections import Counter
@@ -24,7 +25,7 @@ from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import Overloaded, ProtocolError, Unavailable
 from common.perf_model import load_profile
-from common.sockets import RouterBus, send_nowait
+from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
@@ -55,6 +56,8 @@ class Router:
         self.stop = asyncio.Event()
         self.accepting = True
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
+        self._inbox: Inbox | None = None
+        self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -91,7 +94,7 @@ class Router:
             self.counts["rejected"] += 1
             metrics.observe_rejected("overloaded")
             raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
-        rid = request_id or uuid.uuid4().hex
+        rid = request_id or f"{self.incarnation}{next(self._ids):08x}"  # unique without a syscall
         if rid in self.requests:
             rid = f"{rid}-{uuid.uuid4().hex[:6]}"
         now = time.monotonic()
@@ -166,7 +169,7 @@ class Router:
 
     def _send(self, w: WorkerEntry, msg: m.Msg) -> None:
         assert self.bus is not None
-        if not send_nowait(self.bus.work, [w.identity, codec.encode(msg)]):
+        if not self._work_send([w.identity, codec.encode(msg)]):
             # unroutable (gone) or its queue is full: the liveness loop will settle it; make it soon
             log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
             w.last_seen = min(w.last_seen, time.monotonic() - self.liveness_s + 0.05)
@@ -268,28 +271,39 @@ class Router:
                 self._fail(req, f"no worker left to retry on: {e}", code="unavailable")
 
     # ------------------------------------------------------------------ inbox: work socket
+    def _work_send(self, frames: list[bytes]) -> bool:
+        if self._inbox is not None:
+            return self._inbox.send(frames)
+        assert self.bus is not None
+        return send_nowait(self.bus.work, frames)  # before the loops start
+
     async def _work_loop(self) -> None:
         assert self.bus is not None
-        sock = self.bus.work
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 2:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("work")
-                log.warning("bad_frame_dropped", socket="work", frames=len(frames))
-                continue
-            identity, payload = frames
-            try:
-                msg = codec.router_inbox.decode(payload)
-            except codec.DecodeError as e:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("work")
-                log.warning("bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
-                continue
-            try:
-                self._on_work_message(identity, msg)
-            except ProtocolError as e:
-                log.warning("protocol_error", error=str(e))
+        self._inbox = Inbox(self.bus.work, self._on_work_frames)
+        try:
+            await self._inbox.failed  # the reader callback does the work; this ends only on a bug
+        finally:
+            self._inbox.close()
+            self._inbox = None
+
+    def _on_work_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("work")
+            log.warning("bad_frame_dropped", socket="work", frames=len(frames))
+            return
+        identity, payload = frames
+        try:
+            msg = codec.router_inbox.decode(payload)
+        except codec.DecodeError as e:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("work")
+            log.warning("bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
+            return
+        try:
+            self._on_work_message(identity, msg)
+        except ProtocolError as e:
+            log.warning("protocol_error", error=str(e))
 
     def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
         match msg:
@@ -452,7 +466,7 @@ class Router:
             return
         last[worker_id] = now
         self._asked = last
-        send_nowait(self.bus.work, [worker_id.encode(), codec.encode(
+        self._work_send([worker_id.encode(), codec.encode(
             m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))])
 
     async def _liveness_loop(self) -> None:

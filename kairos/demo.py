@@ -56,11 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="a100-dsv2-lite", help="performance profile (default a100-dsv2-lite)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2)")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
-    p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="modeled",
-                   help="modeled (default): KV transfers take the profile's time (15 ms + 31 KB/token at 3 GB/s), "
-                        "as in the simulator; nixl: real bytes through a small host pool, whose blocks a decode "
-                        "worker reserves at dispatch, so a long prefill queue fills it and requests fall back to "
-                        "in-place prefill, which is not the stock baseline")
+    p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="nixl",
+                   help="nixl (default, as `kairos up`): real KV bytes over NIXL between the worker processes, "
+                        "timed like the profile's transfer (15 ms + 31 KB/token at 3 GB/s); modeled: the same time "
+                        "without moving bytes, exactly as the simulator")
     p.add_argument("--max-concurrency", type=int, default=2048, help="client concurrency bound (default 2048)")
     p.add_argument("--out-dir", default="demo-results", help="results JSON, plot and logs go here "
                                                              "(default demo-results)")

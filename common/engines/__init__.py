@@ -13,6 +13,9 @@ from common.perf_model import load_profile
 def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine:
     if cfg.engine == "sim":
         from common.engines.sim import SimEngine
+        from common.kv import check_transport
+
+        check_transport(cfg.kv_transport)  # unknown name, or nixl without NIXL: a clear error now
 
         return SimEngine(role, load_profile(cfg.profile), time_scale=cfg.time_scale,
                          max_queue_requests=cfg.max_queue_requests)

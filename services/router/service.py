@@ -23,7 +23,7 @@ import structlog
 from common import codec
 from common import messages as m
 from common.config import RouterConfig, parse_list
-from common.errors import Overloaded, ProtocolError, Unavailable
+from common.errors import ConfigError, Overloaded, ProtocolError, Unavailable
 from common.perf_model import load_profile
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
@@ -41,11 +41,14 @@ class Router:
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:12]
         self.profile = load_profile(cfg.profile)
-        kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
-                            transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
-                            per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
-        self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
-                                  default_model=self.profile.model)
+        try:
+            kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
+                                transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
+                                per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
+            self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
+                                      default_model=self.profile.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
         self.requests: dict[str, Request] = {}

@@ -319,9 +319,9 @@ class Router:
             case m.RequestFailed():
                 self._on_failed(msg)
             case m.KvTarget():
-                self._on_kv_target(msg)
+                self._relay(msg, to="prefill")
             case m.KvWant():
-                self._on_kv_want(msg)
+                self._relay(msg, to="decode")
             case m.Goodbye():
                 self._on_goodbye(msg)
             case _:
@@ -410,21 +410,15 @@ class Router:
                         decode_worker=dw.worker_id, reason=p.kv_error)
         self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv, error=p.kv_error))
 
-    def _on_kv_want(self, k: m.KvWant) -> None:
-        req = self.requests.get(k.request_id)
-        if req is None or req.attempt != k.attempt or not req.decode_worker:
+    def _relay(self, msg: m.KvWant | m.KvTarget, to: m.Role) -> None:
+        """Pass a KV handshake message to the request's other worker (current attempt only)."""
+        req = self.requests.get(msg.request_id)
+        if req is None or req.attempt != msg.attempt:
             return
-        dw = self.table.workers.get(req.decode_worker)
-        if dw is not None:
-            self._send(dw, k)
-
-    def _on_kv_target(self, t: m.KvTarget) -> None:
-        req = self.requests.get(t.request_id)
-        if req is None or req.attempt != t.attempt or not req.prefill_worker:
-            return
-        pw = self.table.workers.get(req.prefill_worker)
-        if pw is not None:
-            self._send(pw, t)
+        wid = req.decode_worker if to == "decode" else req.prefill_worker
+        w = self.table.workers.get(wid) if wid else None
+        if w is not None:
+            self._send(w, msg)
 
     def _on_failed(self, f: m.RequestFailed) -> None:
         req = self.requests.get(f.request_id)

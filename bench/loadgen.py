@@ -57,7 +57,7 @@ from rich.table import Table
 
 from common.errors import ConfigError
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
-from sim.stats import RequestTiming, summarize
+from sim.stats import RequestTiming, fmt, summarize
 
 T = TypeVar("T")
 
@@ -539,18 +539,6 @@ def report(rp: Replay, *, config: dict[str, Any] | None = None, records: bool = 
     return out
 
 
-def _f(v: Any, kind: str = "s") -> str:
-    if v is None:
-        return "-"
-    if kind == "%":
-        return f"{100 * v:.1f}%"
-    if kind == "ms":
-        return f"{1000 * v:.1f}"
-    if kind == "n":
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
-    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-
-
 def table(res: dict[str, Any], title: str = "") -> Table:
     tab = Table(title=title or None, title_justify="left", show_header=False)
     tab.add_column("", style="bold")
@@ -558,25 +546,25 @@ def table(res: dict[str, Any], title: str = "") -> Table:
     c = res["concurrency"]
     rows = [
         ("requests (completed / failed)", f"{res['requests']} ({res['completed']} / {res['failed']})"),
-        ("offered / achieved rate, req/s", f"{_f(res['offered_rate'], 'n')} / {_f(res['achieved_rate'], 'n')}"),
-        ("throughput req/s, tokens/s", f"{_f(res['throughput'], 'n')}, {_f(res['output_tokens_per_s'], 'n')}"),
-        ("TTFT p50 / p95 / p99, s", f"{_f(res['ttft_p50'])} / {_f(res['ttft_p95'])} / {_f(res['ttft_p99'])}"),
-        ("TBT p50 / p95 / p99, ms", f"{_f(res['tbt_p50'], 'ms')} / {_f(res['tbt_p95'], 'ms')} / "
-                                    f"{_f(res['tbt_p99'], 'ms')}"),
+        ("offered / achieved rate, req/s", f"{fmt(res['offered_rate'], 'n')} / {fmt(res['achieved_rate'], 'n')}"),
+        ("throughput req/s, tokens/s", f"{fmt(res['throughput'], 'n')}, {fmt(res['output_tokens_per_s'], 'n')}"),
+        ("TTFT p50 / p95 / p99, s", f"{fmt(res['ttft_p50'])} / {fmt(res['ttft_p95'])} / {fmt(res['ttft_p99'])}"),
+        ("TBT p50 / p95 / p99, ms", f"{fmt(res['tbt_p50'], 'ms')} / {fmt(res['tbt_p95'], 'ms')} / "
+                                    f"{fmt(res['tbt_p99'], 'ms')}"),
         (f"SLO attainment TTFT<={res['ttft_slo']:g}s / TBT<={res['tbt_slo'] * 1000:g}ms / both",
-         f"{_f(res['ttft_slo_attainment'], '%')} / {_f(res['tbt_slo_attainment'], '%')} / "
-         f"{_f(res['slo_attainment'], '%')}"),
-        ("goodput, req/s meeting both SLOs", _f(res["goodput"], "n")),
-        ("deflection rate", _f(res["deflection_rate"], "%")),
+         f"{fmt(res['ttft_slo_attainment'], '%')} / {fmt(res['tbt_slo_attainment'], '%')} / "
+         f"{fmt(res['slo_attainment'], '%')}"),
+        ("goodput, req/s meeting both SLOs", fmt(res["goodput"], "n")),
+        ("deflection rate", fmt(res["deflection_rate"], "%")),
         ("concurrency peak / bound, bound hits", f"{c['peak']} / {c['max']}, {c['bound_hits']}"),
-        ("send lag p50 / p99, ms", f"{_f(res['send_lag_p50'], 'ms')} / {_f(res['send_lag_p99'], 'ms')}"),
+        ("send lag p50 / p99, ms", f"{fmt(res['send_lag_p50'], 'ms')} / {fmt(res['send_lag_p99'], 'ms')}"),
         ("errors", ", ".join(f"{k} {v}" for k, v in res["errors"].items()) or "none"),
     ]
     if res["length_mismatch"]:
         rows.append(("output length != asked", str(res["length_mismatch"])))
     for route, s in res["ttft_by_route"].items():
         rows.append((f"route {route}: n, TTFT p50 / p95 / p99 s",
-                     f"{s['requests']}, {_f(s['ttft_p50'])} / {_f(s['ttft_p95'])} / {_f(s['ttft_p99'])}"))
+                     f"{s['requests']}, {fmt(s['ttft_p50'])} / {fmt(s['ttft_p95'])} / {fmt(s['ttft_p99'])}"))
     if res.get("kairos"):
         k = res["kairos"]
         rows.append((f"router ({k.get('policy')}): reasons", ", ".join(f"{r} {n}" for r, n in k["reasons"].items())

@@ -39,7 +39,7 @@ from common.traces import TraceRequest, find_bursty_window, load_trace, trace_pa
 from kairos.up import Cluster, ClusterSpec
 from services.router.policy import make_policy
 from sim.core import SimConfig, prefill_load, simulate
-from sim.stats import summarize
+from sim.stats import fmt, summarize
 
 BASELINE = "disagg-least-loaded"
 POLICIES = (BASELINE, "kairos")
@@ -117,16 +117,6 @@ def live(policy: str, reqs: list[TraceRequest], args: argparse.Namespace, out_di
     return rp, res
 
 
-def _f(v: Any, kind: str = "s") -> str:
-    if v is None:
-        return "-"
-    if kind == "%":
-        return f"{100 * v:.1f}%"
-    if kind == "ms":
-        return f"{1000 * v:.0f}"
-    return f"{v:.2f}" if v < 100 else f"{v:.0f}"
-
-
 def side_by_side(livers: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any]]) -> Table:
     tab = Table(title="live (client-measured) and simulated, same slice", title_justify="left")
     tab.add_column("metric")
@@ -139,7 +129,7 @@ def side_by_side(livers: dict[str, dict[str, Any]], sims: dict[str, dict[str, An
             ("TBT SLO attainment", "tbt_slo_attainment", "%"), ("SLO attainment (both)", "slo_attainment", "%"),
             ("deflection rate", "deflection_rate", "%")]
     for label, key, kind in rows:
-        tab.add_row(label, *(_f(livers[n][key], kind) for n in POLICIES), *(_f(sims[n][key], kind) for n in POLICIES))
+        tab.add_row(label, *(fmt(livers[n][key], kind) for n in POLICIES), *(fmt(sims[n][key], kind) for n in POLICIES))
     tab.add_row("requests", *(str(livers[n]["requests"]) for n in POLICIES),
                 *(str(sims[n]["requests"]) for n in POLICIES))
     tab.add_row("errors", *(", ".join(f"{k} {v}" for k, v in livers[n]["errors"].items()) or "0" for n in POLICIES),
@@ -158,8 +148,8 @@ def explain(info: dict[str, Any], livers: dict[str, dict[str, Any]], sims: dict[
         f"they can prefill, and {info['peak_load']:.1f}x in its busiest 10 s: prompts must queue in front of "
         f"the prefill workers while the decode workers, which only produce a few tokens per request, sit "
         f"mostly idle.",
-        f"{BASELINE} sends every prompt through that queue: P95 TTFT {_f(b['ttft_p95'])} s, and "
-        f"{_f(b['ttft_slo_attainment'], '%')} of requests got their first token within the {slo:g} s SLO.",
+        f"{BASELINE} sends every prompt through that queue: P95 TTFT {fmt(b['ttft_p95'])} s, and "
+        f"{fmt(b['ttft_slo_attainment'], '%')} of requests got their first token within the {slo:g} s SLO.",
     ]
     if b["ttft_p95"] is None or k["ttft_p95"] is None:
         lines.append("A run completed no request, so there is nothing to compare; see the errors above and the "
@@ -169,23 +159,23 @@ def explain(info: dict[str, Any], livers: dict[str, dict[str, Any]], sims: dict[
     by_route = k.get("ttft_by_route", {})
     dfl = by_route.get("deflect", {})
     lines.append(
-        f"kairos deflected {_f(k['deflection_rate'], '%')} of requests: a decode worker prefilled them in "
+        f"kairos deflected {fmt(k['deflection_rate'], '%')} of requests: a decode worker prefilled them in "
         f"place, in chunks interleaved with its running decodes and sized so those decodes keep their "
         f"{args.tbt_slo * 1000:g} ms TBT SLO, skipping both the prefill queue and the KV transfer"
-        + (f" (their P95 TTFT: {_f(dfl.get('ttft_p95'))} s)" if dfl else "") + ". "
-        f"P95 TTFT {_f(k['ttft_p95'])} s, {abs(gain) * 100:.0f}% {'lower' if gain > 0 else 'higher'} than the "
-        f"baseline; {_f(k['ttft_slo_attainment'], '%')} met the TTFT SLO and "
-        f"{_f(k['slo_attainment'], '%')} met both SLOs (baseline {_f(b['slo_attainment'], '%')}).")
+        + (f" (their P95 TTFT: {fmt(dfl.get('ttft_p95'))} s)" if dfl else "") + ". "
+        f"P95 TTFT {fmt(k['ttft_p95'])} s, {abs(gain) * 100:.0f}% {'lower' if gain > 0 else 'higher'} than the "
+        f"baseline; {fmt(k['ttft_slo_attainment'], '%')} met the TTFT SLO and "
+        f"{fmt(k['slo_attainment'], '%')} met both SLOs (baseline {fmt(b['slo_attainment'], '%')}).")
     lines.append(
-        f"The price is paid in token gaps: TBT P99 went from {_f(b['tbt_p99'], 'ms')} ms to "
-        f"{_f(k['tbt_p99'], 'ms')} ms, because a decode step that carries a prefill chunk takes longer; "
-        f"{_f(k['tbt_slo_attainment'], '%')} of kairos's requests kept every gap within "
-        f"{args.tbt_slo * 1000:g} ms (baseline {_f(b['tbt_slo_attainment'], '%')}).")
+        f"The price is paid in token gaps: TBT P99 went from {fmt(b['tbt_p99'], 'ms')} ms to "
+        f"{fmt(k['tbt_p99'], 'ms')} ms, because a decode step that carries a prefill chunk takes longer; "
+        f"{fmt(k['tbt_slo_attainment'], '%')} of kairos's requests kept every gap within "
+        f"{args.tbt_slo * 1000:g} ms (baseline {fmt(b['tbt_slo_attainment'], '%')}).")
     sb, sk = sims[BASELINE], sims["kairos"]
     if b["tbt_p99"] and sb["tbt_p99"] and b["tbt_p99"] > 2 * sb["tbt_p99"] + 0.01:
         lines.append(
-            f"Token gaps on this machine are not clean: the baseline's own TBT P99 was {_f(b['tbt_p99'], 'ms')} ms "
-            f"live against {_f(sb['tbt_p99'], 'ms')} ms simulated, so processes were kept off the CPU (other load, or "
+            f"Token gaps on this machine are not clean: the baseline's own TBT P99 was {fmt(b['tbt_p99'], 'ms')} ms "
+            f"live against {fmt(sb['tbt_p99'], 'ms')} ms simulated, so processes were kept off the CPU (other load, or "
             f"the load generator itself); read the TBT rows with that in mind. The TTFT rows, seconds of prefill "
             f"queueing, are far above that noise.")
     errs = {n: r["errors"] for n, r in livers.items() if r["errors"]}
@@ -195,13 +185,13 @@ def explain(info: dict[str, Any], livers: dict[str, dict[str, Any]], sims: dict[
                      + f" (see {args.out_dir}/logs/; worker_lost means a worker missed its heartbeats for 1 s, "
                        "which a starved CPU can cause).")
     lines.append(
-        f"The simulator predicted P95 TTFT {_f(sb['ttft_p95'])} s ({BASELINE}) and {_f(sk['ttft_p95'])} s "
+        f"The simulator predicted P95 TTFT {fmt(sb['ttft_p95'])} s ({BASELINE}) and {fmt(sk['ttft_p95'])} s "
         f"(kairos) for this slice; live runs add real process, bus and HTTP overheads and share the "
         f"machine's CPUs with the load generator, so expect them to differ by some percent, not in direction.")
     if gain <= 0:
         lines.append(
-            f"[bold red]Kairos did NOT beat the baseline on P95 TTFT in this run[/] ({_f(k['ttft_p95'])} s against "
-            f"{_f(b['ttft_p95'])} s). Check the router's reasons in {args.out_dir}/results.json "
+            f"[bold red]Kairos did NOT beat the baseline on P95 TTFT in this run[/] ({fmt(k['ttft_p95'])} s against "
+            f"{fmt(b['ttft_p95'])} s). Check the router's reasons in {args.out_dir}/results.json "
             f"(live.kairos.kairos.reasons): few deflections mean the decode workers looked too busy or the "
             f"prefill path looked fast enough; a starved CPU (send lag, step overruns in the worker logs) "
             f"slows every path alike.")
@@ -231,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     t_sim = time.monotonic()
     sims = simulated(reqs, profile, args)
     console.print(f"simulated both policies in {time.monotonic() - t_sim:.1f} s: P95 TTFT "
-                  + ", ".join(f"{n} {_f(s['ttft_p95'])} s" for n, s in sims.items()))
+                  + ", ".join(f"{n} {fmt(s['ttft_p95'])} s" for n, s in sims.items()))
     runs: dict[str, list[Record]] = {}
     livers: dict[str, dict[str, Any]] = {}
     try:

@@ -28,7 +28,7 @@ from common.perf_model import load_profile
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
 from services.router.policy import POLICIES, KairosConfig, make_policy
 from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
-from sim.stats import summarize
+from sim.stats import fmt, summarize
 
 DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg")
 
@@ -112,29 +112,19 @@ def _load(args: argparse.Namespace, rate_scale: float) -> tuple[list[TraceReques
     return load_trace(path, start=start, duration=duration, rate_scale=rate_scale), info
 
 
-def _fmt(v: Any, kind: str = "s") -> str:
-    if v is None:
-        return "-"
-    if kind == "%":
-        return f"{100 * v:.1f}%"
-    if kind == "ms":
-        return f"{1000 * v:.0f}"
-    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
-
-
 def _table(point: dict[str, Any], title: str) -> Table:
     tab = Table(title=title, title_justify="left")
     for col in ("policy", "deflect", "TTFT p50 s", "p95 s", "p99 s", "TBT p95 ms", "p99 ms",
                 "TTFT SLO", "TBT SLO", "both", "pred err", "sim s"):
         tab.add_column(col, justify="left" if col == "policy" else "right")
     lb = point["lower_bound"]
-    tab.add_row("[dim]lower bound[/]", "-", _fmt(lb["ttft_p50"]), _fmt(lb["ttft_p95"]), _fmt(lb["ttft_p99"]),
-                "-", "-", _fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", style="dim")
+    tab.add_row("[dim]lower bound[/]", "-", fmt(lb["ttft_p50"]), fmt(lb["ttft_p95"]), fmt(lb["ttft_p99"]),
+                "-", "-", fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", style="dim")
     for name, s in point["policies"].items():
-        tab.add_row(name, _fmt(s["deflection_rate"], "%"), _fmt(s["ttft_p50"]), _fmt(s["ttft_p95"]),
-                    _fmt(s["ttft_p99"]), _fmt(s["tbt_p95"], "ms"), _fmt(s["tbt_p99"], "ms"),
-                    _fmt(s["ttft_slo_attainment"], "%"), _fmt(s["tbt_slo_attainment"], "%"),
-                    _fmt(s["slo_attainment"], "%"), _fmt(s["ttft_pred_mape"], "%"), f"{s['sim']['wall_s']:.1f}")
+        tab.add_row(name, fmt(s["deflection_rate"], "%"), fmt(s["ttft_p50"]), fmt(s["ttft_p95"]),
+                    fmt(s["ttft_p99"]), fmt(s["tbt_p95"], "ms"), fmt(s["tbt_p99"], "ms"),
+                    fmt(s["ttft_slo_attainment"], "%"), fmt(s["tbt_slo_attainment"], "%"),
+                    fmt(s["slo_attainment"], "%"), fmt(s["ttft_pred_mape"], "%"), f"{s['sim']['wall_s']:.1f}")
     return tab
 
 

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sim.stats import fmt
+
 VARYING = ("alpha", "beta", "candidates", "heartbeat_interval", "ledger", "transfer_term", "max_deflections",
            "step_noise", "ttft_slo", "tbt_slo", "prefill", "decode", "profile")
 
@@ -24,19 +26,16 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 def _fmt(v: Any, kind: str) -> str:
-    if v is None:
-        return "-"
-    if kind == "%":
-        return f"{100 * v:.1f}%"
-    if kind == "ms":
-        return f"{1000 * v:.0f}"
+    """A config or result cell: booleans, lists and ints as themselves, the rest by stats.fmt."""
     if isinstance(v, bool):
         return "on" if v else "off"
     if isinstance(v, list):
         return ",".join(str(x) for x in v)
-    if isinstance(v, float):
-        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
-    return str(v)
+    if isinstance(v, int) and kind not in ("%", "ms"):
+        return str(v)
+    if isinstance(v, str):
+        return v
+    return fmt(v, kind)
 
 
 def table(results: list[dict[str, Any]], policies: list[str] | None = None) -> str:

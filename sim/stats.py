@@ -146,3 +146,18 @@ def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: flo
         "output_tokens": int(sum(r.output_tokens for r in records)),
     }
     return out
+
+
+def fmt(v: Any, kind: str = "s") -> str:
+    """One table cell, the same in every report (sim, bench, demo): "-" for missing; kind "%":
+    a fraction as a percentage; "ms": seconds as milliseconds; "n": a count or rate; "s": seconds."""
+    if v is None:
+        return "-"
+    if kind == "%":
+        return f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1000 * v:.0f}" if abs(v) >= 0.01 else f"{1000 * v:.1f}"
+    if kind == "n":
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+

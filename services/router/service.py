@@ -189,40 +189,33 @@ class Router:
                 w.holding.discard(req.request_id)
                 w.deflecting.pop(req.request_id, None)
 
-    def _finish(self, req: Request, finish_reason: str) -> None:
+    def _end(self, req: Request, outcome: str, counter: str, *, cancel: bool) -> bool:
+        """The bookkeeping every end of a request shares; False if it had already ended."""
         if req.done:
-            return
+            return False
         req.done = True
-        req.outcome = "ok"
+        req.outcome = outcome
+        if cancel:
+            self._cancel_on_workers(req, outcome)
         self._release(req)
         self.requests.pop(req.request_id, None)
-        self.counts["completed"] += 1
-        req.events.put_nowait(Event(finish_reason=finish_reason))
-        self._log_done(req)
+        self.counts[counter] += 1
+        return True
+
+    def _finish(self, req: Request, finish_reason: str) -> None:
+        if self._end(req, "ok", "completed", cancel=False):
+            req.events.put_nowait(Event(finish_reason=finish_reason))
+            self._log_done(req)
 
     def _fail(self, req: Request, message: str, *, code: str) -> None:
-        if req.done:
-            return
-        req.done = True
-        req.outcome = code
-        self._cancel_on_workers(req, code)
-        self._release(req)
-        self.requests.pop(req.request_id, None)
-        self.counts["failed"] += 1
-        req.events.put_nowait(Event(error=message, error_code=code))
-        self._log_done(req)
+        if self._end(req, code, "failed", cancel=True):
+            req.events.put_nowait(Event(error=message, error_code=code))
+            self._log_done(req)
 
     def abort(self, req: Request, reason: str = "client_disconnected") -> None:
         """The client went away: stop the work on the workers."""
-        if req.done:
-            return
-        req.done = True
-        req.outcome = reason
-        self._cancel_on_workers(req, reason)
-        self._release(req)
-        self.requests.pop(req.request_id, None)
-        self.counts["aborted"] += 1
-        self._log_done(req)
+        if self._end(req, reason, "aborted", cancel=True):
+            self._log_done(req)
 
     def _cancel_on_workers(self, req: Request, reason: str) -> None:
         for wid in {req.prefill_worker, req.decode_worker}:

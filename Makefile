@@ -11,12 +11,15 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# The set-up prints one line; pip's own output goes to $(VENV)/install.log, shown only on failure.
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV): this project, its dev tools and NIXL (about a minute the first time; log: $(VENV)/install.log)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	@# NIXL without torch or CUDA (the lean install, see docs): its wheels declare torch, so --no-deps
-	$(PY) -m pip install -q --no-deps 'nixl-cu13==1.5.1' 'nixl==1.5.1'
+	@{ $(PY) -m pip install -q --upgrade pip && \
+	   $(PY) -m pip install -q -e '.[dev]' && \
+	   $(PY) -m pip install -q --no-deps 'nixl-cu13==1.5.1' 'nixl==1.5.1'; \
+	 } > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; echo "set-up failed: see the pip output above ($(VENV)/install.log)"; exit 1; }
+	@# (NIXL goes in with --no-deps: its wheels declare torch and CUDA, which the lean install does not need)
 	@touch $(STAMP)
 
 demo: venv

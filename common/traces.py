@@ -12,7 +12,7 @@ Formats read by `load_trace`:
 
 `synthetic` draws lognormal prompt and output lengths (clipped to [1, max]) and arrivals from
 a Gamma renewal process (DistServe's shape = 1/cv^2), a Poisson process, or the on/off MMPP
-that reproduces the code trace's bursts (shared/reference/workloads-and-simulators.md, section 3).
+that reproduces the code trace's bursts (docs/reference/workloads.md, section 3).
 Everything is deterministic given the seed.
 """
 
@@ -32,7 +32,7 @@ from common.errors import ConfigError
 
 TRACE_FILES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
 
-# Lognormal fits of ln(length) to the Azure 2023 traces (workloads-and-simulators.md, section 1),
+# Lognormal fits of ln(length) to the Azure 2023 traces (docs/reference/workloads.md, section 1),
 # with the traces' maxima as clip limits.
 LENGTHS = {
     "code": {"prompt_mu": 6.999, "prompt_sigma": 1.360, "output_mu": 2.788, "output_sigma": 0.847,
@@ -56,20 +56,18 @@ class TraceRequest(msgspec.Struct, frozen=True):
 # ------------------------------------------------------------------------------ locating
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+DATA_DIR = Path(__file__).with_name("data") / "traces"
 
 
-def trace_path(name: str, *, shared_dir: str | Path | None = None) -> Path:
-    """Resolve "code" / "conv" to the Azure CSV in `shared_dir/traces` (default: the `shared/`
-    folder beside the repository, `<root>/shared` for a repo at `<root>/main`); any other name
-    must be an existing file path."""
+def trace_path(name: str, *, data_dir: str | Path | None = None) -> Path:
+    """Resolve "code" / "conv" to the Azure CSV shipped with the package (common/data/traces,
+    or `data_dir`); any other name must be an existing file path."""
     if name in TRACE_FILES:
-        base = Path(shared_dir) if shared_dir is not None else repo_root().parent / "shared"
-        path = base / "traces" / TRACE_FILES[name]
+        base = Path(data_dir) if data_dir is not None else DATA_DIR
+        path = base / TRACE_FILES[name]
         if not path.is_file():
-            raise ConfigError(f"trace {name!r} not found at {path}: put the Azure trace CSVs in "
-                              f"{base / 'traces'} or give an explicit path")
+            raise ConfigError(f"trace {name!r} not found at {path}: this installation lacks the trace data "
+                              f"(reinstall the package, or give the CSV's path with --trace)")
         return path
     path = Path(name)
     if not path.is_file():

@@ -97,11 +97,14 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_trace_path(tmp_path: Path) -> None:
-    (tmp_path / "traces").mkdir()
-    (tmp_path / "traces" / "AzureLLMInferenceTrace_code.csv").write_text(CSV)
-    assert trace_path("code", shared_dir=tmp_path) == tmp_path / "traces" / "AzureLLMInferenceTrace_code.csv"
+    (tmp_path / "AzureLLMInferenceTrace_code.csv").write_text(CSV)
+    assert trace_path("code", data_dir=tmp_path) == tmp_path / "AzureLLMInferenceTrace_code.csv"
     with pytest.raises(ConfigError, match="not found"):
-        trace_path("conv", shared_dir=tmp_path)
+        trace_path("conv", data_dir=tmp_path)
+    # the shipped traces are found from the package itself, wherever the repository is
+    shipped = trace_path("code")
+    assert shipped.is_file() and shipped.parent.name == "traces" and shipped.parent.parent.name == "data"
+    assert len(load_trace(shipped)) == 8819
     explicit = write(tmp_path, "mine.csv", CSV)
     assert trace_path(str(explicit)) == explicit
     with pytest.raises(ConfigError, match="not found"):

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("trace")
     t.add_argument("--trace", default="code",
-                   help="a CSV or JSON-lines file, 'code' or 'conv' (the Azure 2023 traces shipped in common/data/traces), "
+                   help="a CSV or JSON-lines file, 'code' or 'conv' (the Azure 2023 traces shipped with Kairos), "
                         "or 'synthetic' (default: code)")
     t.add_argument("--start", type=float, default=0.0, help="slice start, seconds of trace time (default 0)")
     t.add_argument("--duration", type=float, default=None,

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--candidates", default="2048,1024,512,256,128", help="kairos: chunk candidates")
     s.add_argument("--no-transfer-term", action="store_true", help="kairos: leave T_xfer out of TTFT_P")
     s.add_argument("--max-deflections", type=int, default=1, help="kairos: concurrent deflections per decode worker")
+    s.add_argument("--predictor", choices=("replay", "paper"), default="replay",
+                   help="kairos: TTFT prediction, 'replay' (the known queues through the batching rule) or "
+                        "'paper' (Equation 1 and Algorithm 1's step sum as printed) (default replay)")
+    s.add_argument("--no-budget-fit", action="store_true",
+                   help="kairos: schedules ignore the token budget taken by deflections already in flight")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="write results JSON here")
     o.add_argument("--plot", default=None, metavar="DIR", help="write TTFT CDFs and attainment vs load here")
@@ -148,7 +153,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--rate-scale values must be positive")
     cands = tuple(int(x) for x in _floats(args.candidates, "--candidates"))
     kcfg = KairosConfig(candidates=cands, alpha=args.alpha, beta=args.beta, transfer_term=not args.no_transfer_term,
-                        max_deflections=args.max_deflections)
+                        max_deflections=args.max_deflections, predictor=args.predictor,
+                        budget_fit=not args.no_budget_fit)
     cfg = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                     heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
                     step_noise=args.step_noise, seed=args.seed)
@@ -186,7 +192,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "tbt_slo_definition": "a request meets the TBT SLO iff its largest inter-token gap <= tbt_slo",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
         "alpha": args.alpha, "beta": args.beta, "candidates": list(cands), "transfer_term": not args.no_transfer_term,
-        "max_deflections": args.max_deflections, "date": datetime.date.today().isoformat()}
+        "max_deflections": args.max_deflections, "predictor": args.predictor, "budget_fit": not args.no_budget_fit,
+        "date": datetime.date.today().isoformat()}
     result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],
               "sweep": sweep}
     if args.out:

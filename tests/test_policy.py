@@ -96,7 +96,9 @@ def algorithm1(m: PerfModel, d: DecodeView, tokens: int, budget: float, cands: t
 
 
 def decide(policy: str, req: RequestSpec, view: ClusterView, **kcfg: Any) -> Any:
-    p = make_policy(policy, kairos=KairosConfig(**kcfg) if kcfg else None, default_model=M)
+    """Kairos with the paper's predictor unless told otherwise: these tests check the printed
+    formulas (the replay predictor has its own tests in test_predict.py)."""
+    p = make_policy(policy, kairos=KairosConfig(**{"predictor": "paper", **kcfg}), default_model=M)
     return p.decide(req, view, 0.0)
 
 
@@ -156,7 +158,7 @@ def test_kairos_table(name: str, req: RequestSpec, view: ClusterView, kcfg: dict
     assert (d.route, d.reason) == (route, reason)
     if worker is not None:
         assert d.decode_worker == worker
-    cfg = KairosConfig(**kcfg)
+    cfg = KairosConfig(predictor="paper", **kcfg)
     if view.prefill:
         best_p = min(eq1(M, p.queued_tokens, req.prompt_tokens, p.token_budget, transfer=cfg.transfer_term)
                      for p in view.prefill)
@@ -326,6 +328,7 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
             decode.append(msgspec.structs.replace(decode[0], worker_id="decode-9"))
         cfg = rng.choice([KairosConfig(), KairosConfig(alpha=1.0), KairosConfig(transfer_term=False),
                           KairosConfig(max_deflections=2), KairosConfig(candidates=(1024, 256), beta=1.0)])
+        cfg = msgspec.structs.replace(cfg, predictor="paper")
         req = rq(rng.choice([rng.randint(1, 9000), 7436, 2048]), out=rng.randint(1, 400),
                  ttft_slo=rng.choice([0.3, 1.0, 2.0, 30.0]), cached=rng.choice([0, 0, 500]))
         view = cluster(prefill, decode)

@@ -30,6 +30,14 @@ class PrefillView(msgspec.Struct, frozen=True, kw_only=True):
     queued_requests: int
     token_budget: int
     model: PerfModel
+    # what the replay predictor needs (predict.py): each held request's (prompt tokens, tokens
+    # done) in FIFO order as of `busy_until`, the end of the step in flight (policy clock); None
+    # when the worker does not report it (the predictor then sees `queued_tokens` less the
+    # ledger's as one request); and the requests dispatched since, (prompt tokens, dispatch time)
+    backlog: tuple[tuple[int, int], ...] | None = None
+    busy_until: float = 0.0
+    ledger: tuple[tuple[int, float], ...] = ()
+    max_batch: int = 0  # 0: no cap
 
 
 class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +53,8 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     model: PerfModel
     reserved_step_s: float = 0.0  # added step time of deflections already in flight (ledger)
     pending: int = 0              # handoffs dispatched, not yet decoding
+    reserved_tokens: int = 0      # tokens per step the deflections in flight may take (their largest chunks)
+    busy_until: float = 0.0       # end of the step in flight (policy clock); <= now: unknown or idle
 
 
 class ClusterView(msgspec.Struct, frozen=True):

@@ -1,0 +1,232 @@
+"""The replay TTFT predictor: exact against the simulator on noise-free queues, cheap by its
+cache, safe on stale views; the decode path's schedules never exceed the token budget."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engines.batcher import Batcher, Seq
+from common.perf_model import load_profile
+from common.traces import TraceRequest
+from services.router.policy import (
+    ClusterView,
+    Decision,
+    DecodeView,
+    KairosConfig,
+    PrefillView,
+    RequestSpec,
+    make_policy,
+)
+from services.router.policy.kairos import Kairos, _search, largest_safe_schedule
+from services.router.policy.predict import ReplayCache, alone, extend, replay
+from sim.core import SimConfig, Simulation
+
+PROF = load_profile("a100-dsv2-lite")
+M = PROF.model
+
+
+class Probe:
+    """Routes like disagg-least-loaded and records Kairos's replay prediction for the chosen
+    prefill worker (prefill end, no transfer), to compare with what the simulator then does."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.inner = make_policy("disagg-least-loaded")
+        self.kairos = Kairos(KairosConfig())
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        d = self.inner.decide(req, view, now)
+        p = next(x for x in view.prefill if x.worker_id == d.prefill_worker)
+        tail = self.kairos._tail(p, p.model, now)
+        t = self.kairos._replay_ttft(p, p.model, tail, req.prompt_tokens,
+                                     alone(p.model, p.token_budget, req.prompt_tokens), now)
+        return msgspec.structs.replace(d, ttft_prefill_pred=t)
+
+
+def random_trace(rng: random.Random, n: int) -> list[TraceRequest]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(8.0)
+        out.append(TraceRequest(t, rng.choice([rng.randint(1, 300), rng.randint(300, 7000)]), rng.randint(1, 20)))
+    return out
+
+
+@pytest.mark.parametrize(("seed", "heartbeat", "max_batch"),
+                         [(0, 0.0, 256), (1, 0.0, 3), (2, 0.05, 256), (3, 0.2, 256), (4, 0.05, 2)])
+def test_replay_is_exact_on_a_noise_free_queue(seed: int, heartbeat: float, max_batch: int) -> None:
+    """For every request of a random burst, the predicted prefill end equals the simulated one
+    once later arrivals are taken away (they may share its last step; no predictor sees them):
+    with fresh views, and with stale heartbeats plus the ledger's dispatch times."""
+    rng = random.Random(seed)
+    trace = random_trace(rng, 40)
+    prof = msgspec.structs.replace(PROF, max_batch=max_batch)
+    for k in range(1, len(trace) + 1):
+        res = Simulation(prof, Probe(), SimConfig(prefill=2, decode=1, heartbeat_interval=heartbeat)).run(trace[:k])
+        r = res.records[-1]
+        assert r.ttft_pred is not None and r.queue_s is not None and r.prefill_s is not None
+        assert r.ttft_pred == pytest.approx(r.queue_s + r.prefill_s, rel=1e-9, abs=1e-12), f"request {k - 1}"
+
+
+def test_replay_follows_the_batcher() -> None:
+    """The replay's steps are the prefill Batcher's steps (the rule it mirrors), step by step."""
+    rng = random.Random(9)
+    for _ in range(200):
+        budget, cap = rng.choice([512, 2048, 3000]), rng.choice([1, 2, 256])
+        prompts = [rng.randint(1, 6000) for _ in range(rng.randint(1, 8))]
+        b = Batcher(role="prefill", token_budget=budget, max_batch=cap, kv_capacity_tokens=10**9, default_chunk=budget)
+        for i, p in enumerate(prompts):
+            b.add(Seq(request_id=str(i), attempt=0, prompt_len=p, max_tokens=1))
+        t = 0.0
+        while (plan := b.plan()) is not None:
+            t += M.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs())
+            b.commit(plan)
+        assert replay(M, budget, cap, 0.0, [(p, 0, -1.0) for p in prompts]).end == pytest.approx(t, rel=1e-12)
+
+
+def test_cache_extends_by_the_ledger_and_replays_after_a_heartbeat() -> None:
+    cache = ReplayCache()
+    backlog = ((5000, 1000), (3000, 0))
+    a = cache.tail("p", M, 2048, 256, backlog, 1.0, ())
+    b = cache.tail("p", M, 2048, 256, backlog, 1.0, ((700, 1.1),))
+    full = replay(M, 2048, 256, 1.0, [(5000, 1000, -1.0), (3000, 0, -1.0), (700, 0, 1.1)])
+    assert b.end == pytest.approx(full.end) and b.end > a.end
+    assert extend(M, 2048, 256, a, 700, 1.1).end == pytest.approx(full.end)
+    assert cache.tail("p", M, 2048, 256, backlog, 1.0, ((700, 1.1),)) is b  # the same view: no work
+    fresh = cache.tail("p", M, 2048, 256, ((100, 0),), 2.0, ())  # a new heartbeat: replayed
+    assert fresh.end == pytest.approx(2.0 + M.step_time(0, 0, [(100, 0)]))
+
+
+def pv(backlog: tuple[tuple[int, int], ...] | None, busy: float, ledger: tuple[tuple[int, float], ...] = (),
+       queued: int = 0) -> PrefillView:
+    return PrefillView(worker_id="prefill-0", queued_tokens=queued, queued_requests=len(backlog or ()) + len(ledger),
+                       token_budget=2048, model=M, backlog=backlog, busy_until=busy, ledger=ledger, max_batch=256)
+
+
+def dv(batch: int = 0, kv: int = 0, budget: int = 2304, reserved_tokens: int = 0, busy: float = 0.0,
+       reserved: float = 0.0, defl: int = 0) -> DecodeView:
+    return DecodeView(worker_id="decode-0", batch=batch, kv_tokens=kv, kv_free_tokens=10**7, kv_capacity_tokens=10**7,
+                      resident_prefill_tokens=0, deflections=defl, strictest_tbt_slo=0.1 if batch else None,
+                      token_budget=budget, model=M, reserved_step_s=reserved, reserved_tokens=reserved_tokens,
+                      busy_until=busy)
+
+
+def rq(tokens: int) -> RequestSpec:
+    return RequestSpec(request_id="r", prompt_tokens=tokens, max_tokens=8, ttft_slo=2.0, tbt_slo=0.1)
+
+
+def test_stale_views_stay_safe() -> None:
+    """A stale view (its step in flight ended long ago) never predicts less than the prompt
+    alone on the worker; an unreported backlog counts the queued tokens, not zero."""
+    k = Kairos(KairosConfig(), default_model=M)
+    own = alone(M, 2048, 3000)
+    for busy, backlog in [(0.0, ()), (5.0, ((4000, 2048),)), (9.0, ((30_000, 0), (100, 0)))]:
+        p = pv(backlog, busy)
+        t = k._replay_ttft(p, M, k._tail(p, M, 10.0), 3000, own, 10.0)
+        assert t >= own * (1 - 1e-12)
+    blind = pv(None, 0.0, queued=40_000)
+    seen = pv(((40_000, 0),), 10.0)
+    assert k._replay_ttft(blind, M, k._tail(blind, M, 10.0), 3000, own, 10.0) == pytest.approx(
+        k._replay_ttft(seen, M, k._tail(seen, M, 10.0), 3000, own, 10.0))
+    # the decode path: a stale busy_until adds no wait; a fresh one adds its remainder, and the
+    # step in flight adds one token to each decode's context before the schedule starts
+    view = ClusterView(prefill=(pv((), 0.0),), decode=(dv(batch=20, kv=40_000, busy=9.0),))
+    later = ClusterView(prefill=(pv((), 0.0),), decode=(dv(batch=20, kv=40_000, busy=10.03),))
+    a, b = k.decide(rq(900), view, 10.0), k.decide(rq(900), later, 10.0)
+    assert a.route == b.route == "deflect"
+    bump = len(b.chunk_schedule) * M.a2 * 20
+    assert b.ttft_decode_pred == pytest.approx((a.ttft_decode_pred or 0.0) + 0.03 + bump, rel=1e-12)
+
+
+def test_paper_predictor_is_selectable() -> None:
+    busy = dv(batch=256, kv=900_000)
+    view = ClusterView(prefill=(pv(((30_000, 0), (20_000, 0)), 0.0, queued=50_000),), decode=(busy,))
+    paper = make_policy("kairos", kairos=KairosConfig(predictor="paper")).decide(rq(2000), view, 0.0)
+    replayed = make_policy("kairos").decide(rq(2000), view, 0.0)
+    assert paper.route == replayed.route == "disagg"
+    eq1 = M.queue_wait(50_000, 2048) + M.prefill_exec(2000, 2048) + M.xfer_time(2000)
+    assert paper.ttft_prefill_pred == pytest.approx(eq1)
+    assert replayed.ttft_prefill_pred != pytest.approx(eq1)
+    with pytest.raises(ValueError, match="predictor"):
+        KairosConfig(predictor="oracle")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_search_steps_equal_the_step_time(exact: bool) -> None:
+    """The search writes PerfModel.step_time out for speed; this fails if the two drift apart
+    (a new cost form must be written into `_search` too)."""
+    d = dv(batch=37, kv=90_000)
+    st_, sched, total = _search(M, d, 6000, 0.2, [2048, 1024, 512, 256], float("inf"), 4096, exact)
+    assert st_ == 0
+    want, done = 0.0, 0
+    for i, chi in enumerate(sched):
+        kv = d.kv_tokens + (d.batch * i if exact else done)
+        want += M.step_time(d.batch, kv, [(chi, done)])
+        done += chi
+    assert total == pytest.approx(want, rel=1e-12)
+
+
+def test_deflected_prediction_is_exact_in_the_simulator() -> None:
+    """With fresh views and no noise, TTFT_D is what the decode worker then takes: the wait for
+    its step in flight, then the schedule's steps with the decodes' context growing."""
+    trace = [TraceRequest(0.0, 800, 3000), TraceRequest(0.31, 600, 3000), TraceRequest(1.7, 5000, 4)]
+    res = Simulation(PROF, make_policy("kairos"), SimConfig(prefill=0, decode=1, heartbeat_interval=0.0)).run(trace)
+    for r in res.records:
+        assert r.route == "deflect" and r.ttft is not None
+        assert r.ttft_pred == pytest.approx(r.ttft, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(0, 400), reserved_tokens=st.integers(0, 2000), budget=st.integers(256, 4096),
+       tokens=st.integers(1, 20_000), slo=st.sampled_from([0.05, 0.1, 0.3, 1.0]))
+def test_schedule_fits_the_decode_token_budget(batch: int, reserved_tokens: int, budget: int, tokens: int,
+                                               slo: float) -> None:
+    d = dv(batch=batch, kv=batch * 1500, budget=budget, reserved_tokens=reserved_tokens)
+    found = largest_safe_schedule(M, d, tokens, slo, (2048, 1024, 512, 256, 128), float("inf"), 4096, exact=True,
+                                  fit=True)
+    if found is not None:
+        assert sum(found[0]) == tokens
+        assert max(found[0]) + batch + reserved_tokens <= budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(budget=st.integers(64, 3000), decodes=st.integers(0, 60),
+       schedules=st.lists(st.lists(st.integers(1, 2048), min_size=1, max_size=6), min_size=1, max_size=4))
+def test_decode_batcher_never_exceeds_its_token_budget(budget: int, decodes: int, schedules: list[list[int]]) -> None:
+    """Whatever schedules the router sent, a decode step holds at most `token_budget` tokens
+    (decodes first), and every deflected prompt is still prefilled in full."""
+    b = Batcher(role="decode", token_budget=budget, max_batch=10**6, kv_capacity_tokens=10**9, default_chunk=512)
+    for i in range(decodes):
+        b.add(Seq(request_id=f"d{i}", attempt=0, prompt_len=100, max_tokens=10**6, computed=100))
+    for i, sched in enumerate(schedules):
+        b.add(Seq(request_id=f"p{i}", attempt=0, prompt_len=sum(sched), max_tokens=10**6, schedule=deque(sched),
+                  deflected=True))
+    steps = 0
+    while any(s.prefilling for s in b.running):
+        plan = b.plan()
+        assert plan is not None
+        assert plan.num_tokens <= max(budget, len(plan.decodes))
+        b.commit(plan)
+        steps += 1
+        assert steps <= sum(map(len, schedules)) * 2048  # progress every step (decodes < budget)
+
+
+def test_kairos_cli_switches(tmp_path: Any) -> None:
+    import json
+
+    from sim.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["--trace", "synthetic", "--duration", "30", "--policy", "kairos", "--predictor", "paper",
+                 "--no-budget-fit", "--quiet", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["predictor"] == "paper" and res["config"]["budget_fit"] is False
+    assert set(res["policies"]["kairos"]["ttft_pred_mape_by_route"]) == {"disagg", "deflect"}
+

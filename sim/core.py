@@ -43,6 +43,7 @@ from common.perf_model import PerfModel, Profile
 from common.traces import TraceRequest
 from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
 from services.router.policy.kairos import reserved_step_cost
+from services.router.policy.predict import drain
 from sim.stats import RequestTiming, summarize
 
 
@@ -184,7 +185,10 @@ class Simulation:
 
     def _snapshot(self, w: _Worker) -> None:
         if isinstance(w, _Prefill):
-            w.hb = (w.queued_tokens, w.queued_reqs, *self._backlog(w))
+            backlog, busy = self._backlog(w)
+            b = w.batcher
+            w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy,
+                    drain(w.model, b.token_budget, b.max_batch, busy, backlog))
             w.led_tokens = w.led_reqs = 0
             w.led_q = []
         else:
@@ -214,7 +218,8 @@ class Simulation:
 
     def _backlog(self, w: _Prefill) -> tuple[tuple[tuple[int, int], ...], float]:
         """What a prefill heartbeat reports for the replay predictor: each held request's
-        (prompt tokens, tokens done) in FIFO order once the step in flight ends, and that time."""
+        (prompt tokens, tokens done) in FIFO order once the step in flight ends, and that time
+        (the worker also replays it: `drain`)."""
         b = w.batcher
         inflight = {id(seq): chi for seq, chi, _ in w.plan.chunks} if w.busy and w.plan else {}
         q = []
@@ -225,10 +230,10 @@ class Simulation:
         return tuple(q), self._busy_until(w)
 
     def _prefill_view(self, w: _Prefill) -> PrefillView:
-        q, n, backlog, busy = w.hb
+        q, n, backlog, busy, tail = w.hb
         return PrefillView(worker_id=w.wid, queued_tokens=q + w.led_tokens, queued_requests=n + w.led_reqs,
                            token_budget=w.batcher.token_budget, model=w.model, backlog=backlog, busy_until=busy,
-                           ledger=tuple(w.led_q), max_batch=w.batcher.max_batch)
+                           drain=tail, ledger=tuple(w.led_q), max_batch=w.batcher.max_batch)
 
     def _decode_view(self, w: _Decode) -> DecodeView:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the

@@ -25,7 +25,7 @@ from services.router.policy import (
     make_policy,
 )
 from services.router.policy.kairos import Kairos, _search, largest_safe_schedule
-from services.router.policy.predict import ReplayCache, alone, extend, replay
+from services.router.policy.predict import ReplayCache, alone, drain, extend, replay
 from sim.core import SimConfig, Simulation
 
 PROF = load_profile("a100-dsv2-lite")
@@ -94,14 +94,21 @@ def test_replay_follows_the_batcher() -> None:
 def test_cache_extends_by_the_ledger_and_replays_after_a_heartbeat() -> None:
     cache = ReplayCache()
     backlog = ((5000, 1000), (3000, 0))
-    a = cache.tail("p", M, 2048, 256, backlog, 1.0, ())
-    b = cache.tail("p", M, 2048, 256, backlog, 1.0, ((700, 1.1),))
+    base = drain(M, 2048, 256, 1.0, backlog)
+    a = cache.tail("p", M, 2048, 256, base, ())
+    b = cache.tail("p", M, 2048, 256, base, ((700, 1.1),))
     full = replay(M, 2048, 256, 1.0, [(5000, 1000, -1.0), (3000, 0, -1.0), (700, 0, 1.1)])
-    assert b.end == pytest.approx(full.end) and b.end > a.end
+    assert b.end == pytest.approx(full.end) and b.end > a.end and a is base
     assert extend(M, 2048, 256, a, 700, 1.1).end == pytest.approx(full.end)
-    assert cache.tail("p", M, 2048, 256, backlog, 1.0, ((700, 1.1),)) is b  # the same view: no work
-    fresh = cache.tail("p", M, 2048, 256, ((100, 0),), 2.0, ())  # a new heartbeat: replayed
+    assert cache.tail("p", M, 2048, 256, base, ((700, 1.1),)) is b  # the same view: no work
+    c = cache.tail("p", M, 2048, 256, base, ((700, 1.1), (50, 1.2)))  # one more: extended from b
+    assert c.end == pytest.approx(replay(M, 2048, 256, 1.0, [*full_items(), (50, 0, 1.2)]).end)
+    fresh = cache.tail("p", M, 2048, 256, drain(M, 2048, 256, 2.0, ((100, 0),)), ())  # a new heartbeat
     assert fresh.end == pytest.approx(2.0 + M.step_time(0, 0, [(100, 0)]))
+
+
+def full_items() -> list[tuple[int, int, float]]:
+    return [(5000, 1000, -1.0), (3000, 0, -1.0), (700, 0, 1.1)]
 
 
 def pv(backlog: tuple[tuple[int, int], ...] | None, busy: float, ledger: tuple[tuple[int, float], ...] = (),

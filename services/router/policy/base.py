@@ -13,6 +13,7 @@ import msgspec
 
 from common.messages import Route
 from common.perf_model import PerfModel
+from services.router.policy.predict import Tail
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +37,7 @@ class PrefillView(msgspec.Struct, frozen=True, kw_only=True):
     # ledger's as one request); and the requests dispatched since, (prompt tokens, dispatch time)
     backlog: tuple[tuple[int, int], ...] | None = None
     busy_until: float = 0.0
+    drain: Tail | None = None  # the backlog's replay, when the worker computed it (it knows its queue)
     ledger: tuple[tuple[int, float], ...] = ()
     max_batch: int = 0  # 0: no cap
 

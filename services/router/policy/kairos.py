@@ -36,7 +36,7 @@ from services.router.policy.base import (
     RequestSpec,
     least_loaded_decode,
 )
-from services.router.policy.predict import ReplayCache, Tail, alone, extend, shares
+from services.router.policy.predict import ReplayCache, Tail, alone, drain, extend, shares
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,6 +192,8 @@ class Kairos:
         self._desc = sorted(self.cfg.candidates, reverse=True)
         self._cands_by_cap: dict[int, list[int]] = {}
         self._replays = ReplayCache()
+        self._last_tail: dict[str, tuple[PrefillView, PerfModel, Tail]] = {}
+        self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -207,14 +209,32 @@ class Kairos:
         return c
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
-        """The replay of `p`'s known queue (cached per worker, see predict.py). A worker that does
-        not report its backlog is taken to hold its queued tokens (beyond the ledger's) as one
-        request, starting now."""
+        """The replay of `p`'s known queue: the drain it reported (else its backlog replayed
+        here), extended by the ledger (cached per worker, see predict.py). A worker that reports
+        no backlog is taken to hold its queued tokens (beyond the ledger's) as one request."""
+        last = self._last_tail.get(p.worker_id)
+        if last is not None and last[0] is p and last[1] is m:
+            return last[2]  # the very same view as last time (the simulator keeps unchanged ones)
+        base = p.drain if p.drain is not None and m is p.model else self._base(p, m, now)
+        tail = self._replays.tail(p.worker_id, m, p.token_budget, p.max_batch, base, p.ledger)
+        if len(self._last_tail) > 4096:
+            self._last_tail.clear()
+        self._last_tail[p.worker_id] = (p, m, tail)
+        return tail
+
+    def _base(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
         backlog, busy = p.backlog, p.busy_until
         if backlog is None:
             rest = p.queued_tokens - sum(t for t, _ in p.ledger)
-            backlog, busy = (((rest, 0),) if rest > 0 else ()), now
-        return self._replays.tail(p.worker_id, m, p.token_budget, p.max_batch, backlog, busy, p.ledger)
+            return drain(m, p.token_budget, p.max_batch, now, ((rest, 0),) if rest > 0 else ())
+        got = self._bases.get(p.worker_id)
+        if got is not None and got[0] is backlog and got[1] == busy and got[2] is m:
+            return got[3]
+        base = drain(m, p.token_budget, p.max_batch, busy, backlog)
+        if len(self._bases) > 4096:
+            self._bases.clear()
+        self._bases[p.worker_id] = (backlog, busy, m, base)
+        return base
 
     def _replay_ttft(self, p: PrefillView, m: PerfModel, tail: Tail, tokens: int, ex: float, now: float) -> float:
         """Prefill-path TTFT (without T_xfer) of `tokens` joining `p`'s replayed queue now."""

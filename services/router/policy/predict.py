@@ -23,63 +23,81 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from common.perf_model import PerfModel
 
 
-class Tail:
+class Tail(msgspec.Struct, frozen=True, array_like=True):
     """Where a replayed queue ends: its last step (start, chunks, tokens used) and the time it
     ends. A request appended to the queue can only share that last step, then runs alone: every
     earlier step that starts after it joins either used the whole budget or had `max_batch`
     requests ahead of it."""
 
-    __slots__ = ("chunks", "end", "start", "used")
-
-    def __init__(self, start: float, chunks: list[tuple[int, int]], used: int, end: float) -> None:
-        self.start = start
-        self.chunks = chunks
-        self.used = used
-        self.end = end
+    start: float
+    chunks: tuple[tuple[int, int], ...]
+    used: int
+    end: float
 
 
 def replay(model: PerfModel, budget: int, max_batch: int, start: float,
            items: Sequence[tuple[int, int, float]]) -> Tail:
     """Replay a FIFO queue of (prompt tokens, tokens done, join time) from `start` (the end of
-    the step in flight; joins in non-decreasing order after the backlog's -inf)."""
+    the step in flight; joins in non-decreasing order after the backlog's -inf).
+
+    Budget is handed out in FIFO order, so requests complete in order: the active ones are
+    always items[head:joined], and a step's chunks are a run from the head."""
+    step_time = model.step_time
+    rem = [p - d for p, d, _ in items]
+    done = [d for _, d, _ in items]
+    n = len(items)
+    cap = max_batch if max_batch > 0 else n + 1
     t = start
-    active: list[list[int]] = []  # [remaining, done]
-    i, n = 0, len(items)
-    last = Tail(start, [], 0, start)
-    cap = max_batch if max_batch > 0 else 1 << 30
-    while i < n or active:
-        while i < n and items[i][2] < t:
-            p, done, _ = items[i]
-            if p > done:
-                active.append([p - done, done])
-            i += 1
-        if not active:
-            # idle until the next arrival, which starts a step for itself alone
-            p, done, join = items[i]
-            t = max(t, join)
-            i += 1
-            if p > done:
-                active.append([p - done, done])
-            if not active:
-                continue
-        left = budget
-        chunks: list[tuple[int, int]] = []
-        for a in active[:cap]:
-            if left <= 0:
+    head = joined = 0
+    last_start: float = start
+    last_chunks: list[tuple[int, int]] = []
+    last_used = 0
+    while True:
+        while head < joined and rem[head] <= 0:
+            head += 1
+        while joined < n and items[joined][2] < t:
+            joined += 1
+        while head < joined and rem[head] <= 0:
+            head += 1
+        if head >= joined:
+            while joined < n and rem[joined] <= 0:
+                joined += 1
+            head = joined
+            if joined >= n:
                 break
-            chi = a[0] if a[0] < left else left
-            chunks.append((chi, a[1]))
-            a[0] -= chi
-            a[1] += chi
-            left -= chi
-        end = t + model.step_time(0, 0, chunks)
-        last = Tail(t, chunks, budget - left, end)
-        active = [a for a in active if a[0] > 0]
-        t = end
-    return last
+            # idle until the next arrival, which starts a step for itself alone
+            join = items[joined][2]
+            if join > t:
+                t = join
+            joined += 1
+        left = budget
+        chunks = []
+        i = head
+        stop = min(joined, head + cap)
+        while i < stop and left > 0:
+            r = rem[i]
+            if r > 0:
+                chi = r if r < left else left
+                chunks.append((chi, done[i]))
+                rem[i] = r - chi
+                done[i] += chi
+                left -= chi
+            i += 1
+        last_start, last_chunks, last_used = t, chunks, budget - left
+        t += step_time(0, 0, chunks)
+    return Tail(last_start, tuple(last_chunks), last_used, t)
+
+
+def drain(model: PerfModel, budget: int, max_batch: int, busy_until: float,
+          backlog: Sequence[tuple[int, int]]) -> Tail:
+    """The replay of a worker's own backlog ((prompt tokens, tokens done), FIFO) from the end
+    of its step in flight: what a prefill worker reports in its heartbeat (`PrefillView.drain`)."""
+    return replay(model, budget, max_batch, busy_until, [(p, d, -1.0e300) for p, d in backlog])
 
 
 def alone(model: PerfModel, budget: int, tokens: int, done: int = 0) -> float:
@@ -106,61 +124,47 @@ def extend(model: PerfModel, budget: int, max_batch: int, tail: Tail, tokens: in
         return tail
     if shares(budget, max_batch, tail, join):
         chi = min(budget - tail.used, tokens)
-        chunks = [*tail.chunks, (chi, 0)]
-        end = tail.start + model.step_time(0, 0, chunks)
+        shared = (*tail.chunks, (chi, 0))
+        end = tail.start + model.step_time(0, 0, shared)
         if chi >= tokens:
-            return Tail(tail.start, chunks, tail.used + chi, end)
+            return Tail(tail.start, shared, tail.used + chi, end)
         done = chi
         t = end
     else:
         done = 0
         t = tail.end if tail.end > join else join
     start = t
-    chunks = []
+    chunks: tuple[tuple[int, int], ...] = ()
     while done < tokens:
         chi = min(budget, tokens - done)
-        chunks = [(chi, done)]
+        chunks = ((chi, done),)
         start = t
         t += model.step_time(0, 0, chunks)
         done += chi
     return Tail(start, chunks, chunks[0][0], t)
 
 
-class _Entry:
-    __slots__ = ("backlog", "busy_until", "ledger", "model", "tail")
-
-    def __init__(self, backlog: tuple[tuple[int, int], ...], busy_until: float, ledger: tuple[tuple[int, float], ...],
-                 model: PerfModel, tail: Tail) -> None:
-        self.backlog = backlog
-        self.busy_until = busy_until
-        self.ledger = ledger
-        self.model = model
-        self.tail = tail
-
-
 class ReplayCache:
-    """Per prefill worker, the replay of its latest view (see the module docstring)."""
+    """Per prefill worker, its queue's replay (`base`: the drain it reported, or the replay of
+    its backlog) extended by the ledger; extended further, not redone, when the ledger grows."""
 
     def __init__(self) -> None:
-        self._by_worker: dict[str, _Entry] = {}
+        self._by_worker: dict[str, tuple[Tail, PerfModel, tuple[tuple[int, float], ...], Tail]] = {}
 
-    def tail(self, worker_id: str, model: PerfModel, budget: int, max_batch: int,
-             backlog: tuple[tuple[int, int], ...], busy_until: float, ledger: tuple[tuple[int, float], ...]) -> Tail:
+    def tail(self, worker_id: str, model: PerfModel, budget: int, max_batch: int, base: Tail,
+             ledger: tuple[tuple[int, float], ...]) -> Tail:
         e = self._by_worker.get(worker_id)
-        if e is not None and e.backlog is backlog and e.busy_until == busy_until and e.model is model:
-            k = len(e.ledger)
-            if k == len(ledger) and e.ledger == ledger:
-                return e.tail
-            if k < len(ledger) and ledger[:k] == e.ledger:
-                tail = e.tail
-                for tokens, join in ledger[k:]:
-                    tail = extend(model, budget, max_batch, tail, tokens, join)
-                e.ledger, e.tail = ledger, tail
-                return tail
-        items: list[tuple[int, int, float]] = [(p, d, -1.0e300) for p, d in backlog]
-        items.extend((tokens, 0, join) for tokens, join in ledger)
-        tail = replay(model, budget, max_batch, busy_until, items)
+        seen: tuple[tuple[int, float], ...] = ()
+        tail = base
+        if e is not None and e[0] is base and e[1] is model:
+            k = len(e[2])
+            if k == len(ledger) and e[2] == ledger:
+                return e[3]
+            if k < len(ledger) and ledger[:k] == e[2]:
+                seen, tail = e[2], e[3]
+        for tokens, join in ledger[len(seen):]:
+            tail = extend(model, budget, max_batch, tail, tokens, join)
         if len(self._by_worker) > 4096:
             self._by_worker.clear()
-        self._by_worker[worker_id] = _Entry(backlog, busy_until, ledger, model, tail)
+        self._by_worker[worker_id] = (base, model, ledger, tail)
         return tail

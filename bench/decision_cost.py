@@ -36,6 +36,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from common.engines.replay import drain
 from common.errors import ConfigError
 from common.perf_model import PerfModel, load_profile
 from common.traces import synthetic
@@ -48,7 +49,6 @@ from services.router.policy import (
     RequestSpec,
     make_policy,
 )
-from services.router.policy.predict import drain
 
 
 def make_prefill(rng: random.Random, wid: str, model: PerfModel, budget: int, lengths: list[int],

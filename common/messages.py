@@ -120,8 +120,21 @@ class Drain(Msg, frozen=True):
 # ---------------------------------------------------------------- heartbeats
 
 
+class QueueDrain(msgspec.Struct, frozen=True, array_like=True):
+    """A prefill worker's replay of its own queue (common/engines/replay.py): its last step's
+    start, chunks (tokens, tokens already done) and tokens used, and when the queue drains;
+    times in seconds after the heartbeat was made."""
+
+    start_s: float
+    chunks: list[tuple[int, int]]
+    used: int
+    end_s: float
+
+
 class PrefillHeartbeat(Msg, frozen=True):
-    """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget)."""
+    """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget),
+    and what the replay predictor needs: each held request's (prompt tokens, tokens done) in
+    FIFO order once the step in flight ends (`busy_s` from now), and the queue's replay."""
 
     worker_id: str
     incarnation: str
@@ -134,6 +147,10 @@ class PrefillHeartbeat(Msg, frozen=True):
     steps: int = 0
     coeffs: Coeffs | None = None
     draining: bool = False
+    backlog: list[tuple[int, int]] | None = None
+    busy_s: float = 0.0
+    max_batch: int = 0
+    drain: QueueDrain | None = None
 
 
 class DecodeHeartbeat(Msg, frozen=True):
@@ -158,6 +175,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     steps: int = 0
     coeffs: Coeffs | None = None
     draining: bool = False
+    busy_s: float = 0.0  # until the step in flight ends
 
 
 # ---------------------------------------------------------------- work

@@ -39,11 +39,11 @@ from typing import Any
 import msgspec
 
 from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.traces import TraceRequest
 from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
 from services.router.policy.kairos import reserved_step_cost
-from services.router.policy.predict import drain
 from sim.stats import RequestTiming, summarize
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.engines.batcher import Batcher, Seq
+from common.engines.replay import alone, drain, extend, replay
 from common.perf_model import load_profile
 from common.traces import TraceRequest
 from services.router.policy import (
@@ -25,7 +26,7 @@ from services.router.policy import (
     make_policy,
 )
 from services.router.policy.kairos import Kairos, _search, largest_safe_schedule
-from services.router.policy.predict import ReplayCache, alone, drain, extend, replay
+from services.router.policy.predict import ReplayCache
 from sim.core import SimConfig, Simulation
 
 PROF = load_profile("a100-dsv2-lite")
@@ -237,3 +238,41 @@ def test_kairos_cli_switches(tmp_path: Any) -> None:
     assert res["config"]["predictor"] == "paper" and res["config"]["budget_fit"] is False
     assert set(res["policies"]["kairos"]["ttft_pred_mape_by_route"]) == {"disagg", "deflect"}
 
+
+
+def test_router_view_carries_the_workers_drain_on_its_clock() -> None:
+    """The live path: a prefill heartbeat's backlog and drain (seconds after the heartbeat)
+    reach the policy on the router's clock, as the same objects until the next heartbeat (so the
+    replay cache extends them by the ledger instead of starting over)."""
+    from common import messages as wire
+    from services.router.workers import LedgerEntry, WorkerTable
+
+    table = WorkerTable(M)
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="prefill-0", role="prefill", incarnation="i",
+                       engine="sim", model="x", token_budget=2048, coeffs=M.to_coeffs())
+    entry, _ = table.register(hello, b"id")
+    backlog = [(5000, 1000), (3000, 0)]
+    t = drain(M, 2048, 256, 0.05, backlog)
+    hb = wire.PrefillHeartbeat(worker_id="prefill-0", incarnation="i", seq=1, queued_tokens=7000, queued_requests=2,
+                               token_budget=2048, backlog=backlog, busy_s=0.05, max_batch=256,
+                               drain=wire.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end))
+    hb = codec_roundtrip(hb)
+    table.heartbeat(hb)
+    entry.next_dispatch(LedgerEntry("r1", 700, 0, deflect=False, at=entry.hb_at + 0.01))
+    v1 = table.view(use_ledger=True).prefill[0]
+    v2 = table.view(use_ledger=True).prefill[0]
+    assert v1.drain is v2.drain and v1.backlog is v2.backlog and v1.backlog == tuple(backlog)
+    assert v1.drain is not None and v1.drain.end == pytest.approx(entry.hb_at + t.end)
+    assert v1.busy_until == pytest.approx(entry.hb_at + 0.05) and v1.ledger == ((700, entry.hb_at + 0.01),)
+    k = Kairos(KairosConfig())
+    now = entry.hb_at + 0.02
+    want = replay(M, 2048, 256, entry.hb_at + 0.05,
+                  [(5000, 1000, -1.0), (3000, 0, -1.0), (700, 0, entry.hb_at + 0.01), (900, 0, now)]).end - now
+    got = k._replay_ttft(v1, M, k._tail(v1, M, now), 900, alone(M, 2048, 900), now)
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def codec_roundtrip(msg: Any) -> Any:
+    from common import codec
+
+    return codec.heartbeat_inbox.decode(codec.encode(msg))

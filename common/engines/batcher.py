@@ -13,7 +13,7 @@ from a prefill worker) joins as a decode.
 
 Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt
 is complete leaves the batch (its KV then goes to a decode worker). The router's replay
-predictor (services/router/policy/predict.py) replays this rule; keep the two in step.
+predictor (common/engines/replay.py) replays this rule; keep the two in step.
 """
 
 from __future__ import annotations

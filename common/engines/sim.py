@@ -51,6 +51,8 @@ class SimEngine(Engine):
         self._step_ms: deque[float] = deque(maxlen=64)
         self.samples: deque[StepSample] = deque(maxlen=4096)
         self._t0: dict[str, float] = {}
+        self._inflight: StepPlan | None = None
+        self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -94,7 +96,19 @@ class SimEngine(Engine):
             kv_capacity_tokens=self.kv_capacity_tokens, resident_prefill_tokens=b.resident_prefill_tokens(),
             deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
             step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
-            steps=b.steps)
+            steps=b.steps, backlog=self._backlog() if self.role == "prefill" else None,
+            busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0)
+
+    def _backlog(self) -> list[tuple[int, int]]:
+        """Each held request's (prompt tokens, tokens done) in FIFO order once the step in flight
+        has run (what the replay predictor starts from)."""
+        inflight = {id(seq): chi for seq, chi, _ in self._inflight.chunks} if self._inflight else {}
+        out = []
+        for seq in (*self.batcher.running, *self.batcher.waiting):
+            done = seq.computed + inflight.get(id(seq), 0)
+            if done < seq.prompt_len:
+                out.append((seq.prompt_len, done))
+        return out
 
     # -- the step loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -109,6 +123,7 @@ class SimEngine(Engine):
                 continue
             dt = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
             started = loop.time()
+            self._inflight, self._inflight_end = plan, time.monotonic() + dt
             if self.role == "prefill":
                 t_now = time.monotonic()
                 for seq, _, _ in plan.chunks:
@@ -120,6 +135,7 @@ class SimEngine(Engine):
             elapsed = loop.time() - started
             self._step_ms.append(elapsed * 1000.0)
             self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
+            self._inflight = None
             self._emit(plan, elapsed)
 
     def _emit(self, plan: StepPlan, step_s: float) -> None:

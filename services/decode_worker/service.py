@@ -67,7 +67,7 @@ class DecodeWorker(WorkerService):
             last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
-            steps=load.steps, coeffs=self.coeffs(), draining=self.draining)
+            steps=load.steps, coeffs=self.coeffs(), draining=self.draining, busy_s=load.busy_s)
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [

@@ -16,8 +16,10 @@ from typing import Any
 from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
+from common.engines.replay import drain
 from common.errors import Overloaded
 from common.kv import KvError, KvSender, fill_pattern, layout_from_info, sender_from_config, transfer_key
+from common.perf_model import PerfModel
 from common.worker import WorkerService
 
 
@@ -37,11 +39,19 @@ class PrefillWorker(WorkerService):
 
     def heartbeat(self) -> m.PrefillHeartbeat:
         load = self.engine.load()
+        coeffs = self.coeffs()
+        queue = None
+        if load.backlog is not None and coeffs is not None:
+            # the router's replay predictor starts from this worker's own replay of its queue
+            t = drain(PerfModel.from_coeffs(coeffs), self.engine.token_budget, self.engine.max_batch,
+                      load.busy_s, load.backlog)
+            queue = m.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end)
         return m.PrefillHeartbeat(
             worker_id=self.worker_id, incarnation=self.incarnation, seq=self.hb_seq,
             queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
             token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
-            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.coeffs(), draining=self.draining)
+            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
+            backlog=load.backlog, busy_s=load.busy_s, max_batch=self.engine.max_batch, drain=queue)
 
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":

@@ -11,9 +11,9 @@ from typing import Protocol
 
 import msgspec
 
+from common.engines.replay import Tail
 from common.messages import Route
 from common.perf_model import PerfModel
-from services.router.policy.predict import Tail
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ from typing import Literal
 
 import msgspec
 
+from common.engines.replay import Tail, alone, drain, extend, shares
 from common.perf_model import PerfModel
 from services.router.policy.base import (
     ClusterView,
@@ -36,7 +37,7 @@ from services.router.policy.base import (
     RequestSpec,
     least_loaded_decode,
 )
-from services.router.policy.predict import ReplayCache, Tail, alone, drain, extend, shares
+from services.router.policy.predict import ReplayCache
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -121,7 +121,8 @@ class _Decode(_Worker):
         self.waiting_kv = 0
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
-        self.deflecting: dict[str, tuple[float, int]] = {}  # router side: deflection -> (step cost s, tokens)
+        self.deflecting: dict[str, tuple[float, int, float]] = {}  # router side: deflection -> (step cost s,
+        # largest chunk, predicted end)
         self.led_res = self.led_kv = self.led_pending = 0
 
 
@@ -241,16 +242,19 @@ class Simulation:
         batch, kv, free, res, defl, slo, pending, busy = w.hb
         reserved = 0.0
         reserved_tokens = 0
+        inflight: tuple[tuple[float, float], ...] = ()
         if self.cfg.ledger:
             defl = len(w.deflecting)
-            for cost, tokens in w.deflecting.values():
+            for cost, tokens, _ in w.deflecting.values():
                 reserved += cost
                 reserved_tokens += tokens
+            inflight = tuple((end, cost) for cost, _, end in w.deflecting.values())
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - w.led_kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
                           token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
-                          pending=pending + w.led_pending, reserved_tokens=reserved_tokens, busy_until=busy)
+                          pending=pending + w.led_pending, reserved_tokens=reserved_tokens, busy_until=busy,
+                          inflight=inflight)
 
     def _view(self, now: float) -> ClusterView:
         fresh = self.cfg.heartbeat_interval <= 0
@@ -388,7 +392,8 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
-            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule), max(d.chunk_schedule, default=0))
+            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule), max(d.chunk_schedule, default=0),
+                                    now + (d.ttft_decode_pred or 0.0))
             if cfg.ledger:
                 dw.led_res += r.prompt
                 dw.led_kv += need

@@ -143,14 +143,18 @@ def test_stale_views_stay_safe() -> None:
     seen = pv(((40_000, 0),), 10.0)
     assert k._replay_ttft(blind, M, k._tail(blind, M, 10.0), 3000, own, 10.0) == pytest.approx(
         k._replay_ttft(seen, M, k._tail(seen, M, 10.0), 3000, own, 10.0))
-    # the decode path: a stale busy_until adds no wait; a fresh one adds its remainder, and the
-    # step in flight adds one token to each decode's context before the schedule starts
+    # the decode path: a fresh busy_until adds its remainder, a stale one (the worker is busy at
+    # an unknown phase) half a decode step; either way the step in flight first adds one token
+    # to each decode's context
     view = ClusterView(prefill=(pv((), 0.0),), decode=(dv(batch=20, kv=40_000, busy=9.0),))
     later = ClusterView(prefill=(pv((), 0.0),), decode=(dv(batch=20, kv=40_000, busy=10.03),))
     a, b = k.decide(rq(900), view, 10.0), k.decide(rq(900), later, 10.0)
-    assert a.route == b.route == "deflect"
-    bump = len(b.chunk_schedule) * M.a2 * 20
-    assert b.ttft_decode_pred == pytest.approx((a.ttft_decode_pred or 0.0) + 0.03 + bump, rel=1e-12)
+    assert a.route == b.route == "deflect" and a.chunk_schedule == b.chunk_schedule
+    half = 0.5 * M.decode_time(20, 40_000)
+    assert (a.ttft_decode_pred or 0.0) - half == pytest.approx((b.ttft_decode_pred or 0.0) - 0.03, rel=1e-12)
+    idle = ClusterView(prefill=(pv((), 0.0),), decode=(dv(),))
+    c = k.decide(rq(900), idle, 10.0)  # an idle worker: no wait
+    assert c.ttft_decode_pred == pytest.approx(M.step_time(0, 0, [(900, 0)]))
 
 
 def test_paper_predictor_is_selectable() -> None:
@@ -276,3 +280,18 @@ def codec_roundtrip(msg: Any) -> Any:
     from common import codec
 
     return codec.heartbeat_inbox.decode(codec.encode(msg))
+
+
+def test_a_deflection_in_flight_counts_in_ttft_only_until_it_ends() -> None:
+    """Its reserved step cost keeps every step of the schedule safe (the same schedule whenever
+    it ends), but the predicted TTFT_D pays it only for the steps before its predicted end."""
+    k = Kairos(KairosConfig(max_deflections=4), default_model=M)
+
+    def view(end: float) -> ClusterView:
+        d = msgspec.structs.replace(dv(batch=20, kv=40_000, reserved=0.02, defl=1), inflight=((end, 0.02),))
+        return ClusterView(prefill=(pv((), 0.0),), decode=(d,))
+
+    long, short = k.decide(rq(6000), view(1e9), 0.0), k.decide(rq(6000), view(0.0), 0.0)
+    assert long.route == short.route == "deflect" and long.chunk_schedule == short.chunk_schedule
+    n = len(long.chunk_schedule)
+    assert (long.ttft_decode_pred or 0.0) - (short.ttft_decode_pred or 0.0) == pytest.approx(0.02 * n, rel=1e-9)

@@ -140,7 +140,8 @@ class Router:
                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens))
-            dw.deflect_tokens[req.request_id] = max(decision.chunk_schedule, default=0)
+            dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
+                                               time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
@@ -189,7 +190,7 @@ class Router:
             if w is not None:
                 w.holding.discard(req.request_id)
                 w.deflecting.pop(req.request_id, None)
-                w.deflect_tokens.pop(req.request_id, None)
+                w.deflect_info.pop(req.request_id, None)
 
     def _end(self, req: Request, outcome: str, counter: str, *, cancel: bool) -> bool:
         """The bookkeeping every end of a request shares; False if it had already ended."""
@@ -374,7 +375,7 @@ class Router:
                 req.first_token_at = now
                 if w is not None:
                     w.deflecting.pop(req.request_id, None)
-                    w.deflect_tokens.pop(req.request_id, None)
+                    w.deflect_info.pop(req.request_id, None)
             else:
                 req.gaps.append(now - req.last_token_at)
             req.last_token_at = now

@@ -41,7 +41,8 @@ class WorkerEntry:
     dispatch_no: int = 0
     ledger: dict[int, LedgerEntry] = field(default_factory=dict)
     deflecting: dict[str, float] = field(default_factory=dict)  # request -> reserved step cost (s)
-    deflect_tokens: dict[str, int] = field(default_factory=dict)  # request -> its largest chunk
+    deflect_info: dict[str, tuple[int, float]] = field(default_factory=dict)  # request -> (largest chunk,
+    # predicted end of its prefill on the router clock)
     hb_at: float = 0.0                   # router clock when the last heartbeat came
     backlog: tuple[tuple[int, int], ...] | None = None  # the last prefill heartbeat's, as a tuple
     drain: Tail | None = None            # the last prefill heartbeat's drain, on the router clock
@@ -89,6 +90,7 @@ class WorkerEntry:
             batch, kv, free, resident, defl, slo, pending = 0, 0, h.kv_capacity_tokens, 0, 0, None, 0
         reserved = 0.0
         reserved_tokens = 0
+        inflight: tuple[tuple[float, float], ...] = ()
         if use_ledger:
             for e in self.ledger.values():
                 free -= e.reserve_tokens
@@ -98,12 +100,14 @@ class WorkerEntry:
                     pending += 1
             defl = len(self.deflecting)  # exact: the router sees every deflection start and end
             reserved = sum(self.deflecting.values())
-            reserved_tokens = sum(self.deflect_tokens.values())
+            reserved_tokens = sum(t for t, _ in self.deflect_info.values())
+            inflight = tuple((end, self.deflecting.get(rid, 0.0)) for rid, (_, end) in self.deflect_info.items())
         return DecodeView(worker_id=self.worker_id, batch=batch, kv_tokens=kv, kv_free_tokens=max(free, 0),
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
                           reserved_step_s=reserved, pending=pending, reserved_tokens=reserved_tokens,
-                          busy_until=self.hb_at + hb.busy_s if isinstance(hb, m.DecodeHeartbeat) else 0.0)
+                          busy_until=self.hb_at + hb.busy_s if isinstance(hb, m.DecodeHeartbeat) else 0.0,
+                          inflight=inflight)
 
 
 class WorkerTable:

@@ -57,6 +57,7 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     pending: int = 0              # handoffs dispatched, not yet decoding
     reserved_tokens: int = 0      # tokens per step the deflections in flight may take (their largest chunks)
     busy_until: float = 0.0       # end of the step in flight (policy clock); <= now: unknown or idle
+    inflight: tuple[tuple[float, float], ...] = ()  # deflections in flight: (predicted end, reserved step s)
 
 
 class ClusterView(msgspec.Struct, frozen=True):
@@ -86,12 +87,19 @@ class Policy(Protocol):
 
 def least_loaded_decode(view: ClusterView, req: RequestSpec) -> DecodeView:
     """The decode worker with the most free KV among those with room; ties by batch, then id."""
-    fits = [d for d in view.decode if d.kv_free_tokens >= req.prompt_tokens + req.max_tokens]
-    if not fits:
+    need = req.prompt_tokens + req.max_tokens
+    best: DecodeView | None = None
+    key: tuple[int, int, str] = (0, 0, "")
+    for d in view.decode:
+        if d.kv_free_tokens >= need:
+            k = (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id)
+            if best is None or k < key:
+                best, key = d, k
+    if best is None:
         if not view.decode:
             raise NoWorkers("no live decode worker")
         raise NoWorkers("no decode worker has KV room for this request")
-    return min(fits, key=lambda d: (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id))
+    return best
 
 
 def least_loaded_prefill(view: ClusterView) -> PrefillView:

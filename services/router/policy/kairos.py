@@ -125,20 +125,25 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
 
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
-            max_steps: int, exact: bool = False, lead: int = 0) -> tuple[int, tuple[int, ...], float]:
+            max_steps: int, exact: bool = False, lead: int = 0,
+            ends: list[tuple[float, float]] | None = None) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
     feasibility beyond is unknown). `cands`: usable candidates, largest first.
 
     The step cost is `PerfModel.step_time` written out (tests check they agree): paper form
     a2*(K + done), exact form a2*(K + B*(lead + step)), the decodes' context growing by one
-    token per step (`lead` = 1: a step in flight first adds one)."""
+    token per step (`lead` = 1: a step in flight first adds one). `ends`: when each deflection
+    in flight is predicted to finish (seconds after this schedule starts) and its reserved step
+    cost; the safety check always reserves every one, the predicted TTFT_D only until it ends."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
     base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
     ka, g = (0.0, a2 * d.batch) if exact else (a2, 0.0)
-    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands) > limit_s * (1 + 1e-9):
+    ends = ends or []
+    if not ends and limit_s < _INF and tokens > 0 and \
+            _lower_bound(model, base0, tokens, budget_s, cands) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
     total = 0.0
@@ -146,7 +151,12 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     i = 0
     n = len(cands)
     top = cands[0]
+    off = 0.0  # reserved cost of the deflections in flight predicted to have ended
+    ei, ne = 0, len(ends)
     while done < tokens:
+        while ei < ne and ends[ei][0] <= total:
+            off += ends[ei][1]
+            ei += 1
         rem = tokens - done
         base = base0 + ka * done + g * (len(sched) + lead)
         if rem <= top:
@@ -162,7 +172,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         else:
             return _INFEASIBLE, (), 0.0
         sched.append(chi)
-        total += t
+        total += t - off
         done += chi
         if len(sched) > max_steps:
             return _INFEASIBLE, (), 0.0
@@ -304,10 +314,14 @@ class Kairos:
                 continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
             wait = d.busy_until - now if replay_p and d.busy_until > now else 0.0
+            if replay_p and wait == 0.0 and (d.batch or d.deflections):
+                # a stale view of a busy worker: on average half its decode step is left
+                wait = 0.5 * self._model(d.model).decode_time(d.batch, d.kv_tokens)
             cut = (limit if best is None else min(limit, best[1])) - wait
             cap = d.token_budget - d.batch - (d.reserved_tokens if fit else 0)
+            ends = sorted((e - now - wait, c) for e, c in d.inflight) if replay_p and d.inflight else None
             st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap), cut,
-                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0)
+                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends)
             status[d.worker_id] = st
             if st != _OK:
                 continue

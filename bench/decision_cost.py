@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed passes per size; the median pass's p50/p99 are reported (default 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--predictor", choices=("replay", "paper"), default=None,
+                    help="kairos: TTFT predictor (default: the policy's default)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sizes or min(sizes) < 1 or args.decisions < 1 or args.repeat < 1:
             raise ConfigError("--workers needs positive integers; --decisions and --repeat must be >= 1")
         lengths = prompts(args.trace, 4096, args.seed)
-        kcfg = KairosConfig()
+        kcfg = KairosConfig() if args.predictor is None else KairosConfig(predictor=args.predictor)
         rows = [measure(p, n, decisions=args.decisions, seed=args.seed, lengths=lengths, profile=args.profile,
                         kcfg=kcfg, repeat=args.repeat)
                 for p in (args.policy or ["kairos", "disagg-least-loaded"]) for n in sizes]

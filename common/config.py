@@ -72,7 +72,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"
     transfer_term: Annotated[bool, doc("kairos: add the KV transfer time to the prefill path's TTFT")] = True
-    max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 1
+    max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 4
+    predictor: Annotated[str, doc("kairos: TTFT prediction, replay (the workers' known queues) or paper (Equation 1)")] \
+        = "replay"
+    budget_fit: Annotated[bool, doc("kairos: chunk schedules leave token budget to the deflections in flight")] = True
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
 

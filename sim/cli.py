@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--beta", type=float, default=0.9, help="kairos: TBT budget = beta x strictest TBT SLO")
     s.add_argument("--candidates", default="2048,1024,512,256,128", help="kairos: chunk candidates")
     s.add_argument("--no-transfer-term", action="store_true", help="kairos: leave T_xfer out of TTFT_P")
-    s.add_argument("--max-deflections", type=int, default=1, help="kairos: concurrent deflections per decode worker")
+    s.add_argument("--max-deflections", type=int, default=4,
+                   help="kairos: concurrent deflections per decode worker (default 4; 1 is the paper's)")
     s.add_argument("--predictor", choices=("replay", "paper"), default="replay",
                    help="kairos: TTFT prediction, 'replay' (the known queues through the batching rule) or "
                         "'paper' (Equation 1 and Algorithm 1's step sum as printed) (default replay)")

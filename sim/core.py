@@ -114,7 +114,8 @@ class _Prefill(_Worker):
 
 
 class _Decode(_Worker):
-    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "step_s", "waiting_kv",
+                 "waiting_kv_tokens")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
@@ -124,6 +125,7 @@ class _Decode(_Worker):
         self.deflecting: dict[str, tuple[float, int, float]] = {}  # router side: deflection -> (step cost s,
         # largest chunk, predicted end)
         self.led_res = self.led_kv = self.led_pending = 0
+        self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
 
 _STEP_P, _STEP_D, _XFER = 0, 1, 2
@@ -207,7 +209,7 @@ class Simulation:
                     slo = s.tbt_slo
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
-            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w))
+            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s)
             w.led_res = w.led_kv = w.led_pending = 0
         w.view = None
         self._cluster = None
@@ -239,7 +241,7 @@ class Simulation:
     def _decode_view(self, w: _Decode) -> DecodeView:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
         reserved step cost come from the router's own exact record of deflections in flight."""
-        batch, kv, free, res, defl, slo, pending, busy = w.hb
+        batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
         reserved = 0.0
         reserved_tokens = 0
         inflight: tuple[tuple[float, float], ...] = ()
@@ -254,7 +256,7 @@ class Simulation:
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
                           token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
                           pending=pending + w.led_pending, reserved_tokens=reserved_tokens, busy_until=busy,
-                          inflight=inflight)
+                          inflight=inflight, step_s=step_s)
 
     def _view(self, now: float) -> ClusterView:
         fresh = self.cfg.heartbeat_interval <= 0
@@ -310,6 +312,8 @@ class Simulation:
         dt = self._duration(w, plan)
         w.busy_s += dt
         self.steps += 1
+        if isinstance(w, _Decode):
+            w.step_s += 0.1 * (dt - w.step_s)
         self._push(now + dt, _STEP_P if isinstance(w, _Prefill) else _STEP_D, w, plan)
 
     def _prefill_done(self, w: _Prefill, plan: StepPlan, now: float) -> None:

@@ -116,11 +116,11 @@ KAIROS_CASES: list[tuple[str, RequestSpec, ClusterView, dict[str, Any], str, str
     ("the residents' strict TBT SLO leaves no room for even 128 tokens",
      rq(512), cluster([pv(queued=50_000)], [dv(batch=40, slo=0.02)]), {}, "disagg", "decode-0", "no_decode_slack"),
     ("one decode worker already deflecting: the other takes it",
-     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {},
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {"max_deflections": 1},
      "deflect", "decode-1", "decode_faster"),
     ("every decode worker already deflecting (max_deflections=1)",
-     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", defl=1, res=100)]), {},
-     "disagg", None, "deflection_in_flight"),
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", defl=1, res=100)]),
+     {"max_deflections": 1}, "disagg", None, "deflection_in_flight"),
     ("max_deflections=2 admits a second deflection",
      rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000, reserved=0.02)]), {"max_deflections": 2},
      "deflect", "decode-0", "decode_faster"),
@@ -264,8 +264,8 @@ def test_kairos_ledger_view_blocks_a_second_deflection() -> None:
     says 0 deflections (a second one would land on the same worker); the ledger's count does not."""
     stale = cluster([pv(queued=20_000)], [dv("decode-0", batch=10), dv("decode-1", batch=60)])
     ledger = cluster([pv(queued=20_000)], [dv("decode-0", batch=10, defl=1, res=2048), dv("decode-1", batch=60)])
-    assert decide("kairos", rq(2048), stale).decode_worker == "decode-0"
-    assert decide("kairos", rq(2048), ledger).decode_worker == "decode-1"
+    assert decide("kairos", rq(2048), stale, max_deflections=1).decode_worker == "decode-0"
+    assert decide("kairos", rq(2048), ledger, max_deflections=1).decode_worker == "decode-1"
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -44,7 +44,8 @@ class Router:
         try:
             kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
-                                per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
+                                per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
+                                predictor=cfg.predictor, budget_fit=cfg.budget_fit)  # type: ignore[arg-type]
             self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
                                       default_model=self.profile.model)
         except ValueError as e:

@@ -82,7 +82,9 @@ class WorkerEntry:
     def decode_view(self, use_ledger: bool) -> DecodeView:
         hb = self.hb
         h = self.hello
+        busy_until = step_s = 0.0
         if isinstance(hb, m.DecodeHeartbeat):
+            busy_until, step_s = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0
             batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
             resident, defl = hb.resident_prefill_tokens, hb.deflections
             slo, pending = hb.strictest_tbt_slo, hb.waiting_kv
@@ -106,8 +108,7 @@ class WorkerEntry:
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
                           reserved_step_s=reserved, pending=pending, reserved_tokens=reserved_tokens,
-                          busy_until=self.hb_at + hb.busy_s if isinstance(hb, m.DecodeHeartbeat) else 0.0,
-                          inflight=inflight)
+                          busy_until=busy_until, inflight=inflight, step_s=step_s)
 
 
 class WorkerTable:

@@ -58,6 +58,7 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     reserved_tokens: int = 0      # tokens per step the deflections in flight may take (their largest chunks)
     busy_until: float = 0.0       # end of the step in flight (policy clock); <= now: unknown or idle
     inflight: tuple[tuple[float, float], ...] = ()  # deflections in flight: (predicted end, reserved step s)
+    step_s: float = 0.0           # its recent step time (0: unknown)
 
 
 class ClusterView(msgspec.Struct, frozen=True):

@@ -45,7 +45,7 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     alpha: float = 1.3
     beta: float = 0.9
     transfer_term: bool = True
-    max_deflections: int = 1
+    max_deflections: int = 4
     per_worker_models: bool = True
     prefix_aware: bool = True
     max_steps: int = 4096
@@ -297,7 +297,9 @@ class Kairos:
             if handoff is not None:
                 dm = self._model(handoff.model)
                 step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
-                ttft_p += 1.5 * step if handoff.batch + handoff.deflections + handoff.pending else step
+                if handoff.batch + handoff.deflections + handoff.pending:
+                    step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
+                ttft_p += step
         # decode path: Algorithm 1 on every eligible decode worker (sorted by id: ties -> lowest id)
         limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None

@@ -44,7 +44,9 @@ class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Coeffs(msgspec.Struct, frozen=True, kw_only=True):
     """Step-time model coefficients (see common.perf_model) carried in registrations and heartbeats.
 
-    t = a0 + a1*B + a2*K + a3*chi + a4*chi*(k + chi/2) + a5*chi**2; transfer = t0 + L*bytes_per_token/bandwidth.
+    t = a0 + a3*T + a5*T**2 + a1*B + a2*K + a4*sum(chi*(k + chi/2)), T = B + sum(chi) the step's total
+    tokens, B its decodes, K their KV tokens, chi a prefill chunk over k prefilled tokens;
+    transfer = t0 + L*bytes_per_token/bandwidth. The form of common.perf_model (MODEL_FORM 2).
     """
 
     a0: float

@@ -53,16 +53,20 @@ _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
 _INF = float("inf")
 
 
-def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int]) -> float:
+def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int],
+                 batch: int = 0) -> float:
     """A lower bound on TTFT_D of any schedule the search can build, to skip a worker that
     cannot beat the limit without walking its steps.
 
-    n chunks cost at least n*base0 + a3*L + a4*L^2/2 + a5*L^2/n: the attention term sums to
+    n chunks cost at least n*base0 + a3'*L + a4*L^2/2 + a5*L^2/n (a3' = a3 + 2*a5*batch: the
+    step-total term a5*T**2 grows by a5*(chi**2 + 2*batch*chi) with a chunk beside `batch`
+    decodes; base0 holds the decodes' own share): the attention term sums to
     exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n. Every chunk satisfies
     base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
     the bound stays valid under float error); all but the last are candidates <= chi_max, so
     n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate)."""
-    a3, a4, a5 = model.a3, model.a4, model.a5
+    a4, a5 = model.a4, model.a5
+    a3 = model.a3 + 2.0 * a5 * batch
     room = budget_s - base0
     if room <= 0:
         return 0.0  # no chunk fits: the search finds that at its first step
@@ -114,8 +118,12 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     if not cands:
         return _INFEASIBLE, (), 0.0
     a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
-    base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
-    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands) > limit_s * (1 + 1e-9):
+    b = d.batch
+    # PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled: the decodes' share of the
+    # step-total terms goes to base0, the chunk's to a3 (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2))
+    base0 = a0 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
+    a3 = a3 + 2.0 * a5 * b
+    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
     total = 0.0

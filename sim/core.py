@@ -361,7 +361,7 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
-            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule)
+            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget)
             if cfg.ledger:
                 dw.led_res += r.prompt
                 dw.led_kv += need

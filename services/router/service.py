@@ -134,7 +134,8 @@ class Router:
         reserve = tokens + req.sampling.max_tokens
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
-            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule)
+            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
+                                                                   dw.hello.token_budget)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,

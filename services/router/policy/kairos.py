@@ -156,15 +156,18 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     return _OK, tuple(sched), total
 
 
-def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int]) -> float:
+def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0) -> float:
     """The step time a deflection in flight may add to its decode worker: the largest chunk
     cost over its schedule, each chunk at the context it will run at. This is what to put in
     `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
-    the first chunk alone underestimates it, since later chunks attend over a longer prefix."""
+    the first chunk alone underestimates it, since later chunks attend over a longer prefix.
+    With a superlinear step-total term (a5 > 0) a chunk costs more beside other tokens: each
+    chunk is costed as if the rest of its step held `step_tokens` - chi tokens (pass the
+    worker's token budget), which covers its cross terms with the decodes and the other chunks."""
     worst = 0.0
     done = 0
     for chi in schedule:
-        worst = max(worst, model.chunk_cost(chi, done))
+        worst = max(worst, model.chunk_cost(chi, done, max(0, step_tokens - chi)))
         done += chi
     return worst
 

@@ -2,32 +2,43 @@
 
 One engine step runs every token scheduled in it through the model's weights once. Its time is
 
-    t_step = a0 + a3*T + a5*T**2 + a1*B + a2*K + a4 * sum_i chi_i*(k_i + chi_i/2)
-    T      = B + sum_i chi_i                        (the step's total tokens)
+    t_step = a0 + a6*[P]                                     fixed cost (+ a step with prefill)
+           + a3*T + a7*max(0, T - knee) + a5*T**2            weight GEMMs over the step's total
+           + a1*B + a2*K                                     decodes: per sequence, KV reads
+           + a4 * sum_i chi_i*(k_i + chi_i/2)                prefill attention, per request
+    T = B + sum_i chi_i                                      the step's TOTAL tokens
     t_xfer(L) = xfer_t0 + L * kv_bytes_per_token / xfer_bandwidth
 
-- a0: the fixed cost of a step (kernel launches, reading the weights once, the tensor-parallel
-  all-reduce latencies, scheduling): what a one-token step costs.
-- a3, a5: the weight GEMMs over the step's TOTAL tokens T, decode tokens and prefill-chunk tokens
-  alike. a3 is the cost per token; any superlinearity belongs here, to T, as a5*T**2 (never to a
-  request's chunk alone). The measured profiles have a5 = 0: in their data the cost per token of
-  a step does not rise with T once attention is accounted for (see docs/cost-model.md).
-- a1: per running decode, what a decode sequence costs beyond its token's a3 (sampling and the
-  per-sequence work of the decode attention kernel).
-- a2: per resident KV token the decodes read (K: the KV tokens of the step's decodes).
+- a0: the fixed cost of every step (launches, the tensor-parallel all-reduce latencies,
+  scheduling, and reading the weights once: what a one-token step costs).
+- a6: added once when the step holds any prefill chunk ([P] = 1). The measured engines run a
+  prefill step about 20 ms slower than a decode step of a few tokens (decode-only steps replay
+  captured CUDA graphs; prefill steps launch eagerly).
+- a3, a7, knee, a5: the weight GEMMs over the step's TOTAL tokens T, decode tokens and chunk
+  tokens alike. A roofline: below `knee` tokens a step is bound by reading the weights and an
+  extra token costs a3; above it the GEMMs are compute-bound and a token costs a3 + a7. Any
+  superlinearity belongs here, to T (a5*T**2 for the paper-figure profile), never to a request's
+  chunk alone.
+- a1: per running decode, what a decode sequence costs beyond its token's GEMM share (sampling,
+  per-sequence attention-kernel work). a2: per resident KV token the decodes read (K: the KV
+  tokens of the step's decodes).
 - a4: prefill attention: chunk chi_i of request i attends over its k_i tokens already prefilled
-  and, causally, over itself, chi_i*(k_i + chi_i/2) query-key pairs. Summed over the chunks of
+  and, causally, over itself: chi_i*(k_i + chi_i/2) query-key pairs. Summed over the chunks of
   a prompt of L tokens this is L**2/2 however the prompt is chunked.
 
-A mixed step (prefill chunks beside decodes) is composed additively: ONE fixed cost a0, the GEMM
-term over the sum of all its tokens (B decode tokens + every chunk's tokens), the decodes' own
-terms (a1*B, a2*K) and each chunk's attention over its own context. Nothing is charged per chunk
-except its attention, so on an idle worker splitting a prompt into more chunks only adds fixed
-costs (n*a0) and, with a5 > 0, saves on T**2: with a5 = 0 more chunks are never faster.
+A mixed step (prefill chunks beside decodes) is composed additively: ONE fixed cost a0 + a6, the
+GEMM terms over the sum of all its tokens (B decode tokens + every chunk's tokens), the decodes'
+own terms (a1*B, a2*K) and each chunk's attention over its own context. Nothing is charged per
+chunk except its attention. On an idle worker a prompt cut into N equal chunks costs
+N*(a0 + a6) + a3*L + a7*max(0, L - N*knee)-ish + a4*L**2/2: more chunks add (a0 + a6) each and
+save at most a7*knee each, so with a0 + a6 >= a7*knee (which the fitter enforces) and a5 = 0,
+splitting into more equal chunks is never faster. (A schedule that ends in a tiny remainder can
+be slower than a balanced one with smaller chunks, as on the real GPU: that last step pays the
+fixed cost for a few tokens.)
 
 Everything here is pure: the live engine, the simulator and the router's policy call it.
-Profiles written before this form (no "model_form": 2) charged a1 per decode on top of nothing
-and a3, a5 per chunk token; `load_profile` converts them (a1 -> a1 - a3, a5 moves to T).
+Profiles written before this form (no "model_form": 2) charged a1 per decode alone and a3, a5
+per chunk token; `load_profile` converts them (a1 -> a1 - a3, a5 moves to T; a6 = a7 = 0).
 """
 
 from __future__ import annotations
@@ -55,31 +66,40 @@ class PerfModel(msgspec.Struct, frozen=True, kw_only=True):
     a3: float = 0.0
     a4: float = 0.0
     a5: float = 0.0
+    a6: float = 0.0
+    a7: float = 0.0
+    knee: float = 0.0
     xfer_t0: float = 0.0
     xfer_bandwidth: float = 1e10
     kv_bytes_per_token: int = 0
 
     # -- step times -------------------------------------------------------------------------
+    def _gemm(self, total: float) -> float:
+        """The step-total GEMM terms for `total` tokens."""
+        over = total - self.knee
+        return self.a3 * total + (self.a7 * over if over > 0 else 0.0) + self.a5 * total * total
+
     def chunk_cost(self, chi: int, k: int, batch: int = 0) -> float:
         """Added time of a prefill chunk of `chi` tokens over `k` already-prefilled tokens, in a
-        step that also runs `batch` decodes (the GEMM term grows with the step's total)."""
-        return (self.a3 * chi + self.a4 * chi * (k + chi / 2.0)
-                + self.a5 * chi * (chi + 2.0 * batch))
+        step that also runs `batch` other tokens (decodes; the GEMM terms grow with the step's
+        total) and no other chunk (it pays the prefill step's a6)."""
+        return self.a6 + self._gemm(batch + chi) - self._gemm(batch) + self.a4 * chi * (k + chi / 2.0)
 
     def decode_time(self, batch: int, kv_tokens: int) -> float:
         """A step with only decodes (the baseline TBT of a decode worker)."""
-        return self.a0 + (self.a1 + self.a3) * batch + self.a2 * kv_tokens + self.a5 * batch * batch
+        return self.a0 + self.a1 * batch + self.a2 * kv_tokens + self._gemm(batch)
 
     def step_time(self, batch: int, kv_tokens: int, chunks: Iterable[tuple[int, int]] = ()) -> float:
         """One mixed step: `batch` decodes reading `kv_tokens` resident KV tokens, plus prefill
         chunks given as (chi, k) pairs (chunk tokens, that request's tokens already prefilled)."""
         total = batch
         attn = 0.0
+        fixed = self.a0
         for chi, k in chunks:
             total += chi
             attn += chi * (k + chi / 2.0)
-        return (self.a0 + self.a1 * batch + self.a2 * kv_tokens + self.a3 * total + self.a5 * total * total
-                + self.a4 * attn)
+            fixed = self.a0 + self.a6
+        return fixed + self.a1 * batch + self.a2 * kv_tokens + self._gemm(total) + self.a4 * attn
 
     def prefill_exec(self, prompt_tokens: int, chunk: int, done: int = 0) -> float:
         """Exec of Equation 1: a prompt prefilled alone in chunks of `chunk` tokens."""
@@ -101,20 +121,22 @@ class PerfModel(msgspec.Struct, frozen=True, kw_only=True):
 
     # -- wire form ----------------------------------------------------------------------------
     def to_coeffs(self) -> Coeffs:
-        return Coeffs(a0=self.a0, a1=self.a1, a2=self.a2, a3=self.a3, a4=self.a4, a5=self.a5,
-                      xfer_t0=self.xfer_t0, xfer_bandwidth=self.xfer_bandwidth,
+        return Coeffs(a0=self.a0, a1=self.a1, a2=self.a2, a3=self.a3, a4=self.a4, a5=self.a5, a6=self.a6,
+                      a7=self.a7, knee=self.knee, xfer_t0=self.xfer_t0, xfer_bandwidth=self.xfer_bandwidth,
                       kv_bytes_per_token=self.kv_bytes_per_token)
 
     @classmethod
     def from_coeffs(cls, c: Coeffs) -> PerfModel:
-        return cls(a0=c.a0, a1=c.a1, a2=c.a2, a3=c.a3, a4=c.a4, a5=c.a5, xfer_t0=c.xfer_t0,
+        return cls(a0=c.a0, a1=c.a1, a2=c.a2, a3=c.a3, a4=c.a4, a5=c.a5, a6=c.a6, a7=c.a7, knee=c.knee,
+                   xfer_t0=c.xfer_t0,
                    xfer_bandwidth=c.xfer_bandwidth, kv_bytes_per_token=c.kv_bytes_per_token)
 
     def scaled(self, factor: float) -> PerfModel:
         """Every step-time coefficient times `factor` (a faster or slower device)."""
         return msgspec.structs.replace(
             self, a0=self.a0 * factor, a1=self.a1 * factor, a2=self.a2 * factor,
-            a3=self.a3 * factor, a4=self.a4 * factor, a5=self.a5 * factor)
+            a3=self.a3 * factor, a4=self.a4 * factor, a5=self.a5 * factor, a6=self.a6 * factor,
+            a7=self.a7 * factor)
 
 
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,14 +214,15 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
-COEFF_NAMES = ("a0", "a1", "a2", "a3", "a4", "a5")
+COEFF_NAMES = ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7")
 
 
-def features(s: StepSample) -> list[float]:
-    """The step's value of each term, in COEFF_NAMES order: t = features . (a0..a5)."""
+def features(s: StepSample, knee: float = 0.0) -> list[float]:
+    """The step's value of each term, in COEFF_NAMES order: t = features . (a0..a7)."""
     total = float(s.batch + sum(c for c, _ in s.chunks))
     attn = float(sum(c * (k + c / 2.0) for c, k in s.chunks))
-    return [1.0, float(s.batch), float(s.kv_tokens), total, attn, total * total]
+    return [1.0, float(s.batch), float(s.kv_tokens), total, attn, total * total, 1.0 if s.chunks else 0.0,
+            max(0.0, total - knee)]
 
 
 def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -229,16 +252,21 @@ def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(samples: Sequence[StepSample], *, use_a5: bool = True, base: PerfModel | None = None,
-        fixed: dict[str, float] | None = None, weights: Sequence[float] | None = None) -> tuple[PerfModel, float]:
+        fixed: dict[str, float] | None = None, weights: Sequence[float] | None = None,
+        knee: float | None = None) -> tuple[PerfModel, float]:
     """Least-squares fit on relative error; returns the model and its MAPE over the samples.
 
     Coefficients are constrained to be non-negative (a negative cost would let the policy
     believe that a larger chunk is cheaper). `fixed` pins coefficients by name (e.g. a2 from the
     HBM bandwidth when the data cannot identify it); `weights` weighs each sample's error.
+    `knee` (default: the base model's) is where the roofline term a7 starts; 0 leaves a7 out.
+    The transfer terms come from `base`.
     """
     if len(samples) < 6:
         raise ValueError(f"need at least 6 step samples to fit, got {len(samples)}")
-    X = np.array([features(s) for s in samples], dtype=np.float64)
+    b = base or PerfModel(a0=0.0)
+    kn = b.knee if knee is None else knee
+    X = np.array([features(s, kn) for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("step samples must have positive durations")
@@ -246,6 +274,8 @@ def fit(samples: Sequence[StepSample], *, use_a5: bool = True, base: PerfModel |
     pinned = dict(fixed or {})
     if not use_a5:
         pinned.setdefault("a5", 0.0)
+    if kn <= 0:
+        pinned.setdefault("a7", 0.0)
     coef = np.zeros(len(COEFF_NAMES))
     for name, v in pinned.items():
         coef[COEFF_NAMES.index(name)] = v
@@ -260,8 +290,7 @@ def fit(samples: Sequence[StepSample], *, use_a5: bool = True, base: PerfModel |
     coef[cols] = sol
     pred = X @ coef
     err = float(np.mean(np.abs(pred - y) / y))
-    b = base or PerfModel(a0=0.0)
-    model = PerfModel(**{nm: float(coef[i]) for i, nm in enumerate(COEFF_NAMES)}, xfer_t0=b.xfer_t0,
+    model = PerfModel(**{nm: float(coef[i]) for i, nm in enumerate(COEFF_NAMES)}, knee=kn, xfer_t0=b.xfer_t0,
                       xfer_bandwidth=b.xfer_bandwidth, kv_bytes_per_token=b.kv_bytes_per_token)
     return model, err
 

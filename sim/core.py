@@ -262,6 +262,10 @@ class Simulation:
             total += chi
             attn += chi * (k + chi / 2.0)
         dt = m.a0 + m.a1 * b + m.a2 * plan.kv_tokens + m.a3 * total + m.a5 * total * total + m.a4 * attn
+        if plan.chunks:
+            dt += m.a6
+        if total > m.knee:
+            dt += m.a7 * (total - m.knee)
         if self.cfg.step_noise > 0:
             dt *= self._rng.lognormvariate(self._noise_mu, self.cfg.step_noise)
         return dt
@@ -459,23 +463,30 @@ def simulate(trace: Sequence[TraceRequest], profile: Profile, policy: Policy, cf
 
 def fastest_prefill(model: PerfModel, tokens: int) -> float:
     """The shortest time a prompt alone can be prefilled in on an idle engine, over every way
-    of chunking it: with the step model, n chunks cost n*a0 + a3*L + a4*L^2/2 + a5*sum(chi^2)
-    (alone in its steps a chunk is the step's total; the attention term does not depend on the
-    chunking), so the best is n near L*sqrt(a5/a0) chunks of equal size (about 680 tokens for
-    a100-dsv2-lite; one chunk when a5 = 0, as in the measured profiles)."""
+    of chunking it: alone in its steps a chunk is the step's total, so n chunks cost
+    n*(a0 + a6) + a3*L + a4*L^2/2 + sum over chunks of (a7*max(0, chi - knee) + a5*chi^2) (the
+    attention term does not depend on the chunking). The last two are convex in chi, so for a
+    given n equal chunks are best; n is searched around L*sqrt(a5/(a0 + a6)) (about 680 tokens
+    a chunk for a100-dsv2-lite) and up to where chunks reach the knee (one chunk when a5 = 0
+    and a0 + a6 >= a7*knee, as in the measured profiles)."""
     if tokens <= 0:
         return 0.0
     fixed = model.a3 * tokens + model.a4 * tokens * tokens / 2.0
+    per_step = model.a0 + model.a6
 
     def cost(n: int) -> float:
         q, r = divmod(tokens, n)
-        return n * model.a0 + fixed + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
+        over = r * max(0.0, q + 1 - model.knee) + (n - r) * max(0.0, q - model.knee)
+        return n * per_step + fixed + model.a7 * over + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
 
-    if model.a5 <= 0 or model.a0 <= 0:
-        return cost(1) if model.a5 <= 0 else cost(tokens)
-    guess = tokens * math.sqrt(model.a5 / model.a0)
-    lo = max(1, int(guess) - 2)
-    return min(cost(n) for n in range(lo, min(tokens, int(guess) + 3) + 1))
+    ns = {1, tokens}
+    if model.a5 > 0 and per_step > 0:
+        guess = int(tokens * math.sqrt(model.a5 / per_step))
+        ns.update(range(max(1, guess - 2), min(tokens, guess + 3) + 1))
+    if model.a7 > 0 and model.knee > 0:
+        top = min(tokens, int(tokens / model.knee) + 2)
+        ns.update(range(1, top + 1))
+    return min(cost(n) for n in ns)
 
 
 def lower_bound(trace: Sequence[TraceRequest], profile: Profile, *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:

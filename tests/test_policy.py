@@ -62,7 +62,8 @@ def eq1(m: PerfModel, queued: int, tokens: int, chunk: int, *, transfer: bool = 
     """Equation 1 written out: W_q + Exec (+ T_xfer)."""
     def step(chi: int, k: float) -> float:
         total = chi  # alone in its step: the chunk is the step's total
-        return m.a0 + m.a3 * total + m.a5 * total * total + m.a4 * chi * (k + chi / 2)
+        return (m.a0 + m.a6 + m.a3 * total + m.a7 * max(0, total - m.knee) + m.a5 * total * total
+                + m.a4 * chi * (k + chi / 2))
     wq = (queued / chunk) * step(chunk, queued // 2) if queued > 0 else 0.0
     ex, done = 0.0, 0
     while done < tokens:
@@ -84,7 +85,8 @@ def algorithm1(m: PerfModel, d: DecodeView, tokens: int, budget: float, cands: t
         for c in usable:
             x = min(c, tokens - done)
             step_tokens = d.batch + x  # the step's total tokens: the decodes and the chunk
-            t = base + m.a3 * step_tokens + m.a5 * step_tokens**2 + m.a4 * x * (done + x / 2)
+            t = (base + m.a6 + m.a3 * step_tokens + m.a7 * max(0, step_tokens - m.knee) + m.a5 * step_tokens**2
+                 + m.a4 * x * (done + x / 2))
             if t <= budget:
                 break
         else:
@@ -358,7 +360,7 @@ def test_lower_bound_never_exceeds_the_schedule() -> None:
         found = algorithm1(m, d, tokens, budget, tuple(cands))
         if found is None:
             continue
-        base0 = m.decode_time(d.batch, d.kv_tokens) + d.reserved_step_s
+        base0 = m.decode_time(d.batch, d.kv_tokens) + m.a6 + d.reserved_step_s
         assert _lower_bound(m, base0, tokens, budget, cands, d.batch) <= found[1] * (1 + 1e-12)
 
 

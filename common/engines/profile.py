@@ -385,7 +385,12 @@ def print_report(profile: Profile) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kairos profile", description=__doc__.split("\n\n")[0],
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["fit-splitwise"]:
+        from common.engines import splitwise_fit
+        return splitwise_fit.main(args_in[1:])
+    about = " (`kairos profile fit-splitwise --help`: fit a profile to the measured Splitwise data)"
+    p = argparse.ArgumentParser(prog="kairos profile", description=__doc__.split("\n\n")[0] + about,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
     p.add_argument("--model", default="", help="vllm: model directory (default: make the tiny model in a temp dir)")
@@ -418,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples-out", default="", help="also write the raw step samples (JSON)")
     p.add_argument("--cmdline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     if not args.name:
         args.name = Path(args.out).stem
     profile = asyncio.run(_profile(args))

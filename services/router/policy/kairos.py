@@ -61,7 +61,8 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
     n chunks cost at least n*base0 + a3'*L + a4*L^2/2 + a5*L^2/n (a3' = a3 + 2*a5*batch: the
     step-total term a5*T**2 grows by a5*(chi**2 + 2*batch*chi) with a chunk beside `batch`
     decodes; base0 holds the decodes' own share): the attention term sums to
-    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n. Every chunk satisfies
+    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n; the roofline term a7 (>= 0) is
+    left out, which keeps the bound a bound. Every chunk satisfies
     base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
     the bound stays valid under float error); all but the last are candidates <= chi_max, so
     n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate)."""
@@ -117,11 +118,13 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     feasibility beyond is unknown). `cands`: usable candidates, largest first."""
     if not cands:
         return _INFEASIBLE, (), 0.0
-    a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
+    a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
+    a7, over0 = model.a7, d.batch - model.knee
     b = d.batch
     # PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled: the decodes' share of the
-    # step-total terms goes to base0, the chunk's to a3 (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2))
-    base0 = a0 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
+    # step-total terms and the prefill step's a6 go to base0, the chunk's to a3
+    # (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2)); the roofline a7*max(0, T - knee) per step
+    base0 = model.a0 + model.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
     a3 = a3 + 2.0 * a5 * b
     if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
@@ -141,6 +144,8 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         while i < n:
             chi = cands[i] if cands[i] < rem else rem
             t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
+            if over0 + chi > 0:
+                t += a7 * (over0 + chi)
             if t <= budget_s:
                 break
             i += 1

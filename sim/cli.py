@@ -1,6 +1,6 @@
 """`kairos sim`: replay a trace through the routing policies on a simulated cluster.
 
-    kairos sim --trace code --prefill 2 --decode 2 --profile a100-dsv2-lite \\
+    kairos sim --trace code --prefill 2 --decode 2 --profile h100-llama2-70b-tp4 \\
                --policy kairos --policy disagg-least-loaded --rate-scale 0.5,1,2 --out results.json
 
 Every policy sees the same trace (and, with --step-noise, the same noise seed). results.json:
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    c.add_argument("--profile", default="a100-dsv2-lite", help="performance profile name or .json path")
+    c.add_argument("--profile", default="h100-llama2-70b-tp4",
+                   help="performance profile name or .json path (default h100-llama2-70b-tp4, measured)")
     c.add_argument("--heartbeat-interval", type=float, default=0.1,
                    help="seconds between worker heartbeats; 0 = the policy sees the live state (default 0.1)")
     c.add_argument("--no-ledger", action="store_true",

@@ -237,7 +237,7 @@ def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
     assert res["policies"]["kairos"]["requests"] == 300
     assert [p["rate_scale"] for p in res["sweep"]] == [1.0, 3.0]
     assert res["sweep"][1]["prefill_load"] == pytest.approx(3 * res["sweep"][0]["prefill_load"], rel=0.01)
-    assert res["config"]["profile"] == "a100-dsv2-lite" and res["config"]["ledger"] is True
+    assert res["config"]["profile"] == "h100-llama2-70b-tp4" and res["config"]["ledger"] is True  # the default
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "attainment_vs_load.png", "ttft_cdf_x1.png", "ttft_cdf_x3.png"]
 

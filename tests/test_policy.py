@@ -350,7 +350,8 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
 def test_lower_bound_never_exceeds_the_schedule() -> None:
     """The pruning bound is a true lower bound (else a worker that could win would be skipped)."""
     rng = random.Random(7)
-    models = [M, M.scaled(0.5), msgspec.structs.replace(M, a5=0.0), msgspec.structs.replace(M, a4=0.0, a5=0.0)]
+    models = [M, M.scaled(0.5), msgspec.structs.replace(M, a5=0.0), msgspec.structs.replace(M, a4=0.0, a5=0.0),
+              load_profile("h100-llama2-70b-tp4").model, load_profile("a100-llama2-70b-tp4").model]
     for _ in range(3000):
         m = rng.choice(models)
         d = dv(batch=rng.randint(0, 200), kv=rng.randint(0, 400_000), reserved=rng.choice([0.0, 0.02]), model=m)
@@ -467,3 +468,26 @@ def test_make_policy_names() -> None:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+@pytest.mark.parametrize("name", ["h100-llama2-70b-tp4", "a100-llama2-70b-tp4"])
+def test_kairos_schedule_is_timed_by_the_measured_model(name: str) -> None:
+    """The search's unrolled step time (prefill step cost a6, roofline a7 over the step's total)
+    is PerfModel.step_time, and matches Algorithm 1 as printed."""
+    model = load_profile(name).model
+    scheduled = 0
+    for batch in (0, 8, 40, 120):
+        d = dv(batch=batch, kv=batch * 1500, model=model)
+        found = largest_safe_schedule(model, d, 5000, 0.09, CANDS, float("inf"), 4096)
+        ref = algorithm1(model, d, 5000, 0.09)
+        assert (found is None) == (ref is None)
+        if found is None or ref is None:
+            continue
+        assert found[0] == ref[0]
+        done, acc = 0, 0.0
+        for chi in found[0]:
+            acc += model.step_time(d.batch, d.kv_tokens + done, [(chi, done)])
+            done += chi
+        assert acc == pytest.approx(found[1], rel=1e-12) and found[1] == pytest.approx(ref[1], rel=1e-12)
+        scheduled += 1
+    assert scheduled >= 2

@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
     p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="nixl",
                    help="nixl (default, as `kairos up`): real KV bytes over NIXL between the worker processes, "
-                        "timed like the profile's transfer (its xfer_t0 + KV bytes / bandwidth); modeled: the same time "
-                        "without moving bytes, exactly as the simulator")
+                        "timed like the profile's transfer (its xfer_t0 + KV bytes / bandwidth); modeled: the same "
+                        "time without moving bytes, exactly as the simulator")
     p.add_argument("--max-concurrency", type=int, default=2048, help="client concurrency bound (default 2048)")
     p.add_argument("--out-dir", default="demo-results", help="results JSON, plot and logs go here "
                                                              "(default demo-results)")

@@ -279,7 +279,8 @@ def build_profile(model: str, hardware: str, tp: int, *, every: int = 3, kv_read
         f"Token budgets: prefill {eng.prefill_token_budget} (vLLM 0.32's OpenAI-server default on this GPU); decode "
         f"{eng.decode_token_budget} with default chunk {eng.decode_default_chunk}, so that a mixed step with 32 "
         f"decodes at 2048 tokens of context and a default chunk takes {1e3 * mixed:.0f} ms "
-        f"({'within' if mixed <= 0.09 else 'above'} 0.9 x a 100 ms TBT SLO). max_batch {eng.max_batch}: the data measures decode batches up to 64, larger ones "
+        f"({'within' if mixed <= 0.09 else 'above'} 0.9 x a 100 ms TBT SLO). "
+        f"max_batch {eng.max_batch}: the data measures decode batches up to 64, larger ones "
         f"are extrapolated.")
     desc = (f"{model} on {tp} x {hardware} (tensor parallel {tp}), fitted to measured step times "
             f"(Splitwise profiling data); held-out MAPE {mp}.")

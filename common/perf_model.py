@@ -5,7 +5,7 @@
 
 B: decode tokens in the step (one per running decode); K: their resident KV tokens (attention
 reads); chi_i: the prefill chunk of request i in the step; k_i: that request's tokens already
-prefilled (the chunk attends over them). a5 is the one refinement over DESIGN.md's form: the
+prefilled (the chunk attends over them). a5 refines the form of docs/reference/paper.md section 6: the
 paper's Figure 1 shows the added step time flat up to 512 tokens and > 200 ms at 2048, a
 superlinearity (MoE expert GEMMs turning compute-bound) that a4 alone can only fit by making
 attention over long contexts far too expensive. Profiles that do not need it leave a5 = 0.

@@ -24,8 +24,9 @@ apt_install() {  # apt_install PACKAGE... : only as root, only when missing, one
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-tier "lint (ruff)"
+tier "lint (ruff; no pointer outside the repository)"
 "$VENV/bin/ruff" check .
+bash scripts/check-no-outside-paths.sh
 
 tier "fresh clone: the README's set-up and a short demo, nothing beside the clone"
 bash scripts/fresh-clone-check.sh

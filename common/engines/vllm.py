@@ -1,6 +1,6 @@
 """The `vllm` engine: vLLM 0.32.0's AsyncLLM behind the Engine interface, for both roles.
 
-Roles and the KV protocol (shared/reference/vllm.md sections 1-2):
+Roles and the KV protocol (docs/reference/vllm.md sections 1-2):
 - prefill role = KV producer. Each request runs with `max_tokens=1` and
   `kv_transfer_params={"do_remote_decode": True, ...}`; vLLM keeps the prompt's KV blocks and
   returns `kv_transfer_params` naming them (engine id, side-channel host/port, block ids).

@@ -60,7 +60,7 @@ class DeflectAll:
 
 
 class ConditionalConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Dynamo's `isl_or_load` conditional disaggregation (see reference/vllm.md section 7)."""
+    """Dynamo's `isl_or_load` conditional disaggregation (see docs/reference/vllm.md section 7)."""
 
     eff_isl_threshold: int = 2048
     eff_isl_ratio_threshold: float = 0.7

@@ -1,4 +1,4 @@
-"""Kairos: load-aware prefill deflection (reference/paper.md sections 2-4).
+"""Kairos: load-aware prefill deflection (docs/reference/paper.md sections 2-4).
 
 Per request: predict TTFT on the prefill path with Equation 1 (best prefill worker), build on
 every decode worker the largest-safe chunk schedule (Algorithm 1) under beta x the strictest

@@ -36,7 +36,8 @@ splitting into more equal chunks is never faster. (A schedule that ends in a tin
 be slower than a balanced one with smaller chunks, as on the real GPU: that last step pays the
 fixed cost for a few tokens.)
 
-Everything here is pure: the live engine, the simulator and the router's policy call it.
+Everything here is pure: the live engine, the simulator and the router's policy call it. The
+form, the fitted profiles and their held-out error: docs/cost-model.md.
 Profiles written before this form (no "model_form": 2) charged a1 per decode alone and a3, a5
 per chunk token; `load_profile` converts them (a1 -> a1 - a3, a5 moves to T; a6 = a7 = 0).
 """

@@ -30,13 +30,21 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
 from services.router.policy import POLICIES
 from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
-from sim.knobs import Setup, build, knob_values, load_tuned, shape
+from sim.knobs import (
+    Setup,
+    add_engine_flags,
+    add_policy_flags,
+    build,
+    knob_values,
+    load_tuned,
+    setups_from_flags,
+    shape,
+)
 from sim.stats import fmt, json_safe, summarize
 
 DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg")
@@ -93,54 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default=None, metavar="DIR", help="write TTFT CDFs and attainment vs load here")
     o.add_argument("--quiet", action="store_true", help="no table on the terminal")
     return p
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    e = p.add_argument_group("engine settings (default: the profile's)")
-    e.add_argument("--prefill-token-budget", type=int, default=None, metavar="N",
-                   help="prefill workers: tokens per step (vLLM max_num_batched_tokens)")
-    e.add_argument("--decode-token-budget", type=int, default=None, metavar="N",
-                   help="decode workers: tokens per step, decodes plus in-place prefill chunks")
-    e.add_argument("--decode-chunk", type=int, default=None, metavar="N",
-                   help="decode workers: largest chunk of one in-place prefill per step when the router gives "
-                        "no chunk schedule (conditional-disagg, chunked-prefill; vLLM long_prefill_token_threshold)")
-
-
-def add_policy_flags(p: argparse.ArgumentParser) -> None:
-    k = p.add_argument_group("kairos knobs (default: KairosConfig's)")
-    k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.3)")
-    k.add_argument("--beta", type=float, default=None, help="TBT budget = beta x strictest TBT SLO (default 0.9)")
-    k.add_argument("--candidates", default=None,
-                   help="chunk candidates, comma separated (default 2048,1024,512,256,128)")
-    k.add_argument("--no-transfer-term", action="store_true", default=None, help="leave T_xfer out of TTFT_P")
-    k.add_argument("--max-deflections", type=int, default=None,
-                   help="concurrent in-place prefills per decode worker (default 1)")
-    c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
-    c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
-                   help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
-    c.add_argument("--isl-ratio-threshold", type=float, default=None, metavar="R",
-                   help="... and only if uncached/prompt < R (Dynamo's 0.7 needs prefix-cache hits; default 1: off)")
-    c.add_argument("--prefill-busy-threshold", type=float, default=None, metavar="X",
-                   help="a prefill worker is busy above X token budgets queued (default 2)")
-    c.add_argument("--decode-busy-threshold", type=float, default=None, metavar="F",
-                   help="never prefill on a decode worker whose KV is more than F used (default 0.9)")
-
-
-def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
-    """The settings each policy gets from the command line (only what was given)."""
-    engine = EngineSettings(prefill_token_budget=args.prefill_token_budget or 0,
-                            decode_token_budget=args.decode_token_budget or 0, decode_chunk=args.decode_chunk or 0)
-    given = {
-        "kairos": {"alpha": args.alpha, "beta": args.beta, "max_deflections": args.max_deflections,
-                   "candidates": None if args.candidates is None else
-                   tuple(int(x) for x in _floats(args.candidates, "--candidates")),
-                   "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term},
-        "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
-                               "eff_isl_ratio_threshold": args.isl_ratio_threshold,
-                               "prefill_busy_threshold": args.prefill_busy_threshold,
-                               "decode_busy_threshold": args.decode_busy_threshold}}
-    return {name: Setup(engine=engine, policy={k: v for k, v in given.get(name, {}).items() if v is not None})
-            for name in policies}
 
 
 def _floats(text: str, what: str) -> list[float]:

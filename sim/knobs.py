@@ -13,6 +13,7 @@ Only "policies" -> NAME -> "engine" and "policy" are read back; the rest is the 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,65 @@ def load_tuned(path: str) -> dict[str, Setup]:
         policy_config(name, setup.policy)  # unknown knobs: a clear error now
         out[name] = setup
     return out
+
+
+# ------------------------------------------------------------------------------ flags
+# shared by `kairos sim` and `kairos up`
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine settings (default: the profile's)")
+    e.add_argument("--prefill-token-budget", type=int, default=None, metavar="N",
+                   help="prefill workers: tokens per step (vLLM max_num_batched_tokens)")
+    e.add_argument("--decode-token-budget", type=int, default=None, metavar="N",
+                   help="decode workers: tokens per step, decodes plus in-place prefill chunks")
+    e.add_argument("--decode-chunk", type=int, default=None, metavar="N",
+                   help="decode workers: largest chunk of one in-place prefill per step when the router gives "
+                        "no chunk schedule (conditional-disagg, chunked-prefill; vLLM long_prefill_token_threshold)")
+
+
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    k = p.add_argument_group("kairos knobs (default: KairosConfig's)")
+    k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.3)")
+    k.add_argument("--beta", type=float, default=None, help="TBT budget = beta x strictest TBT SLO (default 0.9)")
+    k.add_argument("--candidates", default=None,
+                   help="chunk candidates, comma separated (default 2048,1024,512,256,128)")
+    k.add_argument("--no-transfer-term", action="store_true", default=None, help="leave T_xfer out of TTFT_P")
+    k.add_argument("--max-deflections", type=int, default=None,
+                   help="concurrent in-place prefills per decode worker (default 1)")
+    c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
+    c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
+                   help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
+    c.add_argument("--isl-ratio-threshold", type=float, default=None, metavar="R",
+                   help="... and only if uncached/prompt < R (Dynamo's 0.7 needs prefix-cache hits; default 1: off)")
+    c.add_argument("--prefill-busy-threshold", type=float, default=None, metavar="X",
+                   help="a prefill worker is busy above X token budgets queued (default 2)")
+    c.add_argument("--decode-busy-threshold", type=float, default=None, metavar="F",
+                   help="never prefill on a decode worker whose KV is more than F used (default 0.9)")
+
+
+def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
+    """The settings each policy gets from the command line (only what was given)."""
+    engine = EngineSettings(prefill_token_budget=args.prefill_token_budget or 0,
+                            decode_token_budget=args.decode_token_budget or 0, decode_chunk=args.decode_chunk or 0)
+    given = {
+        "kairos": {"alpha": args.alpha, "beta": args.beta, "max_deflections": args.max_deflections,
+                   "candidates": None if args.candidates is None else
+                   parse_candidates(args.candidates),
+                   "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term},
+        "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
+                               "eff_isl_ratio_threshold": args.isl_ratio_threshold,
+                               "prefill_busy_threshold": args.prefill_busy_threshold,
+                               "decode_busy_threshold": args.decode_busy_threshold}}
+    return {name: Setup(engine=engine, policy={k: v for k, v in given.get(name, {}).items() if v is not None})
+            for name in policies}
+
+
+def parse_candidates(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--candidates must be comma-separated token counts, got {text!r}") from None
+    if not vals:
+        raise ConfigError("--candidates is empty")
+    return vals

@@ -174,3 +174,43 @@ def test_sim_runs_chunked_prefill_on_the_same_gpu_count(tmp_path: Path) -> None:
     assert res["routes"] == {"deflect": res["requests"]}
     assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill", "decode_admit"}
     assert res["sim"]["queues"]["prefill"] == {"max": 0, "mean": 0.0}
+
+
+def test_kairos_up_passes_the_tuned_knobs_to_the_router_and_the_workers(tmp_path: Path) -> None:
+    from common import config
+    from common.engines import make_engine
+    from common.engines.sim import SimEngine
+    from kairos import up
+    from services.router.service import Router
+
+    f = tuned_file(tmp_path, {
+        "kairos": {"engine": {"prefill_token_budget": 1024, "decode_token_budget": 640, "decode_chunk": 384},
+                   "policy": {"alpha": 2.0, "max_deflections": 4, "candidates": [1024, 512, 128]}},
+        "conditional-disagg": {"engine": {"decode_token_budget": 700},
+                               "policy": {"eff_isl_threshold": 512, "prefill_busy_threshold": 8.0}}})
+    def envs(*argv: str) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+        """The environments `kairos up ARGV` starts the router and the workers with."""
+        svc = up.Cluster(up.spec_from_args(up.parser().parse_args(list(argv)))).services
+        return svc["router"].env, svc["prefill-0"].env, svc["decode-0"].env
+
+    router_env, prefill_env, decode_env = envs("--policy", "kairos", "--tuned", str(f), "--beta", "0.8",
+                                               "--kv-transport", "modeled")
+    r = Router(config.load(config.RouterConfig, env=router_env))
+    assert isinstance(r.policy, Kairos)
+    assert (r.policy.cfg.alpha, r.policy.cfg.beta, r.policy.cfg.max_deflections) == (2.0, 0.8, 4)
+    assert r.policy.cfg.candidates == (1024, 512, 128)
+    p = make_engine(config.load(config.WorkerConfig, env=prefill_env), "prefill")
+    d = make_engine(config.load(config.WorkerConfig, env=decode_env), "decode")
+    assert isinstance(p, SimEngine) and isinstance(d, SimEngine)
+    assert (p.token_budget, d.token_budget, d.batcher.default_chunk) == (1024, 640, 384)
+    router_env, _, decode_env = envs("--policy", "conditional-disagg", "--tuned", str(f))
+    r = Router(config.load(config.RouterConfig, env=router_env))
+    assert isinstance(r.policy, ConditionalDisagg)
+    assert (r.policy.cfg.eff_isl_threshold, r.policy.cfg.prefill_busy_threshold) == (512, 8.0)
+    assert decode_env["KAIROS_DECODE_TOKEN_BUDGET"] == "700" and "KAIROS_PREFILL_TOKEN_BUDGET" not in decode_env
+    with pytest.raises(ConfigError, match="no settings for policy 'chunked-prefill'"):
+        envs("--policy", "chunked-prefill", "--prefill", "0", "--tuned", str(f))
+    with pytest.raises(ConfigError, match=r"kairos knob\(s\) alpha given, but --policy is conditional-disagg"):
+        envs("--policy", "conditional-disagg", "--alpha", "2")
+    with pytest.raises(ConfigError, match="needs prefill workers"):
+        envs("--prefill", "0", "--policy", "disagg-least-loaded")

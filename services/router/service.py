@@ -45,7 +45,11 @@ class Router:
             kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
                                 per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
-            self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
+            ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
+                                     eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
+                                     prefill_busy_threshold=cfg.prefill_busy_threshold,
+                                     decode_busy_threshold=cfg.decode_busy_threshold)
+            self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ccfg,
                                       default_model=self.profile.model)
         except ValueError as e:
             raise ConfigError(str(e)) from e

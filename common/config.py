@@ -64,6 +64,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    kv_wait_timeout: Annotated[float, doc("seconds a request that finds no decode worker with KV room waits for "
+                                          "some before HTTP 503 (0: 503 at once)")] = 30.0
+    kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""

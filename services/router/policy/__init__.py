@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from common.perf_model import PerfModel
-from services.router.policy.base import ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from services.router.policy.base import (
+    ClusterView,
+    Decision,
+    DecodeView,
+    NoKvRoom,
+    NoWorkers,
+    Policy,
+    PrefillView,
+    RequestSpec,
+)
 from services.router.policy.baselines import (
     ChunkedPrefill,
     ConditionalConfig,
@@ -27,6 +36,7 @@ __all__ = [
     "DecodeView",
     "Kairos",
     "KairosConfig",
+    "NoKvRoom",
     "NoWorkers",
     "Policy",
     "PrefillView",

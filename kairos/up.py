@@ -277,6 +277,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     p.add_argument("--curve-keys-dir", default="", help="require CURVE on the bus with keys from `kairos keys DIR`")
+    p.add_argument("--kv-wait-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request that finds no decode worker with KV room waits before HTTP 503 "
+                        "(default 30; 0: at once)")
     p.add_argument("--tuned", metavar="FILE", default=None,
                    help="the --policy's engine settings and knobs from `kairos tune --out FILE` (flags below override)")
     add_engine_flags(p)
@@ -319,6 +322,10 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     router_env, worker_env = knob_env(a)
+    if a.kv_wait_timeout is not None:
+        if a.kv_wait_timeout < 0:
+            raise ConfigError("--kv-wait-timeout must be >= 0")
+        router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     return ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,

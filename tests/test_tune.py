@@ -194,8 +194,9 @@ def test_kairos_up_passes_the_tuned_knobs_to_the_router_and_the_workers(tmp_path
         return svc["router"].env, svc["prefill-0"].env, svc["decode-0"].env
 
     router_env, prefill_env, decode_env = envs("--policy", "kairos", "--tuned", str(f), "--beta", "0.8",
-                                               "--kv-transport", "modeled")
+                                               "--kv-transport", "modeled", "--kv-wait-timeout", "5")
     r = Router(config.load(config.RouterConfig, env=router_env))
+    assert r.cfg.kv_wait_timeout == 5.0
     assert isinstance(r.policy, Kairos)
     assert (r.policy.cfg.alpha, r.policy.cfg.beta, r.policy.cfg.max_deflections) == (2.0, 0.8, 4)
     assert r.policy.cfg.candidates == (1024, 512, 128)

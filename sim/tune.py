@@ -40,6 +40,7 @@ from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
 from services.router.policy import POLICIES
+from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.stats import fmt, json_safe, summarize
@@ -53,7 +54,8 @@ OBJECTIVE = ("maximize both-SLO attainment (TTFT <= ttft_slo and largest TBT gap
 # queued switches conditional-disagg's load half off, a length threshold of 0 its length half.
 GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "kairos": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048, 4096),
-               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4)},
+               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4),
+               "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64))},
     "conditional-disagg": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048),
                            "decode_chunk": (256, 512, 1024, 2048), "eff_isl_threshold": (0, 256, 512, 1024, 2048),
                            "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 1000.0)},
@@ -64,6 +66,7 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "deflect-all": {"decode_token_budget": (256, 512, 1024, 2048, 4096), "decode_chunk": (256, 512, 1024, 2048)},
 }
 DEFAULT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
+DEFAULT_PROFILE: str = sim_parser().get_default("profile")
 SHORT = {"prefill_token_budget": "P budget", "decode_token_budget": "D budget", "decode_chunk": "D chunk",
          "max_deflections": "max defl", "eff_isl_threshold": "isl <", "prefill_busy_threshold": "busy >",
          "eff_isl_ratio_threshold": "isl ratio <"}
@@ -202,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    c.add_argument("--profile", default="a100-dsv2-lite", help="performance profile name or .json path")
+    c.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help=f"performance profile name or .json path (default {DEFAULT_PROFILE}, as kairos sim)")
     c.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats (default 0.1)")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request waits for KV room before rejection (default 30)")
@@ -250,8 +254,13 @@ def load_slices(args: argparse.Namespace) -> tuple[Slices, list[TraceRequest], l
 
 def _knobs_text(name: str, entry: dict[str, Any], grid: dict[str, tuple[Any, ...]]) -> str:
     vals = {**entry["engine"], **entry["policy"]}
-    return ", ".join(f"{SHORT.get(k, k)} {vals[k]:g}" if isinstance(vals.get(k), float) else
-                     f"{SHORT.get(k, k)} {vals.get(k)}" for k in grid)
+    def text(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:g}"
+        if isinstance(v, (list, tuple)):
+            return "/".join(str(x) for x in v)
+        return str(v)
+    return ", ".join(f"{SHORT.get(k, k)} {text(vals.get(k))}" for k in grid)
 
 
 def _table(out: dict[str, Any], title: str) -> Table:

@@ -134,7 +134,7 @@ def defaults(job: Job) -> dict[str, Any]:
     unknown = set(job.grid) - set(start)
     if unknown:
         raise ConfigError(f"{job.policy}: cannot search unknown knob(s) {', '.join(sorted(unknown))}")
-    return {k: start[k] for k in job.grid}
+    return {k: tuple(start[k]) if isinstance(start[k], list) else start[k] for k in job.grid}
 
 
 def tune_one(job: Job) -> dict[str, Any]:

@@ -117,7 +117,8 @@ def test_tune_judges_the_winner_only_on_the_disjoint_report_slice(monkeypatch: p
 def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path) -> None:
     out = tmp_path / "tuned.json"
     argv = ["--trace", "synthetic", "--rate", "4", "--duration", "40", "--seed", "3", "--policy", "chunked-prefill",
-            "--policy", "disagg-least-loaded", "--passes", "1", "--out", str(out), "--quiet"]
+            "--policy", "disagg-least-loaded", "--policy", "kairos", "--policy", "conditional-disagg",
+            "--passes", "1", "--out", str(out), "--quiet"]
     assert tune.main(argv) == 0
     tuned = json.loads(out.read_text())
     assert tuned["slices"] == {"tune": 3, "report": 4, "unit": "seed"}
@@ -134,6 +135,8 @@ def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path) -> None:
         assert got["config"]["settings"][name]["cluster"] == entry["cluster"]
         for k, v in entry["engine"].items():
             assert got["config"]["settings"][name]["engine"][k] == v
+        for k, v in entry["policy"].items():
+            assert got["config"]["settings"][name]["policy"][k] == v
         for k in ("slo_attainment", "ttft_p95", "tbt_slo_attainment", "rejected"):
             assert s[k] == entry["report"][k], (name, k)
 

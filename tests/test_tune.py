@@ -218,3 +218,22 @@ def test_kairos_up_passes_the_tuned_knobs_to_the_router_and_the_workers(tmp_path
         envs("--policy", "conditional-disagg", "--alpha", "2")
     with pytest.raises(ConfigError, match="needs prefill workers"):
         envs("--prefill", "0", "--policy", "disagg-least-loaded")
+
+
+def test_report_shows_the_settings_that_differ(tmp_path: Path) -> None:
+    from sim import report
+
+    files = []
+    for budget in ("512", "1024"):
+        out = tmp_path / f"r{budget}.json"
+        assert sim_cli.main(["--trace", "synthetic", "--duration", "10", "--policy", "chunked-prefill", "--policy",
+                             "kairos", "--decode-token-budget", budget, "--out", str(out), "--quiet"]) == 0
+        files.append(json.loads(out.read_text()))
+    head, _, *rows = report.table(files).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert "cluster" in cols and "decode_token_budget" in cols and "alpha" not in cols  # alpha did not vary
+    assert "TBT SLO (p99 gap)" in cols and "rejected" in cols
+    cells = [dict(zip(cols, (c.strip() for c in r.strip("|").split("|")), strict=True)) for r in rows]
+    assert {(c["policy"], c["cluster"], c["decode_token_budget"]) for c in cells} == {
+        ("chunked-prefill", "0P4D", "512"), ("kairos", "2P2D", "512"),
+        ("chunked-prefill", "0P4D", "1024"), ("kairos", "2P2D", "1024")}

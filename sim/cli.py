@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request that finds no KV room waits in the router's queue before it is "
                         "rejected (default 30; 0: reject at once)")
-    c.add_argument("--kv-wait-max", type=int, default=4096,
-                   help="requests waiting for KV room before new ones are rejected at once (default 4096)")
+    c.add_argument("--kv-wait-max", type=int, default=1024,
+                   help="requests waiting for KV room before new ones are rejected at once (default 1024)")
     add_engine_flags(p)
     s = p.add_argument_group("policies and SLOs")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,

@@ -63,7 +63,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     step_noise: float = 0.0   # sigma of a mean-1 lognormal factor on every executed step time
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
-    kv_wait_max: int = 4096        # requests waiting for KV room before new ones are rejected at once
+    kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:

@@ -47,12 +47,12 @@ from sim.knobs import (
 )
 from sim.stats import fmt, json_safe, summarize
 
-DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg")
+DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kairos sim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("trace")
     t.add_argument("--trace", default="code",
                    help="a CSV or JSON-lines file, 'code' or 'conv' (the Azure 2023 traces shipped with Kairos), "

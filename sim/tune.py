@@ -86,8 +86,8 @@ class Slices(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"the tune and report slices use the same seed {self.tune}")
             return
         assert isinstance(self.report, tuple)
-        (a0, a1), (b0, b1) = self.tune, self.report
-        if a0 < b1 and b0 < a1:
+        if not disjoint(self.tune, self.report):
+            (a0, a1), (b0, b1) = self.tune, self.report
             raise ConfigError(f"the tune slice [{a0:g}, {a1:g}) s and the report slice [{b0:g}, {b1:g}) s "
                               "overlap: a policy would be judged on data it was tuned on; move --report-start")
 

@@ -109,6 +109,8 @@ class Router:
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens)
+        while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
+            self.kv_waiting.popleft()
         try:
             if self.kv_waiting:
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes

@@ -177,6 +177,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      kv_wait_max=args.kv_wait_max)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
+    if args.tuned:
+        _tuned_note(console, args, profile.name, policies)
     clusters: dict[str, str] = {}
     cfgs: dict[str, SimConfig] = {}
     for name in policies:
@@ -243,6 +245,20 @@ def resolve_setups(args: argparse.Namespace, policies: list[str]) -> dict[str, S
         return flags
     tuned = load_tuned(args.tuned)
     return {name: tuned[name].merged(flags[name]) if name in tuned else flags[name] for name in policies}
+
+
+def _tuned_note(console: Console, args: argparse.Namespace, profile: str, policies: list[str]) -> None:
+    """Say which policies the tuned file covers, and where it was tuned for another setting."""
+    meta = json.loads(Path(args.tuned).read_text())  # load_tuned has checked it
+    covered = [n for n in policies if n in meta["policies"]]
+    rest = [n for n in policies if n not in covered]
+    console.print(f"tuned settings from {args.tuned} for: {', '.join(covered) or 'none'}"
+                  + (f"; flags and defaults for: {', '.join(rest)}" if rest else ""))
+    cluster = f"{args.prefill}P{args.decode}D"
+    for key, here in (("profile", profile), ("cluster", cluster), ("trace", args.trace)):
+        there = meta.get(key)
+        if there is not None and there != here:
+            console.print(f"[yellow]note: {args.tuned} was tuned for {key} {there}, this run uses {here}[/]")
 
 
 def _plots(folder: Path, sweep: list[dict[str, Any]], cdfs: list[tuple[float, dict[str, list[float]]]],

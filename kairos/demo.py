@@ -42,7 +42,7 @@ from common.traces import TraceRequest, find_bursty_window, load_trace, trace_pa
 from kairos.up import Cluster, ClusterSpec
 from services.router.policy import make_policy
 from sim.core import SimConfig, prefill_load, simulate
-from sim.stats import fmt, summarize
+from sim.stats import fmt, json_safe, summarize
 
 BASELINE = "disagg-least-loaded"
 POLICIES = (BASELINE, "kairos")
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                           "date": datetime.date.today().isoformat(),
                           "machine": f"{platform.machine()}, {_cpus()} CPUs"},
                "live": livers, "sim": sims}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(json_safe(results), indent=2) + "\n")
     console.print()
     for line in explain(info, livers, sims, args):
         console.print(line)

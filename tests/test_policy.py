@@ -426,17 +426,28 @@ def test_round_robin_cycles_each_pool() -> None:
     assert make_policy("disagg-round-robin").decide(rq(), view, 0.0).decode_worker == "decode-0"  # fresh counter
 
 
+DYNAMO_15 = ConditionalConfig(eff_isl_ratio_threshold=0.7)  # Dynamo >= 1.5's isl_bounding: mostly cached only
 COND_CASES = [
     # (name, prefill queue, decode view, request, config, route, reason)
     ("long uncached prompt, idle prefill", 0, dv(), rq(4096), ConditionalConfig(), "disagg", "prefill_not_busy"),
-    ("short but uncached prompt still goes to prefill", 0, dv(), rq(500), ConditionalConfig(), "disagg",
+    # the input-length half alone: a short prompt is prefilled locally although the prefill worker is idle
+    ("short prompt, idle prefill", 0, dv(), rq(500), ConditionalConfig(), "deflect", "short_prompt"),
+    ("just under the length threshold", 0, dv(), rq(2047), ConditionalConfig(), "deflect", "short_prompt"),
+    ("at the length threshold is long", 0, dv(), rq(2048), ConditionalConfig(), "disagg", "prefill_not_busy"),
+    ("length half off", 0, dv(), rq(500), ConditionalConfig(eff_isl_threshold=0), "disagg", "prefill_not_busy"),
+    ("ratio condition: short but uncached still goes to prefill", 0, dv(), rq(500), DYNAMO_15, "disagg",
      "prefill_not_busy"),
-    ("short, mostly cached prompt", 0, dv(), rq(1000, cached=600), ConditionalConfig(), "deflect",
-     "short_cached_prompt"),
+    ("ratio condition: short, mostly cached prompt", 0, dv(), rq(1000, cached=600), DYNAMO_15, "deflect",
+     "short_prompt"),
+    ("long prompt, mostly cached: short uncached part", 0, dv(), rq(4096, cached=3000), ConditionalConfig(),
+     "deflect", "short_prompt"),
+    # the load half alone: a long prompt is prefilled locally because the prefill worker is busy
     ("prefill busy (> 2 x budget queued)", 5000, dv(), rq(4096), ConditionalConfig(), "deflect", "prefill_busy"),
     ("prefill at exactly 2 x budget is not busy", 4096, dv(), rq(4096), ConditionalConfig(), "disagg",
      "prefill_not_busy"),
     ("busy prefill but the decode KV is nearly full", 5000, dv(free=50_000, cap=1_000_000), rq(4096),
+     ConditionalConfig(), "disagg", "decode_busy"),
+    ("short prompt but the decode KV is nearly full", 0, dv(free=50_000, cap=1_000_000), rq(500),
      ConditionalConfig(), "disagg", "decode_busy"),
     ("custom threshold", 5000, dv(), rq(4096), ConditionalConfig(prefill_busy_threshold=4.0), "disagg",
      "prefill_not_busy"),
@@ -456,6 +467,23 @@ def test_conditional_disagg(name: str, queued: int, d: DecodeView, req: RequestS
 def test_conditional_without_prefill_workers_deflects() -> None:
     dec = decide("conditional-disagg", rq(4096), cluster([], [dv()]))
     assert (dec.route, dec.reason) == ("deflect", "no_prefill_worker")
+
+
+def test_conditional_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="decode_busy_threshold"):
+        ConditionalConfig(decode_busy_threshold=1.5)
+    with pytest.raises(ValueError, match=">= 0"):
+        ConditionalConfig(eff_isl_threshold=-1)
+
+
+def test_chunked_prefill_never_uses_a_prefill_worker() -> None:
+    for view in (cluster([pv()], [dv("decode-0", batch=9), dv("decode-1", batch=3)]),
+                 cluster([], [dv("decode-0", batch=9), dv("decode-1", batch=3)])):
+        dec = decide("chunked-prefill", rq(4096), view)
+        assert (dec.route, dec.decode_worker, dec.prefill_worker) == ("deflect", "decode-1", None)
+        assert dec.chunk_schedule == ()  # the engine chunks within its token budget
+    with pytest.raises(NoWorkers, match="KV room"):
+        decide("chunked-prefill", rq(4096), cluster([pv()], [dv(free=100)]))
 
 
 def test_deflect_all_picks_least_loaded_decode() -> None:

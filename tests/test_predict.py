@@ -239,7 +239,8 @@ def test_kairos_cli_switches(tmp_path: Any) -> None:
     assert main(["--trace", "synthetic", "--duration", "30", "--policy", "kairos", "--predictor", "paper",
                  "--no-budget-fit", "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["config"]["predictor"] == "paper" and res["config"]["budget_fit"] is False
+    knobs = res["config"]["settings"]["kairos"]["policy"]
+    assert knobs["predictor"] == "paper" and knobs["budget_fit"] is False and knobs["max_deflections"] == 4
     assert set(res["policies"]["kairos"]["ttft_pred_mape_by_route"]) == {"disagg", "deflect"}
 
 

@@ -280,13 +280,13 @@ class Simulation:
         batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
         reserved = 0.0
         reserved_tokens = 0
-        inflight: tuple[tuple[float, float], ...] = ()
+        inflight: tuple[tuple[float, float, int], ...] = ()
         if self.cfg.ledger:
             defl = len(w.deflecting)
             for cost, tokens, _ in w.deflecting.values():
                 reserved += cost
                 reserved_tokens += tokens
-            inflight = tuple((end, cost) for cost, _, end in w.deflecting.values())
+            inflight = tuple((end, cost, tokens) for cost, tokens, end in w.deflecting.values())
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - w.led_kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,

@@ -21,6 +21,7 @@ from services.router.policy import (
     Decision,
     DecodeView,
     KairosConfig,
+    NoWorkers,
     PrefillView,
     RequestSpec,
     make_policy,
@@ -289,10 +290,36 @@ def test_a_deflection_in_flight_counts_in_ttft_only_until_it_ends() -> None:
     k = Kairos(KairosConfig(max_deflections=4), default_model=M)
 
     def view(end: float) -> ClusterView:
-        d = msgspec.structs.replace(dv(batch=20, kv=40_000, reserved=0.02, defl=1), inflight=((end, 0.02),))
+        d = msgspec.structs.replace(dv(batch=20, kv=40_000, reserved=0.02, defl=1), inflight=((end, 0.02, 0),))
         return ClusterView(prefill=(pv((), 0.0),), decode=(d,))
 
     long, short = k.decide(rq(6000), view(1e9), 0.0), k.decide(rq(6000), view(0.0), 0.0)
     assert long.route == short.route == "deflect" and long.chunk_schedule == short.chunk_schedule
     n = len(long.chunk_schedule)
     assert (long.ttft_decode_pred or 0.0) - (short.ttft_decode_pred or 0.0) == pytest.approx(0.02 * n, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(0, 300), budget=st.integers(256, 2304), tokens=st.integers(1, 12_000),
+       inflight=st.lists(st.tuples(st.floats(0.0, 3.0), st.integers(1, 1024)), max_size=4))
+def test_schedule_leaves_the_live_deflections_their_tokens(batch: int, budget: int, tokens: int,
+                                                           inflight: list[tuple[float, int]]) -> None:
+    """With deflections in flight, every chunk fits the token budget beside the decodes and the
+    largest chunks of the deflections predicted to be still running at its step."""
+    d = msgspec.structs.replace(dv(batch=batch, kv=batch * 1000, budget=budget, defl=len(inflight)),
+                                inflight=tuple((end, 0.0, k) for end, k in inflight))
+    k = Kairos(KairosConfig(max_deflections=8), default_model=M)
+    view = ClusterView(prefill=(), decode=(d,))
+    req = RequestSpec(request_id="r", prompt_tokens=tokens, max_tokens=1, ttft_slo=1e9, tbt_slo=1.0)
+    try:
+        dec = k.decide(req, view, 0.0)
+    except NoWorkers:
+        return
+    wait = 0.5 * M.decode_time(batch, batch * 1000) if batch or inflight else 0.0  # a busy worker, phase unknown
+    t = 0.0  # from the schedule's start
+    done = 0
+    for i, chi in enumerate(dec.chunk_schedule):
+        live = sum(k_ for end, k_ in inflight if end - wait > t)
+        assert chi + batch + live <= budget
+        t += M.step_time(batch, batch * 1000 + batch * (i + (1 if wait else 0)), [(chi, done)])
+        done += chi

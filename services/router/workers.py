@@ -92,7 +92,7 @@ class WorkerEntry:
             batch, kv, free, resident, defl, slo, pending = 0, 0, h.kv_capacity_tokens, 0, 0, None, 0
         reserved = 0.0
         reserved_tokens = 0
-        inflight: tuple[tuple[float, float], ...] = ()
+        inflight: tuple[tuple[float, float, int], ...] = ()
         if use_ledger:
             for e in self.ledger.values():
                 free -= e.reserve_tokens
@@ -103,7 +103,7 @@ class WorkerEntry:
             defl = len(self.deflecting)  # exact: the router sees every deflection start and end
             reserved = sum(self.deflecting.values())
             reserved_tokens = sum(t for t, _ in self.deflect_info.values())
-            inflight = tuple((end, self.deflecting.get(rid, 0.0)) for rid, (_, end) in self.deflect_info.items())
+            inflight = tuple((end, self.deflecting.get(rid, 0.0), k) for rid, (k, end) in self.deflect_info.items())
         return DecodeView(worker_id=self.worker_id, batch=batch, kv_tokens=kv, kv_free_tokens=max(free, 0),
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,

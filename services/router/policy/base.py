@@ -57,7 +57,8 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     pending: int = 0              # handoffs dispatched, not yet decoding
     reserved_tokens: int = 0      # tokens per step the deflections in flight may take (their largest chunks)
     busy_until: float = 0.0       # end of the step in flight (policy clock); <= now: unknown or idle
-    inflight: tuple[tuple[float, float], ...] = ()  # deflections in flight: (predicted end, reserved step s)
+    inflight: tuple[tuple[float, float, int], ...] = ()  # deflections in flight: (predicted end,
+    # reserved step s, largest chunk)
     step_s: float = 0.0           # its recent step time (0: unknown)
 
 

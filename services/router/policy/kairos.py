@@ -131,7 +131,8 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
             max_steps: int, exact: bool = False, lead: int = 0,
-            ends: list[tuple[float, float]] | None = None) -> tuple[int, tuple[int, ...], float]:
+            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1
+            ) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
     feasibility beyond is unknown). `cands`: usable candidates, largest first.
@@ -139,8 +140,12 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     The step cost is `PerfModel.step_time` written out (tests check they agree): paper form
     a2*(K + done), exact form a2*(K + B*(lead + step)), the decodes' context growing by one
     token per step (`lead` = 1: a step in flight first adds one). `ends`: when each deflection
-    in flight is predicted to finish (seconds after this schedule starts) and its reserved step
-    cost; the safety check always reserves every one, the predicted TTFT_D only until it ends."""
+    in flight is predicted to finish (seconds after this schedule starts), its reserved step
+    cost and its largest chunk; the safety check always reserves every one's cost, the predicted
+    TTFT_D only until it ends. `fit_tokens` >= 0: a chunk also leaves in the token budget the
+    largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
+    tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
+    chunk short should one of them run longer, so the budget holds either way."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
@@ -164,10 +169,13 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     top = cands[0]
     off = 0.0  # reserved cost of the deflections in flight predicted to have ended
     ei, ne = 0, len(ends)
+    cap = fit_tokens - sum(e[2] for e in ends) if fit_tokens >= 0 else 1 << 60
     while done < tokens:
         while ei < ne and ends[ei][0] <= total:
             off += ends[ei][1]
+            cap += ends[ei][2]
             ei += 1
+            i = 0  # more token budget: larger candidates may fit again
         rem = tokens - done
         base = base0 + ka * done + g * (len(sched) + lead)
         if rem <= top:
@@ -176,6 +184,9 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
             i = 0
         while i < n:
             chi = cands[i] if cands[i] < rem else rem
+            if chi > cap:
+                i += 1
+                continue
             t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
             if over0 + chi > 0:
                 t += a7 * (over0 + chi)
@@ -336,10 +347,13 @@ class Kairos:
                 # a stale view of a busy worker: on average half its decode step is left
                 wait = 0.5 * self._model(d.model).decode_time(d.batch, d.kv_tokens)
             cut = (limit if best is None else min(limit, best[1])) - wait
-            cap = d.token_budget - d.batch - (d.reserved_tokens if fit else 0)
-            ends = sorted((e - now - wait, c) for e, c in d.inflight) if replay_p and d.inflight else None
+            cap = d.token_budget - d.batch
+            ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
+            if fit and not ends:
+                cap -= d.reserved_tokens
             st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap), cut,
-                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends)
+                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends,
+                                       cap if fit and ends else -1)
             status[d.worker_id] = st
             if st != _OK:
                 continue

@@ -24,7 +24,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("keys") / "curve"
     rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(d)], capture_output=True, text=True)
     assert rc.returncode == 0, rc.stderr
-    assert (d / "allowed" / "worker.key").exists() and (d / "router.key_secret").exists()
+    assert (d / "allowed" / "worker" / "worker.key").exists() and (d / "allowed" / "monitor" / "monitor.key").exists() and (d / "router.key_secret").exists()
     return d
 
 

@@ -179,7 +179,7 @@ class WorkerBus:
         _common(self.work, cfg, WORK_HWM)
         self.work.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.work.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # a restarted router hears from us within 0.2 s
         self.heartbeats = self.ctx.socket(zmq.PUB)
         _common(self.heartbeats, cfg, HEARTBEAT_HWM)
         self.heartbeats.setsockopt(zmq.CONFLATE, 0)

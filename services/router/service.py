@@ -31,7 +31,7 @@ from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
-from services.router.trust import Gate, refusal, serving_limit
+from services.router.trust import Gate, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
@@ -159,7 +159,8 @@ class Router:
 
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()
-        view = self.table.view(use_ledger=self.cfg.ledger, exclude=frozenset(req.exclude))
+        exclude = frozenset(req.exclude) | too_small(self.table, len(req.prompt_token_ids))
+        view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
                            max_tokens=req.sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens)

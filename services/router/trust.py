@@ -88,3 +88,9 @@ def serving_limit(table: WorkerTable) -> int:
             return 0
         best = max(best, w.hello.max_model_len)
     return best
+
+
+def too_small(table: WorkerTable, prompt_tokens: int) -> frozenset[str]:
+    """Workers whose max_model_len leaves no room for this prompt plus one output token."""
+    return frozenset(w.worker_id for w in table.workers.values()
+                     if 0 < w.hello.max_model_len <= prompt_tokens)

@@ -1,0 +1,193 @@
+"""A bus that trusts no one: the router checks every worker message against the requests it
+assigned to the sender (bound to its ZeroMQ identity at Hello), refuses incompatible workers,
+rejects at once what no worker can serve, and survives a message it fails to handle.
+
+Router-only: the router runs in this process with its bus bound on free ports, and frames are
+handed to its work-socket callback as the socket would hand them (identity, payload); what it
+sends back is not read (no worker is connected), only its state and its clients' events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from common import codec, config
+from common import messages as m
+from common.errors import RequestError
+from kairos.up import free_port
+from services.router import metrics
+from services.router.requests import Request
+from services.router.service import Router
+
+SAMPLING = m.Sampling(max_tokens=4, ignore_eos=True)
+
+
+def hello(worker_id: str, role: m.Role = "decode", **kw: object) -> m.Hello:
+    base: dict[str, object] = dict(protocol=m.PROTOCOL_VERSION, worker_id=worker_id, role=role, incarnation="i1",
+                                   engine="sim", model="kairos-sim", token_budget=2048,
+                                   kv_capacity_tokens=10**6, kv_transport="modeled")
+    base.update(kw)
+    return m.Hello(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    cfg = config.load(config.RouterConfig, env={}, overrides={
+        "work_port": free_port(), "heartbeat_port": free_port(), "telemetry_port": free_port(),
+        "policy": "kairos", "profile": "fast"})
+    r = Router(cfg)
+    r.open()
+    yield r
+    r.close()
+
+
+def frame(r: Router, identity: bytes, msg: m.Msg) -> None:
+    r._on_work_frames([identity, codec.encode(msg)])
+
+
+def dropped(reason: str) -> float:
+    return metrics.DROPPED.labels(reason)._value.get()  # type: ignore[no-any-return]
+
+
+def events(req: Request) -> list[object]:
+    items = list(req.events._items)
+    return items
+
+
+async def test_forged_token_batch_never_reaches_the_client(router: Router) -> None:
+    frame(router, b"decode-0", hello("decode-0"))
+    frame(router, b"decode-1", hello("decode-1"))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    assert set(router.table.workers) == {"decode-0", "decode-1", "prefill-0"}
+    req = router.submit([1, 2, 3], SAMPLING)
+    owner = req.decode_worker
+    assert owner is not None
+    other = "decode-1" if owner == "decode-0" else "decode-0"
+    forged = m.TokenBatch(worker_id=owner, items=[m.TokenItem(req.request_id, req.attempt, [666], "stop")])
+
+    before = {r: dropped(r) for r in ("unregistered_peer", "worker_id_mismatch", "not_assigned")}
+    frame(router, b"intruder", forged)                        # a peer that never registered
+    frame(router, other.encode(), forged)                     # a registered worker claiming another's id
+    frame(router, other.encode(), m.TokenBatch(worker_id=other, items=forged.items))  # not its request
+    frame(router, b"prefill-0", m.TokenBatch(worker_id="prefill-0", items=forged.items))
+    assert events(req) == [] and not req.done
+    assert dropped("unregistered_peer") == before["unregistered_peer"] + 1
+    assert dropped("worker_id_mismatch") == before["worker_id_mismatch"] + 1
+    assert dropped("not_assigned") == before["not_assigned"] + 2
+
+    # the other message kinds from a peer that may not send them change nothing either
+    for msg in (m.RequestFailed(request_id=req.request_id, attempt=0, worker_id=other, reason="x", retryable=False),
+                m.KvTarget(request_id=req.request_id, attempt=0, decode_worker=other),
+                m.Goodbye(worker_id=owner, incarnation="i1", reason="drained")):
+        frame(router, other.encode(), msg)
+    frame(router, b"intruder", m.Goodbye(worker_id=owner, incarnation="i1", reason="drained"))
+    assert not req.done and owner in router.table.workers and not router.table.workers[owner].draining
+
+    # the owner's tokens get through
+    frame(router, owner.encode(), m.TokenBatch(worker_id=owner, items=[m.TokenItem(req.request_id, 0, [7, 8])]))
+    frame(router, owner.encode(), m.TokenBatch(worker_id=owner, items=[m.TokenItem(req.request_id, 0, [9], "length")]))
+    got = events(req)
+    assert [e.token_ids for e in got[:2]] == [[7, 8], [9]]  # type: ignore[attr-defined]
+    assert req.done and req.outcome == "ok"
+
+
+async def test_request_ids_are_random_and_client_ids_only_labels(router: Router) -> None:
+    frame(router, b"decode-0", hello("decode-0"))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    a = router.submit([1], SAMPLING, request_id="mine")
+    b = router.submit([1], SAMPLING, request_id="mine")
+    assert a.request_id != b.request_id and "mine" not in (a.request_id, b.request_id)
+    assert a.client_request_id == b.client_request_id == "mine"
+    assert len(a.request_id) == 24 and int(a.request_id, 16) >= 0  # 96 random bits
+
+
+async def test_prompt_over_every_workers_max_model_len_is_rejected_before_dispatch(router: Router) -> None:
+    frame(router, b"decode-0", hello("decode-0", max_model_len=64))
+    frame(router, b"decode-1", hello("decode-1", max_model_len=128))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    with pytest.raises(RequestError) as e:
+        router.submit(list(range(128)), SAMPLING)
+    assert e.value.code == "context_length_exceeded" and "128" in str(e.value)
+    assert router.counts["accepted"] == 0 and router.routes.total() == 0  # never dispatched
+    ok = router.submit(list(range(100)), SAMPLING)  # fits decode-1
+    assert ok.decode_worker == "decode-1"
+    frame(router, b"decode-2", hello("decode-2"))  # no limit advertised: nothing is judged too long
+    router.submit(list(range(500)), SAMPLING)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"engine": "vllm"}, "engine"),
+    ({"kv_transport": "nixl"}, "kv_transport"),
+    ({"model": "other-model"}, "model"),
+    ({"protocol": m.PROTOCOL_VERSION + 1}, "protocol"),
+])
+async def test_incompatible_worker_is_refused_at_registration(router: Router, change: dict[str, object],
+                                                             why: str) -> None:
+    frame(router, b"decode-0", hello("decode-0"))
+    before = metrics.REFUSED.labels(why)._value.get()
+    frame(router, b"odd-1", hello("odd-1", **change))
+    assert "odd-1" not in router.table.workers
+    assert metrics.REFUSED.labels(why)._value.get() == before + 1
+
+
+async def test_a_hello_under_another_identity_is_refused(router: Router) -> None:
+    frame(router, b"someone", hello("decode-0"))
+    assert "decode-0" not in router.table.workers
+
+
+async def test_a_handler_error_fails_one_request_not_the_router(router: Router, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    frame(router, b"decode-0", hello("decode-0"))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    bad = router.submit([1, 2], SAMPLING)
+    good = router.submit([3, 4], SAMPLING)
+
+    def boom(p: m.PrefillDone, w: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(router, "_on_prefill_done", boom)
+    kv = m.KvHandle(transport="modeled", source_worker="decode-0", tokens=2)
+    frame(router, b"decode-0", m.PrefillDone(request_id=bad.request_id, attempt=0, worker_id="decode-0", kv=kv,
+                                             queue_s=0, prefill_s=0))
+    assert bad.done and bad.outcome == "internal_error"
+    frame(router, b"decode-0", m.TokenBatch(worker_id="decode-0",
+                                            items=[m.TokenItem(good.request_id, 0, [5], "length")]))
+    assert good.done and good.outcome == "ok"
+
+
+async def test_goodbye_drained_is_a_departure(router: Router) -> None:
+    frame(router, b"decode-0", hello("decode-0"))
+    lost = metrics.WORKERS_LOST.labels("decode")._value.get()
+    departed = metrics.DEPARTED.labels("decode")._value.get()
+    frame(router, b"decode-0", m.Goodbye(worker_id="decode-0", incarnation="i1"))
+    assert router.table.workers["decode-0"].draining
+    frame(router, b"decode-0", m.Goodbye(worker_id="decode-0", incarnation="i1", reason="drained"))
+    assert "decode-0" not in router.table.workers
+    assert metrics.DEPARTED.labels("decode")._value.get() == departed + 1
+    assert metrics.WORKERS_LOST.labels("decode")._value.get() == lost
+
+
+async def test_welcome_names_the_requests_the_router_does_not_track(router: Router,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[bytes, m.Msg]] = []
+    monkeypatch.setattr(router, "_work_send",
+                        lambda frames: sent.append((frames[0], codec.decode_inbox.decode(frames[1]))) or True)
+    frame(router, b"decode-0", hello("decode-0"))
+    req = router.submit([1, 2], SAMPLING)
+    sent.clear()
+    frame(router, b"decode-0", hello("decode-0", held=[req.request_id, "from-a-router-before-a-restart"]))
+    welcome = [msg for _, msg in sent if isinstance(msg, m.Welcome)]
+    assert len(welcome) == 1 and welcome[0].drop == ["from-a-router-before-a-restart"]
+
+
+async def test_held_request_is_served_when_a_worker_registers(router: Router) -> None:
+    import asyncio
+
+    task = asyncio.create_task(router.admit([1, 2, 3], SAMPLING))
+    await asyncio.sleep(0)  # it is now waiting: no worker
+    assert not task.done()
+    frame(router, b"decode-0", hello("decode-0"))
+    req = await asyncio.wait_for(task, 5)
+    assert req.decode_worker == "decode-0"

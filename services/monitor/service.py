@@ -48,7 +48,7 @@ class Monitor:
         self.metrics = MonitorMetrics(self.state, clock)
         self.feed = Feed()
         self.app = App(snapshot=self.snapshot, metrics=self.metrics.render, health=self.health, feed=self.feed,
-                       stop=self.stop)
+                       stop=self.stop, api_key=cfg.api_key)
 
     # ------------------------------------------------------------------ intake
     def on_message(self, msg: m.TelemetryInbox) -> None:

@@ -52,7 +52,8 @@ class FakeRouter:
                 return msg
 
 
-async def _start(role: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Any, FakeRouter]]:
+async def _start(role: str, monkeypatch: pytest.MonkeyPatch, *, drain_timeout: float = 1.0
+                 ) -> AsyncIterator[tuple[Any, FakeRouter]]:
     monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)  # the test process keeps its own
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -61,7 +62,7 @@ async def _start(role: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tu
     sock.bind(f"tcp://127.0.0.1:{port}")
     cfg = config.load(config.WorkerConfig, env={}, overrides={
         "work_port": port, "heartbeat_port": free_port(), "kv_transport": "modeled", "worker_id": f"{role}-p",
-        "refit_interval": 0, "drain_timeout": 1.0})
+        "refit_interval": 0, "drain_timeout": drain_timeout})
     engine = SimEngine(role, load_profile("fast"))  # type: ignore[arg-type]
     w = (DecodeWorker if role == "decode" else PrefillWorker)(cfg, engine)
     task = asyncio.create_task(w.run())
@@ -71,7 +72,7 @@ async def _start(role: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tu
         assert isinstance(h, m.Hello)
         await router.send(m.Welcome(router_incarnation="fake", heartbeat_interval_s=0.1))
         yield w, router
-        assert not task.done(), "the worker stopped"
+        assert w.stop.is_set() or not task.done(), "the worker stopped"
     finally:
         w.stop.set()
         await asyncio.wait_for(task, 10)
@@ -88,6 +89,12 @@ async def decode(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[DecodeW
 @pytest.fixture
 async def prefill(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[PrefillWorker, FakeRouter]]:
     async for x in _start("prefill", monkeypatch):
+        yield x
+
+
+@pytest.fixture
+async def prefill_long_drain(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[PrefillWorker, FakeRouter]]:
+    async for x in _start("prefill", monkeypatch, drain_timeout=30.0):
         yield x
 
 
@@ -229,3 +236,32 @@ async def test_prefill_worker_engine_exception_fails_only_that_request(
     done = await router.until(lambda x: isinstance(x, m.PrefillDone))
     assert isinstance(done, m.PrefillDone) and done.request_id == "after-poison"
     assert w.counters["bad_frames"] == 1
+
+
+async def test_prefill_drain_waits_until_the_decode_side_has_pulled_the_kv(
+        prefill_long_drain: tuple[PrefillWorker, FakeRouter]) -> None:
+    """Pull mode (vLLM: the decode worker READs the KV from the prefill worker): a draining
+    prefill worker stays until the router says the decode side has it."""
+    w, router = prefill_long_drain
+    real = w._on_prefilled
+
+    def pulled(p: Any) -> None:  # what a pull-mode engine reports: where the KV can be read
+        p.kv_params = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
+        real(p)
+
+    w.engine.on_prefilled = pulled
+    await router.send(m.PrefillWork(request_id="pull", attempt=0, dispatch=1, prompt_token_ids=[1, 2, 3],
+                                    sampling=SAMPLING, decode_worker="d", deadline_s=30.0))
+    done = await router.until(lambda x: isinstance(x, m.PrefillDone))
+    assert isinstance(done, m.PrefillDone) and done.kv.params
+    assert "pull" in w.kv_out and not w.held_requests()
+    w.stop.set()  # SIGTERM
+    bye = await router.until(lambda x: isinstance(x, m.Goodbye))
+    assert isinstance(bye, m.Goodbye) and bye.reason == "shutdown"
+    # Holding nothing else, it would say Goodbye("drained") within ~50 ms; it waits for the read.
+    # (No event marks a wait that goes on: 0.5 s of silence on its only socket to us shows it.)
+    assert await router.sock.poll(500) == 0 and w.draining and "pull" in w.kv_out
+    await router.send(m.Cancel(request_id="pull", attempt=0, reason="kv_consumed"))
+    left = await router.until(lambda x: isinstance(x, m.Goodbye), timeout=5)
+    assert isinstance(left, m.Goodbye) and left.reason == "drained"
+    assert not w.kv_out

@@ -32,13 +32,18 @@ def hello(worker_id: str, role: m.Role = "decode", **kw: object) -> m.Hello:
     return m.Hello(**base)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def router() -> Iterator[Router]:
+def make_router(policy: str = "kairos") -> Router:
     cfg = config.load(config.RouterConfig, env={}, overrides={
         "work_port": free_port(), "heartbeat_port": free_port(), "telemetry_port": free_port(),
-        "policy": "kairos", "profile": "fast"})
+        "policy": policy, "profile": "fast"})
     r = Router(cfg)
     r.open()
+    return r
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    r = make_router()
     yield r
     r.close()
 
@@ -191,3 +196,29 @@ async def test_held_request_is_served_when_a_worker_registers(router: Router) ->
     frame(router, b"decode-0", hello("decode-0"))
     req = await asyncio.wait_for(task, 5)
     assert req.decode_worker == "decode-0"
+
+
+async def test_first_token_releases_the_kv_a_prefill_worker_holds_for_a_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    router = make_router("disagg-least-loaded")
+    try:
+        sent: list[tuple[bytes, m.Msg]] = []
+
+        def capture(frames: list[bytes]) -> bool:
+            dec = codec.prefill_inbox if frames[0].startswith(b"prefill") else codec.decode_inbox
+            sent.append((frames[0], dec.decode(frames[1])))
+            return True
+
+        monkeypatch.setattr(router, "_work_send", capture)
+        frame(router, b"decode-0", hello("decode-0"))
+        frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+        req = router.submit([1, 2, 3], SAMPLING)
+        assert req.prefill_worker == "prefill-0"
+        kv = m.KvHandle(transport="vllm", source_worker="prefill-0", tokens=3, params={"remote_block_ids": [1]})
+        frame(router, b"prefill-0", m.PrefillDone(request_id=req.request_id, attempt=0, worker_id="prefill-0", kv=kv,
+                                                  queue_s=0, prefill_s=0))
+        sent.clear()
+        frame(router, b"decode-0", m.TokenBatch(worker_id="decode-0", items=[m.TokenItem(req.request_id, 0, [5])]))
+        assert [(peer, msg) for peer, msg in sent] == [
+            (b"prefill-0", m.Cancel(request_id=req.request_id, attempt=0, reason="kv_consumed"))]
+    finally:
+        router.close()

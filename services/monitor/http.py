@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from urllib.parse import parse_qs
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST

@@ -222,3 +222,65 @@ async def test_first_token_releases_the_kv_a_prefill_worker_holds_for_a_pull(mon
             (b"prefill-0", m.Cancel(request_id=req.request_id, attempt=0, reason="kv_consumed"))]
     finally:
         router.close()
+
+
+def _metric(api: str, name: str, labels: str) -> float:
+    import httpx
+
+    text = httpx.get(api + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_forged_token_batch_from_an_unregistered_peer_never_reaches_a_client(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """End to end: a stream is running; a peer that never registered sends tokens (and an end)
+    for it, under the decode worker's name; the client gets exactly its own tokens."""
+    import json
+    import time
+
+    import httpx
+    import zmq
+
+    from tests.conftest import start_cluster
+
+    c = start_cluster(tmp_path_factory.mktemp("forged"), prefill=1, decode=1, profile="a100-dsv2-lite",
+                      policy="kairos", kv_transport="modeled")  # real step times: ~2 s of streaming
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.IDENTITY, b"intruder")
+        rogue.connect(f"tcp://127.0.0.1:{c.spec.work_port}")
+        body = {"prompt": "hello there", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", c.spec.api + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
+            rid = first["id"].removeprefix("cmpl-")
+            words = first["choices"][0]["text"].split()
+            before = _metric(c.spec.api, "kairos_router_dropped_messages_total", 'reason="unregistered_peer"')
+            forged = codec.encode(m.TokenBatch(worker_id="decode-0", items=[
+                m.TokenItem(rid, 0, [7] * 50, "stop")]))
+            rogue.send(forged)
+            deadline = time.monotonic() + 10
+            while _metric(c.spec.api, "kairos_router_dropped_messages_total",
+                          'reason="unregistered_peer"') < before + 1:
+                assert time.monotonic() < deadline, "the router never counted the forged batch"
+                rogue.send(forged)
+                time.sleep(0.05)
+            assert httpx.get(c.spec.api + "/v1/kairos/stats", timeout=5).json()["in_flight"] == 1  # still going
+            finish = None
+            for ln in lines:
+                if not ln.startswith("data: ") or ln == "data: [DONE]":
+                    continue
+                ch = json.loads(ln[6:])["choices"][0]
+                words += ch["text"].split()
+                finish = ch["finish_reason"] or finish
+        assert finish == "length" and len(words) == 100  # its own 100 tokens; not the forged 50 and "stop"
+        log = (tmp_path_factory.getbasetemp()).glob("forged*/router.log")
+        assert any('"message_dropped"' in p.read_text() and "intruder" in p.read_text() for p in log)
+    finally:
+        ctx.destroy(linger=0)
+        c.stop(15)

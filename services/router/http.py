@@ -12,7 +12,9 @@ for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the
 `worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
 can help.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds), `ignore_eos`;
-the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`.
+the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`, and
+`x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
+is echoed back but is only a label).
 """
 
 from __future__ import annotations
@@ -306,7 +308,8 @@ class App:
             raise HttpError(503, str(e), type_="service_unavailable", code="unavailable",
                             retry_after=e.retry_after_s) from e
         d = req.decision
-        headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode())]
+        headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
+                   (b"x-kairos-request-id", req.request_id.encode())]
         if d is not None:
             headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
                         (b"x-kairos-decode-worker", d.decode_worker.encode())]

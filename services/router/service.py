@@ -272,7 +272,8 @@ class Router:
         self._publish(rec)
         metrics.observe_request(rec, req.gaps)
         metrics.set_in_flight(len(self.requests))
-        log.info("request_done", request_id=req.request_id, route=rec.route, reason=rec.reason,
+        log.info("request_done", request_id=req.request_id, client_request_id=req.client_request_id or None,
+                 route=rec.route, reason=rec.reason,
                  prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
                  prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
                  ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,

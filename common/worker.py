@@ -53,6 +53,7 @@ class WorkerService(abc.ABC):
         self.hb_seq = 0
         self.last_dispatch = 0
         self.draining = False
+        self.left = False
         self._beat_now = asyncio.Event()
         self._hello_now = asyncio.Event()
         self._answered = asyncio.Event()   # the router answered a Hello (Welcome or Refused)
@@ -142,6 +143,7 @@ class WorkerService(abc.ABC):
             await self.bus.send(codec.encode(m.RequestFailed(
                 request_id=rid, attempt=attempt, worker_id=self.worker_id, reason="worker_draining",
                 retryable=True)))
+        self.left = True  # no more heartbeats: the router must not take us for a worker to re-register
         await self.bus.send(codec.encode(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation,
                                                    reason="drained")))
         self.log.info("drain_finished", handed_back=len(left))
@@ -184,7 +186,7 @@ class WorkerService(abc.ABC):
             if event == zmq.EVENT_DISCONNECTED:
                 broken = True
                 self.log.info("router_disconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
                 broken = False
                 self.log.info("router_reconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
                 self.welcomed.clear()
@@ -198,6 +200,8 @@ class WorkerService(abc.ABC):
             except TimeoutError:
                 pass
             self._beat_now.clear()
+            if self.left:
+                return
             self.hb_seq += 1
             self.bus.beat(codec.encode(self.heartbeat()))
 
@@ -259,6 +263,8 @@ class WorkerService(abc.ABC):
                 self.welcomed.clear()
                 self._answered.set()
             case m.Reregister():
+                if self.draining:  # leaving: a router that does not know us has nothing of ours
+                    return
                 self.log.info("reregister_requested", router_incarnation=msg.router_incarnation,
                               reason=msg.reason)
                 self.welcomed.clear()

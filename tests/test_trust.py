@@ -284,3 +284,61 @@ def test_forged_token_batch_from_an_unregistered_peer_never_reaches_a_client(
     finally:
         ctx.destroy(linger=0)
         c.stop(15)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from tests.conftest import start_cluster
+
+    c = start_cluster(tmp_path_factory.mktemp("live"), prefill=1, decode=2, profile="fast", policy="kairos")
+    yield c
+    c.stop(15)
+
+
+def test_a_worker_back_under_its_id_is_accepted_at_once(live: object) -> None:
+    """ROUTER_HANDOVER: a worker restarted on a host whose old connection the router has not yet
+    seen die (here: still open) gets its id, and its Welcome, straight away."""
+    import zmq
+
+    from kairos.up import Cluster
+
+    assert isinstance(live, Cluster)
+    ctx = zmq.Context()
+    try:
+        def connect() -> zmq.Socket[bytes]:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"back-1")
+            s.connect(f"tcp://127.0.0.1:{live.spec.work_port}")
+            return s
+
+        def register(s: zmq.Socket[bytes], incarnation: str) -> m.Msg:
+            s.send(codec.encode(hello("back-1", incarnation=incarnation, kv_transport="nixl")))
+            assert s.poll(5000), "no answer to Hello"
+            return codec.decode_inbox.decode(s.recv())
+
+        old = connect()
+        assert isinstance(register(old, "first"), m.Welcome)
+        new = connect()  # the old connection is still up
+        assert isinstance(register(new, "second"), m.Welcome)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_drained_worker_is_logged_as_a_departure(live: object) -> None:
+    import time
+
+    from kairos.up import Cluster
+
+    assert isinstance(live, Cluster)
+    live.stop_service("decode-1", 20)
+    log = live.services["router"].log_path
+    assert log is not None
+    deadline = time.monotonic() + 10
+    while '"worker_departed"' not in log.read_text():
+        assert time.monotonic() < deadline, "no worker_departed in the router's log"
+        time.sleep(0.05)
+    lines = [ln for ln in log.read_text().splitlines() if '"decode-1"' in ln]
+    assert any('"worker_departed"' in ln and '"level": "info"' in ln for ln in lines)
+    assert not any('"worker_lost"' in ln for ln in lines)
+    assert "decode-1" not in live.registered()

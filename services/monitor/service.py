@@ -59,7 +59,10 @@ class Monitor:
                     log.info("worker_seen", worker=msg.worker_id, role=msg.role, engine=msg.engine,
                              incarnation=msg.incarnation)
             case m.WorkerLost():
-                log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
+                if msg.reason == "departed":  # drained and left: normal life, not a loss
+                    log.info("worker_departed", worker=msg.worker_id, role=msg.role)
+                else:
+                    log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
             case m.DecisionRecord() | m.RequestRecord() | m.RouterStats():
                 pass
             case _:

@@ -52,8 +52,8 @@ class FakeRouter:
                 return msg
 
 
-async def _start(role: str, monkeypatch: pytest.MonkeyPatch, *, drain_timeout: float = 1.0
-                 ) -> AsyncIterator[tuple[Any, FakeRouter]]:
+async def _start(role: str, monkeypatch: pytest.MonkeyPatch, *, drain_timeout: float = 1.0,
+                 **overrides: object) -> AsyncIterator[tuple[Any, FakeRouter]]:
     monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)  # the test process keeps its own
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -62,7 +62,7 @@ async def _start(role: str, monkeypatch: pytest.MonkeyPatch, *, drain_timeout: f
     sock.bind(f"tcp://127.0.0.1:{port}")
     cfg = config.load(config.WorkerConfig, env={}, overrides={
         "work_port": port, "heartbeat_port": free_port(), "kv_transport": "modeled", "worker_id": f"{role}-p",
-        "refit_interval": 0, "drain_timeout": drain_timeout})
+        "refit_interval": 0, "drain_timeout": drain_timeout, **overrides})
     engine = SimEngine(role, load_profile("fast"))  # type: ignore[arg-type]
     w = (DecodeWorker if role == "decode" else PrefillWorker)(cfg, engine)
     task = asyncio.create_task(w.run())
@@ -265,3 +265,28 @@ async def test_prefill_drain_waits_until_the_decode_side_has_pulled_the_kv(
     left = await router.until(lambda x: isinstance(x, m.Goodbye), timeout=5)
     assert isinstance(left, m.Goodbye) and left.reason == "drained"
     assert not w.kv_out
+
+
+@pytest.fixture
+async def decode_short_handoff(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[DecodeWorker, FakeRouter]]:
+    async for x in _start("decode", monkeypatch, kv_handoff_timeout=0.3):
+        yield x
+
+
+async def test_a_kv_handoff_that_never_comes_expires_after_kv_handoff_timeout(
+        decode_short_handoff: tuple[DecodeWorker, FakeRouter]) -> None:
+    """Not after the request's 300 s deadline: its KV space is given back and it is prefilled in
+    place (reported as a KV fallback) after `kv_handoff_timeout`."""
+    w, router = decode_short_handoff
+    assert not w.pending
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await router.send(m.DecodeWork(request_id="waits", attempt=0, dispatch=1, mode="handoff",
+                                   prompt_token_ids=[1, 2, 3], sampling=SAMPLING, tbt_slo=0.1, deadline_s=300.0,
+                                   prefill_worker="gone"))
+    batch = await router.until(lambda x: isinstance(x, m.TokenBatch) and "waits" in x.kv_fallback)
+    assert isinstance(batch, m.TokenBatch)
+    assert batch.kv_fallback_reasons == ["kv_timeout"]
+    assert loop.time() - t0 < 30  # bounded by kv_handoff_timeout (0.3 s), nowhere near the 300 s deadline
+    await served(router, "waits")
+    assert not w.pending and w._reserved() == 0

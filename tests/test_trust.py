@@ -122,6 +122,15 @@ async def test_prompt_over_every_workers_max_model_len_is_rejected_before_dispat
     router.submit(list(range(500)), SAMPLING)
 
 
+async def test_more_tokens_than_any_decode_workers_kv_is_rejected_before_dispatch(router: Router) -> None:
+    frame(router, b"decode-0", hello("decode-0", kv_capacity_tokens=1000))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    with pytest.raises(RequestError) as e:
+        router.submit(list(range(900)), m.Sampling(max_tokens=200))
+    assert e.value.param == "max_tokens" and "1100" in str(e.value) and "1000" in str(e.value)
+    router.submit(list(range(900)), m.Sampling(max_tokens=100))
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ({"engine": "vllm"}, "engine"),
     ({"kv_transport": "nixl"}, "kv_transport"),

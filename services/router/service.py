@@ -31,7 +31,7 @@ from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
-from services.router.trust import Gate, refusal, serving_limit, too_small
+from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
@@ -156,6 +156,14 @@ class Router:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the workers' max_model_len is {limit} "
                                f"(prompt plus at least one output token): shorten the prompt", param="prompt",
                                code="context_length_exceeded")
+        kv = kv_limit(self.table)
+        need = len(prompt_ids) + sampling.max_tokens
+        if kv and need > kv:
+            self.counts["rejected_too_long"] += 1
+            metrics.observe_rejected("too_long")
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) needs "
+                               f"{need} tokens of KV cache; the largest decode worker holds {kv}: shorten the prompt "
+                               "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()

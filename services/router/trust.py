@@ -94,3 +94,16 @@ def too_small(table: WorkerTable, prompt_tokens: int) -> frozenset[str]:
     """Workers whose max_model_len leaves no room for this prompt plus one output token."""
     return frozenset(w.worker_id for w in table.workers.values()
                      if 0 < w.hello.max_model_len <= prompt_tokens)
+
+
+def kv_limit(table: WorkerTable) -> int:
+    """The most KV (tokens) one live decode worker holds at all: 0 if none is registered or one
+    reports no capacity (then nothing can be judged)."""
+    best = 0
+    for w in table.workers.values():
+        if w.role != "decode" or w.draining:
+            continue
+        if w.hello.kv_capacity_tokens <= 0:
+            return 0
+        best = max(best, w.hello.kv_capacity_tokens)
+    return best

@@ -11,8 +11,10 @@ the telemetry.
 
 Liveness below the application: ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/TIMEOUT/TTL) and TCP
 keepalive on every bus connection, so a peer whose host died is noticed in seconds, not when
-TCP gives up; the router's ROUTER socket hands an identity over to the newest connection
-(ROUTER_HANDOVER), so a worker that comes back under its id is reachable at once.
+TCP gives up. With CURVE, the router's ROUTER socket hands an identity over to the newest
+connection (ROUTER_HANDOVER), so a worker that comes back under its id is reachable at once
+(without CURVE that would let any peer take a live worker's identity, so it stays off: a worker
+back under its id is accepted once the old connection misses its heartbeats, ~3 s).
 """
 
 from __future__ import annotations
@@ -131,7 +133,12 @@ class RouterBus:
         self.work = self.ctx.socket(zmq.ROUTER)
         _common(self.work, cfg, WORK_HWM)
         self.work.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise instead of vanishing
-        self.work.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a worker back under its id takes its identity over
+        if cfg.curve_keys_dir:
+            # A worker back under its id (restarted on a host whose old connection is not yet seen
+            # dead) takes the identity over at once. Only with CURVE: without it any peer could
+            # take a live worker's identity; then the old connection must first be found dead
+            # (ZeroMQ heartbeats: 3 x zmq_heartbeat_s).
+            self.work.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.heartbeats = self.ctx.socket(zmq.SUB)
         _common(self.heartbeats, cfg, HEARTBEAT_HWM * 64)
         self.heartbeats.setsockopt(zmq.SUBSCRIBE, HB_TOPIC)

@@ -131,3 +131,35 @@ def test_keys_if_missing_keeps_existing_keys(keys: Path) -> None:
     assert rc.returncode == 0 and (keys / "router.key").read_bytes() == before
     rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(keys)], capture_output=True, text=True)
     assert rc.returncode == 1 and "--force" in rc.stderr
+
+
+def test_a_worker_back_under_its_id_is_accepted_at_once(cluster: Cluster, keys: Path) -> None:
+    """ROUTER_HANDOVER (CURVE only): a worker restarted on a host whose old connection the router
+    has not yet seen die (here: still open) gets its id, and its Welcome, straight away."""
+    ctx = zmq.Context()
+    try:
+        def connect() -> zmq.Socket[bytes]:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"back-1")
+            pub, sec = zmq.auth.load_certificate(str(keys / "worker.key_secret"))
+            server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+            s.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
+            return s
+
+        def register(s: zmq.Socket[bytes], incarnation: str) -> m.Msg:
+            s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="back-1", role="decode",
+                                        incarnation=incarnation, engine="sim", model="kairos-sim", token_budget=64,
+                                        kv_capacity_tokens=10**6, kv_transport="nixl", max_model_len=0)))
+            assert s.poll(5000), "no answer to Hello"
+            msg: m.Msg = codec.decode_inbox.decode(s.recv())
+            return msg
+
+        old = connect()
+        assert isinstance(register(old, "first"), m.Welcome)
+        new = connect()  # the old connection is still up
+        assert isinstance(register(new, "second"), m.Welcome)
+        new.send(codec.encode(m.Goodbye(worker_id="back-1", incarnation="second", reason="drained")))
+    finally:
+        ctx.destroy(linger=0)

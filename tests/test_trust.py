@@ -304,36 +304,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     c.stop(15)
 
 
-def test_a_worker_back_under_its_id_is_accepted_at_once(live: object) -> None:
-    """ROUTER_HANDOVER: a worker restarted on a host whose old connection the router has not yet
-    seen die (here: still open) gets its id, and its Welcome, straight away."""
-    import zmq
-
-    from kairos.up import Cluster
-
-    assert isinstance(live, Cluster)
-    ctx = zmq.Context()
-    try:
-        def connect() -> zmq.Socket[bytes]:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IDENTITY, b"back-1")
-            s.connect(f"tcp://127.0.0.1:{live.spec.work_port}")
-            return s
-
-        def register(s: zmq.Socket[bytes], incarnation: str) -> m.Msg:
-            s.send(codec.encode(hello("back-1", incarnation=incarnation, kv_transport="nixl")))
-            assert s.poll(5000), "no answer to Hello"
-            return codec.decode_inbox.decode(s.recv())
-
-        old = connect()
-        assert isinstance(register(old, "first"), m.Welcome)
-        new = connect()  # the old connection is still up
-        assert isinstance(register(new, "second"), m.Welcome)
-    finally:
-        ctx.destroy(linger=0)
-
-
 def test_a_drained_worker_is_logged_as_a_departure(live: object) -> None:
     import time
 

@@ -414,7 +414,11 @@ class Router:
         w = self.table.workers.get(identity.decode(errors="replace"))
         if req is not None and w is not None and w.identity == identity and \
                 w.worker_id in (req.prefill_worker, req.decode_worker):
-            self._fail(req, f"internal error handling {type(msg).__name__} from {w.worker_id}", code="internal_error")
+            try:
+                self._fail(req, f"internal error handling {type(msg).__name__} from {w.worker_id}",
+                           code="internal_error")
+            except Exception as e2:  # already failing: log, never take the router down
+                log.error("fail_after_handler_error_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
 
     def _refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
         self.counts["workers_refused"] += 1

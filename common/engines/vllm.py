@@ -111,7 +111,8 @@ class _Held:
 class VllmEngine(Engine):
     """AsyncLLM for one role. Construct, `await start()`, run `run()` as a task; see the module
     docstring. Extra callbacks beyond the Engine interface: `on_kv_fallback(request_id, reason)`
-    and `on_failed(request_id, attempt, reason)` (a request that cannot complete here)."""
+    and `on_failed(request_id, attempt, reason, retryable=True)` (a request that cannot complete here;
+    retryable=False when vLLM refused the request itself, a ValueError)."""
 
     name = "vllm"
 

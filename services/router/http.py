@@ -431,6 +431,8 @@ def _end_error(ev: Event) -> HttpError:
         return HttpError(504, ev.error or "", type_="server_error", code=code)
     if code == "router_shutdown":  # another router (or this one, restarted) can take it
         return HttpError(503, ev.error or "", type_="server_error", code=code, retry_after=2.0)
+    if code == "kv_wait_timeout":  # no KV room anywhere for a while: room frees as requests end
+        return HttpError(503, ev.error or "", type_="server_error", code=code, retry_after=2.0)
     if code in ("unavailable", "retries_exhausted"):
         return HttpError(503, ev.error or "", type_="server_error", code=code)
     return HttpError(500, ev.error or "", type_="server_error", code=code)

@@ -544,8 +544,10 @@ class Router:
         wid = w.worker_id
         for it in b.items:
             req = reqs.get(it.request_id)
-            if req is not None and req.decode_worker != wid:  # not this worker's: forged or confused
+            if req is not None and req.decode_worker != wid:  # not (or no longer) this worker's
                 self.gate.drop(w.identity, "not_assigned", b, it.request_id)
+                if it.finish_reason is None:  # e.g. it woke up after the request moved on: stop it there
+                    self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="not_assigned"))
                 continue
             if req is None or req.attempt != it.attempt or req.done:
                 if it.finish_reason is None:  # a stale attempt still running there

@@ -98,6 +98,22 @@ async def test_forged_token_batch_never_reaches_the_client(router: Router) -> No
     assert req.done and req.outcome == "ok"
 
 
+async def test_tokens_for_a_request_moved_elsewhere_are_dropped_and_cancelled_there(
+        router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[bytes, m.Msg]] = []
+    monkeypatch.setattr(router, "_work_send",
+                        lambda frames: sent.append((frames[0], codec.decode_inbox.decode(frames[1]))) or True)
+    frame(router, b"decode-0", hello("decode-0"))
+    frame(router, b"decode-1", hello("decode-1"))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    req = router.submit([1, 2, 3], SAMPLING)
+    other = "decode-1" if req.decode_worker == "decode-0" else "decode-0"
+    sent.clear()
+    frame(router, other.encode(), m.TokenBatch(worker_id=other, items=[m.TokenItem(req.request_id, 0, [1])]))
+    assert events(req) == []
+    assert sent == [(other.encode(), m.Cancel(request_id=req.request_id, attempt=0, reason="not_assigned"))]
+
+
 async def test_request_ids_are_random_and_client_ids_only_labels(router: Router) -> None:
     frame(router, b"decode-0", hello("decode-0"))
     frame(router, b"prefill-0", hello("prefill-0", role="prefill"))

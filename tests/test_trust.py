@@ -337,3 +337,27 @@ def test_a_drained_worker_is_logged_as_a_departure(live: object) -> None:
     assert any('"worker_departed"' in ln and '"level": "info"' in ln for ln in lines)
     assert not any('"worker_lost"' in ln for ln in lines)
     assert "decode-1" not in live.registered()
+
+
+def test_bus_sockets_have_heartbeats_and_keepalive() -> None:
+    import zmq
+
+    from common.sockets import MonitorBus, RouterBus, WorkerBus
+
+    ports = {"work_port": free_port(), "heartbeat_port": free_port(), "telemetry_port": free_port()}
+    rcfg = config.load(config.RouterConfig, env={}, overrides=ports)
+    wcfg = config.load(config.WorkerConfig, env={}, overrides=ports)
+    mcfg = config.load(config.MonitorConfig, env={}, overrides=ports)
+    rb = RouterBus(rcfg)
+    wb = WorkerBus(wcfg, "w-1")
+    mb = MonitorBus(mcfg)
+    try:
+        for sock in (rb.work, rb.heartbeats, rb.telemetry, wb.work, wb.heartbeats, mb.telemetry):
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 1000
+            assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 3000
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1 and sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 10
+        assert wb.work.getsockopt(zmq.RECONNECT_IVL_MAX) <= 250  # a restarted router hears from it at once
+    finally:
+        mb.close()
+        wb.close()
+        rb.close()

@@ -31,7 +31,7 @@ def _t(ev: dict[str, object]) -> float:
 def test_router_restart_under_load(tmp_path: Path) -> None:
     c = start_cluster(tmp_path, prefill=1, decode=2, profile="fast", policy="kairos")
     try:
-        result = asyncio.run(load(c, rate=15.0, duration=4.0, restart_at=1.5, seed=3, max_tokens=8))
+        result = asyncio.run(load(c, rate=15.0, duration=6.0, restart_at=1.0, seed=3, max_tokens=8))
     finally:
         c.stop(20)
     after: dict[str, int] = result["after_accepting"]  # type: ignore[assignment]
@@ -45,4 +45,10 @@ def test_router_restart_under_load(tmp_path: Path) -> None:
     start = _t(events[bound[1]])
     joined = {str(ev["worker"]): _t(ev) - start for ev in events[bound[1]:] if ev["event"] == "worker_joined"}
     assert set(joined) == {"prefill-0", "decode-0", "decode-1"}
-    assert max(joined.values()) < 1.0, f"re-registration took {joined}"
+    # Each saw its connection come back and said Hello on its own (not only when the router, seeing
+    # a heartbeat from a worker it does not know, asked it to).
+    for name in joined:
+        ev = [e["event"] for e in _events(tmp_path / f"{name}.log")]
+        assert "router_reconnected" in ev and "registered" in ev[ev.index("router_reconnected"):], (name, ev)
+    # ~0.1 s on an idle machine (BENCHMARKS.md); the bound only catches a regression to seconds
+    assert max(joined.values()) < 3.0, f"re-registration took {joined}"

@@ -82,6 +82,11 @@ class WorkerService(abc.ABC):
     def drop_request(self, request_id: str) -> None:
         """Abort a request and free what it holds (KV included); no message to the router."""
 
+    def held_ids(self) -> list[str]:
+        """Every request this worker holds anything for (Hello.held: the router names the ones it
+        no longer tracks, which drop_request then frees)."""
+        return [rid for rid, _ in self.held_requests()]
+
     def drain_pending(self) -> bool:
         """Whether the drain must still wait for something beyond held_requests()."""
         return False
@@ -156,7 +161,7 @@ class WorkerService(abc.ABC):
                        model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
                        kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
                        coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport,
-                       held=[rid for rid, _ in self.held_requests()], max_model_len=self.max_model_len(),
+                       held=self.held_ids(), max_model_len=self.max_model_len(),
                        **{"kv_block_tokens": int(getattr(self.engine, "block_size", 0) or 0), **self.extra_hello()})
 
     async def _hello_loop(self) -> None:

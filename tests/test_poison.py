@@ -290,3 +290,26 @@ async def test_a_kv_handoff_that_never_comes_expires_after_kv_handoff_timeout(
     assert loop.time() - t0 < 30  # bounded by kv_handoff_timeout (0.3 s), nowhere near the 300 s deadline
     await served(router, "waits")
     assert not w.pending and w._reserved() == 0
+
+
+async def test_kv_kept_for_a_pull_is_named_in_hello_and_dropped_if_the_router_forgot_it(
+        prefill: tuple[PrefillWorker, FakeRouter]) -> None:
+    w, router = prefill
+    real = w._on_prefilled
+
+    def pulled(p: Any) -> None:
+        p.kv_params = {"remote_block_ids": [1]}
+        real(p)
+
+    w.engine.on_prefilled = pulled
+    await router.send(m.PrefillWork(request_id="kept", attempt=0, dispatch=1, prompt_token_ids=[1, 2, 3],
+                                    sampling=SAMPLING, decode_worker="d", deadline_s=30.0))
+    await router.until(lambda x: isinstance(x, m.PrefillDone))
+    await router.send(m.Reregister(router_incarnation="restarted"))
+    h = await router.until(lambda x: isinstance(x, m.Hello))
+    assert isinstance(h, m.Hello) and h.held == ["kept"]
+    await router.send(m.Welcome(router_incarnation="restarted", heartbeat_interval_s=0.1, drop=["kept"]))
+    await router.send(m.PrefillWork(request_id="next", attempt=0, dispatch=2, prompt_token_ids=[1, 2, 3],
+                                    sampling=SAMPLING, decode_worker="d", deadline_s=30.0))
+    await router.until(lambda x: isinstance(x, m.PrefillDone) and x.request_id == "next")
+    assert list(w.kv_out) == ["next"]  # "kept" freed; "next" still waits for its reader

@@ -58,6 +58,9 @@ class PrefillWorker(WorkerService):
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
 
+    def held_ids(self) -> list[str]:
+        return [*self.work, *self.kv_out]  # KV kept for a pull too: freed if the router forgot it
+
     def drain_pending(self) -> bool:
         now = time.monotonic()
         for rid in [r for r, until in self.kv_out.items() if until <= now]:

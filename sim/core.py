@@ -98,7 +98,7 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "started", "view", "wid")
+    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "until", "view", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
@@ -110,8 +110,8 @@ class _Worker:
         self.next_hb = phase
         self.hb: tuple[Any, ...] = ()
         self.view: Any = None
-        self.plan: StepPlan | None = None  # the step in flight, started at `started`
-        self.started = 0.0
+        self.plan: StepPlan | None = None  # the step in flight
+        self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
 
 
 class _Prefill(_Worker):
@@ -252,8 +252,7 @@ class Simulation:
 
     def _busy_until(self, w: _Worker) -> float:
         """When the step in flight ends, as the worker predicts it (its model, without noise)."""
-        p = w.plan
-        return w.started + w.model.step_time(p.batch, p.kv_tokens, p.chunk_pairs()) if w.busy and p else 0.0
+        return w.until if w.busy else 0.0
 
     def _backlog(self, w: _Prefill) -> tuple[tuple[tuple[int, int], ...], float]:
         """What a prefill heartbeat reports for the replay predictor: each held request's
@@ -337,12 +336,14 @@ class Simulation:
             w.busy = False
             return
         w.busy = True
-        w.plan, w.started = plan, now
+        w.plan = plan
         for seq, _, _ in plan.chunks:
             if seq.prefill_started is None:
                 seq.prefill_started = now
                 seq.user.prefill_started = now  # type: ignore[attr-defined]
         dt = self._duration(w, plan)
+        w.until = now + (dt if self.cfg.step_noise <= 0 else
+                         w.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()))
         w.busy_s += dt
         self.steps += 1
         if isinstance(w, _Decode):

@@ -323,3 +323,17 @@ def test_schedule_leaves_the_live_deflections_their_tokens(batch: int, budget: i
         assert chi + batch + live <= budget
         t += M.step_time(batch, batch * 1000 + batch * (i + (1 if wait else 0)), [(chi, done)])
         done += chi
+
+
+def test_share_expect_counts_what_later_requests_add_to_the_last_step() -> None:
+    """After this policy sent a prefill worker tokens at some rate, a prompt whose last step
+    starts later (and has spare budget) is predicted slower by what that rate adds to the step;
+    switched off, or with nothing sent yet, the prediction is the bare replay."""
+    busy = dv(batch=256, kv=3_000_000)  # no decode slack: every request goes to the prefill worker
+    view = ClusterView(prefill=(pv(((6000, 0),), 0.0),), decode=(busy,))
+    on, off = Kairos(KairosConfig(), default_model=M), Kairos(KairosConfig(share_expect=False), default_model=M)
+    first = [k.decide(rq(3000), view, 0.0) for k in (on, off)]
+    assert first[0].route == "disagg" and first[0].ttft_prefill_pred == first[1].ttft_prefill_pred
+    for i in range(1, 20):  # 3000 tokens every 100 ms: 30k tokens/s at steady state
+        a, b = on.decide(rq(3000), view, 0.1 * i), off.decide(rq(3000), view, 0.1 * i)
+    assert (a.ttft_prefill_pred or 0.0) > (b.ttft_prefill_pred or 0.0)

@@ -16,7 +16,11 @@ is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`)
   step in flight, with the decodes' context growing one token each per step (and not the
   deflected prompt's own context a second time: its attention is in the chunk's cost).
 - `budget_fit`: a schedule's chunks leave room in the decode worker's token budget for its
-  decodes and for the chunks of the deflections already in flight (`reserved_tokens`).
+  decodes and for the chunks of the deflections predicted to be still in flight at each step.
+- `share_expect` (replay): the prompt's last prefill step usually has spare budget, which
+  requests sent to that worker after it take before the step starts (FIFO puts them in the
+  same step): its predicted TTFT counts the tokens the worker has been getting per second
+  (an exponentially weighted rate of this policy's own dispatches) over that wait.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_steps: int = 4096
     predictor: Literal["paper", "replay"] = "replay"
     budget_fit: bool = True
+    share_expect: bool = True
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -67,6 +72,7 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
 _INF = float("inf")
+_RATE_TAU_S = 1.0  # time constant of the dispatch rate behind `share_expect`
 
 
 def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int],
@@ -232,6 +238,7 @@ class Kairos:
         self._replays = ReplayCache()
         self._last_tail: dict[str, tuple[PrefillView, PerfModel, Tail]] = {}
         self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
+        self._rates: dict[str, tuple[float, float]] = {}  # prefill worker -> (when, tokens/s sent to it)
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -280,6 +287,28 @@ class Kairos:
             return extend(m, p.token_budget, p.max_batch, tail, tokens, now).end - now
         return (tail.end - now if tail.end > now else 0.0) + ex
 
+    def _note_dispatch(self, worker_id: str, tokens: int, now: float) -> None:
+        t0, rate = self._rates.get(worker_id, (now, 0.0))
+        if len(self._rates) > 4096:
+            self._rates.clear()
+        self._rates[worker_id] = (now, rate * math.exp(-max(0.0, now - t0) / _RATE_TAU_S) + tokens / _RATE_TAU_S)
+
+    def _expected_sharing(self, p: PrefillView, m: PerfModel, tokens: int, now: float) -> float:
+        """What the tokens sent to `p` between now and the start of this prompt's last prefill
+        step add to that step, at the rate the worker has been getting them."""
+        got = self._rates.get(p.worker_id)
+        if got is None:
+            return 0.0
+        rate = got[1] * math.exp(-max(0.0, now - got[0]) / _RATE_TAU_S)
+        fin = extend(m, p.token_budget, p.max_batch, self._tail(p, m, now), tokens, now)
+        spare = p.token_budget - fin.used
+        if spare <= 0 or not fin.chunks or (p.max_batch > 0 and len(fin.chunks) >= p.max_batch):
+            return 0.0
+        extra = min(spare, int(rate * max(0.0, fin.start - now)))
+        if extra <= 0:
+            return 0.0
+        return m.step_time(0, 0, (*fin.chunks, (extra, 0))) - m.step_time(0, 0, fin.chunks)
+
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
@@ -313,6 +342,8 @@ class Kairos:
                 best_p, ttft_p = p, t
         if not view.decode:
             raise NoWorkers("no live decode worker")
+        if replay_p and cfg.share_expect and best_p is not None:
+            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), tokens, now)
         handoff: DecodeView | None = None
         if replay_p and best_p is not None:
             # the disaggregated path's first token comes from the decode worker's next step after
@@ -367,6 +398,7 @@ class Kairos:
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
                 reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now)
+            self._note_dispatch(best_p.worker_id, tokens, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None)
         sched, ttft_d = best

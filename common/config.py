@@ -86,7 +86,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         = "replay"
     budget_fit: Annotated[bool, doc("kairos: chunk schedules leave token budget to the deflections in flight")] = True
     share_expect: Annotated[bool, doc("kairos replay predictor: count the tokens later requests add to a prompt's "
-                                      "last prefill step")] = True
+                                      "last prefill step")] = False
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
     eff_isl_threshold: Annotated[int, doc("conditional-disagg: prefill locally a prompt of fewer uncached tokens (0: off)")] \

@@ -138,8 +138,8 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                         "(Equation 1 and Algorithm 1's step sum as printed) (default replay)")
     k.add_argument("--no-budget-fit", action="store_true", default=None,
                    help="chunk schedules ignore the decode token budget taken by deflections in flight")
-    k.add_argument("--no-share-expect", action="store_true", default=None,
-                   help="replay predictor: leave out the tokens later requests add to a prompt's last prefill step")
+    k.add_argument("--share-expect", action="store_true", default=None,
+                   help="replay predictor: count the tokens later requests add to a prompt's last prefill step")
     c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
     c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
                    help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
@@ -162,7 +162,7 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term,
                    "predictor": args.predictor,
                    "budget_fit": None if args.no_budget_fit is None else not args.no_budget_fit,
-                   "share_expect": None if args.no_share_expect is None else not args.no_share_expect},
+                   "share_expect": args.share_expect},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
                                "eff_isl_ratio_threshold": args.isl_ratio_threshold,
                                "prefill_busy_threshold": args.prefill_busy_threshold,

@@ -331,7 +331,7 @@ def test_share_expect_counts_what_later_requests_add_to_the_last_step() -> None:
     switched off, or with nothing sent yet, the prediction is the bare replay."""
     busy = dv(batch=256, kv=3_000_000)  # no decode slack: every request goes to the prefill worker
     view = ClusterView(prefill=(pv(((6000, 0),), 0.0),), decode=(busy,))
-    on, off = Kairos(KairosConfig(), default_model=M), Kairos(KairosConfig(share_expect=False), default_model=M)
+    on, off = Kairos(KairosConfig(share_expect=True), default_model=M), Kairos(KairosConfig(), default_model=M)
     first = [k.decide(rq(3000), view, 0.0) for k in (on, off)]
     assert first[0].route == "disagg" and first[0].ttft_prefill_pred == first[1].ttft_prefill_pred
     for i in range(1, 20):  # 3000 tokens every 100 ms: 30k tokens/s at steady state

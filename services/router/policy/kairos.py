@@ -17,10 +17,11 @@ is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`)
   deflected prompt's own context a second time: its attention is in the chunk's cost).
 - `budget_fit`: a schedule's chunks leave room in the decode worker's token budget for its
   decodes and for the chunks of the deflections predicted to be still in flight at each step.
-- `share_expect` (replay): the prompt's last prefill step usually has spare budget, which
-  requests sent to that worker after it take before the step starts (FIFO puts them in the
-  same step): its predicted TTFT counts the tokens the worker has been getting per second
-  (an exponentially weighted rate of this policy's own dispatches) over that wait.
+- `share_expect` (replay; off by default: it measured worse on h100-llama2-70b-tp4): the
+  prompt's last prefill step usually has spare budget, which requests sent to that worker
+  after it take before the step starts (FIFO puts them in the same step); its predicted TTFT
+  then counts the tokens the worker has been getting per second (an exponentially weighted
+  rate of this policy's own dispatches) over that wait.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_steps: int = 4096
     predictor: Literal["paper", "replay"] = "replay"
     budget_fit: bool = True
-    share_expect: bool = True
+    share_expect: bool = False
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:

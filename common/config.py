@@ -65,6 +65,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
+    max_migrations: Annotated[int, doc("times a request whose tokens are streaming is resumed on another decode worker when its own dies or freezes (0: fail it with worker_lost_midstream)")] = 2
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
     max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True

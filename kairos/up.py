@@ -3,8 +3,11 @@
 Starts the router, the monitor, N prefill and M decode workers as separate processes (the
 same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
 docker-compose.yml runs), waits until every worker has registered, prints the API address, and
-on Ctrl-C or SIGTERM stops them in order (router first, so intake stops and in-flight requests
-drain; then workers; then the monitor), leaving no process behind.
+supervises them: a service that exits is started again (same command, same worker id) after a
+backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or when
+a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in order:
+router first (intake stops, in-flight requests drain), then workers, then the monitor, leaving no
+process behind.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from common.errors import ConfigError
+from common.logging import configure as configure_logging
+from kairos.supervisor import RestartPolicy, Supervisor
+
+log = structlog.get_logger()
 
 PR_SET_PDEATHSIG = 1
 
@@ -69,6 +78,7 @@ class ClusterSpec:
     log_level: str = "info"
     monitor: bool = True
     curve_keys_dir: str = ""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
 
@@ -95,6 +105,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.services: dict[str, Service] = {}
+        self.supervisor: Supervisor | None = None
         s = spec
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
@@ -133,6 +144,7 @@ class Cluster:
             svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
+        log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
 
     def start(self, timeout: float = 60.0) -> None:
         self.spawn("router")
@@ -179,6 +191,19 @@ class Cluster:
                 if svc.log_path and svc.log_path.exists():
                     tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-15:])
                 raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}; last log lines:\n{tail}")
+
+    def supervise(self) -> None:
+        """One pass of the supervisor: restart services that exited (with backoff); raises
+        CrashLoop when one exits too often."""
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self.spec.restart, list(self.services), alive=self.returncode,
+                                         start=self.spawn, log_path=lambda n: self.services[n].log_path)
+        self.supervisor.step()
+
+    def returncode(self, name: str) -> int | None:
+        """None while the service runs (or was never started), else how it exited."""
+        p = self.services[name].proc
+        return None if p is None else p.poll()
 
     def restart(self, name: str) -> None:
         """Start a service again after it exited (or was killed): same command, same environment."""
@@ -271,6 +296,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     p.add_argument("--curve-keys-dir", default="", help="require CURVE on the bus with keys from `kairos keys DIR`")
+    d = RestartPolicy()
+    p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
+                   help=f"seconds before restarting a service that exited; doubles with each exit in the "
+                        f"crash-loop window (default {d.backoff_s:g})")
+    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
+                   help=f"longest wait between restarts, seconds (default {d.backoff_max_s:g})")
+    p.add_argument("--crash-loop-exits", type=int, default=d.crash_loop_exits, metavar="N",
+                   help=f"stop the cluster when one service exits N times within the window (default "
+                        f"{d.crash_loop_exits})")
+    p.add_argument("--crash-loop-window", type=float, default=d.crash_loop_window_s, metavar="S",
+                   help=f"the crash-loop window, seconds (default {d.crash_loop_window_s:g})")
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                   help="kairos up's own log lines (service exits and restarts): json, console, or auto "
+                        "(json unless stdout is a terminal)")
     return p
 
 
@@ -282,11 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.engine == "vllm" and not a.model:
         print("error: --engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)", file=sys.stderr)
         return 2
+    try:
+        restart = RestartPolicy(backoff_s=a.restart_backoff, backoff_max_s=a.restart_backoff_max,
+                                crash_loop_exits=a.crash_loop_exits, crash_loop_window_s=a.crash_loop_window)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_logging("up", level=a.log_level, fmt=a.log_format)
     spec = ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
-                       curve_keys_dir=a.curve_keys_dir)
+                       curve_keys_dir=a.curve_keys_dir, restart=restart)
     cluster = Cluster(spec)
     stopping = False
 
@@ -311,12 +357,12 @@ def main(argv: list[str] | None = None) -> int:
               f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
               "Ctrl-C stops everything.", flush=True)
         while True:
-            cluster.check_alive()
-            time.sleep(0.5)
+            cluster.supervise()
+            time.sleep(0.1)
     except KeyboardInterrupt:
         print("\nstopping (router first, then workers)...", flush=True)
         return_code = 0
-    except (RuntimeError, TimeoutError, ConfigError) as e:
+    except (RuntimeError, TimeoutError, ConfigError) as e:  # a crash loop (CrashLoop) included
         print(f"error: {e}", file=sys.stderr, flush=True)
         return_code = 1
     finally:

@@ -5,8 +5,8 @@ per request, sends work down the disaggregated path (PrefillWork + DecodeWork(ha
 KvReady when the prefill side is done) or the deflected path (DecodeWork(deflect) with the chunk
 schedule), relays tokens to the HTTP layer, and publishes every decision and outcome to the
 monitor. Reliability: a worker silent for liveness x interval is removed; its requests are
-re-dispatched if no token reached the client yet, else failed with a clear error. Every
-request has a deadline.
+re-dispatched if no token reached the client yet, else resumed on another decode worker
+(services.router.migrate). Every request has a deadline.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common.errors import ConfigError, Overloaded, ProtocolError, Unavailable
 from common.perf_model import load_profile
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import metrics
+from services.router import metrics, migrate
 from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
@@ -118,8 +118,9 @@ class Router:
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=frozenset(req.exclude))
-        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
-                           max_tokens=req.sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+        prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
+        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
+                           max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens)
         decision = self.policy.decide(spec, view, time.monotonic())
         decision_us = (time.perf_counter() - t0) * 1e6
@@ -130,16 +131,17 @@ class Router:
         req.prefill_done = decision.route == "deflect"
         remaining = max(0.1, req.deadline - time.monotonic())
         dw = self.table.workers[decision.decode_worker]
-        tokens = len(req.prompt_token_ids)
-        reserve = tokens + req.sampling.max_tokens
+        tokens = len(prompt)
+        reserve = tokens + sampling.max_tokens
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
             dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
-                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
-                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens))
+                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
@@ -148,11 +150,12 @@ class Router:
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=dno, mode="handoff",
-                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
-                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens))
+                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from))
             self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
-                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                         prompt_token_ids=prompt, sampling=sampling,
                                          decode_worker=dw.worker_id, deadline_s=remaining,
                                          cached_tokens=req.cached_tokens))
         self.routes[decision.route] += 1
@@ -235,15 +238,14 @@ class Router:
                  ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
                  tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
                  tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
-                 outcome=rec.outcome, attempts=rec.attempts, kv_fallback=rec.kv_fallback)
+                 outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
 
     def _redispatch(self, req: Request, why: str, bad_worker: str | None) -> None:
         """Retry a request no token of which reached the client; else fail it clearly."""
         if req.done:
             return
         if req.streamed:
-            self._fail(req, f"worker failed after streaming {req.n_out} tokens ({why}); the output is incomplete",
-                       code="worker_lost_midstream")
+            migrate.resume(self, req, why, bad_worker)  # on another decode worker, or a clear failure
             return
         if req.attempt + 1 >= self.cfg.max_attempts:
             self._fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", code="retries_exhausted")
@@ -368,14 +370,15 @@ class Router:
                 if w is not None and it.finish_reason is None:  # a stale attempt still running there
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
+            if req.n_out == req.resume_from and w is not None:  # this attempt's first token: prefill over
+                w.deflecting.pop(req.request_id, None)
             if req.first_token_at is None:
                 req.first_token_at = now
-                if w is not None:
-                    w.deflecting.pop(req.request_id, None)
             else:
                 req.gaps.append(now - req.last_token_at)
             req.last_token_at = now
             req.n_out += len(it.token_ids)
+            req.out_ids += it.token_ids
             req.events.put_nowait(Event(token_ids=it.token_ids))
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)

@@ -102,8 +102,9 @@ def kairos_cmd(service: str) -> list[str]:
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, *, log_events: bool = False) -> None:
         self.spec = spec
+        self.log_events = log_events  # structlog lines for service starts (kairos up; library users stay quiet)
         self.services: dict[str, Service] = {}
         self.supervisor: Supervisor | None = None
         s = spec
@@ -144,7 +145,8 @@ class Cluster:
             svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
-        log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
+        if self.log_events:
+            log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
 
     def start(self, timeout: float = 60.0) -> None:
         self.spawn("router")
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        curve_keys_dir=a.curve_keys_dir, restart=restart)
-    cluster = Cluster(spec)
+    cluster = Cluster(spec, log_events=True)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

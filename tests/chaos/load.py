@@ -16,6 +16,7 @@ at most `retry_for` seconds. Every request ends in exactly one bucket:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -45,6 +46,13 @@ class Tally:
     retries: int = 0
     sent: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    ttft: list[float] = field(default_factory=list)    # per accepted request: send to first token, s
+    stall: list[float] = field(default_factory=list)   # per accepted request: longest gap between tokens, s
+
+    def worst(self) -> str:
+        """The slowest first token and the longest pause any client saw (what a fault cost)."""
+        return (f"ttft_max={max(self.ttft, default=0):.2f}s stall_max={max(self.stall, default=0):.2f}s "
+                f"stalls>0.5s={sum(1 for g in self.stall if g > 0.5)}")
 
     def row(self, name: str) -> str:
         errs = ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "-"
@@ -60,6 +68,7 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
     body = {"prompt": [1000 + (i % 997) for i in range(prompt_tokens)], "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True}
     give_up = time.monotonic() + retry_for
+    t0 = time.monotonic()
     while True:
         try:
             async with client.stream("POST", url, json=body) as r:
@@ -73,7 +82,7 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
                     tally.errors[f"http_{r.status_code}"] += 1
                     return
                 tally.accepted += 1
-                await _consume(r, tally, max_tokens, check_text=check_text)
+                await _consume(r, tally, max_tokens, check_text=check_text, t0=t0)
                 return
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if time.monotonic() < give_up:
@@ -93,7 +102,17 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
             return
 
 
-async def _consume(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool) -> None:
+async def _consume(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, t0: float) -> None:
+    times: list[float] = []  # when each text chunk arrived
+    try:
+        await _read(r, tally, max_tokens, check_text=check_text, times=times)
+    finally:
+        if times:
+            tally.ttft.append(times[0] - t0)
+            tally.stall.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
+
+
+async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, times: list[float]) -> None:
     tokens = 0
     finish = None
     text: list[str] = []
@@ -120,6 +139,7 @@ async def _consume(r: httpx.Response, tally: Tally, max_tokens: int, *, check_te
         rid = ev["id"].removeprefix("cmpl-")
         ch = ev["choices"][0]
         if ch.get("text"):
+            times.append(time.monotonic())
             tokens += len(ch["text"].split())
             text.append(ch["text"])
         if ch.get("finish_reason"):
@@ -145,7 +165,7 @@ async def run_load(url: str, *, rate: float, duration: float, seed: int, retry_f
         done, pending = await asyncio.wait(tasks, timeout=hang_after)
         for t in pending:
             t.cancel()
-        tally.hung = len(pending)
+        tally.hung += len(pending)  # plus the read timeouts counted above
         for t in done:
             if t.exception() is not None:
                 tally.failed += 1

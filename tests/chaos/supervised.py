@@ -55,7 +55,7 @@ def free_port_run(n: int) -> int:
 class Up:
     """`kairos up` as a child process, its JSON lines read from a file."""
 
-    def __init__(self, log_dir: Path, *, time_scale: float = 0.2, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, log_dir: Path, *, time_scale: float = 1.0, extra: tuple[str, ...] = ()) -> None:
         self.log_dir = log_dir
         self.port, bus, mon = free_port_run(1), free_port_run(3), free_port_run(1)
         self.api = f"http://127.0.0.1:{self.port}"
@@ -159,7 +159,8 @@ async def _main(a: argparse.Namespace) -> int:
                 for i, (kind, name) in enumerate(SCENARIOS):
                     tally, delta = await scenario(up, kind, name, rate=a.rate, duration=a.duration,
                                                   seed=1000 * run + i)
-                    print(f"run {run + 1}  {kind:<6} {name:<10} {tally.row('')}  router: {delta}", flush=True)
+                    print(f"run {run + 1}  {kind:<6} {name:<10} {tally.row('')}  {tally.worst()}  router: {delta}",
+                          flush=True)
             finally:
                 up.stop()
     print(f"load average: {os.getloadavg()}")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=6.0)
-    p.add_argument("--time-scale", type=float, default=0.2)
+    p.add_argument("--time-scale", type=float, default=1.0, help="sim step times x this (default 1: A100 timing)")
     return asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -37,7 +37,7 @@ def router_log(up: Up) -> str:
 
 async def check(up: Up, kind: str, name: str, seed: int) -> dict[str, int]:
     tally, delta = await scenario(up, kind, name, seed=seed)
-    print(f"\n{kind} {name}: {tally.row('')}  router: {delta}")
+    print(f"\n{kind} {name}: {tally.row('')}  {tally.worst()}  router: {delta}")
     assert tally.sent == 120
     assert tally.hung == 0 and tally.lost == 0, tally.errors     # lost includes a wrong or short text
     assert tally.completed >= 118, tally.errors

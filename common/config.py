@@ -66,6 +66,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
     max_migrations: Annotated[int, doc("times a request whose tokens are streaming is resumed on another decode worker when its own dies or freezes (0: fail it with worker_lost_midstream)")] = 2
+    park_timeout: Annotated[float, doc("seconds a request whose worker died waits for a worker to (re)register when no other can take it, before it fails")] = 10.0
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
     max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True

@@ -17,6 +17,7 @@ from common import messages as m
 from common.engines.base import EngineRequest
 from common.engines.sim import SimEngine, synthetic_token
 from common.perf_model import load_profile
+from services.router import migrate
 from services.router.requests import Event, Request
 from services.router.service import Router
 
@@ -143,16 +144,40 @@ async def test_the_migration_limit_fails_the_request_clearly() -> None:
     assert req.done and req.migrations == 1 and r.counts["failed"] == 1
 
 
-async def test_no_decode_worker_left_fails_the_request_clearly() -> None:
-    r, _ = make_router("deflect-all")
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bool) -> None:
+    """The last decode worker dies (e.g. the other one is restarting): the request is parked, not
+    failed, and goes to the first decode worker that registers."""
+    r, sent = make_router("deflect-all")
     lose(r, "decode-1")
     req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
     rid = req.request_id
-    r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+    if streamed:
+        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+    sent.clear()
     lose(r, "decode-0")
+    assert rid in r.parked and not req.done and not drain(req)[int(streamed):]
+    r._on_hello(b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
+    migrate.retry_parked(r)
+    w, work = work_for(sent, rid, 1)
+    assert w == "decode-0" and work.resume_tokens == int(streamed) and rid not in r.parked
+    assert not req.done
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_parked_too_long_fails_clearly(streamed: bool) -> None:
+    r, _ = make_router("deflect-all", park_timeout=0.0)
+    lose(r, "decode-1")
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    rid = req.request_id
+    if streamed:
+        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+    lose(r, "decode-0")
+    migrate.retry_parked(r)
     errors = [ev for ev in drain(req) if ev.error]
-    assert len(errors) == 1 and errors[0].error_code == "worker_lost_midstream"
-    assert "no decode worker" in (errors[0].error or "")
+    assert len(errors) == 1 and req.done and rid not in r.parked
+    assert errors[0].error_code == ("worker_lost_midstream" if streamed else "unavailable")
+    assert "no worker" in (errors[0].error or "")
 
 
 async def test_before_the_first_token_it_is_a_plain_redispatch() -> None:

@@ -44,7 +44,8 @@ IN_FLIGHT = Gauge("kairos_router_requests_in_flight", "Requests admitted and not
 WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining ones excluded).", ["role"])
 REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")
 MIGRATIONS = Counter("kairos_router_migrations", "Streaming requests whose decode worker died or froze: resumed "
-                     "on another one, or failed (limit reached, no worker left).", ["outcome"])
+                     "on another one, parked (no worker free yet), or failed (limit reached, no worker in time).",
+                     ["outcome"])
 KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
                        "place by their decode worker.")
 KV_BYTES = Counter("kairos_router_kv_transfer_bytes", "KV-cache bytes prefill workers reported moving to decode "

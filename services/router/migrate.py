@@ -12,13 +12,19 @@ waking up) are dropped by the attempt check in the router, so the client sees on
 no token repeated or missing, the usage counts every token once, and finish_reason is the
 final worker's.
 
-Each request is resumed at most `max_migrations` times; after that, or with no decode worker
-left, it fails with `worker_lost_midstream` as before. Counted in `counts["migrated"]`, the
-`kairos_router_migrations` metric and the `migrations` field of the request's log line.
+Each request is resumed at most `max_migrations` times; after that it fails with
+`worker_lost_midstream` as before. Counted in `counts["migrated"]`, the `kairos_router_migrations`
+metric and the `migrations` field of the request's log line.
+
+Parking: when a request loses its worker (streaming or not) and no live worker can take it (the
+only other one was lost too, or is restarting under `kairos up`), it waits in `Router.parked`
+for up to `park_timeout` seconds and is dispatched as soon as a worker can take it (checked
+every liveness tick), instead of failing at once.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import structlog
@@ -53,6 +59,7 @@ def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> No
     req.attempt += 1
     req.migrations += 1
     req.resume_from = req.n_out
+    router.counts["migrated"] += 1
     try:
         try:
             router._dispatch(req)
@@ -60,12 +67,48 @@ def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> No
             req.exclude.clear()
             router._dispatch(req)
     except NoWorkers as e:
-        metrics.observe_migration("no_worker")
-        router._fail(req, f"{lost}; no decode worker to resume it on ({e}); the output is incomplete",
-                     code="worker_lost_midstream")
+        metrics.observe_migration("parked")
+        park(router, req, str(e))
         return
-    router.counts["migrated"] += 1
     metrics.observe_migration("resumed")
     log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
                 sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
                 route=req.decision.route if req.decision else None)
+
+
+def park(router: Router, req: Request, why: str) -> None:
+    """No live worker can take this (already re-attempted) request now: hold it briefly."""
+    req.parked_until = min(req.deadline, time.monotonic() + router.cfg.park_timeout)
+    router.parked[req.request_id] = req
+    router.counts["parked"] += 1
+    log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out, why=why,
+                timeout_s=router.cfg.park_timeout)
+
+
+def retry_parked(router: Router) -> None:
+    """Dispatch parked requests a worker can take now; fail those parked too long."""
+    if not router.parked:
+        return
+    now = time.monotonic()
+    for rid, req in list(router.parked.items()):
+        if req.done:
+            del router.parked[rid]
+            continue
+        req.exclude.clear()
+        try:
+            router._dispatch(req)
+        except NoWorkers as e:
+            if now < req.parked_until:
+                continue
+            del router.parked[rid]
+            if req.streamed:
+                metrics.observe_migration("no_worker")
+                router._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
+                                  f"within {router.cfg.park_timeout:g} s ({e}); the output is incomplete",
+                             code="worker_lost_midstream")
+            else:
+                router._fail(req, f"no worker left to retry on within {router.cfg.park_timeout:g} s: {e}",
+                             code="unavailable")
+            continue
+        del router.parked[rid]
+        log.info("request_unparked", request_id=req.request_id, attempt=req.attempt, decode_worker=req.decode_worker)

@@ -75,6 +75,7 @@ class Request:
     out_ids: list[int] = field(default_factory=list)  # every token id sent to the client, in order
     resume_from: int = 0   # tokens already sent when this attempt was dispatched (a migrated request)
     migrations: int = 0    # times resumed on another decode worker after streaming (services.router.migrate)
+    parked_until: float = 0.0  # parked (no worker could take it) until then (services.router.migrate)
     done: bool = False
     outcome: str = ""
     kv_fallback: bool = False

@@ -52,6 +52,7 @@ class Router:
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
         self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         self.counts: Counter[str] = Counter()
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -266,7 +267,7 @@ class Router:
             try:
                 self._dispatch(req)
             except NoWorkers as e:
-                self._fail(req, f"no worker left to retry on: {e}", code="unavailable")
+                migrate.park(self, req, str(e))  # until a worker (re)registers, or a clear failure
 
     # ------------------------------------------------------------------ inbox: work socket
     def _work_send(self, frames: list[bytes]) -> bool:
@@ -470,6 +471,7 @@ class Router:
                             silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
                 self.table.remove(w.worker_id)
                 self._worker_gone(w, "heartbeat timeout")
+            migrate.retry_parked(self)
             now = time.monotonic()
             for req in [r for r in self.requests.values() if now > r.deadline]:
                 self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")

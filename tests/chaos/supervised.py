@@ -152,8 +152,10 @@ SCENARIOS = [("kill", "decode-0"), ("kill", "prefill-0"), ("freeze", "decode-1")
 
 async def _main(a: argparse.Namespace) -> int:
     for run in range(a.runs):
-        with tempfile.TemporaryDirectory(prefix="kairos-supervised-") as d:
-            up = Up(Path(d), time_scale=a.time_scale)
+        with tempfile.TemporaryDirectory(prefix="kairos-supervised-") as tmp:
+            d = Path(a.keep_logs) / f"run{run + 1}" if a.keep_logs else Path(tmp)
+            d.mkdir(parents=True, exist_ok=True)
+            up = Up(d, time_scale=a.time_scale)
             try:
                 up.wait_up()
                 for i, (kind, name) in enumerate(SCENARIOS):
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--keep-logs", default="", metavar="DIR", help="keep each run's service logs in DIR/runN")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim step times x this (default 1: A100 timing)")
     return asyncio.run(_main(p.parse_args(argv)))
 

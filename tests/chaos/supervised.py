@@ -119,6 +119,8 @@ class Up:
 async def fault(up: Up, kind: str, name: str, *, freeze_s: float) -> int:
     """Do the fault; return the pid it hit."""
     pid = up.pids(name)[-1]
+    if kind == "none":  # the baseline: the same load, no fault
+        return pid
     if kind == "kill":
         os.kill(pid, signal.SIGKILL)
     else:
@@ -158,7 +160,7 @@ async def _main(a: argparse.Namespace) -> int:
             up = Up(d, time_scale=a.time_scale)
             try:
                 up.wait_up()
-                for i, (kind, name) in enumerate(SCENARIOS):
+                for i, (kind, name) in enumerate(a.scenario or SCENARIOS):
                     tally, delta = await scenario(up, kind, name, rate=a.rate, duration=a.duration,
                                                   seed=1000 * run + i)
                     print(f"run {run + 1}  {kind:<6} {name:<10} {tally.row('')}  {tally.worst()}  router: {delta}",
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--scenario", action="append", type=lambda v: tuple(v.split(":", 1)), metavar="KIND:SERVICE",
+                   help="kill, freeze or none (no fault, the baseline), e.g. kill:decode-0; repeatable "
+                        "(default: kill and freeze of a decode and a prefill worker)")
     p.add_argument("--keep-logs", default="", metavar="DIR", help="keep each run's service logs in DIR/runN")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim step times x this (default 1: A100 timing)")
     return asyncio.run(_main(p.parse_args(argv)))

@@ -29,8 +29,9 @@ class PrefillWorker(WorkerService):
         super().__init__(*args, **kwargs)
         self.work: dict[str, m.PrefillWork] = {}
         self._transfers: set[asyncio.Task[None]] = set()
-        self.targets: dict[str, m.KvTarget] = {}
-        self._target_arrived: dict[str, asyncio.Event] = {}
+        # per (request, attempt): a stale attempt's hand-off still waiting must not take a new one's target
+        self.targets: dict[tuple[str, int], m.KvTarget] = {}
+        self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
         self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, refused=0)
@@ -64,7 +65,7 @@ class PrefillWorker(WorkerService):
                 w = self.work.get(msg.request_id)
                 if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
                     self.work.pop(msg.request_id)
-                    self._forget_target(msg.request_id)
+                    self._forget_target(msg.request_id, w.attempt)
                     self.engine.abort(msg.request_id)
                     self.log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
             case m.Drain():
@@ -92,8 +93,9 @@ class PrefillWorker(WorkerService):
         self.beat_now()
 
     def forget(self, request_id: str) -> None:
-        self.work.pop(request_id, None)
-        self._forget_target(request_id)
+        w = self.work.pop(request_id, None)
+        if w is not None:
+            self._forget_target(request_id, w.attempt)
 
     def _refuse(self, w: m.PrefillWork, reason: str) -> None:
         self.counters["refused"] += 1
@@ -105,23 +107,25 @@ class PrefillWorker(WorkerService):
         w = self.work.get(t.request_id)
         if w is None or w.attempt != t.attempt:
             return
-        self.targets[t.request_id] = t
-        self._target_arrived.setdefault(t.request_id, asyncio.Event()).set()
+        self.targets[(t.request_id, t.attempt)] = t
+        self._target_arrived.setdefault((t.request_id, t.attempt), asyncio.Event()).set()
 
-    def _forget_target(self, request_id: str) -> None:
-        self.targets.pop(request_id, None)
-        self._target_arrived.pop(request_id, None)
+    def _forget_target(self, request_id: str, attempt: int) -> None:
+        self.targets.pop((request_id, attempt), None)
+        self._target_arrived.pop((request_id, attempt), None)
 
     async def _push_nixl(self, w: m.PrefillWork) -> tuple[int, str]:
         """WRITE the request's KV into the decode worker's reserved blocks. Returns (bytes, error)."""
         assert self.tx is not None
-        ev = self._target_arrived.setdefault(w.request_id, asyncio.Event())
+        ev = self._target_arrived.setdefault((w.request_id, w.attempt), asyncio.Event())
         self.send(m.KvWant(request_id=w.request_id, attempt=w.attempt, tokens=len(w.prompt_token_ids)))
         try:
             await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout)
         except TimeoutError:
             return 0, "no KV target from the decode worker in time"
-        t = self.targets[w.request_id]
+        t = self.targets.get((w.request_id, w.attempt))
+        if t is None:
+            return 0, "the request was cancelled while waiting for its KV target"
         if t.error:
             return 0, f"decode worker could not take the KV: {t.error}"
         if t.kv_agent is None:
@@ -170,7 +174,7 @@ class PrefillWorker(WorkerService):
                     await asyncio.sleep(rest)
         elif self.cfg.kv_transport == "modeled" and model is not None:
             await asyncio.sleep(model.xfer_t0 + nbytes / model.xfer_bandwidth)
-        self._forget_target(w.request_id)
+        self._forget_target(w.request_id, w.attempt)
         if self.work.get(w.request_id) is not w:
             return  # cancelled or re-dispatched meanwhile
         self.work.pop(w.request_id, None)

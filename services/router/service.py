@@ -430,27 +430,33 @@ class Router:
 
     # ------------------------------------------------------------------ heartbeats and liveness
     async def _heartbeat_loop(self) -> None:
+        # an Inbox reads every queued heartbeat per wakeup, like the work socket's: read one per
+        # loop iteration, they fell behind on a busy router and live workers were declared dead
         assert self.bus is not None
-        sock = self.bus.heartbeats
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("heartbeats")
-                log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
-                continue
-            try:
-                hb = codec.heartbeat_inbox.decode(frames[2])
-            except codec.DecodeError as e:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("heartbeats")
-                log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
-                continue
-            if self.table.heartbeat(hb) is None:
-                # unknown worker or old incarnation: the router restarted, or declared it dead
-                w = self.table.workers.get(hb.worker_id)
-                if w is None or w.incarnation != hb.incarnation:
-                    self._ask_hello(hb.worker_id)
+        inbox = Inbox(self.bus.heartbeats, self._on_heartbeat_frames)
+        try:
+            await inbox.failed
+        finally:
+            inbox.close()
+
+    def _on_heartbeat_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("heartbeats")
+            log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
+            return
+        try:
+            hb = codec.heartbeat_inbox.decode(frames[2])
+        except codec.DecodeError as e:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("heartbeats")
+            log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
+            return
+        if self.table.heartbeat(hb) is None:
+            # unknown worker or old incarnation: the router restarted, or declared it dead
+            w = self.table.workers.get(hb.worker_id)
+            if w is None or w.incarnation != hb.incarnation:
+                self._ask_hello(hb.worker_id)
 
     def _ask_hello(self, worker_id: str) -> None:
         assert self.bus is not None
@@ -464,8 +470,16 @@ class Router:
             m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))])
 
     async def _liveness_loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
+            now = time.monotonic()
+            late, last = now - last - self.cfg.heartbeat_interval, now
+            if late > self.liveness_s / 2:
+                # this process did not run for a while (CPU starvation, a pause): the heartbeats
+                # of that time may still be unread, so judge no worker before reading them
+                log.warning("router_stalled", late_s=round(late, 3))
+                continue
             for w in self.table.expired(self.liveness_s):
                 log.warning("worker_lost", worker=w.worker_id, role=w.role,
                             silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))

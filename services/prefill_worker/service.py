@@ -17,7 +17,16 @@ from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.errors import Overloaded
-from common.kv import KvError, KvSender, fill_pattern, layout_from_info, sender_from_config, transfer_key
+from common.kv import (
+    DEFAULT_INFLIGHT_TOKENS,
+    KvError,
+    KvSender,
+    fill_pattern,
+    layout_from_info,
+    plan_layout,
+    sender_from_config,
+    transfer_key,
+)
 from common.worker import WorkerService
 
 
@@ -47,6 +56,14 @@ class PrefillWorker(WorkerService):
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
             self.tx = sender_from_config(self.cfg, name=self.worker_id)
+            # staging for the block size decode workers with this configuration use, before
+            # registering: made at the first push instead, it stalled this worker's loop past the
+            # router's liveness window on a loaded host, and the router declared it dead
+            model = self.engine.coeffs()
+            layout = plan_layout(pool_bytes=self.cfg.kv_pool_mib << 20, block_tokens=self.cfg.kv_block_tokens,
+                                 profile_bytes_per_token=model.kv_bytes_per_token if model else 1024,
+                                 capacity_tokens=DEFAULT_INFLIGHT_TOKENS, bytes_per_token=self.cfg.kv_bytes_per_token)
+            self.tx.prepare(layout.block_bytes)
 
     async def teardown(self) -> None:
         if self.tx is not None:

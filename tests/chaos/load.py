@@ -48,6 +48,7 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
     ttft: list[float] = field(default_factory=list)    # per accepted request: send to first token, s
     stall: list[float] = field(default_factory=list)   # per accepted request: longest gap between tokens, s
+    streaming: Counter[str] = field(default_factory=Counter)  # decode worker -> streams it is sending now
 
     def worst(self) -> str:
         """The slowest first token and the longest pause any client saw (what a fault cost)."""
@@ -82,7 +83,8 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
                     tally.errors[f"http_{r.status_code}"] += 1
                     return
                 tally.accepted += 1
-                await _consume(r, tally, max_tokens, check_text=check_text, t0=t0)
+                await _consume(r, tally, max_tokens, check_text=check_text, t0=t0,
+                               worker=r.headers.get("x-kairos-decode-worker", ""))
                 return
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if time.monotonic() < give_up:
@@ -102,17 +104,20 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
             return
 
 
-async def _consume(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, t0: float) -> None:
+async def _consume(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, t0: float,
+                   worker: str) -> None:
     times: list[float] = []  # when each text chunk arrived
     try:
-        await _read(r, tally, max_tokens, check_text=check_text, times=times)
+        await _read(r, tally, max_tokens, check_text=check_text, times=times, worker=worker)
     finally:
         if times:
+            tally.streaming[worker] -= 1
             tally.ttft.append(times[0] - t0)
             tally.stall.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
 
 
-async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, times: list[float]) -> None:
+async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text: bool, times: list[float],
+                worker: str) -> None:
     tokens = 0
     finish = None
     text: list[str] = []
@@ -139,6 +144,8 @@ async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text:
         rid = ev["id"].removeprefix("cmpl-")
         ch = ev["choices"][0]
         if ch.get("text"):
+            if not times:
+                tally.streaming[worker] += 1
             times.append(time.monotonic())
             tokens += len(ch["text"].split())
             text.append(ch["text"])
@@ -149,11 +156,12 @@ async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text:
 
 
 async def run_load(url: str, *, rate: float, duration: float, seed: int, retry_for: float = 20.0,
-                   hang_after: float = 60.0, check_text: bool = True, count: int | None = None) -> Tally:
+                   hang_after: float = 60.0, check_text: bool = True, count: int | None = None,
+                   tally: Tally | None = None) -> Tally:
     """Poisson arrivals at `rate` for `duration` s (or until `count` requests are sent); then wait up
     to `hang_after` s for stragglers."""
     rng = random.Random(seed)
-    tally = Tally()
+    tally = tally if tally is not None else Tally()
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after, connect=2.0), limits=limits) as client:
         tasks: list[asyncio.Task[None]] = []

@@ -136,11 +136,17 @@ async def scenario(up: Up, kind: str, name: str, *, rate: float = 20.0, duration
                    freeze_s: float = 3.0, seed: int = 1) -> tuple[Tally, dict[str, Any]]:
     """Load for `duration` s, the fault `at` s in; then wait until the cluster is whole again."""
     before = dict(up.get("/v1/kairos/stats")["counts"])
+    tally = Tally()
     load = asyncio.create_task(run_load(up.api + "/v1/completions", rate=rate, duration=3 * duration, seed=seed,
-                                        hang_after=60.0, count=round(rate * duration)))
+                                        hang_after=60.0, count=round(rate * duration), tally=tally))
     await asyncio.sleep(at)
+    if name.startswith("decode") and kind != "none":
+        # hit a decode worker while it streams (what the scenario is about): wait up to 2 s more
+        deadline = time.monotonic() + 2.0
+        while tally.streaming[name] < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
     pid = await fault(up, kind, name, freeze_s=freeze_s)
-    tally = await load
+    await load
     if kind == "kill":  # the supervisor restarts it under the same id, with a new pid
         await asyncio.to_thread(up.wait_for, f"{name} restarted", lambda: up.pids(name)[-1] != pid, 30)
     await asyncio.to_thread(up.wait_for, "every worker registered", lambda: set(WORKERS) <= up.registered(), 30)

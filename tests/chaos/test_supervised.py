@@ -1,7 +1,8 @@
 """Under `kairos up` (a real process, 2P2D, A100 timing), Poisson 20 streamed requests/s for
 6 s, one worker killed (kill -9, nobody restarts it but the supervisor) or frozen (SIGSTOP 3 s)
-2 s in: at least 118 of 120 requests complete with the full, correct stream, none hangs, and
-the cluster is whole again afterwards (the killed worker back under its id).
+2 s in (a decode worker once it streams at least 2 requests, at most 2 s later): at least 118
+of 120 requests complete with the full, correct stream, none hangs, and the cluster is whole
+again afterwards (the killed worker back under its id).
 
 About 80 s on 2 cores. Figures: `python -m tests.chaos.supervised --runs 3` (BENCHMARKS.md).
 """

@@ -51,7 +51,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
-    policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg or deflect-all")] = "kairos"
+    policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
+                               "(no prefill workers) or deflect-all")] = "kairos"
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
@@ -63,6 +64,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    kv_wait_timeout: Annotated[float, doc("seconds a request that finds no decode worker with KV room waits for "
+                                          "some before HTTP 503 (0: 503 at once)")] = 30.0
+    kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
     max_migrations: Annotated[int, doc("times a request whose tokens are streaming is resumed on another decode worker when its own dies or freezes (0: fail it with worker_lost_midstream)")] = 2
@@ -77,6 +81,14 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 1
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
+    eff_isl_threshold: Annotated[int, doc("conditional-disagg: prefill locally a prompt of fewer uncached tokens (0: off)")] \
+        = 2048
+    eff_isl_ratio_threshold: Annotated[float, doc("conditional-disagg: ... only if uncached/prompt is below this "
+                                                  "(Dynamo 0.7; 1: no ratio condition)")] = 1.0
+    prefill_busy_threshold: Annotated[float, doc("conditional-disagg: prefill locally when the prefill worker has more "
+                                                 "than this x its token budget queued")] = 2.0
+    decode_busy_threshold: Annotated[float, doc("conditional-disagg: never on a decode worker with more than this "
+                                                "fraction of its KV in use")] = 0.9
 
 
 class WorkerConfig(BusConfig, frozen=True, kw_only=True):
@@ -95,6 +107,12 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     kv_bytes_per_token: Annotated[int, doc("nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)")] = 0
     kv_fault_rate: Annotated[float, doc("fault injection for chaos tests: corrupt this fraction of pushed KV (keep 0)")] = 0.0
     max_queue_requests: Annotated[int, doc("requests queued on this worker before it answers busy")] = 1024
+    prefill_token_budget: Annotated[int, doc("prefill role: tokens per engine step (vLLM max_num_batched_tokens); "
+                                             "0: the profile's (vllm: vllm_token_budget)")] = 0
+    decode_token_budget: Annotated[int, doc("decode role: tokens per engine step, decodes plus in-place prefill "
+                                            "chunks; 0: the profile's (vllm: vllm_token_budget)")] = 0
+    decode_chunk: Annotated[int, doc("decode role: largest in-place prefill chunk per request and step when the "
+                                     "router sends no schedule (vLLM long_prefill_token_threshold); 0: the profile's")] = 0
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0

@@ -44,7 +44,11 @@ class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Coeffs(msgspec.Struct, frozen=True, kw_only=True):
     """Step-time model coefficients (see common.perf_model) carried in registrations and heartbeats.
 
-    t = a0 + a1*B + a2*K + a3*chi + a4*chi*(k + chi/2) + a5*chi**2; transfer = t0 + L*bytes_per_token/bandwidth.
+    t = a0 + a6*[step has prefill] + a3*T + a7*max(0, T - knee) + a5*T**2 + a1*B + a2*K
+        + a4*sum(chi*(k + chi/2)),
+    T = B + sum(chi) the step's total tokens, B its decodes, K their KV tokens, chi a prefill chunk
+    over k prefilled tokens; transfer = t0 + L*bytes_per_token/bandwidth. The form of
+    common.perf_model (MODEL_FORM 2).
     """
 
     a0: float
@@ -53,6 +57,9 @@ class Coeffs(msgspec.Struct, frozen=True, kw_only=True):
     a3: float
     a4: float
     a5: float = 0.0
+    a6: float = 0.0
+    a7: float = 0.0
+    knee: float = 0.0
     xfer_t0: float = 0.0
     xfer_bandwidth: float = 1e10
     kv_bytes_per_token: int = 0

@@ -1,7 +1,8 @@
 """`kairos demo`: baseline against Kairos on a bursty slice of the Azure code trace, live.
 
 Starts a local 2P2D cluster (router + 2 prefill + 2 decode workers, the simulated engine timed by
-the `a100-dsv2-lite` profile: DeepSeek-V2-Lite on A100s), replays the two minutes of the Azure
+the `h100-llama2-70b-tp4` profile: Llama-2-70B on four H100s per worker, fitted to measured step
+times; docs/cost-model.md), replays the two minutes of the Azure
 2023 code trace that hold the most prompt tokens, once with `disagg-least-loaded` (stock
 disaggregated serving: every prompt goes to the least-loaded prefill worker) and once with
 `kairos` (a fresh cluster for each), then prints the two side by side, writes the results JSON
@@ -9,7 +10,9 @@ and a TTFT plot into --out-dir, and says in plain words what the numbers mean. B
 runs it simulates the same slice with `kairos sim`'s engine, so the live figures can be checked
 against the prediction.
 
-The default --rate-scale 1 was picked with the simulator on this slice (`kairos sim --trace code
+The default --rate-scale 1 was picked for the earlier default profile, a100-dsv2-lite (a 2048-token
+prefill of about the same time, 230 ms against 222 ms, cheaper decode steps and KV transfers),
+with the simulator on this slice (`kairos sim --trace code
 --bursty 120 --policy disagg-least-loaded --policy kairos --rate-scale 0.5,0.75,1,1.25,1.5`):
 at x1 the slice offers the two prefill workers 1.2x what they can prefill over its 85 s of
 arrivals (much more inside the burst), so prompts queue for tens of seconds on the baseline; at
@@ -39,7 +42,7 @@ from common.traces import TraceRequest, find_bursty_window, load_trace, trace_pa
 from kairos.up import Cluster, ClusterSpec
 from services.router.policy import make_policy
 from sim.core import SimConfig, prefill_load, simulate
-from sim.stats import fmt, summarize
+from sim.stats import fmt, json_safe, summarize
 
 BASELINE = "disagg-least-loaded"
 POLICIES = (BASELINE, "kairos")
@@ -53,13 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="time compression of the slice, 2 = twice the request rate (default 1; see above)")
     p.add_argument("--trace", default="code", help="trace: code, conv or a file (default code)")
-    p.add_argument("--profile", default="a100-dsv2-lite", help="performance profile (default a100-dsv2-lite)")
+    p.add_argument("--profile", default="h100-llama2-70b-tp4",
+                   help="performance profile (default h100-llama2-70b-tp4: Llama-2-70B on 4 H100s, measured)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2)")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
     p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="nixl",
                    help="nixl (default, as `kairos up`): real KV bytes over NIXL between the worker processes, "
-                        "timed like the profile's transfer (15 ms + 31 KB/token at 3 GB/s); modeled: the same time "
-                        "without moving bytes, exactly as the simulator")
+                        "timed like the profile's transfer (its xfer_t0 + KV bytes / bandwidth); modeled: the same "
+                        "time without moving bytes, exactly as the simulator")
     p.add_argument("--max-concurrency", type=int, default=2048, help="client concurrency bound (default 2048)")
     p.add_argument("--out-dir", default="demo-results", help="results JSON, plot and logs go here "
                                                              "(default demo-results)")
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                           "date": datetime.date.today().isoformat(),
                           "machine": f"{platform.machine()}, {_cpus()} CPUs"},
                "live": livers, "sim": sims}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(json_safe(results), indent=2) + "\n")
     console.print()
     for line in explain(info, livers, sims, args):
         console.print(line)

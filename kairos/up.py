@@ -27,11 +27,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import structlog
 
+from common.config import ENV_PREFIX, RouterConfig
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from kairos.supervisor import RestartPolicy, Supervisor
+from services.router.policy import POLICIES
+from sim.knobs import add_engine_flags, add_policy_flags, load_tuned, policy_config, setups_from_flags
 
 log = structlog.get_logger()
 
@@ -282,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    p.add_argument("--policy", default="kairos", help="routing policy (default kairos)")
+    p.add_argument("--policy", default="kairos", choices=POLICIES,
+                   help="routing policy (default kairos; chunked-prefill runs with --prefill 0)")
     p.add_argument("--port", type=int, default=8000, help="HTTP API port (default 8000)")
     p.add_argument("--bus-port", type=int, default=5555,
                    help="first of three bus ports: work, heartbeats, telemetry (default 5555)")
@@ -312,29 +317,76 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="kairos up's own log lines (service exits and restarts): json, console, or auto "
                         "(json unless stdout is a terminal)")
+    p.add_argument("--kv-wait-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request that finds no decode worker with KV room waits before HTTP 503 "
+                        "(default 30; 0: at once)")
+    p.add_argument("--tuned", metavar="FILE", default=None,
+                   help="the --policy's engine settings and knobs from `kairos tune --out FILE` (flags below override)")
+    add_engine_flags(p)
+    add_policy_flags(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
+    """The router's and the workers' KAIROS_* environment for the policy's knobs and the engine
+    settings, from --tuned and the knob flags (the same settings `kairos sim` takes)."""
+    given = setups_from_flags(a, list(POLICIES))
+    for name, other in given.items():
+        if name != a.policy and other.policy:
+            raise ConfigError(f"{name} knob(s) {', '.join(other.policy)} given, but --policy is {a.policy}")
+    setup = given[a.policy]
+    if a.tuned:
+        tuned = load_tuned(a.tuned)
+        if a.policy not in tuned:
+            raise ConfigError(f"{a.tuned} holds no settings for policy {a.policy!r} (it has: {', '.join(tuned)})")
+        setup = tuned[a.policy].merged(setup)
+    policy_config(a.policy, setup.policy)  # unknown knob or bad value: a clear error now
+    router_fields = set(RouterConfig.__struct_fields__)
+    router_env: dict[str, str] = {}
+    for k, v in setup.policy.items():
+        if k not in router_fields:
+            raise ConfigError(f"the router has no option for {a.policy} knob {k!r}; remove it from {a.tuned}")
+        text = ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else str(v).lower() if isinstance(v, bool) \
+            else str(v)
+        router_env[ENV_PREFIX + k.upper()] = text
+    worker_env = {ENV_PREFIX + k.upper(): str(v) for k, v in msgspec.structs.asdict(setup.engine).items() if v}
+    return router_env, worker_env
+
+
+def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
+    """The cluster the flags describe. Raises ConfigError with what to change."""
     if a.prefill < 0 or a.decode < 1:
-        print("error: need at least one decode worker (--decode)", file=sys.stderr)
-        return 2
+        raise ConfigError("need at least one decode worker (--decode)")
     if a.engine == "vllm" and not a.model:
-        print("error: --engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)", file=sys.stderr)
-        return 2
+        raise ConfigError("--engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)")
+    if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
+        raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     try:
         restart = RestartPolicy(backoff_s=a.restart_backoff, backoff_max_s=a.restart_backoff_max,
                                 crash_loop_exits=a.crash_loop_exits, crash_loop_window_s=a.crash_loop_window)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    configure_logging("up", level=a.log_level, fmt=a.log_format)
-    spec = ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
+        raise ConfigError(str(e)) from e
+    router_env, worker_env = knob_env(a)
+    if a.kv_wait_timeout is not None:
+        if a.kv_wait_timeout < 0:
+            raise ConfigError("--kv-wait-timeout must be >= 0")
+        router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
+    return ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
-                       curve_keys_dir=a.curve_keys_dir, restart=restart)
+                       curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
+                       restart=restart)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        spec = spec_from_args(a)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)
     stopping = False
 

@@ -8,7 +8,7 @@
 # docker-compose.sim.yml (the simulated cluster, standalone). `config -q` parses, interpolates and
 # checks each file against the compose schema (reservations, ports, depends_on, healthchecks);
 # `config --services` must list exactly the services we expect. Nothing is built or started, and
-# no daemon is needed or contacted (see shared/reference/workloads-and-simulators.md section 7).
+# no daemon is needed or contacted (see docs/reference/workloads.md section 7).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

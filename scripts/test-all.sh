@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test tier, in order; stops at the first failing tier. Called by `make test` (and .ci/run).
-#   1. lint (ruff)
+#   1. lint (ruff), and the README's set-up plus a short demo from a fresh clone in a temporary
+#      directory with nothing beside it (scripts/fresh-clone-check.sh)
 #   2. compose files validated with Debian's docker-compose (installed here when missing, as root)
 #   3. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
 #      here when missing, as root)
@@ -23,8 +24,12 @@ apt_install() {  # apt_install PACKAGE... : only as root, only when missing, one
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-tier "lint (ruff)"
+tier "lint (ruff; no pointer outside the repository)"
 "$VENV/bin/ruff" check .
+bash scripts/check-no-outside-paths.sh
+
+tier "fresh clone: the README's set-up and a short demo, nothing beside the clone"
+bash scripts/fresh-clone-check.sh
 
 tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh

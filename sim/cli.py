@@ -1,10 +1,16 @@
 """`kairos sim`: replay a trace through the routing policies on a simulated cluster.
 
-    kairos sim --trace code --prefill 2 --decode 2 --profile a100-dsv2-lite \\
+    kairos sim --trace code --prefill 2 --decode 2 --profile h100-llama2-70b-tp4 \\
                --policy kairos --policy disagg-least-loaded --rate-scale 0.5,1,2 --out results.json
 
-Every policy sees the same trace (and, with --step-noise, the same noise seed). results.json:
-    {"config": {...}, "lower_bound": {...}, "policies": {NAME: {summary keys, "sim": {...}}},
+Every policy sees the same trace (and, with --step-noise, the same noise seed) on the same
+number of GPUs: a policy without prefill workers (chunked-prefill) gets them all as decode
+workers (2P2D -> 0P4D). Engine settings and policy knobs come from the flags, or per policy
+from a `kairos tune` file (--tuned; a knob flag given explicitly overrides the file).
+
+results.json:
+    {"config": {..., "settings": {NAME: {"cluster", "engine", "policy"}}}, "lower_bound": {...},
+     "policies": {NAME: {summary keys, "sim": {..., "queues": {POOL: {"max", "mean"}}}}},
      "sweep": [{"rate_scale": X, "prefill_load": RHO, "requests": N, "lower_bound": {...},
                 "policies": {...}}, ...]}
 The top-level "lower_bound" and "policies" are those of the first --rate-scale value; "sweep"
@@ -20,22 +26,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
-from services.router.policy import POLICIES, KairosConfig, make_policy
+from services.router.policy import POLICIES
 from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
-from sim.stats import fmt, summarize
+from sim.knobs import (
+    Setup,
+    add_engine_flags,
+    add_policy_flags,
+    build,
+    knob_values,
+    load_tuned,
+    setups_from_flags,
+    shape,
+)
+from sim.stats import fmt, json_safe, summarize
 
-DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg")
+DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kairos sim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("trace")
     t.add_argument("--trace", default="code",
                    help="a CSV or JSON-lines file, 'code' or 'conv' (the Azure 2023 traces shipped with Kairos), "
@@ -57,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    c.add_argument("--profile", default="a100-dsv2-lite", help="performance profile name or .json path")
+    c.add_argument("--profile", default="h100-llama2-70b-tp4",
+                   help="performance profile name or .json path (default h100-llama2-70b-tp4, measured)")
     c.add_argument("--heartbeat-interval", type=float, default=0.1,
                    help="seconds between worker heartbeats; 0 = the policy sees the live state (default 0.1)")
     c.add_argument("--no-ledger", action="store_true",
@@ -65,16 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-noise", type=float, default=0.0,
                    help="sigma of a mean-1 lognormal error on every executed step (the policy predicts "
                         "without it), e.g. 0.1 for ~10%% model error (default 0)")
+    c.add_argument("--kv-wait-timeout", type=float, default=30.0,
+                   help="seconds a request that finds no KV room waits in the router's queue before it is "
+                        "rejected (default 30; 0: reject at once)")
+    c.add_argument("--kv-wait-max", type=int, default=1024,
+                   help="requests waiting for KV room before new ones are rejected at once (default 1024)")
+    add_engine_flags(p)
     s = p.add_argument_group("policies and SLOs")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
-    s.add_argument("--alpha", type=float, default=1.3, help="kairos: deflect iff TTFT_D <= alpha x TTFT_P")
-    s.add_argument("--beta", type=float, default=0.9, help="kairos: TBT budget = beta x strictest TBT SLO")
-    s.add_argument("--candidates", default="2048,1024,512,256,128", help="kairos: chunk candidates")
-    s.add_argument("--no-transfer-term", action="store_true", help="kairos: leave T_xfer out of TTFT_P")
-    s.add_argument("--max-deflections", type=int, default=1, help="kairos: concurrent deflections per decode worker")
+    s.add_argument("--tuned", metavar="FILE", default=None,
+                   help="per-policy engine settings and knobs from `kairos tune --out FILE`")
+    add_policy_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="write results JSON here")
     o.add_argument("--plot", default=None, metavar="DIR", help="write TTFT CDFs and attainment vs load here")
@@ -112,19 +134,23 @@ def _load(args: argparse.Namespace, rate_scale: float) -> tuple[list[TraceReques
     return load_trace(path, start=start, duration=duration, rate_scale=rate_scale), info
 
 
-def _table(point: dict[str, Any], title: str) -> Table:
-    tab = Table(title=title, title_justify="left")
-    for col in ("policy", "deflect", "TTFT p50 s", "p95 s", "p99 s", "TBT p95 ms", "p99 ms",
-                "TTFT SLO", "TBT SLO", "both", "pred err", "sim s"):
-        tab.add_column(col, justify="left" if col == "policy" else "right")
+TABLE_NOTE = ("TTFT percentiles count rejected requests as infinite; TBT SLO: max gap = every gap "
+              "<= SLO, p99 gap = the request's P99 gap <= SLO; both: TTFT and max-gap TBT")
+
+
+def _table(point: dict[str, Any], title: str, clusters: dict[str, str]) -> Table:
+    tab = Table(title=title, title_justify="left", caption=TABLE_NOTE, caption_justify="left")
+    for col in ("policy", "GPUs", "deflect", "TTFT p50 s", "p95 s", "p99 s", "TBT p99 ms", "TTFT SLO",
+                "TBT max gap", "p99 gap", "both", "rejected", "pred err"):
+        tab.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     lb = point["lower_bound"]
-    tab.add_row("[dim]lower bound[/]", "-", fmt(lb["ttft_p50"]), fmt(lb["ttft_p95"]), fmt(lb["ttft_p99"]),
-                "-", "-", fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", style="dim")
+    tab.add_row("[dim]lower bound[/]", "-", "-", fmt(lb["ttft_p50"]), fmt(lb["ttft_p95"]), fmt(lb["ttft_p99"]),
+                "-", fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", "-", style="dim")
     for name, s in point["policies"].items():
-        tab.add_row(name, fmt(s["deflection_rate"], "%"), fmt(s["ttft_p50"]), fmt(s["ttft_p95"]),
-                    fmt(s["ttft_p99"]), fmt(s["tbt_p95"], "ms"), fmt(s["tbt_p99"], "ms"),
-                    fmt(s["ttft_slo_attainment"], "%"), fmt(s["tbt_slo_attainment"], "%"),
-                    fmt(s["slo_attainment"], "%"), fmt(s["ttft_pred_mape"], "%"), f"{s['sim']['wall_s']:.1f}")
+        tab.add_row(name, clusters[name], fmt(s["deflection_rate"], "%"), fmt(s["ttft_p50"]), fmt(s["ttft_p95"]),
+                    fmt(s["ttft_p99"]), fmt(s["tbt_p99"], "ms"), fmt(s["ttft_slo_attainment"], "%"),
+                    fmt(s["tbt_slo_attainment"], "%"), fmt(s["tbt_p99_slo_attainment"], "%"),
+                    fmt(s["slo_attainment"], "%"), str(s["rejected"]), fmt(s["ttft_pred_mape"], "%"))
     return tab
 
 
@@ -146,13 +172,25 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     scales = _floats(args.rate_scale, "--rate-scale")
     if any(x <= 0 for x in scales):
         raise ConfigError("--rate-scale values must be positive")
-    cands = tuple(int(x) for x in _floats(args.candidates, "--candidates"))
-    kcfg = KairosConfig(candidates=cands, alpha=args.alpha, beta=args.beta, transfer_term=not args.no_transfer_term,
-                        max_deflections=args.max_deflections)
-    cfg = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
-                    heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
-                    step_noise=args.step_noise, seed=args.seed)
+    base = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
+                     heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
+                     step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
+                     kv_wait_max=args.kv_wait_max)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
+    setups = resolve_setups(args, policies)
+    if args.tuned:
+        _tuned_note(console, args, profile.name, policies)
+    clusters: dict[str, str] = {}
+    cfgs: dict[str, SimConfig] = {}
+    for name in policies:
+        n_p, n_d = shape(name, args.prefill, args.decode)
+        if n_p == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
+            raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
+        cfgs[name] = msgspec.structs.replace(base, prefill=n_p, decode=n_d)
+        clusters[name] = f"{n_p}P{n_d}D"
+    settings = {name: {"cluster": clusters[name],
+                       "engine": msgspec.structs.asdict(setups[name].engine.resolved(profile)),
+                       "policy": knob_values(name, setups[name])} for name in policies}
     sweep: list[dict[str, Any]] = []
     cdfs: list[tuple[float, dict[str, list[float]]]] = []
     info: dict[str, Any] = {}
@@ -167,8 +205,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             "policies": {}}
         ttfts: dict[str, list[float]] = {}
         for name in policies:
-            policy = make_policy(name, kairos=kcfg, default_model=profile.model)
-            res = simulate(trace, profile, policy, cfg)
+            policy, prof = build(name, setups[name], profile)
+            res = simulate(trace, prof, policy, cfgs[name])
             summary = summarize(res.records, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
             summary["sim"] = res.stats
             point["policies"][name] = summary
@@ -178,24 +216,50 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         cdfs.append((scale, ttfts))
         load = point["prefill_load"]
         console.print(_table(point, f"{info['trace']} x{scale:g}: {len(trace)} requests over {point['span_s']:.0f} s, "
-                                    f"{args.prefill}P{args.decode}D {profile.name}, offered prefill load "
-                                    f"{'-' if load is None else f'{load:.2f}'}"))
+                                    f"{args.prefill + args.decode} GPUs ({args.prefill}P{args.decode}D unless "
+                                    f"listed), {profile.name}, offered prefill load "
+                                    f"{'-' if load is None else f'{load:.2f}'}", clusters))
     config: dict[str, Any] = {
         **info, "rate_scales": scales, "prefill": args.prefill, "decode": args.decode, "profile": profile.name,
         "policies": policies, "ttft_slo": args.ttft_slo, "tbt_slo": args.tbt_slo,
-        "tbt_slo_definition": "a request meets the TBT SLO iff its largest inter-token gap <= tbt_slo",
+        "tbt_slo_definition": "tbt_slo_attainment: the request's largest inter-token gap <= tbt_slo; "
+                              "tbt_p99_slo_attainment: its P99 gap <= tbt_slo",
+        "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
-        "alpha": args.alpha, "beta": args.beta, "candidates": list(cands), "transfer_term": not args.no_transfer_term,
-        "max_deflections": args.max_deflections, "date": datetime.date.today().isoformat()}
+        "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
+        "settings": settings, "date": datetime.date.today().isoformat()}
     result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],
               "sweep": sweep}
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     if args.plot:
         _plots(Path(args.plot), sweep, cdfs, config, trace_name=str(info["trace"]))
     return 0
+
+
+def resolve_setups(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
+    """Per policy: the tuned file's settings (if any), overridden by knob flags given explicitly."""
+    flags = setups_from_flags(args, policies)
+    if not args.tuned:
+        return flags
+    tuned = load_tuned(args.tuned)
+    return {name: tuned[name].merged(flags[name]) if name in tuned else flags[name] for name in policies}
+
+
+def _tuned_note(console: Console, args: argparse.Namespace, profile: str, policies: list[str]) -> None:
+    """Say which policies the tuned file covers, and where it was tuned for another setting."""
+    meta = json.loads(Path(args.tuned).read_text())  # load_tuned has checked it
+    covered = [n for n in policies if n in meta["policies"]]
+    rest = [n for n in policies if n not in covered]
+    console.print(f"tuned settings from {args.tuned} for: {', '.join(covered) or 'none'}"
+                  + (f"; flags and defaults for: {', '.join(rest)}" if rest else ""))
+    cluster = f"{args.prefill}P{args.decode}D"
+    for key, here in (("profile", profile), ("cluster", cluster), ("trace", args.trace)):
+        there = meta.get(key)
+        if there is not None and there != here:
+            console.print(f"[yellow]note: {args.tuned} was tuned for {key} {there}, this run uses {here}[/]")
 
 
 def _plots(folder: Path, sweep: list[dict[str, Any]], cdfs: list[tuple[float, dict[str, list[float]]]],

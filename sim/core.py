@@ -21,6 +21,13 @@ dispatched to the worker since that worker's last heartbeat. A heartbeat is the 
 the heartbeat instant; since state only changes at events, it is captured lazily (just before the
 first event at or after the instant touches the worker), which is exact and costs nothing while
 a worker is idle. `heartbeat_interval = 0` gives the policy perfect, instantaneous views.
+
+Overload, as engines behave: a request the policy cannot place (no decode worker has KV room in
+the router's view) waits in the router's FIFO queue, and the queue is retried whenever a decode
+worker's finished requests become visible (at its next heartbeat; at once without heartbeats).
+A request that has waited `kv_wait_timeout` seconds, or finds `kv_wait_max` requests already
+waiting, is rejected: it produces no token and `summarize` counts it (see sim/stats.py). Work
+the router did place but that finds the worker's KV full queues on that worker until KV frees.
 """
 
 from __future__ import annotations
@@ -55,12 +62,16 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     ledger: bool = True
     step_noise: float = 0.0   # sigma of a mean-1 lognormal factor on every executed step time
     seed: int = 0
+    kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
+    kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError("need at least one decode worker and a non-negative number of prefill workers")
         if self.heartbeat_interval < 0 or self.step_noise < 0:
             raise ValueError("heartbeat_interval and step_noise must be >= 0")
+        if self.kv_wait_timeout < 0 or self.kv_wait_max < 0:
+            raise ValueError("kv_wait_timeout and kv_wait_max must be >= 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +84,8 @@ class _Req:
     reason: str = ""
     decode_worker: str = ""
     ttft_pred: float | None = None
+    waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
+    rejected: bool = False
     prefill_started: float = -1.0
     prefilled: float = -1.0
     xfer: float = -1.0
@@ -121,7 +134,28 @@ class _Decode(_Worker):
         self.led_res = self.led_kv = self.led_pending = 0
 
 
-_STEP_P, _STEP_D, _XFER = 0, 1, 2
+_STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP = 0, 1, 2, 3, 4
+
+
+class _Level:
+    """A queue's length over time: its maximum and its time-weighted mean."""
+
+    __slots__ = ("area", "max", "n", "t")
+
+    def __init__(self) -> None:
+        self.n = self.max = 0
+        self.area = self.t = 0.0
+
+    def add(self, now: float, delta: int) -> None:
+        self.area += self.n * (now - self.t)
+        self.t = now
+        self.n += delta
+        if self.n > self.max:
+            self.max = self.n
+
+    def report(self, end: float) -> dict[str, float]:
+        area = self.area + self.n * (end - self.t)
+        return {"max": self.max, "mean": area / end if end > 0 else 0.0}
 
 
 class SimResult(msgspec.Struct, kw_only=True):
@@ -168,6 +202,8 @@ class Simulation:
         self._noise_mu = -cfg.step_noise ** 2 / 2.0
         self.steps = 0
         self.decision_ns: list[int] = []
+        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room
+        self._q_wait, self._q_prefill, self._q_admit = _Level(), _Level(), _Level()
         for w in (*self.prefill, *self.decode):
             self._snapshot(w)  # the state announced at registration: idle
 
@@ -254,10 +290,7 @@ class Simulation:
         heapq.heappush(self._heap, (t, self._seq, kind, obj, extra))
 
     def _duration(self, w: _Worker, plan: StepPlan) -> float:
-        m = w.model
-        dt = m.a0 + m.a1 * len(plan.decodes) + m.a2 * plan.kv_tokens
-        for _, chi, k in plan.chunks:
-            dt += m.a3 * chi + m.a4 * chi * (k + chi / 2.0) + m.a5 * chi * chi
+        dt = w.model.step_time(len(plan.decodes), plan.kv_tokens, [(chi, k) for _, chi, k in plan.chunks])
         if self.cfg.step_noise > 0:
             dt *= self._rng.lognormvariate(self._noise_mu, self.cfg.step_noise)
         return dt
@@ -282,6 +315,8 @@ class Simulation:
         out = w.batcher.commit(plan)
         w.queued_tokens -= sum(chi for _, chi, _ in plan.chunks)
         w.queued_reqs -= len(out.prefilled)
+        if out.prefilled:
+            self._q_prefill.add(now, -len(out.prefilled))
         for seq in out.prefilled:
             r: _Req = seq.user  # type: ignore[assignment]
             r.prefilled = now
@@ -306,21 +341,27 @@ class Simulation:
             r.ntok += 1
         for seq in out.finished:
             seq.user.done = now  # type: ignore[attr-defined]
-        if out.finished and w.admit_wait:
-            self._drain_admissions(w)
+        if out.finished:
+            if w.admit_wait:
+                self._drain_admissions(w, now)
+            if self._waiting:  # the router sees the freed KV at this worker's next heartbeat
+                h = self.cfg.heartbeat_interval
+                self._push(w.next_hb if h > 0 else now, _RETRY, None, None)
         self._start(w, now)
 
     def _admit(self, w: _Decode, seq: Seq, now: float) -> None:
         if w.admit_wait or not w.batcher.can_admit(seq):
             w.admit_wait.append(seq)
+            self._q_admit.add(now, 1)
         else:
             w.batcher.add(seq)
         if not w.busy:
             self._start(w, now)
 
-    def _drain_admissions(self, w: _Decode) -> None:
+    def _drain_admissions(self, w: _Decode, now: float) -> None:
         while w.admit_wait and w.batcher.can_admit(w.admit_wait[0]):
             w.batcher.add(w.admit_wait.popleft())
+            self._q_admit.add(now, -1)
 
     def _kv_landed(self, r: _Req, now: float) -> None:
         w = self._d_by_id[r.decode_worker]
@@ -332,8 +373,39 @@ class Simulation:
                   tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r)
         self._admit(w, seq, now)
 
-    # -- arrivals -------------------------------------------------------------------------
+    # -- arrivals and the router's wait queue -----------------------------------------------
     def _arrive(self, r: _Req, now: float) -> None:
+        if self._waiting or not self._dispatch(r, now):  # FIFO: nobody overtakes a waiting request
+            if len(self._waiting) >= self.cfg.kv_wait_max:
+                self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for KV room")
+                return
+            self._waiting.append(r)
+            self._q_wait.add(now, 1)
+            self._push(now + self.cfg.kv_wait_timeout, _GIVE_UP, r, None)
+
+    def _retry(self, now: float) -> None:
+        while self._waiting and self._dispatch(self._waiting[0], now):
+            r = self._waiting.popleft()
+            r.waited = now - r.arrival
+            self._q_wait.add(now, -1)
+
+    def _give_up(self, r: _Req, now: float) -> bool:
+        if r.route is not None or r.rejected:
+            return False  # placed in time
+        self._waiting.remove(r)
+        self._q_wait.add(now, -1)
+        r.waited = now - r.arrival
+        self._reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for KV room ({r.reason})")
+        return True
+
+    @staticmethod
+    def _reject(r: _Req, reason: str) -> None:
+        r.rejected = True
+        r.reason = reason
+
+    def _dispatch(self, r: _Req, now: float) -> bool:
+        """Ask the policy and send the request on its way; False (and why in `r.reason`) if it
+        cannot be placed now."""
         cfg = self.cfg
         spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
                            ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
@@ -342,8 +414,8 @@ class Simulation:
         try:
             d = self.policy.decide(spec, view, now)
         except NoWorkers as e:
-            r.reason = f"rejected: {e}"
-            return
+            r.reason = str(e)
+            return False
         finally:
             self.decision_ns.append(time.perf_counter_ns() - t0)
         r.route = d.route
@@ -357,13 +429,13 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
-            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule)
+            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget)
             if cfg.ledger:
                 dw.led_res += r.prompt
                 dw.led_kv += need
                 self._ledger_changed(dw)
             self._admit(dw, seq, now)
-            return
+            return True
         assert d.prefill_worker is not None
         r.ttft_pred = d.ttft_prefill_pred
         pw = self._p_by_id[d.prefill_worker]
@@ -372,6 +444,7 @@ class Simulation:
                            tbt_slo=cfg.tbt_slo, arrived=now, user=r))
         pw.queued_tokens += r.prompt
         pw.queued_reqs += 1
+        self._q_prefill.add(now, 1)
         dw.waiting_kv += 1
         dw.waiting_kv_tokens += need
         if cfg.ledger:
@@ -383,6 +456,7 @@ class Simulation:
             self._ledger_changed(dw)
         if not pw.busy:
             self._start(pw, now)
+        return True
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
@@ -396,18 +470,23 @@ class Simulation:
         n = len(reqs)
         ai = 0
         events = 0
-        now = 0.0
+        now = end = 0.0
         while True:
             if heap and (ai >= n or heap[0][0] <= reqs[ai].arrival):
                 now, _, kind, obj, plan = pop(heap)
+                if (kind == _GIVE_UP and not self._give_up(obj, now)) or (kind == _RETRY and not self._waiting):
+                    continue  # nothing left to do: not an event of the run
+                end = now
                 if kind == _STEP_D:
                     self._decode_done(obj, plan, now)
                 elif kind == _STEP_P:
                     self._prefill_done(obj, plan, now)
-                else:
+                elif kind == _XFER:
                     self._kv_landed(obj, now)
+                elif kind == _RETRY:
+                    self._retry(now)
             elif ai < n:
-                now = reqs[ai].arrival
+                now = end = reqs[ai].arrival
                 self._arrive(reqs[ai], now)
                 ai += 1
             else:
@@ -422,25 +501,29 @@ class Simulation:
         stats: dict[str, Any] = {
             "events": events,
             "steps": self.steps,
-            "makespan_s": now,
+            "makespan_s": end,
             "wall_s": time.perf_counter() - wall0,
             "decision_us_p50": dec[len(dec) // 2] / 1e3 if dec else None,
             "decision_us_p99": dec[min(len(dec) - 1, int(len(dec) * 0.99))] / 1e3 if dec else None,
-            "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, now)),
-            "decode_busy": _util([w.busy_s for w in self.decode], max(span, now)),
+            "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, end)),
+            "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
+            "queues": {"router_kv_wait": self._q_wait.report(end), "prefill": self._q_prefill.report(end),
+                       "decode_admit": self._q_admit.report(end)},
         }
         return SimResult(records=records, stats=stats)
 
     @staticmethod
     def _timing(r: _Req) -> RequestTiming:
         if r.route is None or r.first < 0:
-            return RequestTiming(ttft=None, route=r.route, reason=r.reason, prompt_tokens=r.prompt)
+            return RequestTiming(ttft=None, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
+                                 rejected=r.rejected, wait_s=r.waited if r.waited >= 0 else None)
         return RequestTiming(
             ttft=r.first - r.arrival, tbt_gaps=r.gaps, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
             output_tokens=r.ntok, e2e=r.done - r.arrival,
             queue_s=r.prefill_started - r.arrival if r.prefill_started >= 0 else None,
             prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
-            xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred)
+            xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred,
+            wait_s=r.waited if r.waited >= 0 else None)
 
 
 def _util(busy: list[float], span: float) -> float | None:
@@ -455,22 +538,30 @@ def simulate(trace: Sequence[TraceRequest], profile: Profile, policy: Policy, cf
 
 def fastest_prefill(model: PerfModel, tokens: int) -> float:
     """The shortest time a prompt alone can be prefilled in on an idle engine, over every way
-    of chunking it: with the step model, n chunks cost n*a0 + a3*L + a4*L^2/2 + a5*sum(chi^2)
-    (the attention term does not depend on the chunking), so the best is n near L*sqrt(a5/a0)
-    chunks of equal size (about 680 tokens for a100-dsv2-lite; one chunk when a5 = 0)."""
+    of chunking it: alone in its steps a chunk is the step's total, so n chunks cost
+    n*(a0 + a6) + a3*L + a4*L^2/2 + sum over chunks of (a7*max(0, chi - knee) + a5*chi^2) (the
+    attention term does not depend on the chunking). The last two are convex in chi, so for a
+    given n equal chunks are best; n is searched around L*sqrt(a5/(a0 + a6)) (about 680 tokens
+    a chunk for a100-dsv2-lite) and up to where chunks reach the knee (one chunk when a5 = 0
+    and a0 + a6 >= a7*knee, as in the measured profiles)."""
     if tokens <= 0:
         return 0.0
     fixed = model.a3 * tokens + model.a4 * tokens * tokens / 2.0
+    per_step = model.a0 + model.a6
 
     def cost(n: int) -> float:
         q, r = divmod(tokens, n)
-        return n * model.a0 + fixed + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
+        over = r * max(0.0, q + 1 - model.knee) + (n - r) * max(0.0, q - model.knee)
+        return n * per_step + fixed + model.a7 * over + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
 
-    if model.a5 <= 0 or model.a0 <= 0:
-        return cost(1) if model.a5 <= 0 else cost(tokens)
-    guess = tokens * math.sqrt(model.a5 / model.a0)
-    lo = max(1, int(guess) - 2)
-    return min(cost(n) for n in range(lo, min(tokens, int(guess) + 3) + 1))
+    ns = {1, tokens}
+    if model.a5 > 0 and per_step > 0:
+        guess = int(tokens * math.sqrt(model.a5 / per_step))
+        ns.update(range(max(1, guess - 2), min(tokens, guess + 3) + 1))
+    if model.a7 > 0 and model.knee > 0:
+        top = min(tokens, int(tokens / model.knee) + 2)
+        ns.update(range(1, top + 1))
+    return min(cost(n) for n in ns)
 
 
 def lower_bound(trace: Sequence[TraceRequest], profile: Profile, *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def attainment_vs_load(sweep: Sequence[Mapping[str, Any]], path: Path, *, title:
         att = [p["policies"].get(name, {}).get("slo_attainment") for p in sweep]
         p95 = [p["policies"].get(name, {}).get("ttft_p95") for p in sweep]
         a1.plot(xs, [np.nan if v is None else v for v in att], marker="o", label=name)
-        a2.plot(xs, [np.nan if v is None else v for v in p95], marker="o", label=name)
+        # an infinite P95 (more than 5 % rejected) is left off the log axis
+        a2.plot(xs, [np.nan if v is None or not np.isfinite(v) else v for v in p95], marker="o", label=name)
     lb = [p["lower_bound"]["ttft_p95"] for p in sweep]
     a2.plot(xs, lb, linestyle="--", color="grey", label="lower bound")
     a1.set_ylabel("SLO attainment (TTFT and TBT)")

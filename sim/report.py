@@ -15,13 +15,15 @@ from typing import Any
 
 from sim.stats import fmt
 
-VARYING = ("alpha", "beta", "candidates", "heartbeat_interval", "ledger", "transfer_term", "max_deflections",
-           "step_noise", "ttft_slo", "tbt_slo", "prefill", "decode", "profile")
+VARYING = ("cluster", "prefill_token_budget", "decode_token_budget", "decode_chunk", "alpha", "beta", "candidates",
+           "max_deflections", "transfer_term", "eff_isl_threshold", "eff_isl_ratio_threshold", "prefill_busy_threshold",
+           "heartbeat_interval", "ledger", "step_noise", "kv_wait_timeout", "ttft_slo", "tbt_slo", "profile")
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ttft_p50", "TTFT p50 s", "s"), ("ttft_p95", "TTFT p95 s", "s"), ("ttft_p99", "TTFT p99 s", "s"),
     ("tbt_p99", "TBT p99 ms", "ms"), ("ttft_slo_attainment", "TTFT SLO", "%"),
-    ("tbt_slo_attainment", "TBT SLO", "%"), ("slo_attainment", "both SLOs", "%"), ("deflection_rate", "deflected", "%"),
+    ("tbt_slo_attainment", "TBT SLO", "%"), ("tbt_p99_slo_attainment", "TBT SLO (p99 gap)", "%"),
+    ("slo_attainment", "both SLOs", "%"), ("rejected", "rejected", "n"), ("deflection_rate", "deflected", "%"),
 )
 
 
@@ -38,21 +40,32 @@ def _fmt(v: Any, kind: str) -> str:
     return fmt(v, kind)
 
 
+def _settings(cfg: dict[str, Any], policy: str) -> dict[str, Any]:
+    """The run's config with this policy's own settings (cluster, engine, knobs) on top."""
+    own = cfg.get("settings", {}).get(policy, {})
+    return {**cfg, "cluster": own.get("cluster", f"{cfg.get('prefill')}P{cfg.get('decode')}D"),
+            **own.get("engine", {}), **own.get("policy", {})}
+
+
 def table(results: list[dict[str, Any]], policies: list[str] | None = None) -> str:
-    varying = [k for k in VARYING if len({json.dumps(r["config"].get(k)) for r in results}) > 1]
-    head = ["trace", "rate x", "prefill load", *varying, "policy", *(c[1] for c in COLUMNS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    rows = []
     for res in results:
         cfg = res["config"]
         for point in res.get("sweep") or [{"rate_scale": cfg.get("rate_scales", [1])[0],
                                            "prefill_load": None, "policies": res["policies"]}]:
             for name, s in point["policies"].items():
-                if policies and name not in policies:
-                    continue
-                row = [str(cfg.get("trace")), f"{point['rate_scale']:g}", _fmt(point.get("prefill_load"), "s"),
-                       *(_fmt(cfg.get(k), "s") for k in varying), name,
-                       *(_fmt(s.get(k), kind) for k, _, kind in COLUMNS)]
-                lines.append("| " + " | ".join(row) + " |")
+                if not policies or name in policies:
+                    rows.append((cfg, point, name, s, _settings(cfg, name)))
+    # a setting is shown when it takes more than one value among the rows that have it
+    varying = [k for k in VARYING
+               if len({json.dumps(r[4][k]) for r in rows if r[4].get(k) is not None}) > 1]
+    head = ["trace", "rate x", "prefill load", *varying, "policy", *(c[1] for c in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for cfg, point, name, s, settings in rows:
+        row = [str(cfg.get("trace")), f"{point['rate_scale']:g}", _fmt(point.get("prefill_load"), "s"),
+               *(_fmt(settings.get(k), "s") for k in varying), name,
+               *(_fmt(s.get(k), kind) for k, _, kind in COLUMNS)]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 

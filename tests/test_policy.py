@@ -61,7 +61,9 @@ def eq1(m: PerfModel, queued: int, tokens: int, chunk: int, *, transfer: bool = 
         ) -> float:
     """Equation 1 written out: W_q + Exec (+ T_xfer)."""
     def step(chi: int, k: float) -> float:
-        return m.a0 + m.a3 * chi + m.a4 * chi * (k + chi / 2) + m.a5 * chi * chi
+        total = chi  # alone in its step: the chunk is the step's total
+        return (m.a0 + m.a6 + m.a3 * total + m.a7 * max(0, total - m.knee) + m.a5 * total * total
+                + m.a4 * chi * (k + chi / 2))
     wq = (queued / chunk) * step(chunk, queued // 2) if queued > 0 else 0.0
     ex, done = 0.0, 0
     while done < tokens:
@@ -82,7 +84,9 @@ def algorithm1(m: PerfModel, d: DecodeView, tokens: int, budget: float, cands: t
         base = m.a0 + m.a1 * d.batch + m.a2 * (d.kv_tokens + done) + d.reserved_step_s
         for c in usable:
             x = min(c, tokens - done)
-            t = base + m.a3 * x + m.a4 * x * (done + x / 2) + m.a5 * x * x
+            step_tokens = d.batch + x  # the step's total tokens: the decodes and the chunk
+            t = (base + m.a6 + m.a3 * step_tokens + m.a7 * max(0, step_tokens - m.knee) + m.a5 * step_tokens**2
+                 + m.a4 * x * (done + x / 2))
             if t <= budget:
                 break
         else:
@@ -346,7 +350,8 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
 def test_lower_bound_never_exceeds_the_schedule() -> None:
     """The pruning bound is a true lower bound (else a worker that could win would be skipped)."""
     rng = random.Random(7)
-    models = [M, M.scaled(0.5), msgspec.structs.replace(M, a5=0.0), msgspec.structs.replace(M, a4=0.0, a5=0.0)]
+    models = [M, M.scaled(0.5), msgspec.structs.replace(M, a5=0.0), msgspec.structs.replace(M, a4=0.0, a5=0.0),
+              load_profile("h100-llama2-70b-tp4").model, load_profile("a100-llama2-70b-tp4").model]
     for _ in range(3000):
         m = rng.choice(models)
         d = dv(batch=rng.randint(0, 200), kv=rng.randint(0, 400_000), reserved=rng.choice([0.0, 0.02]), model=m)
@@ -356,8 +361,8 @@ def test_lower_bound_never_exceeds_the_schedule() -> None:
         found = algorithm1(m, d, tokens, budget, tuple(cands))
         if found is None:
             continue
-        base0 = m.a0 + m.a1 * d.batch + m.a2 * d.kv_tokens + d.reserved_step_s
-        assert _lower_bound(m, base0, tokens, budget, cands) <= found[1] * (1 + 1e-12)
+        base0 = m.decode_time(d.batch, d.kv_tokens) + m.a6 + d.reserved_step_s
+        assert _lower_bound(m, base0, tokens, budget, cands, d.batch) <= found[1] * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(("kw", "msg"), [({"alpha": 0.9}, "alpha"), ({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),
@@ -421,17 +426,28 @@ def test_round_robin_cycles_each_pool() -> None:
     assert make_policy("disagg-round-robin").decide(rq(), view, 0.0).decode_worker == "decode-0"  # fresh counter
 
 
+DYNAMO_15 = ConditionalConfig(eff_isl_ratio_threshold=0.7)  # Dynamo >= 1.5's isl_bounding: mostly cached only
 COND_CASES = [
     # (name, prefill queue, decode view, request, config, route, reason)
     ("long uncached prompt, idle prefill", 0, dv(), rq(4096), ConditionalConfig(), "disagg", "prefill_not_busy"),
-    ("short but uncached prompt still goes to prefill", 0, dv(), rq(500), ConditionalConfig(), "disagg",
+    # the input-length half alone: a short prompt is prefilled locally although the prefill worker is idle
+    ("short prompt, idle prefill", 0, dv(), rq(500), ConditionalConfig(), "deflect", "short_prompt"),
+    ("just under the length threshold", 0, dv(), rq(2047), ConditionalConfig(), "deflect", "short_prompt"),
+    ("at the length threshold is long", 0, dv(), rq(2048), ConditionalConfig(), "disagg", "prefill_not_busy"),
+    ("length half off", 0, dv(), rq(500), ConditionalConfig(eff_isl_threshold=0), "disagg", "prefill_not_busy"),
+    ("ratio condition: short but uncached still goes to prefill", 0, dv(), rq(500), DYNAMO_15, "disagg",
      "prefill_not_busy"),
-    ("short, mostly cached prompt", 0, dv(), rq(1000, cached=600), ConditionalConfig(), "deflect",
-     "short_cached_prompt"),
+    ("ratio condition: short, mostly cached prompt", 0, dv(), rq(1000, cached=600), DYNAMO_15, "deflect",
+     "short_prompt"),
+    ("long prompt, mostly cached: short uncached part", 0, dv(), rq(4096, cached=3000), ConditionalConfig(),
+     "deflect", "short_prompt"),
+    # the load half alone: a long prompt is prefilled locally because the prefill worker is busy
     ("prefill busy (> 2 x budget queued)", 5000, dv(), rq(4096), ConditionalConfig(), "deflect", "prefill_busy"),
     ("prefill at exactly 2 x budget is not busy", 4096, dv(), rq(4096), ConditionalConfig(), "disagg",
      "prefill_not_busy"),
     ("busy prefill but the decode KV is nearly full", 5000, dv(free=50_000, cap=1_000_000), rq(4096),
+     ConditionalConfig(), "disagg", "decode_busy"),
+    ("short prompt but the decode KV is nearly full", 0, dv(free=50_000, cap=1_000_000), rq(500),
      ConditionalConfig(), "disagg", "decode_busy"),
     ("custom threshold", 5000, dv(), rq(4096), ConditionalConfig(prefill_busy_threshold=4.0), "disagg",
      "prefill_not_busy"),
@@ -453,6 +469,23 @@ def test_conditional_without_prefill_workers_deflects() -> None:
     assert (dec.route, dec.reason) == ("deflect", "no_prefill_worker")
 
 
+def test_conditional_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="decode_busy_threshold"):
+        ConditionalConfig(decode_busy_threshold=1.5)
+    with pytest.raises(ValueError, match=">= 0"):
+        ConditionalConfig(eff_isl_threshold=-1)
+
+
+def test_chunked_prefill_never_uses_a_prefill_worker() -> None:
+    for view in (cluster([pv()], [dv("decode-0", batch=9), dv("decode-1", batch=3)]),
+                 cluster([], [dv("decode-0", batch=9), dv("decode-1", batch=3)])):
+        dec = decide("chunked-prefill", rq(4096), view)
+        assert (dec.route, dec.decode_worker, dec.prefill_worker) == ("deflect", "decode-1", None)
+        assert dec.chunk_schedule == ()  # the engine chunks within its token budget
+    with pytest.raises(NoWorkers, match="KV room"):
+        decide("chunked-prefill", rq(4096), cluster([pv()], [dv(free=100)]))
+
+
 def test_deflect_all_picks_least_loaded_decode() -> None:
     dec = decide("deflect-all", rq(4096), cluster([pv()], [dv("decode-0", batch=9), dv("decode-1", batch=3)]))
     assert (dec.route, dec.decode_worker, dec.prefill_worker, dec.chunk_schedule) == ("deflect", "decode-1", None, ())
@@ -463,3 +496,26 @@ def test_make_policy_names() -> None:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+@pytest.mark.parametrize("name", ["h100-llama2-70b-tp4", "a100-llama2-70b-tp4"])
+def test_kairos_schedule_is_timed_by_the_measured_model(name: str) -> None:
+    """The search's unrolled step time (prefill step cost a6, roofline a7 over the step's total)
+    is PerfModel.step_time, and matches Algorithm 1 as printed."""
+    model = load_profile(name).model
+    scheduled = 0
+    for batch in (0, 8, 40, 120):
+        d = dv(batch=batch, kv=batch * 1500, model=model)
+        found = largest_safe_schedule(model, d, 5000, 0.09, CANDS, float("inf"), 4096)
+        ref = algorithm1(model, d, 5000, 0.09)
+        assert (found is None) == (ref is None)
+        if found is None or ref is None:
+            continue
+        assert found[0] == ref[0]
+        done, acc = 0, 0.0
+        for chi in found[0]:
+            acc += model.step_time(d.batch, d.kv_tokens + done, [(chi, done)])
+            done += chi
+        assert acc == pytest.approx(found[1], rel=1e-12) and found[1] == pytest.approx(ref[1], rel=1e-12)
+        scheduled += 1
+    assert scheduled >= 2

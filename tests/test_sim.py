@@ -141,13 +141,55 @@ def test_stale_views_let_kairos_stack_deflections() -> None:
     assert stale["routes"]["deflect"] > with_ledger["routes"]["deflect"]
 
 
-def test_kv_admission_waits_and_rejections() -> None:
+def test_a_request_without_kv_room_waits_then_completes() -> None:
     small = msgspec.structs.replace(PROF, kv_capacity_tokens=1500)
-    # fresh views: the second request sees no room and is rejected (a clear failure, not a hang)
-    recs = run([TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 2000, 1)],
-               "disagg-least-loaded", profile=small, heartbeat_interval=0.0, decode=1)
-    assert [r.ttft is not None for r in recs] == [True, False, False]
-    assert recs[1].reason.startswith("rejected")
+    trace = [TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 2000, 1)]
+    sim = Simulation(small, make_policy("disagg-least-loaded"),
+                     SimConfig(heartbeat_interval=0.0, decode=1, kv_wait_timeout=5.0))
+    res = sim.run(trace)
+    first, second, too_big = res.records
+    # fresh views: the second finds no KV room, waits at the router, and is placed the instant
+    # the first finishes; then it completes with all its tokens
+    assert first.e2e is not None and second.wait_s == pytest.approx(first.e2e)
+    assert second.ttft is not None and second.ttft > first.e2e and second.output_tokens == 10
+    assert first.wait_s is None and not second.rejected
+    # one that can never fit waits its timeout out, then is rejected clearly
+    assert too_big.ttft is None and too_big.rejected and too_big.wait_s == pytest.approx(5.0)
+    assert too_big.reason.startswith("rejected: waited 5 s for KV room")
+    assert res.stats["queues"]["router_kv_wait"]["max"] == 2
+    assert res.stats["makespan_s"] == pytest.approx(5.0)  # the rejection is the last event
+    s = summarize(res.records, ttft_slo=60.0, tbt_slo=1.0)
+    assert (s["rejected"], s["failed"], s["completed"], s["waited_for_kv"]) == (1, 1, 2, 2)
+    assert s["slo_attainment"] == pytest.approx(2 / 3)  # the rejected one misses both SLOs
+    assert s["ttft_p99"] == float("inf") and s["ttft_p99_served"] == pytest.approx(second.ttft, rel=0.05)
+    assert s["ttft_p50"] == pytest.approx(second.ttft)  # the rejected one ranks above every served one
+
+
+def test_heartbeats_delay_the_retry_and_a_zero_timeout_rejects_at_once() -> None:
+    small = msgspec.structs.replace(PROF, kv_capacity_tokens=1500)
+    trace = [TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10)]
+    sim = Simulation(small, make_policy("disagg-least-loaded"), SimConfig(heartbeat_interval=10.0, decode=1))
+    res = sim.run(trace)
+    first, second = res.records
+    # with the ledger the router knows the first holds the KV; it sees it freed at the next heartbeat
+    assert first.e2e is not None and first.e2e < sim.decode[0].phase
+    assert second.wait_s == pytest.approx(sim.decode[0].phase) and second.ttft is not None
+    assert second.e2e is not None and res.stats["makespan_s"] == pytest.approx(second.e2e)  # not the 30 s timeout
+    first, second = run(trace, "disagg-least-loaded", profile=small, heartbeat_interval=0.0, decode=1,
+                        kv_wait_timeout=0.0)
+    assert first.ttft is not None and second.ttft is None and second.rejected
+
+
+def test_a_full_wait_queue_rejects_at_once() -> None:
+    small = msgspec.structs.replace(PROF, kv_capacity_tokens=1500)
+    recs = run([TraceRequest(0.0, 1000, 10)] * 3, "disagg-least-loaded", profile=small, heartbeat_interval=0.0,
+               decode=1, kv_wait_max=1)
+    assert [r.ttft is not None for r in recs] == [True, True, False]
+    assert recs[2].rejected and "already waiting" in recs[2].reason and recs[2].wait_s is None
+
+
+def test_stale_views_queue_at_the_decode_worker() -> None:
+    small = msgspec.structs.replace(PROF, kv_capacity_tokens=1500)
     # stale views: both accepted; the second waits at the decode worker for KV room
     recs = run([TraceRequest(0.0, 1000, 10), TraceRequest(0.0, 1000, 10)], "disagg-least-loaded", profile=small,
                heartbeat_interval=10.0, ledger=False, decode=1)
@@ -201,8 +243,11 @@ def test_summarize_definitions() -> None:
     assert s["tbt_slo_attainment"] == pytest.approx(3 / 5)
     assert s["slo_attainment"] == pytest.approx(2 / 5)
     assert s["deflection_rate"] == pytest.approx(2 / 5)
-    assert s["ttft_p50"] == pytest.approx(0.75)  # of 0.1, 0.5, 1.0, 3.0
-    assert s["ttft_mean"] == pytest.approx(4.6 / 4)
+    # the rejected request counts as an infinite TTFT: median of 0.1, 0.5, 1.0, 3.0, inf
+    assert s["ttft_p50"] == pytest.approx(1.0)
+    assert s["ttft_p95"] == float("inf") and s["ttft_p95_served"] == pytest.approx(2.7)  # served: 0.1 .. 3.0
+    assert s["ttft_mean"] == pytest.approx(4.6 / 4)  # of the served ones
+    assert s["tbt_p99_slo_attainment"] == pytest.approx(3 / 5)  # the third's P99 gap is 0.197 s
     assert s["tbt_p50"] == pytest.approx(0.04)   # pooled gaps 0.02 0.02 0.03 0.05 0.05 0.2
     assert s["tbt_max"] == pytest.approx(0.2)
     assert s["routes"] == {"deflect": 2, "disagg": 2}
@@ -213,6 +258,10 @@ def test_summarize_definitions() -> None:
     assert tail["ttft_tail_queue_share"] == pytest.approx((0.5 + 0.75) / 2)
     assert tail["ttft_tail_prefill_share"] == pytest.approx((0.3 + 0.15) / 2)
     assert tail["ttft_tail_xfer_share"] == pytest.approx((0.1 + 0.05) / 2)
+    # one slow gap among 200: misses the max-gap TBT SLO, meets the P99-gap one
+    one_bad = summarize([RequestTiming(ttft=0.5, tbt_gaps=[0.02] * 199 + [0.3])], ttft_slo=2.0, tbt_slo=0.1)
+    assert (one_bad["tbt_slo_attainment"], one_bad["tbt_p99_slo_attainment"]) == (0.0, 1.0)
+    assert (one_bad["slo_attainment"], one_bad["slo_attainment_p99"]) == (0.0, 1.0)
     empty = summarize([], ttft_slo=1.0, tbt_slo=0.1)
     assert empty["requests"] == 0 and empty["ttft_p95"] is None and empty["slo_attainment"] is None
 
@@ -237,7 +286,7 @@ def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
     assert res["policies"]["kairos"]["requests"] == 300
     assert [p["rate_scale"] for p in res["sweep"]] == [1.0, 3.0]
     assert res["sweep"][1]["prefill_load"] == pytest.approx(3 * res["sweep"][0]["prefill_load"], rel=0.01)
-    assert res["config"]["profile"] == "a100-dsv2-lite" and res["config"]["ledger"] is True
+    assert res["config"]["profile"] == "h100-llama2-70b-tp4" and res["config"]["ledger"] is True  # the default
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "attainment_vs_load.png", "ttft_cdf_x1.png", "ttft_cdf_x3.png"]
 

@@ -6,8 +6,18 @@ from typing import Literal
 
 from common.config import WorkerConfig
 from common.engines.base import Engine
+from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import load_profile
+
+
+def engine_settings(cfg: WorkerConfig) -> EngineSettings:
+    """The token budgets and chunk size this worker's config sets (0: the profile's)."""
+    try:
+        return EngineSettings(prefill_token_budget=cfg.prefill_token_budget,
+                              decode_token_budget=cfg.decode_token_budget, decode_chunk=cfg.decode_chunk)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine:
@@ -17,7 +27,7 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
 
         check_transport(cfg.kv_transport)  # unknown name, or nixl without NIXL: a clear error now
 
-        return SimEngine(role, load_profile(cfg.profile), time_scale=cfg.time_scale,
+        return SimEngine(role, engine_settings(cfg).apply(load_profile(cfg.profile)), time_scale=cfg.time_scale,
                          max_queue_requests=cfg.max_queue_requests)
     if cfg.engine == "vllm":
         try:

@@ -368,10 +368,12 @@ def print_report(profile: Profile) -> None:
     coeffs = Table(title=f"profile {profile.name}: step-time model")
     coeffs.add_column("term")
     coeffs.add_column("value", justify="right")
-    for name, value, unit in (("a0", m.a0 * 1e3, "ms per step"), ("a1", m.a1 * 1e6, "us per decode"),
-                              ("a2", m.a2 * 1e9, "ns per KV token"), ("a3", m.a3 * 1e6, "us per chunk token"),
+    for name, value, unit in (("a0", m.a0 * 1e3, "ms per step"), ("a6", m.a6 * 1e3, "ms per step with prefill"),
+                              ("a1", m.a1 * 1e6, "us per decode"), ("a2", m.a2 * 1e9, "ns per KV token"),
+                              ("a3", m.a3 * 1e6, "us per token of the step"),
+                              ("a7", m.a7 * 1e6, f"us per token of the step above {m.knee:g}"),
                               ("a4", m.a4 * 1e9, "ns per chunk token x context"),
-                              ("a5", m.a5 * 1e9, "ns per chunk token^2"), ("xfer_t0", m.xfer_t0 * 1e3, "ms"),
+                              ("a5", m.a5 * 1e9, "ns per (step tokens)^2"), ("xfer_t0", m.xfer_t0 * 1e3, "ms"),
                               ("xfer_bandwidth", m.xfer_bandwidth / 1e9, "GB/s")):
         coeffs.add_row(f"{name} ({unit})", f"{value:.4g}")
     errs = Table(title="fit MAPE")
@@ -385,7 +387,12 @@ def print_report(profile: Profile) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kairos profile", description=__doc__.split("\n\n")[0],
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["fit-splitwise"]:
+        from common.engines import splitwise_fit
+        return splitwise_fit.main(args_in[1:])
+    about = " (`kairos profile fit-splitwise --help`: fit a profile to the measured Splitwise data)"
+    p = argparse.ArgumentParser(prog="kairos profile", description=__doc__.split("\n\n")[0] + about,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
     p.add_argument("--model", default="", help="vllm: model directory (default: make the tiny model in a temp dir)")
@@ -406,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trim", type=float, default=0.25,
                    help="drop steps this much slower than the fit and refit (0: plain fit); see robust_fit")
     p.add_argument("--repeats", type=int, default=1, help="run the whole sweep this many times")
-    p.add_argument("--a5", action=argparse.BooleanOptionalAction, default=True, help="fit the chunk^2 term")
+    p.add_argument("--a5", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit the (step's total tokens)^2 term")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mib", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=512)
@@ -418,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples-out", default="", help="also write the raw step samples (JSON)")
     p.add_argument("--cmdline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     if not args.name:
         args.name = Path(args.out).stem
     profile = asyncio.run(_profile(args))

@@ -4,7 +4,7 @@ No hub access and no downloads: a byte-level BPE tokenizer is trained on a fixed
 corpus and a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, vocab 1024; ~0.56 M parameters,
 ~2.2 MB of float32 safetensors) is initialised from a fixed seed, so every machine builds the
 same files. vLLM serves it on CPU in milliseconds per step; its greedy outputs are fixed
-(shared/reference/vllm.md lists two reference sequences, which the vllm test tier checks).
+(docs/reference/vllm.md section 5 lists two reference sequences, which the vllm test tier checks).
 
 Needs torch, tokenizers and transformers: run it with the vLLM venv
 (`.venv-vllm/bin/python -m common.engines.tiny_model DIR`).

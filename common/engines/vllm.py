@@ -1,6 +1,6 @@
 """The `vllm` engine: vLLM 0.32.0's AsyncLLM behind the Engine interface, for both roles.
 
-Roles and the KV protocol (shared/reference/vllm.md sections 1-2):
+Roles and the KV protocol (docs/reference/vllm.md sections 1-2):
 - prefill role = KV producer. Each request runs with `max_tokens=1` and
   `kv_transfer_params={"do_remote_decode": True, ...}`; vLLM keeps the prompt's KV blocks and
   returns `kv_transfer_params` naming them (engine id, side-channel host/port, block ids).
@@ -604,7 +604,8 @@ def _trim(d: dict[int, Any], keep: int = 1024) -> None:
 def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"], *, side_channel_port: int = 0,
                      side_channel_host: str = "127.0.0.1", max_batch: int = 64) -> VllmEngine:
     """A worker's engine from its config: model, vllm_max_model_len, vllm_kv_cache_mib,
-    vllm_token_budget, kv_timeout, max_queue_requests and profile (the step-time model it
+    vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk, kv_timeout,
+    max_queue_requests and profile (the step-time model it
     reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
 
     The NIXL side channel: the prefill engine's host and port travel inside its returned
@@ -615,8 +616,10 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"], *, s
 
     if not cfg.model:
         raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
+    budget = (cfg.prefill_token_budget if role == "prefill" else cfg.decode_token_budget) or cfg.vllm_token_budget
     return VllmEngine(role, model=cfg.model, max_model_len=cfg.vllm_max_model_len,
-                      kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=cfg.vllm_token_budget, max_batch=max_batch,
+                      kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=budget, max_batch=max_batch,
+                      default_chunk=cfg.decode_chunk if role == "decode" else 0,
                       kv_timeout=cfg.kv_timeout, max_queue_requests=cfg.max_queue_requests,
                       side_channel_host=side_channel_host, side_channel_port=side_channel_port or free_port(),
                       profile=load_profile(cfg.profile))

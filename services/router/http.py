@@ -336,7 +336,8 @@ class App:
                 if ev.token_ids:
                     parts.append(detok.push(ev.token_ids))
                 if ev.error is not None:
-                    status = 503 if ev.error_code in ("unavailable", "retries_exhausted", "router_shutdown") else 500
+                    status = 503 if ev.error_code in ("unavailable", "retries_exhausted", "router_shutdown",
+                                                      "kv_wait_timeout") else 500
                     if ev.error_code == "deadline_exceeded":
                         status = 504
                     raise HttpError(status, ev.error, type_="server_error", code=ev.error_code)

@@ -83,6 +83,7 @@ class Request:
     prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)
     events: Events = field(default_factory=Events)
+    kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
 
     @property
     def streamed(self) -> bool:

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import structlog
@@ -28,7 +28,7 @@ from common.perf_model import load_profile
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, migrate
-from services.router.policy import ConditionalConfig, KairosConfig, NoWorkers, RequestSpec, make_policy
+from services.router.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
@@ -45,7 +45,11 @@ class Router:
             kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
                                 per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
-            self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ConditionalConfig(),
+            ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
+                                     eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
+                                     prefill_busy_threshold=cfg.prefill_busy_threshold,
+                                     decode_busy_threshold=cfg.decode_busy_threshold)
+            self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ccfg,
                                       default_model=self.profile.model)
         except ValueError as e:
             raise ConfigError(str(e)) from e
@@ -53,6 +57,7 @@ class Router:
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
+        self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
         self.counts: Counter[str] = Counter()
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -105,8 +110,21 @@ class Router:
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens)
+        while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
+            self.kv_waiting.popleft()
         try:
+            if self.kv_waiting:
+                raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
             self._dispatch(req)
+        except NoKvRoom as e:
+            if len(self.kv_waiting) >= self.cfg.kv_wait_max or self.cfg.kv_wait_timeout <= 0:
+                self.counts["unavailable"] += 1
+                metrics.observe_rejected("no_kv_room")
+                raise Unavailable(f"cannot serve now: {e}, and {len(self.kv_waiting)} requests already wait "
+                                  f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
+            req.kv_wait_until = now + self.cfg.kv_wait_timeout
+            self.kv_waiting.append(req)
+            self.counts["kv_waited"] += 1
         except NoWorkers as e:
             self.counts["unavailable"] += 1
             metrics.observe_rejected("no_worker")
@@ -115,6 +133,35 @@ class Router:
         metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
         return req
+
+    def _retry_kv_waiting(self) -> None:
+        """Place the requests waiting for KV room, in arrival order, while the views show room
+        (called on decode heartbeats and when a request ends, i.e. when room may have freed)."""
+        q = self.kv_waiting
+        while q:
+            req = q[0]
+            if req.done:  # aborted or past its deadline meanwhile
+                q.popleft()
+                continue
+            try:
+                self._dispatch(req)
+            except NoKvRoom:
+                return
+            except NoWorkers as e:
+                q.popleft()
+                self._fail(req, f"no worker can serve it: {e}", code="unavailable")
+                continue
+            q.popleft()
+            req.kv_wait_until = 0.0
+
+    def _expire_kv_waiting(self, now: float) -> None:
+        q = self.kv_waiting
+        while q and (q[0].done or now > q[0].kv_wait_until):
+            req = q.popleft()
+            if not req.done:
+                self.counts["kv_wait_timeouts"] += 1
+                self._fail(req, f"no decode worker had KV room for it within {self.cfg.kv_wait_timeout:g} s "
+                                "(kv_wait_timeout); retry later, or add decode workers", code="kv_wait_timeout")
 
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()
@@ -136,7 +183,8 @@ class Router:
         reserve = tokens + sampling.max_tokens
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
-            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule)
+            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
+                                                                   dw.hello.token_budget)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
@@ -204,6 +252,8 @@ class Router:
         self._release(req)
         self.requests.pop(req.request_id, None)
         self.counts[counter] += 1
+        if self.kv_waiting and req.kv_wait_until == 0.0:
+            self._retry_kv_waiting()  # its KV may have freed (seen for sure at the next heartbeat)
         return True
 
     def _finish(self, req: Request, finish_reason: str) -> None:
@@ -266,6 +316,11 @@ class Router:
             req.exclude.clear()
             try:
                 self._dispatch(req)
+            except NoKvRoom:
+                # e.g. a decode worker refused it for KV room the views did not show: wait for room, first in line
+                req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
+                self.kv_waiting.appendleft(req)
+                self.counts["kv_waited"] += 1
             except NoWorkers as e:
                 migrate.park(self, req, str(e))  # until a worker (re)registers, or a clear failure
 
@@ -457,6 +512,8 @@ class Router:
             w = self.table.workers.get(hb.worker_id)
             if w is None or w.incarnation != hb.incarnation:
                 self._ask_hello(hb.worker_id)
+        elif self.kv_waiting and isinstance(hb, m.DecodeHeartbeat):
+            self._retry_kv_waiting()  # its view may show room now
 
     def _ask_hello(self, worker_id: str) -> None:
         assert self.bus is not None
@@ -487,6 +544,8 @@ class Router:
                 self._worker_gone(w, "heartbeat timeout")
             migrate.retry_parked(self)
             now = time.monotonic()
+            if self.kv_waiting:
+                self._expire_kv_waiting(now)
             for req in [r for r in self.requests.values() if now > r.deadline]:
                 self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
 
@@ -533,6 +592,7 @@ class Router:
         return {
             "policy": self.policy.name,
             "in_flight": len(self.requests),
+            "kv_waiting": len(self.kv_waiting),
             "counts": dict(self.counts),
             "routes": dict(self.routes),
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},

@@ -2,7 +2,7 @@
 
 A real cluster of processes (router, one prefill and one decode worker, each with its own vLLM
 engine); the disaggregated path moves the KV over vLLM's NIXL connector. Greedy outputs must be
-the reference ids of shared/reference/vllm.md on both paths.
+the reference ids of docs/reference/vllm.md (section 5) on both paths.
 """
 
 from __future__ import annotations

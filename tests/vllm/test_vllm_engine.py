@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
 ]
 
-# shared/reference/vllm.md section 5: greedy ids of the tiny model, identical in vLLM and HF generate
+# docs/reference/vllm.md section 5: greedy ids of the tiny model, identical in vLLM and HF generate
 REFERENCE = {
     (5, 6, 7, 8, 9): [515, 273, 598, 515, 468, 550, 515, 550, 515, 981, 118, 725, 550, 515, 598, 515],
     tuple(range(10, 40)): [865, 713, 713, 713, 713, 713, 713, 986, 8, 565, 159, 188, 593, 425, 515, 620],

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from common.perf_model import PerfModel
-from services.router.policy.base import ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from services.router.policy.base import (
+    ClusterView,
+    Decision,
+    DecodeView,
+    NoKvRoom,
+    NoWorkers,
+    Policy,
+    PrefillView,
+    RequestSpec,
+)
 from services.router.policy.baselines import (
+    ChunkedPrefill,
     ConditionalConfig,
     ConditionalDisagg,
     DeflectAll,
@@ -13,10 +23,26 @@ from services.router.policy.baselines import (
 )
 from services.router.policy.kairos import Kairos, KairosConfig
 
-POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "deflect-all")
+POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill",
+            "deflect-all")
+NO_PREFILL_POLICIES = ("chunked-prefill",)  # a decode pool alone: `kairos sim` gives it every GPU
 
-__all__ = ["POLICIES", "ClusterView", "ConditionalConfig", "Decision", "DecodeView", "Kairos",
-           "KairosConfig", "NoWorkers", "Policy", "PrefillView", "RequestSpec", "make_policy"]
+__all__ = [
+    "NO_PREFILL_POLICIES",
+    "POLICIES",
+    "ClusterView",
+    "ConditionalConfig",
+    "Decision",
+    "DecodeView",
+    "Kairos",
+    "KairosConfig",
+    "NoKvRoom",
+    "NoWorkers",
+    "Policy",
+    "PrefillView",
+    "RequestSpec",
+    "make_policy",
+]
 
 
 def make_policy(name: str, *, kairos: KairosConfig | None = None, conditional: ConditionalConfig | None = None,
@@ -30,6 +56,8 @@ def make_policy(name: str, *, kairos: KairosConfig | None = None, conditional: C
         return DisaggRoundRobin()
     if name == "conditional-disagg":
         return ConditionalDisagg(conditional)
+    if name == "chunked-prefill":
+        return ChunkedPrefill()
     if name == "deflect-all":
         return DeflectAll()
     raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

@@ -66,6 +66,10 @@ class NoWorkers(Exception):
     """No live worker can take this request; the message says which kind is missing."""
 
 
+class NoKvRoom(NoWorkers):
+    """Decode workers are live but none has KV room for this request now (it may wait)."""
+
+
 class Policy(Protocol):
     name: str
 
@@ -78,7 +82,7 @@ def least_loaded_decode(view: ClusterView, req: RequestSpec) -> DecodeView:
     if not fits:
         if not view.decode:
             raise NoWorkers("no live decode worker")
-        raise NoWorkers("no decode worker has KV room for this request")
+        raise NoKvRoom("no decode worker has KV room for this request")
     return min(fits, key=lambda d: (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id))
 
 

@@ -1,4 +1,5 @@
-"""The stock disaggregated baselines, the Dynamo/llm-d style conditional rule, and deflect-all."""
+"""The stock disaggregated baselines, the Dynamo/llm-d style conditional rule, a plain
+chunked-prefill pool without disaggregation, and deflect-all."""
 
 from __future__ import annotations
 
@@ -60,17 +61,30 @@ class DeflectAll:
 
 
 class ConditionalConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Dynamo's `isl_or_load` conditional disaggregation (see reference/vllm.md section 7)."""
+    """Dynamo's conditional disaggregation, both halves of its rule (`isl_or_load`): prefill on
+    the decode worker iff the prompt is short (input-length half) OR the prefill worker the router
+    would pick is busy (load half), unless that decode worker's KV is nearly full (see
+    docs/reference/vllm.md section 7)."""
 
-    eff_isl_threshold: int = 2048
-    eff_isl_ratio_threshold: float = 0.7
-    prefill_busy_threshold: float = 2.0   # x the prefill worker's token budget
+    eff_isl_threshold: int = 2048         # short: uncached prompt tokens below this (0: half off)
+    eff_isl_ratio_threshold: float = 1.0  # ... and uncached/prompt below this; >= 1: no ratio condition
+    prefill_busy_threshold: float = 2.0   # busy: queued tokens above this x its token budget (inf: half off)
     decode_busy_threshold: float = 0.9    # KV use above which a decode worker never takes a prefill
+
+    def __post_init__(self) -> None:
+        if self.eff_isl_threshold < 0 or self.eff_isl_ratio_threshold < 0 or self.prefill_busy_threshold < 0:
+            raise ValueError("conditional-disagg thresholds must be >= 0")
+        if not 0.0 <= self.decode_busy_threshold <= 1.0:
+            raise ValueError(f"decode_busy_threshold must be in [0, 1] (got {self.decode_busy_threshold})")
 
 
 class ConditionalDisagg:
-    """Prefill on the decode worker iff the prompt is short and mostly cached, or the prefill
-    worker the router would pick is busy; vetoed when that decode worker's KV is nearly full."""
+    """Local prefill on the least-loaded decode worker iff (the uncached prompt is short) OR (the
+    least-loaded prefill worker is busy); vetoed when that decode worker's KV is nearly full.
+
+    The ratio condition of Dynamo >= 1.5 (`eff_isl_ratio_threshold` 0.7 there) only lets mostly
+    cached prompts through, so without prefix-cache hits it switches the input-length half off;
+    the default here leaves it out, as Dynamo's first rule (`max_local_prefill_length`) did."""
 
     name = "conditional-disagg"
 
@@ -85,11 +99,25 @@ class ConditionalDisagg:
         p = least_loaded_prefill(view)
         c = self.cfg
         eff = req.prompt_tokens - req.cached_tokens
-        isl_ok = eff < c.eff_isl_threshold and eff / max(req.prompt_tokens, 1) < c.eff_isl_ratio_threshold
+        isl_ok = eff < c.eff_isl_threshold and (
+            c.eff_isl_ratio_threshold >= 1.0 or eff / max(req.prompt_tokens, 1) < c.eff_isl_ratio_threshold)
         busy = p.queued_tokens > c.prefill_busy_threshold * p.token_budget
         used = 1.0 - d.kv_free_tokens / max(d.kv_capacity_tokens, 1)
         if (isl_ok or busy) and used <= c.decode_busy_threshold:
             return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id,
-                            reason="short_cached_prompt" if isl_ok else "prefill_busy")
+                            reason="short_prompt" if isl_ok else "prefill_busy")
         reason = "decode_busy" if (isl_ok or busy) else "prefill_not_busy"
         return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id, reason=reason)
+
+
+class ChunkedPrefill:
+    """No disaggregation (Sarathi-style): every request is prefilled in place on the least-loaded
+    decode worker, in chunks that fill what the step's token budget leaves after the decodes
+    (capped per request by the engine's chunk size). Meant for a pool of decode workers only
+    (`--prefill 0`); it never uses a prefill worker."""
+
+    name = "chunked-prefill"
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        d = least_loaded_decode(view, req)
+        return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id, reason="chunked_prefill")

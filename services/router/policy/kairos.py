@@ -1,4 +1,4 @@
-"""Kairos: load-aware prefill deflection (reference/paper.md sections 2-4).
+"""Kairos: load-aware prefill deflection (docs/reference/paper.md sections 2-4).
 
 Per request: predict TTFT on the prefill path with Equation 1 (best prefill worker), build on
 every decode worker the largest-safe chunk schedule (Algorithm 1) under beta x the strictest
@@ -53,16 +53,21 @@ _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
 _INF = float("inf")
 
 
-def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int]) -> float:
+def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int],
+                 batch: int = 0) -> float:
     """A lower bound on TTFT_D of any schedule the search can build, to skip a worker that
     cannot beat the limit without walking its steps.
 
-    n chunks cost at least n*base0 + a3*L + a4*L^2/2 + a5*L^2/n: the attention term sums to
-    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n. Every chunk satisfies
+    n chunks cost at least n*base0 + a3'*L + a4*L^2/2 + a5*L^2/n (a3' = a3 + 2*a5*batch: the
+    step-total term a5*T**2 grows by a5*(chi**2 + 2*batch*chi) with a chunk beside `batch`
+    decodes; base0 holds the decodes' own share): the attention term sums to
+    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n; the roofline term a7 (>= 0) is
+    left out, which keeps the bound a bound. Every chunk satisfies
     base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
     the bound stays valid under float error); all but the last are candidates <= chi_max, so
     n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate)."""
-    a3, a4, a5 = model.a3, model.a4, model.a5
+    a4, a5 = model.a4, model.a5
+    a3 = model.a3 + 2.0 * a5 * batch
     room = budget_s - base0
     if room <= 0:
         return 0.0  # no chunk fits: the search finds that at its first step
@@ -113,9 +118,15 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     feasibility beyond is unknown). `cands`: usable candidates, largest first."""
     if not cands:
         return _INFEASIBLE, (), 0.0
-    a0, a1, a2, a3, a4, a5 = model.a0, model.a1, model.a2, model.a3, model.a4, model.a5
-    base0 = a0 + a1 * d.batch + a2 * d.kv_tokens + d.reserved_step_s
-    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands) > limit_s * (1 + 1e-9):
+    a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
+    a7, over0 = model.a7, d.batch - model.knee
+    b = d.batch
+    # PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled: the decodes' share of the
+    # step-total terms and the prefill step's a6 go to base0, the chunk's to a3
+    # (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2)); the roofline a7*max(0, T - knee) per step
+    base0 = model.a0 + model.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
+    a3 = a3 + 2.0 * a5 * b
+    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
     total = 0.0
@@ -133,6 +144,8 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         while i < n:
             chi = cands[i] if cands[i] < rem else rem
             t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
+            if over0 + chi > 0:
+                t += a7 * (over0 + chi)
             if t <= budget_s:
                 break
             i += 1
@@ -148,15 +161,18 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     return _OK, tuple(sched), total
 
 
-def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int]) -> float:
+def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0) -> float:
     """The step time a deflection in flight may add to its decode worker: the largest chunk
     cost over its schedule, each chunk at the context it will run at. This is what to put in
     `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
-    the first chunk alone underestimates it, since later chunks attend over a longer prefix."""
+    the first chunk alone underestimates it, since later chunks attend over a longer prefix.
+    With a superlinear step-total term (a5 > 0) a chunk costs more beside other tokens: each
+    chunk is costed as if the rest of its step held `step_tokens` - chi tokens (pass the
+    worker's token budget), which covers its cross terms with the decodes and the other chunks."""
     worst = 0.0
     done = 0
     for chi in schedule:
-        worst = max(worst, model.chunk_cost(chi, done))
+        worst = max(worst, model.chunk_cost(chi, done, max(0, step_tokens - chi)))
         done += chi
     return worst
 

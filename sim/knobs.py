@@ -1,0 +1,171 @@
+"""Each policy's settings as one value: the engine settings (token budgets) and the policy's own
+knobs, plus the cluster shape it runs on. `kairos sim` builds them from flags or from a file
+written by `kairos tune` (`--tuned`), and the same code turns them into a policy and a profile.
+
+A tuned file (JSON):
+    {"format": "kairos-tuned/1", "trace": ..., "profile": ..., "rate_scale": ..., "objective": ...,
+     "slices": {"tune": [start, end], "report": [start, end]},
+     "policies": {NAME: {"engine": {"decode_token_budget": 640, ...},
+                         "policy": {"alpha": 1.3, ...},
+                         "tune": {summary}, "report": {summary}, "evaluated": N}}}
+Only "policies" -> NAME -> "engine" and "policy" are read back; the rest is the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from common.engines.settings import EngineSettings
+from common.errors import ConfigError
+from common.perf_model import PerfModel, Profile
+from services.router.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, Policy, make_policy
+
+TUNED_FORMAT = "kairos-tuned/1"
+
+# the config type of each policy that has knobs of its own (the others have only engine settings)
+POLICY_KNOBS: dict[str, type[msgspec.Struct]] = {"kairos": KairosConfig, "conditional-disagg": ConditionalConfig}
+
+
+class Setup(msgspec.Struct, frozen=True, kw_only=True):
+    engine: EngineSettings = EngineSettings()
+    policy: dict[str, Any] = {}
+
+    def merged(self, over: Setup) -> Setup:
+        """`over`'s settings where it sets them, else these."""
+        e = msgspec.structs.asdict(self.engine)
+        e.update({k: v for k, v in msgspec.structs.asdict(over.engine).items() if v})
+        return Setup(engine=EngineSettings(**e), policy={**self.policy, **over.policy})
+
+
+def shape(policy: str, prefill: int, decode: int) -> tuple[int, int]:
+    """The cluster a policy runs on for a comparison at the same GPU count: a policy that uses
+    no prefill worker gets every worker as a decode worker (2P2D -> 0P4D)."""
+    if policy in NO_PREFILL_POLICIES:
+        return 0, prefill + decode
+    return prefill, decode
+
+
+def policy_config(name: str, knobs: dict[str, Any]) -> msgspec.Struct | None:
+    cls = POLICY_KNOBS.get(name)
+    if cls is None:
+        if knobs:
+            raise ConfigError(f"policy {name!r} has no knobs of its own (got {', '.join(sorted(knobs))}); "
+                              "tune it with the token budgets")
+        return None
+    unknown = set(knobs) - set(cls.__struct_fields__)
+    if unknown:
+        raise ConfigError(f"{name}: unknown knob(s) {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(cls.__struct_fields__)}")
+    try:
+        return msgspec.convert({**msgspec.structs.asdict(cls()), **knobs}, cls)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"{name}: invalid knob value: {e}") from e
+
+
+def build(name: str, setup: Setup, profile: Profile, default_model: PerfModel | None = None
+          ) -> tuple[Policy, Profile]:
+    """The policy object and the profile (with the engine settings applied) of one setup."""
+    cfg = policy_config(name, setup.policy)
+    try:
+        policy = make_policy(name, kairos=cfg if isinstance(cfg, KairosConfig) else None,
+                             conditional=cfg if isinstance(cfg, ConditionalConfig) else None,
+                             default_model=default_model or profile.model)
+        return policy, setup.engine.apply(profile)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def knob_values(name: str, setup: Setup) -> dict[str, Any]:
+    """Every knob of the policy as it will run (defaults included), for reports."""
+    cfg = policy_config(name, setup.policy)
+    if cfg is None:
+        return {}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in msgspec.structs.asdict(cfg).items()}
+
+
+def load_tuned(path: str) -> dict[str, Setup]:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read tuned settings {p}: {e.strerror}") from e
+    except ValueError as e:
+        raise ConfigError(f"{p} is not JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != TUNED_FORMAT or not isinstance(data.get("policies"), dict):
+        raise ConfigError(f"{p} is not a file written by `kairos tune` (format {TUNED_FORMAT})")
+    out: dict[str, Setup] = {}
+    for name, entry in data["policies"].items():
+        try:
+            setup = msgspec.convert({"engine": entry.get("engine", {}), "policy": entry.get("policy", {})}, Setup)
+        except (msgspec.ValidationError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{p}: policy {name!r}: {e}") from e
+        policy_config(name, setup.policy)  # unknown knobs: a clear error now
+        out[name] = setup
+    return out
+
+
+# ------------------------------------------------------------------------------ flags
+# shared by `kairos sim` and `kairos up`
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine settings (default: the profile's)")
+    e.add_argument("--prefill-token-budget", type=int, default=None, metavar="N",
+                   help="prefill workers: tokens per step (vLLM max_num_batched_tokens)")
+    e.add_argument("--decode-token-budget", type=int, default=None, metavar="N",
+                   help="decode workers: tokens per step, decodes plus in-place prefill chunks")
+    e.add_argument("--decode-chunk", type=int, default=None, metavar="N",
+                   help="decode workers: largest chunk of one in-place prefill per step when the router gives "
+                        "no chunk schedule (conditional-disagg, chunked-prefill; vLLM long_prefill_token_threshold)")
+
+
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    k = p.add_argument_group("kairos knobs (default: KairosConfig's)")
+    k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.3)")
+    k.add_argument("--beta", type=float, default=None, help="TBT budget = beta x strictest TBT SLO (default 0.9)")
+    k.add_argument("--candidates", default=None,
+                   help="chunk candidates, comma separated (default 2048,1024,512,256,128)")
+    k.add_argument("--no-transfer-term", action="store_true", default=None, help="leave T_xfer out of TTFT_P")
+    k.add_argument("--max-deflections", type=int, default=None,
+                   help="concurrent in-place prefills per decode worker (default 1)")
+    c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
+    c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
+                   help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
+    c.add_argument("--isl-ratio-threshold", type=float, default=None, metavar="R",
+                   help="... and only if uncached/prompt < R (Dynamo's 0.7 needs prefix-cache hits; default 1: off)")
+    c.add_argument("--prefill-busy-threshold", type=float, default=None, metavar="X",
+                   help="a prefill worker is busy above X token budgets queued (default 2)")
+    c.add_argument("--decode-busy-threshold", type=float, default=None, metavar="F",
+                   help="never prefill on a decode worker whose KV is more than F used (default 0.9)")
+
+
+def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
+    """The settings each policy gets from the command line (only what was given)."""
+    engine = EngineSettings(prefill_token_budget=args.prefill_token_budget or 0,
+                            decode_token_budget=args.decode_token_budget or 0, decode_chunk=args.decode_chunk or 0)
+    given = {
+        "kairos": {"alpha": args.alpha, "beta": args.beta, "max_deflections": args.max_deflections,
+                   "candidates": None if args.candidates is None else
+                   parse_candidates(args.candidates),
+                   "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term},
+        "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
+                               "eff_isl_ratio_threshold": args.isl_ratio_threshold,
+                               "prefill_busy_threshold": args.prefill_busy_threshold,
+                               "decode_busy_threshold": args.decode_busy_threshold}}
+    return {name: Setup(engine=engine, policy={k: v for k, v in given.get(name, {}).items() if v is not None})
+            for name in policies}
+
+
+def parse_candidates(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--candidates must be comma-separated token counts, got {text!r}") from None
+    if not vals:
+        raise ConfigError("--candidates is empty")
+    return vals

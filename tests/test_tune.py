@@ -1,0 +1,239 @@
+"""`kairos tune` and the knobs it tunes: a tuned file's settings reach the simulator's policy and
+batchers, the winner is never judged on the tune slice, and the chunked-prefill baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.engines.batcher import Batcher, StepPlan
+from common.errors import ConfigError
+from common.perf_model import load_profile
+from common.traces import synthetic
+from services.router.policy.baselines import ConditionalDisagg
+from services.router.policy.kairos import Kairos
+from sim import cli as sim_cli
+from sim import tune
+from sim.core import SimConfig, Simulation
+from sim.knobs import TUNED_FORMAT, build, load_tuned
+
+PROF = load_profile("a100-dsv2-lite")
+
+
+def tuned_file(tmp_path: Path, policies: dict[str, Any]) -> Path:
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps({"format": TUNED_FORMAT, "policies": policies}))
+    return f
+
+
+def simulations(argv: list[str], policies: list[str]) -> dict[str, Simulation]:
+    """What `kairos sim ARGV` builds for each policy, before it runs a trace."""
+    args = sim_cli.build_parser().parse_args(argv)
+    setups = sim_cli.resolve_setups(args, policies)
+    out = {}
+    for name in policies:
+        policy, prof = build(name, setups[name], PROF)
+        out[name] = Simulation(prof, policy, SimConfig())
+    return out
+
+
+def test_tuned_knobs_reach_the_policy_and_the_batchers(tmp_path: Path) -> None:
+    f = tuned_file(tmp_path, {
+        "kairos": {"engine": {"prefill_token_budget": 1024, "decode_token_budget": 640},
+                   "policy": {"alpha": 2.0, "beta": 0.8, "max_deflections": 4}},
+        "conditional-disagg": {"engine": {"decode_token_budget": 700, "decode_chunk": 256},
+                               "policy": {"eff_isl_threshold": 512, "prefill_busy_threshold": 8.0}},
+        "chunked-prefill": {"engine": {"decode_token_budget": 900, "decode_chunk": 300}, "policy": {}},
+    })
+    sims = simulations(["--tuned", str(f)], ["kairos", "conditional-disagg", "chunked-prefill",
+                                             "disagg-least-loaded"])
+    k = sims["kairos"]
+    assert isinstance(k.policy, Kairos)
+    assert (k.policy.cfg.alpha, k.policy.cfg.beta, k.policy.cfg.max_deflections) == (2.0, 0.8, 4)
+    assert {w.batcher.token_budget for w in k.prefill} == {1024}
+    assert {w.batcher.token_budget for w in k.decode} == {640}
+    assert k._view(0.0).decode[0].token_budget == 640  # and what the policy sees
+    c = sims["conditional-disagg"]
+    assert isinstance(c.policy, ConditionalDisagg)
+    assert (c.policy.cfg.eff_isl_threshold, c.policy.cfg.prefill_busy_threshold) == (512, 8.0)
+    assert {(w.batcher.token_budget, w.batcher.default_chunk) for w in c.decode} == {(700, 256)}
+    assert {w.batcher.token_budget for w in c.prefill} == {PROF.prefill_token_budget}  # not in the file
+    cp = sims["chunked-prefill"]
+    assert {(w.batcher.token_budget, w.batcher.default_chunk) for w in cp.decode} == {(900, 300)}
+    ll = sims["disagg-least-loaded"]  # not in the file: the profile's settings
+    assert {w.batcher.token_budget for w in ll.decode} == {PROF.decode_token_budget}
+    # a knob flag given explicitly overrides the file, for the policies it applies to
+    sims = simulations(["--tuned", str(f), "--alpha", "1.5", "--decode-token-budget", "512"],
+                       ["kairos", "conditional-disagg"])
+    assert isinstance(sims["kairos"].policy, Kairos) and sims["kairos"].policy.cfg.alpha == 1.5
+    assert sims["kairos"].policy.cfg.max_deflections == 4
+    assert {w.batcher.token_budget for w in sims["conditional-disagg"].decode} == {512}
+    assert {w.batcher.default_chunk for w in sims["conditional-disagg"].decode} == {256}
+
+
+def test_a_bad_tuned_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown knob"):
+        load_tuned(str(tuned_file(tmp_path, {"kairos": {"policy": {"alpah": 2.0}}})))
+    with pytest.raises(ConfigError, match="no knobs of its own"):
+        load_tuned(str(tuned_file(tmp_path, {"chunked-prefill": {"policy": {"alpha": 2.0}}})))
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a file written by `kairos tune`"):
+        load_tuned(str(tmp_path / "other.json"))
+    assert sim_cli.main(["--tuned", str(tmp_path / "missing.json"), "--quiet"]) == 2
+
+
+def test_tune_judges_the_winner_only_on_the_disjoint_report_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+    real = tune.evaluate
+
+    def spy(job: tune.Job, values: dict[str, Any], trace: Any) -> dict[str, Any]:
+        which = "tune" if trace is job.tune_trace else "report" if trace is job.report_trace else "?"
+        seen.append((job.policy, which, dict(values)))
+        return real(job, values, trace)
+
+    monkeypatch.setattr(tune, "evaluate", spy)
+    args = tune.build_parser().parse_args(["--trace", "code", "--duration", "60", "--tune-start", "600"])
+    slices, tune_trace, report_trace, _ = tune.load_slices(args)
+    assert slices.tune == (600.0, 660.0) and slices.report == (660.0, 720.0)
+    assert tune.disjoint(slices.tune, slices.report)  # type: ignore[arg-type]
+    grid = {"decode_token_budget": (512, 1024), "decode_chunk": (256, 512)}
+    job = tune.Job(policy="chunked-prefill", profile=PROF, sim=SimConfig(), tune_trace=tune_trace,
+                   report_trace=report_trace, grid=grid)
+    out = tune.tune_one(job)
+    reports = [s for s in seen if s[1] == "report"]
+    assert len(reports) == 1 and all(s[1] in ("tune", "report") for s in seen)
+    winner = reports[0][2]
+    assert {**out["engine"]} == {k: winner[k] for k in grid}  # what is reported is what was judged
+    assert out["evaluated"] == sum(1 for s in seen if s[1] == "tune")  # each setting once (cached)
+    with pytest.raises(ConfigError, match="overlap"):
+        tune.load_slices(tune.build_parser().parse_args(["--duration", "60", "--tune-start", "600",
+                                                         "--report-start", "630"]))
+    assert tune.main(["--duration", "60", "--report-start", "30", "--quiet", "--out", "/dev/null"]) == 2
+
+
+def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.json"
+    argv = ["--trace", "synthetic", "--rate", "4", "--duration", "40", "--seed", "3", "--policy", "chunked-prefill",
+            "--policy", "disagg-least-loaded", "--policy", "kairos", "--policy", "conditional-disagg",
+            "--passes", "1", "--out", str(out), "--quiet"]
+    assert tune.main(argv) == 0
+    tuned = json.loads(out.read_text())
+    assert tuned["slices"] == {"tune": 3, "report": 4, "unit": "seed"}
+    assert tuned["policies"]["chunked-prefill"]["cluster"] == "0P4D"
+    assert tuned["policies"]["disagg-least-loaded"]["evaluated"] == len(tune.GRIDS["disagg-least-loaded"]
+                                                                        ["prefill_token_budget"])
+    res = tmp_path / "res.json"
+    cmd = tune.replay_command(tune.build_parser().parse_args(argv), out).split()
+    assert cmd[:2] == ["kairos", "sim"]
+    assert sim_cli.main([*cmd[2:], "--out", str(res), "--quiet"]) == 0
+    got = json.loads(res.read_text())
+    for name, entry in tuned["policies"].items():
+        s = got["policies"][name]
+        assert got["config"]["settings"][name]["cluster"] == entry["cluster"]
+        for k, v in entry["engine"].items():
+            assert got["config"]["settings"][name]["engine"][k] == v
+        for k, v in entry["policy"].items():
+            assert got["config"]["settings"][name]["policy"][k] == v
+        for k in ("slo_attainment", "ttft_p95", "tbt_slo_attainment", "rejected"):
+            assert s[k] == entry["report"][k], (name, k)
+
+
+def test_chunked_prefill_never_uses_a_prefill_worker_and_keeps_the_budget() -> None:
+    budget = 600
+    policy, prof = build("chunked-prefill", sim_cli.setups_from_flags(
+        sim_cli.build_parser().parse_args(["--decode-token-budget", str(budget), "--decode-chunk", "4096"]),
+        ["chunked-prefill"])["chunked-prefill"], PROF)
+    sim = Simulation(prof, policy, SimConfig(prefill=2, decode=2))
+    plans: list[StepPlan] = []
+    for w in sim.decode:
+        def planner(b: Batcher = w.batcher, plan: Any = w.batcher.plan) -> StepPlan | None:
+            p = plan()
+            if p is not None:
+                plans.append(p)
+            return p
+        w.batcher.plan = planner  # type: ignore[method-assign]
+    trace = synthetic(rate=6.0, duration=30.0, arrival="onoff", cv=2.2, seed=2)
+    recs = sim.run(trace).records
+    assert all(r.ttft is not None and r.route == "deflect" for r in recs)
+    assert all(w.busy_s == 0.0 and w.batcher.steps == 0 for w in sim.prefill)
+    assert plans and max(p.num_tokens for p in plans) <= budget
+    # the chunk fills the budget: Sarathi-style, not the profile's 512-token chunk
+    assert max(chi for p in plans for _, chi, _ in p.chunks) == budget
+    with pytest.raises(ConfigError, match="needs prefill workers"):
+        sim_cli._run(sim_cli.build_parser().parse_args(["--prefill", "0", "--policy", "disagg-least-loaded"]),
+                     sim_cli.Console(quiet=True))
+
+
+def test_sim_runs_chunked_prefill_on_the_same_gpu_count(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert sim_cli.main(["--trace", "synthetic", "--duration", "20", "--policy", "chunked-prefill", "--policy",
+                         "kairos", "--out", str(out), "--quiet"]) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["settings"]["chunked-prefill"]["cluster"] == "0P4D" and cfg["settings"]["kairos"]["cluster"] == "2P2D"
+    res = json.loads(out.read_text())["policies"]["chunked-prefill"]
+    assert res["routes"] == {"deflect": res["requests"]}
+    assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill", "decode_admit"}
+    assert res["sim"]["queues"]["prefill"] == {"max": 0, "mean": 0.0}
+
+
+def test_kairos_up_passes_the_tuned_knobs_to_the_router_and_the_workers(tmp_path: Path) -> None:
+    from common import config
+    from common.engines import make_engine
+    from common.engines.sim import SimEngine
+    from kairos import up
+    from services.router.service import Router
+
+    f = tuned_file(tmp_path, {
+        "kairos": {"engine": {"prefill_token_budget": 1024, "decode_token_budget": 640, "decode_chunk": 384},
+                   "policy": {"alpha": 2.0, "max_deflections": 4, "candidates": [1024, 512, 128]}},
+        "conditional-disagg": {"engine": {"decode_token_budget": 700},
+                               "policy": {"eff_isl_threshold": 512, "prefill_busy_threshold": 8.0}}})
+    def envs(*argv: str) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+        """The environments `kairos up ARGV` starts the router and the workers with."""
+        svc = up.Cluster(up.spec_from_args(up.parser().parse_args(list(argv)))).services
+        return svc["router"].env, svc["prefill-0"].env, svc["decode-0"].env
+
+    router_env, prefill_env, decode_env = envs("--policy", "kairos", "--tuned", str(f), "--beta", "0.8",
+                                               "--kv-transport", "modeled", "--kv-wait-timeout", "5")
+    r = Router(config.load(config.RouterConfig, env=router_env))
+    assert r.cfg.kv_wait_timeout == 5.0
+    assert isinstance(r.policy, Kairos)
+    assert (r.policy.cfg.alpha, r.policy.cfg.beta, r.policy.cfg.max_deflections) == (2.0, 0.8, 4)
+    assert r.policy.cfg.candidates == (1024, 512, 128)
+    p = make_engine(config.load(config.WorkerConfig, env=prefill_env), "prefill")
+    d = make_engine(config.load(config.WorkerConfig, env=decode_env), "decode")
+    assert isinstance(p, SimEngine) and isinstance(d, SimEngine)
+    assert (p.token_budget, d.token_budget, d.batcher.default_chunk) == (1024, 640, 384)
+    router_env, _, decode_env = envs("--policy", "conditional-disagg", "--tuned", str(f))
+    r = Router(config.load(config.RouterConfig, env=router_env))
+    assert isinstance(r.policy, ConditionalDisagg)
+    assert (r.policy.cfg.eff_isl_threshold, r.policy.cfg.prefill_busy_threshold) == (512, 8.0)
+    assert decode_env["KAIROS_DECODE_TOKEN_BUDGET"] == "700" and "KAIROS_PREFILL_TOKEN_BUDGET" not in decode_env
+    with pytest.raises(ConfigError, match="no settings for policy 'chunked-prefill'"):
+        envs("--policy", "chunked-prefill", "--prefill", "0", "--tuned", str(f))
+    with pytest.raises(ConfigError, match=r"kairos knob\(s\) alpha given, but --policy is conditional-disagg"):
+        envs("--policy", "conditional-disagg", "--alpha", "2")
+    with pytest.raises(ConfigError, match="needs prefill workers"):
+        envs("--prefill", "0", "--policy", "disagg-least-loaded")
+
+
+def test_report_shows_the_settings_that_differ(tmp_path: Path) -> None:
+    from sim import report
+
+    files = []
+    for budget in ("512", "1024"):
+        out = tmp_path / f"r{budget}.json"
+        assert sim_cli.main(["--trace", "synthetic", "--duration", "10", "--policy", "chunked-prefill", "--policy",
+                             "kairos", "--decode-token-budget", budget, "--out", str(out), "--quiet"]) == 0
+        files.append(json.loads(out.read_text()))
+    head, _, *rows = report.table(files).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert "cluster" in cols and "decode_token_budget" in cols and "alpha" not in cols  # alpha did not vary
+    assert "TBT SLO (p99 gap)" in cols and "rejected" in cols
+    cells = [dict(zip(cols, (c.strip() for c in r.strip("|").split("|")), strict=True)) for r in rows]
+    assert {(c["policy"], c["cluster"], c["decode_token_budget"]) for c in cells} == {
+        ("chunked-prefill", "0P4D", "512"), ("kairos", "2P2D", "512"),
+        ("chunked-prefill", "0P4D", "1024"), ("kairos", "2P2D", "1024")}

@@ -15,8 +15,8 @@ Frame layouts, written down once:
 Which message arrives where (each inbox has one union alias and one decoder):
     RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye
     HeartbeatInbox (SUB, from workers)     PrefillHeartbeat, DecodeHeartbeat
-    PrefillInbox  (DEALER, from router)    Welcome, Reregister, PrefillWork, KvTarget, Cancel, Drain
-    DecodeInbox   (DEALER, from router)    Welcome, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
+    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain
+    DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -94,13 +94,25 @@ class Hello(Msg, frozen=True):
     coeffs: Coeffs | None = None
     kv_transport: str = "modeled"
     kv_agent: KvAgentInfo | None = None
+    max_model_len: int = 0        # longest prompt + output the engine takes (0: no limit)
+    kv_block_tokens: int = 0      # tokens per KV block, where KV moves in blocks (nixl)
+    held: list[str] = []          # request ids the worker holds now (the router answers which to drop)
 
 
 class Welcome(Msg, frozen=True):
-    """Router -> worker: registration accepted."""
+    """Router -> worker: registration accepted. `drop`: requests of `Hello.held` the router does
+    not track (it restarted, or re-dispatched them): abort them and free their KV."""
 
     router_incarnation: str
     heartbeat_interval_s: float
+    drop: list[str] = []
+
+
+class Refused(Msg, frozen=True):
+    """Router -> worker: registration refused (incompatible engine, model or KV transport)."""
+
+    router_incarnation: str
+    reason: str
 
 
 class Reregister(Msg, frozen=True):
@@ -303,6 +315,7 @@ class RequestFailed(Msg, frozen=True):
     worker_id: str
     reason: str
     retryable: bool = True
+    code: str = ""  # "invalid_request": the request itself is at fault (HTTP 400), not the worker
 
 
 # ---------------------------------------------------------------- telemetry (router -> monitor)
@@ -340,6 +353,7 @@ class DecisionRecord(Msg, frozen=True):
     decision_us: float
     at: float
     attempt: int = 0
+    client_request_id: str = ""  # the client's x-request-id (request_id is the router's own)
 
 
 class RequestRecord(Msg, frozen=True):
@@ -371,6 +385,7 @@ class RequestRecord(Msg, frozen=True):
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     migrations: int = 0  # times resumed on another decode worker after its tokens had started streaming
+    client_request_id: str = ""  # the client's x-request-id (request_id is the router's own)
 
 
 class RouterStats(Msg, frozen=True):
@@ -384,12 +399,12 @@ class RouterStats(Msg, frozen=True):
 
 RouterInbox = Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
-PrefillInbox = Welcome | Reregister | PrefillWork | KvTarget | Cancel | Drain
-DecodeInbox = Welcome | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
+PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain
+DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
 TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
-    Hello, Welcome, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
+    Hello, Welcome, Refused, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
     PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
     WorkerLost, DecisionRecord, RequestRecord, RouterStats,
 )

@@ -26,9 +26,15 @@ from common.tokenizer import SimpleTokenizer
 _tok = SimpleTokenizer()
 
 
-def synthetic_token(request_id: str, position: int) -> int:
-    """The simulated engine's output token at `position` (0 = the first output token)."""
-    return _tok.output_token(zlib.crc32(request_id.encode()) + 7919 * position)
+def synthetic_token(key: str, position: int) -> int:
+    """The simulated engine's output token at `position` (0 = the first output token) of the
+    request keyed `key`: its sampling seed when it has one (a seeded request is reproducible, as
+    with a real engine), else its request id."""
+    return _tok.output_token(zlib.crc32(key.encode()) + 7919 * position)
+
+
+def token_key(request_id: str, seed: int | None) -> str:
+    return request_id if seed is None else f"seed:{seed}"
 
 
 class SimEngine(Engine):
@@ -69,7 +75,8 @@ class SimEngine(Engine):
                   max_tokens=req.sampling.max_tokens if self.role == "decode" else 1,
                   tbt_slo=req.tbt_slo, computed=computed,
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
-                  deflected=req.mode == "deflect", arrived=time.monotonic())
+                  deflected=req.mode == "deflect", arrived=time.monotonic(),
+                  user=token_key(req.request_id, req.sampling.seed))
         if self.role == "decode" and not self.batcher.can_admit(seq):
             raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
@@ -136,14 +143,14 @@ class SimEngine(Engine):
                 started = seq.prefill_started or seq.arrived
                 self.on_prefilled(Prefilled(request_id=seq.request_id, attempt=seq.attempt,
                                             queue_s=started - seq.arrived, prefill_s=now - started,
-                                            first_token_id=synthetic_token(seq.request_id, 0)))
+                                            first_token_id=synthetic_token(str(seq.user), 0)))
             return
         if not out.tokens:
             return
         finished = {id(s) for s in out.finished}
         resume = self._resume
         items = [TokenItem(s.request_id, s.attempt,
-                           [synthetic_token(s.request_id, resume.get(s.request_id, 0) + s.generated - 1)],
+                           [synthetic_token(str(s.user), resume.get(s.request_id, 0) + s.generated - 1)],
                            "length" if id(s) in finished else None) for s in out.tokens]
         if resume:
             for s in out.finished:

@@ -40,6 +40,10 @@ class PrefillWorker(WorkerService):
         self._transfers: set[asyncio.Task[None]] = set()
         # per (request, attempt): a stale attempt's hand-off still waiting must not take a new one's target
         self.targets: dict[tuple[str, int], m.KvTarget] = {}
+        # Pull mode (the decode side READs the KV, vLLM): request -> when we stop waiting for the
+        # read. Kept until the router says the decode side has it (Cancel "kv_consumed"), so a
+        # drain does not end while decode workers still read from this one.
+        self.kv_out: dict[str, float] = {}
         self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
@@ -72,6 +76,28 @@ class PrefillWorker(WorkerService):
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
 
+    def held_ids(self) -> list[str]:
+        return [*self.work, *self.kv_out]  # KV kept for a pull too: freed if the router forgot it
+
+    def drain_pending(self) -> bool:
+        now = time.monotonic()
+        for rid in [r for r, until in self.kv_out.items() if until <= now]:
+            del self.kv_out[rid]
+        if self.kv_out:
+            self.log.debug("drain_waits_for_kv_reads", requests=len(self.kv_out))
+        return bool(self.kv_out)
+
+    def drop_request(self, request_id: str) -> None:
+        self.kv_out.pop(request_id, None)
+        w = self.work.pop(request_id, None)
+        if w is not None:
+            self._forget_target(request_id, w.attempt)
+            self.engine.abort(request_id)
+            self.beat_now()
+
+    def extra_hello(self) -> dict[str, Any]:
+        return {"kv_block_tokens": self.cfg.kv_block_tokens} if self.tx is not None else {}
+
     async def on_message(self, msg: Any) -> None:
         match msg:
             case m.PrefillWork():
@@ -79,6 +105,7 @@ class PrefillWorker(WorkerService):
             case m.KvTarget():
                 self._on_kv_target(msg)
             case m.Cancel():
+                self.kv_out.pop(msg.request_id, None)  # "kv_consumed", or the request ended
                 w = self.work.get(msg.request_id)
                 if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
                     self.work.pop(msg.request_id)
@@ -99,12 +126,23 @@ class PrefillWorker(WorkerService):
         old = self.work.get(w.request_id)
         if old is not None:  # a re-dispatch of something we still hold: drop the old attempt
             self.engine.abort(w.request_id)
+        if why := self.too_long(len(w.prompt_token_ids)):
+            self._refuse(w, why, invalid=True)
+            return
         try:
             self.engine.add(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                           prompt_token_ids=w.prompt_token_ids, sampling=w.sampling, mode="prefill",
                                           cached_tokens=w.cached_tokens))
         except Overloaded as e:
             self._refuse(w, f"overloaded: {e}")
+            return
+        except ValueError as e:  # the engine refuses the request itself (vLLM: too long, bad ids, ...)
+            self._refuse(w, f"engine refused the request: {e}", invalid=True)
+            return
+        except Exception as e:  # an engine fault on one request fails that request
+            self.log.error("engine_add_failed", request_id=w.request_id, error=f"{type(e).__name__}: {e}",
+                           exc_info=True)
+            self._refuse(w, f"engine error: {type(e).__name__}: {e}")
             return
         self.work[w.request_id] = w
         self.beat_now()
@@ -114,11 +152,10 @@ class PrefillWorker(WorkerService):
         if w is not None:
             self._forget_target(request_id, w.attempt)
 
-    def _refuse(self, w: m.PrefillWork, reason: str) -> None:
+    def _refuse(self, w: m.PrefillWork, reason: str, *, invalid: bool = False) -> None:
         self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=w.request_id, reason=reason)
-        self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
-                                  reason=reason, retryable=True))
+        self.log.warning("work_refused", request_id=w.request_id, reason=reason, invalid=invalid)
+        self.fail_request(w.request_id, w.attempt, reason, invalid=invalid)
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
         w = self.work.get(t.request_id)
@@ -202,5 +239,7 @@ class PrefillWorker(WorkerService):
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
                                 queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
                                 kv_error=error))
+        if p.kv_params and not error:  # pull mode: the decode side reads it from us, later
+            self.kv_out[w.request_id] = time.monotonic() + self.cfg.kv_handoff_timeout
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)

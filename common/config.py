@@ -71,6 +71,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
+    max_migrations: Annotated[int, doc("times a request whose tokens are streaming is resumed on another decode worker when its own dies or freezes (0: fail it with worker_lost_midstream)")] = 2
+    park_timeout: Annotated[float, doc("seconds a request whose worker died waits for a worker to (re)register when no other can take it, before it fails")] = 10.0
     worker_wait: Annotated[float, doc("when no worker can take a request (router just restarted, workers "
                                       "restarting), hold it this long for one to register before HTTP 503, "
                                       "seconds")] = 5.0

@@ -264,6 +264,7 @@ class DecodeWork(Msg, frozen=True):
     chunk_schedule: tuple[int, ...] = ()
     prefill_worker: str = ""
     cached_tokens: int = 0
+    resume_tokens: int = 0  # the last resume_tokens prompt ids are output already streamed (a migrated request)
 
 
 class KvWant(Msg, frozen=True):
@@ -401,6 +402,7 @@ class RequestRecord(Msg, frozen=True):
     prefill_s: float | None = None
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    migrations: int = 0  # times resumed on another decode worker after its tokens had started streaming
     client_request_id: str = ""  # the client's x-request-id (request_id is the router's own)
 
 

@@ -3,8 +3,11 @@
 Starts the router, the monitor, N prefill and M decode workers as separate processes (the
 same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
 docker-compose.yml runs), waits until every worker has registered, prints the API address, and
-on Ctrl-C or SIGTERM stops them in order (router first, so intake stops and in-flight requests
-drain; then workers; then the monitor), leaving no process behind.
+supervises them: a service that exits is started again (same command, same worker id) after a
+backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or when
+a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in order:
+router first (intake stops, in-flight requests drain), then workers, then the monitor, leaving no
+process behind.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import structlog
 
 from common.config import ENV_PREFIX, RouterConfig
 from common.errors import ConfigError
+from common.logging import configure as configure_logging
+from kairos.supervisor import RestartPolicy, Supervisor
 from services.router.policy import POLICIES
 from sim.knobs import add_engine_flags, add_policy_flags, load_tuned, policy_config, setups_from_flags
+
+log = structlog.get_logger()
 
 PR_SET_PDEATHSIG = 1
 
@@ -74,6 +82,7 @@ class ClusterSpec:
     log_level: str = "info"
     monitor: bool = True
     curve_keys_dir: str = ""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
 
@@ -97,9 +106,11 @@ def kairos_cmd(service: str) -> list[str]:
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, *, log_events: bool = False) -> None:
         self.spec = spec
+        self.log_events = log_events  # structlog lines for service starts (kairos up; library users stay quiet)
         self.services: dict[str, Service] = {}
+        self.supervisor: Supervisor | None = None
         s = spec
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
@@ -138,6 +149,8 @@ class Cluster:
             svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
+        if self.log_events:
+            log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
 
     def start(self, timeout: float = 60.0) -> None:
         self.spawn("router")
@@ -184,6 +197,19 @@ class Cluster:
                 if svc.log_path and svc.log_path.exists():
                     tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-15:])
                 raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}; last log lines:\n{tail}")
+
+    def supervise(self) -> None:
+        """One pass of the supervisor: restart services that exited (with backoff); raises
+        CrashLoop when one exits too often."""
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self.spec.restart, list(self.services), alive=self.returncode,
+                                         start=self.spawn, log_path=lambda n: self.services[n].log_path)
+        self.supervisor.step()
+
+    def returncode(self, name: str) -> int | None:
+        """None while the service runs (or was never started), else how it exited."""
+        p = self.services[name].proc
+        return None if p is None else p.poll()
 
     def restart(self, name: str) -> None:
         """Start a service again after it exited (or was killed): same command, same environment."""
@@ -277,6 +303,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     p.add_argument("--curve-keys-dir", default="", help="require CURVE on the bus with keys from `kairos keys DIR`")
+    d = RestartPolicy()
+    p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
+                   help=f"seconds before restarting a service that exited; doubles with each exit in the "
+                        f"crash-loop window (default {d.backoff_s:g})")
+    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
+                   help=f"longest wait between restarts, seconds (default {d.backoff_max_s:g})")
+    p.add_argument("--crash-loop-exits", type=int, default=d.crash_loop_exits, metavar="N",
+                   help=f"stop the cluster when one service exits N times within the window (default "
+                        f"{d.crash_loop_exits})")
+    p.add_argument("--crash-loop-window", type=float, default=d.crash_loop_window_s, metavar="S",
+                   help=f"the crash-loop window, seconds (default {d.crash_loop_window_s:g})")
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                   help="kairos up's own log lines (service exits and restarts): json, console, or auto "
+                        "(json unless stdout is a terminal)")
     p.add_argument("--kv-wait-timeout", type=float, default=None, metavar="S",
                    help="seconds a request that finds no decode worker with KV room waits before HTTP 503 "
                         "(default 30; 0: at once)")
@@ -321,6 +361,11 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         raise ConfigError("--engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)")
     if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
+    try:
+        restart = RestartPolicy(backoff_s=a.restart_backoff, backoff_max_s=a.restart_backoff_max,
+                                crash_loop_exits=a.crash_loop_exits, crash_loop_window_s=a.crash_loop_window)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     router_env, worker_env = knob_env(a)
     if a.kv_wait_timeout is not None:
         if a.kv_wait_timeout < 0:
@@ -330,7 +375,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
-                       curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env)
+                       curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
+                       restart=restart)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cluster = Cluster(spec)
+    configure_logging("up", level=a.log_level, fmt=a.log_format)
+    cluster = Cluster(spec, log_events=True)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -364,12 +411,12 @@ def main(argv: list[str] | None = None) -> int:
               f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
               "Ctrl-C stops everything.", flush=True)
         while True:
-            cluster.check_alive()
-            time.sleep(0.5)
+            cluster.supervise()
+            time.sleep(0.1)
     except KeyboardInterrupt:
         print("\nstopping (router first, then workers)...", flush=True)
         return_code = 0
-    except (RuntimeError, TimeoutError, ConfigError) as e:
+    except (RuntimeError, TimeoutError, ConfigError) as e:  # a crash loop (CrashLoop) included
         print(f"error: {e}", file=sys.stderr, flush=True)
         return_code = 1
     finally:

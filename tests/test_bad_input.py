@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -69,7 +70,26 @@ def test_unknown_route_and_method(cluster: Cluster) -> None:
     assert httpx.get(cluster.spec.api + "/v1/completions", timeout=5).status_code == 405
 
 
+def bad_frames(c: Cluster) -> dict[str, float]:
+    """The router's count of dropped bus frames, by socket (its /metrics)."""
+    text = httpx.get(c.spec.api + "/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^kairos_router_bad_frames_total\{socket="(\w+)"\} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, *, each: Callable[[], None] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f}s"
+        if each is not None:
+            each()
+        time.sleep(0.02)
+
+
 def test_garbage_on_every_bus_socket_is_dropped(cluster: Cluster) -> None:
+    before = bad_frames(cluster)
     ctx = zmq.Context()
     try:
         dealer = ctx.socket(zmq.DEALER)
@@ -78,20 +98,29 @@ def test_garbage_on_every_bus_socket_is_dropped(cluster: Cluster) -> None:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.connect(f"tcp://127.0.0.1:{cluster.spec.heartbeat_port}")
-        time.sleep(0.3)
+        # a DEALER queues until connected: each of these reaches the router once, and is dropped
         for frames in ([b"\xc1\xc1"], [b"a", b"b", b"c"], [b'{"json": true}'], [b""]):
             dealer.send_multipart(frames)
-        for frames in ([b"hb", b"x", b"\xc1"], [b"hb"], [b"hb", b"1", b"\x81\xa4type\xa5Hello"]):
-            pub.send_multipart(frames)
-        time.sleep(0.3)
+        wait_until(lambda: bad_frames(cluster).get("work", 0) >= before.get("work", 0) + 4, 10,
+                   "4 bad frames dropped on the work socket")
+        # a PUB drops what it sends before the router's subscription reaches it: send until counted
+        hb_garbage = ([b"hb", b"x", b"\xc1"], [b"hb"], [b"hb", b"1", b"\x81\xa4type\xa5Hello"])
+
+        def send_hb() -> None:
+            for frames in hb_garbage:
+                pub.send_multipart(frames)
+
+        wait_until(lambda: bad_frames(cluster).get("heartbeats", 0) >= before.get("heartbeats", 0) + 3, 10,
+                   "bad frames dropped on the heartbeat socket", each=send_hb)
         dealer.close()
         pub.close()
     finally:
         ctx.term()
     r = post(cluster, "/v1/completions", json={"prompt": "still alive", "max_tokens": 2})
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     log = (cluster.services["router"].log_path or "").read_text()  # type: ignore[union-attr]
-    assert "bad_frame_dropped" in log
+    assert '"socket": "work"' in log and '"socket": "heartbeats"' in log and "bad_frame_dropped" in log
+    cluster.check_alive()
 
 
 def test_no_worker_of_a_needed_kind_is_503(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -99,9 +128,7 @@ def test_no_worker_of_a_needed_kind_is_503(tmp_path_factory: pytest.TempPathFact
                       policy="disagg-least-loaded")
     try:
         c.stop_service("decode-0", 10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and c.get("/ready")[0] == 200:
-            time.sleep(0.1)
+        wait_until(lambda: c.get("/ready")[0] == 503, 10, "/ready answering 503 once the decode worker left")
         r = post(c, "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
         assert "decode worker" in r.json()["error"]["message"]

@@ -109,3 +109,23 @@ def test_duplicate_add_is_refused() -> None:
     b.add(Seq(request_id="x", attempt=0, prompt_len=1, max_tokens=1))
     with pytest.raises(ValueError):
         b.add(Seq(request_id="x", attempt=1, prompt_len=1, max_tokens=1))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_step_planned_before_a_new_attempt_leaves_the_new_attempt_alone(role: str) -> None:
+    """Cancel attempt 0 and add attempt 1 of the same request while a step that includes attempt 0
+    is in flight (what a re-dispatch to the same worker does): that step must neither advance
+    nor remove attempt 1 (it used to remove it, and the request hung)."""
+    b = Batcher(role=role, token_budget=100, max_batch=64, kv_capacity_tokens=10_000,  # type: ignore[arg-type]
+                default_chunk=100)
+    b.add(Seq(request_id="r", attempt=0, prompt_len=50, max_tokens=1 if role == "prefill" else 3))
+    plan = b.plan()
+    assert plan is not None and [s.attempt for s, _, _ in plan.chunks] == [0]
+    b.remove("r")
+    b.add(Seq(request_id="r", attempt=1, prompt_len=50, max_tokens=1 if role == "prefill" else 3))
+    out = b.commit(plan)
+    assert out.prefilled == [] and out.tokens == []
+    new = b.get("r")
+    assert new is not None and new.attempt == 1 and new.computed == 0
+    steps = run_until_done(b)
+    assert steps and b.get("r") is None  # attempt 1 runs to its end

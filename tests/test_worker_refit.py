@@ -1,28 +1,67 @@
-"""Online refits: a worker whose engine measures its steps reports the refitted model."""
+"""Online refits: a worker whose engine measures its steps reports the refitted model.
+
+The engine's refit hook returns a scripted sequence of fits; each call records what the
+heartbeat carried at that moment, which is the outcome of the previous fit (the refit loop
+handles a result before it asks for the next one). So every fit's effect is checked, not only
+the final state.
+"""
 
 from __future__ import annotations
 
 import asyncio
 
 from common import config
+from common import messages as m
 from common.engines.sim import SimEngine
 from common.perf_model import PerfModel, load_profile
 from services.decode_worker.service import DecodeWorker
 
+BAD = (PerfModel(a0=0.5, a3=1e-3), 0.9)       # error 90%: over refit_max_mape (25%)
+GOOD = (PerfModel(a0=0.02, a3=2e-5), 0.05)
+BETTER = (PerfModel(a0=0.03, a3=3e-5), 0.10)
 
-async def test_good_refit_reaches_the_heartbeat_and_a_bad_one_does_not() -> None:
-    cfg = config.load(config.WorkerConfig, env={}, overrides={"refit_interval": 0.01, "kv_transport": "modeled"})
+
+async def heartbeats_after_each(fits: list[tuple[PerfModel, float]]) -> tuple[m.Coeffs | None, list[m.Coeffs | None]]:
+    """Run the refit loop over `fits`; the heartbeat's coeffs before any fit and after each one."""
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"refit_interval": 0.001, "kv_transport": "modeled"})
     engine = SimEngine("decode", load_profile("fast"))
-    fits = [(PerfModel(a0=0.5, a3=1e-3), 0.9), (PerfModel(a0=0.02, a3=2e-5), 0.05)]  # bad first, then good
-    engine.refit = lambda: fits.pop(0) if fits else None  # type: ignore[attr-defined]
     w = DecodeWorker(cfg, engine)
-    assert w.heartbeat().coeffs == engine.coeffs()
+    seen: list[m.Coeffs | None] = []
+    done = asyncio.Event()
+    queue = list(fits)
+
+    def refit() -> tuple[PerfModel, float] | None:
+        seen.append(w.heartbeat().coeffs)  # the state the previous fit left
+        if not queue:
+            done.set()
+            return None
+        return queue.pop(0)
+
+    engine.refit = refit  # type: ignore[attr-defined]
+    before = w.heartbeat().coeffs
     task = asyncio.create_task(w._refit_loop())
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if not fits:
-            break
-    await asyncio.sleep(0.03)
-    task.cancel()
-    hb = w.heartbeat()
-    assert hb.coeffs is not None and hb.coeffs.a0 == 0.02 and hb.coeffs.a3 == 2e-5
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        task.cancel()
+    return before, seen[1:len(fits) + 1]
+
+
+def coeffs_of(fit: tuple[PerfModel, float]) -> m.Coeffs:
+    return fit[0].to_coeffs()
+
+
+async def test_a_bad_refit_is_not_used_and_a_good_one_reaches_the_heartbeat() -> None:
+    engine_coeffs = SimEngine("decode", load_profile("fast")).coeffs()
+    before, after = await heartbeats_after_each([BAD, GOOD])
+    assert before == engine_coeffs
+    assert after[0] == engine_coeffs            # the bad fit changed nothing
+    assert after[1] == coeffs_of(GOOD)          # the good one is what the router now sees
+
+
+async def test_a_bad_refit_does_not_replace_a_good_one() -> None:
+    before, after = await heartbeats_after_each([GOOD, BAD, BETTER])
+    assert after[0] == coeffs_of(GOOD)
+    assert after[1] == coeffs_of(GOOD)          # still the good one, not the bad one
+    assert after[2] == coeffs_of(BETTER)        # a later good fit replaces it
+    assert before != coeffs_of(GOOD)

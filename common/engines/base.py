@@ -29,6 +29,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     chunk_schedule: tuple[int, ...] = ()
     kv: KvHandle | None = None
     cached_tokens: int = 0
+    resume_tokens: int = 0  # decode: the prompt ends with this many output tokens already sent (migration)
 
 
 class EngineLoad(msgspec.Struct, kw_only=True):

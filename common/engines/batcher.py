@@ -210,11 +210,14 @@ class Batcher:
         return StepPlan(decodes=decodes, chunks=chunks, kv_tokens=kv)
 
     def commit(self, plan: StepPlan) -> StepOutcome:
-        """Apply a planned step. Sequences removed since `plan()` are skipped."""
+        """Apply a planned step. Sequences removed since `plan()` are skipped, also when a new
+        attempt of the same request was added meanwhile (the identity check: the stale sequence
+        must neither advance nor remove the new one)."""
         out = StepOutcome()
         self.steps += 1
+        live = self._by_id
         for seq in plan.decodes:
-            if seq.request_id not in self._by_id:
+            if live.get(seq.request_id) is not seq:
                 continue
             seq.generated += 1
             out.tokens.append(seq)
@@ -223,7 +226,7 @@ class Batcher:
             if seq.generated >= seq.max_tokens:
                 out.finished.append(seq)
         for seq, chi, _ in plan.chunks:
-            if seq.request_id not in self._by_id:
+            if live.get(seq.request_id) is not seq:
                 continue
             seq.computed += chi
             if seq.schedule:

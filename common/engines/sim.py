@@ -3,7 +3,9 @@
 Each step sleeps for the modeled step time (times `time_scale`) and then commits the plan, so
 a worker running this engine has GPU-like timing on any laptop. Output tokens are synthetic but
 deterministic: a function of the request id and the position, in the simple tokenizer's word
-range, so the router can stream readable text and tests can check them.
+range, so the router can stream readable text and tests can check them. A request resumed on
+another worker (`resume_tokens`: its prompt ends with the output already streamed) continues at
+the position where the first worker stopped, as a greedy real engine would.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class SimEngine(Engine):
         self._t0: dict[str, float] = {}
         self._inflight: StepPlan | None = None
         self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
+        self._resume: dict[str, int] = {}  # request -> output tokens streamed before it came here
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -80,9 +83,12 @@ class SimEngine(Engine):
             raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
         self.batcher.add(seq)
+        if req.resume_tokens:
+            self._resume[req.request_id] = req.resume_tokens
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:
+        self._resume.pop(request_id, None)
         return self.batcher.remove(request_id) is not None
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
@@ -158,6 +164,11 @@ class SimEngine(Engine):
         if not out.tokens:
             return
         finished = {id(s) for s in out.finished}
-        items = [TokenItem(s.request_id, s.attempt, [synthetic_token(str(s.user), s.generated - 1)],
+        resume = self._resume
+        items = [TokenItem(s.request_id, s.attempt,
+                           [synthetic_token(str(s.user), resume.get(s.request_id, 0) + s.generated - 1)],
                            "length" if id(s) in finished else None) for s in out.tokens]
+        if resume:
+            for s in out.finished:
+                resume.pop(s.request_id, None)
         self.on_tokens(items, step_s)

@@ -140,6 +140,12 @@ class KvSender:
 
     # ----------------------------------------------------------------------- peers
 
+    def prepare(self, block_bytes: int) -> None:
+        """Register the staging memory for peers of this block size now (it takes about a second
+        on a loaded host), so that the first push to such a peer does not block its caller."""
+        self._check_open()
+        self._arena(block_bytes)
+
     def add_peer(self, info: KvAgentInfo) -> bool:
         """Learn (or re-learn) a receiver. Returns False if nothing changed.
 

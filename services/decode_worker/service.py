@@ -141,7 +141,7 @@ class DecodeWorker(WorkerService):
                                           prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
                                           mode="handoff" if mode == "handoff" else "deflect",
                                           tbt_slo=w.tbt_slo, chunk_schedule=schedule, kv=kv,
-                                          cached_tokens=w.cached_tokens))
+                                          cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens))
         except Overloaded as e:
             self._refuse(w, f"overloaded: {e}")
             return

@@ -18,7 +18,16 @@ from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.engines.replay import drain
 from common.errors import Overloaded
-from common.kv import KvError, KvSender, fill_pattern, layout_from_info, sender_from_config, transfer_key
+from common.kv import (
+    DEFAULT_INFLIGHT_TOKENS,
+    KvError,
+    KvSender,
+    fill_pattern,
+    layout_from_info,
+    plan_layout,
+    sender_from_config,
+    transfer_key,
+)
 from common.perf_model import PerfModel
 from common.worker import WorkerService
 
@@ -31,12 +40,13 @@ class PrefillWorker(WorkerService):
         super().__init__(*args, **kwargs)
         self.work: dict[str, m.PrefillWork] = {}
         self._transfers: set[asyncio.Task[None]] = set()
-        self.targets: dict[str, m.KvTarget] = {}
+        # per (request, attempt): a stale attempt's hand-off still waiting must not take a new one's target
+        self.targets: dict[tuple[str, int], m.KvTarget] = {}
         # Pull mode (the decode side READs the KV, vLLM): request -> when we stop waiting for the
         # read. Kept until the router says the decode side has it (Cancel "kv_consumed"), so a
         # drain does not end while decode workers still read from this one.
         self.kv_out: dict[str, float] = {}
-        self._target_arrived: dict[str, asyncio.Event] = {}
+        self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
         self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, refused=0)
@@ -60,6 +70,14 @@ class PrefillWorker(WorkerService):
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
             self.tx = sender_from_config(self.cfg, name=self.worker_id)
+            # staging for the block size decode workers with this configuration use, before
+            # registering: made at the first push instead, it stalled this worker's loop past the
+            # router's liveness window on a loaded host, and the router declared it dead
+            model = self.engine.coeffs()
+            layout = plan_layout(pool_bytes=self.cfg.kv_pool_mib << 20, block_tokens=self.cfg.kv_block_tokens,
+                                 profile_bytes_per_token=model.kv_bytes_per_token if model else 1024,
+                                 capacity_tokens=DEFAULT_INFLIGHT_TOKENS, bytes_per_token=self.cfg.kv_bytes_per_token)
+            self.tx.prepare(layout.block_bytes)
 
     async def teardown(self) -> None:
         if self.tx is not None:
@@ -81,8 +99,9 @@ class PrefillWorker(WorkerService):
 
     def drop_request(self, request_id: str) -> None:
         self.kv_out.pop(request_id, None)
-        if self.work.pop(request_id, None) is not None:
-            self._forget_target(request_id)
+        w = self.work.pop(request_id, None)
+        if w is not None:
+            self._forget_target(request_id, w.attempt)
             self.engine.abort(request_id)
             self.beat_now()
 
@@ -100,7 +119,7 @@ class PrefillWorker(WorkerService):
                 w = self.work.get(msg.request_id)
                 if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
                     self.work.pop(msg.request_id)
-                    self._forget_target(msg.request_id)
+                    self._forget_target(msg.request_id, w.attempt)
                     self.engine.abort(msg.request_id)
                     self.log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
             case m.Drain():
@@ -139,8 +158,9 @@ class PrefillWorker(WorkerService):
         self.beat_now()
 
     def forget(self, request_id: str) -> None:
-        self.work.pop(request_id, None)
-        self._forget_target(request_id)
+        w = self.work.pop(request_id, None)
+        if w is not None:
+            self._forget_target(request_id, w.attempt)
 
     def _refuse(self, w: m.PrefillWork, reason: str, *, invalid: bool = False) -> None:
         self.counters["refused"] += 1
@@ -151,23 +171,25 @@ class PrefillWorker(WorkerService):
         w = self.work.get(t.request_id)
         if w is None or w.attempt != t.attempt:
             return
-        self.targets[t.request_id] = t
-        self._target_arrived.setdefault(t.request_id, asyncio.Event()).set()
+        self.targets[(t.request_id, t.attempt)] = t
+        self._target_arrived.setdefault((t.request_id, t.attempt), asyncio.Event()).set()
 
-    def _forget_target(self, request_id: str) -> None:
-        self.targets.pop(request_id, None)
-        self._target_arrived.pop(request_id, None)
+    def _forget_target(self, request_id: str, attempt: int) -> None:
+        self.targets.pop((request_id, attempt), None)
+        self._target_arrived.pop((request_id, attempt), None)
 
     async def _push_nixl(self, w: m.PrefillWork) -> tuple[int, str]:
         """WRITE the request's KV into the decode worker's reserved blocks. Returns (bytes, error)."""
         assert self.tx is not None
-        ev = self._target_arrived.setdefault(w.request_id, asyncio.Event())
+        ev = self._target_arrived.setdefault((w.request_id, w.attempt), asyncio.Event())
         self.send(m.KvWant(request_id=w.request_id, attempt=w.attempt, tokens=len(w.prompt_token_ids)))
         try:
             await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout)
         except TimeoutError:
             return 0, "no KV target from the decode worker in time"
-        t = self.targets[w.request_id]
+        t = self.targets.get((w.request_id, w.attempt))
+        if t is None:
+            return 0, "the request was cancelled while waiting for its KV target"
         if t.error:
             return 0, f"decode worker could not take the KV: {t.error}"
         if t.kv_agent is None:
@@ -216,7 +238,7 @@ class PrefillWorker(WorkerService):
                     await asyncio.sleep(rest)
         elif self.cfg.kv_transport == "modeled" and model is not None:
             await asyncio.sleep(model.xfer_t0 + nbytes / model.xfer_bandwidth)
-        self._forget_target(w.request_id)
+        self._forget_target(w.request_id, w.attempt)
         if self.work.get(w.request_id) is not w:
             return  # cancelled or re-dispatched meanwhile
         self.work.pop(w.request_id, None)

@@ -43,6 +43,9 @@ E2E = Histogram("kairos_router_e2e_request_latency_seconds", "End-to-end latency
 IN_FLIGHT = Gauge("kairos_router_requests_in_flight", "Requests admitted and not finished.")
 WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining ones excluded).", ["role"])
 REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")
+MIGRATIONS = Counter("kairos_router_migrations", "Streaming requests whose decode worker died or froze: resumed "
+                     "on another one, parked (no worker free yet), or failed (limit reached, no worker in time).",
+                     ["outcome"])
 KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
                        "place by their decode worker.")
 KV_BYTES = Counter("kairos_router_kv_transfer_bytes", "KV-cache bytes prefill workers reported moving to decode "
@@ -70,6 +73,10 @@ HELD = Counter("kairos_router_held_requests", "Requests held at admission becaus
 def observe_decision(rec: m.DecisionRecord) -> None:
     DECISIONS.labels(rec.route, rec.reason).inc()
     DECISION_TIME.observe(max(0.0, rec.decision_us) / 1e6)
+
+
+def observe_migration(outcome: str) -> None:
+    MIGRATIONS.labels(outcome).inc()
 
 
 def observe_request(rec: m.RequestRecord, gaps: Sequence[float] = ()) -> None:

@@ -6,6 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace as msgspec_replace
+
 from common import messages as m
 from services.router.policy.base import Decision
 
@@ -71,6 +73,10 @@ class Request:
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)
     n_out: int = 0
+    out_ids: list[int] = field(default_factory=list)  # every token id sent to the client, in order
+    resume_from: int = 0   # tokens already sent when this attempt was dispatched (a migrated request)
+    migrations: int = 0    # times resumed on another decode worker after streaming (services.router.migrate)
+    parked_until: float = 0.0  # parked (no worker could take it) until then (services.router.migrate)
     done: bool = False
     outcome: str = ""
     kv_fallback: bool = False
@@ -83,6 +89,14 @@ class Request:
     @property
     def streamed(self) -> bool:
         return self.n_out > 0
+
+    def work(self) -> tuple[list[int], m.Sampling]:
+        """The prompt and sampling this attempt is dispatched with: the client's, or, for a request
+        resumed after a migration, its prompt plus the tokens already sent and the tokens left."""
+        if not self.resume_from:
+            return self.prompt_token_ids, self.sampling
+        return (self.prompt_token_ids + self.out_ids[:self.resume_from],
+                msgspec_replace(self.sampling, max_tokens=self.sampling.max_tokens - self.resume_from))
 
     def record(self) -> m.RequestRecord:
         d = self.decision
@@ -99,7 +113,7 @@ class Request:
             ttft_pred_s=(d.ttft_decode_pred if d.route == "deflect" else d.ttft_prefill_pred) if d else None,
             tbt_p50_s=pct(0.5), tbt_p99_s=pct(0.99), tbt_max_s=gaps[-1] if gaps else None,
             e2e_s=time.monotonic() - self.arrival, outcome=self.outcome, attempts=self.attempt + 1,
-            kv_fallback=self.kv_fallback, at=time.time(), tbt_gaps_s=self.gaps[:4096],
+            kv_fallback=self.kv_fallback, migrations=self.migrations, at=time.time(), tbt_gaps_s=self.gaps[:4096],
             kv_bytes=self.prefill.kv.nbytes if self.prefill else 0,
             kv_transfer_s=self.prefill.kv.transfer_s if self.prefill else None, kv_error=self.kv_error,
             prefill_queue_s=self.prefill.queue_s if self.prefill else None,

@@ -5,8 +5,8 @@ per request, sends work down the disaggregated path (PrefillWork + DecodeWork(ha
 KvReady when the prefill side is done) or the deflected path (DecodeWork(deflect) with the chunk
 schedule), relays tokens to the HTTP layer, and publishes every decision and outcome to the
 monitor. Reliability: a worker silent for liveness x interval is removed; its requests are
-re-dispatched if no token reached the client yet, else failed with a clear error. Every
-request has a deadline.
+re-dispatched if no token reached the client yet, else resumed on another decode worker
+(services.router.migrate). Every request has a deadline.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, R
 from common.perf_model import load_profile
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import metrics
+from services.router import metrics, migrate
 from services.router.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
@@ -59,6 +59,7 @@ class Router:
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
         self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
         self.counts: Counter[str] = Counter()
         self.routes: Counter[str] = Counter()
@@ -216,10 +217,11 @@ class Router:
 
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()
-        exclude = frozenset(req.exclude) | too_small(self.table, len(req.prompt_token_ids))
+        prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
+        exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
-        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
-                           max_tokens=req.sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
+                           max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens)
         decision = self.policy.decide(spec, view, time.monotonic())
         decision_us = (time.perf_counter() - t0) * 1e6
@@ -230,17 +232,18 @@ class Router:
         req.prefill_done = decision.route == "deflect"
         remaining = max(0.1, req.deadline - time.monotonic())
         dw = self.table.workers[decision.decode_worker]
-        tokens = len(req.prompt_token_ids)
-        reserve = tokens + req.sampling.max_tokens
+        tokens = len(prompt)
+        reserve = tokens + sampling.max_tokens
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
             dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
                                                                    dw.hello.token_budget)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
-                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
-                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens))
+                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from))
             dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
                                                time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
@@ -251,11 +254,12 @@ class Router:
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=dno, mode="handoff",
-                                        prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                        prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
-                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens))
+                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from))
             self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
-                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                         prompt_token_ids=prompt, sampling=sampling,
                                          decode_worker=dw.worker_id, deadline_s=remaining,
                                          cached_tokens=req.cached_tokens))
         self.routes[decision.route] += 1
@@ -343,15 +347,14 @@ class Router:
                  ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
                  tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
                  tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
-                 outcome=rec.outcome, attempts=rec.attempts, kv_fallback=rec.kv_fallback)
+                 outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
 
     def _redispatch(self, req: Request, why: str, bad_worker: str | None) -> None:
         """Retry a request no token of which reached the client; else fail it clearly."""
         if req.done:
             return
         if req.streamed:
-            self._fail(req, f"worker failed after streaming {req.n_out} tokens ({why}); the output is incomplete",
-                       code="worker_lost_midstream")
+            migrate.resume(self, req, why, bad_worker)  # on another decode worker, or a clear failure
             return
         if req.attempt + 1 >= self.cfg.max_attempts:
             self._fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", code="retries_exhausted")
@@ -377,7 +380,7 @@ class Router:
                 self.kv_waiting.appendleft(req)
                 self.counts["kv_waited"] += 1
             except NoWorkers as e:
-                self._fail(req, f"no worker left to retry on: {e}", code="unavailable")
+                migrate.park(self, req, str(e))  # until a worker (re)registers, or a clear failure
 
     # ------------------------------------------------------------------ inbox: work socket
     def _work_send(self, frames: list[bytes]) -> bool:
@@ -558,15 +561,17 @@ class Router:
                 if it.finish_reason is None:  # a stale attempt still running there
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
-            if req.first_token_at is None:
-                req.first_token_at = now
+            if req.n_out == req.resume_from:  # this attempt's first token: its prefill is over, its KV read
                 w.deflecting.pop(req.request_id, None)
                 w.deflect_info.pop(req.request_id, None)
                 self._kv_consumed(req)
+            if req.first_token_at is None:
+                req.first_token_at = now
             else:
                 req.gaps.append(now - req.last_token_at)
             req.last_token_at = now
             req.n_out += len(it.token_ids)
+            req.out_ids += it.token_ids
             req.events.put_nowait(Event(token_ids=it.token_ids))
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)
@@ -632,36 +637,42 @@ class Router:
 
     # ------------------------------------------------------------------ heartbeats and liveness
     async def _heartbeat_loop(self) -> None:
+        # an Inbox reads every queued heartbeat per wakeup, like the work socket's: read one per
+        # loop iteration, they fell behind on a busy router and live workers were declared dead
         assert self.bus is not None
-        sock = self.bus.heartbeats
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("heartbeats")
-                log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
-                continue
-            try:
-                hb = codec.heartbeat_inbox.decode(frames[2])
-            except codec.DecodeError as e:
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("heartbeats")
-                log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
-                continue
-            try:
-                entry = self.table.heartbeat(hb)
-            except Exception as e:  # e.g. coefficients no model can be built from
-                self.counts["bad_frames"] += 1
-                metrics.observe_bad_frame("heartbeats")
-                log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
-                continue
-            if entry is None:
-                # unknown worker or old incarnation: the router restarted, or declared it dead
-                w = self.table.workers.get(hb.worker_id)
-                if w is None or w.incarnation != hb.incarnation:
-                    self._ask_hello(hb.worker_id)
-            elif self.kv_waiting and isinstance(hb, m.DecodeHeartbeat):
-                self._retry_kv_waiting()  # its view may show room now
+        inbox = Inbox(self.bus.heartbeats, self._on_heartbeat_frames)
+        try:
+            await inbox.failed
+        finally:
+            inbox.close()
+
+    def _on_heartbeat_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("heartbeats")
+            log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
+            return
+        try:
+            hb = codec.heartbeat_inbox.decode(frames[2])
+        except codec.DecodeError as e:
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("heartbeats")
+            log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
+            return
+        try:
+            entry = self.table.heartbeat(hb)
+        except Exception as e:  # e.g. coefficients no model can be built from
+            self.counts["bad_frames"] += 1
+            metrics.observe_bad_frame("heartbeats")
+            log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
+            return
+        if entry is None:
+            # unknown worker or old incarnation: the router restarted, or declared it dead
+            w = self.table.workers.get(hb.worker_id)
+            if w is None or w.incarnation != hb.incarnation:
+                self._ask_hello(hb.worker_id)
+        elif self.kv_waiting and isinstance(hb, m.DecodeHeartbeat):
+            self._retry_kv_waiting()  # its view may show room now
 
     def _ask_hello(self, worker_id: str) -> None:
         assert self.bus is not None
@@ -675,8 +686,16 @@ class Router:
             last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
 
     async def _liveness_loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
+            now = time.monotonic()
+            late, last = now - last - self.cfg.heartbeat_interval, now
+            if late > self.liveness_s / 2:
+                # this process did not run for a while (CPU starvation, a pause): the heartbeats
+                # of that time may still be unread, so judge no worker before reading them
+                log.warning("router_stalled", late_s=round(late, 3))
+                continue
             for w in self.table.expired(self.liveness_s):
                 self.table.remove(w.worker_id)
                 if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
@@ -689,6 +708,7 @@ class Router:
                 log.warning("worker_lost", worker=w.worker_id, role=w.role,
                             silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
                 self._worker_gone(w, "heartbeat timeout")
+            migrate.retry_parked(self)
             now = time.monotonic()
             if self.kv_waiting:
                 self._expire_kv_waiting(now)

@@ -1,8 +1,9 @@
 """The chaos suite: a local cluster under steady load while services die, freeze, restart and
 receive garbage. For each scenario: accepted, completed, failed (with a clear error), lost, hung.
-Lost and hung must be 0; a rolling restart and a monitor crash must fail nothing.
+Lost and hung must be 0; a rolling restart and a monitor crash must fail nothing. A worker
+killed or frozen under `kairos up` (supervised, mid-stream): tests/chaos/test_supervised.py.
 
-Run alone: `.venv/bin/pytest -m chaos -s tests/chaos` (about 2-3 minutes on 2 cores).
+Run alone: `.venv/bin/pytest -m chaos -s tests/chaos` (about 3-4 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -69,16 +70,6 @@ async def kill_and_restart(c: Cluster, name: str, down_s: float = 1.0) -> None:
     c.restart(name)
 
 
-async def test_kill_decode_worker(cluster: Cluster) -> None:
-    t = await scenario(cluster, "kill -9 decode-0", kill_and_restart(cluster, "decode-0"), seed=1)
-    assert set(t.errors) <= {"worker_lost_midstream"}
-
-
-async def test_kill_prefill_worker(cluster: Cluster) -> None:
-    t = await scenario(cluster, "kill -9 prefill-0", kill_and_restart(cluster, "prefill-0"), seed=2)
-    assert t.failed == 0, t.errors  # nothing had streamed yet: every request is re-dispatched
-
-
 async def test_kill_router(cluster: Cluster) -> None:
     async def fault() -> None:
         await kill_and_restart(cluster, "router", down_s=0.5)
@@ -92,16 +83,6 @@ async def test_kill_router(cluster: Cluster) -> None:
 async def test_kill_monitor(cluster: Cluster) -> None:
     t = await scenario(cluster, "kill -9 monitor", kill_and_restart(cluster, "monitor"), seed=4)
     assert t.failed == 0, t.errors
-
-
-async def test_freeze_decode_worker(cluster: Cluster) -> None:
-    async def fault() -> None:
-        cluster.signal("decode-1", signal.SIGSTOP)
-        await asyncio.sleep(2.5)  # well past liveness (10 x 100 ms): the router declares it dead
-        cluster.signal("decode-1", signal.SIGCONT)  # it comes back, is asked to re-register
-
-    t = await scenario(cluster, "SIGSTOP/SIGCONT decode-1", fault(), seed=5)
-    assert set(t.errors) <= {"worker_lost_midstream"}, t.errors
 
 
 async def test_rolling_restart_fails_nothing(cluster: Cluster) -> None:
@@ -170,14 +151,35 @@ async def test_broken_kv_transfers_fall_back(faulty_kv_cluster: Cluster) -> None
     save_results()
 
 
-def test_waits_are_bounded_when_the_router_is_gone(tmp_path: Path) -> None:
-    """A worker whose router vanishes keeps retrying Hello on a bounded loop and exits on SIGTERM."""
+def test_hello_is_retried_until_a_router_answers(tmp_path: Path) -> None:
+    """With its router gone, a worker stops cleanly on SIGTERM; started with no router listening,
+    it keeps saying Hello (a warning each unanswered try, not a crash, not a busy loop) and
+    registers as soon as a router is back."""
     c = start_cluster(tmp_path, prefill=0, decode=1, profile="fast", policy="deflect-all")
     try:
         c.signal("router", signal.SIGKILL)
-        c.wait_exit("router", 10)
-        time.sleep(1.5)
+        assert c.wait_exit("router", 10) is not None
         c.signal("decode-0", signal.SIGTERM)
-        assert c.wait_exit("decode-0", 15) == 0
+        assert c.wait_exit("decode-0", 15) == 0  # its drain does not wait for the vanished router
+        log = c.services["decode-0"].log_path
+        assert log is not None
+        seen = len(log.read_text().splitlines())
+        c.restart("decode-0")
+
+        def retries() -> list[str]:
+            return [ln for ln in log.read_text().splitlines()[seen:] if '"router_not_answering"' in ln]
+
+        started = time.monotonic()
+        deadline = started + 20
+        while len(retries()) < 2 and time.monotonic() < deadline:
+            assert c.returncode("decode-0") is None, "the worker died while the router was away"
+            time.sleep(0.05)
+        assert len(retries()) >= 2
+        assert len(retries()) <= time.monotonic() - started + 2  # about one try a second
+        c.restart("router")
+        c.wait_http("/health", 30)
+        c.wait_registered({"decode-0"}, 30)
+        r = httpx.post(c.spec.api + "/v1/completions", json={"prompt": "back", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         c.stop(10)

@@ -1,0 +1,114 @@
+"""Mid-stream migration: resume a streaming request on another decode worker.
+
+When the decode worker of a request that has already streamed tokens dies, freezes past the
+liveness window, restarts, or hands the request back, the router does not fail the request: it
+dispatches it again (next attempt, same request id, by the same policy: deflected in place or
+through a prefill worker) with the prompt plus every token already sent as the new prompt and
+the tokens left as max_tokens (`Request.work`). The new decode worker prefills that and
+continues the stream at the position the client has reached; a greedy engine produces exactly
+the tokens the first worker would have (the simulated engine continues its synthetic sequence
+from `DecodeWork.resume_tokens`). Tokens of the old attempt that still arrive (a frozen worker
+waking up) are dropped by the attempt check in the router, so the client sees one stream with
+no token repeated or missing, the usage counts every token once, and finish_reason is the
+final worker's.
+
+Each request is resumed at most `max_migrations` times; after that it fails with
+`worker_lost_midstream` as before. Counted in `counts["migrated"]`, the `kairos_router_migrations`
+metric and the `migrations` field of the request's log line.
+
+Parking: when a request loses its worker (streaming or not) and no live worker can take it (the
+only other one was lost too, or is restarting under `kairos up`), it waits in `Router.parked`
+for up to `park_timeout` seconds and is dispatched as soon as a worker can take it (checked
+every liveness tick), instead of failing at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from services.router import metrics
+from services.router.policy import NoWorkers
+from services.router.requests import Request
+
+if TYPE_CHECKING:
+    from services.router.service import Router
+
+log = structlog.get_logger()
+
+
+def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> None:
+    """Settle a request that streamed tokens and lost its decode worker: resume it elsewhere,
+    or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`."""
+    limit = router.cfg.max_migrations
+    lost = f"worker failed after streaming {req.n_out} tokens ({why})"
+    if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
+        router._finish(req, "length")
+        return
+    if req.migrations >= limit:
+        metrics.observe_migration("limit")
+        router._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
+                          f"{limit}); the output is incomplete", code="worker_lost_midstream")
+        return
+    router._cancel_on_workers(req, "migrated")
+    router._release(req)
+    if bad_worker:
+        req.exclude.add(bad_worker)
+    req.attempt += 1
+    req.migrations += 1
+    req.resume_from = req.n_out
+    router.counts["migrated"] += 1
+    try:
+        try:
+            router._dispatch(req)
+        except NoWorkers:
+            req.exclude.clear()
+            router._dispatch(req)
+    except NoWorkers as e:
+        metrics.observe_migration("parked")
+        park(router, req, str(e))
+        return
+    metrics.observe_migration("resumed")
+    log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
+                sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
+                route=req.decision.route if req.decision else None)
+
+
+def park(router: Router, req: Request, why: str) -> None:
+    """No live worker can take this (already re-attempted) request now: hold it briefly."""
+    req.parked_until = min(req.deadline, time.monotonic() + router.cfg.park_timeout)
+    router.parked[req.request_id] = req
+    router.counts["parked"] += 1
+    log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out, why=why,
+                timeout_s=router.cfg.park_timeout)
+
+
+def retry_parked(router: Router) -> None:
+    """Dispatch parked requests a worker can take now; fail those parked too long."""
+    if not router.parked:
+        return
+    now = time.monotonic()
+    for rid, req in list(router.parked.items()):
+        if req.done:
+            del router.parked[rid]
+            continue
+        req.exclude.clear()
+        try:
+            router._dispatch(req)
+        except NoWorkers as e:
+            if now < req.parked_until:
+                continue
+            del router.parked[rid]
+            if req.streamed:
+                metrics.observe_migration("no_worker")
+                router._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
+                                  f"within {router.cfg.park_timeout:g} s ({e}); the output is incomplete",
+                             code="worker_lost_midstream")
+            else:
+                router._fail(req, f"no worker left to retry on within {router.cfg.park_timeout:g} s: {e}",
+                             code="unavailable")
+            continue
+        del router.parked[rid]
+        log.info("request_unparked", request_id=req.request_id, attempt=req.attempt, decode_worker=req.decode_worker)

@@ -1,0 +1,190 @@
+"""Mid-stream migration at the router: a request whose decode worker dies after streaming
+tokens continues on another one, and the client's stream has every token once, in order.
+
+The router runs without sockets (its sends are captured); the second decode worker's engine is
+a real SimEngine fed the router's DecodeWork, so the continuation is the engine's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from common import config
+from common import messages as m
+from common.engines.base import EngineRequest
+from common.engines.sim import SimEngine, synthetic_token
+from common.perf_model import load_profile
+from services.router import migrate
+from services.router.requests import Event, Request
+from services.router.service import Router
+
+
+def hello(worker_id: str, role: m.Role) -> m.Hello:
+    return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=worker_id, role=role, incarnation=f"inc-{worker_id}",
+                   engine="sim", model="kairos-sim", token_budget=2048, kv_capacity_tokens=100_000,
+                   max_batch=64)
+
+
+def make_router(policy: str, **overrides: Any) -> tuple[Router, list[tuple[str, m.Msg]]]:
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": policy, "profile": "fast", **overrides})
+    r = Router(cfg)
+    sent: list[tuple[str, m.Msg]] = []
+    r._send = lambda w, msg: sent.append((w.worker_id, msg))  # type: ignore[method-assign]
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        r._on_hello(wid.encode(), hello(wid, role))  # type: ignore[arg-type]
+    sent.clear()  # the Welcomes
+    return r, sent
+
+
+def work_for(sent: list[tuple[str, m.Msg]], rid: str, attempt: int) -> tuple[str, m.DecodeWork]:
+    found = [(w, msg) for w, msg in sent
+             if isinstance(msg, m.DecodeWork) and msg.request_id == rid and msg.attempt == attempt]
+    assert len(found) == 1, sent
+    return found[0]
+
+
+def tokens(worker: str, rid: str, attempt: int, ids: list[int], finish: str | None = None) -> m.TokenBatch:
+    return m.TokenBatch(worker_id=worker, items=[m.TokenItem(rid, attempt, ids, finish)])
+
+
+def lose(r: Router, worker: str) -> None:
+    """What the liveness loop does when a worker goes silent."""
+    w = r.table.remove(worker)
+    assert w is not None
+    r._worker_gone(w, "heartbeat timeout")
+
+
+def drain(req: Request) -> list[Event]:
+    items: list[Event] = []
+    while req.events._items:
+        items += req.events._items
+        req.events._items = []
+    return items
+
+
+async def decode_on_sim(work: m.DecodeWork) -> list[m.TokenItem]:
+    """Run the DecodeWork on a real simulated decode engine (as the decode worker would) to the end."""
+    engine = SimEngine("decode", load_profile("fast"), time_scale=0.001)
+    out: list[m.TokenItem] = []
+    done = asyncio.Event()
+
+    def on_tokens(items: list[m.TokenItem], step_s: float) -> None:
+        out.extend(items)
+        if any(it.finish_reason for it in items):
+            done.set()
+
+    engine.on_tokens = on_tokens
+    engine.add(EngineRequest(request_id=work.request_id, attempt=work.attempt, prompt_token_ids=work.prompt_token_ids,
+                             sampling=work.sampling, mode="deflect", resume_tokens=work.resume_tokens))
+    task = asyncio.create_task(engine.run())
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        task.cancel()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["deflect-all", "disagg-least-loaded"])
+async def test_a_dead_decode_worker_mid_stream_costs_the_client_nothing(policy: str) -> None:
+    r, sent = make_router(policy)
+    prompt = list(range(100, 140))
+    req = r.submit(prompt, m.Sampling(max_tokens=10))
+    rid = req.request_id
+    first, _ = work_for(sent, rid, 0)
+    want = [synthetic_token(rid, i) for i in range(10)]
+    r._on_work_message(first.encode(), tokens(first, rid, 0, want[:3]))
+    r._on_work_message(first.encode(), tokens(first, rid, 0, want[3:4]))
+    sent.clear()
+
+    lose(r, first)
+
+    second, work1 = work_for(sent, rid, 1)
+    assert second != first
+    assert work1.prompt_token_ids == prompt + want[:4]        # prompt + every token already sent
+    assert work1.sampling.max_tokens == 6 and work1.resume_tokens == 4
+    if policy == "disagg-least-loaded":                        # the same policy decides the new path
+        assert work1.mode == "handoff"
+        pw = [msg for _, msg in sent if isinstance(msg, m.PrefillWork)]
+        assert len(pw) == 1 and pw[0].prompt_token_ids == work1.prompt_token_ids and pw[0].attempt == 1
+    else:
+        assert work1.mode == "deflect"
+    # the dead worker's late tokens (old attempt) never reach the client
+    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 4)]))
+    for item in await decode_on_sim(work1):
+        r._on_work_message(second.encode(), m.TokenBatch(worker_id=second, items=[item]))
+
+    events = drain(req)
+    got = [t for ev in events for t in (ev.token_ids or [])]
+    assert got == want                                         # one stream: none repeated, none missing
+    assert [ev.finish_reason for ev in events if ev.finish_reason] == ["length"]
+    assert not [ev for ev in events if ev.error]
+    assert req.done and req.outcome == "ok" and req.n_out == 10 and req.migrations == 1
+    rec = req.record()
+    assert rec.output_tokens == 10 and rec.migrations == 1 and rec.prompt_tokens == len(prompt)
+    assert r.counts["migrated"] == 1 and r.counts["completed"] == 1 and not r.counts["failed"]
+
+
+async def test_the_migration_limit_fails_the_request_clearly() -> None:
+    r, sent = make_router("deflect-all", max_migrations=1)
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    rid = req.request_id
+    first, _ = work_for(sent, rid, 0)
+    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0)]))
+    lose(r, first)
+    second, _ = work_for(sent, rid, 1)
+    r._on_work_message(second.encode(), tokens(second, rid, 1, [synthetic_token(rid, 1)]))
+    lose(r, second)  # a second loss: over the limit of one
+    events = drain(req)
+    errors = [ev for ev in events if ev.error]
+    assert len(errors) == 1 and errors[0].error_code == "worker_lost_midstream"
+    assert "limit 1" in (errors[0].error or "")
+    assert req.done and req.migrations == 1 and r.counts["failed"] == 1
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bool) -> None:
+    """The last decode worker dies (e.g. the other one is restarting): the request is parked, not
+    failed, and goes to the first decode worker that registers."""
+    r, sent = make_router("deflect-all")
+    lose(r, "decode-1")
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    rid = req.request_id
+    if streamed:
+        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+    sent.clear()
+    lose(r, "decode-0")
+    assert rid in r.parked and not req.done and not drain(req)[int(streamed):]
+    r._on_hello(b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
+    migrate.retry_parked(r)
+    w, work = work_for(sent, rid, 1)
+    assert w == "decode-0" and work.resume_tokens == int(streamed) and rid not in r.parked
+    assert not req.done
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_parked_too_long_fails_clearly(streamed: bool) -> None:
+    r, _ = make_router("deflect-all", park_timeout=0.0)
+    lose(r, "decode-1")
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    rid = req.request_id
+    if streamed:
+        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+    lose(r, "decode-0")
+    migrate.retry_parked(r)
+    errors = [ev for ev in drain(req) if ev.error]
+    assert len(errors) == 1 and req.done and rid not in r.parked
+    assert errors[0].error_code == ("worker_lost_midstream" if streamed else "unavailable")
+    assert "no worker" in (errors[0].error or "")
+
+
+async def test_before_the_first_token_it_is_a_plain_redispatch() -> None:
+    r, sent = make_router("deflect-all")
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    first, _ = work_for(sent, req.request_id, 0)
+    lose(r, first)
+    _, work1 = work_for(sent, req.request_id, 1)
+    assert work1.resume_tokens == 0 and work1.sampling.max_tokens == 8 and req.migrations == 0
+    assert r.counts["redispatched"] == 1 and not r.counts["migrated"]

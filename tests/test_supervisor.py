@@ -1,0 +1,122 @@
+"""`kairos up` as a process manager: restarts with backoff, gives up on a crash loop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kairos import up
+from kairos.supervisor import CrashLoop, RestartPolicy, Supervisor, describe_exit
+
+
+class FakeProcs:
+    """Services whose exits the test decides; a fake clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.rc: dict[str, int | None] = {"decode-0": None, "router": None}
+        self.started: list[tuple[str, float]] = []
+
+    def start(self, name: str) -> None:
+        self.started.append((name, self.now))
+        self.rc[name] = None
+
+
+def supervisor(p: FakeProcs, **kw: float) -> Supervisor:
+    policy = RestartPolicy(**kw)  # type: ignore[arg-type]
+    return Supervisor(policy, list(p.rc), alive=lambda n: p.rc[n], start=p.start,
+                      log_path=lambda n: Path(f"logs/{n}.log"), clock=lambda: p.now)
+
+
+def test_an_exit_is_restarted_after_a_backoff_that_doubles_then_resets() -> None:
+    p = FakeProcs()
+    s = supervisor(p, backoff_s=0.5, backoff_max_s=1.5, crash_loop_exits=10, crash_loop_window_s=60)
+    s.step()
+    assert p.started == []                       # all running: nothing to do
+    delays = []
+    for _ in range(4):
+        p.rc["decode-0"] = -signal.SIGKILL
+        exited_at, n = p.now, len(p.started)
+        s.step()
+        assert len(p.started) == n               # noticed, but restarted only after the backoff
+        while len(p.started) == n:
+            p.now += 0.125
+            s.step()
+        delays.append(p.now - exited_at)
+    assert delays == [0.5, 1.0, 1.5, 1.5]        # doubles, capped
+    assert s.state["decode-0"].restarts == 4 and s.state["router"].restarts == 0
+    p.now += 61                                  # a quiet window: the backoff starts over
+    p.rc["decode-0"] = 1
+    s.step()
+    assert s.state["decode-0"].restart_at == pytest.approx(p.now + 0.5)
+
+
+def test_a_crash_loop_stops_with_one_line_naming_the_service_and_its_log() -> None:
+    p = FakeProcs()
+    s = supervisor(p, backoff_s=0.0, crash_loop_exits=3, crash_loop_window_s=10)
+    for i in range(2):
+        p.rc["router"] = 2
+        s.step()
+        s.step()                                 # restarted at once (no backoff)
+        assert s.state["router"].restarts == i + 1
+    p.rc["router"] = 2
+    with pytest.raises(CrashLoop) as e:
+        s.step()
+    msg = str(e.value)
+    assert e.value.service == "router" and "\n" not in msg
+    assert "3 exits within 10 s" in msg and "exit code 2" in msg and "logs/router.log" in msg
+
+
+def test_exits_spread_wider_than_the_window_are_not_a_crash_loop() -> None:
+    p = FakeProcs()
+    s = supervisor(p, backoff_s=0.0, crash_loop_exits=2, crash_loop_window_s=5)
+    for _ in range(4):
+        p.rc["decode-0"] = 1
+        s.step()
+        s.step()
+        p.now += 6
+    assert s.state["decode-0"].restarts == 4
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3"
+
+
+def test_bad_restart_flags_are_refused() -> None:
+    with pytest.raises(ValueError):
+        RestartPolicy(crash_loop_exits=0)
+    assert up.main(["--crash-loop-window", "0"]) == 2
+
+
+def test_cluster_restarts_a_real_process_and_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
+    """Real processes: one that dies at once every time, under the Cluster's supervisor."""
+    spec = up.ClusterSpec.ephemeral(log_dir=str(tmp_path), prefill=0, decode=1, monitor=False,
+                                    restart=RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, crash_loop_exits=3,
+                                                          crash_loop_window_s=30))
+    c = up.Cluster(spec)
+    c.services = {"flaky": up.Service("flaky", [sys.executable, "-c", "import sys; print('boom'); sys.exit(7)"], {})}
+    c.spawn("flaky")
+    deadline = time.monotonic() + 20
+    try:
+        with pytest.raises(CrashLoop) as e:
+            while time.monotonic() < deadline:
+                c.supervise()
+                time.sleep(0.02)
+        assert "flaky" in str(e.value) and "exit code 7" in str(e.value)
+        assert c.supervisor is not None and c.supervisor.state["flaky"].restarts == 2
+        assert (tmp_path / "flaky.log").read_text().count("boom") == 3  # the first start + 2 restarts
+    finally:
+        c.stop(5)
+
+
+def test_help_lists_the_restart_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "kairos.cli", "up", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--restart-backoff", "--restart-backoff-max", "--crash-loop-exits", "--crash-loop-window"):
+        assert flag in out

@@ -1,0 +1,101 @@
+"""Mid-stream migration on the real engine: greedy decoding resumed from the prompt plus the
+tokens already sent continues exactly where the first worker stopped.
+
+Engine level: the vLLM decode engine, given prompt + the first k output tokens and max_tokens - k,
+produces the rest of the uninterrupted greedy run. Cluster level: `kairos up --engine vllm` with two
+decode workers; the worker streaming a request is killed (kill -9 of its process group: the worker
+and its vLLM engine-core process) after the first tokens; the client's one stream must equal an
+uninterrupted greedy run, with the right usage and finish_reason, and the router must have
+migrated it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.engines.base import EngineRequest
+from common.messages import Sampling
+from kairos.up import Cluster, ClusterSpec
+from tests.vllm.helpers import PD, VLLM_MISSING, request
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")]
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_resumed_greedy_run_continues_the_uninterrupted_one(pd: PD) -> None:
+    assert await pd.decode.reset_prefix_cache()
+    full = await pd.run_decode(request("whole", PROMPT, 40))
+    assert await pd.decode.reset_prefix_cache()
+    sent = full[:13]  # what the first worker had streamed when it died
+    rest = await pd.run_decode(EngineRequest(
+        request_id="resumed", attempt=1, prompt_token_ids=PROMPT + sent, mode="deflect", resume_tokens=len(sent),
+        sampling=Sampling(max_tokens=40 - len(sent), ignore_eos=True)))
+    assert await pd.decode.reset_prefix_cache()
+    assert sent + rest == full
+    assert pd.out.finish["resumed"] == "length"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec.ephemeral(prefill=0, decode=2, engine="vllm", model=str(tiny_model),
+                                 profile="cpu-tiny-llama", policy="deflect-all", monitor=False,
+                                 log_dir=str(tmp_path_factory.mktemp("vllm-migrate")),
+                                 router_env={"KAIROS_CANDIDATES": "256,128,64"},
+                                 worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
+    c = Cluster(spec)
+    try:
+        c.start(timeout=400)
+    except BaseException:
+        c.stop(10)
+        raise
+    yield c
+    c.stop(30)
+
+
+def test_killing_the_decode_worker_mid_stream_leaves_one_greedy_stream(cluster: Cluster) -> None:
+    api = cluster.spec.api
+    max_tokens = 400
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(api + "/v1/completions", json=body, timeout=300)
+    assert whole.status_code == 200, whole.text
+    want = whole.json()["choices"][0]["text"]
+    before = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+
+    chunks: list[str] = []
+    finish = None
+    usage = None
+    killed = ""
+    with httpx.stream("POST", api + "/v1/completions", timeout=300,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        victim = r.headers["x-kairos-decode-worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev["choices"]:
+                chunks.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+            if not killed and len(chunks) >= 3:
+                p = cluster.services[victim].proc
+                assert p is not None
+                os.killpg(p.pid, signal.SIGKILL)  # the worker and its engine-core process
+                killed = victim
+    assert killed
+    assert "".join(chunks) == want                  # nothing repeated, nothing missing
+    assert finish == "length"
+    assert usage is not None and usage["completion_tokens"] == max_tokens and usage["prompt_tokens"] == len(PROMPT)
+    after = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    assert after == before + 1, "the stream finished before the kill: nothing was migrated"

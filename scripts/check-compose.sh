@@ -6,9 +6,10 @@
 #
 # Checked: docker-compose.yml (GPU), docker-compose.yml + docker-compose.rdma.yml,
 # docker-compose.sim.yml (the simulated cluster, standalone) and docker-compose.multihost.yml
-# (containers as hosts). `config -q` parses, interpolates and checks each file against the compose schema (reservations, ports, depends_on, healthchecks);
-# `config --services` must list exactly the services we expect. Nothing is built or started, and
-# no daemon is needed or contacted (see shared/reference/workloads-and-simulators.md section 7).
+# (containers as hosts). `config -q` parses, interpolates and checks each file against the
+# compose schema (reservations, ports, depends_on, healthchecks); `config --services` must list
+# exactly the services we expect. Nothing is built or started, and
+# no daemon is needed or contacted.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -3,7 +3,7 @@
 # host's GPU, fitted to Kairos's step-time model, plus `kairos kv-bench` when NIXL is importable.
 #
 #   scripts/gpu-check.sh [OUT_DIR]           on a host with one NVIDIA GPU, PyTorch and CUDA (no vLLM,
-#                                            no network); about 5 minutes on an H100-class GPU
+#                                            no network); sized for under 8 minutes (not yet timed on a GPU)
 #   scripts/gpu-check.sh --tiny [OUT_DIR]    CPU smoke run with tiny shapes (what the tests run)
 #
 # OUT_DIR (default gpu-check-results/) receives gpu-check.json (device, every timed step, the

@@ -188,6 +188,9 @@ def test_environment_keys_are_config_fields_of_the_service(any_compose_file: Pat
             if key.startswith("KAIROS_"):
                 assert key in field_env_names(cls), (
                     f"{compose_file.name}: {name} sets {key}, which is not a field of {cls.__name__}")
+            elif compose_file == MULTI_FILE:
+                assert (key, value) == ("UCX_TLS", "tcp") and name in WORKERS, (
+                    f"{compose_file.name}: {name} sets {key}={value}: only UCX_TLS=tcp on workers")
             else:
                 assert compose_file == GPU_FILE and key in PASSTHROUGH and value is None, (
                     f"{compose_file.name}: {name} sets {key}: services are configured by KAIROS_* only "

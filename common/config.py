@@ -135,6 +135,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     vllm_max_batch: Annotated[int, doc("vllm: max_num_seqs, the most requests in one batch")] = 64
     vllm_side_channel_host: Annotated[str, doc("vllm prefill workers: the address decode workers reach this host's NIXL side channel on")] = "127.0.0.1"
     vllm_side_channel_port: Annotated[int, doc("vllm prefill workers: NIXL side-channel port (0: any free port; set one to open it in a firewall)")] = 0
+    vllm_side_channel_bind: Annotated[str, doc("vllm prefill workers: address the NIXL side channel listens on (empty: the side-channel host; 0.0.0.0 when that host is a DNS name)")] = ""
+    vllm_kv_buffer_device: Annotated[str, doc("vllm: NIXL KV buffer device (empty: the platform's, cuda on GPUs; cpu stages KV through host memory)")] = ""
 
 
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):

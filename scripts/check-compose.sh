@@ -4,11 +4,12 @@
 #   scripts/check-compose.sh            install docker-compose if missing (needs root), then validate
 #   scripts/check-compose.sh --no-install   fail (rc 3) instead of installing when it is missing
 #
-# Checked: docker-compose.yml (GPU), docker-compose.yml + docker-compose.rdma.yml, and
-# docker-compose.sim.yml (the simulated cluster, standalone). `config -q` parses, interpolates and
-# checks each file against the compose schema (reservations, ports, depends_on, healthchecks);
-# `config --services` must list exactly the services we expect. Nothing is built or started, and
-# no daemon is needed or contacted (see docs/reference/workloads.md section 7).
+# Checked: docker-compose.yml (GPU), docker-compose.yml + docker-compose.rdma.yml,
+# docker-compose.sim.yml (the simulated cluster, standalone) and docker-compose.multihost.yml
+# (containers as hosts). `config -q` parses, interpolates and checks each file against the
+# compose schema (reservations, ports, depends_on, healthchecks); `config --services` must list
+# exactly the services we expect. Nothing is built or started, and no daemon is needed or
+# contacted (see docs/reference/workloads.md section 7).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,6 +70,7 @@ services="decode-0 decode-1 keys monitor prefill-0 prefill-1 router"
 check "docker-compose.yml" "$services" -f docker-compose.yml
 check "docker-compose.yml + docker-compose.rdma.yml" "$services" -f docker-compose.yml -f docker-compose.rdma.yml
 check "docker-compose.sim.yml" "$services" -f docker-compose.sim.yml
+check "docker-compose.multihost.yml" "$services" -f docker-compose.multihost.yml
 
 if [[ $fail -ne 0 ]]; then
   say "compose validation failed"

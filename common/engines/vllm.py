@@ -30,10 +30,26 @@ logged with its reason and reported through `on_kv_fallback`.
 
 Process layout. vLLM 0.32's AsyncLLM always runs the engine core in a child process
 (`EngineCoreClient.make_client` refuses asyncio without multiprocessing; on CPU it is spawned).
-`VLLM_ENABLE_V1_MULTIPROCESSING=0` makes that core run the model in-process (uniproc executor)
-instead of a third process, and `OMP_NUM_THREADS=1` keeps CPU steps at milliseconds; both are
-set before vLLM is imported and inherited by the core, as are the NIXL side-channel variables,
-set per engine under a lock. Because the scheduler lives in the core process, chunk schedules
+On the CPU platform only, `VLLM_ENABLE_V1_MULTIPROCESSING=0` makes that core run the model
+in-process (uniproc executor) instead of a third process, and `OMP_NUM_THREADS=1` keeps CPU
+steps at milliseconds; on GPUs both are left as vLLM intends (an operator's explicit values
+always win for OMP_NUM_THREADS). They are set before the core is started and inherited by it, as
+are the NIXL side-channel variables, set per engine under a lock.
+
+Platform settings. Async scheduling is turned off (vLLM 0.32 turns it on by default on CUDA;
+KairosScheduler refuses it: see vllm_scheduler.py). `kv_buffer_device` is the platform's device
+by default (cuda on NVIDIA GPUs, cpu on CPU) and may be set to cpu on GPUs to stage KV through
+host memory when the NIC/UCX build cannot register GPU memory. Before starting, the engine
+checks every vLLM internal it relies on (vllm_compat.py) and refuses to start on a vLLM whose
+hooks changed.
+
+The NIXL side channel. vLLM binds its handshake listener on VLLM_NIXL_SIDE_CHANNEL_HOST and
+advertises the same host to decode engines in `kv_transfer_params`. `side_channel_host` is the
+address decode hosts reach; `side_channel_bind` (default: the same) is what the listener binds,
+e.g. 0.0.0.0 when the advertised name is a DNS name or a container's network alias; the
+prefill engine then rewrites `remote_host` in the params it returns to the advertised address.
+
+Because the scheduler lives in the core process, chunk schedules
 travel with each request (`extra_args`), and per-step records come back from the scheduler
 over a ZeroMQ PUSH/PULL pair (ipc, in a private temp dir); vLLM's iteration details arrive
 through a stat logger and are cross-checked against them. See vllm_scheduler.py for why the
@@ -67,13 +83,32 @@ if TYPE_CHECKING:
     from common.config import WorkerConfig
 
 
-def prepare_process_env() -> None:
-    """Settings vLLM and torch read at import, inherited by the spawned engine core."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # an operator's explicit value wins
+def prepare_process_env(on_cpu: bool) -> None:
+    """CPU-platform settings the spawned engine core inherits (see the module docstring); none on GPUs."""
+    if on_cpu:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # an operator's explicit value wins
 
 
-prepare_process_env()  # before the first import of vllm, which the next line performs
+def platform_device() -> str:
+    """vLLM's platform device type: 'cpu' on the CPU build, 'cuda' on NVIDIA GPUs."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+KV_BUFFER_DEVICES = {"cpu": ("cpu",), "cuda": ("cuda", "cpu")}  # vLLM 0.32's NIXL connector accepts these
+
+
+def kv_buffer_device_for(platform: str, wanted: str = "") -> str:
+    """The NIXL KV buffer device: `wanted`, or the platform's own device; ConfigError if unsupported."""
+    device = wanted or platform
+    allowed = KV_BUFFER_DEVICES.get(platform, (platform,))
+    if device not in allowed:
+        raise ConfigError(f"vllm_kv_buffer_device={device!r} is not supported on the {platform} platform: "
+                          f"use {' or '.join(allowed)} (or leave it empty for {platform})")
+    return device
+
 
 from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, StepRecord  # noqa: E402
 
@@ -121,7 +156,8 @@ class VllmEngine(Engine):
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 5600, kv_timeout: float = 10.0,
                  max_queue_requests: int = 1024, profile: Profile | None = None, prefix_caching: bool = True,
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
-                 cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None) -> None:
+                 cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
+                 kv_buffer_device: str = "", side_channel_bind: str = "") -> None:
         super().__init__()
         if token_budget <= max_batch:
             raise ValueError(f"token_budget ({token_budget}) must exceed max_batch ({max_batch}): "
@@ -135,6 +171,8 @@ class VllmEngine(Engine):
         self.default_chunk = default_chunk
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
+        self.side_channel_bind = side_channel_bind or side_channel_host
+        self.kv_buffer_device = kv_buffer_device  # "" until start(): the platform's device
         self.kv_timeout = kv_timeout
         self.max_queue_requests = max_queue_requests
         self.profile = profile
@@ -178,6 +216,9 @@ class VllmEngine(Engine):
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
+        from common.engines.vllm_compat import require_supported_vllm
+
+        require_supported_vllm()  # a changed vLLM internal: refuse now, not serve wrong schedules
         if not os.path.isdir(self.model_dir):
             raise FileNotFoundError(f"vllm engine: model directory {self.model_dir!r} does not exist "
                                     "(make one with `kairos make-tiny-model DIR`)")
@@ -198,30 +239,34 @@ class VllmEngine(Engine):
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
         _log.info("vllm_engine_started", role=self.role, model=self.model_dir, seconds=round(time.monotonic() - t0, 2),
                   kv_capacity_tokens=self.kv_capacity_tokens, block_size=self.block_size,
-                  side_channel_port=self.side_channel_port if self.kv_transfer else None)
+                  side_channel=f"{self.side_channel_host}:{self.side_channel_port}" if self.kv_transfer else None,
+                  side_channel_bind=self.side_channel_bind if self.kv_transfer else None,
+                  kv_buffer_device=self.kv_buffer_device or None)
 
     def _make_llm(self, step_channel: str) -> Any:
-        prepare_process_env()  # again: something may have changed them since import
+        device = platform_device()
+        on_cpu = device == "cpu"
+        self.kv_buffer_device = kv_buffer_device_for(device, self.kv_buffer_device)
+        prepare_process_env(on_cpu)
         with _ENV_LOCK:
             saved = {k: os.environ.get(k) for k in
                      ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_CACHE_ROOT")}
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_bind
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
             if self.cache_root:
                 os.environ["VLLM_CACHE_ROOT"] = self.cache_root
             try:
                 from vllm.config import KVTransferConfig
                 from vllm.engine.arg_utils import AsyncEngineArgs
-                from vllm.platforms import current_platform
                 from vllm.v1.engine.async_llm import AsyncLLM
 
-                on_cpu = bool(current_platform.is_cpu())
                 kv_cfg = None
                 if self.kv_transfer:
                     kv_cfg = KVTransferConfig(
                         kv_connector=KV_CONNECTOR,
                         kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
-                        kv_load_failure_policy="fail", engine_id=self.engine_id)
+                        kv_load_failure_policy="fail", engine_id=self.engine_id,
+                        kv_buffer_device=self.kv_buffer_device)
                 args = AsyncEngineArgs(
                     model=self.model_dir, dtype=self.dtype or ("float32" if on_cpu else "auto"),
                     enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
@@ -230,7 +275,7 @@ class VllmEngine(Engine):
                     long_prefill_token_threshold=self.default_chunk,
                     kv_cache_memory_bytes=self.kv_cache_mib << 20, enable_prefix_caching=self.prefix_caching,
                     seed=self.seed, skip_tokenizer_init=True, enable_logging_iteration_details=True,
-                    disable_log_stats=True, scheduler_cls=SCHEDULER_CLS,
+                    disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
                     additional_config={"kairos": {"step_channel": step_channel}},
                     kv_transfer_config=kv_cfg)
                 return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
@@ -424,10 +469,13 @@ class VllmEngine(Engine):
                 raise KvTransferError(f"prefill ended with finish_reason={comp.finish_reason!r} "
                                       f"and kv_transfer_params={last.kv_transfer_params!r}")
             started = h.first_chunk_at if h.first_chunk_at is not None else h.submitted
+            kv_params = dict(last.kv_transfer_params)
+            if kv_params.get("remote_host") == self.side_channel_bind:  # the bind address: say where to reach it
+                kv_params["remote_host"] = self.side_channel_host
             self.on_prefilled(Prefilled(
                 request_id=req.request_id, attempt=req.attempt, queue_s=max(started - h.submitted, 0.0),
                 prefill_s=max(done - started, 0.0), first_token_id=comp.token_ids[0] if comp.token_ids else None,
-                kv_params=dict(last.kv_transfer_params)))
+                kv_params=kv_params))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # one request failing must not take the engine down
@@ -605,28 +653,31 @@ def _trim(d: dict[int, Any], keep: int = 1024) -> None:
         del d[next(iter(d))]
 
 
-def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"], *, side_channel_port: int = 0,
-                     side_channel_host: str = "127.0.0.1", max_batch: int = 64) -> VllmEngine:
+def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> VllmEngine:
     """A worker's engine from its config: model, vllm_max_model_len, vllm_kv_cache_mib,
-    vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk, kv_timeout,
-    max_queue_requests and profile (the step-time model it
-    reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
+    vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk,
+    vllm_max_batch, vllm_kv_buffer_device, kv_timeout, max_queue_requests and profile (the
+    step-time model it reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
 
-    The NIXL side channel: the prefill engine's host and port travel inside its returned
-    kv_transfer_params, so the decode side needs no configuration; port 0 picks a free one.
-    The host must be an address the decode workers reach (127.0.0.1 on one machine).
+    The NIXL side channel (vllm_side_channel_host/_port/_bind): the prefill engine's host and
+    port travel inside its returned kv_transfer_params, so the decode side needs no
+    configuration; port 0 picks a free one (set one to open it in a firewall). The host must be
+    an address the decode workers reach (127.0.0.1 on one machine).
     """
     from common.perf_model import load_profile
 
     if not cfg.model:
         raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
     budget = (cfg.prefill_token_budget if role == "prefill" else cfg.decode_token_budget) or cfg.vllm_token_budget
+    bind = cfg.vllm_side_channel_bind
     return VllmEngine(role, model=cfg.model, max_model_len=cfg.vllm_max_model_len,
-                      kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=budget, max_batch=max_batch,
+                      kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=budget,
                       default_chunk=cfg.decode_chunk if role == "decode" else 0,
                       kv_timeout=cfg.kv_timeout, max_queue_requests=cfg.max_queue_requests,
-                      side_channel_host=side_channel_host, side_channel_port=side_channel_port or free_port(),
-                      profile=load_profile(cfg.profile))
+                      side_channel_host=cfg.vllm_side_channel_host,
+                      side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
+                      side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,
+                      max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

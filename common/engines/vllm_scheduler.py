@@ -31,6 +31,15 @@ thread's CPU time too, which other processes on a shared machine cannot inflate)
 engine wrapper over a ZeroMQ PUSH socket (non-blocking; a full queue drops records and counts
 them). The address comes from `additional_config["kairos"]["step_channel"]`.
 
+One step in flight, or several: vLLM's engine core calls `schedule()` then
+`update_from_output()` for the same step, except with a batch queue (pipeline parallelism,
+async scheduling), where it schedules step N+1 before it records step N. Each step's pending
+record is therefore kept by its `SchedulerOutput` and completed by the `update_from_output`
+of that same output, never by whichever step came last. Async scheduling itself is refused
+(the engine wrapper turns it off): it needs vLLM's `AsyncScheduler` bookkeeping (output
+placeholders), which this plain-`Scheduler` subclass does not do, and its overlapped steps
+would make the per-step times meaningless for the step-time model.
+
 This module is imported in the engine-core process (vLLM spawns it on CPU), so it must stay
 importable from there: it is part of the installed project, no path tricks needed.
 Not a public vLLM interface: pinned to vLLM 0.32.0.
@@ -104,12 +113,16 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.vllm_config.scheduler_config.async_scheduling:
+            raise ValueError("KairosScheduler needs async_scheduling=False (it subclasses Scheduler, not "
+                             "AsyncScheduler); pass --no-async-scheduling / AsyncEngineArgs(async_scheduling=False)")
         cfg = (self.vllm_config.additional_config or {}).get("kairos", {})
         self._bases: dict[str, int] = {}
         self._others_left = 0
         self._model_steps = 0
         self._dropped = 0
-        self._pending: tuple[float, float, StepRecord] | None = None
+        # steps scheduled and not yet recorded, by id() of their SchedulerOutput (alive until then)
+        self._pending: dict[int, tuple[float, float, StepRecord]] = {}
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         addr = cfg.get("step_channel")
@@ -160,7 +173,7 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         out = super().schedule(throttle_prefills)
 
         if out.total_num_scheduled_tokens > 0:
-            self._pending = (started, cpu_started, self._record(out, started))
+            self._pending[id(out)] = (started, cpu_started, self._record(out, started))
         return out
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -207,7 +220,7 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         result = super().update_from_output(scheduler_output, model_runner_output)
-        pending, self._pending = self._pending, None
+        pending = self._pending.pop(id(scheduler_output), None)
         if pending is not None and self._sock is not None:
             started, cpu_started, record = pending
             record = msgspec.structs.replace(record, seconds=time.monotonic() - started,

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The Docker tier: build kairos:cpu, run the compose stacks, test them as a user would.
+#
+#   scripts/docker-tier.sh            run it (as root it installs docker.io and starts dockerd if needed)
+#   scripts/docker-tier.sh --check    only say whether it can run here (exit 0: yes, 3: no, with the reason)
+#
+# 1. a Docker daemon: the running one; else, as root, Debian's docker.io, started here
+# 2. the base image: python:3.11-slim-bookworm, or when it cannot be pulled a local Debian one
+#    (scripts/docker-base-image.sh: debootstrap + docker import; its tarball is cached)
+# 3. docker build --network host -f docker/Dockerfile.cpu -t kairos:cpu
+# 4. docker-compose.sim.yml (host networking, free ports picked here): health, requests through
+#    the openai client, every worker and the monitor restarted one at a time under load (no
+#    request may fail), the router restarted under load (reported), `docker-compose logs` all
+#    JSON lines (tests/docker_tier.py), then down
+# 5. docker-compose.multihost.yml (each service its own container and address on user-defined
+#    networks, no host networking): health, requests, every worker restarted under load, logs, down
+# Exit 0 passed, 1 failed, 3 cannot run here (no daemon and cannot start one). Figures are
+# appended to $KAIROS_DOCKER_REPORT (default: docker-tier-report.jsonl, git-ignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+say() { printf '[docker-tier] %s\n' "$*"; }
+t0=$SECONDS
+REPORT=${KAIROS_DOCKER_REPORT:-docker-tier-report.jsonl}
+
+# ---------------------------------------------------------------------------- 1. the daemon
+start_daemon() {
+  docker info >/dev/null 2>&1 && return 0
+  if [[ $(id -u) -ne 0 ]]; then echo "no Docker daemon and not root (cannot start one)"; return 3; fi
+  if ! command -v dockerd >/dev/null; then
+    command -v apt-get >/dev/null || { echo "no Docker daemon, no dockerd, no apt-get"; return 3; }
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io iptables >/dev/null 2>&1 \
+      || { echo "apt-get install docker.io failed"; return 3; }
+  fi
+  command -v docker >/dev/null || { echo "dockerd installed but no docker client"; return 3; }
+  nohup dockerd >/tmp/kairos-dockerd.log 2>&1 &
+  echo $! >/tmp/kairos-dockerd.pid
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && return 0; sleep 1; done
+  echo "dockerd did not start within 60 s (log: /tmp/kairos-dockerd.log: $(tail -n 2 /tmp/kairos-dockerd.log | tr '\n' ' '))"
+  return 3
+}
+rm -f /tmp/kairos-dockerd.pid
+if ! why=$(start_daemon); then
+  say "SKIPPED: $why"
+  exit 3
+fi
+started_pid=$(cat /tmp/kairos-dockerd.pid 2>/dev/null || true)  # set only if this run started dockerd
+[[ -n "$started_pid" ]] && say "started dockerd (pid $started_pid); it is stopped at the end"
+[[ "${1:-}" == "--check" ]] && { say "a Docker daemon is running: the tier can run"; exit 0; }
+command -v docker-compose >/dev/null || bash scripts/check-compose.sh >/dev/null
+say "docker $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short)"
+
+# ---------------------------------------------------------------------------- 2-3. images
+base=$(bash scripts/docker-base-image.sh)
+say "base image: $base ($((SECONDS - t0)) s)"
+export KAIROS_BASE_IMAGE="$base" KAIROS_IMAGE=kairos:cpu
+docker-compose -f docker-compose.sim.yml build -q router >/dev/null   # KAIROS_BASE_IMAGE -> PYTHON_IMAGE
+say "built kairos:cpu, $(docker image inspect -f '{{.Size}}' kairos:cpu | awk '{printf "%d MB", $1/1e6}') ($((SECONDS - t0)) s)"
+
+free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+unset $(compgen -e | grep -E '^(KAIROS_(HTTP|WORK|HEARTBEAT|TELEMETRY|MONITOR)_PORT|KAIROS_ROUTER_HOST)$' || true)
+
+projects=()
+cleanup() {
+  for p in "${projects[@]}"; do
+    docker-compose -p "${p%%:*}" -f "${p#*:}" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
+  done
+}
+trap 'cleanup; [[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT
+
+# ---------------------------------------------------------------------------- 4. the sim stack
+export KAIROS_HTTP_PORT=$(free_port) KAIROS_WORK_PORT=$(free_port) KAIROS_HEARTBEAT_PORT=$(free_port) \
+       KAIROS_TELEMETRY_PORT=$(free_port) KAIROS_MONITOR_PORT=$(free_port)
+sim="docker-compose -p kairos-tier-sim -f docker-compose.sim.yml"
+projects+=("kairos-tier-sim:docker-compose.sim.yml")
+$sim up -d --no-build >/dev/null 2>&1 || { $sim up -d --no-build; exit 1; }
+say "docker-compose.sim.yml up on port $KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
+"$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$sim" \
+    --restart prefill-0 prefill-1 decode-0 decode-1 monitor --router-restart --report "$REPORT" \
+  || { mkdir -p docker-tier-logs; $sim logs --no-color >docker-tier-logs/sim.log 2>&1
+       say "FAIL (sim stack): every service's log is in docker-tier-logs/sim.log"; exit 1; }
+$sim down -v -t 10 >/dev/null 2>&1
+say "docker-compose.sim.yml: passed, down ($((SECONDS - t0)) s)"
+
+# ---------------------------------------------------------------------------- 5. multi-host
+export KAIROS_HTTP_PORT=$(free_port)
+multi="docker-compose -p kairos-tier-multi -f docker-compose.multihost.yml"
+projects+=("kairos-tier-multi:docker-compose.multihost.yml")
+$multi up -d --no-build >/dev/null 2>&1 || { $multi up -d --no-build; exit 1; }
+say "docker-compose.multihost.yml up, API published on 127.0.0.1:$KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
+"$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$multi" \
+    --restart prefill-0 prefill-1 decode-0 decode-1 --report "$REPORT" \
+  || { mkdir -p docker-tier-logs; $multi logs --no-color >docker-tier-logs/multihost.log 2>&1
+       say "FAIL (multi-host stack): every service's log is in docker-tier-logs/multihost.log"; exit 1; }
+$multi down -v -t 10 >/dev/null 2>&1
+say "docker-compose.multihost.yml: passed, down ($((SECONDS - t0)) s)"
+say "docker tier passed in $((SECONDS - t0)) s (figures: $REPORT)"

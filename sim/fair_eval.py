@@ -188,7 +188,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                       "tbt_p99": s["tbt_p99"], "decode_busy": s["sim"]["decode_busy"],
                       "prefill_busy": s["sim"]["prefill_busy"],
                       "in_regime": ok})
-    regime = args.regime.get(w.name) or choose_regime(probe)
+    regime = round(args.regime.get(w.name) or choose_regime(probe), 4)
     log(f"{w.name}: regime x{regime:g} ({time.monotonic() - t0:.0f} s); tuning {', '.join(args.policy)}")
     tune_trace, report_trace = load(w, w.tune, regime), load(w, w.report, regime)
     jobs = [Job(policy=p, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
@@ -199,11 +199,13 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
     scales = sorted({round(regime * m, 4) for m in SWEEP})
     runs = [Run(w.name, w.report, x, p, setups[p], profile, sim) for x in scales for p in args.policy]
     outs = pmap(execute, runs, args.jobs)
-    sweep = [{"rate_scale": x, "policies": {r.policy: o for r, o in zip(runs, outs, strict=True) if r.scale == x}}
-             for x in scales]
-    for point in sweep:
-        point["prefill_load"] = next(iter(point["policies"].values()))["prefill_load"]
-        point["peak_load"] = next(iter(point["policies"].values()))["peak_load"]
+    sweep: list[dict[str, Any]] = []
+    for x in scales:
+        pols = {r.policy: o for r, o in zip(runs, outs, strict=True) if r.scale == x}
+        first = next(iter(pols.values()))
+        sweep.append({"rate_scale": x, "prefill_load": first["prefill_load"], "peak_load": first["peak_load"],
+                      "policies": pols})
+    at_regime: dict[str, dict[str, Any]] = next(pt for pt in sweep if pt["rate_scale"] == regime)["policies"]
     log(f"{w.name}: done ({time.monotonic() - t0:.0f} s)")
     return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None,
             "slices": {"tune": w.tune, "report": w.report,
@@ -211,7 +213,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
             "probe": probe, "regime": regime, "regime_chosen_by": "flag" if w.name in args.regime else "rule",
             "tuned": tuned, "settings": {p: {"engine": tuned[p]["engine"], "policy": knob_values(p, setups[p])}
                                          for p in args.policy},
-            "sweep": sweep, "must_show": must_show(next(pt for pt in sweep if pt["rate_scale"] == regime)["policies"]),
+            "sweep": sweep, "must_show": must_show(at_regime),
             "wall_s": time.monotonic() - t0}
 
 
@@ -299,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                           "cluster": "2P2D", "rate_scale": wr["regime"], "objective": OBJECTIVE,
                           "slices": wr["slices"], "policies": wr["tuned"]}
             (out / f"tuned-{profile.name}-{name}.json").write_text(json.dumps(json_safe(tuned_file), indent=2) + "\n")
-        result["loadavg_end"] = os.getloadavg()
-        result["wall_s"] = time.monotonic() - t0
-        (out / f"{profile.name}.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
-        (out / f"{profile.name}.md").write_text(markdown(result))
+            result["loadavg_end"] = os.getloadavg()
+            result["wall_s"] = time.monotonic() - t0
+            (out / f"{profile.name}.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
+            (out / f"{profile.name}.md").write_text(markdown(result))
         log(f"wrote {out / profile.name}.json and .md")
     return 0
 

@@ -1,0 +1,34 @@
+"""The fair-comparison driver: its must-show check and its choice of the regime load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sim.fair_eval import choose_regime, must_show
+
+
+def _s(both: float, tbt: float, p95: float | None) -> dict[str, Any]:
+    return {"slo_attainment": both, "tbt_slo_attainment": tbt, "ttft_p95": p95}
+
+
+def test_must_show_holds_and_fails() -> None:
+    k = _s(0.95, 1.0, 1.5)
+    ok = must_show({"kairos": k, "a": _s(0.90, 1.0, 3.0), "b": _s(0.94, 0.95, 1.0)})
+    assert ok is not None and ok["holds"]
+    # b's TBT is 5 points below Kairos's: its lower P95 does not count against Kairos
+    assert ok["baselines"]["b"] == {"attainment_ok": True, "tbt_within_1pt": False, "p95_ok": True}
+    lower = must_show({"kairos": k, "a": _s(0.96, 1.0, 3.0)})
+    assert lower is not None and not lower["holds"] and not lower["baselines"]["a"]["attainment_ok"]
+    slower = must_show({"kairos": k, "a": _s(0.90, 0.995, 1.2)})
+    assert slower is not None and not slower["holds"] and not slower["baselines"]["a"]["p95_ok"]
+    rejected = must_show({"kairos": _s(0.95, 1.0, None), "a": _s(0.90, 1.0, 3.0)})  # Kairos P95 infinite
+    assert rejected is not None and not rejected["holds"]
+    assert must_show({"a": _s(0.9, 1.0, 1.0)}) is None
+
+
+def test_choose_regime() -> None:
+    def probe(x: float, ttft: float, tbt: float, ok: bool) -> dict[str, Any]:
+        return {"rate_scale": x, "ttft_slo_attainment": ttft, "tbt_slo_attainment": tbt, "in_regime": ok}
+    assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.9, 1.0, True), probe(2, 0.5, 1.0, True)]) == 1
+    # none in the regime: the highest load whose decode pool still holds TBT
+    assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.97, 1.0, False), probe(2, 0.9, 0.5, False)]) == 1

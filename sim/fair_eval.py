@@ -6,15 +6,16 @@ For each workload (the Azure code and conv traces, a long-context synthetic one 
 4k to 32k tokens, and a bursty on/off synthetic one) it
   1. probes the load: replays the tune slice with `disagg-least-loaded` (stock disaggregation, the
      profile's settings) at several rate scales and picks the regime load: the lowest probed scale
-     at which bursts saturate the prefill pool (that baseline meets the TTFT SLO for at most
-     REGIME_TTFT of requests, its busiest 10 s offer the prefill pool at least its capacity) while
-     the decode pool still holds its TBT SLO (at least REGIME_TBT of requests keep every gap
-     within it); --regime NAME=X overrides the choice;
+     at which bursts saturate the prefill pool (that baseline meets the TTFT SLO for at most 95 %
+     of requests, its busiest 10 s offer the prefill pool at least its capacity) while the decode
+     pool still holds its TBT SLO (at least 99 % of requests keep every gap within it);
+     --regime NAME=X overrides the choice;
   2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py);
   3. replays the disjoint report slice at the regime load and around it (SWEEP x the regime) with
-     each policy at its tuned best, on the same GPU count (chunked-prefill: 0P4D for 2P2D);
+     each policy at its tuned best, on the same GPU count;
   4. writes everything as JSON, a `kairos-tuned/1` file per workload (for `kairos sim --tuned`),
      and the markdown tables of docs/results.md.
+Shape: 2P2D (conv: 1P3D, see WORKLOADS), chunked-prefill on the same GPUs as decode workers.
 The slices: trace-time windows [0, 600) s (tune) and [600, 1200) s (report) of the Azure traces;
 seeds 0 (tune) and 1 (report), 600 s each, of the synthetic ones.
 """
@@ -61,16 +62,21 @@ class Workload:
     synth: dict[str, Any] = field(default_factory=dict)  # synthetic: rate, arrival, cv, lengths
     tune: tuple[float, float] | int = (0.0, 600.0)
     report: tuple[float, float] | int = (600.0, 1200.0)
+    prefill: int = 2                 # the disaggregated shape; chunked-prefill gets prefill + decode
+    decode: int = 2
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("code", "Azure code trace (bursty)", "code", (0.25, 0.35, 0.5, 0.75, 1.0)),
-    Workload("conv", "Azure conv trace (near-Poisson)", "conv", (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)),
+    Workload("code", "Azure code trace (bursty)", "code", (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0)),
+    # conv's outputs (median 150 tokens) load the decode pool: on 2P2D it reaches its TBT limit at
+    # the load where the prefill pool saturates (x3), so the regime is on 1P3D; 2P2D is kept
+    Workload("conv", "Azure conv trace (near-Poisson), 1P3D", "conv", (1.0, 1.5, 2.0, 2.5, 3.0), prefill=1, decode=3),
+    Workload("conv-2p2d", "Azure conv trace (near-Poisson), 2P2D", "conv", (1.0, 2.0, 2.5, 2.75, 3.0, 4.0)),
     Workload("long", "long-context synthetic (prompts 4k-32k, Poisson, 0.5 req/s at x1)", "synthetic",
              (0.25, 0.5, 0.75, 1.0, 1.5, 2.0), {"rate": 0.5, "arrival": "poisson", "cv": 1.0, "lengths": "long"},
              tune=0, report=1),
     Workload("bursty", "bursty synthetic (on/off MMPP, code lengths, 2.57 req/s at x1)", "synthetic",
-             (0.25, 0.35, 0.5, 0.75, 1.0), {"rate": 2.57, "arrival": "onoff", "cv": 2.2, "lengths": "code"},
+             (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0), {"rate": 2.57, "arrival": "onoff", "cv": 2.2, "lengths": "code"},
              tune=0, report=1),
 )}
 SYNTH_DURATION = 600.0
@@ -177,6 +183,7 @@ def choose_regime(probe: list[dict[str, Any]]) -> float:
 def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argparse.Namespace,
                       log: Callable[[str], None]) -> dict[str, Any]:
     t0 = time.monotonic()
+    sim = msgspec.structs.replace(sim, prefill=w.prefill, decode=w.decode)
     probes = pmap(execute, [Run(w.name, w.tune, x, PROBE_POLICY, Setup(), profile, sim) for x in w.probe], args.jobs)
     probe = []
     for x, s in zip(w.probe, probes, strict=True):
@@ -207,7 +214,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                       "policies": pols})
     at_regime: dict[str, dict[str, Any]] = next(pt for pt in sweep if pt["rate_scale"] == regime)["policies"]
     log(f"{w.name}: done ({time.monotonic() - t0:.0f} s)")
-    return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None,
+    return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None, "cluster": f"{w.prefill}P{w.decode}D",
             "slices": {"tune": w.tune, "report": w.report,
                        "unit": "seed (600 s)" if isinstance(w.tune, int) else "seconds of trace time, [start, end)"},
             "probe": probe, "regime": regime, "regime_chosen_by": "flag" if w.name in args.regime else "rule",
@@ -289,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": cmd.strip(), "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}",
             "loadavg_start": load0, "profile": profile.name, "profile_description": profile.description,
-            "cluster": "2P2D (chunked-prefill: 0P4D)", "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
+            "cluster": "per workload (chunked-prefill: all GPUs as decode workers)",
+            "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
             "objective": OBJECTIVE, "passes": args.passes, "sweep_multiples": SWEEP,
             "regime_rule": {"ttft_at_most": REGIME_TTFT, "tbt_at_least": REGIME_TBT, "peak_load_at_least": 1.0,
                             "probe_policy": PROBE_POLICY},
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             result["workloads"][name] = evaluate_workload(WORKLOADS[name], profile, sim, args, log)
             wr = result["workloads"][name]
             tuned_file = {"format": TUNED_FORMAT, "trace": WORKLOADS[name].trace, "profile": profile.name,
-                          "cluster": "2P2D", "rate_scale": wr["regime"], "objective": OBJECTIVE,
+                          "cluster": wr["cluster"], "rate_scale": wr["regime"], "objective": OBJECTIVE,
                           "slices": wr["slices"], "policies": wr["tuned"]}
             (out / f"tuned-{profile.name}-{name}.json").write_text(json.dumps(json_safe(tuned_file), indent=2) + "\n")
             result["loadavg_end"] = os.getloadavg()

@@ -33,12 +33,12 @@ def _mape(s: dict[str, Any], route: str) -> str:
 
 def headline(res: dict[str, Any]) -> list[str]:
     pols = list(next(iter(res["workloads"].values()))["settings"])
-    head = ["workload", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols], "must-show"]
+    head = ["workload", "GPUs", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols], "must-show"]
     rows = []
     for name, w in res["workloads"].items():
         pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
         ms = w["must_show"]
-        rows.append([name, f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
+        rows.append([name, w.get("cluster", "2P2D"), f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
                      *[f"{_pct(pt['policies'][p]['slo_attainment'])} / {fmt(pt['policies'][p]['ttft_p95'])} / "
                        f"{_pct(pt['policies'][p]['tbt_slo_attainment'])}" for p in pols],
                      "-" if ms is None else ("holds" if ms["holds"] else "**fails**")])

@@ -1,6 +1,10 @@
 """Markdown tables of a `python -m sim.fair_eval` result (the text pasted into docs/results.md).
 
     python -m sim.fair_report results/fair-eval/h100-llama2-70b-tp4.json
+    python -m sim.fair_report --splice docs/results.md results/fair-eval/*.json
+
+--splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
+`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (its heading demoted one level).
 """
 
 from __future__ import annotations
@@ -117,13 +121,35 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def splice(doc: str, profile: str, tables: str) -> str:
+    start, end = f"<!-- fair-eval {profile} -->", f"<!-- /fair-eval {profile} -->"
+    if start not in doc or end not in doc:
+        raise ValueError(f"no '{start}' ... '{end}' block to replace: add the two lines where the tables go")
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    body = "\n".join(("#" + line) if line.startswith("#") else line for line in tables.splitlines())
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print("usage: python -m sim.fair_report RESULT.json ... (written by python -m sim.fair_eval)", file=sys.stderr)
+    args = sys.argv[1:] if argv is None else argv
+    target = None
+    if args[:1] == ["--splice"] and len(args) >= 2:
+        target, args = Path(args[1]), args[2:]
+    if not args:
+        print("usage: python -m sim.fair_report [--splice DOC.md] RESULT.json ... (written by python -m sim.fair_eval)",
+              file=sys.stderr)
         return 2
-    for path in paths:
-        sys.stdout.write(markdown(json.loads(Path(path).read_text())))
+    for path in args:
+        res = json.loads(Path(path).read_text())
+        if target is None:
+            sys.stdout.write(markdown(res))
+            continue
+        try:
+            target.write_text(splice(target.read_text(), res["profile"], markdown(res)))
+        except ValueError as e:
+            print(f"fair_report: {target}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

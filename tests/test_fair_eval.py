@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from sim.fair_eval import choose_regime, must_show
+from sim.fair_report import splice
 
 
 def _s(both: float, tbt: float, p95: float | None) -> dict[str, Any]:
@@ -32,3 +35,13 @@ def test_choose_regime() -> None:
     assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.9, 1.0, True), probe(2, 0.5, 1.0, True)]) == 1
     # none in the regime: the highest load whose decode pool still holds TBT
     assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.97, 1.0, False), probe(2, 0.9, 0.5, False)]) == 1
+
+
+def test_splice_replaces_only_its_block() -> None:
+    doc = ("intro\n<!-- fair-eval p1 -->\nold\n<!-- /fair-eval p1 -->\nmiddle\n"
+           "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
+    out = splice(doc, "p1", "## p1\nnew table")
+    assert out == ("intro\n<!-- fair-eval p1 -->\n### p1\nnew table\n<!-- /fair-eval p1 -->\nmiddle\n"
+                   "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
+    with pytest.raises(ValueError, match="fair-eval p3"):
+        splice(doc, "p3", "x")

@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     for profile in profiles:
         result: dict[str, Any] = {
             "command": cmd.strip(), "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}",
+            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, "
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+                       f"Python {platform.python_version()}",
             "loadavg_start": load0, "profile": profile.name, "profile_description": profile.description,
             "cluster": "per workload (chunked-prefill: all GPUs as decode workers)",
             "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,

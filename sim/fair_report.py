@@ -4,7 +4,7 @@
     python -m sim.fair_report --splice docs/results.md results/fair-eval/*.json
 
 --splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
-`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (its heading demoted one level).
+`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level).
 """
 
 from __future__ import annotations
@@ -127,7 +127,10 @@ def splice(doc: str, profile: str, tables: str) -> str:
         raise ValueError(f"no '{start}' ... '{end}' block to replace: add the two lines where the tables go")
     head, rest = doc.split(start, 1)
     _, tail = rest.split(end, 1)
-    body = "\n".join(("#" + line) if line.startswith("#") else line for line in tables.splitlines())
+    lines = tables.splitlines()
+    if lines[:1] == [f"## {profile}"]:
+        lines = lines[1:]  # the document has its own heading for the profile
+    body = "\n".join(("#" + line) if line.startswith("#") else line for line in lines)
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 

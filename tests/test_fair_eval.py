@@ -40,8 +40,8 @@ def test_choose_regime() -> None:
 def test_splice_replaces_only_its_block() -> None:
     doc = ("intro\n<!-- fair-eval p1 -->\nold\n<!-- /fair-eval p1 -->\nmiddle\n"
            "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
-    out = splice(doc, "p1", "## p1\nnew table")
-    assert out == ("intro\n<!-- fair-eval p1 -->\n### p1\nnew table\n<!-- /fair-eval p1 -->\nmiddle\n"
+    out = splice(doc, "p1", "## p1\nnew table\n### w1")
+    assert out == ("intro\n<!-- fair-eval p1 -->\nnew table\n#### w1\n<!-- /fair-eval p1 -->\nmiddle\n"
                    "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
     with pytest.raises(ValueError, match="fair-eval p3"):
         splice(doc, "p3", "x")

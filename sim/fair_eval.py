@@ -139,6 +139,26 @@ def by_route(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest]) -> 
     return out
 
 
+def by_reason(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest], ttft_slo: float
+              ) -> dict[str, dict[str, Any]]:
+    """Per routing reason (Kairos's, conditional-disagg's): how many, how long their prompts, how
+    their TTFT went, and for those that missed the TTFT SLO, what the policy predicted."""
+    out: dict[str, dict[str, Any]] = {}
+    for reason in sorted({r.reason for r in records if r.reason}):
+        idx = [i for i, r in enumerate(records) if r.reason == reason]
+        got = [records[i].ttft for i in idx]
+        ttft = np.array([np.inf if t is None else t for t in got])
+        missed = [i for i, t in zip(idx, ttft.tolist(), strict=True) if t > ttft_slo]
+        pred = np.array([p for i in missed if (p := records[i].ttft_pred) is not None])
+        out[reason] = {"requests": len(idx), "route": records[idx[0]].route,
+                       "prompt_p50": float(np.median([reqs[i].input_length for i in idx])),
+                       "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
+                       "missed_ttft": len(missed),
+                       "missed_ttft_p50": float(np.median(ttft[ttft > ttft_slo])) if missed else None,
+                       "missed_pred_p50": float(np.median(pred)) if pred.size else None}
+    return out
+
+
 def execute(run: Run) -> dict[str, Any]:
     w = WORKLOADS[run.workload]
     reqs = load(w, run.which, run.scale)
@@ -147,6 +167,7 @@ def execute(run: Run) -> dict[str, Any]:
     res = simulate(reqs, prof, policy, msgspec.structs.replace(run.sim, prefill=n_p, decode=n_d))
     s = summarize(res.records, ttft_slo=run.sim.ttft_slo, tbt_slo=run.sim.tbt_slo)
     s["by_route"] = by_route(res.records, reqs)
+    s["by_reason"] = by_reason(res.records, reqs, run.sim.ttft_slo)
     s["sim"] = res.stats
     s["cluster"] = f"{n_p}P{n_d}D"
     s["prefill_load"] = prefill_load(reqs, run.profile, run.sim.prefill)

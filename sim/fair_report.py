@@ -95,6 +95,17 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
                          _pct(s["ttft_tail_xfer_share"])])
     out += _table(["policy", "route", "share", "prompt p50", "prompt mean", "TTFT p95 s", "TTFT SLO", "pred err",
                    "tail: queue", "tail: prefill", "tail: xfer"], rows)
+    rows = []
+    for p, s in pt["policies"].items():
+        for reason, r in s.get("by_reason", {}).items():
+            rows.append([p, reason, str(r["route"]), str(r["requests"]), f"{r['prompt_p50']:.0f}", fmt(r["ttft_p50"]),
+                         fmt(r["ttft_p95"]), str(r["missed_ttft"]), fmt(r["missed_ttft_p50"]),
+                         fmt(r["missed_pred_p50"])])
+    if rows:
+        out += ["Routing reasons at the regime load (missed: TTFT above the SLO; predicted: the policy's TTFT "
+                "prediction for the route it chose):", ""]
+        out += _table(["policy", "reason", "route", "requests", "prompt p50", "TTFT p50 s", "TTFT p95 s", "missed",
+                       "missed: TTFT p50 s", "missed: predicted p50 s"], rows)
     out += ["Load sweep (report slice, settings tuned at the regime load):", ""]
     rows = []
     for point in w["sweep"]:

@@ -43,7 +43,7 @@ from common.perf_model import Profile, load_profile
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
 from sim.core import SimConfig, prefill_load, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
-from sim.stats import RequestTiming, json_safe, summarize
+from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
 from sim.tune import GRIDS, OBJECTIVE, Job, _setup, tune_one
 
 POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
@@ -148,11 +148,13 @@ def by_reason(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest], tt
         idx = [i for i, r in enumerate(records) if r.reason == reason]
         got = [records[i].ttft for i in idx]
         ttft = np.array([np.inf if t is None else t for t in got])
+        served = np.sort(ttft[np.isfinite(ttft)])  # rejected requests count as infinite, as in sim/stats.py
         missed = [i for i, t in zip(idx, ttft.tolist(), strict=True) if t > ttft_slo]
         pred = np.array([p for i in missed if (p := records[i].ttft_pred) is not None])
         out[reason] = {"requests": len(idx), "route": records[idx[0]].route,
                        "prompt_p50": float(np.median([reqs[i].input_length for i in idx])),
-                       "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
+                       "ttft_p50": _pct_with_unserved(served, len(idx), 50),
+                       "ttft_p95": _pct_with_unserved(served, len(idx), 95),
                        "missed_ttft": len(missed),
                        "missed_ttft_p50": float(np.median(ttft[ttft > ttft_slo])) if missed else None,
                        "missed_pred_p50": float(np.median(pred)) if pred.size else None}

@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from sim.fair_eval import choose_regime, must_show
+from common.traces import TraceRequest
+from sim.fair_eval import by_reason, choose_regime, must_show
 from sim.fair_report import splice
+from sim.stats import RequestTiming
 
 
 def _s(both: float, tbt: float, p95: float | None) -> dict[str, Any]:
@@ -45,3 +47,15 @@ def test_splice_replaces_only_its_block() -> None:
                    "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
     with pytest.raises(ValueError, match="fair-eval p3"):
         splice(doc, "p3", "x")
+
+
+def test_by_reason_counts_rejected_as_infinite() -> None:
+    recs = [RequestTiming(ttft=0.5, route="deflect", reason="decode_faster", ttft_pred=0.4),
+            RequestTiming(ttft=3.0, route="disagg", reason="no_decode_slack", ttft_pred=6.0),
+            RequestTiming(ttft=None, route="disagg", reason="no_decode_slack", rejected=True)]
+    reqs = [TraceRequest(0.0, 100, 5), TraceRequest(1.0, 3000, 5), TraceRequest(2.0, 5000, 5)]
+    out = by_reason(recs, reqs, 2.0)
+    assert out["decode_faster"]["missed_ttft"] == 0 and out["decode_faster"]["missed_ttft_p50"] is None
+    slack = out["no_decode_slack"]
+    assert slack["requests"] == 2 and slack["missed_ttft"] == 2 and slack["prompt_p50"] == 4000
+    assert slack["ttft_p95"] == float("inf") and slack["missed_pred_p50"] == 6.0

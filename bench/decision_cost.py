@@ -3,14 +3,20 @@
 For each cluster size (N prefill + N decode workers) it builds a set of realistic, loaded
 views (seeded): decode workers with 8-64 (a fifth: 64-200) running decodes of 1-4k tokens of context each, a
 TBT SLO of 100 ms, a quarter of them with a deflection in flight; prefill workers idle (half
-of them) or with 1-60k queued prompt tokens. Prompts are drawn from the Azure code trace
-(synthetic code-like lengths if the trace is absent). Each decision is timed alone with perf_counter_ns, after a
-warm-up, with the garbage collector on (as in the router), in several passes; the median
+of them) or with 1-60k queued prompt tokens, held as requests of the trace's lengths (the
+backlog the replay predictor reads, and its replay, which the worker computes for its
+heartbeat). Prompts are drawn from the Azure code trace
+(synthetic code-like lengths if the trace is absent). The views change between decisions as
+in the router (untimed): 10 ms apart, one prefill worker's heartbeat is replaced each time (its
+queue must be replayed afresh) and each request sent to a prefill worker joins its ledger.
+Each decision is timed alone with perf_counter_ns, after a warm-up, with the garbage collector
+on (as in the router), in several passes; the median
 pass's p50 and p99 are reported (a shared machine's preemptions hit single passes), with the
 maximum over all passes and the routes taken, so that one can see the decisions were not trivial.
 Each pass is run twice: on the wall clock (perf_counter_ns, what a request waits) and on the
 thread's CPU clock (thread_time_ns, the work itself: preemption by other processes does not
-count, the clock read costs about a microsecond more).
+count, the clock read costs about a microsecond more; in a shared VM, other processes' cache
+and memory traffic still inflate it).
 """
 
 from __future__ import annotations
@@ -26,20 +32,47 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from common.engines.replay import drain
 from common.errors import ConfigError
 from common.perf_model import PerfModel, load_profile
 from common.traces import synthetic
-from services.router.policy import ClusterView, DecodeView, KairosConfig, PrefillView, RequestSpec, make_policy
+from services.router.policy import (
+    ClusterView,
+    Decision,
+    DecodeView,
+    KairosConfig,
+    PrefillView,
+    RequestSpec,
+    make_policy,
+)
+
+
+def make_prefill(rng: random.Random, wid: str, model: PerfModel, budget: int, lengths: list[int],
+                 now: float) -> PrefillView:
+    queued = 0 if rng.random() < 0.5 else rng.randint(1, 60_000)
+    backlog: list[tuple[int, int]] = []
+    left = queued
+    while left > 0:
+        p = min(rng.choice(lengths), left)
+        backlog.append((p, 0))
+        left -= p
+    if backlog:
+        p0 = backlog[0][0]
+        backlog[0] = (p0, rng.randint(0, p0 - 1))
+    busy = now + rng.uniform(0.0, 0.2) if queued else 0.0
+    # the worker replays its own queue for its heartbeat (drain): not the router's work
+    return PrefillView(worker_id=wid, queued_tokens=queued, queued_requests=len(backlog), token_budget=budget,
+                       model=model, backlog=tuple(backlog), busy_until=busy, max_batch=256,
+                       drain=drain(model, budget, 256, busy, backlog))
 
 
 def make_view(rng: random.Random, n: int, model: PerfModel, prefill_budget: int, decode_budget: int,
-              kv_capacity: int) -> ClusterView:
-    prefill = tuple(PrefillView(worker_id=f"prefill-{i:03d}",
-                                queued_tokens=0 if rng.random() < 0.5 else rng.randint(1, 60_000),
-                                queued_requests=rng.randint(0, 20), token_budget=prefill_budget, model=model)
+              kv_capacity: int, lengths: list[int] | None = None, now: float = 0.0) -> ClusterView:
+    prefill = tuple(make_prefill(rng, f"prefill-{i:03d}", model, prefill_budget, lengths or [2048], now)
                     for i in range(n))
     decode = []
     for i in range(n):
@@ -70,12 +103,29 @@ def measure(policy_name: str, n: int, *, decisions: int, seed: int, lengths: lis
     prof = load_profile(profile)
     rng = random.Random(seed * 1000 + n)
     views = [make_view(rng, n, prof.model, prof.prefill_token_budget, prof.decode_token_budget,
-                       prof.kv_capacity_tokens) for _ in range(64)]
+                       prof.kv_capacity_tokens, lengths) for _ in range(64)]
     reqs = [RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64, ttft_slo=2.0,
                         tbt_slo=0.1) for i in range(decisions)]
     policy = make_policy(policy_name, kairos=kcfg, default_model=prof.model)
+    hb_rng = random.Random(seed)
+
+    def evolve(i: int, view: ClusterView, d: Decision, now: float) -> ClusterView:
+        """The next decision's view: the request joins its prefill worker's ledger, and one
+        prefill worker (round robin) reports a fresh heartbeat."""
+        pre = list(view.prefill)
+        if d.prefill_worker is not None:
+            j = next(k for k, p in enumerate(pre) if p.worker_id == d.prefill_worker)
+            p = pre[j]
+            pre[j] = msgspec.structs.replace(p, queued_tokens=p.queued_tokens + reqs[i].prompt_tokens,
+                                             ledger=(*p.ledger, (reqs[i].prompt_tokens, now)))
+        k = i % len(pre)
+        pre[k] = make_prefill(hb_rng, pre[k].worker_id, prof.model, prof.prefill_token_budget, lengths, now)
+        return ClusterView(prefill=tuple(pre), decode=views[(i + 1) % len(views)].decode)
+
+    view = views[0]
     for i in range(min(500, decisions)):  # warm-up
-        policy.decide(reqs[i], views[i % len(views)], 0.0)
+        d = policy.decide(reqs[i], view, i * 0.01)
+        view = evolve(i, view, d, i * 0.01)
     routes: dict[str, int] = {}
     passes: dict[str, list[list[int]]] = {"wall": [], "cpu": []}
     for _ in range(repeat):
@@ -83,12 +133,14 @@ def measure(policy_name: str, n: int, *, decisions: int, seed: int, lengths: lis
             ns: list[int] = []
             routes = {}
             gc.collect()
+            view = views[0]
             for i, req in enumerate(reqs):
-                view = views[i % len(views)]
+                now = i * 0.01
                 t0 = clock()
-                d = policy.decide(req, view, 0.0)
+                d = policy.decide(req, view, now)
                 ns.append(clock() - t0)
                 routes[d.route] = routes.get(d.route, 0) + 1
+                view = evolve(i, view, d, now)
             ns.sort()
             passes[kind].append(ns)
 
@@ -119,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed passes per size; the median pass's p50/p99 are reported (default 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--predictor", choices=("replay", "paper"), default=None,
+                    help="kairos: TTFT predictor (default: the policy's default)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -127,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sizes or min(sizes) < 1 or args.decisions < 1 or args.repeat < 1:
             raise ConfigError("--workers needs positive integers; --decisions and --repeat must be >= 1")
         lengths = prompts(args.trace, 4096, args.seed)
-        kcfg = KairosConfig()
+        kcfg = KairosConfig() if args.predictor is None else KairosConfig(predictor=args.predictor)
         rows = [measure(p, n, decisions=args.decisions, seed=args.seed, lengths=lengths, profile=args.profile,
                         kcfg=kcfg, repeat=args.repeat)
                 for p in (args.policy or ["kairos", "disagg-least-loaded"]) for n in sizes]

@@ -362,9 +362,9 @@ class Telemetry:
             except self._codec.DecodeError:
                 continue
             if isinstance(msg, m.RequestRecord) and msg.ttft_s is not None:
-                self.ttft[msg.request_id] = msg.ttft_s
+                self.ttft[msg.client_request_id or msg.request_id] = msg.ttft_s
             elif isinstance(msg, m.DecisionRecord):
-                self.decision_us[msg.request_id] = msg.decision_us
+                self.decision_us[msg.client_request_id or msg.request_id] = msg.decision_us
 
     def close(self) -> None:
         self._stop.set()

@@ -43,6 +43,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     curve_keys_dir: Annotated[str, doc("directory made by `kairos keys`; set it to require CURVE on the bus")] = ""
     curve_key_name: Annotated[str, doc("CURVE client key name in curve_keys_dir (default: worker, or monitor)")] = ""
     max_message_bytes: Annotated[int, doc("largest bus message accepted, bytes")] = 64 << 20
+    zmq_heartbeat_s: Annotated[float, doc("ZeroMQ connection heartbeat, seconds: a peer silent 3x this is "
+                                          "disconnected and reconnected (0: off)")] = 1.0
     log_level: Annotated[str, doc("debug, info, warning or error")] = "info"
     log_format: Annotated[str, doc("json, console, or auto (json unless stdout is a terminal)")] = "auto"
 
@@ -69,6 +71,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
+    worker_wait: Annotated[float, doc("when no worker can take a request (router just restarted, workers "
+                                      "restarting), hold it this long for one to register before HTTP 503, "
+                                      "seconds")] = 5.0
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
     max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True
@@ -76,7 +81,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"
     transfer_term: Annotated[bool, doc("kairos: add the KV transfer time to the prefill path's TTFT")] = True
-    max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 1
+    max_deflections: Annotated[int, doc("kairos: concurrent in-place prefills per decode worker")] = 4
+    predictor: Annotated[str, doc("kairos: TTFT prediction, replay (the workers' known queues) or paper (Equation 1)")] \
+        = "replay"
+    budget_fit: Annotated[bool, doc("kairos: chunk schedules leave token budget to the deflections in flight")] = True
+    share_expect: Annotated[bool, doc("kairos replay predictor: count the tokens later requests add to a prompt's "
+                                      "last prefill step")] = False
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
     eff_isl_threshold: Annotated[int, doc("conditional-disagg: prefill locally a prompt of fewer uncached tokens (0: off)")] \
@@ -100,6 +110,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     kv_transport: Annotated[str, doc("nixl (real KV bytes over NIXL, timed by the profile) or modeled (time only, no bytes)")] \
         = "nixl"
     kv_timeout: Annotated[float, doc("deadline for one KV transfer, seconds")] = 10.0
+    kv_handoff_timeout: Annotated[float, doc("decode workers: longest wait for a handed-off request's KV (prefill "
+                                             "queue + transfer) before prefilling it in place; prefill workers: "
+                                             "longest wait at drain for decode workers to pull KV, seconds")] = 15.0
     kv_pool_mib: Annotated[int, doc("nixl: host memory registered for KV blocks, MiB")] = 64
     kv_block_tokens: Annotated[int, doc("nixl: tokens per KV block")] = 16
     kv_bytes_per_token: Annotated[int, doc("nixl sim: KV bytes moved per token (0: the profile's, capped to fit the pool)")] = 0
@@ -125,6 +138,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):
     http_host: Annotated[str, doc("address the metrics and dashboard server listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of /metrics and the dashboard")] = 9100
+    api_key: Annotated[str, doc("if set, every route but /health needs 'Authorization: Bearer <key>' (the "
+                                "router's key)")] = ""
 
 
 # -------------------------------------------------------------------- loading

@@ -5,6 +5,7 @@ KairosError
 ├── ProtocolError          a peer spoke a version or message we do not accept
 ├── RequestError           a client request we refuse (HTTP 400)
 ├── Unavailable            no live worker of a needed kind, or draining (HTTP 503, retryable)
+│   └── NoWorkerYet        no worker can take it now; the router may hold it for one to register
 ├── Overloaded             admission control refused (HTTP 429, retryable)
 ├── WorkerLostError        a worker died holding a request
 └── KvTransferError        a KV-cache transfer failed or timed out (fallback: prefill in place)
@@ -38,6 +39,10 @@ class Unavailable(KairosError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NoWorkerYet(Unavailable):
+    pass
 
 
 class Overloaded(KairosError):

@@ -15,8 +15,8 @@ Frame layouts, written down once:
 Which message arrives where (each inbox has one union alias and one decoder):
     RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye
     HeartbeatInbox (SUB, from workers)     PrefillHeartbeat, DecodeHeartbeat
-    PrefillInbox  (DEALER, from router)    Welcome, Reregister, PrefillWork, KvTarget, Cancel, Drain
-    DecodeInbox   (DEALER, from router)    Welcome, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
+    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain
+    DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -94,13 +94,25 @@ class Hello(Msg, frozen=True):
     coeffs: Coeffs | None = None
     kv_transport: str = "modeled"
     kv_agent: KvAgentInfo | None = None
+    max_model_len: int = 0        # longest prompt + output the engine takes (0: no limit)
+    kv_block_tokens: int = 0      # tokens per KV block, where KV moves in blocks (nixl)
+    held: list[str] = []          # request ids the worker holds now (the router answers which to drop)
 
 
 class Welcome(Msg, frozen=True):
-    """Router -> worker: registration accepted."""
+    """Router -> worker: registration accepted. `drop`: requests of `Hello.held` the router does
+    not track (it restarted, or re-dispatched them): abort them and free their KV."""
 
     router_incarnation: str
     heartbeat_interval_s: float
+    drop: list[str] = []
+
+
+class Refused(Msg, frozen=True):
+    """Router -> worker: registration refused (incompatible engine, model or KV transport)."""
+
+    router_incarnation: str
+    reason: str
 
 
 class Reregister(Msg, frozen=True):
@@ -127,8 +139,21 @@ class Drain(Msg, frozen=True):
 # ---------------------------------------------------------------- heartbeats
 
 
+class QueueDrain(msgspec.Struct, frozen=True, array_like=True):
+    """A prefill worker's replay of its own queue (common/engines/replay.py): its last step's
+    start, chunks (tokens, tokens already done) and tokens used, and when the queue drains;
+    times in seconds after the heartbeat was made."""
+
+    start_s: float
+    chunks: list[tuple[int, int]]
+    used: int
+    end_s: float
+
+
 class PrefillHeartbeat(Msg, frozen=True):
-    """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget)."""
+    """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget),
+    and what the replay predictor needs: each held request's (prompt tokens, tokens done) in
+    FIFO order once the step in flight ends (`busy_s` from now), and the queue's replay."""
 
     worker_id: str
     incarnation: str
@@ -141,6 +166,10 @@ class PrefillHeartbeat(Msg, frozen=True):
     steps: int = 0
     coeffs: Coeffs | None = None
     draining: bool = False
+    backlog: list[tuple[int, int]] | None = None
+    busy_s: float = 0.0
+    max_batch: int = 0
+    drain: QueueDrain | None = None
 
 
 class DecodeHeartbeat(Msg, frozen=True):
@@ -165,6 +194,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     steps: int = 0
     coeffs: Coeffs | None = None
     draining: bool = False
+    busy_s: float = 0.0  # until the step in flight ends
 
 
 # ---------------------------------------------------------------- work
@@ -302,6 +332,7 @@ class RequestFailed(Msg, frozen=True):
     worker_id: str
     reason: str
     retryable: bool = True
+    code: str = ""  # "invalid_request": the request itself is at fault (HTTP 400), not the worker
 
 
 # ---------------------------------------------------------------- telemetry (router -> monitor)
@@ -339,6 +370,7 @@ class DecisionRecord(Msg, frozen=True):
     decision_us: float
     at: float
     attempt: int = 0
+    client_request_id: str = ""  # the client's x-request-id (request_id is the router's own)
 
 
 class RequestRecord(Msg, frozen=True):
@@ -369,6 +401,7 @@ class RequestRecord(Msg, frozen=True):
     prefill_s: float | None = None
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    client_request_id: str = ""  # the client's x-request-id (request_id is the router's own)
 
 
 class RouterStats(Msg, frozen=True):
@@ -382,12 +415,12 @@ class RouterStats(Msg, frozen=True):
 
 RouterInbox = Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
-PrefillInbox = Welcome | Reregister | PrefillWork | KvTarget | Cancel | Drain
-DecodeInbox = Welcome | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
+PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain
+DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
 TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
-    Hello, Welcome, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
+    Hello, Welcome, Refused, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
     PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
     WorkerLost, DecisionRecord, RequestRecord, RouterStats,
 )

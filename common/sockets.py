@@ -3,8 +3,18 @@
 Frame layouts (see common/messages.py): ROUTER [identity, payload]; DEALER [payload];
 PUB/SUB [topic, seq, payload]. Every socket has linger 0 (nothing is left to flush at close:
 requests are owned by futures that are resolved or failed), a bounded HWM, and a maximum
-message size. With `curve_keys_dir` set, every socket uses CURVE: the router is the server and
-only clients whose public key is in `<dir>/allowed/` get through (ZAP).
+message size. With `curve_keys_dir` set, every socket uses CURVE: the router is the server, and
+each of its sockets has its own allow-list by role (ZAP domains): the work and heartbeat sockets
+take only keys in `<dir>/allowed/worker/`, the telemetry socket only keys in
+`<dir>/allowed/monitor/`; so a monitor's key cannot register as a worker, nor a worker's read
+the telemetry.
+
+Liveness below the application: ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/TIMEOUT/TTL) and TCP
+keepalive on every bus connection, so a peer whose host died is noticed in seconds, not when
+TCP gives up. With CURVE, the router's ROUTER socket hands an identity over to the newest
+connection (ROUTER_HANDOVER), so a worker that comes back under its id is reachable at once
+(without CURVE that would let any peer take a live worker's identity, so it stays off: a worker
+back under its id is accepted once the old connection misses its heartbeats, ~3 s).
 """
 
 from __future__ import annotations
@@ -30,11 +40,29 @@ HB_TOPIC = b"hb"
 TELEMETRY_TOPIC = b"t"
 
 
+WORKER_DOMAIN = "worker"    # ZAP domain of the work and heartbeat sockets: workers' keys only
+MONITOR_DOMAIN = "monitor"  # ZAP domain of the telemetry socket: the monitor's keys only
+ROLES = (WORKER_DOMAIN, MONITOR_DOMAIN)
+
+TCP_KEEPALIVE_IDLE_S = 10   # then probes every 5 s, 3 of them: a dead host is noticed in ~25 s by TCP
+TCP_KEEPALIVE_INTVL_S = 5
+TCP_KEEPALIVE_CNT = 3
+
+
 def _common(sock: zmq.asyncio.Socket, cfg: BusConfig, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+    if cfg.zmq_heartbeat_s > 0:  # ZMTP pings: a silent connection is closed (and reconnected) in seconds
+        ivl = max(1, int(cfg.zmq_heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
 
 
 def _keys(cfg: BusConfig) -> Path:
@@ -44,7 +72,17 @@ def _keys(cfg: BusConfig) -> Path:
     return d
 
 
-def curve_server(sock: zmq.asyncio.Socket, cfg: BusConfig) -> None:
+def allow_list(d: Path, role: str) -> Path:
+    """The directory of public keys allowed on the sockets of `role` (worker or monitor)."""
+    allowed = d / "allowed" / role
+    if not allowed.is_dir():
+        raise ConfigError(f"curve_keys_dir {d} has no allow-list {allowed}/ (keys from an older `kairos keys`?): "
+                          f"create them again with `kairos keys {d} --force`")
+    return allowed
+
+
+def curve_server(sock: zmq.asyncio.Socket, cfg: BusConfig, role: str) -> None:
+    """Make `sock` a CURVE server that admits only the keys allowed for `role`."""
     d = _keys(cfg)
     try:
         pub, sec = zmq.auth.load_certificate(str(d / "router.key_secret"))
@@ -53,6 +91,7 @@ def curve_server(sock: zmq.asyncio.Socket, cfg: BusConfig) -> None:
     sock.curve_publickey = pub
     sock.curve_secretkey = sec
     sock.curve_server = True
+    sock.zap_domain = role.encode()
 
 
 def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str) -> None:
@@ -71,10 +110,12 @@ def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str) ->
 def start_authenticator(ctx: zmq.asyncio.Context, cfg: BusConfig) -> AsyncioAuthenticator | None:
     if not cfg.curve_keys_dir:
         return None
-    allowed = _keys(cfg) / "allowed"
+    d = _keys(cfg)
+    lists = {role: allow_list(d, role) for role in ROLES}
     auth = AsyncioAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=str(allowed))
+    for role, allowed in lists.items():  # one allow-list per ZAP domain; no "*": nothing falls through
+        auth.configure_curve(domain=role, location=str(allowed))
     return auth
 
 
@@ -92,15 +133,21 @@ class RouterBus:
         self.work = self.ctx.socket(zmq.ROUTER)
         _common(self.work, cfg, WORK_HWM)
         self.work.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise instead of vanishing
+        if cfg.curve_keys_dir:
+            # A worker back under its id (restarted on a host whose old connection is not yet seen
+            # dead) takes the identity over at once. Only with CURVE: without it any peer could
+            # take a live worker's identity; then the old connection must first be found dead
+            # (ZeroMQ heartbeats: 3 x zmq_heartbeat_s).
+            self.work.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.heartbeats = self.ctx.socket(zmq.SUB)
         _common(self.heartbeats, cfg, HEARTBEAT_HWM * 64)
         self.heartbeats.setsockopt(zmq.SUBSCRIBE, HB_TOPIC)
         self.telemetry = self.ctx.socket(zmq.PUB)
         _common(self.telemetry, cfg, TELEMETRY_HWM)
-        socks = (self.work, self.heartbeats, self.telemetry)
         if cfg.curve_keys_dir:
-            for s in socks:
-                curve_server(s, cfg)
+            curve_server(self.work, cfg, WORKER_DOMAIN)
+            curve_server(self.heartbeats, cfg, WORKER_DOMAIN)
+            curve_server(self.telemetry, cfg, MONITOR_DOMAIN)
         try:
             self.work.bind(endpoint(cfg.bind_host, cfg.work_port))
             self.heartbeats.bind(endpoint(cfg.bind_host, cfg.heartbeat_port))
@@ -139,13 +186,16 @@ class WorkerBus:
         _common(self.work, cfg, WORK_HWM)
         self.work.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.work.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # a restarted router hears from us within 0.2 s
         self.heartbeats = self.ctx.socket(zmq.PUB)
         _common(self.heartbeats, cfg, HEARTBEAT_HWM)
         self.heartbeats.setsockopt(zmq.CONFLATE, 0)
         if cfg.curve_keys_dir:
             for s in (self.work, self.heartbeats):
                 curve_client(s, cfg, "worker")
+        # Connection events of the work socket: a worker says Hello again as soon as it reconnects
+        # (the router may have restarted), instead of waiting to be asked.
+        self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.work.connect(endpoint(cfg.router_host, cfg.work_port))
         self.heartbeats.connect(endpoint(cfg.router_host, cfg.heartbeat_port))
         self._seq = 0
@@ -160,7 +210,15 @@ class WorkerBus:
         except zmq.Again:
             pass  # dropped: the next heartbeat supersedes it
 
+    async def connection_event(self) -> int:
+        """The next connection event of the work socket (zmq.EVENT_HANDSHAKE_SUCCEEDED or _DISCONNECTED)."""
+        frames = await self.events.recv_multipart()
+        event: int = int.from_bytes(frames[0][:2], "little")
+        return event
+
     def close(self) -> None:
+        self.work.disable_monitor()
+        self.events.close(linger=0)
         self.work.close(linger=0)
         self.heartbeats.close(linger=0)
         self.ctx.term()

@@ -2,9 +2,17 @@
 
 A worker connects to the router (it needs no other address), says Hello until it is welcomed,
 publishes heartbeats every interval and at once after a large state change, and says Hello
-again whenever the router asks (the router restarted or declared it dead). On SIGTERM it says
-Goodbye, finishes what it holds within `drain_timeout`, hands back the rest (RequestFailed,
-retryable) and exits.
+again whenever the router asks (the router restarted or declared it dead) and as soon as its
+connection to the router comes back after a break (a restarted router hears from every worker
+within a reconnect interval, ~0.1 s). Hello lists the requests the worker holds; the router's
+Welcome names those it no longer tracks, which the worker drops (their KV is freed). A router
+that refuses the worker (engine, model or KV transport incompatible with the cluster's) says
+why; the worker logs it and tries again every REFUSED_RETRY_S.
+
+No poison messages: a frame that does not decode is dropped; an error while handling a message
+or admitting a request fails that request (RequestFailed with the reason), never the worker.
+On SIGTERM it says Goodbye, finishes what it holds within `drain_timeout`, hands back the rest
+(RequestFailed, retryable), says Goodbye(reason="drained") and exits.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import uuid
 from typing import Any
 
 import structlog
+import zmq
 
 from common import codec
 from common import messages as m
@@ -26,6 +35,7 @@ from common.engines.base import Engine
 from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
 
+REFUSED_RETRY_S = 5.0
 
 class WorkerService(abc.ABC):
     role: m.Role
@@ -43,10 +53,13 @@ class WorkerService(abc.ABC):
         self.hb_seq = 0
         self.last_dispatch = 0
         self.draining = False
+        self.left = False
         self._beat_now = asyncio.Event()
         self._hello_now = asyncio.Event()
+        self._answered = asyncio.Event()   # the router answered a Hello (Welcome or Refused)
+        self.refused = ""                  # why the router refused us, while it does
         self.bus: WorkerBus
-        self.counters: dict[str, int] = {"bad_frames": 0}
+        self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0}
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
             engine.on_failed = self._on_engine_failed
@@ -65,6 +78,23 @@ class WorkerService(abc.ABC):
     def extra_hello(self) -> dict[str, Any]:
         return {}
 
+    @abc.abstractmethod
+    def drop_request(self, request_id: str) -> None:
+        """Abort a request and free what it holds (KV included); no message to the router."""
+
+    def held_ids(self) -> list[str]:
+        """Every request this worker holds anything for (Hello.held: the router names the ones it
+        no longer tracks, which drop_request then frees)."""
+        return [rid for rid, _ in self.held_requests()]
+
+    def drain_pending(self) -> bool:
+        """Whether the drain must still wait for something beyond held_requests()."""
+        return False
+
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) this worker's engine takes; 0: no limit."""
+        return int(getattr(self.engine, "max_model_len", 0) or 0)
+
     decoder: codec.Decoder[Any]
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -82,6 +112,7 @@ class WorkerService(abc.ABC):
                          tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self._refit_loop(), name="refit"),
+                         tg.create_task(self._connection_loop(), name="connection"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
                 await self.stop.wait()
                 await self._drain()
@@ -109,7 +140,7 @@ class WorkerService(abc.ABC):
         await self.bus.send(codec.encode(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)))
         self.beat_now()
         deadline = time.monotonic() + self.cfg.drain_timeout
-        while self.held_requests() and time.monotonic() < deadline:
+        while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = self.held_requests()
         for rid, attempt in left:
@@ -117,25 +148,54 @@ class WorkerService(abc.ABC):
             await self.bus.send(codec.encode(m.RequestFailed(
                 request_id=rid, attempt=attempt, worker_id=self.worker_id, reason="worker_draining",
                 retryable=True)))
+        self.left = True  # no more heartbeats: the router must not take us for a worker to re-register
+        await self.bus.send(codec.encode(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation,
+                                                   reason="drained")))
         self.log.info("drain_finished", handed_back=len(left))
         await asyncio.sleep(0.05)  # let the hand-backs leave before the socket closes
 
     # -- loops --------------------------------------------------------------------------
+    def hello(self) -> m.Hello:
+        return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
+                       incarnation=self.incarnation, engine=self.engine.name,
+                       model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
+                       kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
+                       coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport,
+                       held=self.held_ids(), max_model_len=self.max_model_len(),
+                       **{"kv_block_tokens": int(getattr(self.engine, "block_size", 0) or 0), **self.extra_hello()})
+
     async def _hello_loop(self) -> None:
         while True:
-            hello = m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
-                            incarnation=self.incarnation, engine=self.engine.name,
-                            model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
-                            kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
-                            coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport, **self.extra_hello())
-            await self.bus.send(codec.encode(hello))
-            try:
-                await asyncio.wait_for(self.welcomed.wait(), timeout=1.0)
-            except TimeoutError:
+            self._answered.clear()
+            self._hello_now.clear()
+            await self.bus.send(codec.encode(self.hello()))
+            if not await _either(self._answered, self._hello_now, timeout=1.0):
                 self.log.warning("router_not_answering", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
                 continue
-            self._hello_now.clear()
+            if not self._answered.is_set():  # reconnected meanwhile: say Hello again at once
+                continue
+            if not self.welcomed.is_set():  # refused: say why, try again later (the cluster may change)
+                try:
+                    await asyncio.wait_for(self._hello_now.wait(), timeout=REFUSED_RETRY_S)
+                except TimeoutError:
+                    pass
+                continue
             await self._hello_now.wait()
+
+    async def _connection_loop(self) -> None:
+        """Say Hello as soon as the connection to the router is back after a break: a restarted
+        router then knows this worker within a reconnect interval, not a heartbeat round trip."""
+        broken = False
+        while True:
+            event = await self.bus.connection_event()
+            if event == zmq.EVENT_DISCONNECTED:
+                broken = True
+                self.log.info("router_disconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
+                broken = False
+                self.log.info("router_reconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
+                self.welcomed.clear()
+                self._hello_now.set()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -145,6 +205,8 @@ class WorkerService(abc.ABC):
             except TimeoutError:
                 pass
             self._beat_now.clear()
+            if self.left:
+                return
             self.hb_seq += 1
             self.bus.beat(codec.encode(self.heartbeat()))
 
@@ -182,26 +244,81 @@ class WorkerService(abc.ABC):
                 self.counters["bad_frames"] += 1
                 self.log.warning("bad_frame_dropped", error=str(e)[:200], bytes=len(payload))
                 continue
-            match msg:
-                case m.Welcome():
-                    self.router_incarnation = msg.router_incarnation
-                    self.hb_interval = msg.heartbeat_interval_s
-                    if not self.welcomed.is_set():
-                        self.log.info("registered", router_incarnation=msg.router_incarnation)
-                    self.welcomed.set()
-                case m.Reregister():
-                    self.log.info("reregister_requested", router_incarnation=msg.router_incarnation,
-                                  reason=msg.reason)
-                    self.welcomed.clear()
-                    self._hello_now.set()
-                case _:
-                    await self.on_message(msg)
+            try:
+                await self._on_inbox(msg)
+            except Exception as e:  # one bad message fails its request, never the worker
+                self._on_handler_error(msg, e)
 
-    def _on_engine_failed(self, request_id: str, attempt: int, reason: str) -> None:
-        self.log.warning("engine_request_failed", request_id=request_id, reason=reason)
-        self.forget(request_id)
-        self.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id, reason=reason,
+    async def _on_inbox(self, msg: Any) -> None:
+        match msg:
+            case m.Welcome():
+                self.router_incarnation = msg.router_incarnation
+                self.hb_interval = msg.heartbeat_interval_s
+                if not self.welcomed.is_set():
+                    self.log.info("registered", router_incarnation=msg.router_incarnation)
+                self.refused = ""
+                self.welcomed.set()
+                self._answered.set()
+                self._drop_untracked(msg.drop)
+            case m.Refused():
+                if msg.reason != self.refused:
+                    self.log.error("registration_refused", reason=msg.reason, retry_in_s=REFUSED_RETRY_S,
+                                   fix="make this worker's engine, model and KV transport match the cluster's")
+                self.refused = msg.reason
+                self.welcomed.clear()
+                self._answered.set()
+            case m.Reregister():
+                if self.draining:  # leaving: a router that does not know us has nothing of ours
+                    return
+                self.log.info("reregister_requested", router_incarnation=msg.router_incarnation,
+                              reason=msg.reason)
+                self.welcomed.clear()
+                self._hello_now.set()
+            case _:
+                await self.on_message(msg)
+
+    def _drop_untracked(self, ids: list[str]) -> None:
+        """The router no longer tracks these (it restarted, or re-dispatched them): free them."""
+        for rid in ids:
+            self.drop_request(rid)
+        if ids:
+            self.counters["dropped_on_welcome"] += len(ids)
+            self.log.info("dropped_untracked_requests", requests=len(ids))
+            self.beat_now()
+
+    def _on_handler_error(self, msg: Any, e: Exception) -> None:
+        self.counters["handler_errors"] += 1
+        rid = getattr(msg, "request_id", None)
+        self.log.error("message_handler_failed", message=type(msg).__name__, request_id=rid,
+                       error=f"{type(e).__name__}: {e}"[:300], exc_info=True)
+        if not isinstance(rid, str):
+            return
+        try:
+            self.drop_request(rid)
+        except Exception as e2:  # already failing: report, do not raise
+            self.log.error("drop_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
+        self.send(m.RequestFailed(request_id=rid, attempt=int(getattr(msg, "attempt", 0)), worker_id=self.worker_id,
+                                  reason=f"worker error handling {type(msg).__name__}: {type(e).__name__}: {e}"[:500],
                                   retryable=True))
+
+    def too_long(self, prompt_tokens: int) -> str:
+        """Why the engine can never take a prompt this long (empty: it can)."""
+        limit = self.max_model_len()
+        if limit and prompt_tokens >= limit:
+            return (f"the prompt has {prompt_tokens} tokens; this worker's max_model_len is {limit} "
+                    "(prompt plus at least one output token)")
+        return ""
+
+    def fail_request(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
+        """Tell the router this request cannot proceed here: `invalid` if the request itself is at
+        fault (no retry anywhere), else retryable (another worker may take it)."""
+        self.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id, reason=reason,
+                                  retryable=not invalid, code="invalid_request" if invalid else ""))
+
+    def _on_engine_failed(self, request_id: str, attempt: int, reason: str, retryable: bool = True) -> None:
+        self.log.warning("engine_request_failed", request_id=request_id, reason=reason, retryable=retryable)
+        self.forget(request_id)
+        self.fail_request(request_id, attempt, reason, invalid=not retryable)
 
     def forget(self, request_id: str) -> None:
         """Drop the worker's own bookkeeping of a request the engine gave up on."""
@@ -209,3 +326,16 @@ class WorkerService(abc.ABC):
     def send(self, msg: m.Msg) -> None:
         if not send_nowait(self.bus.work, codec.encode(msg)):
             self.log.error("send_failed", message=type(msg).__name__)
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event, *, timeout: float) -> bool:
+    """Wait until `a` or `b` is set (True), or `timeout` seconds pass (False)."""
+    if a.is_set() or b.is_set():
+        return True
+    waiters = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return bool(done)

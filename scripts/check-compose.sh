@@ -65,7 +65,7 @@ check() {  # check "<label>" "<expected services>" -f FILE [-f FILE...]
   say "ok   $label ($got)"
 }
 
-services="decode-0 decode-1 monitor prefill-0 prefill-1 router"
+services="decode-0 decode-1 keys monitor prefill-0 prefill-1 router"
 check "docker-compose.yml" "$services" -f docker-compose.yml
 check "docker-compose.yml + docker-compose.rdma.yml" "$services" -f docker-compose.yml -f docker-compose.rdma.yml
 check "docker-compose.sim.yml" "$services" -f docker-compose.sim.yml

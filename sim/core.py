@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 
 from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.traces import TraceRequest
 from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
@@ -97,7 +98,7 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "view", "wid")
+    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "until", "view", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
@@ -109,10 +110,12 @@ class _Worker:
         self.next_hb = phase
         self.hb: tuple[Any, ...] = ()
         self.view: Any = None
+        self.plan: StepPlan | None = None  # the step in flight
+        self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
 
 
 class _Prefill(_Worker):
-    __slots__ = ("led_reqs", "led_tokens", "queued_reqs", "queued_tokens")
+    __slots__ = ("led_q", "led_reqs", "led_tokens", "queued_reqs", "queued_tokens")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
@@ -120,18 +123,22 @@ class _Prefill(_Worker):
         self.queued_reqs = 0
         self.led_tokens = 0
         self.led_reqs = 0
+        self.led_q: list[tuple[int, float]] = []  # (prompt tokens, dispatch time) since the heartbeat
 
 
 class _Decode(_Worker):
-    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "step_s", "waiting_kv",
+                 "waiting_kv_tokens")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
         self.waiting_kv = 0
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
-        self.deflecting: dict[str, float] = {}  # router side: deflection -> reserved step cost (s)
+        self.deflecting: dict[str, tuple[float, int, float]] = {}  # router side: deflection -> (step cost s,
+        # largest chunk, predicted end)
         self.led_res = self.led_kv = self.led_pending = 0
+        self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
 
 _STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP = 0, 1, 2, 3, 4
@@ -217,8 +224,12 @@ class Simulation:
 
     def _snapshot(self, w: _Worker) -> None:
         if isinstance(w, _Prefill):
-            w.hb = (w.queued_tokens, w.queued_reqs)
+            backlog, busy = self._backlog(w)
+            b = w.batcher
+            w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy,
+                    drain(w.model, b.token_budget, b.max_batch, busy, backlog))
             w.led_tokens = w.led_reqs = 0
+            w.led_q = []
         else:
             assert isinstance(w, _Decode)
             batch = kv = res = defl = 0
@@ -234,29 +245,53 @@ class Simulation:
                     slo = s.tbt_slo
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
-            w.hb = (batch, kv, free, res, defl, slo, pending)
+            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s)
             w.led_res = w.led_kv = w.led_pending = 0
         w.view = None
         self._cluster = None
 
+    def _busy_until(self, w: _Worker) -> float:
+        """When the step in flight ends, as the worker predicts it (its model, without noise)."""
+        return w.until if w.busy else 0.0
+
+    def _backlog(self, w: _Prefill) -> tuple[tuple[tuple[int, int], ...], float]:
+        """What a prefill heartbeat reports for the replay predictor: each held request's
+        (prompt tokens, tokens done) in FIFO order once the step in flight ends, and that time
+        (the worker also replays it: `drain`)."""
+        b = w.batcher
+        inflight = {id(seq): chi for seq, chi, _ in w.plan.chunks} if w.busy and w.plan else {}
+        q = []
+        for seq in itertools.chain(b.running, b.waiting):
+            done = seq.computed + inflight.get(id(seq), 0)
+            if done < seq.prompt_len:
+                q.append((seq.prompt_len, done))
+        return tuple(q), self._busy_until(w)
+
     def _prefill_view(self, w: _Prefill) -> PrefillView:
-        q, n = w.hb
+        q, n, backlog, busy, tail = w.hb
         return PrefillView(worker_id=w.wid, queued_tokens=q + w.led_tokens, queued_requests=n + w.led_reqs,
-                           token_budget=w.batcher.token_budget, model=w.model)
+                           token_budget=w.batcher.token_budget, model=w.model, backlog=backlog, busy_until=busy,
+                           drain=tail, ledger=tuple(w.led_q), max_batch=w.batcher.max_batch)
 
     def _decode_view(self, w: _Decode) -> DecodeView:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
         reserved step cost come from the router's own exact record of deflections in flight."""
-        batch, kv, free, res, defl, slo, pending = w.hb
+        batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
         reserved = 0.0
+        reserved_tokens = 0
+        inflight: tuple[tuple[float, float, int], ...] = ()
         if self.cfg.ledger:
             defl = len(w.deflecting)
-            reserved = sum(w.deflecting.values())
+            for cost, tokens, _ in w.deflecting.values():
+                reserved += cost
+                reserved_tokens += tokens
+            inflight = tuple((end, cost, tokens) for cost, tokens, end in w.deflecting.values())
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - w.led_kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
                           token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
-                          pending=pending + w.led_pending)
+                          pending=pending + w.led_pending, reserved_tokens=reserved_tokens, busy_until=busy,
+                          inflight=inflight, step_s=step_s)
 
     def _view(self, now: float) -> ClusterView:
         fresh = self.cfg.heartbeat_interval <= 0
@@ -301,13 +336,18 @@ class Simulation:
             w.busy = False
             return
         w.busy = True
+        w.plan = plan
         for seq, _, _ in plan.chunks:
             if seq.prefill_started is None:
                 seq.prefill_started = now
                 seq.user.prefill_started = now  # type: ignore[attr-defined]
         dt = self._duration(w, plan)
+        w.until = now + (dt if self.cfg.step_noise <= 0 else
+                         w.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()))
         w.busy_s += dt
         self.steps += 1
+        if isinstance(w, _Decode):
+            w.step_s += 0.1 * (dt - w.step_s)
         self._push(now + dt, _STEP_P if isinstance(w, _Prefill) else _STEP_D, w, plan)
 
     def _prefill_done(self, w: _Prefill, plan: StepPlan, now: float) -> None:
@@ -429,7 +469,8 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
-            dw.deflecting[r.rid] = reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget)
+            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget),
+                                    max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             if cfg.ledger:
                 dw.led_res += r.prompt
                 dw.led_kv += need
@@ -450,6 +491,7 @@ class Simulation:
         if cfg.ledger:
             pw.led_tokens += r.prompt
             pw.led_reqs += 1
+            pw.led_q.append((r.prompt, now))
             dw.led_pending += 1
             dw.led_kv += need
             self._ledger_changed(pw)

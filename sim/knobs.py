@@ -132,7 +132,14 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="chunk candidates, comma separated (default 2048,1024,512,256,128)")
     k.add_argument("--no-transfer-term", action="store_true", default=None, help="leave T_xfer out of TTFT_P")
     k.add_argument("--max-deflections", type=int, default=None,
-                   help="concurrent in-place prefills per decode worker (default 1)")
+                   help="concurrent in-place prefills per decode worker (default 4; the paper's is 1)")
+    k.add_argument("--predictor", choices=("replay", "paper"), default=None,
+                   help="TTFT prediction: replay (the workers' known queues through their batching rule) or paper "
+                        "(Equation 1 and Algorithm 1's step sum as printed) (default replay)")
+    k.add_argument("--no-budget-fit", action="store_true", default=None,
+                   help="chunk schedules ignore the decode token budget taken by deflections in flight")
+    k.add_argument("--share-expect", action="store_true", default=None,
+                   help="replay predictor: count the tokens later requests add to a prompt's last prefill step")
     c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
     c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
                    help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
@@ -152,7 +159,10 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
         "kairos": {"alpha": args.alpha, "beta": args.beta, "max_deflections": args.max_deflections,
                    "candidates": None if args.candidates is None else
                    parse_candidates(args.candidates),
-                   "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term},
+                   "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term,
+                   "predictor": args.predictor,
+                   "budget_fit": None if args.no_budget_fit is None else not args.no_budget_fit,
+                   "share_expect": args.share_expect},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
                                "eff_isl_ratio_threshold": args.isl_ratio_threshold,
                                "prefill_busy_threshold": args.prefill_busy_threshold,

@@ -21,6 +21,8 @@ Definitions (the same wherever these keys appear):
 - `slo_attainment`: fraction of all requests that meet both (TBT by the largest gap);
   `slo_attainment_p99`: the same with TBT by the P99 gap.
 - `deflection_rate`: fraction of all requests routed "deflect" (prefilled on a decode worker).
+- `ttft_pred_mape`: mean |predicted - actual| / actual TTFT over the requests with a
+  prediction; `ttft_pred_mape_by_route`: the same per route ("disagg", "deflect").
 - `ttft_tail_*_share`: over the requests with TTFT >= its P95, the mean share of TTFT spent
   queueing for prefill, prefilling and transferring the KV cache.
 - Percentiles use linear interpolation between order statistics (numpy's default); a key whose
@@ -94,6 +96,16 @@ def _tail_shares(records: Sequence[RequestTiming], p95: float | None) -> tuple[f
     if not q:
         return (None, None, None)
     return (sum(q) / len(q), sum(e) / len(e), sum(x) / len(x))
+
+
+def pred_mape_by_route(records: Sequence[RequestTiming]) -> dict[str, float | None]:
+    """`ttft_pred_mape` per route: mean |predicted - actual| / actual TTFT of the requests that
+    took it (the policy predicts the TTFT of the route it chooses)."""
+    errs: dict[str, list[float]] = {"disagg": [], "deflect": []}
+    for r in records:
+        if r.ttft_pred is not None and r.ttft is not None and r.ttft > 0 and r.route in errs:
+            errs[r.route].append(abs(r.ttft_pred - r.ttft) / r.ttft)
+    return {k: (sum(v) / len(v) if v else None) for k, v in errs.items()}
 
 
 def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
@@ -175,6 +187,7 @@ def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: flo
         "e2e_p50": _pct(e2e, 50),
         "e2e_p95": _pct(e2e, 95),
         "ttft_pred_mape": _mean(pred_err),
+        "ttft_pred_mape_by_route": pred_mape_by_route(records),
         "ttft_tail_queue_share": tail[0],
         "ttft_tail_prefill_share": tail[1],
         "ttft_tail_xfer_share": tail[2],

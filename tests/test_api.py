@@ -54,15 +54,15 @@ def test_chat_unary_and_stream(cluster: Cluster) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     rid = {"x-request-id": f"chat-{cluster.policy}"}  # type: ignore[attr-defined]
     out = c.chat.completions.create(model="kairos-sim", messages=msgs, max_tokens=5,  # type: ignore[arg-type]
-                                    extra_headers=rid)
+                                    extra_headers=rid, seed=7)
     assert out.choices[0].message.role == "assistant"
     assert len((out.choices[0].message.content or "").split()) == 5
     stream = c.chat.completions.create(model="kairos-sim", messages=msgs, max_tokens=5,  # type: ignore[arg-type]
-                                       stream=True, extra_headers=rid)
+                                       stream=True, extra_headers=rid, seed=7)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-    assert content == out.choices[0].message.content  # synthetic tokens: a function of request id and position
+    assert content == out.choices[0].message.content  # synthetic tokens: a function of the seed and position
     assert chunks[-1].choices[0].finish_reason == "length"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
@@ -106,3 +108,46 @@ def test_no_worker_of_a_needed_kind_is_503(tmp_path_factory: pytest.TempPathFact
         assert "retry-after" in r.headers
     finally:
         c.stop(10)
+
+
+def test_prompt_over_every_workers_max_model_len_is_400_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The only decode worker advertises max_model_len 64 at registration: a longer prompt is a
+    400 naming the limit, never dispatched (so never retried); a shorter one is dispatched to it."""
+    from common import codec
+    from common import messages as m
+
+    c = start_cluster(tmp_path_factory.mktemp("maxlen"), prefill=1, decode=0, profile="fast",
+                      policy="disagg-least-loaded")
+    ctx = zmq.Context()
+    try:
+        w = ctx.socket(zmq.DEALER)
+        w.setsockopt(zmq.LINGER, 0)
+        w.setsockopt(zmq.IDENTITY, b"small-decode")
+        w.connect(f"tcp://127.0.0.1:{c.spec.work_port}")
+        w.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="small-decode", role="decode",
+                                    incarnation="x", engine="sim", model="kairos-sim", token_budget=512,
+                                    kv_capacity_tokens=10**6, kv_transport="nixl", max_model_len=64)))
+        assert w.poll(10_000), "no answer to Hello"
+        assert isinstance(codec.decode_inbox.decode(w.recv()), m.Welcome)
+        r = post(c, "/v1/completions", json={"prompt": "word " * 80, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "64" in err["message"] and err["param"] == "prompt"
+        assert "retry-after" not in r.headers
+        stats = httpx.get(c.spec.api + "/v1/kairos/stats", timeout=5).json()
+        assert stats["counts"].get("accepted", 0) == 0 and "redispatched" not in stats["counts"]
+        r = post(c, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 80}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        # a prompt that fits goes to that worker
+        def short() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the cluster stops before it is answered
+                post(c, "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+
+        t = threading.Thread(target=short, daemon=True)
+        t.start()
+        assert w.poll(10_000), "the short prompt was not dispatched"
+        assert isinstance(codec.decode_inbox.decode(w.recv()), m.DecodeWork)
+    finally:
+        ctx.destroy(linger=0)
+        c.stop(10)
+    t.join(10)

@@ -40,6 +40,8 @@ SIM_FILE = ROOT / "docker-compose.sim.yml"
 RDMA_FILE = ROOT / "docker-compose.rdma.yml"
 SERVICES = {"router", "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"}
 WORKERS = SERVICES - {"router", "monitor"}
+KEYS = "keys"  # the one-shot service that makes the bus's CURVE keys (not a cluster process)
+KEYS_DIR = "/var/lib/kairos/keys"
 
 CONFIG_OF: dict[str, type[config.BusConfig]] = {
     "router": config.RouterConfig,
@@ -48,7 +50,7 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
     "decode-worker": config.WorkerConfig,
 }
 # Variables the compose files interpolate that are not config fields (each file documents them).
-COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME", "KAIROS_MONITOR_PORT",
+COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME", "KAIROS_MONITOR_PORT",
                 "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1"}
 # Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
 PASSTHROUGH = {"UCX_TLS", "UCX_NET_DEVICES"}
@@ -158,14 +160,31 @@ def compose_file(request: pytest.FixtureRequest) -> Path:
 
 
 def test_services_are_the_cluster(compose_file: Path) -> None:
-    assert set(services(compose_file)) == SERVICES
+    assert set(services(compose_file)) == SERVICES | {KEYS}
+
+
+def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None:
+    svcs = services(compose_file)
+    keys = svcs[KEYS]
+    assert keys["command"] == ["keys", KEYS_DIR, "--if-missing"] and keys["restart"] == "no"
+    assert keys["volumes"] == [f"kairos-keys:{KEYS_DIR}"]
+    for name in SERVICES:
+        svc = svcs[name]
+        assert kairos_env(svc).get("KAIROS_CURVE_KEYS_DIR") == KEYS_DIR, f"{name}: CURVE on by default"
+        assert f"kairos-keys:{KEYS_DIR}:ro" in svc["volumes"], f"{name}: the keys, read-only"
+        assert svc["depends_on"][KEYS]["condition"] == "service_completed_successfully", name
+    assert "kairos-keys" in yaml.safe_load(compose_file.read_text())["volumes"]
+    off = services(compose_file, {"KAIROS_CURVE_KEYS_DIR": ""})  # set and empty: CURVE off
+    assert all(kairos_env(off[n]).get("KAIROS_CURVE_KEYS_DIR") == "" for n in SERVICES)
+    mounted = services(compose_file, {"KAIROS_KEYS_DIR": "/etc/kairos/keys"})
+    assert mounted["router"]["volumes"][-1] == f"/etc/kairos/keys:{KEYS_DIR}:ro"
 
 
 def test_commands_are_kairos_subcommands_that_start(compose_file: Path) -> None:
     commands = {tuple(svc["command"]) for svc in services(compose_file).values()}
     for cmd in commands:
         assert cmd[0] in COMMANDS, f"{compose_file.name}: `kairos {cmd[0]}` is not a kairos command"
-        assert cmd[0] in CONFIG_OF, f"{compose_file.name}: `kairos {cmd[0]}` is not a service"
+        assert cmd[0] in CONFIG_OF or cmd[0] == KEYS, f"{compose_file.name}: `kairos {cmd[0]}` is not a service"
         r = subprocess.run([sys.executable, "-m", "kairos.cli", *cmd, "--help"], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=_clean_env())
         assert r.returncode == 0, f"`kairos {' '.join(cmd)} --help` failed:\n{r.stderr[-2000:]}"
@@ -173,6 +192,9 @@ def test_commands_are_kairos_subcommands_that_start(compose_file: Path) -> None:
 
 def test_environment_keys_are_config_fields_of_the_service(compose_file: Path) -> None:
     for name, svc in services(compose_file).items():
+        if name == KEYS:
+            assert not environment(svc), f"{compose_file.name}: the keys service needs no configuration"
+            continue
         cls = CONFIG_OF[svc["command"][0]]
         for key, value in environment(svc).items():
             if key.startswith("KAIROS_"):
@@ -216,6 +238,9 @@ def test_operations_settings(compose_file: Path) -> None:
     drain = config.WorkerConfig().drain_timeout
     for name, svc in services(compose_file).items():
         where = f"{compose_file.name}: {name}"
+        if name == KEYS:  # one-shot: runs, exits 0, is not restarted, has nothing to check
+            assert svc.get("restart") == "no" and svc["healthcheck"] == {"disable": True}, where
+            continue
         assert svc.get("network_mode") == "host", f"{where}: host networking"
         assert svc.get("restart") == "unless-stopped", f"{where}: restart: unless-stopped"
         assert svc.get("init") is True, f"{where}: init: true (signals, zombie reaping)"
@@ -255,8 +280,9 @@ SIM_SHAPES = {
 @pytest.mark.parametrize("shape", SIM_SHAPES)
 def test_sim_runs_exactly_what_kairos_up_runs(shape: str) -> None:
     shell, spec_kw = SIM_SHAPES[shape]
-    want = cluster_services(ClusterSpec(prefill=2, decode=2, **spec_kw))  # type: ignore[arg-type]
+    want = cluster_services(ClusterSpec(prefill=2, decode=2, curve_keys_dir=KEYS_DIR, **spec_kw))  # type: ignore[arg-type]
     got = services(SIM_FILE, shell)
+    del got[KEYS]
     assert set(got) == set(want)
     for name, (args, env) in want.items():
         assert got[name]["command"] == args, f"{name}: compose runs `kairos {' '.join(got[name]['command'])}`"
@@ -278,7 +304,7 @@ def test_sim_needs_no_gpu() -> None:
 
 def test_gpu_wiring_matches_kairos_up_vllm() -> None:
     model = "/models/DeepSeek-V2-Lite"  # the file's default: /models/${KAIROS_MODEL_NAME}
-    want = cluster_services(ClusterSpec(prefill=2, decode=2, engine="vllm", model=model))
+    want = cluster_services(ClusterSpec(prefill=2, decode=2, engine="vllm", model=model, curve_keys_dir=KEYS_DIR))
     got = services(GPU_FILE)
     for name, (args, env) in want.items():
         assert got[name]["command"] == args
@@ -402,10 +428,16 @@ def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
              "KAIROS_MONITOR_PORT": free_port()}
     shell = {k: str(v) for k, v in ports.items()}
     svcs = services(SIM_FILE, shell)
+    keys = svcs.pop(KEYS)
+    keys_dir = tmp_path_factory.mktemp("compose-keys") / "keys"  # the keys service, run here: its command
+    r = subprocess.run([sys.executable, "-m", "kairos.cli", keys["command"][0], str(keys_dir), *keys["command"][2:]],
+                       capture_output=True, text=True, timeout=60, env=_clean_env(), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
     spec = ClusterSpec(prefill=2, decode=2, http_port=ports["KAIROS_HTTP_PORT"],
                        log_dir=str(tmp_path_factory.mktemp("compose-sim")))
     c = Cluster(spec)
-    c.services = {name: Service(name, kairos_cmd(svc["command"][0]), dict(kairos_env(svc)))
+    c.services = {name: Service(name, kairos_cmd(svc["command"][0]),
+                                {**kairos_env(svc), "KAIROS_CURVE_KEYS_DIR": str(keys_dir)})
                   for name, svc in svcs.items()}
     try:
         c.start(timeout=90)

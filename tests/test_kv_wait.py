@@ -1,6 +1,6 @@
 """Overload on a live cluster, as engines behave: a request that finds no decode worker with KV
-room waits at the router and completes once room frees; one that can never fit gets a clear 503
-after kv_wait_timeout."""
+room waits at the router and completes once room frees; one that can never fit (more KV than a
+decode worker has at all, as advertised at registration) gets a clear 400 at once, not a wait."""
 
 from __future__ import annotations
 
@@ -59,11 +59,13 @@ def test_a_request_without_kv_room_waits_then_completes(cluster: Cluster) -> Non
     assert s["counts"]["kv_waited"] == 1 and s["kv_waiting"] == 0  # type: ignore[index]
 
 
-def test_a_request_that_can_never_fit_gets_a_clear_503(cluster: Cluster) -> None:
+def test_a_request_that_can_never_fit_gets_a_clear_400_at_once(cluster: Cluster) -> None:
     r = httpx.post(cluster.spec.api + "/v1/completions", json=body(200, 200), timeout=30)
-    assert r.status_code == 503, r.text
+    assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "kv_wait_timeout" and "KV room" in err["message"] and "2 s" in err["message"]
-    assert json.dumps(stats(cluster)["counts"]).count("kv_wait_timeouts") == 1
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert "400 tokens of KV" in err["message"] and str(CAPACITY) in err["message"]
+    assert "retry-after" not in r.headers
+    assert "kv_wait_timeouts" not in json.dumps(stats(cluster)["counts"])  # it never waited
     # and the cluster still serves
     assert httpx.post(cluster.spec.api + "/v1/completions", json=body(10, 5), timeout=30).status_code == 200

@@ -100,7 +100,9 @@ def algorithm1(m: PerfModel, d: DecodeView, tokens: int, budget: float, cands: t
 
 
 def decide(policy: str, req: RequestSpec, view: ClusterView, **kcfg: Any) -> Any:
-    p = make_policy(policy, kairos=KairosConfig(**kcfg) if kcfg else None, default_model=M)
+    """Kairos with the paper's predictor unless told otherwise: these tests check the printed
+    formulas (the replay predictor has its own tests in test_predict.py)."""
+    p = make_policy(policy, kairos=KairosConfig(**{"predictor": "paper", **kcfg}), default_model=M)
     return p.decide(req, view, 0.0)
 
 
@@ -118,11 +120,11 @@ KAIROS_CASES: list[tuple[str, RequestSpec, ClusterView, dict[str, Any], str, str
     ("the residents' strict TBT SLO leaves no room for even 128 tokens",
      rq(512), cluster([pv(queued=50_000)], [dv(batch=40, slo=0.02)]), {}, "disagg", "decode-0", "no_decode_slack"),
     ("one decode worker already deflecting: the other takes it",
-     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {},
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {"max_deflections": 1},
      "deflect", "decode-1", "decode_faster"),
     ("every decode worker already deflecting (max_deflections=1)",
-     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", defl=1, res=100)]), {},
-     "disagg", None, "deflection_in_flight"),
+     rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", defl=1, res=100)]),
+     {"max_deflections": 1}, "disagg", None, "deflection_in_flight"),
     ("max_deflections=2 admits a second deflection",
      rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000, reserved=0.02)]), {"max_deflections": 2},
      "deflect", "decode-0", "decode_faster"),
@@ -160,7 +162,7 @@ def test_kairos_table(name: str, req: RequestSpec, view: ClusterView, kcfg: dict
     assert (d.route, d.reason) == (route, reason)
     if worker is not None:
         assert d.decode_worker == worker
-    cfg = KairosConfig(**kcfg)
+    cfg = KairosConfig(predictor="paper", **kcfg)
     if view.prefill:
         best_p = min(eq1(M, p.queued_tokens, req.prompt_tokens, p.token_budget, transfer=cfg.transfer_term)
                      for p in view.prefill)
@@ -266,8 +268,8 @@ def test_kairos_ledger_view_blocks_a_second_deflection() -> None:
     says 0 deflections (a second one would land on the same worker); the ledger's count does not."""
     stale = cluster([pv(queued=20_000)], [dv("decode-0", batch=10), dv("decode-1", batch=60)])
     ledger = cluster([pv(queued=20_000)], [dv("decode-0", batch=10, defl=1, res=2048), dv("decode-1", batch=60)])
-    assert decide("kairos", rq(2048), stale).decode_worker == "decode-0"
-    assert decide("kairos", rq(2048), ledger).decode_worker == "decode-1"
+    assert decide("kairos", rq(2048), stale, max_deflections=1).decode_worker == "decode-0"
+    assert decide("kairos", rq(2048), ledger, max_deflections=1).decode_worker == "decode-1"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -330,6 +332,7 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
             decode.append(msgspec.structs.replace(decode[0], worker_id="decode-9"))
         cfg = rng.choice([KairosConfig(), KairosConfig(alpha=1.0), KairosConfig(transfer_term=False),
                           KairosConfig(max_deflections=2), KairosConfig(candidates=(1024, 256), beta=1.0)])
+        cfg = msgspec.structs.replace(cfg, predictor="paper")
         req = rq(rng.choice([rng.randint(1, 9000), 7436, 2048]), out=rng.randint(1, 400),
                  ttft_slo=rng.choice([0.3, 1.0, 2.0, 30.0]), cached=rng.choice([0, 0, 500]))
         view = cluster(prefill, decode)

@@ -24,7 +24,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("keys") / "curve"
     rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(d)], capture_output=True, text=True)
     assert rc.returncode == 0, rc.stderr
-    assert (d / "allowed" / "worker.key").exists() and (d / "router.key_secret").exists()
+    assert (d / "allowed" / "worker" / "worker.key").exists() and (d / "router.key_secret").exists()
+    assert sorted(p.name for p in (d / "allowed").rglob("*.key")) == ["monitor.key", "worker.key"]
+    assert not (d / "allowed" / "worker" / "monitor.key").exists()
     return d
 
 
@@ -58,7 +60,7 @@ def _registered(cluster: Cluster) -> set[str]:
     return set(r.json()["workers"])
 
 
-@pytest.mark.parametrize("mode", ["plain", "unknown-key"])
+@pytest.mark.parametrize("mode", ["plain", "unknown-key", "monitor-key"])
 def test_unauthenticated_worker_is_refused(cluster: Cluster, keys: Path, tmp_path: Path, mode: str) -> None:
     ctx = zmq.Context()
     try:
@@ -71,6 +73,10 @@ def test_unauthenticated_worker_is_refused(cluster: Cluster, keys: Path, tmp_pat
             pub, sec = zmq.auth.load_certificate(str(tmp_path / "rogue.key_secret"))
             server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
             s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+        if mode == "monitor-key":  # a key allowed on the telemetry socket only: not a worker's
+            pub, sec = zmq.auth.load_certificate(str(keys / "monitor.key_secret"))
+            server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
         s.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
         for _ in range(5):
             try:  # a refused handshake leaves no peer to queue for: never block on it
@@ -81,5 +87,79 @@ def test_unauthenticated_worker_is_refused(cluster: Cluster, keys: Path, tmp_pat
         assert s.poll(500) == 0, "the router answered an unauthenticated peer"
         assert wid not in _registered(cluster)
         assert _registered(cluster) == {"prefill-0", "decode-0"}
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _handshakes(keys: Path, key_name: str, port: int, sock_type: int) -> bool:
+    """Whether a CURVE client with key `key_name` completes the handshake with the router on `port`."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(sock_type)
+        s.setsockopt(zmq.LINGER, 0)
+        if sock_type == zmq.SUB:
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+        pub, sec = zmq.auth.load_certificate(str(keys / f"{key_name}.key_secret"))
+        server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+        s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+        mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        if not mon.poll(10_000):
+            raise AssertionError("no handshake outcome within 10 s")
+        event = int.from_bytes(mon.recv_multipart()[0][:2], "little")
+        s.disable_monitor()
+        mon.close(0)
+        return event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_each_socket_admits_only_its_roles_keys(cluster: Cluster, keys: Path) -> None:
+    spec = cluster.spec
+    assert _handshakes(keys, "worker", spec.work_port, zmq.DEALER)
+    assert _handshakes(keys, "worker", spec.heartbeat_port, zmq.PUB)
+    assert _handshakes(keys, "monitor", spec.telemetry_port, zmq.SUB)
+    assert not _handshakes(keys, "monitor", spec.work_port, zmq.DEALER)      # a monitor cannot be a worker
+    assert not _handshakes(keys, "monitor", spec.heartbeat_port, zmq.PUB)
+    assert not _handshakes(keys, "worker", spec.telemetry_port, zmq.SUB)     # nor a worker read the telemetry
+
+
+def test_keys_if_missing_keeps_existing_keys(keys: Path) -> None:
+    before = (keys / "router.key").read_bytes()
+    rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(keys), "--if-missing"],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0 and (keys / "router.key").read_bytes() == before
+    rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(keys)], capture_output=True, text=True)
+    assert rc.returncode == 1 and "--force" in rc.stderr
+
+
+def test_a_worker_back_under_its_id_is_accepted_at_once(cluster: Cluster, keys: Path) -> None:
+    """ROUTER_HANDOVER (CURVE only): a worker restarted on a host whose old connection the router
+    has not yet seen die (here: still open) gets its id, and its Welcome, straight away."""
+    ctx = zmq.Context()
+    try:
+        def connect() -> zmq.Socket[bytes]:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"back-1")
+            pub, sec = zmq.auth.load_certificate(str(keys / "worker.key_secret"))
+            server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+            s.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
+            return s
+
+        def register(s: zmq.Socket[bytes], incarnation: str) -> m.Msg:
+            s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="back-1", role="decode",
+                                        incarnation=incarnation, engine="sim", model="kairos-sim", token_budget=64,
+                                        kv_capacity_tokens=10**6, kv_transport="nixl", max_model_len=0)))
+            assert s.poll(5000), "no answer to Hello"
+            msg: m.Msg = codec.decode_inbox.decode(s.recv())
+            return msg
+
+        old = connect()
+        assert isinstance(register(old, "first"), m.Welcome)
+        new = connect()  # the old connection is still up
+        assert isinstance(register(new, "second"), m.Welcome)
+        new.send(codec.encode(m.Goodbye(worker_id="back-1", incarnation="second", reason="drained")))
     finally:
         ctx.destroy(linger=0)

@@ -46,6 +46,8 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     step_ms_p50: float = 0.0
     step_ms_max: float = 0.0
     steps: int = 0
+    backlog: list[tuple[int, int]] | None = None  # prefill role: None when the engine cannot say
+    busy_s: float = 0.0                           # until the step in flight ends (predicted)
 
 
 class Prefilled(msgspec.Struct, kw_only=True):

@@ -5,13 +5,15 @@ clock in the simulated engine, a virtual clock in `kairos sim`), then commits it
 simulated engine and the discrete-event simulator share this class, so they batch alike.
 
 Decode role, each step: every running decode gets one token first; then every in-place
-(deflected) prefill gets its next chunk, exactly the next entry of its schedule when it has one
-(the router sized it for the TBT budget), else up to the engine's default chunk within the
-remaining token budget. The step that runs a prompt's last chunk also samples its first token,
-as vLLM does. A handed-off request (KV from a prefill worker) joins as a decode.
+(deflected) prefill gets its next chunk, the next entry of its schedule when it has one (the
+router sized it for the TBT budget), else up to the engine's default chunk, always within the
+remaining token budget (a scheduled chunk cut short continues next step). The step that runs
+a prompt's last chunk also samples its first token, as vLLM does. A handed-off request (KV
+from a prefill worker) joins as a decode.
 
 Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt
-is complete leaves the batch (its KV then goes to a decode worker).
+is complete leaves the batch (its KV then goes to a decode worker). The router's replay
+predictor (common/engines/replay.py) replays this rule; keep the two in step.
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ class Batcher:
         chunks: list[tuple[Seq, int, int]] = []
         for seq in prefills:
             if seq.schedule:
-                chi = min(seq.schedule[0], seq.remaining_prompt)  # exact: the router sized it
+                # the router sized it for the budget it saw; never past the budget left now
+                chi = min(seq.schedule[0], seq.remaining_prompt, budget)
             else:
                 chi = min(self.default_chunk, seq.remaining_prompt, budget)
             if chi <= 0:
@@ -224,7 +227,10 @@ class Batcher:
                 continue
             seq.computed += chi
             if seq.schedule:
-                seq.schedule.popleft()
+                if chi >= seq.schedule[0]:
+                    seq.schedule.popleft()
+                else:  # cut short by the token budget: the rest of this chunk comes next step
+                    seq.schedule[0] -= chi
             if seq.computed < seq.prompt_len:
                 continue
             if self.role == "prefill":

@@ -24,9 +24,15 @@ from common.tokenizer import SimpleTokenizer
 _tok = SimpleTokenizer()
 
 
-def synthetic_token(request_id: str, position: int) -> int:
-    """The simulated engine's output token at `position` (0 = the first output token)."""
-    return _tok.output_token(zlib.crc32(request_id.encode()) + 7919 * position)
+def synthetic_token(key: str, position: int) -> int:
+    """The simulated engine's output token at `position` (0 = the first output token) of the
+    request keyed `key`: its sampling seed when it has one (a seeded request is reproducible, as
+    with a real engine), else its request id."""
+    return _tok.output_token(zlib.crc32(key.encode()) + 7919 * position)
+
+
+def token_key(request_id: str, seed: int | None) -> str:
+    return request_id if seed is None else f"seed:{seed}"
 
 
 class SimEngine(Engine):
@@ -51,6 +57,8 @@ class SimEngine(Engine):
         self._step_ms: deque[float] = deque(maxlen=64)
         self.samples: deque[StepSample] = deque(maxlen=4096)
         self._t0: dict[str, float] = {}
+        self._inflight: StepPlan | None = None
+        self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -66,7 +74,8 @@ class SimEngine(Engine):
                   max_tokens=req.sampling.max_tokens if self.role == "decode" else 1,
                   tbt_slo=req.tbt_slo, computed=computed,
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
-                  deflected=req.mode == "deflect", arrived=time.monotonic())
+                  deflected=req.mode == "deflect", arrived=time.monotonic(),
+                  user=token_key(req.request_id, req.sampling.seed))
         if self.role == "decode" and not self.batcher.can_admit(seq):
             raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
@@ -94,7 +103,19 @@ class SimEngine(Engine):
             kv_capacity_tokens=self.kv_capacity_tokens, resident_prefill_tokens=b.resident_prefill_tokens(),
             deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
             step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
-            steps=b.steps)
+            steps=b.steps, backlog=self._backlog() if self.role == "prefill" else None,
+            busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0)
+
+    def _backlog(self) -> list[tuple[int, int]]:
+        """Each held request's (prompt tokens, tokens done) in FIFO order once the step in flight
+        has run (what the replay predictor starts from)."""
+        inflight = {id(seq): chi for seq, chi, _ in self._inflight.chunks} if self._inflight else {}
+        out = []
+        for seq in (*self.batcher.running, *self.batcher.waiting):
+            done = seq.computed + inflight.get(id(seq), 0)
+            if done < seq.prompt_len:
+                out.append((seq.prompt_len, done))
+        return out
 
     # -- the step loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -109,6 +130,7 @@ class SimEngine(Engine):
                 continue
             dt = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
             started = loop.time()
+            self._inflight, self._inflight_end = plan, time.monotonic() + dt
             if self.role == "prefill":
                 t_now = time.monotonic()
                 for seq, _, _ in plan.chunks:
@@ -120,6 +142,7 @@ class SimEngine(Engine):
             elapsed = loop.time() - started
             self._step_ms.append(elapsed * 1000.0)
             self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
+            self._inflight = None
             self._emit(plan, elapsed)
 
     def _emit(self, plan: StepPlan, step_s: float) -> None:
@@ -130,11 +153,11 @@ class SimEngine(Engine):
                 started = seq.prefill_started or seq.arrived
                 self.on_prefilled(Prefilled(request_id=seq.request_id, attempt=seq.attempt,
                                             queue_s=started - seq.arrived, prefill_s=now - started,
-                                            first_token_id=synthetic_token(seq.request_id, 0)))
+                                            first_token_id=synthetic_token(str(seq.user), 0)))
             return
         if not out.tokens:
             return
         finished = {id(s) for s in out.finished}
-        items = [TokenItem(s.request_id, s.attempt, [synthetic_token(s.request_id, s.generated - 1)],
+        items = [TokenItem(s.request_id, s.attempt, [synthetic_token(str(s.user), s.generated - 1)],
                            "length" if id(s) in finished else None) for s in out.tokens]
         self.on_tokens(items, step_s)

@@ -84,7 +84,7 @@ _ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is create
 _log = klog.get()
 
 KvFallbackCallback = Callable[[str, str], None]
-FailedCallback = Callable[[str, int, str], None]
+FailedCallback = Callable[..., None]  # (request_id, attempt, reason, retryable=True)
 
 
 @dataclass(eq=False)
@@ -111,7 +111,8 @@ class _Held:
 class VllmEngine(Engine):
     """AsyncLLM for one role. Construct, `await start()`, run `run()` as a task; see the module
     docstring. Extra callbacks beyond the Engine interface: `on_kv_fallback(request_id, reason)`
-    and `on_failed(request_id, attempt, reason)` (a request that cannot complete here)."""
+    and `on_failed(request_id, attempt, reason, retryable=True)` (a request that cannot complete here;
+    retryable=False when vLLM refused the request itself, a ValueError)."""
 
     name = "vllm"
 
@@ -148,7 +149,7 @@ class VllmEngine(Engine):
         self.block_size = 0
 
         self.on_kv_fallback: KvFallbackCallback = lambda request_id, reason: None
-        self.on_failed: FailedCallback = lambda request_id, attempt, reason: None
+        self.on_failed: FailedCallback = lambda request_id, attempt, reason, retryable=True: None
 
         self._llm: Any = None
         self._held: dict[str, _Held] = {}        # by request_id
@@ -431,7 +432,9 @@ class VllmEngine(Engine):
             raise
         except Exception as e:  # one request failing must not take the engine down
             _log.warning("vllm_request_failed", request_id=req.request_id, role=self.role, error=str(e))
-            self.on_failed(req.request_id, req.attempt, f"vllm prefill failed: {e}")
+            # ValueError: vLLM refused the request itself (e.g. over max_model_len): no retry helps
+            self.on_failed(req.request_id, req.attempt, f"vllm prefill failed: {e}",
+                           retryable=not isinstance(e, ValueError))
         finally:
             self._forget(h)
 
@@ -456,7 +459,8 @@ class VllmEngine(Engine):
         except Exception as e:
             _log.warning("vllm_request_failed", request_id=req.request_id, role=self.role, error=str(e))
             self._emit(TokenItem(req.request_id, req.attempt, [], "error"))
-            self.on_failed(req.request_id, req.attempt, f"vllm decode failed: {e}")
+            self.on_failed(req.request_id, req.attempt, f"vllm decode failed: {e}",
+                           retryable=not isinstance(e, ValueError))
         finally:
             self._forget(h)
 

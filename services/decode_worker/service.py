@@ -5,8 +5,9 @@ Outbox: TokenBatch / RequestFailed / KvTarget to the router; DecodeHeartbeat (TB
 heartbeat PUB, every interval and at once when a request is admitted or finishes prefill.
 
 A handed-off request waits here for its KV (KvReady) with KV space reserved. If the transfer
-failed or never arrives before the request's deadline, the worker prefills it in place instead
-(the fallback): counted, logged with the reason, reported to the router in the next TokenBatch.
+failed or never arrives within `kv_handoff_timeout` (or the request's deadline, if sooner), the
+worker prefills it in place instead (the fallback): counted, logged with the reason, reported to
+the router in the next TokenBatch.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class DecodeWorker(WorkerService):
             last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
-            steps=load.steps, coeffs=self.coeffs(), draining=self.draining)
+            steps=load.steps, coeffs=self.coeffs(), draining=self.draining, busy_s=load.busy_s)
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [
@@ -88,7 +89,12 @@ class DecodeWorker(WorkerService):
             await self.rx.close()
 
     def extra_hello(self) -> dict[str, Any]:
-        return {"kv_agent": self.rx.agent_info()} if self.rx is not None else {}
+        if self.rx is None:
+            return {}
+        return {"kv_agent": self.rx.agent_info(), "kv_block_tokens": self.cfg.kv_block_tokens}
+
+    def drop_request(self, request_id: str) -> None:
+        self._drop(request_id)
 
     # -- inbox ---------------------------------------------------------------------------------
     async def on_message(self, msg: Any) -> None:
@@ -119,8 +125,12 @@ class DecodeWorker(WorkerService):
         if not self.engine.can_admit(len(w.prompt_token_ids) + self._reserved(), w.sampling.max_tokens):
             self._refuse(w, f"kv_full: {need} tokens needed")
             return
+        if why := self.too_long(len(w.prompt_token_ids)):
+            self._refuse(w, why, invalid=True)
+            return
         if w.mode == "handoff":
-            self.pending[w.request_id] = _Pending(w, time.monotonic() + w.deadline_s)
+            wait = min(w.deadline_s, self.cfg.kv_handoff_timeout)
+            self.pending[w.request_id] = _Pending(w, time.monotonic() + wait)
             self.beat_now()
             return
         self._admit(w, "deflect", w.chunk_schedule)
@@ -135,17 +145,24 @@ class DecodeWorker(WorkerService):
         except Overloaded as e:
             self._refuse(w, f"overloaded: {e}")
             return
+        except ValueError as e:  # the engine refuses the request itself (vLLM: too long, bad ids, ...)
+            self._refuse(w, f"engine refused the request: {e}", invalid=True)
+            return
+        except Exception as e:  # an engine fault on one request fails that request
+            self.log.error("engine_add_failed", request_id=w.request_id, error=f"{type(e).__name__}: {e}",
+                           exc_info=True)
+            self._refuse(w, f"engine error: {type(e).__name__}: {e}")
+            return
         self.active[w.request_id] = w
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
         self.log.debug("request_admitted", request_id=w.request_id, attempt=w.attempt, mode=mode,
                        prompt_tokens=len(w.prompt_token_ids), chunk_schedule=list(schedule))
         self.beat_now()
 
-    def _refuse(self, w: m.DecodeWork, reason: str) -> None:
+    def _refuse(self, w: m.DecodeWork, reason: str, *, invalid: bool = False) -> None:
         self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=w.request_id, reason=reason)
-        self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
-                                  reason=reason, retryable=True))
+        self.log.warning("work_refused", request_id=w.request_id, reason=reason, invalid=invalid)
+        self.fail_request(w.request_id, w.attempt, reason, invalid=invalid)
 
     def _reserve_kv(self, p: _Pending) -> None:
         """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write.

@@ -8,6 +8,11 @@ Routes (GET only):
     /events       server-sent events: `event: state` with the same JSON, about once a second
     /health       200 {"status": "ok", ...}: the process is up (the router may still be silent)
 
+With an API key (MonitorConfig.api_key, the router's key), /metrics, /api/state and /events need
+`Authorization: Bearer <key>` or `?key=<key>` (a browser's EventSource cannot send headers: open
+the dashboard as /?key=<key> and it passes the key on); /health, / and /static/ stay open (no
+data). Keys are compared in constant time.
+
 /events is bounded: at most `max_streams` clients at once (503 beyond), and every stream ends
 when the client goes away or the monitor stops.
 """
@@ -16,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -66,7 +73,7 @@ class Feed:
 class App:
     def __init__(self, *, snapshot: Callable[[], dict[str, Any]], metrics: Callable[[], bytes],
                  health: Callable[[], dict[str, Any]], feed: Feed, stop: asyncio.Event,
-                 max_streams: int = 32) -> None:
+                 max_streams: int = 32, api_key: str = "") -> None:
         self.snapshot = snapshot
         self.metrics = metrics
         self.health = health
@@ -75,6 +82,16 @@ class App:
         self.max_streams = max_streams
         self.streams = 0
         self.static = load_static()
+        self._key = api_key.encode()
+
+    def _authorised(self, scope: Scope) -> bool:
+        if not self._key:
+            return True
+        for k, v in scope["headers"]:
+            if k == b"authorization" and hmac.compare_digest(v, b"Bearer " + self._key):
+                return True
+        given = parse_qs(scope.get("query_string", b"").decode(errors="replace")).get("key", [""])[0]
+        return hmac.compare_digest(given.encode(), self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,6 +102,10 @@ class App:
             return
         if path == "/":
             path = "/static/index.html"
+        if path in ("/metrics", "/api/state", "/events") and not self._authorised(scope):
+            await self._reply(send, 401, JSON, _json.encode(
+                {"error": "missing or wrong API key: send 'Authorization: Bearer <key>' (or ?key=<key>)"}))
+            return
         if path == "/metrics":
             await self._reply(send, 200, CONTENT_TYPE_LATEST.encode(), self.metrics())
         elif path == "/api/state":

@@ -48,7 +48,7 @@ class Monitor:
         self.metrics = MonitorMetrics(self.state, clock)
         self.feed = Feed()
         self.app = App(snapshot=self.snapshot, metrics=self.metrics.render, health=self.health, feed=self.feed,
-                       stop=self.stop)
+                       stop=self.stop, api_key=cfg.api_key)
 
     # ------------------------------------------------------------------ intake
     def on_message(self, msg: m.TelemetryInbox) -> None:
@@ -59,7 +59,10 @@ class Monitor:
                     log.info("worker_seen", worker=msg.worker_id, role=msg.role, engine=msg.engine,
                              incarnation=msg.incarnation)
             case m.WorkerLost():
-                log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
+                if msg.reason == "departed":  # drained and left: normal life, not a loss
+                    log.info("worker_departed", worker=msg.worker_id, role=msg.role)
+                else:
+                    log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
             case m.DecisionRecord() | m.RequestRecord() | m.RouterStats():
                 pass
             case _:

@@ -16,8 +16,10 @@ from typing import Any
 from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
+from common.engines.replay import drain
 from common.errors import Overloaded
 from common.kv import KvError, KvSender, fill_pattern, layout_from_info, sender_from_config, transfer_key
+from common.perf_model import PerfModel
 from common.worker import WorkerService
 
 
@@ -30,6 +32,10 @@ class PrefillWorker(WorkerService):
         self.work: dict[str, m.PrefillWork] = {}
         self._transfers: set[asyncio.Task[None]] = set()
         self.targets: dict[str, m.KvTarget] = {}
+        # Pull mode (the decode side READs the KV, vLLM): request -> when we stop waiting for the
+        # read. Kept until the router says the decode side has it (Cancel "kv_consumed"), so a
+        # drain does not end while decode workers still read from this one.
+        self.kv_out: dict[str, float] = {}
         self._target_arrived: dict[str, asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
@@ -37,11 +43,19 @@ class PrefillWorker(WorkerService):
 
     def heartbeat(self) -> m.PrefillHeartbeat:
         load = self.engine.load()
+        coeffs = self.coeffs()
+        queue = None
+        if load.backlog is not None and coeffs is not None:
+            # the router's replay predictor starts from this worker's own replay of its queue
+            t = drain(PerfModel.from_coeffs(coeffs), self.engine.token_budget, self.engine.max_batch,
+                      load.busy_s, load.backlog)
+            queue = m.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end)
         return m.PrefillHeartbeat(
             worker_id=self.worker_id, incarnation=self.incarnation, seq=self.hb_seq,
             queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
             token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
-            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=self.coeffs(), draining=self.draining)
+            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
+            backlog=load.backlog, busy_s=load.busy_s, max_batch=self.engine.max_batch, drain=queue)
 
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
@@ -54,6 +68,27 @@ class PrefillWorker(WorkerService):
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
 
+    def held_ids(self) -> list[str]:
+        return [*self.work, *self.kv_out]  # KV kept for a pull too: freed if the router forgot it
+
+    def drain_pending(self) -> bool:
+        now = time.monotonic()
+        for rid in [r for r, until in self.kv_out.items() if until <= now]:
+            del self.kv_out[rid]
+        if self.kv_out:
+            self.log.debug("drain_waits_for_kv_reads", requests=len(self.kv_out))
+        return bool(self.kv_out)
+
+    def drop_request(self, request_id: str) -> None:
+        self.kv_out.pop(request_id, None)
+        if self.work.pop(request_id, None) is not None:
+            self._forget_target(request_id)
+            self.engine.abort(request_id)
+            self.beat_now()
+
+    def extra_hello(self) -> dict[str, Any]:
+        return {"kv_block_tokens": self.cfg.kv_block_tokens} if self.tx is not None else {}
+
     async def on_message(self, msg: Any) -> None:
         match msg:
             case m.PrefillWork():
@@ -61,6 +96,7 @@ class PrefillWorker(WorkerService):
             case m.KvTarget():
                 self._on_kv_target(msg)
             case m.Cancel():
+                self.kv_out.pop(msg.request_id, None)  # "kv_consumed", or the request ended
                 w = self.work.get(msg.request_id)
                 if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
                     self.work.pop(msg.request_id)
@@ -81,12 +117,23 @@ class PrefillWorker(WorkerService):
         old = self.work.get(w.request_id)
         if old is not None:  # a re-dispatch of something we still hold: drop the old attempt
             self.engine.abort(w.request_id)
+        if why := self.too_long(len(w.prompt_token_ids)):
+            self._refuse(w, why, invalid=True)
+            return
         try:
             self.engine.add(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                           prompt_token_ids=w.prompt_token_ids, sampling=w.sampling, mode="prefill",
                                           cached_tokens=w.cached_tokens))
         except Overloaded as e:
             self._refuse(w, f"overloaded: {e}")
+            return
+        except ValueError as e:  # the engine refuses the request itself (vLLM: too long, bad ids, ...)
+            self._refuse(w, f"engine refused the request: {e}", invalid=True)
+            return
+        except Exception as e:  # an engine fault on one request fails that request
+            self.log.error("engine_add_failed", request_id=w.request_id, error=f"{type(e).__name__}: {e}",
+                           exc_info=True)
+            self._refuse(w, f"engine error: {type(e).__name__}: {e}")
             return
         self.work[w.request_id] = w
         self.beat_now()
@@ -95,11 +142,10 @@ class PrefillWorker(WorkerService):
         self.work.pop(request_id, None)
         self._forget_target(request_id)
 
-    def _refuse(self, w: m.PrefillWork, reason: str) -> None:
+    def _refuse(self, w: m.PrefillWork, reason: str, *, invalid: bool = False) -> None:
         self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=w.request_id, reason=reason)
-        self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
-                                  reason=reason, retryable=True))
+        self.log.warning("work_refused", request_id=w.request_id, reason=reason, invalid=invalid)
+        self.fail_request(w.request_id, w.attempt, reason, invalid=invalid)
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
         w = self.work.get(t.request_id)
@@ -181,5 +227,7 @@ class PrefillWorker(WorkerService):
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
                                 queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
                                 kv_error=error))
+        if p.kv_params and not error:  # pull mode: the decode side reads it from us, later
+            self.kv_out[w.request_id] = time.monotonic() + self.cfg.kv_handoff_timeout
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)

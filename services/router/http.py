@@ -6,15 +6,21 @@ GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairo
 (routes, reasons, workers), GET /metrics (Prometheus).
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-requests, 401 without the API key, 404/405 for unknown routes, 413 for oversized bodies,
-429 (overloaded) and 503 (no worker, shutting down) with a Retry-After header.
+requests (and for what no registered worker can serve, such as a prompt over every worker's
+max_model_len: at once, never retried), 401 without the API key, 404/405 for unknown routes, 413
+for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the request
+`worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
+can help.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds), `ignore_eos`;
-the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`.
+the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`, and
+`x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
+is echoed back but is only a label).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -253,7 +259,7 @@ class App:
         if self._auth is None:
             return
         for k, v in scope["headers"]:
-            if k == b"authorization" and v == self._auth:
+            if k == b"authorization" and hmac.compare_digest(v, self._auth):  # constant time
                 return
         raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                         type_="authentication_error", code="invalid_api_key")
@@ -290,7 +296,11 @@ class App:
             if k == b"x-request-id":
                 rid = v.decode(errors="replace")[:128]
         try:
-            req = router.submit(p.prompt_ids, p.sampling, ttft_slo=p.ttft_slo, tbt_slo=p.tbt_slo, request_id=rid)
+            req = await router.admit(p.prompt_ids, p.sampling, ttft_slo=p.ttft_slo, tbt_slo=p.tbt_slo,
+                                     request_id=rid)
+        except RequestError as e:  # nothing registered can serve it: a client error, not worth a retry
+            raise HttpError(400, str(e), param="messages" if p.chat and e.param == "prompt" else e.param,
+                            code=e.code) from e
         except Overloaded as e:
             raise HttpError(429, str(e), type_="rate_limit_error", code="overloaded",
                             retry_after=e.retry_after_s) from e
@@ -298,7 +308,8 @@ class App:
             raise HttpError(503, str(e), type_="service_unavailable", code="unavailable",
                             retry_after=e.retry_after_s) from e
         d = req.decision
-        headers = [(b"x-request-id", req.request_id.encode())]
+        headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
+                   (b"x-kairos-request-id", req.request_id.encode())]
         if d is not None:
             headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
                         (b"x-kairos-decode-worker", d.decode_worker.encode())]
@@ -336,11 +347,7 @@ class App:
                 if ev.token_ids:
                     parts.append(detok.push(ev.token_ids))
                 if ev.error is not None:
-                    status = 503 if ev.error_code in ("unavailable", "retries_exhausted", "router_shutdown",
-                                                      "kv_wait_timeout") else 500
-                    if ev.error_code == "deadline_exceeded":
-                        status = 504
-                    raise HttpError(status, ev.error, type_="server_error", code=ev.error_code)
+                    raise _end_error(ev)
                 if ev.finish_reason is not None:
                     finish = ev.finish_reason
                     break
@@ -413,6 +420,22 @@ class App:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": not end})
             if end:
                 return
+
+
+def _end_error(ev: Event) -> HttpError:
+    """The HTTP error for a request that failed after admission (unary responses)."""
+    code = ev.error_code
+    if code == "invalid_request":  # a worker found the request itself at fault: retrying cannot help
+        return HttpError(400, ev.error or "", code=code)
+    if code == "deadline_exceeded":
+        return HttpError(504, ev.error or "", type_="server_error", code=code)
+    if code == "router_shutdown":  # another router (or this one, restarted) can take it
+        return HttpError(503, ev.error or "", type_="server_error", code=code, retry_after=2.0)
+    if code == "kv_wait_timeout":  # no KV room anywhere for a while: room frees as requests end
+        return HttpError(503, ev.error or "", type_="server_error", code=code, retry_after=2.0)
+    if code in ("unavailable", "retries_exhausted"):
+        return HttpError(503, ev.error or "", type_="server_error", code=code)
+    return HttpError(500, ev.error or "", type_="server_error", code=code)
 
 
 def new_request_id() -> str:

@@ -57,6 +57,14 @@ PREFILL_TIME = Histogram("kairos_router_request_prefill_time_seconds", "Time a p
                          "request.", buckets=TTFT_BUCKETS)
 WORKERS_LOST = Counter("kairos_router_workers_lost", "Workers removed (heartbeat timeout, restart).", ["role"])
 BAD_FRAMES = Counter("kairos_router_bad_frames", "Bus frames that did not decode and were dropped.", ["socket"])
+DROPPED = Counter("kairos_router_dropped_messages", "Worker messages dropped because the sender may not send them "
+                  "(unregistered peer, a request not assigned to it, a worker id not its own), by reason.",
+                  ["reason"])
+REFUSED = Counter("kairos_router_workers_refused", "Registrations refused (protocol, identity, or an engine, model "
+                  "or KV transport incompatible with the cluster's), by reason.", ["reason"])
+DEPARTED = Counter("kairos_router_workers_departed", "Workers that drained and left cleanly (Goodbye).", ["role"])
+HELD = Counter("kairos_router_held_requests", "Requests held at admission because no worker could take them yet, "
+               "by how the wait ended (served, or timeout: HTTP 503).", ["outcome"])
 
 
 def observe_decision(rec: m.DecisionRecord) -> None:
@@ -115,6 +123,22 @@ def observe_worker_lost(role: str) -> None:
 
 def observe_bad_frame(socket: str) -> None:
     BAD_FRAMES.labels(socket).inc()
+
+
+def observe_dropped(reason: str) -> None:
+    DROPPED.labels(reason).inc()
+
+
+def observe_refused(reason: str) -> None:
+    REFUSED.labels(reason).inc()
+
+
+def observe_departed(role: str) -> None:
+    DEPARTED.labels(role).inc()
+
+
+def observe_held(outcome: str) -> None:
+    HELD.labels(outcome).inc()
 
 
 def set_in_flight(n: int) -> None:

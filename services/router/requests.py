@@ -60,6 +60,7 @@ class Request:
     arrival: float
     deadline: float
     cached_tokens: int = 0
+    client_request_id: str = ""  # the client's x-request-id: a label only, never a bus key
     attempt: int = 0
     decision: Decision | None = None
     decided_at: float = 0.0
@@ -103,4 +104,4 @@ class Request:
             kv_transfer_s=self.prefill.kv.transfer_s if self.prefill else None, kv_error=self.kv_error,
             prefill_queue_s=self.prefill.queue_s if self.prefill else None,
             prefill_s=self.prefill.prefill_s if self.prefill else None, ttft_slo_s=self.ttft_slo,
-            tbt_slo_s=self.tbt_slo)
+            tbt_slo_s=self.tbt_slo, client_request_id=self.client_request_id)

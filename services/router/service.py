@@ -12,7 +12,7 @@ request has a deadline.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import os
 import time
 import uuid
 from collections import Counter, deque
@@ -23,7 +23,7 @@ import structlog
 from common import codec
 from common import messages as m
 from common.config import RouterConfig, parse_list
-from common.errors import ConfigError, Overloaded, ProtocolError, Unavailable
+from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
@@ -31,6 +31,7 @@ from services.router import metrics
 from services.router.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
 from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
+from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
@@ -44,7 +45,9 @@ class Router:
         try:
             kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
-                                per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware)
+                                per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
+                                predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
+                                share_expect=cfg.share_expect)
             ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                      eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -65,7 +68,8 @@ class Router:
         self.accepting = True
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
         self._inbox: Inbox | None = None
-        self._ids = itertools.count(1)
+        self.gate = Gate(self.counts)
+        self._workers_joined = asyncio.Event()  # set (and replaced) whenever a worker registers
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -102,13 +106,15 @@ class Router:
             self.counts["rejected"] += 1
             metrics.observe_rejected("overloaded")
             raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
-        rid = request_id or f"{self.incarnation}{next(self._ids):08x}"  # unique without a syscall
-        if rid in self.requests:
-            rid = f"{rid}-{uuid.uuid4().hex[:6]}"
+        self._check_limits(prompt_ids, sampling)
+        # The bus key of a request: 96 random bits, so no peer can guess another's (about 0.6 us;
+        # a counter is 0.3 us). The client's own id is kept as a label only.
+        rid = os.urandom(12).hex()
         now = time.monotonic()
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
-                      arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens)
+                      arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
+                      client_request_id=request_id or "")
         while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
             self.kv_waiting.popleft()
         try:
@@ -125,13 +131,59 @@ class Router:
             self.kv_waiting.append(req)
             self.counts["kv_waited"] += 1
         except NoWorkers as e:
-            self.counts["unavailable"] += 1
-            metrics.observe_rejected("no_worker")
-            raise Unavailable(f"cannot serve now: {e}", retry_after_s=1.0) from e
+            raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
         metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
         return req
+
+    async def admit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
+                    tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+        """`submit`, but when no worker can take the request yet (the router just restarted and the
+        workers are re-registering, or they are all restarting), hold it up to `worker_wait`
+        seconds for one to register instead of answering 503 at once."""
+        deadline = time.monotonic() + self.cfg.worker_wait
+        held = False
+        while True:
+            try:
+                req = self.submit(prompt_ids, sampling, ttft_slo=ttft_slo, tbt_slo=tbt_slo, request_id=request_id,
+                                  cached_tokens=cached_tokens)
+            except NoWorkerYet:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.accepting:
+                    self.counts["unavailable"] += 1
+                    metrics.observe_rejected("no_worker")
+                    if held:
+                        metrics.observe_held("timeout")
+                    raise
+                held = True
+                joined = self._workers_joined
+                try:
+                    await asyncio.wait_for(joined.wait(), timeout=left)
+                except TimeoutError:
+                    pass
+                continue
+            if held:
+                metrics.observe_held("served")
+            return req
+
+    def _check_limits(self, prompt_ids: list[int], sampling: m.Sampling) -> None:
+        """HTTP 400 now for what no live worker can ever serve (retrying would not help)."""
+        limit = serving_limit(self.table)
+        if limit and len(prompt_ids) >= limit:
+            self.counts["rejected_too_long"] += 1
+            metrics.observe_rejected("too_long")
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the workers' max_model_len is {limit} "
+                               f"(prompt plus at least one output token): shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
+        kv = kv_limit(self.table)
+        need = len(prompt_ids) + sampling.max_tokens
+        if kv and need > kv:
+            self.counts["rejected_too_long"] += 1
+            metrics.observe_rejected("too_long")
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) needs "
+                               f"{need} tokens of KV cache; the largest decode worker holds {kv}: shorten the prompt "
+                               "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
     def _retry_kv_waiting(self) -> None:
         """Place the requests waiting for KV room, in arrival order, while the views show room
@@ -164,7 +216,8 @@ class Router:
 
     def _dispatch(self, req: Request) -> None:
         t0 = time.perf_counter()
-        view = self.table.view(use_ledger=self.cfg.ledger, exclude=frozenset(req.exclude))
+        exclude = frozenset(req.exclude) | too_small(self.table, len(req.prompt_token_ids))
+        view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
                            max_tokens=req.sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens)
@@ -188,10 +241,12 @@ class Router:
                                         prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens))
+            dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
+                                               time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
-            pno = pw.next_dispatch(LedgerEntry(req.request_id, tokens, 0, deflect=False))
+            pno = pw.next_dispatch(LedgerEntry(req.request_id, tokens, 0, deflect=False, at=time.monotonic()))
             dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
@@ -210,7 +265,8 @@ class Router:
                                reason=decision.reason, prompt_tokens=tokens,
                                ttft_prefill_pred=decision.ttft_prefill_pred,
                                ttft_decode_pred=decision.ttft_decode_pred, chunk_schedule=decision.chunk_schedule,
-                               decision_us=decision_us, at=time.time(), attempt=req.attempt)
+                               decision_us=decision_us, at=time.time(), attempt=req.attempt,
+                               client_request_id=req.client_request_id)
         self._publish(rec)
         metrics.observe_decision(rec)
         log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
@@ -236,6 +292,7 @@ class Router:
             if w is not None:
                 w.holding.discard(req.request_id)
                 w.deflecting.pop(req.request_id, None)
+                w.deflect_info.pop(req.request_id, None)
 
     def _end(self, req: Request, outcome: str, counter: str, *, cancel: bool) -> bool:
         """The bookkeeping every end of a request shares; False if it had already ended."""
@@ -278,7 +335,8 @@ class Router:
         self._publish(rec)
         metrics.observe_request(rec, req.gaps)
         metrics.set_in_flight(len(self.requests))
-        log.info("request_done", request_id=req.request_id, route=rec.route, reason=rec.reason,
+        log.info("request_done", request_id=req.request_id, client_request_id=req.client_request_id or None,
+                 route=rec.route, reason=rec.reason,
                  prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
                  prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
                  ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,
@@ -355,33 +413,93 @@ class Router:
             self._on_work_message(identity, msg)
         except ProtocolError as e:
             log.warning("protocol_error", error=str(e))
+        except Exception as e:  # one bad message must not take the router down
+            self._on_handler_error(identity, msg, e)
 
     def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
+        if isinstance(msg, m.Hello):
+            self._on_hello(identity, msg)
+            return
+        w = self._trusted_sender(identity, msg)
+        if w is None:
+            return
         match msg:
             case m.TokenBatch():
-                self._on_tokens(msg)
+                self._on_tokens(msg, w)
             case m.PrefillDone():
-                self._on_prefill_done(msg)
-            case m.Hello():
-                self._on_hello(identity, msg)
+                self._on_prefill_done(msg, w)
             case m.RequestFailed():
-                self._on_failed(msg)
+                self._on_failed(msg, w)
             case m.KvTarget():
-                self._relay(msg, to="prefill")
+                self._relay(msg, w, to="prefill")
             case m.KvWant():
-                self._relay(msg, to="decode")
+                self._relay(msg, w, to="decode")
             case m.Goodbye():
-                self._on_goodbye(msg)
+                self._on_goodbye(msg, w)
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on the work socket")
 
+    # -- trust: who may send what (every message but Hello comes from a registered worker, bound to
+    # the ZeroMQ identity it registered with, and concerns only requests assigned to it)
+    def _trusted_sender(self, identity: bytes, msg: m.Msg) -> WorkerEntry | None:
+        w = self.table.workers.get(identity.decode(errors="replace"))
+        if w is None or w.identity != identity:
+            self.gate.drop(identity, "unregistered_peer", msg)
+            return None
+        claimed = getattr(msg, "worker_id", None)
+        if claimed is not None and claimed != w.worker_id:
+            self.gate.drop(identity, "worker_id_mismatch", msg)
+            return None
+        return w
+
+    def _assigned(self, w: WorkerEntry, req: Request, msg: m.Msg, *, role: m.Role | None = None) -> bool:
+        """Whether `req` is assigned to `w` (in `role`, if given); if not, drop `msg`, counted."""
+        if role != "decode" and req.prefill_worker == w.worker_id:
+            return True
+        if role != "prefill" and req.decode_worker == w.worker_id:
+            return True
+        self.gate.drop(w.identity, "not_assigned", msg, req.request_id)
+        return False
+
+    def _on_handler_error(self, identity: bytes, msg: m.Msg, e: Exception) -> None:
+        """A message we failed to handle (a bug, or input we did not foresee): fail the one request
+        it concerns, if it is that sender's, and keep serving."""
+        self.counts["handler_errors"] += 1
+        metrics.observe_bad_frame("work_handler")
+        rid = getattr(msg, "request_id", None)
+        log.error("message_handler_failed", message=type(msg).__name__, request_id=rid,
+                  peer=identity.decode(errors="replace")[:64], error=f"{type(e).__name__}: {e}"[:300],
+                  exc_info=True)
+        req = self.requests.get(rid) if isinstance(rid, str) else None
+        w = self.table.workers.get(identity.decode(errors="replace"))
+        if req is not None and w is not None and w.identity == identity and \
+                w.worker_id in (req.prefill_worker, req.decode_worker):
+            try:
+                self._fail(req, f"internal error handling {type(msg).__name__} from {w.worker_id}",
+                           code="internal_error")
+            except Exception as e2:  # already failing: log, never take the router down
+                log.error("fail_after_handler_error_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
+
+    def _refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
+        self.counts["workers_refused"] += 1
+        metrics.observe_refused(reason.split(":", 1)[0])
+        log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
+                  kv_transport=h.kv_transport, reason=reason)
+        self._work_send([identity, codec.encode(m.Refused(router_incarnation=self.incarnation, reason=reason))])
+
+    def _tracks(self, request_id: str, worker_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and worker_id in (req.prefill_worker, req.decode_worker)
+
+    def _wake_held(self) -> None:
+        """A worker registered: requests held at admission try again."""
+        joined, self._workers_joined = self._workers_joined, asyncio.Event()
+        joined.set()
+
     def _on_hello(self, identity: bytes, h: m.Hello) -> None:
-        if h.protocol != m.PROTOCOL_VERSION:
-            log.error("worker_refused", worker=h.worker_id, reason="protocol", theirs=h.protocol,
-                      ours=m.PROTOCOL_VERSION)
-            return
-        if identity != h.worker_id.encode():
-            log.error("worker_refused", worker=h.worker_id, reason="identity does not match worker_id")
+        reason = refusal(identity, h, self.table, served_model=self.cfg.served_model_name)
+        if reason:
+            self._refuse(identity, h, reason)
             return
         known = self.table.workers.get(h.worker_id)
         is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
@@ -394,39 +512,57 @@ class Router:
             log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
                      token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
                      kv_transport=h.kv_transport)
+        # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
+        drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
+        if drop:
+            log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
         self._send(entry, m.Welcome(router_incarnation=self.incarnation,
-                                    heartbeat_interval_s=self.cfg.heartbeat_interval))
+                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
+        if not entry.draining:
+            self._wake_held()
 
-    def _on_goodbye(self, g: m.Goodbye) -> None:
-        w = self.table.workers.get(g.worker_id)
-        if w is not None and w.incarnation == g.incarnation:
-            w.draining = True
-            log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
+    def _on_goodbye(self, g: m.Goodbye, w: WorkerEntry) -> None:
+        if w.incarnation != g.incarnation:
+            return
+        if g.reason == "drained":  # the drain is over and it is leaving: a departure, not a loss
+            self.table.remove(w.worker_id)
+            metrics.observe_departed(w.role)
+            log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
+            self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed", at=time.time()))
+            self._requeue_held(w, "departed")
+            return
+        w.draining = True
+        log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
 
-    def _on_tokens(self, b: m.TokenBatch) -> None:
+    def _on_tokens(self, b: m.TokenBatch, w: WorkerEntry) -> None:
         now = time.monotonic()
         reqs = self.requests
-        w = self.table.workers.get(b.worker_id)
-        if w is not None:
-            w.last_seen = now
+        w.last_seen = now
         for i, rid in enumerate(b.kv_fallback):
             r = reqs.get(rid)
-            if r is not None:
+            if r is not None and self._assigned(w, r, b, role="decode"):
                 r.kv_fallback = True
                 if i < len(b.kv_fallback_reasons):
                     r.kv_error = r.kv_error or b.kv_fallback_reasons[i]
                 self.counts["kv_fallbacks"] += 1
                 metrics.observe_kv_fallback()
+        wid = w.worker_id
         for it in b.items:
             req = reqs.get(it.request_id)
+            if req is not None and req.decode_worker != wid:  # not (or no longer) this worker's
+                self.gate.drop(w.identity, "not_assigned", b, it.request_id)
+                if it.finish_reason is None:  # e.g. it woke up after the request moved on: stop it there
+                    self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="not_assigned"))
+                continue
             if req is None or req.attempt != it.attempt or req.done:
-                if w is not None and it.finish_reason is None:  # a stale attempt still running there
+                if it.finish_reason is None:  # a stale attempt still running there
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
             if req.first_token_at is None:
                 req.first_token_at = now
-                if w is not None:
-                    w.deflecting.pop(req.request_id, None)
+                w.deflecting.pop(req.request_id, None)
+                w.deflect_info.pop(req.request_id, None)
+                self._kv_consumed(req)
             else:
                 req.gaps.append(now - req.last_token_at)
             req.last_token_at = now
@@ -435,13 +571,13 @@ class Router:
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)
 
-    def _on_prefill_done(self, p: m.PrefillDone) -> None:
-        metrics.observe_prefill_done(p)
+    def _on_prefill_done(self, p: m.PrefillDone, pw: WorkerEntry) -> None:
         req = self.requests.get(p.request_id)
-        pw = self.table.workers.get(p.worker_id)
-        if pw is not None:
-            pw.holding.discard(p.request_id)
-            pw.last_seen = time.monotonic()
+        if req is not None and not self._assigned(pw, req, p, role="prefill"):
+            return
+        metrics.observe_prefill_done(p)
+        pw.holding.discard(p.request_id)
+        pw.last_seen = time.monotonic()
         if req is None or req.attempt != p.attempt or req.done:
             return
         req.prefill_done = True
@@ -458,26 +594,41 @@ class Router:
                         decode_worker=dw.worker_id, reason=p.kv_error)
         self._send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv, error=p.kv_error))
 
-    def _relay(self, msg: m.KvWant | m.KvTarget, to: m.Role) -> None:
+    def _relay(self, msg: m.KvWant | m.KvTarget, sender: WorkerEntry, to: m.Role) -> None:
         """Pass a KV handshake message to the request's other worker (current attempt only)."""
         req = self.requests.get(msg.request_id)
         if req is None or req.attempt != msg.attempt:
+            return
+        if not self._assigned(sender, req, msg, role="decode" if to == "prefill" else "prefill"):
             return
         wid = req.decode_worker if to == "decode" else req.prefill_worker
         w = self.table.workers.get(wid) if wid else None
         if w is not None:
             self._send(w, msg)
 
-    def _on_failed(self, f: m.RequestFailed) -> None:
+    def _on_failed(self, f: m.RequestFailed, w: WorkerEntry) -> None:
         req = self.requests.get(f.request_id)
         if req is None or req.attempt != f.attempt or req.done:
+            return
+        if not self._assigned(w, req, f):
             return
         log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
                     retryable=f.retryable)
         if f.retryable:
             self._redispatch(req, f.reason, f.worker_id)
+        elif f.code == "invalid_request":  # the request is at fault: no worker would take it
+            self._fail(req, f.reason, code="invalid_request")
         else:
             self._fail(req, f"worker {f.worker_id}: {f.reason}", code="worker_error")
+
+    def _kv_consumed(self, req: Request) -> None:
+        """A handed-off request's first token: the decode side has the KV (or gave up on it), so a
+        prefill worker holding it for a pull may let it go (and finish its drain)."""
+        p = req.prefill
+        if p is not None and p.kv.params and req.prefill_worker:
+            pw = self.table.workers.get(req.prefill_worker)
+            if pw is not None:
+                self._send(pw, m.Cancel(request_id=req.request_id, attempt=req.attempt, reason="kv_consumed"))
 
     # ------------------------------------------------------------------ heartbeats and liveness
     async def _heartbeat_loop(self) -> None:
@@ -497,7 +648,14 @@ class Router:
                 metrics.observe_bad_frame("heartbeats")
                 log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
                 continue
-            if self.table.heartbeat(hb) is None:
+            try:
+                entry = self.table.heartbeat(hb)
+            except Exception as e:  # e.g. coefficients no model can be built from
+                self.counts["bad_frames"] += 1
+                metrics.observe_bad_frame("heartbeats")
+                log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
+                continue
+            if entry is None:
                 # unknown worker or old incarnation: the router restarted, or declared it dead
                 w = self.table.workers.get(hb.worker_id)
                 if w is None or w.incarnation != hb.incarnation:
@@ -511,18 +669,25 @@ class Router:
         last = getattr(self, "_asked", {})
         if now - last.get(worker_id, 0.0) < 0.5:
             return
-        last[worker_id] = now
         self._asked = last
-        self._work_send([worker_id.encode(), codec.encode(
-            m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))])
+        if self._work_send([worker_id.encode(), codec.encode(
+                m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))]):
+            last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
 
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
             for w in self.table.expired(self.liveness_s):
+                self.table.remove(w.worker_id)
+                if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
+                    metrics.observe_departed(w.role)
+                    log.info("worker_departed", worker=w.worker_id, role=w.role,
+                             silent_s=round(time.monotonic() - w.last_seen, 3))
+                    self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
+                                               at=time.time()))
+                    continue
                 log.warning("worker_lost", worker=w.worker_id, role=w.role,
                             silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
-                self.table.remove(w.worker_id)
                 self._worker_gone(w, "heartbeat timeout")
             now = time.monotonic()
             if self.kv_waiting:
@@ -533,6 +698,10 @@ class Router:
     def _worker_gone(self, w: WorkerEntry, why: str) -> None:
         metrics.observe_worker_lost(w.role)
         self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
+        self._requeue_held(w, why)
+
+    def _requeue_held(self, w: WorkerEntry, why: str) -> None:
+        """Re-dispatch (or fail, if already streaming) what a worker that left was holding."""
         for rid in list(w.holding):
             req = self.requests.get(rid)
             if req is None or req.done:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from common import messages as m
+from common.engines.replay import Tail
 from common.perf_model import PerfModel
 from services.router.policy.base import ClusterView, DecodeView, PrefillView
 
@@ -23,6 +24,7 @@ class LedgerEntry:
     prompt_tokens: int
     reserve_tokens: int
     deflect: bool
+    at: float = 0.0  # router clock (monotonic) when dispatched: when it joins the worker's queue
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +41,11 @@ class WorkerEntry:
     dispatch_no: int = 0
     ledger: dict[int, LedgerEntry] = field(default_factory=dict)
     deflecting: dict[str, float] = field(default_factory=dict)  # request -> reserved step cost (s)
+    deflect_info: dict[str, tuple[int, float]] = field(default_factory=dict)  # request -> (largest chunk,
+    # predicted end of its prefill on the router clock)
+    hb_at: float = 0.0                   # router clock when the last heartbeat came
+    backlog: tuple[tuple[int, int], ...] | None = None  # the last prefill heartbeat's, as a tuple
+    drain: Tail | None = None            # the last prefill heartbeat's drain, on the router clock
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
@@ -57,23 +64,35 @@ class WorkerEntry:
         hb = self.hb
         queued = hb.queued_tokens if isinstance(hb, m.PrefillHeartbeat) else 0
         reqs = hb.queued_requests if isinstance(hb, m.PrefillHeartbeat) else 0
+        ledger: tuple[tuple[int, float], ...] = ()
         if use_ledger:
             for e in self.ledger.values():
                 queued += e.prompt_tokens
                 reqs += 1
+            ledger = tuple((e.prompt_tokens, e.at) for e in self.ledger.values())
+        if not isinstance(hb, m.PrefillHeartbeat):  # none yet: idle since it registered
+            return PrefillView(worker_id=self.worker_id, queued_tokens=queued, queued_requests=reqs,
+                               token_budget=self.hello.token_budget, model=self.model, backlog=(),
+                               busy_until=self.joined, ledger=ledger)
         return PrefillView(worker_id=self.worker_id, queued_tokens=queued, queued_requests=reqs,
-                           token_budget=self.hello.token_budget, model=self.model)
+                           token_budget=self.hello.token_budget, model=self.model,
+                           backlog=self.backlog, busy_until=self.hb_at + hb.busy_s, drain=self.drain,
+                           ledger=ledger, max_batch=hb.max_batch)
 
     def decode_view(self, use_ledger: bool) -> DecodeView:
         hb = self.hb
         h = self.hello
+        busy_until = step_s = 0.0
         if isinstance(hb, m.DecodeHeartbeat):
+            busy_until, step_s = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0
             batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
             resident, defl = hb.resident_prefill_tokens, hb.deflections
             slo, pending = hb.strictest_tbt_slo, hb.waiting_kv
         else:
             batch, kv, free, resident, defl, slo, pending = 0, 0, h.kv_capacity_tokens, 0, 0, None, 0
         reserved = 0.0
+        reserved_tokens = 0
+        inflight: tuple[tuple[float, float, int], ...] = ()
         if use_ledger:
             for e in self.ledger.values():
                 free -= e.reserve_tokens
@@ -83,10 +102,13 @@ class WorkerEntry:
                     pending += 1
             defl = len(self.deflecting)  # exact: the router sees every deflection start and end
             reserved = sum(self.deflecting.values())
+            reserved_tokens = sum(t for t, _ in self.deflect_info.values())
+            inflight = tuple((end, self.deflecting.get(rid, 0.0), k) for rid, (k, end) in self.deflect_info.items())
         return DecodeView(worker_id=self.worker_id, batch=batch, kv_tokens=kv, kv_free_tokens=max(free, 0),
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
-                          reserved_step_s=reserved, pending=pending)
+                          reserved_step_s=reserved, pending=pending, reserved_tokens=reserved_tokens,
+                          busy_until=busy_until, inflight=inflight, step_s=step_s)
 
 
 class WorkerTable:
@@ -118,7 +140,12 @@ class WorkerTable:
             return e  # reordered or duplicate: keep the newer one
         e.hb = hb
         e.heartbeats += 1
-        e.last_seen = time.monotonic()
+        e.last_seen = e.hb_at = time.monotonic()
+        if isinstance(hb, m.PrefillHeartbeat):
+            # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects
+            e.backlog = tuple(hb.backlog) if hb.backlog is not None else None
+            d = hb.drain
+            e.drain = None if d is None else Tail(e.hb_at + d.start_s, tuple(d.chunks), d.used, e.hb_at + d.end_s)
         e.draining = e.draining or hb.draining
         e.acknowledge(hb.last_dispatch)
         if hb.coeffs is not None and self.per_worker_models:

@@ -248,6 +248,20 @@ async def test_http_routes(mon: Monitor) -> None:
         assert (await c.post("/metrics")).status_code == 405
 
 
+async def test_http_api_key_guards_the_data_routes() -> None:
+    guarded = Monitor(MonitorConfig(api_key="s3cret"))
+    transport = httpx.ASGITransport(app=guarded.app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://monitor") as c:
+        for path in ("/metrics", "/api/state"):
+            assert (await c.get(path)).status_code == 401
+            assert (await c.get(path, headers={"authorization": "Bearer wrong"})).status_code == 401
+            assert (await c.get(path, headers={"authorization": "Bearer s3cret"})).status_code == 200
+            assert (await c.get(path + "?key=s3cret")).status_code == 200
+        assert (await c.get("/events")).status_code == 401
+        assert (await c.get("/health")).status_code == 200  # probes need no key
+        assert (await c.get("/")).status_code == 200          # the page holds no data; it passes ?key= on
+
+
 async def test_event_stream_pushes_snapshots_and_ends_on_stop(mon: Monitor) -> None:
     async def ticks() -> None:
         for _ in range(3):

@@ -49,9 +49,9 @@ async def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Asyn
     prefill_failed: list[tuple[str, str]] = []
     d.on_tokens = out.on_tokens
     d.on_kv_fallback = lambda rid, why: out.fallbacks.append((rid, why))
-    d.on_failed = lambda rid, attempt, why: out.failed.append((rid, why))
+    d.on_failed = lambda rid, attempt, why, retryable=True: out.failed.append((rid, why))
     p.on_prefilled = lambda pr: prefilled.__setitem__(pr.request_id, pr)
-    p.on_failed = lambda rid, attempt, why: prefill_failed.append((rid, why))
+    p.on_failed = lambda rid, attempt, why, retryable=True: prefill_failed.append((rid, why))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         await p.start()

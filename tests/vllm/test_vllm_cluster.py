@@ -74,3 +74,17 @@ def test_chat_on_the_real_engine(cluster: Cluster) -> None:
                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage is not None and out.usage.completion_tokens == 8
     assert out.choices[0].finish_reason == "length"
+
+
+def test_prompt_over_max_model_len_is_400_at_once(cluster: Cluster) -> None:
+    """The workers advertise vLLM's max_model_len (2048 here) at registration; the router answers
+    a longer prompt with 400 before dispatch (formerly: three tries on the engine, then 503)."""
+    import httpx
+
+    r = httpx.post(cluster.spec.api + "/v1/completions", json={"prompt": [5] * 2100, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
+    assert "retry-after" not in r.headers
+    counts = httpx.get(cluster.spec.api + "/v1/kairos/stats", timeout=10).json()["counts"]
+    assert "redispatched" not in counts

@@ -183,16 +183,20 @@ function render(s) {
   renderRecent(s);
 }
 
+// With the monitor's API key on, open the dashboard as /?key=<key>: the key goes along.
+const KEY = new URLSearchParams(location.search).get("key");
+const Q = KEY ? "?key=" + encodeURIComponent(KEY) : "";
+
 async function poll() {
   try {
-    const res = await fetch("/api/state", { cache: "no-store" });
+    const res = await fetch("/api/state" + Q, { cache: "no-store" });
     if (res.ok) render(await res.json());
   } catch (e) { /* the monitor is restarting: the next tick retries */ }
 }
 
 function connect() {
   if (!window.EventSource) { setInterval(poll, 2000); return; }
-  const es = new EventSource("/events");
+  const es = new EventSource("/events" + Q);
   es.addEventListener("state", (ev) => render(JSON.parse(ev.data)));
   es.onerror = () => { $("updated").textContent = "reconnecting…"; };
 }

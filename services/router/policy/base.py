@@ -11,6 +11,7 @@ from typing import Protocol
 
 import msgspec
 
+from common.engines.replay import Tail
 from common.messages import Route
 from common.perf_model import PerfModel
 
@@ -30,6 +31,15 @@ class PrefillView(msgspec.Struct, frozen=True, kw_only=True):
     queued_requests: int
     token_budget: int
     model: PerfModel
+    # what the replay predictor needs (predict.py): each held request's (prompt tokens, tokens
+    # done) in FIFO order as of `busy_until`, the end of the step in flight (policy clock); None
+    # when the worker does not report it (the predictor then sees `queued_tokens` less the
+    # ledger's as one request); and the requests dispatched since, (prompt tokens, dispatch time)
+    backlog: tuple[tuple[int, int], ...] | None = None
+    busy_until: float = 0.0
+    drain: Tail | None = None  # the backlog's replay, when the worker computed it (it knows its queue)
+    ledger: tuple[tuple[int, float], ...] = ()
+    max_batch: int = 0  # 0: no cap
 
 
 class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +55,11 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     model: PerfModel
     reserved_step_s: float = 0.0  # added step time of deflections already in flight (ledger)
     pending: int = 0              # handoffs dispatched, not yet decoding
+    reserved_tokens: int = 0      # tokens per step the deflections in flight may take (their largest chunks)
+    busy_until: float = 0.0       # end of the step in flight (policy clock); <= now: unknown or idle
+    inflight: tuple[tuple[float, float, int], ...] = ()  # deflections in flight: (predicted end,
+    # reserved step s, largest chunk)
+    step_s: float = 0.0           # its recent step time (0: unknown)
 
 
 class ClusterView(msgspec.Struct, frozen=True):
@@ -78,12 +93,19 @@ class Policy(Protocol):
 
 def least_loaded_decode(view: ClusterView, req: RequestSpec) -> DecodeView:
     """The decode worker with the most free KV among those with room; ties by batch, then id."""
-    fits = [d for d in view.decode if d.kv_free_tokens >= req.prompt_tokens + req.max_tokens]
-    if not fits:
+    need = req.prompt_tokens + req.max_tokens
+    best: DecodeView | None = None
+    key: tuple[int, int, str] = (0, 0, "")
+    for d in view.decode:
+        if d.kv_free_tokens >= need:
+            k = (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id)
+            if best is None or k < key:
+                best, key = d, k
+    if best is None:
         if not view.decode:
             raise NoWorkers("no live decode worker")
         raise NoKvRoom("no decode worker has KV room for this request")
-    return min(fits, key=lambda d: (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id))
+    return best
 
 
 def least_loaded_prefill(view: ClusterView) -> PrefillView:

@@ -1,6 +1,6 @@
 """Kairos: load-aware prefill deflection (docs/reference/paper.md sections 2-4).
 
-Per request: predict TTFT on the prefill path with Equation 1 (best prefill worker), build on
+Per request: predict TTFT on the prefill path (best prefill worker), build on
 every decode worker the largest-safe chunk schedule (Algorithm 1) under beta x the strictest
 resident TBT SLO, and deflect to the fastest eligible decode worker iff
 TTFT_D <= alpha * TTFT_P and TTFT_D <= the request's TTFT SLO.
@@ -8,24 +8,41 @@ TTFT_D <= alpha * TTFT_P and TTFT_D <= the request's TTFT SLO.
 Beyond the paper, each switchable (KairosConfig): the ledger (done by the router, which folds
 dispatched work into the views), per-worker model coefficients (`per_worker_models`), several
 concurrent deflections per decode worker (`max_deflections` > 1: the in-flight ones' step cost
-is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`).
+is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`), and:
+
+- `predictor`: "paper" is Equation 1 for TTFT_P and Algorithm 1's step sum for TTFT_D, as
+  printed. "replay" replays the prefill worker's known queue through its batching rule
+  (predict.py), and on the decode path times each step as the worker will run it: after its
+  step in flight, with the decodes' context growing one token each per step (and not the
+  deflected prompt's own context a second time: its attention is in the chunk's cost).
+- `budget_fit`: a schedule's chunks leave room in the decode worker's token budget for its
+  decodes and for the chunks of the deflections predicted to be still in flight at each step.
+- `share_expect` (replay; off by default: it measured worse on h100-llama2-70b-tp4): the
+  prompt's last prefill step usually has spare budget, which requests sent to that worker
+  after it take before the step starts (FIFO puts them in the same step); its predicted TTFT
+  then counts the tokens the worker has been getting per second (an exponentially weighted
+  rate of this policy's own dispatches) over that wait.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 
+from common.engines.replay import Tail, alone, drain, extend, shares
 from common.perf_model import PerfModel
 from services.router.policy.base import (
     ClusterView,
     Decision,
     DecodeView,
     NoWorkers,
+    PrefillView,
     RequestSpec,
     least_loaded_decode,
 )
+from services.router.policy.predict import ReplayCache
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,10 +50,13 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     alpha: float = 1.3
     beta: float = 0.9
     transfer_term: bool = True
-    max_deflections: int = 1
+    max_deflections: int = 4
     per_worker_models: bool = True
     prefix_aware: bool = True
     max_steps: int = 4096
+    predictor: Literal["paper", "replay"] = "replay"
+    budget_fit: bool = True
+    share_expect: bool = False
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -47,10 +67,13 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("candidates must be positive chunk sizes")
         if self.max_deflections < 1:
             raise ValueError("max_deflections must be >= 1")
+        if self.predictor not in ("paper", "replay"):
+            raise ValueError(f"predictor must be 'paper' or 'replay' (got {self.predictor!r})")
 
 
 _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
 _INF = float("inf")
+_RATE_TAU_S = 1.0  # time constant of the dispatch rate behind `share_expect`
 
 
 def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int],
@@ -94,10 +117,12 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
 
 
 def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s: float,
-                          candidates: tuple[int, ...], limit_s: float, max_steps: int
-                          ) -> tuple[tuple[int, ...], float] | None:
+                          candidates: tuple[int, ...], limit_s: float, max_steps: int, *, exact: bool = False,
+                          fit: bool = False) -> tuple[tuple[int, ...], float] | None:
     """Algorithm 1 on one decode worker. Returns (schedule, TTFT_D) or None if some step has no
     safe candidate, or if the running TTFT_D already exceeds `limit_s` (it can only lose).
+    `exact`: step times as the worker runs them (see the module docstring, "replay"); `fit`:
+    the chunks also leave `d.reserved_tokens` of the token budget to the deflections in flight.
 
     The step cost rises with the prompt's own context, so once a candidate fails as a full chunk
     it fails for every later step: the search resumes from the last candidate that fit, which
@@ -105,17 +130,29 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
     smaller chunk), so the scan restarts from the top once the remainder is within the largest
     candidate; the schedule is non-increasing except possibly for its last chunk.
     """
-    cap = d.token_budget - d.batch
+    cap = d.token_budget - d.batch - (d.reserved_tokens if fit else 0)
     cands = [c for c in sorted(candidates, reverse=True) if c <= cap]
-    status, sched, total = _search(model, d, tokens, budget_s, cands, limit_s, max_steps)
+    status, sched, total = _search(model, d, tokens, budget_s, cands, limit_s, max_steps, exact)
     return (sched, total) if status == _OK else None
 
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
-            max_steps: int) -> tuple[int, tuple[int, ...], float]:
+            max_steps: int, exact: bool = False, lead: int = 0,
+            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1
+            ) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
-    feasibility beyond is unknown). `cands`: usable candidates, largest first."""
+    feasibility beyond is unknown). `cands`: usable candidates, largest first.
+
+    The step cost is `PerfModel.step_time` written out (tests check they agree): paper form
+    a2*(K + done), exact form a2*(K + B*(lead + step)), the decodes' context growing by one
+    token per step (`lead` = 1: a step in flight first adds one). `ends`: when each deflection
+    in flight is predicted to finish (seconds after this schedule starts), its reserved step
+    cost and its largest chunk; the safety check always reserves every one's cost, the predicted
+    TTFT_D only until it ends. `fit_tokens` >= 0: a chunk also leaves in the token budget the
+    largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
+    tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
+    chunk short should one of them run longer, so the budget holds either way."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
@@ -126,7 +163,10 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     # (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2)); the roofline a7*max(0, T - knee) per step
     base0 = model.a0 + model.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
     a3 = a3 + 2.0 * a5 * b
-    if limit_s < _INF and tokens > 0 and _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
+    ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
+    ends = ends or []
+    if not ends and limit_s < _INF and tokens > 0 and \
+            _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
     total = 0.0
@@ -134,15 +174,26 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     i = 0
     n = len(cands)
     top = cands[0]
+    off = 0.0  # reserved cost of the deflections in flight predicted to have ended
+    ei, ne = 0, len(ends)
+    cap = fit_tokens - sum(e[2] for e in ends) if fit_tokens >= 0 else 1 << 60
     while done < tokens:
+        while ei < ne and ends[ei][0] <= total:
+            off += ends[ei][1]
+            cap += ends[ei][2]
+            ei += 1
+            i = 0  # more token budget: larger candidates may fit again
         rem = tokens - done
-        base = base0 + a2 * done
+        base = base0 + ka * done + g * (len(sched) + lead)
         if rem <= top:
             # near the end every candidate >= rem proposes the whole remainder, which may fit
             # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
             i = 0
         while i < n:
             chi = cands[i] if cands[i] < rem else rem
+            if chi > cap:
+                i += 1
+                continue
             t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
             if over0 + chi > 0:
                 t += a7 * (over0 + chi)
@@ -152,7 +203,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         else:
             return _INFEASIBLE, (), 0.0
         sched.append(chi)
-        total += t
+        total += t - off
         done += chi
         if len(sched) > max_steps:
             return _INFEASIBLE, (), 0.0
@@ -185,6 +236,10 @@ class Kairos:
         self.default_model = default_model
         self._desc = sorted(self.cfg.candidates, reverse=True)
         self._cands_by_cap: dict[int, list[int]] = {}
+        self._replays = ReplayCache()
+        self._last_tail: dict[str, tuple[PrefillView, PerfModel, Tail]] = {}
+        self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
+        self._rates: dict[str, tuple[float, float]] = {}  # prefill worker -> (when, tokens/s sent to it)
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -199,11 +254,68 @@ class Kairos:
             c = self._cands_by_cap[cap] = [x for x in self._desc if x <= cap]
         return c
 
+    def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
+        """The replay of `p`'s known queue: the drain it reported (else its backlog replayed
+        here), extended by the ledger (cached per worker, see predict.py). A worker that reports
+        no backlog is taken to hold its queued tokens (beyond the ledger's) as one request."""
+        last = self._last_tail.get(p.worker_id)
+        if last is not None and last[0] is p and last[1] is m:
+            return last[2]  # the very same view as last time (the simulator keeps unchanged ones)
+        base = p.drain if p.drain is not None and m is p.model else self._base(p, m, now)
+        tail = self._replays.tail(p.worker_id, m, p.token_budget, p.max_batch, base, p.ledger)
+        if len(self._last_tail) > 4096:
+            self._last_tail.clear()
+        self._last_tail[p.worker_id] = (p, m, tail)
+        return tail
+
+    def _base(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
+        backlog, busy = p.backlog, p.busy_until
+        if backlog is None:
+            rest = p.queued_tokens - sum(t for t, _ in p.ledger)
+            return drain(m, p.token_budget, p.max_batch, now, ((rest, 0),) if rest > 0 else ())
+        got = self._bases.get(p.worker_id)
+        if got is not None and got[0] is backlog and got[1] == busy and got[2] is m:
+            return got[3]
+        base = drain(m, p.token_budget, p.max_batch, busy, backlog)
+        if len(self._bases) > 4096:
+            self._bases.clear()
+        self._bases[p.worker_id] = (backlog, busy, m, base)
+        return base
+
+    def _replay_ttft(self, p: PrefillView, m: PerfModel, tail: Tail, tokens: int, ex: float, now: float) -> float:
+        """Prefill-path TTFT (without T_xfer) of `tokens` joining `p`'s replayed queue now."""
+        if shares(p.token_budget, p.max_batch, tail, now):
+            return extend(m, p.token_budget, p.max_batch, tail, tokens, now).end - now
+        return (tail.end - now if tail.end > now else 0.0) + ex
+
+    def _note_dispatch(self, worker_id: str, tokens: int, now: float) -> None:
+        t0, rate = self._rates.get(worker_id, (now, 0.0))
+        if len(self._rates) > 4096:
+            self._rates.clear()
+        self._rates[worker_id] = (now, rate * math.exp(-max(0.0, now - t0) / _RATE_TAU_S) + tokens / _RATE_TAU_S)
+
+    def _expected_sharing(self, p: PrefillView, m: PerfModel, tokens: int, now: float) -> float:
+        """What the tokens sent to `p` between now and the start of this prompt's last prefill
+        step add to that step, at the rate the worker has been getting them."""
+        got = self._rates.get(p.worker_id)
+        if got is None:
+            return 0.0
+        rate = got[1] * math.exp(-max(0.0, now - got[0]) / _RATE_TAU_S)
+        fin = extend(m, p.token_budget, p.max_batch, self._tail(p, m, now), tokens, now)
+        spare = p.token_budget - fin.used
+        if spare <= 0 or not fin.chunks or (p.max_batch > 0 and len(fin.chunks) >= p.max_batch):
+            return 0.0
+        extra = min(spare, int(rate * max(0.0, fin.start - now)))
+        if extra <= 0:
+            return 0.0
+        return m.step_time(0, 0, (*fin.chunks, (extra, 0))) - m.step_time(0, 0, fin.chunks)
+
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
-        # prefill path: Equation 1 on every prefill worker, take the best. Exec and T_xfer depend
-        # only on the model and the token budget, so they are computed once per distinct pair.
+        replay_p = cfg.predictor == "replay"
+        # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
+        # depend only on the model and the token budget, so they are computed once per pair.
         best_p = None
         ttft_p = float("inf")
         own: dict[tuple[PerfModel, int], tuple[float, float]] = {}
@@ -216,16 +328,37 @@ class Kairos:
             if m is not last_m or chunk != last_chunk:
                 got = own.get((m, chunk))
                 if got is None:
-                    got = own[(m, chunk)] = (m.prefill_exec(tokens, chunk), m.xfer_time(req.prompt_tokens))
+                    run = alone(m, chunk, tokens) if replay_p else m.prefill_exec(tokens, chunk)
+                    got = own[(m, chunk)] = (run, m.xfer_time(req.prompt_tokens) if cfg.transfer_term else 0.0)
                 ex, xfer = got
                 last_m, last_chunk = m, chunk
-            t = m.queue_wait(p.queued_tokens, chunk) + ex
-            if cfg.transfer_term:
-                t += xfer
+            if replay_p:
+                tail = self._tail(p, m, now)
+                if tail.end - now + xfer >= ttft_p:
+                    continue  # its queue alone outlasts the best so far
+                t = self._replay_ttft(p, m, tail, tokens, ex, now) + xfer
+            else:
+                t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
             if t < ttft_p:
                 best_p, ttft_p = p, t
         if not view.decode:
             raise NoWorkers("no live decode worker")
+        if replay_p and cfg.share_expect and best_p is not None:
+            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), tokens, now)
+        handoff: DecodeView | None = None
+        if replay_p and best_p is not None:
+            # the disaggregated path's first token comes from the decode worker's next step after
+            # the KV lands: half a step of waiting on average when it is busy, then that step
+            try:
+                handoff = least_loaded_decode(view, req)
+            except NoWorkers:
+                handoff = None
+            if handoff is not None:
+                dm = self._model(handoff.model)
+                step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
+                if handoff.batch + handoff.deflections + handoff.pending:
+                    step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
+                ttft_p += step
         # decode path: Algorithm 1 on every eligible decode worker (sorted by id: ties -> lowest id)
         limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None
@@ -233,6 +366,7 @@ class Kairos:
         why_not = "no_decode_slack"
         need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
+        fit = cfg.budget_fit
         for d in sorted(view.decode, key=lambda x: x.worker_id):
             if d.deflections >= cfg.max_deflections:
                 why_not = "deflection_in_flight" if why_not == "no_decode_slack" else why_not
@@ -240,21 +374,32 @@ class Kairos:
             if d.kv_free_tokens < need_kv:
                 continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            cut = limit if best is None else min(limit, best[1])
-            st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo,
-                                       self._cands(d.token_budget - d.batch), cut, cfg.max_steps)
+            wait = d.busy_until - now if replay_p and d.busy_until > now else 0.0
+            if replay_p and wait == 0.0 and (d.batch or d.deflections):
+                # a stale view of a busy worker: on average half its decode step is left
+                wait = 0.5 * self._model(d.model).decode_time(d.batch, d.kv_tokens)
+            cut = (limit if best is None else min(limit, best[1])) - wait
+            cap = d.token_budget - d.batch
+            ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
+            if fit and not ends:
+                cap -= d.reserved_tokens
+            st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap), cut,
+                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends,
+                                       cap if fit and ends else -1)
             status[d.worker_id] = st
             if st != _OK:
                 continue
+            total += wait
             if best is None or total < best[1]:
                 best_d, best = d, (sched, total)
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
-            d = least_loaded_decode(view, req)
+            d = handoff or least_loaded_decode(view, req)
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
-                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status)
+                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now)
+            self._note_dispatch(best_p.worker_id, tokens, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None)
         sched, ttft_d = best
@@ -264,7 +409,7 @@ class Kairos:
                         chunk_schedule=sched)
 
     def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
-                                 status: dict[str, int]) -> str:
+                                 status: dict[str, int], now: float) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
 
         `status`: what the limited search found per worker; one found infeasible stays so without
@@ -276,8 +421,13 @@ class Kairos:
             if status.get(d.worker_id) == _INFEASIBLE:
                 continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            st, _, total = _search(self._model(d.model), d, tokens, cfg.beta * slo,
-                                   self._cands(d.token_budget - d.batch), float("inf"), cfg.max_steps)
+            exact = cfg.predictor == "replay"
+            cap = d.token_budget - d.batch - (d.reserved_tokens if cfg.budget_fit else 0)
+            busy = exact and d.busy_until > now
+            st, _, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap),
+                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0)
+            if busy:
+                total += d.busy_until - now
             if st == _OK:
                 if total > req.ttft_slo and total <= cfg.alpha * ttft_p:
                     return "ttft_slo_gate"

@@ -1,13 +1,14 @@
 # The two commands of the README, each doing all of its own set-up on a fresh machine:
 #   make demo   local 2P2D cluster on the simulated engine, a bursty trace slice, baseline vs kairos
 #   make test   every test tier (CI runs exactly this through .ci/run)
+# and: make fair-eval  the simulated comparison of docs/results.md (about 30 min on 2 cores)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo up test test-fast test-vllm lint typecheck venv clean
+.PHONY: demo fair-eval up test test-fast test-vllm lint typecheck venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +25,9 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(VENV)/bin/kairos demo
+
+fair-eval: venv
+	$(VENV)/bin/python -m sim.fair_eval --profile h100-llama2-70b-tp4 --profile a100-llama2-70b-tp4
 
 up: venv
 	$(VENV)/bin/kairos up

@@ -39,6 +39,10 @@ LENGTHS = {
              "max_prompt": 7437, "max_output": 1899},
     "conv": {"prompt_mu": 6.633, "prompt_sigma": 0.985, "output_mu": 5.019, "output_sigma": 0.859,
              "max_prompt": 14050, "max_output": 1000},
+    # Long context (not fitted to a trace): prompts of 4k to 32k tokens, median 9k (lognormal,
+    # sigma 0.6, clipped), conv-like outputs; document QA and code-repository prompts.
+    "long": {"prompt_mu": 9.105, "prompt_sigma": 0.6, "output_mu": 5.019, "output_sigma": 0.859,
+             "min_prompt": 4096, "max_prompt": 32768, "max_output": 1000},
 }
 
 # The code trace's on/off structure (gaps > 5 s count as OFF): OFF lognormal with median 25.1 s
@@ -272,19 +276,20 @@ def synthetic(*, rate: float, duration: float, arrival: str = "gamma", cv: float
               prompt_mu: float = LENGTHS["code"]["prompt_mu"], prompt_sigma: float = LENGTHS["code"]["prompt_sigma"],
               output_mu: float = LENGTHS["code"]["output_mu"], output_sigma: float = LENGTHS["code"]["output_sigma"],
               max_prompt: int = int(LENGTHS["code"]["max_prompt"]),
-              max_output: int = int(LENGTHS["code"]["max_output"]), seed: int = 0) -> list[TraceRequest]:
+              max_output: int = int(LENGTHS["code"]["max_output"]), min_prompt: int = 1,
+              seed: int = 0) -> list[TraceRequest]:
     """A synthetic trace of `duration` seconds at a mean of `rate` requests/s.
 
     arrival: "gamma" (renewal with coefficient of variation `cv`), "poisson", or "onoff" (the
     code trace's bursts; `cv` is the CV inside a burst, 2.2 in the real trace). Lengths are
-    lognormal(mu, sigma) rounded and clipped to [1, max]; the defaults fit the code trace.
+    lognormal(mu, sigma) rounded and clipped to [min_prompt or 1, max]; the defaults fit the code trace.
     """
     if rate <= 0 or duration <= 0:
         raise ConfigError(f"rate and duration must be positive (got rate={rate}, duration={duration})")
     if cv <= 0:
         raise ConfigError(f"cv must be positive, got {cv}")
-    if max_prompt < 1 or max_output < 1:
-        raise ConfigError("max_prompt and max_output must be >= 1")
+    if max_prompt < 1 or max_output < 1 or not 1 <= min_prompt <= max_prompt:
+        raise ConfigError("max_prompt and max_output must be >= 1, and 1 <= min_prompt <= max_prompt")
     rng = np.random.default_rng(seed)
     if arrival == "gamma":
         times = _renewal(rng, rate, cv, duration, poisson=False)
@@ -295,7 +300,7 @@ def synthetic(*, rate: float, duration: float, arrival: str = "gamma", cv: float
     else:
         raise ConfigError(f"unknown arrival process {arrival!r}: choose gamma, poisson or onoff")
     n = len(times)
-    prompts = np.clip(np.rint(rng.lognormal(prompt_mu, prompt_sigma, size=n)), 1, max_prompt).astype(np.int64)
+    prompts = np.clip(np.rint(rng.lognormal(prompt_mu, prompt_sigma, size=n)), min_prompt, max_prompt).astype(np.int64)
     outputs = np.clip(np.rint(rng.lognormal(output_mu, output_sigma, size=n)), 1, max_output).astype(np.int64)
     return [TraceRequest(t=float(t), input_length=int(i), output_length=int(o))
             for t, i, o in zip(times.tolist(), prompts.tolist(), outputs.tolist(), strict=True)]

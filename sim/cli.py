@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic: arrival process (default onoff, the code trace's bursts)")
     t.add_argument("--cv", type=float, default=2.2, help="synthetic: inter-arrival CV (inside bursts for onoff)")
     t.add_argument("--lengths", choices=tuple(LENGTHS), default="code",
-                   help="synthetic: lognormal prompt/output lengths fitted to this trace (default code)")
+                   help="synthetic: lognormal prompt/output lengths fitted to this trace, or long (prompts of 4k "
+                        "to 32k tokens, median 9k) (default code)")
     t.add_argument("--seed", type=int, default=0, help="synthetic trace and --step-noise seed (default 0)")
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")

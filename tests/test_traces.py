@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from common.errors import ConfigError
-from common.traces import TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
+from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
 
 CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:17:03.9799600,4808,10
@@ -158,7 +158,15 @@ def test_synthetic_lengths_and_determinism() -> None:
     assert np.median(np.log(o)) == pytest.approx(5.019, abs=0.1)
 
 
-@pytest.mark.parametrize("kw", [{"rate": 0.0}, {"duration": 0.0}, {"arrival": "zipf"}, {"cv": 0.0}])
+def test_synthetic_long_context_lengths() -> None:
+    reqs = synthetic(rate=2.0, duration=300.0, arrival="poisson", seed=3, **LENGTHS["long"])  # type: ignore[arg-type]
+    p = np.array([r.input_length for r in reqs])
+    assert p.min() == 4096 and p.max() == 32768  # clipped at both ends
+    assert 7000 < np.median(p) < 11000
+
+
+@pytest.mark.parametrize("kw", [{"rate": 0.0}, {"duration": 0.0}, {"arrival": "zipf"}, {"cv": 0.0},
+                                {"min_prompt": 0}, {"min_prompt": 9000, "max_prompt": 8000}])
 def test_synthetic_rejects(kw: dict[str, object]) -> None:
     args: dict[str, object] = {"rate": 1.0, "duration": 10.0, "seed": 0, **kw}
     with pytest.raises(ConfigError):

@@ -1,0 +1,346 @@
+"""`python -m sim.fair_eval`: the fair comparison of docs/results.md, in one command.
+
+    python -m sim.fair_eval --profile h100-llama2-70b-tp4 --out results/fair-eval
+
+For each workload (the Azure code and conv traces, a long-context synthetic one with prompts of
+4k to 32k tokens, and a bursty on/off synthetic one) it
+  1. probes the load: replays the tune slice with `disagg-least-loaded` (stock disaggregation, the
+     profile's settings) at several rate scales and picks the regime load: the lowest probed scale
+     at which bursts saturate the prefill pool (that baseline meets the TTFT SLO for at most 95 %
+     of requests, its busiest 10 s offer the prefill pool at least its capacity) while the decode
+     pool still holds its TBT SLO (at least 99 % of requests keep every gap within it);
+     --regime NAME=X overrides the choice;
+  2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py);
+  3. replays the disjoint report slice at the regime load and around it (SWEEP x the regime) with
+     each policy at its tuned best, on the same GPU count;
+  4. writes everything as JSON, a `kairos-tuned/1` file per workload (for `kairos sim --tuned`),
+     and the markdown tables of docs/results.md.
+Shape: 2P2D (conv: 1P3D, see WORKLOADS), chunked-prefill on the same GPUs as decode workers.
+The slices: trace-time windows [0, 600) s (tune) and [600, 1200) s (report) of the Azure traces;
+seeds 0 (tune) and 1 (report), 600 s each, of the synthetic ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from common.errors import ConfigError
+from common.perf_model import Profile, load_profile
+from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
+from sim.core import SimConfig, prefill_load, simulate
+from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
+from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
+from sim.tune import GRIDS, OBJECTIVE, Job, _setup, tune_one
+
+POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
+PROBE_POLICY = "disagg-least-loaded"
+REGIME_TTFT = 0.95   # the baseline meets the TTFT SLO for at most this fraction: prefill queues hurt
+REGIME_TBT = 0.99    # ... while at least this fraction keep every gap within the TBT SLO
+SWEEP = (0.5, 1.0, 1.5, 2.0)  # report rates, multiples of the regime rate scale
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    trace: str                       # code, conv or synthetic
+    probe: tuple[float, ...]         # rate scales probed for the regime
+    synth: dict[str, Any] = field(default_factory=dict)  # synthetic: rate, arrival, cv, lengths
+    tune: tuple[float, float] | int = (0.0, 600.0)
+    report: tuple[float, float] | int = (600.0, 1200.0)
+    prefill: int = 2                 # the disaggregated shape; chunked-prefill gets prefill + decode
+    decode: int = 2
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("code", "Azure code trace (bursty)", "code", (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0)),
+    # conv's outputs (median 150 tokens) load the decode pool: on 2P2D it reaches its TBT limit at
+    # the load where the prefill pool saturates (x3), so the regime is on 1P3D; 2P2D is kept
+    Workload("conv", "Azure conv trace (near-Poisson), 1P3D", "conv", (1.0, 1.5, 2.0, 2.5, 3.0), prefill=1, decode=3),
+    Workload("conv-2p2d", "Azure conv trace (near-Poisson), 2P2D", "conv", (1.0, 2.0, 2.5, 2.75, 3.0, 4.0)),
+    Workload("long", "long-context synthetic (prompts 4k-32k, Poisson, 0.5 req/s at x1)", "synthetic",
+             (0.25, 0.5, 0.75, 1.0, 1.5, 2.0), {"rate": 0.5, "arrival": "poisson", "cv": 1.0, "lengths": "long"},
+             tune=0, report=1),
+    Workload("bursty", "bursty synthetic (on/off MMPP, code lengths, 2.57 req/s at x1)", "synthetic",
+             (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0), {"rate": 2.57, "arrival": "onoff", "cv": 2.2, "lengths": "code"},
+             tune=0, report=1),
+)}
+SYNTH_DURATION = 600.0
+
+
+def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[TraceRequest]:
+    if isinstance(which, int):
+        base = synthetic(rate=w.synth["rate"], duration=SYNTH_DURATION, arrival=w.synth["arrival"],
+                         cv=w.synth["cv"], seed=which, **LENGTHS[w.synth["lengths"]])  # type: ignore[arg-type]
+        return [TraceRequest(t=r.t / scale, input_length=r.input_length, output_length=r.output_length)
+                for r in base]
+    start, end = which
+    return load_trace(trace_path(w.trace), start=start, duration=end - start, rate_scale=scale)
+
+
+def peak_load(reqs: Sequence[TraceRequest], profile: Profile, n_prefill: int, window: float = 10.0) -> float:
+    """Offered prefill load in the busiest `window` seconds (1.0 = the prefill pool's capacity)."""
+    model, budget = profile.model, profile.prefill_token_budget
+    work = [model.prefill_exec(r.input_length, budget) for r in reqs]
+    best, j, acc = 0.0, 0, 0.0
+    for i, r in enumerate(reqs):
+        acc += work[i]
+        while reqs[j].t <= r.t - window:
+            acc -= work[j]
+            j += 1
+        best = max(best, acc)
+    return best / (window * n_prefill)
+
+
+# ------------------------------------------------------------------------------ one simulation
+
+
+@dataclass(frozen=True)
+class Run:
+    workload: str
+    which: tuple[float, float] | int
+    scale: float
+    policy: str
+    setup: Setup
+    profile: Profile
+    sim: SimConfig
+
+
+def by_route(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest]) -> dict[str, dict[str, Any]]:
+    """Per route: share of requests, prompt lengths, P95 TTFT, prediction error (MAPE)."""
+    out: dict[str, dict[str, Any]] = {}
+    for route in ("disagg", "deflect"):
+        idx = [i for i, r in enumerate(records) if r.route == route]
+        if not idx:
+            continue
+        ttft = np.array([records[i].ttft for i in idx if records[i].ttft is not None])
+        err = [abs(records[i].ttft_pred - records[i].ttft) / records[i].ttft for i in idx  # type: ignore[operator]
+               if records[i].ttft_pred is not None and records[i].ttft]
+        prompts = np.array([reqs[i].input_length for i in idx])
+        out[route] = {"share": len(idx) / len(records), "prompt_mean": float(prompts.mean()),
+                      "prompt_p50": float(np.percentile(prompts, 50)),
+                      "ttft_p95": float(np.percentile(ttft, 95)) if ttft.size else None,
+                      "ttft_slo_attainment": float((ttft <= 2.0).sum() / len(idx)) if len(idx) else None,
+                      "ttft_pred_mape": float(np.mean(err)) if err else None}
+    return out
+
+
+def by_reason(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest], ttft_slo: float
+              ) -> dict[str, dict[str, Any]]:
+    """Per routing reason (Kairos's, conditional-disagg's): how many, how long their prompts, how
+    their TTFT went, and for those that missed the TTFT SLO, what the policy predicted."""
+    out: dict[str, dict[str, Any]] = {}
+    for reason in sorted({r.reason for r in records if r.reason}):
+        idx = [i for i, r in enumerate(records) if r.reason == reason]
+        got = [records[i].ttft for i in idx]
+        ttft = np.array([np.inf if t is None else t for t in got])
+        served = np.sort(ttft[np.isfinite(ttft)])  # rejected requests count as infinite, as in sim/stats.py
+        missed = [i for i, t in zip(idx, ttft.tolist(), strict=True) if t > ttft_slo]
+        pred = np.array([p for i in missed if (p := records[i].ttft_pred) is not None])
+        out[reason] = {"requests": len(idx), "route": records[idx[0]].route,
+                       "prompt_p50": float(np.median([reqs[i].input_length for i in idx])),
+                       "ttft_p50": _pct_with_unserved(served, len(idx), 50),
+                       "ttft_p95": _pct_with_unserved(served, len(idx), 95),
+                       "missed_ttft": len(missed),
+                       "missed_ttft_p50": float(np.median(ttft[ttft > ttft_slo])) if missed else None,
+                       "missed_pred_p50": float(np.median(pred)) if pred.size else None}
+    return out
+
+
+def execute(run: Run) -> dict[str, Any]:
+    w = WORKLOADS[run.workload]
+    reqs = load(w, run.which, run.scale)
+    policy, prof = build(run.policy, run.setup, run.profile)
+    n_p, n_d = shape(run.policy, run.sim.prefill, run.sim.decode)
+    res = simulate(reqs, prof, policy, msgspec.structs.replace(run.sim, prefill=n_p, decode=n_d))
+    s = summarize(res.records, ttft_slo=run.sim.ttft_slo, tbt_slo=run.sim.tbt_slo)
+    s["by_route"] = by_route(res.records, reqs)
+    s["by_reason"] = by_reason(res.records, reqs, run.sim.ttft_slo)
+    s["sim"] = res.stats
+    s["cluster"] = f"{n_p}P{n_d}D"
+    s["prefill_load"] = prefill_load(reqs, run.profile, run.sim.prefill)
+    s["peak_load"] = peak_load(reqs, run.profile, run.sim.prefill)
+    return s
+
+
+def timed_tune(job: Job) -> dict[str, Any]:
+    t0 = time.monotonic()
+    out = tune_one(job)
+    out["wall_s"] = time.monotonic() - t0
+    return out
+
+
+def pmap(fn: Callable[[Any], dict[str, Any]], items: list[Any], jobs: int) -> list[dict[str, Any]]:
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+# ------------------------------------------------------------------------------ the stages
+
+
+def choose_regime(probe: list[dict[str, Any]]) -> float:
+    """The lowest probed scale in the regime; if none is, the highest whose decode pool holds TBT."""
+    for p in probe:
+        if p["in_regime"]:
+            return float(p["rate_scale"])
+    holding = [p for p in probe if (p["tbt_slo_attainment"] or 0) >= REGIME_TBT]
+    return float((holding or probe)[-1]["rate_scale"])
+
+
+def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argparse.Namespace,
+                      log: Callable[[str], None]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    sim = msgspec.structs.replace(sim, prefill=w.prefill, decode=w.decode)
+    probes = pmap(execute, [Run(w.name, w.tune, x, PROBE_POLICY, Setup(), profile, sim) for x in w.probe], args.jobs)
+    probe = []
+    for x, s in zip(w.probe, probes, strict=True):
+        ok = ((s["ttft_slo_attainment"] or 0) <= REGIME_TTFT and (s["tbt_slo_attainment"] or 0) >= REGIME_TBT
+              and s["peak_load"] >= 1.0)
+        probe.append({"rate_scale": x, "requests": s["requests"], "prefill_load": s["prefill_load"],
+                      "peak_load": s["peak_load"], "ttft_slo_attainment": s["ttft_slo_attainment"],
+                      "ttft_p95": s["ttft_p95"], "tbt_slo_attainment": s["tbt_slo_attainment"],
+                      "tbt_p99": s["tbt_p99"], "decode_busy": s["sim"]["decode_busy"],
+                      "prefill_busy": s["sim"]["prefill_busy"],
+                      "in_regime": ok})
+    regime = round(args.regime.get(w.name) or choose_regime(probe), 4)
+    log(f"{w.name}: regime x{regime:g} ({time.monotonic() - t0:.0f} s); tuning {', '.join(args.policy)}")
+    tune_trace, report_trace = load(w, w.tune, regime), load(w, w.report, regime)
+    jobs = [Job(policy=p, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
+                grid=GRIDS[p], passes=args.passes) for p in args.policy]
+    tuned = dict(zip(args.policy, pmap(timed_tune, jobs, args.jobs), strict=True))
+    log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
+    setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
+    scales = sorted({round(regime * m, 4) for m in SWEEP})
+    runs = [Run(w.name, w.report, x, p, setups[p], profile, sim) for x in scales for p in args.policy]
+    outs = pmap(execute, runs, args.jobs)
+    sweep: list[dict[str, Any]] = []
+    for x in scales:
+        pols = {r.policy: o for r, o in zip(runs, outs, strict=True) if r.scale == x}
+        first = next(iter(pols.values()))
+        sweep.append({"rate_scale": x, "prefill_load": first["prefill_load"], "peak_load": first["peak_load"],
+                      "policies": pols})
+    at_regime: dict[str, dict[str, Any]] = next(pt for pt in sweep if pt["rate_scale"] == regime)["policies"]
+    log(f"{w.name}: done ({time.monotonic() - t0:.0f} s)")
+    return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None, "cluster": f"{w.prefill}P{w.decode}D",
+            "slices": {"tune": w.tune, "report": w.report,
+                       "unit": "seed (600 s)" if isinstance(w.tune, int) else "seconds of trace time, [start, end)"},
+            "probe": probe, "regime": regime, "regime_chosen_by": "flag" if w.name in args.regime else "rule",
+            "tuned": tuned, "settings": {p: {"engine": tuned[p]["engine"], "policy": knob_values(p, setups[p])}
+                                         for p in args.policy},
+            "sweep": sweep, "must_show": must_show(at_regime),
+            "wall_s": time.monotonic() - t0}
+
+
+def must_show(pols: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """At the regime load: Kairos's both-SLO attainment >= every baseline's, and its P95 TTFT below
+    every baseline whose TBT attainment (largest gap) is within one point of Kairos's."""
+    if "kairos" not in pols or len(pols) < 2:
+        return None
+    k = pols["kairos"]
+    inf = float("inf")
+    rows = {}
+    for name, s in pols.items():
+        if name == "kairos":
+            continue
+        close = abs((s["tbt_slo_attainment"] or 0) - (k["tbt_slo_attainment"] or 0)) <= 0.01
+        rows[name] = {"attainment_ok": (k["slo_attainment"] or 0) >= (s["slo_attainment"] or 0),
+                      "tbt_within_1pt": close,
+                      "p95_ok": (not close) or (k["ttft_p95"] or inf) < (s["ttft_p95"] or inf)}
+    return {"baselines": rows, "holds": all(r["attainment_ok"] and r["p95_ok"] for r in rows.values())}
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim.fair_eval", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", action="append", default=None,
+                   help="performance profile; repeat for several (default h100-llama2-70b-tp4)")
+    p.add_argument("--workload", action="append", choices=tuple(WORKLOADS), default=None,
+                   help=f"repeat for several (default: all of {', '.join(WORKLOADS)})")
+    p.add_argument("--policy", action="append", choices=POLICIES, default=None,
+                   help=f"repeat for several (default: all of {', '.join(POLICIES)})")
+    p.add_argument("--regime", action="append", default=[], metavar="WORKLOAD=X",
+                   help="use rate scale X as WORKLOAD's regime load instead of the probe's choice")
+    p.add_argument("--passes", type=int, default=2, help="coordinate-descent passes at most (default 2)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
+    p.add_argument("--out", default="results/fair-eval",
+                   help="folder for results JSON, tuned files and tables.md (default results/fair-eval)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        regime: dict[str, float] = {}
+        for item in args.regime:
+            name, _, x = item.partition("=")
+            if name not in WORKLOADS:
+                raise ConfigError(f"--regime {item!r}: unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+            regime[name] = float(x)
+        args.regime = regime
+        args.policy = list(dict.fromkeys(args.policy or POLICIES))
+        profiles = [load_profile(p) for p in dict.fromkeys(args.profile or ["h100-llama2-70b-tp4"])]
+    except (ConfigError, ValueError) as e:
+        print(f"fair_eval: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1)
+    t0 = time.monotonic()
+    load0 = os.getloadavg()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
+
+    from sim.fair_report import markdown  # here: fair_report imports this module's names
+
+    cmd = "python -m sim.fair_eval " + " ".join(sys.argv[1:] if argv is None else argv)
+    for profile in profiles:
+        result: dict[str, Any] = {
+            "command": cmd.strip(), "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, "
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+                       f"Python {platform.python_version()}",
+            "loadavg_start": load0, "profile": profile.name, "profile_description": profile.description,
+            "cluster": "per workload (chunked-prefill: all GPUs as decode workers)",
+            "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
+            "objective": OBJECTIVE, "passes": args.passes, "sweep_multiples": SWEEP,
+            "regime_rule": {"ttft_at_most": REGIME_TTFT, "tbt_at_least": REGIME_TBT, "peak_load_at_least": 1.0,
+                            "probe_policy": PROBE_POLICY},
+            "workloads": {}}
+        for name in args.workload or WORKLOADS:
+            result["workloads"][name] = evaluate_workload(WORKLOADS[name], profile, sim, args, log)
+            wr = result["workloads"][name]
+            tuned_file = {"format": TUNED_FORMAT, "trace": WORKLOADS[name].trace, "profile": profile.name,
+                          "cluster": wr["cluster"], "rate_scale": wr["regime"], "objective": OBJECTIVE,
+                          "slices": wr["slices"], "policies": wr["tuned"]}
+            (out / f"tuned-{profile.name}-{name}.json").write_text(json.dumps(json_safe(tuned_file), indent=2) + "\n")
+            result["loadavg_end"] = os.getloadavg()
+            result["wall_s"] = time.monotonic() - t0
+            (out / f"{profile.name}.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
+            (out / f"{profile.name}.md").write_text(markdown(result))
+        log(f"wrote {out / profile.name}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Markdown tables of a `python -m sim.fair_eval` result (the text pasted into docs/results.md).
+
+    python -m sim.fair_report results/fair-eval/h100-llama2-70b-tp4.json
+    python -m sim.fair_report --splice docs/results.md results/fair-eval/*.json
+
+--splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
+`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from sim.stats import fmt
+from sim.tune import GRIDS, _knobs_text
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return [_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows), ""]
+
+
+def _pct(v: Any) -> str:
+    return fmt(v, "%")
+
+
+def _mape(s: dict[str, Any], route: str) -> str:
+    r = s.get("by_route", {}).get(route)
+    return "-" if r is None else _pct(r["ttft_pred_mape"])
+
+
+def headline(res: dict[str, Any]) -> list[str]:
+    pols = list(next(iter(res["workloads"].values()))["settings"])
+    head = ["workload", "GPUs", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols], "must-show"]
+    rows = []
+    for name, w in res["workloads"].items():
+        pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+        ms = w["must_show"]
+        rows.append([name, w.get("cluster", "2P2D"), f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
+                     *[f"{_pct(pt['policies'][p]['slo_attainment'])} / {fmt(pt['policies'][p]['ttft_p95'])} / "
+                       f"{_pct(pt['policies'][p]['tbt_slo_attainment'])}" for p in pols],
+                     "-" if ms is None else ("holds" if ms["holds"] else "**fails**")])
+    return _table(head, rows)
+
+
+def workload(name: str, w: dict[str, Any]) -> list[str]:
+    out = [f"### {name}: {w['title']}", ""]
+    sl = w["slices"]
+    out += [f"Tune slice {sl['tune']}, report slice {sl['report']} ({sl['unit']}). Regime load: "
+            f"x{w['regime']:g} (chosen by {w['regime_chosen_by']}). Wall time {w['wall_s']:.0f} s.", ""]
+    out += ["Load probe (tune slice, disagg-least-loaded with the profile's settings):", ""]
+    out += _table(["rate x", "requests", "prefill load", "peak 10 s", "TTFT SLO", "TTFT p95 s", "TBT SLO (max gap)",
+                   "TBT p99 ms", "decode busy", "in regime"],
+                  [[f"{p['rate_scale']:g}", str(p["requests"]), fmt(p["prefill_load"], "n"), fmt(p["peak_load"], "n"),
+                    _pct(p["ttft_slo_attainment"]), fmt(p["ttft_p95"]), _pct(p["tbt_slo_attainment"]),
+                    fmt(p["tbt_p99"], "ms"), _pct(p.get("decode_busy")), "yes" if p["in_regime"] else "no"]
+                   for p in w["probe"]])
+    out += [f"Tuned at x{w['regime']:g} on the tune slice:", ""]
+    out += _table(["policy", "GPUs", "best setting (searched knobs)", "runs", "wall s", "tune: both", "report: both",
+                   "defaults on tune: both"],
+                  [[p, e["cluster"], _knobs_text(p, e, GRIDS[p]), str(e["evaluated"]), f"{e['wall_s']:.0f}",
+                    _pct(e["tune"]["slo_attainment"]), _pct(e["report"]["slo_attainment"]),
+                    _pct(e["defaults_tune"]["slo_attainment"])] for p, e in w["tuned"].items()])
+    pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+    out += [f"At the regime load x{w['regime']:g}, report slice (prefill load {fmt(pt['prefill_load'], 'n')}, "
+            f"busiest 10 s {fmt(pt['peak_load'], 'n')}):", ""]
+    out += _table(["policy", "GPUs", "both SLOs", "both (p99 gap)", "TTFT SLO", "TBT max gap", "TBT p99 gap",
+                   "TTFT p50 s", "p95 s", "p99 s", "deflected", "rejected", "pred err disagg", "pred err deflect"],
+                  [[p, s["cluster"], _pct(s["slo_attainment"]), _pct(s["slo_attainment_p99"]),
+                    _pct(s["ttft_slo_attainment"]), _pct(s["tbt_slo_attainment"]), _pct(s["tbt_p99_slo_attainment"]),
+                    fmt(s["ttft_p50"]), fmt(s["ttft_p95"]), fmt(s["ttft_p99"]), _pct(s["deflection_rate"]),
+                    str(s["rejected"]), _mape(s, "disagg"), _mape(s, "deflect")] for p, s in pt["policies"].items()])
+    ms = w["must_show"]
+    if ms is not None:
+        parts = []
+        for b, r in ms["baselines"].items():
+            parts.append(f"{b}: attainment {'ok' if r['attainment_ok'] else 'LOWER'}, TBT "
+                         f"{'within' if r['tbt_within_1pt'] else 'not within'} 1 pt"
+                         + (f", P95 {'lower' if r['p95_ok'] else 'NOT lower'}" if r["tbt_within_1pt"] else ""))
+        out += [f"Must-show at x{w['regime']:g}: **{'holds' if ms['holds'] else 'does not hold'}** "
+                f"(Kairos against {'; '.join(parts)}).", ""]
+    out += ["Where the TTFT goes at the regime load (routes; tail = requests at or above the policy's P95 TTFT):", ""]
+    rows = []
+    for p, s in pt["policies"].items():
+        for route, r in s.get("by_route", {}).items():
+            rows.append([p, route, _pct(r["share"]), f"{r['prompt_p50']:.0f}", f"{r['prompt_mean']:.0f}",
+                         fmt(r["ttft_p95"]), _pct(r["ttft_slo_attainment"]), _pct(r["ttft_pred_mape"]),
+                         _pct(s["ttft_tail_queue_share"]), _pct(s["ttft_tail_prefill_share"]),
+                         _pct(s["ttft_tail_xfer_share"])])
+    out += _table(["policy", "route", "share", "prompt p50", "prompt mean", "TTFT p95 s", "TTFT SLO", "pred err",
+                   "tail: queue", "tail: prefill", "tail: xfer"], rows)
+    rows = []
+    for p, s in pt["policies"].items():
+        for reason, r in s.get("by_reason", {}).items():
+            rows.append([p, reason, str(r["route"]), str(r["requests"]), f"{r['prompt_p50']:.0f}", fmt(r["ttft_p50"]),
+                         fmt(r["ttft_p95"]), str(r["missed_ttft"]), fmt(r["missed_ttft_p50"]),
+                         fmt(r["missed_pred_p50"])])
+    if rows:
+        out += ["Routing reasons at the regime load (missed: TTFT above the SLO; predicted: the policy's TTFT "
+                "prediction for the route it chose):", ""]
+        out += _table(["policy", "reason", "route", "requests", "prompt p50", "TTFT p50 s", "TTFT p95 s", "missed",
+                       "missed: TTFT p50 s", "missed: predicted p50 s"], rows)
+    out += ["Load sweep (report slice, settings tuned at the regime load):", ""]
+    rows = []
+    for point in w["sweep"]:
+        for p, s in point["policies"].items():
+            rows.append([f"{point['rate_scale']:g}", fmt(point["prefill_load"], "n"), fmt(point["peak_load"], "n"), p,
+                         _pct(s["slo_attainment"]), _pct(s["ttft_slo_attainment"]), _pct(s["tbt_slo_attainment"]),
+                         _pct(s["tbt_p99_slo_attainment"]), fmt(s["ttft_p95"]), fmt(s["ttft_p99"]),
+                         _pct(s["deflection_rate"]), str(s["rejected"])])
+    out += _table(["rate x", "load", "peak 10 s", "policy", "both SLOs", "TTFT SLO", "TBT max gap", "TBT p99 gap",
+                   "TTFT p95 s", "p99 s", "deflected", "rejected"], rows)
+    return out
+
+
+def markdown(res: dict[str, Any]) -> str:
+    la0, la1 = res["loadavg_start"], res.get("loadavg_end", res["loadavg_start"])
+    out = [f"## {res['profile']}", "",
+           f"Run {res['date']} on {res['machine']} (load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end; "
+           f"wall time {res.get('wall_s', 0):.0f} s), simulated: `{res['command']}`.", "",
+           "Headline, at each workload's regime load, report slice (both = both-SLO attainment, TBT = largest-gap "
+           "TBT attainment):", ""]
+    out += headline(res)
+    for name, w in res["workloads"].items():
+        out += workload(name, w)
+    return "\n".join(out) + "\n"
+
+
+def splice(doc: str, profile: str, tables: str) -> str:
+    start, end = f"<!-- fair-eval {profile} -->", f"<!-- /fair-eval {profile} -->"
+    if start not in doc or end not in doc:
+        raise ValueError(f"no '{start}' ... '{end}' block to replace: add the two lines where the tables go")
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    lines = tables.splitlines()
+    if lines[:1] == [f"## {profile}"]:
+        lines = lines[1:]  # the document has its own heading for the profile
+    body = "\n".join(("#" + line) if line.startswith("#") else line for line in lines)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    target = None
+    if args[:1] == ["--splice"] and len(args) >= 2:
+        target, args = Path(args[1]), args[2:]
+    if not args:
+        print("usage: python -m sim.fair_report [--splice DOC.md] RESULT.json ... (written by python -m sim.fair_eval)",
+              file=sys.stderr)
+        return 2
+    for path in args:
+        res = json.loads(Path(path).read_text())
+        if target is None:
+            sys.stdout.write(markdown(res))
+            continue
+        try:
+            target.write_text(splice(target.read_text(), res["profile"], markdown(res)))
+        except ValueError as e:
+            print(f"fair_report: {target}: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

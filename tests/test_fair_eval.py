@@ -1,0 +1,61 @@
+"""The fair-comparison driver: its must-show check and its choice of the regime load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.traces import TraceRequest
+from sim.fair_eval import by_reason, choose_regime, must_show
+from sim.fair_report import splice
+from sim.stats import RequestTiming
+
+
+def _s(both: float, tbt: float, p95: float | None) -> dict[str, Any]:
+    return {"slo_attainment": both, "tbt_slo_attainment": tbt, "ttft_p95": p95}
+
+
+def test_must_show_holds_and_fails() -> None:
+    k = _s(0.95, 1.0, 1.5)
+    ok = must_show({"kairos": k, "a": _s(0.90, 1.0, 3.0), "b": _s(0.94, 0.95, 1.0)})
+    assert ok is not None and ok["holds"]
+    # b's TBT is 5 points below Kairos's: its lower P95 does not count against Kairos
+    assert ok["baselines"]["b"] == {"attainment_ok": True, "tbt_within_1pt": False, "p95_ok": True}
+    lower = must_show({"kairos": k, "a": _s(0.96, 1.0, 3.0)})
+    assert lower is not None and not lower["holds"] and not lower["baselines"]["a"]["attainment_ok"]
+    slower = must_show({"kairos": k, "a": _s(0.90, 0.995, 1.2)})
+    assert slower is not None and not slower["holds"] and not slower["baselines"]["a"]["p95_ok"]
+    rejected = must_show({"kairos": _s(0.95, 1.0, None), "a": _s(0.90, 1.0, 3.0)})  # Kairos P95 infinite
+    assert rejected is not None and not rejected["holds"]
+    assert must_show({"a": _s(0.9, 1.0, 1.0)}) is None
+
+
+def test_choose_regime() -> None:
+    def probe(x: float, ttft: float, tbt: float, ok: bool) -> dict[str, Any]:
+        return {"rate_scale": x, "ttft_slo_attainment": ttft, "tbt_slo_attainment": tbt, "in_regime": ok}
+    assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.9, 1.0, True), probe(2, 0.5, 1.0, True)]) == 1
+    # none in the regime: the highest load whose decode pool still holds TBT
+    assert choose_regime([probe(0.5, 1.0, 1.0, False), probe(1, 0.97, 1.0, False), probe(2, 0.9, 0.5, False)]) == 1
+
+
+def test_splice_replaces_only_its_block() -> None:
+    doc = ("intro\n<!-- fair-eval p1 -->\nold\n<!-- /fair-eval p1 -->\nmiddle\n"
+           "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
+    out = splice(doc, "p1", "## p1\nnew table\n### w1")
+    assert out == ("intro\n<!-- fair-eval p1 -->\nnew table\n#### w1\n<!-- /fair-eval p1 -->\nmiddle\n"
+                   "<!-- fair-eval p2 -->\nkeep\n<!-- /fair-eval p2 -->\n")
+    with pytest.raises(ValueError, match="fair-eval p3"):
+        splice(doc, "p3", "x")
+
+
+def test_by_reason_counts_rejected_as_infinite() -> None:
+    recs = [RequestTiming(ttft=0.5, route="deflect", reason="decode_faster", ttft_pred=0.4),
+            RequestTiming(ttft=3.0, route="disagg", reason="no_decode_slack", ttft_pred=6.0),
+            RequestTiming(ttft=None, route="disagg", reason="no_decode_slack", rejected=True)]
+    reqs = [TraceRequest(0.0, 100, 5), TraceRequest(1.0, 3000, 5), TraceRequest(2.0, 5000, 5)]
+    out = by_reason(recs, reqs, 2.0)
+    assert out["decode_faster"]["missed_ttft"] == 0 and out["decode_faster"]["missed_ttft_p50"] is None
+    slack = out["no_decode_slack"]
+    assert slack["requests"] == 2 and slack["missed_ttft"] == 2 and slack["prompt_p50"] == 4000
+    assert slack["ttft_p95"] == float("inf") and slack["missed_pred_p50"] == 6.0

@@ -180,6 +180,6 @@ class PrefillWorker(WorkerService):
                         transfer_s=time.monotonic() - t0, params=p.kv_params)
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
                                 queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
-                                kv_error=error))
+                                kv_error=error, prompt_logprobs=p.prompt_logprobs))
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)

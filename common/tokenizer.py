@@ -39,6 +39,10 @@ class Tokenizer(Protocol):
 
     def token_str(self, token_id: int) -> str: ...
 
+    def vocab_pieces(self, ids: list[int]) -> list[str]: ...
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]: ...
+
     def render_chat(self, messages: list[dict[str, object]], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, kwargs: dict[str, object] | None = None) -> str: ...
 
@@ -74,6 +78,12 @@ class SimpleTokenizer:
     def token_str(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        return [self.token_text(i) for i in ids]
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
     def render_chat(self, messages: list[dict[str, object]], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, kwargs: dict[str, object] | None = None) -> str:
         text = "\n".join(f"{msg['role']}: {msg.get('content') or ''}" for msg in messages)
@@ -108,6 +118,46 @@ class HFTokenizer:
         if isinstance(raw, str) and raw.startswith("\u2581") and not text.startswith(" ") and self._metaspace:
             text = " " + text
         return text
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]:
+        """The tokens at one logprobs position (the chosen one and its alternatives) as vLLM's server
+        names them: each decoded alone; one that ends inside a multi-byte character is completed
+        with the up to 4 tokens chosen before it (`context`), or is "" while still incomplete."""
+        out = []
+        for t in ids:
+            text = self.token_str(t)
+            if text.endswith("\ufffd"):
+                text = self._complete(t, context[-4:])
+            out.append(text)
+        return out
+
+    def _complete(self, t: int, context: list[int]) -> str:
+        for n in range(1, len(context) + 1):
+            ctx = context[-n:]
+            full: str = self._tok.decode([*ctx, t])
+            if full.endswith("\ufffd"):
+                continue
+            clean = len(ctx)
+            for j in range(len(ctx) - 1, -1, -1):
+                if self._tok.decode([ctx[j]]).endswith("\ufffd"):
+                    clean = j
+                else:
+                    break
+            prefix: str = self._tok.decode(ctx[:clean]) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0
+            for a, b in zip(prefix, full, strict=False):
+                if a != b:
+                    break
+                common += 1
+            return full[common:]
+        return ""
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        """The vocabulary entries of these ids, as /tokenize's token_strs shows them."""
+        pieces: list[str] = self._tok.convert_ids_to_tokens(ids)
+        return pieces
 
     @property
     def _metaspace(self) -> bool:

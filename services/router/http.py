@@ -235,7 +235,7 @@ class App:
         else:
             raise RequestError("give 'prompt' (a string) or 'messages'", param="prompt")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.router.cfg.max_prompt_tokens,
-                               "tokens": ids, "token_strs": [tok.token_str(t) for t in ids] if b.return_token_strs
+                               "tokens": ids, "token_strs": tok.vocab_pieces(ids) if b.return_token_strs
                                else None}
         await self._json(send, 200, out)
 
@@ -244,7 +244,7 @@ class App:
         b = schema.decode_detokenize(raw)
         if any(t < 0 or t >= tok.vocab_size for t in b.tokens):
             raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
-        await self._json(send, 200, {"prompt": tok.decode(b.tokens)})
+        await self._json(send, 200, {"prompt": tok.decode(b.tokens, skip_special_tokens=False)})
 
 
 def new_request_id() -> str:

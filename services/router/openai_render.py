@@ -81,8 +81,9 @@ class Choice:
                 self.stop_reason = last
             if not self.plan.include_stop:  # vLLM leaves the stop token's text out of the output
                 self.text = self._decode(self.ids[:-1])
-        if self.text.endswith("\ufffd") and not self.stop_early:
-            pass  # the sequence ended inside a multi-byte character: vLLM shows the replacement too
+        # an output ending inside a multi-byte character: vLLM's incremental detokenizer never shows
+        # the incomplete character, so neither does Kairos
+        self.text = self.text.rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.plan.skip_special)
@@ -92,9 +93,7 @@ class Choice:
         """The text, token ids and logprobs not streamed yet that may go out now."""
         end = len(self.text)
         if not self.done:
-            end -= self.hold
-            if self.text.endswith("\ufffd"):
-                end = min(end, len(self.text) - 1)
+            end = min(end - self.hold, len(self.text.rstrip("\ufffd")))
         out = self.text[self.sent:max(end, self.sent)] if end > self.sent else ""
         self.sent += len(out)
         n_ids = len(self.ids)
@@ -104,66 +103,85 @@ class Choice:
         return out, new_ids, new_lps
 
     # ------------------------------------------------------------------ logprobs formats
-    def token_str(self, t: int) -> str:
+    def _strs(self, lp: m.TokenLogprobs | None, context: list[int]) -> list[str] | None:
+        if lp is None:
+            return None
+        if self.plan.tokens_as_ids:
+            return [f"token_id:{t}" for t in lp.token_ids]
+        return self.tok.position_strs(lp.token_ids, context[-4:])
+
+    def out_strs(self, start: int, lps: list[m.TokenLogprobs | None]) -> list[list[str] | None]:
+        """Token strings of output positions start.. (context: the tokens chosen before each)."""
+        return [self._strs(lp, self.ids[max(start + j - 4, 0):start + j]) for j, lp in enumerate(lps)]
+
+    def prompt_strs(self) -> list[list[str] | None]:
+        prompt = self.plan.prompts[self.prompt_index]
+        lps = self.prompt_lps or []
+        return [self._strs(lp, prompt[max(j - 4, 1):j]) for j, lp in enumerate(lps)]
+
+    def _alone(self, t: int) -> str:
         return f"token_id:{t}" if self.plan.tokens_as_ids else self.tok.token_str(t)
 
-    def completion_logprobs(self, ids: list[int], lps: list[m.TokenLogprobs | None], offset: int = 0,
-                            ) -> dict[str, Any]:
+    def completion_logprobs(self, ids: list[int], lps: list[m.TokenLogprobs | None],
+                            strs: list[list[str] | None], offset: int = 0) -> dict[str, Any]:
         k = self.plan.logprobs or 0
         text_offset: list[int] = []
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         last = 0
-        for t, lp in zip(ids, lps, strict=True):
-            s = self.token_str(t)
-            tokens.append(s)
-            if lp is None:
+        for t, lp, ss in zip(ids, lps, strs, strict=True):
+            if lp is None or ss is None:
+                s = self._alone(t)
                 token_lps.append(None)
                 tops.append(None)
             else:
+                s = ss[lp.token_ids.index(t)] if t in lp.token_ids else self._alone(t)
                 token_lps.append(max(_lp_of(lp, t), _FLOOR))
                 top: dict[str, float] = {}
-                for i, (tid, v) in enumerate(zip(lp.token_ids, lp.logprobs, strict=True)):
+                for i, (name, v) in enumerate(zip(ss, lp.logprobs, strict=True)):
                     if k >= i:  # the chosen token plus the top k, as vLLM (and OpenAI) report
-                        top[self.token_str(tid)] = max(v, _FLOOR)
+                        top[name] = max(v, _FLOOR)
                 tops.append(top)
+            tokens.append(s)
             text_offset.append(offset if not text_offset else text_offset[-1] + last)
             last = len(s)
         return {"text_offset": text_offset, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
-    def chat_logprobs(self, ids: list[int], lps: list[m.TokenLogprobs | None]) -> dict[str, Any]:
+    def chat_logprobs(self, ids: list[int], lps: list[m.TokenLogprobs | None],
+                      strs: list[list[str] | None]) -> dict[str, Any]:
         k = self.plan.logprobs or 0
         content = []
-        for t, lp in zip(ids, lps, strict=True):
-            s = self.token_str(t)
-            if lp is None or t not in lp.token_ids:
+        for t, lp, ss in zip(ids, lps, strs, strict=True):
+            if lp is None or ss is None or t not in lp.token_ids:
+                s = self._alone(t)
                 content.append({"token": s, "logprob": _FLOOR, "bytes": list(s.encode("utf-8", errors="replace")),
                                 "top_logprobs": []})
                 continue
-            top = [{"token": (ts := self.token_str(tid)), "logprob": max(v, _FLOOR),
-                    "bytes": list(ts.encode("utf-8", errors="replace"))}
-                   for i, (tid, v) in enumerate(zip(lp.token_ids, lp.logprobs, strict=True)) if i < k]
+            s = ss[lp.token_ids.index(t)]
+            top = [{"token": name, "logprob": max(v, _FLOOR), "bytes": list(name.encode("utf-8", errors="replace"))}
+                   for i, (name, v) in enumerate(zip(ss, lp.logprobs, strict=True)) if i < k]
             content.append({"token": s, "logprob": max(_lp_of(lp, t), _FLOOR),
                             "bytes": list(s.encode("utf-8", errors="replace")), "top_logprobs": top})
         return {"content": content}
 
     def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None] | None:
-        """completions' `prompt_logprobs` as vLLM returns them: per position {token_id: {logprob, rank,
-        decoded_token}} (None for the first token)."""
+        """`prompt_logprobs` as vLLM returns them: per position {token_id: {logprob, rank, decoded_token}}
+        (None for the first token)."""
         if self.prompt_lps is None:
             return None
-        return [None if lp is None else
-                {str(t): {"logprob": v, "rank": r, "decoded_token": self.tok.token_str(t)}
-                 for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)}
-                for lp in self.prompt_lps]
+        return [None if lp is None or ss is None else
+                {str(t): {"logprob": max(v, _FLOOR), "rank": r, "decoded_token": name}
+                 for t, v, r, name in zip(lp.token_ids, lp.logprobs, lp.ranks, ss, strict=True)}
+                for lp, ss in zip(self.prompt_lps, self.prompt_strs(), strict=True)]
 
     # ------------------------------------------------------------------ echo (completions)
-    def echo_parts(self) -> tuple[str, list[int], list[m.TokenLogprobs | None]]:
+    def echo_parts(self) -> tuple[str, list[int], list[m.TokenLogprobs | None], list[list[str] | None]]:
         p = self.plan
         prompt = p.prompts[self.prompt_index]
-        plps: list[m.TokenLogprobs | None] = list(self.prompt_lps) if self.prompt_lps else [None] * len(prompt)
-        return p.prompt_texts[self.prompt_index], list(prompt), plps
+        if self.prompt_lps:
+            return p.prompt_texts[self.prompt_index], list(prompt), list(self.prompt_lps), self.prompt_strs()
+        return p.prompt_texts[self.prompt_index], list(prompt), [None] * len(prompt), [None] * len(prompt)
 
 
 def _lp_of(lp: m.TokenLogprobs, t: int) -> float:
@@ -177,28 +195,31 @@ def usage(plan: Plan, choices: list[Choice]) -> dict[str, Any]:
     prompt = sum(len(p) for p in plan.prompts)
     completion = sum(len(c.ids) for c in choices)
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": None}
+            "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def unary_choice(c: Choice) -> dict[str, Any]:
     p = c.plan
     ids, lps, text = c.ids, c.lps, c.text
+    strs = c.out_strs(0, lps) if p.logprobs is not None else []
     if p.chat:
         text = p.echo_text + text if p.echo else text
         return {"index": c.index,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
-                "logprobs": c.chat_logprobs(ids, lps) if p.logprobs is not None else None,
+                "message": {"role": p.role, "content": text, "refusal": None, "annotations": None,
+                            "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None,
                 "finish_reason": c.finish, "stop_reason": c.stop_reason,
                 "token_ids": list(ids) if p.return_token_ids else None, "routed_experts": None}
-    if p.echo:
-        ptext, pids, plps = c.echo_parts()
+    if p.echo and p.logprobs is not None:
+        ptext, pids, plps, pstrs = c.echo_parts()
         if p.max_tokens_zero:
-            text, ids, lps = ptext, pids, plps
+            text, ids, lps, strs = ptext, pids, plps, pstrs
         else:
-            text, ids, lps = ptext + text, pids + ids, plps + lps
+            text, ids, lps, strs = ptext + text, pids + ids, plps + lps, pstrs + strs
+    elif p.echo:
+        text = p.prompt_texts[c.prompt_index] + ("" if p.max_tokens_zero else text)
     return {"index": c.index, "text": text,
-            "logprobs": c.completion_logprobs(ids, lps) if p.logprobs is not None else None,
+            "logprobs": c.completion_logprobs(ids, lps, strs) if p.logprobs is not None else None,
             "finish_reason": c.finish, "stop_reason": c.stop_reason,
             "token_ids": list(c.ids) if p.return_token_ids else None,
             "prompt_logprobs": c.prompt_logprobs_json() if c.req.sampling.prompt_logprobs is not None else None,

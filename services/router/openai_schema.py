@@ -256,7 +256,7 @@ class Plan(msgspec.Struct, kw_only=True):
     echo: bool
     echo_text: str                # chat: the last message's content, when echo and it is the assistant's
     logprobs: int | None          # completions: logprobs; chat: top_logprobs when logprobs is true
-    prompt_logprobs: int | None   # completions' explicit prompt_logprobs (returned as vLLM returns them)
+    role: str                     # chat: the answer's role
     max_tokens_zero: bool         # completions with echo and max_tokens 0: the prompt only
     return_token_ids: bool
     tokens_as_ids: bool
@@ -315,9 +315,16 @@ def chat_prompt(body: ChatBody, tok: Tokenizer) -> tuple[list[int], str, str]:
     except Exception as e:  # a template error is the request's fault (its messages or kwargs)
         raise RequestError(f"the chat template could not render these messages: {e}", param="messages") from e
     echo = ""
-    if body.echo and flat[-1]["role"] == "assistant":
+    if body.echo and flat[-1]["role"] == response_role(body):
         echo = str(flat[-1]["content"])
     return tok.encode(text, add_special_tokens=body.add_special_tokens), text, echo
+
+
+def response_role(body: ChatBody) -> str:
+    """The answer's role: the assistant's, or without a generation prompt the last message's (vLLM)."""
+    if body.add_generation_prompt or not body.messages:
+        return "assistant"
+    return str(body.messages[-1].get("role", "assistant"))
 
 
 def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list[int]], list[str]]:
@@ -398,8 +405,8 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
     _num(body.frequency_penalty, "frequency_penalty", -2, 2)
     _num(body.repetition_penalty, "repetition_penalty", 0, 1e6, lo_open=True)
     _num(body.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
-    if body.prompt_logprobs is not None and chat:
-        raise RequestError("'prompt_logprobs' is supported on /v1/completions only", param="prompt_logprobs")
+    if body.prompt_logprobs and body.stream:
+        raise RequestError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     if body.top_k is not None and body.top_k < -1:
         raise RequestError(f"'top_k' must be -1 (off), 0 (off) or at least 1, got {body.top_k}", param="top_k")
     _num(body.min_tokens, "min_tokens", 0, max_tokens)
@@ -424,8 +431,9 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
             raise RequestError(f"'logit_bias' token id {t} is not in [0, {vocab})", param="logit_bias")
         bias[t] = max(-100.0, min(100.0, v))
     plps = body.prompt_logprobs
-    if plps is None and echo and not chat:
-        plps = logprobs  # vLLM: echo with logprobs scores the prompt too
+    if plps is None and echo:
+        # vLLM: echo scores the prompt too (completions: with logprobs; chat: with top_logprobs)
+        plps = body.top_logprobs if isinstance(body, ChatBody) else logprobs
     so = body.stream_options
     if so is not None and not body.stream and (so.include_usage or so.continuous_usage_stats):
         raise RequestError("'stream_options' needs 'stream': true", param="stream_options")
@@ -436,6 +444,8 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens, logit_bias=bias,
         allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps)
+    if n > 1 and base.temperature < 1e-5:
+        raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     samplings = [base if body.seed is None else msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]
     if n == 1:
         samplings = [base]
@@ -445,7 +455,8 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
                 stream=bool(body.stream), include_usage=bool(so and so.include_usage),
                 continuous_usage=bool(so and so.continuous_usage_stats), stop=stop,
                 include_stop=body.include_stop_str_in_output, skip_special=body.skip_special_tokens, echo=echo,
-                echo_text=echo_text, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs if not chat else None,
+                echo_text=echo_text, logprobs=logprobs,
+                role=response_role(body) if isinstance(body, ChatBody) else "assistant",
                 max_tokens_zero=zero, return_token_ids=bool(body.return_token_ids),
                 tokens_as_ids=bool(body.return_tokens_as_token_ids), ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
                 request_id=body.request_id)

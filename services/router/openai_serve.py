@@ -52,8 +52,9 @@ async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, di
         "model": p.model, "choices": [unary_choice(c) for c in choices], "service_tier": None,
         "system_fingerprint": None, "usage": usage(p, choices)}
     if p.chat:
-        body.update(prompt_logprobs=None, prompt_token_ids=p.prompts[0] if p.return_token_ids else None,
-                    prompt_text=None)
+        c0 = choices[0]
+        body.update(prompt_logprobs=c0.prompt_logprobs_json() if c0.req.sampling.prompt_logprobs is not None else None,
+                    prompt_token_ids=p.prompts[0] if p.return_token_ids else None, prompt_text=None)
     body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
     body["kairos"] = {"route": d.route if d else None, "reason": d.reason if d else None,
                       "decode_worker": req.decode_worker, "prefill_worker": req.prefill_worker,
@@ -107,7 +108,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     first: list[bytes] = []
     if p.chat:
         for c in choices:
-            first.append(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first.append(chunk({"index": c.index, "delta": {"role": p.role, "content": ""}, "logprobs": None,
                                 "finish_reason": None}))
         if p.echo and p.echo_text:
             for c in choices:
@@ -129,13 +130,15 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 await send({"type": "http.response.body", "body": b"data: " + _json.encode(err) + b"\n\n"
                             b"data: [DONE]\n\n", "more_body": False})
                 return
+            start = c.lps_sent
             text, ids, lps = c.delta()
+            strs = c.out_strs(start, lps) if p.logprobs is not None else []
             if not text and not ids and not c.done:
                 continue
             fin = c.finish if c.done else None
             if p.chat:
                 delta: dict[str, Any] = {"content": text} if text or not fin else {}
-                lp = c.chat_logprobs(ids, lps) if p.logprobs is not None else None
+                lp = c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None
                 out = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
                 if fin is not None:
                     out["stop_reason"] = c.stop_reason
@@ -144,14 +147,14 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             else:
                 if p.echo and not echoed[i]:
                     echoed[i] = True
-                    ptext, pids, plps = c.echo_parts()
+                    ptext, pids, plps, pstrs = c.echo_parts()
                     if p.max_tokens_zero:
-                        text, ids, lps = ptext, pids, plps
+                        text, ids, lps, strs = ptext, pids, plps, pstrs
                     else:
-                        text, ids, lps = ptext + text, pids + ids, plps + lps
+                        text, ids, lps, strs = ptext + text, pids + ids, plps + lps, pstrs + strs
                 lp = None
                 if p.logprobs is not None:
-                    lp = c.completion_logprobs(ids, lps, offsets[i])
+                    lp = c.completion_logprobs(ids, lps, strs, offsets[i])
                     if lp["tokens"]:
                         offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": fin,
@@ -161,7 +164,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
         tail = b""
         if p.include_usage:
             u = usage(p, choices)
-            u.pop("prompt_tokens_details")
+            u = {k: v for k, v in u.items() if v is not None}
             tail = b"data: " + _json.encode({**head, "choices": [], "usage": u}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:

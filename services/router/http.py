@@ -165,7 +165,9 @@ class App:
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, raw: bytes, *, chat: bool) -> None:
         router = self.router
-        p = schema.plan(schema.decode(raw, chat=chat), router.cfg, router.tokenizer)
+        decoded = schema.decode(raw, chat=chat)
+        self._check_model(decoded.model)
+        p = schema.plan(decoded, router.cfg, router.tokenizer)
         rid = p.request_id
         for k, v in scope["headers"]:
             if k == b"x-request-id":
@@ -209,6 +211,12 @@ class App:
                 if not r.done:
                     router.abort(r)
 
+    def _check_model(self, model: str | None) -> None:
+        name = self.router.cfg.served_model_name
+        if model is not None and model != name:
+            raise HttpError(404, f"The model '{model}' does not exist; this server serves '{name}'",
+                            param="model", code="model_not_found")
+
     async def _watch_disconnect(self, receive: Receive, subs: list[Request]) -> None:
         while True:
             msg = await receive()
@@ -222,8 +230,7 @@ class App:
     async def _tokenize(self, send: Send, raw: bytes) -> None:
         tok = self.router.tokenizer
         b = schema.decode_tokenize(raw)
-        if b.model is not None and b.model != self.router.cfg.served_model_name:
-            raise RequestError(f"The model '{b.model}' does not exist", param="model", code="model_not_found")
+        self._check_model(b.model)
         if b.messages is not None:
             chat = schema.ChatBody(messages=b.messages, add_generation_prompt=b.add_generation_prompt,
                                    continue_final_message=b.continue_final_message,
@@ -242,6 +249,7 @@ class App:
     async def _detokenize(self, send: Send, raw: bytes) -> None:
         tok = self.router.tokenizer
         b = schema.decode_detokenize(raw)
+        self._check_model(b.model)
         if any(t < 0 or t >= tok.vocab_size for t in b.tokens):
             raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
         await self._json(send, 200, {"prompt": tok.decode(b.tokens, skip_special_tokens=False)})

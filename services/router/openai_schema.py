@@ -359,9 +359,6 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
 
 def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> Plan:
     chat = isinstance(body, ChatBody)
-    if body.model is not None and body.model != cfg.served_model_name:
-        raise RequestError(f"The model '{body.model}' does not exist; this server serves '{cfg.served_model_name}'",
-                           param="model", code="model_not_found")
     echo_text = ""
     if isinstance(body, ChatBody):
         ids, text, echo_text = chat_prompt(body, tok)

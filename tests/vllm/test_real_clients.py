@@ -32,7 +32,8 @@ def kairos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
                                  profile="cpu-tiny-llama", policy="kairos", monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("clients")),
-                                 router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048"},
+                                 router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
+                                             "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
     try:

@@ -33,6 +33,10 @@ class Choice:
         self.error: Event | None = None
         self.hold = max((len(s) for s in plan.stop), default=1) - 1 if not plan.include_stop else 0
         self.stop_early = False     # a stop string ended it here: the router must stop the work
+        self.full = ""              # the whole decoded output, before any truncation
+        # a tokenizer whose tokens decode independently (the simple one) extends the text token by
+        # token; a byte-level one needs the whole sequence (a character may span tokens)
+        self.additive = type(tok).__name__ == "SimpleTokenizer"
 
     @property
     def done(self) -> bool:
@@ -57,7 +61,7 @@ class Choice:
             self.lps.append(lps[j] if lps is not None and j < len(lps) else None)
             if not self.plan.stop:
                 continue
-            text = self._decode(self.ids)
+            text = self._extend([t])
             start = max(len(self.text) - max(len(s) for s in self.plan.stop) + 1, 0)
             hit = None
             for s in self.plan.stop:
@@ -71,7 +75,7 @@ class Choice:
                 return
             self.text = text
         if not self.plan.stop:
-            self.text = self._decode(self.ids)
+            self.text = self._extend(ids)
 
     def _finish(self, reason: str) -> None:
         self.finish = reason
@@ -84,6 +88,13 @@ class Choice:
         # an output ending inside a multi-byte character: vLLM's incremental detokenizer never shows
         # the incomplete character, so neither does Kairos
         self.text = self.text.rstrip("\ufffd")
+
+    def _extend(self, new: list[int]) -> str:
+        if self.additive:
+            self.full += self._decode(new)
+        else:
+            self.full = self._decode(self.ids)
+        return self.full
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.plan.skip_special)

@@ -59,6 +59,7 @@ def vllm_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
 def bench(base: str, model: Path, out: Path, args: list[str]) -> dict[str, float]:
     cmd = [sys.executable, "-m", "tests.vllm.bench_serve", "--backend", "openai", "--base-url", base,
            "--endpoint", "/v1/completions", "--model", model.name, "--tokenizer", str(model), "--seed", "1",
+           "--num-warmups", "2",  # the first sampled request of a vLLM engine is slow (seconds)
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *args]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1200)
     r = json.loads(out.read_text())

@@ -40,7 +40,7 @@ def kairos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         c.start(timeout=300)
         # vLLM's first sampled (temperature > 0) request is slow (10 s on the 2-core VM): take it here
         r = httpx.post(c.spec.api + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2, "temperature": 1.0,
-                                                              "logprobs": 1}, timeout=300)
+                                                              "logprobs": 1, "seed": 1}, timeout=300)
         assert r.status_code == 200, r.text
     except BaseException:
         c.stop(10)

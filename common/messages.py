@@ -207,6 +207,25 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # the OpenAI API's sampling parameters, applied by whichever engine samples (defaults: off)
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None         # top logprobs per output token (0: the sampled token's only)
+    prompt_logprobs: int | None = None  # the same for every prompt token (reported by whoever prefills)
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top ones (vLLM's order), with ranks."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -244,6 +263,7 @@ class PrefillDone(Msg, frozen=True):
     prefill_s: float
     first_token_id: int | None = None
     kv_error: str = ""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when Sampling.prompt_logprobs asked
 
 
 class DecodeWork(Msg, frozen=True):
@@ -313,6 +333,8 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     attempt: int
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when Sampling.logprobs asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, deflected requests only
 
 
 class TokenBatch(Msg, frozen=True):

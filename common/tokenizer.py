@@ -33,11 +33,18 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def token_str(self, token_id: int) -> str: ...
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]: ...
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]: ...
+
+    def render_chat(self, messages: list[dict[str, object]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, object] | None = None) -> str: ...
 
 
 class SimpleTokenizer:
@@ -50,7 +57,7 @@ class SimpleTokenizer:
         self._index = {w: i for i, w in enumerate(self._vocab)}
         self._n = len(self._vocab)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         out = []
         index = self._index
         for piece in self._split.findall(text.lower()):
@@ -65,11 +72,22 @@ class SimpleTokenizer:
             return self._vocab[i] if i >= len(SPECIAL) else ""
         return f"t{i}"
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(" " + self.token_text(i) for i in ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return "\n".join(f"{msg['role']}: {msg['content']}" for msg in messages) + "\nassistant:"
+    def token_str(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        return [self.token_text(i) for i in ids]
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+    def render_chat(self, messages: list[dict[str, object]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, object] | None = None) -> str:
+        text = "\n".join(f"{msg['role']}: {msg.get('content') or ''}" for msg in messages)
+        return text + "\nassistant:" if add_generation_prompt and not continue_final_message else text
 
     def output_token(self, i: int) -> int:
         """Map any integer into the decodable word range (the simulated engine's outputs)."""
@@ -84,19 +102,77 @@ class HFTokenizer:
         self.vocab_size = int(self._tok.vocab_size)
         self.eos_token_id = self._tok.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        text: str = self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def token_str(self, token_id: int) -> str:
+        """One token as vLLM's server shows it in logprobs: decoded alone, with the leading space a
+        SentencePiece marker stands for."""
+        text: str = self._tok.decode([token_id])
+        raw = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(raw, str) and raw.startswith("\u2581") and not text.startswith(" ") and self._metaspace:
+            text = " " + text
+        return text
+
+    def position_strs(self, ids: list[int], context: list[int]) -> list[str]:
+        """The tokens at one logprobs position (the chosen one and its alternatives) as vLLM's server
+        names them: each decoded alone; one that ends inside a multi-byte character is completed
+        with the up to 4 tokens chosen before it (`context`), or is "" while still incomplete."""
+        out = []
+        for t in ids:
+            text = self.token_str(t)
+            if text.endswith("\ufffd"):
+                text = self._complete(t, context[-4:])
+            out.append(text)
+        return out
+
+    def _complete(self, t: int, context: list[int]) -> str:
+        for n in range(1, len(context) + 1):
+            ctx = context[-n:]
+            full: str = self._tok.decode([*ctx, t])
+            if full.endswith("\ufffd"):
+                continue
+            clean = len(ctx)
+            for j in range(len(ctx) - 1, -1, -1):
+                if self._tok.decode([ctx[j]]).endswith("\ufffd"):
+                    clean = j
+                else:
+                    break
+            prefix: str = self._tok.decode(ctx[:clean]) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0
+            for a, b in zip(prefix, full, strict=False):
+                if a != b:
+                    break
+                common += 1
+            return full[common:]
+        return ""
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        """The vocabulary entries of these ids, as /tokenize's token_strs shows them."""
+        pieces: list[str] = self._tok.convert_ids_to_tokens(ids)
+        return pieces
+
+    @property
+    def _metaspace(self) -> bool:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return backend is not None and "Metaspace" in type(backend.pre_tokenizer).__name__ if backend else False
+
+    def render_chat(self, messages: list[dict[str, object]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, object] | None = None) -> str:
         if getattr(self._tok, "chat_template", None):
-            text: str = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text: str = self._tok.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      **(kwargs or {}))
             return text
-        return "\n".join(f"{msg['role']}: {msg['content']}" for msg in messages) + "\nassistant:"
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
 
 
 def make_tokenizer(spec: str) -> Tokenizer:

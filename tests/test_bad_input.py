@@ -37,9 +37,9 @@ def post(c: Cluster, path: str, **kw: object) -> httpx.Response:
     (b'{"prompt": "hi", "max_tokens": -3}', 400, "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
-    (b'{"prompt": "hi", "temperature": 9}', 400, "temperature"),
+    (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
-    (b'{"prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"prompt": "hi", "n": 0}', 400, "n"),
     (b'{"prompt": [1, -5]}', 400, "prompt"),
     (b'{"prompt": ""}', 400, "prompt"),
 ])

@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from common.messages import Coeffs, KvHandle, Sampling, TokenItem
+from common.messages import Coeffs, KvHandle, Sampling, TokenItem, TokenLogprobs
 
 Mode = Literal["prefill", "handoff", "deflect"]
 
@@ -58,6 +58,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
     prefill_s: float
     first_token_id: int | None = None
     kv_params: dict[str, object] = {}
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 TokensCallback = Callable[[list[TokenItem], float], None]

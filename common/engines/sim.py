@@ -2,10 +2,16 @@
 
 Each step sleeps for the modeled step time (times `time_scale`) and then commits the plan, so
 a worker running this engine has GPU-like timing on any laptop. Output tokens are synthetic but
-deterministic: a function of the request id and the position, in the simple tokenizer's word
-range, so the router can stream readable text and tests can check them. A request resumed on
+deterministic: a function of the request's seed (its request id when it has none) and the
+position, in the simple tokenizer's word range, so the router can stream readable text and tests can check them. A request resumed on
 another worker (`resume_tokens`: its prompt ends with the output already streamed) continues at
 the position where the first worker stopped, as a greedy real engine would.
+
+Sampling parameters keep their response shapes with synthetic values: `stop_token_ids` end a
+request when a synthetic token is one of them (after `min_tokens`); `logprobs` report the chosen
+token at rank 1 with logprob -0.25 and each alternative i (1..k) as another synthetic token with
+logprob -0.25 - i at rank i + 1; `prompt_logprobs` report every prompt token but the first the
+same way (logprob -1.0). Temperature and penalties do not change the synthetic tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Literal
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.errors import Overloaded
-from common.messages import Coeffs, TokenItem
+from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
 from common.tokenizer import SimpleTokenizer
 
@@ -35,6 +41,19 @@ def synthetic_token(key: str, position: int) -> int:
 
 def token_key(request_id: str, seed: int | None) -> str:
     return request_id if seed is None else f"seed:{seed}"
+
+
+def synthetic_logprobs(request_id: str, position: int, token: int, k: int, chosen: float = -0.25) -> TokenLogprobs:
+    """The simulated engine's logprobs at one position (see the module docstring)."""
+    ids, lps = [token], [chosen]
+    for i in range(1, k + 1):
+        ids.append(synthetic_token(request_id, position + 100_003 * i))
+        lps.append(chosen - i)
+    return TokenLogprobs(ids, lps, list(range(1, k + 2)))
+
+
+def synthetic_prompt_logprobs(request_id: str, prompt: list[int], k: int) -> list[TokenLogprobs | None]:
+    return [None] + [synthetic_logprobs(request_id, -1 - j, t, k, chosen=-1.0) for j, t in enumerate(prompt[1:])]
 
 
 class SimEngine(Engine):
@@ -62,6 +81,7 @@ class SimEngine(Engine):
         self._inflight: StepPlan | None = None
         self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
         self._resume: dict[str, int] = {}  # request -> output tokens streamed before it came here
+        self._reqs: dict[str, EngineRequest] = {}
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -85,10 +105,12 @@ class SimEngine(Engine):
         self.batcher.add(seq)
         if req.resume_tokens:
             self._resume[req.request_id] = req.resume_tokens
+        self._reqs[req.request_id] = req
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:
         self._resume.pop(request_id, None)
+        self._reqs.pop(request_id, None)
         return self.batcher.remove(request_id) is not None
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
@@ -157,18 +179,35 @@ class SimEngine(Engine):
         if self.role == "prefill":
             for seq in out.prefilled:
                 started = seq.prefill_started or seq.arrived
+                req = self._reqs.pop(seq.request_id, None)
+                k = req.sampling.prompt_logprobs if req is not None else None
                 self.on_prefilled(Prefilled(request_id=seq.request_id, attempt=seq.attempt,
                                             queue_s=started - seq.arrived, prefill_s=now - started,
-                                            first_token_id=synthetic_token(str(seq.user), 0)))
+                                            first_token_id=synthetic_token(str(seq.user), 0),
+                                            prompt_logprobs=None if k is None or req is None else
+                                            synthetic_prompt_logprobs(seq.request_id, req.prompt_token_ids, k)))
             return
         if not out.tokens:
             return
         finished = {id(s) for s in out.finished}
         resume = self._resume
-        items = [TokenItem(s.request_id, s.attempt,
-                           [synthetic_token(str(s.user), resume.get(s.request_id, 0) + s.generated - 1)],
-                           "length" if id(s) in finished else None) for s in out.tokens]
-        if resume:
-            for s in out.finished:
+        first = {id(s) for s in out.first_tokens}
+        items = []
+        for s in out.tokens:
+            req = self._reqs.get(s.request_id)
+            pos = resume.get(s.request_id, 0) + s.generated - 1
+            tok = synthetic_token(str(s.user), pos)
+            finish = "length" if id(s) in finished else None
+            sp = req.sampling if req is not None else Sampling(max_tokens=s.max_tokens)
+            if finish is None and tok in sp.stop_token_ids and s.generated >= sp.min_tokens:
+                finish = "stop"
+                self.batcher.remove(s.request_id)
+            lps = None if sp.logprobs is None else [synthetic_logprobs(s.request_id, pos, tok, sp.logprobs)]
+            plps = None
+            if req is not None and id(s) in first and req.mode != "handoff" and sp.prompt_logprobs is not None:
+                plps = synthetic_prompt_logprobs(s.request_id, req.prompt_token_ids, sp.prompt_logprobs)
+            if finish is not None:
+                self._reqs.pop(s.request_id, None)
                 resume.pop(s.request_id, None)
+            items.append(TokenItem(s.request_id, s.attempt, [tok], finish, lps, plps))
         self.on_tokens(items, step_s)

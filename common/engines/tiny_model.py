@@ -3,8 +3,9 @@
 No hub access and no downloads: a byte-level BPE tokenizer is trained on a fixed synthetic
 corpus and a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, vocab 1024; ~0.56 M parameters,
 ~2.2 MB of float32 safetensors) is initialised from a fixed seed, so every machine builds the
-same files. vLLM serves it on CPU in milliseconds per step; its greedy outputs are fixed
-(docs/reference/vllm.md section 5 lists two reference sequences, which the vllm test tier checks).
+same files. The tokenizer carries a plain chat template (role tags, one message per line). vLLM
+serves it on CPU in milliseconds per step; its greedy outputs are fixed (docs/reference/vllm.md
+section 5 lists two reference sequences, which the vllm test tier checks).
 
 Needs torch, tokenizers and transformers: run it with the vLLM venv
 (`.venv-vllm/bin/python -m common.engines.tiny_model DIR`).
@@ -19,6 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 VOCAB = 1024
+# a plain chat template, so the chat endpoints of vLLM's server and Kairos' can be compared
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # KV bytes per token of this model: layers x (K, V) x KV heads x head dim x float32.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 
@@ -43,6 +47,7 @@ def make_tiny_model(out: Path) -> int:
         vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<unk>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -76,7 +76,7 @@ import zmq
 from common import logging as klog
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
 from common.errors import ConfigError, KvTransferError, Overloaded
-from common.messages import Coeffs, TokenItem
+from common.messages import Coeffs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
 
 if TYPE_CHECKING:
@@ -442,14 +442,27 @@ class VllmEngine(Engine):
 
     # -- serving one request ----------------------------------------------------------------
     def _sampling(self, req: EngineRequest, *, max_tokens: int, extra: dict[str, Any], delta: bool) -> Any:
+        """vLLM's SamplingParams for this request. The prefill role samples one token that nobody
+        sees (the decode side recomputes the last prompt token and samples every output token,
+        the first included), so it takes only what changes the prompt's own work: prompt logprobs.
+        A handoff's decode side gets no prompt logprobs: its prompt KV was computed elsewhere."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = req.sampling
+        kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+        if self.role == "prefill":
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                                  prompt_logprobs=s.prompt_logprobs, output_kind=kind, extra_args=extra)
+        in_place = req.mode == "deflect" or "kv_transfer_params" not in extra
         return SamplingParams(
-            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids), detokenize=False,
-            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY, extra_args=extra)
+            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0, min_p=s.min_p,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty, seed=s.seed, ignore_eos=s.ignore_eos,
+            min_tokens=min(s.min_tokens, max_tokens), stop_token_ids=list(s.stop_token_ids),
+            logit_bias=dict(s.logit_bias) or None, allowed_token_ids=list(s.allowed_token_ids) or None,
+            logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs if in_place else None,
+            detokenize=False, output_kind=kind, extra_args=extra)
 
     async def _serve_prefill(self, h: _Held) -> None:
         req = h.req
@@ -475,7 +488,7 @@ class VllmEngine(Engine):
             self.on_prefilled(Prefilled(
                 request_id=req.request_id, attempt=req.attempt, queue_s=max(started - h.submitted, 0.0),
                 prefill_s=max(done - started, 0.0), first_token_id=comp.token_ids[0] if comp.token_ids else None,
-                kv_params=kv_params))
+                kv_params=kv_params, prompt_logprobs=_prompt_logprobs(last.prompt_logprobs)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # one request failing must not take the engine down
@@ -546,8 +559,10 @@ class VllmEngine(Engine):
             if tokens:
                 h.kv_wait = False
             h.generated += len(tokens)
-            if tokens or finish is not None:
-                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish))
+            lps = _logprobs(comp.logprobs) if req.sampling.logprobs is not None and tokens else None
+            plps = _prompt_logprobs(out.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None
+            if tokens or finish is not None or plps:
+                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish, lps, plps))
             if out.finished:
                 return None
 
@@ -646,6 +661,24 @@ class VllmEngine(Engine):
             self.step_mismatches += 1
             _log.warning("step_record_mismatch", step=rec.index, planned_chunks=rec.chunks, decodes=rec.decodes,
                          ctx_tokens=details.num_ctx_tokens, generation_requests=details.num_generation_requests)
+
+
+def _position(lp: Any) -> TokenLogprobs:
+    """One position of vLLM's logprobs (a {token_id: Logprob} mapping, chosen token first)."""
+    ids, vals, ranks = [], [], []
+    for tid, v in lp.items():
+        ids.append(int(tid))
+        vals.append(float(v.logprob))
+        ranks.append(int(v.rank) if v.rank is not None else 0)
+    return TokenLogprobs(ids, vals, ranks)
+
+
+def _logprobs(lps: Any) -> list[TokenLogprobs] | None:
+    return None if lps is None else [_position(lp) for lp in lps]
+
+
+def _prompt_logprobs(lps: Any) -> list[TokenLogprobs | None] | None:
+    return None if not lps else [None if lp is None else _position(lp) for lp in lps]
 
 
 def _trim(d: dict[int, Any], keep: int = 1024) -> None:

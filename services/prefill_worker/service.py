@@ -248,7 +248,7 @@ class PrefillWorker(WorkerService):
                         transfer_s=time.monotonic() - t0, params=p.kv_params)
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
                                 queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
-                                kv_error=error))
+                                kv_error=error, prompt_logprobs=p.prompt_logprobs))
         if p.kv_params and not error:  # pull mode: the decode side reads it from us, later
             self.kv_out[w.request_id] = time.monotonic() + self.cfg.kv_handoff_timeout
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),

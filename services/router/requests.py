@@ -18,6 +18,8 @@ class Event:
 
     token_ids: list[int] | None = None
     finish_reason: str | None = None
+    logprobs: list[m.TokenLogprobs] | None = None
+    prompt_logprobs: list[m.TokenLogprobs | None] | None = None
     error: str | None = None
     error_code: str = ""
 

@@ -323,6 +323,11 @@ class Router:
             req.events.put_nowait(Event(error=message, error_code=code))
             self._log_done(req)
 
+    def stop_early(self, req: Request) -> None:
+        """The HTTP layer found a stop string: the request is complete; stop its work."""
+        if self._end(req, "ok", "completed", cancel=True):
+            self._log_done(req)
+
     def abort(self, req: Request, reason: str = "client_disconnected") -> None:
         """The client went away: stop the work on the workers."""
         if self._end(req, reason, "aborted", cancel=True):
@@ -572,7 +577,8 @@ class Router:
             req.last_token_at = now
             req.n_out += len(it.token_ids)
             req.out_ids += it.token_ids
-            req.events.put_nowait(Event(token_ids=it.token_ids))
+            req.events.put_nowait(Event(token_ids=it.token_ids, logprobs=it.logprobs,
+                                        prompt_logprobs=it.prompt_logprobs))
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)
 
@@ -587,6 +593,8 @@ class Router:
             return
         req.prefill_done = True
         req.prefill = p
+        if p.prompt_logprobs:
+            req.events.put_nowait(Event(prompt_logprobs=p.prompt_logprobs))
         if p.kv_error:
             req.kv_error = p.kv_error
         dw = self.table.workers.get(req.decode_worker or "")

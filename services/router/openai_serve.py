@@ -1,0 +1,180 @@
+"""Answering one completions or chat request: its choices' events to a JSON body or an SSE stream.
+
+A request with several prompts, or n > 1, is several router requests (one per choice, each with
+its own Sampling); their events are merged here, and the choice indexes are prompt x n + choice,
+as in vLLM's server. A stop string found by a Choice ends its router request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from services.router.openai_render import Choice, unary_choice, usage
+from services.router.openai_schema import Plan
+from services.router.requests import Event
+from services.router.service import Router
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_json = msgspec.json.Encoder()
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+def _error_status(code: str) -> tuple[int, float | None]:
+    """HTTP status and Retry-After (only where a retry can help) of a request that failed after
+    admission."""
+    if code == "invalid_request":  # a worker found the request itself at fault: retrying cannot help
+        return 400, None
+    if code == "deadline_exceeded":
+        return 504, None
+    if code in ("router_shutdown", "kv_wait_timeout"):  # another router, or KV room that frees, can take it
+        return 503, 2.0
+    if code in ("unavailable", "retries_exhausted"):
+        return 503, None
+    return 500, None
+
+
+def _feed(router: Router, c: Choice, events: list[Event]) -> None:
+    c.push(events)
+    if c.stop_early:
+        c.stop_early = False
+        router.stop_early(c.req)
+
+
+async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, dict[str, Any]]:
+    for c in choices:
+        while not c.done:
+            _feed(router, c, await c.req.events.take())
+        if c.error is not None:
+            status, retry_after = _error_status(c.error.error_code)
+            return status, {"message": c.error.error, "code": c.error.error_code, "retry_after": retry_after}
+    req = choices[0].req
+    d = req.decision
+    body: dict[str, Any] = {
+        "id": ("chatcmpl-" if p.chat else "cmpl-") + req.request_id,
+        "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
+        "model": p.model, "choices": [unary_choice(c) for c in choices], "service_tier": None,
+        "system_fingerprint": None, "usage": usage(p, choices)}
+    if p.chat:
+        c0 = choices[0]
+        body.update(prompt_logprobs=c0.prompt_logprobs_json() if c0.req.sampling.prompt_logprobs is not None else None,
+                    prompt_token_ids=p.prompts[0] if p.return_token_ids else None, prompt_text=None)
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    body["kairos"] = {"route": d.route if d else None, "reason": d.reason if d else None,
+                      "decode_worker": req.decode_worker, "prefill_worker": req.prefill_worker,
+                      "ttft_s": (req.first_token_at - req.arrival) if req.first_token_at else None,
+                      "attempts": req.attempt + 1, "kv_fallback": req.kv_fallback}
+    return 200, body
+
+
+class _Merge:
+    """The next events of any of the choices (one task per choice when there are several)."""
+
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices = choices
+        self.q: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._pump(i, c)) for i, c in enumerate(choices)] \
+            if len(choices) > 1 else []
+
+    async def _pump(self, i: int, c: Choice) -> None:
+        while True:
+            evs = await c.req.events.take()
+            self.q.put_nowait((i, evs))
+            if any(e.finish_reason is not None or e.error is not None for e in evs):
+                return
+
+    async def next(self) -> tuple[int, list[Event]]:
+        if not self.tasks:
+            return 0, await self.choices[0].req.events.take()
+        return await self.q.get()
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
+                 headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
+    req = choices[0].req
+    cid = ("chatcmpl-" if p.chat else "cmpl-") + req.request_id
+    obj = "chat.completion.chunk" if p.chat else "text_completion"
+    created = int(time.time())
+    head = {"id": cid, "object": obj, "created": created, "model": p.model}
+
+    def chunk(choice: dict[str, Any], c: Choice | None = None) -> bytes:
+        body = {**head, "choices": [choice]}
+        if c is not None and p.continuous_usage:
+            pt = len(p.prompts[c.prompt_index])
+            body["usage"] = {"prompt_tokens": pt, "completion_tokens": len(c.ids), "total_tokens": pt + len(c.ids)}
+        return b"data: " + _json.encode(body) + b"\n\n"
+
+    first: list[bytes] = []
+    if p.chat:
+        for c in choices:
+            first.append(chunk({"index": c.index, "delta": {"role": p.role, "content": ""}, "logprobs": None,
+                                "finish_reason": None}))
+        if p.echo and p.echo_text:
+            for c in choices:
+                first.append(chunk({"index": c.index, "delta": {"content": p.echo_text}, "logprobs": None,
+                                    "finish_reason": None}))
+    if first:
+        await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
+    echoed = [False] * len(choices)
+    offsets = [0] * len(choices)
+    merge = _Merge(choices)
+    try:
+        while not all(c.done for c in choices):
+            i, evs = await merge.next()
+            c = choices[i]
+            _feed(router, c, evs)
+            if c.error is not None:
+                err = {"error": {"message": c.error.error, "type": "server_error", "param": None,
+                                 "code": c.error.error_code}}
+                await send({"type": "http.response.body", "body": b"data: " + _json.encode(err) + b"\n\n"
+                            b"data: [DONE]\n\n", "more_body": False})
+                return
+            start = c.lps_sent
+            text, ids, lps = c.delta()
+            strs = c.out_strs(start, lps) if p.logprobs is not None else []
+            if not text and not ids and not c.done:
+                continue
+            fin = c.finish if c.done else None
+            if p.chat:
+                delta: dict[str, Any] = {"content": text} if text or not fin else {}
+                lp = c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None
+                out = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
+                if fin is not None:
+                    out["stop_reason"] = c.stop_reason
+                if p.return_token_ids:
+                    out["token_ids"] = ids
+            else:
+                if p.echo and not echoed[i]:
+                    echoed[i] = True
+                    ptext, pids, plps, pstrs = c.echo_parts()
+                    if p.max_tokens_zero:
+                        text, ids, lps, strs = ptext, pids, plps, pstrs
+                    else:
+                        text, ids, lps, strs = ptext + text, pids + ids, plps + lps, pstrs + strs
+                lp = None
+                if p.logprobs is not None:
+                    lp = c.completion_logprobs(ids, lps, strs, offsets[i])
+                    if lp["tokens"]:
+                        offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": fin,
+                       "stop_reason": c.stop_reason if fin is not None else None, "prompt_token_ids": None,
+                       "token_ids": ids if p.return_token_ids else None}
+            await send({"type": "http.response.body", "body": chunk(out, c), "more_body": True})
+        tail = b""
+        if p.include_usage:
+            u = usage(p, choices)
+            u = {k: v for k, v in u.items() if v is not None}
+            tail = b"data: " + _json.encode({**head, "choices": [], "usage": u}) + b"\n\n"
+        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+    finally:
+        merge.close()

@@ -1,0 +1,243 @@
+"""Side by side: vLLM's own OpenAI server and Kairos (`kairos up --engine vllm`, 1 prefill + 1 decode
+worker) on the same tiny model, the same request shapes, on both of Kairos' routes.
+
+Every shape is sent to both servers; the responses must be equal field by field apart from ids,
+timestamps, fingerprints and Kairos' own `kairos` extension. Streams are compared as what a
+client assembles from them: per choice the concatenated text (or content), the concatenated
+logprobs, the finish and stop reasons, and the usage chunk (how tokens are grouped into chunks
+differs: Kairos sends every token of an engine step at once, as does vLLM, but the router may
+batch two steps when it is behind). Logprobs are compared to 1e-3: the two engines batch
+and chunk the same prompt differently (Kairos runs its chunk schedule), which moves float32
+sums in the last digits. Sampled shapes (temperature > 0) carry a seed: vLLM's per-request
+generator makes them reproducible across servers.
+
+Skipped shapes, and why: none of the shapes below is skipped. Not compared at all: `/version`
+(each server reports its own version), and the fields Kairos refuses (tests/test_api_params.py
+checks each refusal names its field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kairos.up import Cluster, ClusterSpec
+from tests.vllm.helpers import VLLM_MISSING
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or "")]
+
+TOKENS = [5, 6, 7, 8, 9]
+TEXT = "the quick brown fox jumps over"
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}]
+SEEDED = {"temperature": 0.9, "seed": 1234}
+GREEDY = {"temperature": 0}
+
+# (name, endpoint, body); `model` is added per server. Greedy unless a seed is given.
+SHAPES: list[tuple[str, str, dict[str, Any]]] = [
+    ("text", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8}),
+    ("token_ids", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 8}),
+    ("batch_text", "completions", {**GREEDY, "prompt": [TEXT, "lorem ipsum dolor"], "max_tokens": 5}),
+    ("batch_token_ids", "completions", {**GREEDY, "prompt": [TOKENS, [11, 12, 13, 14]], "max_tokens": 5}),
+    ("n2_greedy_refused", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 5, "n": 2}),
+    ("mixed_batch_refused", "completions", {**GREEDY, "prompt": [TEXT, TOKENS], "max_tokens": 5}),
+    ("n2_seeded", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 6, "n": 2, **SEEDED}),
+    ("logprobs", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 6, "logprobs": 3}),
+    ("logprobs0", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 4, "logprobs": 0}),
+    ("echo", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, "echo": True}),
+    ("echo_logprobs_harness", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 1, "echo": True, "logprobs": 1,
+                                              "temperature": 0}),
+    ("echo_max_tokens_0", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 0, "echo": True, "logprobs": 1}),
+    ("prompt_logprobs", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 3, "prompt_logprobs": 2}),
+    ("stop_string", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 16, "stop": ["STOP1"]}),
+    ("stop_string_included", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 16, "stop": ["STOP1"],
+                                             "include_stop_str_in_output": True}),
+    ("stop_token_ids", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 16, "stop_token_ids": [550]}),
+    ("min_tokens_ignore_eos", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 12, "min_tokens": 12,
+                                              "ignore_eos": True, "stop_token_ids": [550]}),
+    ("seeded", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8, **SEEDED}),
+    ("top_k", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8, "top_k": 5, **SEEDED}),
+    ("top_p", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8, "top_p": 0.5, **SEEDED}),
+    ("min_p", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8, "min_p": 0.3, **SEEDED}),
+    ("penalties", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 10, "presence_penalty": 1.5,
+                                  "frequency_penalty": 1.0}),
+    ("repetition_penalty", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 10, "repetition_penalty": 1.5}),
+    ("logit_bias", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 8, "logit_bias": {"515": -100}}),
+    ("allowed_token_ids", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 6,
+                                          "allowed_token_ids": [40, 41, 42]}),
+    ("return_token_ids", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, "return_token_ids": True}),
+    ("tokens_as_ids", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, "logprobs": 2,
+                                      "return_tokens_as_token_ids": True}),
+    ("truncate", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, "truncate_prompt_tokens": 3}),
+    ("no_special_tokens", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, "add_special_tokens": False}),
+    ("stream", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 8, "stream": True}),
+    ("stream_usage", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 8, "stream": True,
+                                     "stream_options": {"include_usage": True}}),
+    ("stream_logprobs", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 6, "logprobs": 2, "stream": True}),
+    ("stream_stop", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 16, "stop": ["STOP1"], "stream": True}),
+    ("stream_n2_batch", "completions", {"prompt": [TEXT, "lorem ipsum dolor"], "max_tokens": 4, "n": 2,
+                                        "stream": True, "stream_options": {"include_usage": True}, **SEEDED}),
+    ("stream_echo_logprobs", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 3, "echo": True, "logprobs": 1,
+                                             "stream": True}),
+    ("chat", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8}),
+    ("chat_max_completion_tokens", "chat/completions", {**GREEDY, "messages": MSGS, "max_completion_tokens": 5}),
+    ("chat_logprobs", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 5, "logprobs": True,
+                                           "top_logprobs": 2}),
+    ("chat_n2_seeded", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 5, "n": 2, **SEEDED}),
+    ("chat_stop", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 16, "stop": ["STOP2"]}),
+    ("chat_echo_continue", "chat/completions", {
+        **GREEDY, "messages": [*MSGS, {"role": "assistant", "content": "the quick"}], "max_tokens": 5, "echo": True,
+        "add_generation_prompt": False, "continue_final_message": True}),
+    ("chat_no_generation_prompt", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 5,
+                                                       "add_generation_prompt": False}),
+    ("chat_stream", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True}),
+    ("chat_stream_logprobs_usage", "chat/completions", {
+        **GREEDY, "messages": MSGS, "max_tokens": 6, "stream": True, "logprobs": True, "top_logprobs": 1,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+]
+IGNORED = {"id", "created", "system_fingerprint", "kairos"}
+
+
+@pytest.fixture(scope="module")
+def stops(vllm_server: str, tiny_model: Path) -> dict[str, str]:
+    """Stop strings taken from the middle of vLLM's own greedy outputs, so they do occur."""
+    out = {}
+    r = httpx.post(vllm_server + "/completions", json={"model": tiny_model.name, "prompt": TOKENS,
+                                                       "max_tokens": 16}, timeout=60).json()
+    text = r["choices"][0]["text"]
+    out["STOP1"] = text[len(text) // 2:len(text) // 2 + 3]
+    r = httpx.post(vllm_server + "/chat/completions", json={"model": tiny_model.name, "messages": MSGS,
+                                                            "max_tokens": 16}, timeout=60).json()
+    text = r["choices"][0]["message"]["content"]
+    out["STOP2"] = text[len(text) // 2:len(text) // 2 + 2]
+    assert all(out.values()), out
+    return out
+
+
+@pytest.fixture(scope="module", params=["disagg-least-loaded", "deflect-all"])
+def kairos(request: pytest.FixtureRequest, tiny_model: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
+                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 log_dir=str(tmp_path_factory.mktemp("conformance")),
+                                 router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
+                                             "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
+                                 worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
+    c = Cluster(spec)
+    try:
+        c.start(timeout=300)
+    except BaseException:
+        c.stop(10)
+        raise
+    yield c.spec.api + "/v1", "deflect" if request.param == "deflect-all" else "disagg"
+    c.stop(30)
+
+
+def _fill(body: dict[str, Any], stops: dict[str, str], model: str) -> dict[str, Any]:
+    out = json.loads(json.dumps(body))
+    if "stop" in out:
+        out["stop"] = [stops.get(s, s) for s in out["stop"]]
+    return {"model": model, **out}
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+    r = httpx.post(url, json=body, timeout=120)
+    if not body.get("stream") or r.status_code != 200:
+        return r.status_code, r.json(), dict(r.headers)
+    events = []
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    assert r.text.rstrip().endswith("data: [DONE]")
+    return r.status_code, _assemble(events), dict(r.headers)
+
+
+def _assemble(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a client makes of a stream: per choice, everything concatenated."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for ev in events:
+        assert "error" not in ev, ev
+        if ev.get("usage") is not None and not ev["choices"]:
+            usage = ev["usage"]
+        for ch in ev["choices"]:
+            c = choices.setdefault(ch["index"], {"text": "", "logprobs": None, "finish_reason": None,
+                                                 "stop_reason": None, "usages": []})
+            if "delta" in ch:
+                c["text"] += ch["delta"].get("content") or ""
+                if ch["delta"].get("role"):
+                    c["role"] = ch["delta"]["role"]
+            else:
+                c["text"] += ch["text"]
+            lp = ch.get("logprobs")
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = {k: [] for k in lp}
+                for k, v in lp.items():
+                    c["logprobs"][k] += v
+            if ch.get("finish_reason") is not None:
+                c["finish_reason"] = ch["finish_reason"]
+                c["stop_reason"] = ch.get("stop_reason")
+            if ev.get("usage") is not None:
+                c["usages"].append(ev["usage"]["completion_tokens"])
+    for c in choices.values():  # continuous usage: the last count is what matters
+        c["usages"] = c["usages"][-1:] if c["usages"] else []
+    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage,
+            "object": events[0]["object"], "model": events[0]["model"]}
+
+
+def _diff(a: Any, b: Any, path: str = "$") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if k in IGNORED:
+                continue
+            if k not in a or k not in b:
+                out.append(f"{path}.{k}: only in {'vllm' if k in a else 'kairos'}")
+            else:
+                out += _diff(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items vs {len(b)}: {str(a)[:300]} vs {str(b)[:300]}"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return [] if math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3) else [f"{path}: {a} vs {b}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+@pytest.mark.parametrize("name,endpoint,body", SHAPES, ids=[s[0] for s in SHAPES])
+def test_same_response(name: str, endpoint: str, body: dict[str, Any], kairos: tuple[str, str], vllm_server: str,
+                       stops: dict[str, str], tiny_model: Path) -> None:
+    url, route = kairos
+    req = _fill(body, stops, tiny_model.name)
+    s1, want, _ = _post(f"{vllm_server}/{endpoint}", req)
+    s2, got, headers = _post(f"{url}/{endpoint}", req)
+    if name.endswith("_refused"):  # vLLM refuses these bodies; so must Kairos, naming the same field
+        assert s1 == 400 and s2 == 400, (want, got)
+        return
+    assert s1 == 200, want
+    assert s2 == 200, got
+    assert headers.get("x-kairos-route") == route
+    diffs = _diff(want, got)
+    assert not diffs, f"{name} on the {route} route:\n" + "\n".join(diffs[:20])
+
+
+def test_tokenize_and_detokenize(kairos: tuple[str, str], vllm_server: str, tiny_model: Path) -> None:
+    url, _ = kairos
+    base = vllm_server.removesuffix("/v1")
+    kbase = url.removesuffix("/v1")
+    for body in ({"prompt": TEXT}, {"prompt": TEXT, "add_special_tokens": False, "return_token_strs": True},
+                 {"messages": MSGS}, {"messages": MSGS, "add_generation_prompt": False}):
+        want = httpx.post(base + "/tokenize", json={"model": tiny_model.name, **body}, timeout=30).json()
+        got = httpx.post(kbase + "/tokenize", json={"model": tiny_model.name, **body}, timeout=30).json()
+        assert not _diff(want, got), (body, want, got)
+        want = httpx.post(base + "/detokenize", json={"model": tiny_model.name, "tokens": want["tokens"]}).json()
+        got = httpx.post(kbase + "/detokenize", json={"model": tiny_model.name, "tokens": got["tokens"]}).json()
+        assert want == got
+    assert httpx.get(kbase + "/version").json()["version"]

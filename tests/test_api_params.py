@@ -246,9 +246,9 @@ def test_sampling_reaches_the_engine_on_both_routes(cluster: Cluster) -> None:
     lp = _choice(out)["logprobs"]
     assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1:4] == [-1.0, -1.0, -1.0]  # prompt
     assert lp["token_logprobs"][4:] == [-0.25, -0.25, -0.25]  # output
-    first = _post(url, {"prompt": "a b c", "max_tokens": 8, "return_token_ids": True, "request_id": "stopper"})[1]
+    first = _post(url, {"prompt": "a b c", "max_tokens": 8, "return_token_ids": True, "seed": 7})[1]
     ids = _choice(first)["token_ids"]
-    again = _post(url, {"prompt": "a b c", "max_tokens": 8, "return_token_ids": True, "request_id": "stopper",
+    again = _post(url, {"prompt": "a b c", "max_tokens": 8, "return_token_ids": True, "seed": 7,
                         "stop_token_ids": [ids[3]]})[1]
     c = _choice(again)
     assert c["finish_reason"] == "stop" and c["stop_reason"] == ids[3] and c["token_ids"] == ids[:ids.index(ids[3]) + 1]

@@ -3,9 +3,10 @@
 Each step sleeps for the modeled step time (times `time_scale`) and then commits the plan, so
 a worker running this engine has GPU-like timing on any laptop. Output tokens are synthetic but
 deterministic: a function of the request's seed (its request id when it has none) and the
-position, in the simple tokenizer's word range, so the router can stream readable text and tests can check them. A request resumed on
-another worker (`resume_tokens`: its prompt ends with the output already streamed) continues at
-the position where the first worker stopped, as a greedy real engine would.
+position, in the simple tokenizer's word range, so the router can stream readable text and tests
+can check them (a seeded request is reproducible). A request resumed on another worker
+(`resume_tokens`: its prompt ends with the output already streamed) continues at the position
+where the first worker stopped, as a greedy real engine would.
 
 Sampling parameters keep their response shapes with synthetic values: `stop_token_ids` end a
 request when a synthetic token is one of them (after `min_tokens`); `logprobs` report the chosen

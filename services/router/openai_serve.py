@@ -56,7 +56,7 @@ async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, di
     req = choices[0].req
     d = req.decision
     body: dict[str, Any] = {
-        "id": ("chatcmpl-" if p.chat else "cmpl-") + req.request_id,
+        "id": ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id),
         "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
         "model": p.model, "choices": [unary_choice(c) for c in choices], "service_tier": None,
         "system_fingerprint": None, "usage": usage(p, choices)}
@@ -102,7 +102,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                  headers: list[tuple[bytes, bytes]]) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     req = choices[0].req
-    cid = ("chatcmpl-" if p.chat else "cmpl-") + req.request_id
+    cid = ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id)
     obj = "chat.completion.chunk" if p.chat else "text_completion"
     created = int(time.time())
     head = {"id": cid, "object": obj, "created": created, "model": p.model}

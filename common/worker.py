@@ -31,7 +31,8 @@ import zmq
 from common import codec
 from common import messages as m
 from common.config import WorkerConfig
-from common.engines.base import Engine
+from common.engines.base import Engine, EngineRequest
+from common.errors import Overloaded
 from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
 
@@ -59,7 +60,7 @@ class WorkerService(abc.ABC):
         self._answered = asyncio.Event()   # the router answered a Hello (Welcome or Refused)
         self.refused = ""                  # why the router refused us, while it does
         self.bus: WorkerBus
-        self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0}
+        self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0, "refused": 0}
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
             engine.on_failed = self._on_engine_failed
@@ -314,6 +315,30 @@ class WorkerService(abc.ABC):
         fault (no retry anywhere), else retryable (another worker may take it)."""
         self.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id, reason=reason,
                                   retryable=not invalid, code="invalid_request" if invalid else ""))
+
+    def refuse(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
+        """Turn a request away here: counted, logged, and the router told (see fail_request)."""
+        self.counters["refused"] += 1
+        self.log.warning("work_refused", request_id=request_id, reason=reason, invalid=invalid)
+        self.fail_request(request_id, attempt, reason, invalid=invalid)
+
+    def add_to_engine(self, req: EngineRequest) -> bool:
+        """Hand a request to the engine; whatever the engine raises fails that request only (never
+        the worker): overloaded and engine faults are retryable elsewhere, a ValueError means the
+        engine refuses the request itself (vLLM: too long, bad ids, ...). True when admitted."""
+        try:
+            self.engine.add(req)
+        except Overloaded as e:
+            self.refuse(req.request_id, req.attempt, f"overloaded: {e}")
+        except ValueError as e:
+            self.refuse(req.request_id, req.attempt, f"engine refused the request: {e}", invalid=True)
+        except Exception as e:
+            self.log.error("engine_add_failed", request_id=req.request_id, error=f"{type(e).__name__}: {e}",
+                           exc_info=True)
+            self.refuse(req.request_id, req.attempt, f"engine error: {type(e).__name__}: {e}")
+        else:
+            return True
+        return False
 
     def _on_engine_failed(self, request_id: str, attempt: int, reason: str, retryable: bool = True) -> None:
         self.log.warning("engine_request_failed", request_id=request_id, reason=reason, retryable=retryable)

@@ -41,7 +41,7 @@ from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
 from kairos.up import Cluster, ClusterSpec
 from services.router.policy import make_policy
-from sim.core import SimConfig, prefill_load, simulate
+from sim.core import SimConfig, peak_load, prefill_load, simulate
 from sim.stats import fmt, json_safe, summarize
 
 BASELINE = "disagg-least-loaded"
@@ -79,20 +79,6 @@ def select(args: argparse.Namespace) -> tuple[list[TraceRequest], dict[str, Any]
         raise ConfigError("the selected slice holds no request")
     return reqs, {"trace": args.trace, "trace_path": str(path), "start": start, "duration": args.duration,
                   "rate_scale": args.rate_scale, "requests": len(reqs), "span_s": reqs[-1].t - reqs[0].t}
-
-
-def peak_load(reqs: list[TraceRequest], profile: Profile, n_prefill: int, window: float = 10.0) -> float:
-    """Offered prefill load in the busiest `window` seconds (1.0 = the prefill pool's capacity)."""
-    model, budget = profile.model, profile.prefill_token_budget
-    work = [model.prefill_exec(r.input_length, budget) for r in reqs]
-    best, j, acc = 0.0, 0, 0.0
-    for i, r in enumerate(reqs):
-        acc += work[i]
-        while reqs[j].t <= r.t - window:
-            acc -= work[j]
-            j += 1
-        best = max(best, acc)
-    return best / (window * n_prefill)
 
 
 def simulated(reqs: list[TraceRequest], profile: Profile, args: argparse.Namespace) -> dict[str, dict[str, Any]]:

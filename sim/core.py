@@ -637,3 +637,17 @@ def prefill_load(trace: Sequence[TraceRequest], profile: Profile, n_prefill: int
         return None
     work = sum(profile.model.prefill_exec(tr.input_length, profile.prefill_token_budget) for tr in trace)
     return work / (span * n_prefill)
+
+
+def peak_load(reqs: Sequence[TraceRequest], profile: Profile, n_prefill: int, window: float = 10.0) -> float:
+    """Offered prefill load in the busiest `window` seconds (1.0 = the prefill pool's capacity)."""
+    model, budget = profile.model, profile.prefill_token_budget
+    work = [model.prefill_exec(r.input_length, budget) for r in reqs]
+    best, j, acc = 0.0, 0, 0.0
+    for i, r in enumerate(reqs):
+        acc += work[i]
+        while reqs[j].t <= r.t - window:
+            acc -= work[j]
+            j += 1
+        best = max(best, acc)
+    return best / (window * n_prefill)

@@ -41,7 +41,7 @@ import numpy as np
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
-from sim.core import SimConfig, prefill_load, simulate
+from sim.core import SimConfig, peak_load, prefill_load, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
 from sim.tune import GRIDS, OBJECTIVE, Job, _setup, tune_one
@@ -90,20 +90,6 @@ def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[Tr
                 for r in base]
     start, end = which
     return load_trace(trace_path(w.trace), start=start, duration=end - start, rate_scale=scale)
-
-
-def peak_load(reqs: Sequence[TraceRequest], profile: Profile, n_prefill: int, window: float = 10.0) -> float:
-    """Offered prefill load in the busiest `window` seconds (1.0 = the prefill pool's capacity)."""
-    model, budget = profile.model, profile.prefill_token_budget
-    work = [model.prefill_exec(r.input_length, budget) for r in reqs]
-    best, j, acc = 0.0, 0, 0.0
-    for i, r in enumerate(reqs):
-        acc += work[i]
-        while reqs[j].t <= r.t - window:
-            acc -= work[j]
-            j += 1
-        best = max(best, acc)
-    return best / (window * n_prefill)
 
 
 # ------------------------------------------------------------------------------ one simulation

@@ -21,7 +21,6 @@ from msgspec.structs import replace as msgspec_replace
 from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest
-from common.errors import Overloaded
 from common.kv import KvError, KvReceiver, receiver_from_config, transfer_key
 from common.worker import WorkerService
 
@@ -50,7 +49,7 @@ class DecodeWorker(WorkerService):
         self.engine.on_tokens = self._on_tokens
         if hasattr(self.engine, "on_kv_fallback"):  # engines that load KV themselves (vllm)
             self.engine.on_kv_fallback = self._on_engine_kv_fallback
-        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, refused=0, finished=0)
+        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0)
 
     # -- heartbeats --------------------------------------------------------------------------
     def _reserved(self) -> int:
@@ -136,22 +135,11 @@ class DecodeWorker(WorkerService):
         self._admit(w, "deflect", w.chunk_schedule)
 
     def _admit(self, w: m.DecodeWork, mode: str, schedule: tuple[int, ...], kv: m.KvHandle | None = None) -> None:
-        try:
-            self.engine.add(EngineRequest(request_id=w.request_id, attempt=w.attempt,
-                                          prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
-                                          mode="handoff" if mode == "handoff" else "deflect",
-                                          tbt_slo=w.tbt_slo, chunk_schedule=schedule, kv=kv,
-                                          cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens))
-        except Overloaded as e:
-            self._refuse(w, f"overloaded: {e}")
-            return
-        except ValueError as e:  # the engine refuses the request itself (vLLM: too long, bad ids, ...)
-            self._refuse(w, f"engine refused the request: {e}", invalid=True)
-            return
-        except Exception as e:  # an engine fault on one request fails that request
-            self.log.error("engine_add_failed", request_id=w.request_id, error=f"{type(e).__name__}: {e}",
-                           exc_info=True)
-            self._refuse(w, f"engine error: {type(e).__name__}: {e}")
+        if not self.add_to_engine(EngineRequest(request_id=w.request_id, attempt=w.attempt,
+                                                prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
+                                                mode="handoff" if mode == "handoff" else "deflect",
+                                                tbt_slo=w.tbt_slo, chunk_schedule=schedule, kv=kv,
+                                                cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens)):
             return
         self.active[w.request_id] = w
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
@@ -160,9 +148,7 @@ class DecodeWorker(WorkerService):
         self.beat_now()
 
     def _refuse(self, w: m.DecodeWork, reason: str, *, invalid: bool = False) -> None:
-        self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=w.request_id, reason=reason, invalid=invalid)
-        self.fail_request(w.request_id, w.attempt, reason, invalid=invalid)
+        self.refuse(w.request_id, w.attempt, reason, invalid=invalid)
 
     def _reserve_kv(self, p: _Pending) -> None:
         """NIXL: reserve landing blocks and tell the prefill worker (via the router) where to write.

@@ -17,7 +17,6 @@ from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.engines.replay import drain
-from common.errors import Overloaded
 from common.kv import (
     DEFAULT_INFLIGHT_TOKENS,
     KvError,
@@ -49,7 +48,7 @@ class PrefillWorker(WorkerService):
         self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
-        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, refused=0)
+        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0)
 
     def heartbeat(self) -> m.PrefillHeartbeat:
         load = self.engine.load()
@@ -139,20 +138,9 @@ class PrefillWorker(WorkerService):
         if why := self.too_long(len(w.prompt_token_ids)):
             self._refuse(w, why, invalid=True)
             return
-        try:
-            self.engine.add(EngineRequest(request_id=w.request_id, attempt=w.attempt,
-                                          prompt_token_ids=w.prompt_token_ids, sampling=w.sampling, mode="prefill",
-                                          cached_tokens=w.cached_tokens))
-        except Overloaded as e:
-            self._refuse(w, f"overloaded: {e}")
-            return
-        except ValueError as e:  # the engine refuses the request itself (vLLM: too long, bad ids, ...)
-            self._refuse(w, f"engine refused the request: {e}", invalid=True)
-            return
-        except Exception as e:  # an engine fault on one request fails that request
-            self.log.error("engine_add_failed", request_id=w.request_id, error=f"{type(e).__name__}: {e}",
-                           exc_info=True)
-            self._refuse(w, f"engine error: {type(e).__name__}: {e}")
+        if not self.add_to_engine(EngineRequest(request_id=w.request_id, attempt=w.attempt,
+                                                prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
+                                                mode="prefill", cached_tokens=w.cached_tokens)):
             return
         self.work[w.request_id] = w
         self.beat_now()
@@ -163,9 +151,7 @@ class PrefillWorker(WorkerService):
             self._forget_target(request_id, w.attempt)
 
     def _refuse(self, w: m.PrefillWork, reason: str, *, invalid: bool = False) -> None:
-        self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=w.request_id, reason=reason, invalid=invalid)
-        self.fail_request(w.request_id, w.attempt, reason, invalid=invalid)
+        self.refuse(w.request_id, w.attempt, reason, invalid=invalid)
 
     def _on_kv_target(self, t: m.KvTarget) -> None:
         w = self.work.get(t.request_id)

@@ -77,17 +77,24 @@ def refusal(identity: bytes, h: m.Hello, table: WorkerTable, *, served_model: st
     return ""
 
 
-def serving_limit(table: WorkerTable) -> int:
-    """The longest sequence (prompt + output) some live decode worker takes: 0 if one has no limit
-    or none is registered (then nothing can be judged yet)."""
+def _decode_limit(table: WorkerTable, field: str) -> int:
+    """The largest `Hello.<field>` over the live decode workers: 0 if none is registered or one
+    reports none (0: no limit known), since then nothing can be judged."""
     best = 0
     for w in table.workers.values():
         if w.role != "decode" or w.draining:
             continue
-        if w.hello.max_model_len <= 0:
+        v = int(getattr(w.hello, field))
+        if v <= 0:
             return 0
-        best = max(best, w.hello.max_model_len)
+        best = max(best, v)
     return best
+
+
+def serving_limit(table: WorkerTable) -> int:
+    """The longest sequence (prompt + output) some live decode worker takes: 0 if one has no limit
+    or none is registered (then nothing can be judged yet)."""
+    return _decode_limit(table, "max_model_len")
 
 
 def too_small(table: WorkerTable, prompt_tokens: int) -> frozenset[str]:
@@ -99,11 +106,4 @@ def too_small(table: WorkerTable, prompt_tokens: int) -> frozenset[str]:
 def kv_limit(table: WorkerTable) -> int:
     """The most KV (tokens) one live decode worker holds at all: 0 if none is registered or one
     reports no capacity (then nothing can be judged)."""
-    best = 0
-    for w in table.workers.values():
-        if w.role != "decode" or w.draining:
-            continue
-        if w.hello.kv_capacity_tokens <= 0:
-            return 0
-        best = max(best, w.hello.kv_capacity_tokens)
-    return best
+    return _decode_limit(table, "kv_capacity_tokens")

@@ -153,12 +153,18 @@ class Cluster:
             log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
 
     def start(self, timeout: float = 60.0) -> None:
-        self.spawn("router")
-        self.wait_http("/health", timeout)
-        for name in self.services:
-            if name != "router":
-                self.spawn(name)
-        self.wait_ready(timeout)
+        """Router, then every other service, until all workers are registered. A start that fails
+        (a service exits, or `timeout` passes) stops what it started before it raises."""
+        try:
+            self.spawn("router")
+            self.wait_http("/health", timeout)
+            for name in self.services:
+                if name != "router":
+                    self.spawn(name)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop(5)
+            raise
 
     def get(self, path: str, timeout: float = 2.0) -> tuple[int, dict[str, object]]:
         try:
@@ -270,11 +276,7 @@ class Cluster:
             self.stop_service("monitor", 10)
 
     def __enter__(self) -> Cluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop(5)
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

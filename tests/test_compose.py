@@ -490,11 +490,7 @@ def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
     c.services = {name: Service(name, kairos_cmd(svc["command"][0]),
                                 {**kairos_env(svc), "KAIROS_CURVE_KEYS_DIR": str(keys_dir)})
                   for name, svc in svcs.items()}
-    try:
-        c.start(timeout=90)
-    except BaseException:
-        c.stop(5)
-        raise
+    c.start(timeout=90)
     yield c, svcs
     c.stop(20)
 

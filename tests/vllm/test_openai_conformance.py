@@ -129,11 +129,7 @@ def kairos(request: pytest.FixtureRequest, tiny_model: Path,
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
-    try:
-        c.start(timeout=300)
-    except BaseException:
-        c.stop(10)
-        raise
+    c.start(timeout=300)
     yield c.spec.api + "/v1", "deflect" if request.param == "deflect-all" else "disagg"
     c.stop(30)
 

@@ -32,11 +32,7 @@ def cluster(request: pytest.FixtureRequest, tiny_model: Path,
                                  router_env={"KAIROS_CANDIDATES": "256,128,64"},
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
-    try:
-        c.start(timeout=300)
-    except BaseException:
-        c.stop(10)
-        raise
+    c.start(timeout=300)
     c.policy = request.param  # type: ignore[attr-defined]
     yield c
     c.stop(30)

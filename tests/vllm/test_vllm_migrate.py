@@ -52,11 +52,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                                  router_env={"KAIROS_CANDIDATES": "256,128,64"},
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
-    try:
-        c.start(timeout=400)
-    except BaseException:
-        c.stop(10)
-        raise
+    c.start(timeout=400)
     yield c
     c.stop(30)
 

@@ -73,8 +73,12 @@ async def test_kill_prefill_worker_no_manual_restart(up: Up) -> None:
 async def test_freeze_decode_worker(up: Up) -> None:
     delta = await check(up, "freeze", "decode-1", seed=13)
     assert delta.get("migrated", 0) >= 1
-    assert len(up.pids("decode-1")) == 1  # it came back by itself: same process, asked to re-register
-    assert '"reregister_requested"' in (up.log_dir / "decode-1.log").read_text()
+    assert len(up.pids("decode-1")) == 1  # it came back by itself: same process
+    # Two ways back, both correct: the router (which declared it lost) asks it to re-register at
+    # its next heartbeat, or ZMQ's own heartbeat broke the connection during the freeze and the
+    # worker says Hello as soon as it reconnects (scenario() waited for it to be registered again).
+    log = (up.log_dir / "decode-1.log").read_text()
+    assert '"reregister_requested"' in log or '"router_reconnected"' in log, log[-2000:]
 
 
 async def test_freeze_prefill_worker(up: Up) -> None:

@@ -39,8 +39,7 @@ from rich.table import Table
 from common.engines.replay import drain
 from common.errors import ConfigError
 from common.perf_model import PerfModel, load_profile
-from common.traces import synthetic
-from services.router.policy import (
+from common.policy import (
     ClusterView,
     Decision,
     DecodeView,
@@ -49,6 +48,7 @@ from services.router.policy import (
     RequestSpec,
     make_policy,
 )
+from common.traces import synthetic
 
 
 def make_prefill(rng: random.Random, wid: str, model: PerfModel, budget: int, lengths: list[int],

@@ -38,9 +38,9 @@ from rich.table import Table
 from bench.loadgen import LoadConfig, Record, Replay, plot, report, run_loop, run_with_progress
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
+from common.policy import make_policy
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
 from kairos.up import Cluster, ClusterSpec
-from services.router.policy import make_policy
 from sim.core import SimConfig, peak_load, prefill_load, simulate
 from sim.stats import fmt, json_safe, summarize
 

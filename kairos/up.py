@@ -33,8 +33,8 @@ import structlog
 from common.config import ENV_PREFIX, RouterConfig
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
+from common.policy import POLICIES
 from kairos.supervisor import RestartPolicy, Supervisor
-from services.router.policy import POLICIES
 from sim.knobs import add_engine_flags, add_policy_flags, load_tuned, policy_config, setups_from_flags
 
 log = structlog.get_logger()

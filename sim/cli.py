@@ -32,8 +32,8 @@ from rich.table import Table
 
 from common.errors import ConfigError
 from common.perf_model import load_profile
+from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
-from services.router.policy import POLICIES
 from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
 from sim.knobs import (
     Setup,

@@ -48,9 +48,9 @@ import msgspec
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
+from common.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from common.policy.kairos import reserved_step_cost
 from common.traces import TraceRequest
-from services.router.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
-from services.router.policy.kairos import reserved_step_cost
 from sim.stats import RequestTiming, summarize
 
 

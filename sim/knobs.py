@@ -23,7 +23,7 @@ import msgspec
 from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import PerfModel, Profile
-from services.router.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, Policy, make_policy
+from common.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, Policy, make_policy
 
 TUNED_FORMAT = "kairos-tuned/1"
 

@@ -38,8 +38,8 @@ from rich.table import Table
 from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
+from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
-from services.router.policy import POLICIES
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from common.perf_model import PerfModel, load_profile
-from services.router.policy import (
+from common.policy import (
     POLICIES,
     ClusterView,
     DecodeView,
@@ -23,8 +23,8 @@ from services.router.policy import (
     RequestSpec,
     make_policy,
 )
-from services.router.policy.baselines import ConditionalConfig
-from services.router.policy.kairos import _lower_bound, largest_safe_schedule, reserved_step_cost
+from common.policy.baselines import ConditionalConfig
+from common.policy.kairos import _lower_bound, largest_safe_schedule, reserved_step_cost
 
 M = load_profile("a100-dsv2-lite").model
 CANDS = (2048, 1024, 512, 256, 128)

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from common.engines.batcher import Batcher, Seq
 from common.engines.replay import alone, drain, extend, replay
 from common.perf_model import load_profile
-from common.traces import TraceRequest
-from services.router.policy import (
+from common.policy import (
     ClusterView,
     Decision,
     DecodeView,
@@ -26,8 +25,9 @@ from services.router.policy import (
     RequestSpec,
     make_policy,
 )
-from services.router.policy.kairos import Kairos, _search, largest_safe_schedule
-from services.router.policy.predict import ReplayCache
+from common.policy.kairos import Kairos, _search, largest_safe_schedule
+from common.policy.predict import ReplayCache
+from common.traces import TraceRequest
 from sim.core import SimConfig, Simulation
 
 PROF = load_profile("a100-dsv2-lite")

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from common.perf_model import Profile, load_profile
+from common.policy import POLICIES, KairosConfig, RequestSpec, make_policy
 from common.traces import TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
-from services.router.policy import POLICIES, KairosConfig, RequestSpec, make_policy
 from sim.cli import main
 from sim.core import SimConfig, Simulation, fastest_prefill, lower_bound, simulate
 from sim.stats import RequestTiming, summarize

@@ -12,9 +12,9 @@ import pytest
 from common.engines.batcher import Batcher, StepPlan
 from common.errors import ConfigError
 from common.perf_model import load_profile
+from common.policy.baselines import ConditionalDisagg
+from common.policy.kairos import Kairos
 from common.traces import synthetic
-from services.router.policy.baselines import ConditionalDisagg
-from services.router.policy.kairos import Kairos
 from sim import cli as sim_cli
 from sim import tune
 from sim.core import SimConfig, Simulation

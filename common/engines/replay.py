@@ -17,7 +17,7 @@ and `ledger`, the (prompt tokens, dispatch time) of the requests the router sent
 
 Cost: a replay walks one step per `token_budget` queued tokens. The worker replays its backlog
 once per heartbeat (`drain`); the router only extends that by its ledger and by the new request
-(`extend`: the steps of one request), see services/router/policy/predict.py.
+(`extend`: the steps of one request), see common/policy/predict.py.
 """
 
 from __future__ import annotations

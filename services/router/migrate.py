@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from common.policy import NoWorkers
 from services.router import metrics
-from services.router.policy import NoWorkers
 from services.router.requests import Request
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from msgspec.structs import replace as msgspec_replace
 
 from common import messages as m
-from services.router.policy.base import Decision
+from common.policy.base import Decision
 
 
 @dataclass(slots=True)

@@ -25,11 +25,11 @@ from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
+from common.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
+from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, migrate
-from services.router.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
-from services.router.policy.kairos import reserved_step_cost
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable

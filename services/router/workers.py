@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from common import messages as m
 from common.engines.replay import Tail
 from common.perf_model import PerfModel
-from services.router.policy.base import ClusterView, DecodeView, PrefillView
+from common.policy.base import ClusterView, DecodeView, PrefillView
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.router.policy.base import (
+from common.policy.base import (
     ClusterView,
     Decision,
     NoWorkers,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.perf_model import PerfModel
-from services.router.policy.base import (
+from common.policy.base import (
     ClusterView,
     Decision,
     DecodeView,
@@ -13,7 +13,7 @@ from services.router.policy.base import (
     PrefillView,
     RequestSpec,
 )
-from services.router.policy.baselines import (
+from common.policy.baselines import (
     ChunkedPrefill,
     ConditionalConfig,
     ConditionalDisagg,
@@ -21,7 +21,7 @@ from services.router.policy.baselines import (
     DisaggLeastLoaded,
     DisaggRoundRobin,
 )
-from services.router.policy.kairos import Kairos, KairosConfig
+from common.policy.kairos import Kairos, KairosConfig
 
 POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill",
             "deflect-all")

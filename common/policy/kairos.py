@@ -33,7 +33,7 @@ import msgspec
 
 from common.engines.replay import Tail, alone, drain, extend, shares
 from common.perf_model import PerfModel
-from services.router.policy.base import (
+from common.policy.base import (
     ClusterView,
     Decision,
     DecodeView,
@@ -42,7 +42,7 @@ from services.router.policy.base import (
     RequestSpec,
     least_loaded_decode,
 )
-from services.router.policy.predict import ReplayCache
+from common.policy.predict import ReplayCache
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -61,6 +61,18 @@ class Prefilled(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+class PrefixEvents(msgspec.Struct, kw_only=True):
+    """What an engine's prefix cache stored and evicted since the last `take_prefix_events`: block
+    hashes as `common.prefix_hash.block_hashes` names them, over blocks of `block_tokens` token ids
+    (the engine's KV block size). `cleared`: the whole cache was dropped (a reset), so everything
+    reported before is gone; `stored`/`removed` then list what came after."""
+
+    block_tokens: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+
+
 TokensCallback = Callable[[list[TokenItem], float], None]
 PrefilledCallback = Callable[[Prefilled], None]
 
@@ -105,6 +117,11 @@ class Engine(abc.ABC):
     def held(self) -> list[str]:
         """Request ids currently held (for drain and hand-back)."""
         return []
+
+    def take_prefix_events(self) -> PrefixEvents | None:
+        """The prefix cache's changes since the last call, for the worker to summarise to the
+        router; None when this engine keeps no prefix cache (or it is turned off)."""
+        return None
 
     async def close(self) -> None:
         """Release engine resources."""

@@ -141,7 +141,9 @@ class Batcher:
             self.kv_reserved += seq.kv_reserve
             self.running.append(seq)
         cache = self.cache
-        if cache is not None and seq.hashes:
+        if cache is None:
+            return
+        if seq.hashes:
             if seq.computed >= seq.prompt_len:  # its KV arrived whole
                 self._pin(seq, len(seq.hashes))
             else:
@@ -150,7 +152,7 @@ class Batcher:
                 if cached > seq.computed:
                     seq.computed = seq.cached = cached
                 self._pin(seq, hits)
-            self._trim()
+        self._trim()  # its KV reservation, too, takes room from the cached blocks
 
     def remove(self, request_id: str) -> Seq | None:
         seq = self._by_id.pop(request_id, None)

@@ -91,6 +91,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                       "last prefill step")] = False
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
+    overlap_weight: Annotated[float, doc("kv-aware: weight of a worker's uncached prompt tokens against its load")] \
+        = 1.0
     prefix_cache: Annotated[bool, doc("keep a prefix index from the workers' cache reports and pass each worker's "
                                       "cached prompt tokens to the policy (off: every prompt counts whole)")] = True
     prefix_index_blocks: Annotated[int, doc("prefix index: most block hashes remembered (least recently seen "

@@ -25,7 +25,15 @@ from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
-from common.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
+from common.policy import (
+    ConditionalConfig,
+    KairosConfig,
+    KvAwareConfig,
+    NoKvRoom,
+    NoWorkers,
+    RequestSpec,
+    make_policy,
+)
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
@@ -54,7 +62,8 @@ class Router:
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
                                      decode_busy_threshold=cfg.decode_busy_threshold)
             self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ccfg,
-                                      default_model=self.profile.model)
+                                      default_model=self.profile.model,
+                                      kv_aware=KvAwareConfig(overlap_weight=cfg.overlap_weight))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)

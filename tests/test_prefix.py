@@ -298,3 +298,41 @@ def test_kairos_sim_reports_prefix_hit_rate(tmp_path: Path) -> None:
     assert sim_main(["--trace", str(p), "--policy", "kairos", "--prefix-cache", "off", "--out", str(out),
                      "--quiet"]) == 0
     assert json.loads(out.read_text())["policies"]["kairos"]["prefix_hit_rate"] is None
+
+
+# ------------------------------------------------------------------------------ the live router's index
+
+
+def _hb(worker: str, inc: str, seq: int, stored: list[int] | None = None, removed: list[int] | None = None,
+        cleared: bool = False) -> m.DecodeHeartbeat:
+    summary = None if stored is None and removed is None and not cleared else \
+        m.PrefixSummary(block_tokens=BT, stored=stored or [], removed=removed or [], cleared=cleared)
+    return m.DecodeHeartbeat(worker_id=worker, incarnation=inc, seq=seq, batch=0, kv_tokens=0, kv_free_tokens=0,
+                             kv_capacity_tokens=0, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+                             token_budget=1, prefix=summary)
+
+
+def test_router_index_follows_heartbeats_and_forgets() -> None:
+    from services.router.prefix import RouterPrefix
+
+    rp = RouterPrefix()
+    prompt = list(range(20))
+    hs = block_hashes(prompt, BT)
+    assert rp.lookup(prompt) == ((), {})  # no worker has reported a cache yet
+    rp.on_heartbeat(_hb("d0", "a", 1, stored=hs))
+    rp.on_heartbeat(_hb("d1", "b", 1, stored=hs[:2]))
+    cached, by_bt = rp.lookup(prompt)
+    assert dict(cached) == {"d0": 20, "d1": 8} and by_bt == {BT: hs}
+    rp.on_heartbeat(_hb("d0", "a", 2, removed=hs[3:]))  # evicted its tail
+    assert dict(rp.lookup(prompt)[0]) == {"d0": 12, "d1": 8}
+    rp.on_heartbeat(_hb("d1", "b", 4))  # heartbeat 3 was lost: evictions may be missing
+    assert dict(rp.lookup(prompt)[0]) == {"d0": 12}
+    rp.dispatched(["d1"], by_bt, 20, 0)  # the router's own dispatch: d1 will hold the prompt
+    assert dict(rp.lookup(prompt)[0]) == {"d0": 12, "d1": 20}
+    rp.on_heartbeat(_hb("d0", "a2", 1, stored=[]))  # restarted: a new incarnation, an empty cache
+    assert dict(rp.lookup(prompt)[0]) == {"d1": 20}
+    rp.forget("d1")  # lost or departed
+    assert rp.lookup(prompt)[0] == ()
+    off = RouterPrefix(enabled=False)
+    off.on_heartbeat(_hb("d0", "a", 1, stored=hs))
+    assert off.lookup(prompt) == ((), {})

@@ -8,7 +8,10 @@ TTFT_D <= alpha * TTFT_P and TTFT_D <= the request's TTFT SLO.
 Beyond the paper, each switchable (KairosConfig): the ledger (done by the router, which folds
 dispatched work into the views), per-worker model coefficients (`per_worker_models`), several
 concurrent deflections per decode worker (`max_deflections` > 1: the in-flight ones' step cost
-is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`), and:
+is reserved out of the budget), prefix-cache-aware pricing (`prefix_aware`: with the router's
+prefix index, `RequestSpec.cached`, each decode worker is priced by its own uncached suffix, whose
+chunks attend over the cached prefix, and the prefill path by the chosen prefill worker's
+uncached tokens plus the transfer of what the disaggregated path's decode worker lacks), and:
 
 - `predictor`: "paper" is Equation 1 for TTFT_P and Algorithm 1's step sum for TTFT_D, as
   printed. "replay" replays the prefill worker's known queue through its batching rule

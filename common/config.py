@@ -78,6 +78,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                       "seconds")] = 5.0
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
     max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
+    enable_prompt_tokens_details: Annotated[bool, doc(
+        "report usage.prompt_tokens_details (cached_tokens: prompt tokens the engine found in its prefix "
+        "cache), as vLLM's server flag of the same name; off by default there too")] = False
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True
     alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.3
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9

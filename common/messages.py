@@ -352,6 +352,10 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when Sampling.logprobs asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, deflected requests only
+    # with an attempt's first tokens: prompt tokens the engine found in its prefix cache (vLLM's
+    # RequestOutput.num_cached_tokens; for a handoff, the prefill engine's hits); None: not reported
+    cached_tokens: int | None = None
+    cache_created_tokens: int | None = None  # ... and the prompt tokens it added to that cache
 
 
 class TokenBatch(Msg, frozen=True):

@@ -74,7 +74,7 @@ import msgspec
 import zmq
 
 from common import logging as klog
-from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
+from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
 from common.errors import ConfigError, KvTransferError, Overloaded
 from common.messages import Coeffs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
@@ -113,6 +113,7 @@ def kv_buffer_device_for(platform: str, wanted: str = "") -> str:
 from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, StepRecord  # noqa: E402
 
 SCHEDULER_CLS = "common.engines.vllm_scheduler.KairosScheduler"
+CREATED_KEY = "kairos_cache_created_tokens"  # in a prefill's kv_params: its num_cache_creation_tokens
 KV_CONNECTOR = "NixlConnector"  # pull; see the module docstring
 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is created at a time
@@ -133,6 +134,8 @@ class _Held:
     first_chunk_at: float | None = None
     kv_wait: bool = False          # handoff still waiting for its KV (no token yet)
     fallback: str | None = None    # reason, once the KV path was abandoned
+    cached: int | None = None      # prompt tokens vLLM found in a prefix cache (reported with the first token)
+    created: int | None = None     # handoff: prompt tokens the prefill engine added to its cache
 
     @property
     def prompt_len(self) -> int:
@@ -208,6 +211,10 @@ class VllmEngine(Engine):
         self.chunk_misses = 0
         self.kv_fallbacks = 0
         self.kv_fallback_reasons: Counter[str] = Counter()
+        self._prefix_net: dict[int, bool] = {}  # block hash -> stored (True) / removed, since the last take
+        self._prefix_cleared = False
+        self._prefix_held: set[int] = set()     # what the cache holds, as reported so far
+        self._prefix_resync = False             # _prefix_net outgrew its bound: send everything instead
         self._tmpdir: str | None = None
         self._zctx: zmq.Context[Any] | None = None
         self._pull: zmq.Socket[Any] | None = None
@@ -256,7 +263,7 @@ class VllmEngine(Engine):
             if self.cache_root:
                 os.environ["VLLM_CACHE_ROOT"] = self.cache_root
             try:
-                from vllm.config import KVTransferConfig
+                from vllm.config import KVEventsConfig, KVTransferConfig
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -274,6 +281,10 @@ class VllmEngine(Engine):
                     enable_chunked_prefill=True, max_num_batched_tokens=self.token_budget,
                     long_prefill_token_threshold=self.default_chunk,
                     kv_cache_memory_bytes=self.kv_cache_mib << 20, enable_prefix_caching=self.prefix_caching,
+                    # the prefix cache's events, kept in the core process (no publisher socket):
+                    # KairosScheduler translates them and sends them with its step records
+                    kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                    if self.prefix_caching else None,
                     seed=self.seed, skip_tokenizer_init=True, enable_logging_iteration_details=True,
                     disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
                     additional_config={"kairos": {"step_channel": step_channel}},
@@ -401,6 +412,21 @@ class VllmEngine(Engine):
     def held(self) -> list[str]:
         return list(self._held)
 
+    def take_prefix_events(self) -> PrefixEvents | None:
+        """What vLLM's prefix cache stored and evicted since the last call (see vllm_prefix.py);
+        None with prefix caching off."""
+        if not self.prefix_caching or self.block_size <= 0:
+            return None
+        self._drain_steps()
+        if self._prefix_resync:
+            self._prefix_resync = self._prefix_cleared = False
+            self._prefix_net = {}
+            return PrefixEvents(block_tokens=self.block_size, stored=list(self._prefix_held), cleared=True)
+        net, self._prefix_net = self._prefix_net, {}
+        cleared, self._prefix_cleared = self._prefix_cleared, False
+        return PrefixEvents(block_tokens=self.block_size, stored=[h for h, s in net.items() if s],
+                            removed=[h for h, s in net.items() if not s], cleared=cleared)
+
     def waiting_kv(self) -> int:
         """Decode role: handed-off requests whose KV has not landed yet (DecodeHeartbeat.waiting_kv)."""
         return sum(1 for h in self._held.values() if h.kv_wait)
@@ -483,6 +509,9 @@ class VllmEngine(Engine):
                                       f"and kv_transfer_params={last.kv_transfer_params!r}")
             started = h.first_chunk_at if h.first_chunk_at is not None else h.submitted
             kv_params = dict(last.kv_transfer_params)
+            # vLLM relays this engine's prefix-cache hits to the decode side itself
+            # (remote_prefill_cached_tokens); the tokens it added to its cache go the same way
+            kv_params[CREATED_KEY] = int(last.num_cache_creation_tokens or 0)
             if kv_params.get("remote_host") == self.side_channel_bind:  # the bind address: say where to reach it
                 kv_params["remote_host"] = self.side_channel_host
             self.on_prefilled(Prefilled(
@@ -504,7 +533,10 @@ class VllmEngine(Engine):
         try:
             if req.mode == "handoff":
                 assert req.kv is not None
-                reason = await self._generate(h, {"kv_transfer_params": dict(req.kv.params)},
+                params = dict(req.kv.params)
+                created = params.pop(CREATED_KEY, None)
+                h.created = created if isinstance(created, int) else None
+                reason = await self._generate(h, {"kv_transfer_params": params},
                                               deadline=h.submitted + self.kv_timeout)
                 if reason is None:
                     return
@@ -556,13 +588,19 @@ class VllmEngine(Engine):
                     return "kv_load_failed: vLLM ended the handoff with finish_reason=error"
                 raise KvTransferError(f"vllm ended the request with an error after {h.generated} tokens")
             tokens = list(comp.token_ids)
+            cached = created = None
             if tokens:
                 h.kv_wait = False
+                if h.generated == 0 and out.num_cached_tokens is not None:
+                    cached = h.cached = int(out.num_cached_tokens)
+                    # a handoff's prompt was added to the prefill engine's cache, not to this one's
+                    created = h.created if h.created is not None and not h.in_place else \
+                        int(out.num_cache_creation_tokens or 0)
             h.generated += len(tokens)
             lps = _logprobs(comp.logprobs) if req.sampling.logprobs is not None and tokens else None
             plps = _prompt_logprobs(out.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None
             if tokens or finish is not None or plps:
-                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish, lps, plps))
+                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish, lps, plps, cached, created))
             if out.finished:
                 return None
 
@@ -622,6 +660,8 @@ class VllmEngine(Engine):
         self.steps += 1
         self.steps_dropped = rec.dropped
         self.step_records.append(rec)
+        if rec.prefix_stored or rec.prefix_removed or rec.prefix_cleared:
+            self._on_prefix(rec)
         self._step_ms.append(rec.seconds * 1000.0)
         for key, chi, k in rec.chunks:
             h = self._by_key.get(key)
@@ -643,6 +683,23 @@ class VllmEngine(Engine):
         else:
             self._records_by_index[rec.index] = rec
             _trim(self._records_by_index)
+
+    def _on_prefix(self, rec: StepRecord) -> None:
+        if rec.prefix_cleared:
+            self._prefix_net.clear()
+            self._prefix_held.clear()
+            self._prefix_cleared = True
+        self._prefix_held.update(rec.prefix_stored)
+        self._prefix_held.difference_update(rec.prefix_removed)
+        if self._prefix_resync:
+            return
+        self._prefix_net.update((h, True) for h in rec.prefix_stored)
+        self._prefix_net.update((h, False) for h in rec.prefix_removed)
+        # nobody took them for long (the removals of evicted blocks pile up): bounded instead by
+        # sending the whole content, as after a reset, at the next take
+        if len(self._prefix_net) > 2 * len(self._prefix_held) + 4096:
+            self._prefix_net.clear()
+            self._prefix_resync = True
 
     def _on_details(self, details: Any) -> None:
         self.iteration_details.append(details)

@@ -40,6 +40,18 @@ of that same output, never by whichever step came last. Async scheduling itself 
 placeholders), which this plain-`Scheduler` subclass does not do, and its overlapped steps
 would make the per-step times meaningless for the step-time model.
 
+Prefix cache events. When the engine enables vLLM's KV cache events (with the "null" publisher:
+no socket), this scheduler replaces that publisher with one that keeps each step's events in the
+process, translates them into `common.prefix_hash` block hashes (vllm_prefix.py) and sends the
+net change with the step's record (`prefix_stored`, `prefix_removed`, `prefix_cleared`). Events of
+a step that scheduled no tokens (a cache reset while idle) wait for the next record.
+
+Prefix-cache hits and chunk schedules. vLLM looks up a waiting request's cached prefix before it
+calls `_reserve_prefill_lookahead`, so the `num_computed_tokens` seen there on the request's first
+scheduling is its cache hit (a multiple of the block size; at most prompt - 1, since the last
+prompt token is always recomputed); that is the schedule's `base`, so the chunks cover only the
+uncached suffix and end at prompt boundaries counted from the hit, never from 0.
+
 This module is imported in the engine-core process (vLLM spawns it on CPU), so it must stay
 importable from there: it is part of the installed project, no path tricks needed.
 Not a public vLLM interface: pinned to vLLM 0.32.0.
@@ -52,7 +64,10 @@ from typing import Any
 
 import msgspec
 import zmq
+from vllm.distributed.kv_events import NullEventPublisher
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from common.engines.vllm_prefix import PrefixTranslator
 
 CHUNKS_KEY = "kairos_chunks"
 ID_KEY = "kairos_id"
@@ -78,6 +93,9 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     misses: list[tuple[str, int, int]]
     dropped: int = 0
     cpu_seconds: float = 0.0  # the engine-core thread's CPU time over the step (not slowed by other processes)
+    prefix_stored: list[int] = []   # prefix-cache blocks stored since the last record (prefix_hash names)
+    prefix_removed: list[int] = []  # ... and evicted
+    prefix_cleared: bool = False    # the whole prefix cache was dropped before the two lists above
 
 
 def request_key(request: Any) -> str:
@@ -108,6 +126,17 @@ def next_scheduled_chunk(schedule: tuple[int, ...], base: int, computed: int, pr
     return None
 
 
+class _KeepEvents(NullEventPublisher):  # type: ignore[misc]  # vllm is untyped for mypy
+    """Stands in for vLLM's KV event publisher: hands each step's events to the translator."""
+
+    def __init__(self, translator: PrefixTranslator) -> None:
+        super().__init__()
+        self.translator = translator
+
+    def publish(self, events: Any) -> None:
+        self.translator.feed(list(events.events))
+
+
 class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for mypy
     """See the module docstring."""
 
@@ -117,6 +146,14 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
             raise ValueError("KairosScheduler needs async_scheduling=False (it subclasses Scheduler, not "
                              "AsyncScheduler); pass --no-async-scheduling / AsyncEngineArgs(async_scheduling=False)")
         cfg = (self.vllm_config.additional_config or {}).get("kairos", {})
+        self.prefix: PrefixTranslator | None = None
+        events_cfg = self.vllm_config.kv_events_config
+        if self.enable_kv_cache_events and events_cfg.publisher == "null":  # the engine wrapper asked for them
+            cache = self.vllm_config.cache_config
+            blocks = int(cache.num_gpu_blocks or 0)
+            self.prefix = PrefixTranslator(int(cache.block_size), limit=2 * blocks + 1024)
+            self.kv_event_publisher.shutdown()  # type: ignore[has-type]  # vllm is untyped for mypy
+            self.kv_event_publisher = _KeepEvents(self.prefix)
         self._bases: dict[str, int] = {}
         self._others_left = 0
         self._model_steps = 0
@@ -223,12 +260,20 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         pending = self._pending.pop(id(scheduler_output), None)
         if pending is not None and self._sock is not None:
             started, cpu_started, record = pending
+            stored: list[int] = []
+            removed: list[int] = []
+            cleared = False
+            if self.prefix is not None:
+                stored, removed, cleared = self.prefix.take()
             record = msgspec.structs.replace(record, seconds=time.monotonic() - started,
-                                             cpu_seconds=time.thread_time() - cpu_started)
+                                             cpu_seconds=time.thread_time() - cpu_started,
+                                             prefix_stored=stored, prefix_removed=removed, prefix_cleared=cleared)
             try:
                 self._sock.send(msgspec.msgpack.encode(record), zmq.NOBLOCK)
             except zmq.Again:
                 self._dropped += 1
+                if self.prefix is not None:  # not lost: they go with the next record
+                    self.prefix.put_back(stored, removed, cleared)
         return result
 
     def shutdown(self) -> None:

@@ -202,11 +202,29 @@ def _lp_of(lp: m.TokenLogprobs, t: int) -> float:
     return _FLOOR
 
 
-def usage(plan: Plan, choices: list[Choice]) -> dict[str, Any]:
+def usage(plan: Plan, choices: list[Choice], *, details: bool = False, stream: bool = False) -> dict[str, Any]:
     prompt = sum(len(p) for p in plan.prompts)
     completion = sum(len(c.ids) for c in choices)
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": None, "completion_tokens_details": None}
+            "prompt_tokens_details": prompt_tokens_details(plan, choices, stream) if details else None,
+            "completion_tokens_details": None}
+
+
+def prompt_tokens_details(plan: Plan, choices: list[Choice], stream: bool) -> dict[str, Any]:
+    """`usage.prompt_tokens_details` as vLLM's server writes it with --enable-prompt-tokens-details:
+    the engine's prefix-cache hits of one request (a response reports one request's, as vLLM does:
+    the last one's in a whole response, the first to produce output in a stream); chat also says
+    how many prompt tokens that request added to the cache. Streams leave out the None fields.
+    An engine that reports no hits (the sim engine) counts 0, as vLLM does when nothing hit."""
+    if stream:
+        req = min((c.req for c in choices), key=lambda r: r.first_token_at or float("inf"))
+    else:
+        req = choices[-1].req
+    cached = req.engine_cached or 0
+    out: dict[str, Any] = {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
+    if plan.chat:
+        out["created_cache_tokens"] = req.engine_created or 0
+    return {k: v for k, v in out.items() if v is not None} if stream else out
 
 
 def unary_choice(c: Choice) -> dict[str, Any]:

@@ -59,7 +59,8 @@ async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, di
         "id": ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id),
         "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
         "model": p.model, "choices": [unary_choice(c) for c in choices], "service_tier": None,
-        "system_fingerprint": None, "usage": usage(p, choices)}
+        "system_fingerprint": None,
+        "usage": usage(p, choices, details=router.cfg.enable_prompt_tokens_details)}
     if p.chat:
         c0 = choices[0]
         body.update(prompt_logprobs=c0.prompt_logprobs_json() if c0.req.sampling.prompt_logprobs is not None else None,
@@ -172,7 +173,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             await send({"type": "http.response.body", "body": chunk(out, c), "more_body": True})
         tail = b""
         if p.include_usage:
-            u = usage(p, choices)
+            u = usage(p, choices, details=router.cfg.enable_prompt_tokens_details, stream=True)
             u = {k: v for k, v in u.items() if v is not None}
             tail = b"data: " + _json.encode({**head, "choices": [], "usage": u}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})

@@ -87,6 +87,8 @@ class Request:
     exclude: set[str] = field(default_factory=set)
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
+    engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
+    engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)
 
     @property
     def streamed(self) -> bool:

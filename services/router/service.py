@@ -592,6 +592,8 @@ class Router:
             else:
                 req.gaps.append(now - req.last_token_at)
             req.last_token_at = now
+            if it.cached_tokens is not None and req.engine_cached is None:
+                req.engine_cached, req.engine_created = it.cached_tokens, it.cache_created_tokens
             req.n_out += len(it.token_ids)
             req.out_ids += it.token_ids
             req.events.put_nowait(Event(token_ids=it.token_ids, logprobs=it.logprobs,

@@ -34,11 +34,14 @@ class Collector:
     failed: list[tuple[str, str]] = field(default_factory=list)
     done: dict[str, asyncio.Event] = field(default_factory=dict)
     calls: list[int] = field(default_factory=list)  # items per on_tokens call
+    cached: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # (cached, created) tokens
 
     def on_tokens(self, items: list[TokenItem], step_s: float) -> None:
         self.calls.append(len(items))
         for it in items:
             self.tokens.setdefault(it.request_id, []).extend(it.token_ids)
+            if it.cached_tokens is not None:
+                self.cached[it.request_id] = (it.cached_tokens, it.cache_created_tokens)
             if it.finish_reason is not None:
                 self.finish[it.request_id] = it.finish_reason
                 self.done.setdefault(it.request_id, asyncio.Event()).set()

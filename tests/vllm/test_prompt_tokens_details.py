@@ -112,5 +112,7 @@ def test_second_turn_hits_the_cache_and_matches_cold(kairos_details: tuple[str, 
     w = warm.json()
     # every full block of turn 1's computed tokens (its prompt and all outputs but the last)
     assert w["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
+    # the router's prefix index, fed by the vLLM workers' cache reports, knew it before dispatch
+    assert warm.headers["x-kairos-cached-tokens"] == str(w["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert w["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     assert w["choices"][0]["text"] == cold["choices"][0]["text"]

@@ -103,6 +103,7 @@ async def test_second_turn_prefills_only_its_suffix_and_matches_cold(pd: PD) -> 
 
 async def test_handoff_reports_the_prefill_engines_hits(pd: PD) -> None:
     p, d = pd.prefill, pd.decode
+    fallbacks = len(pd.out.fallbacks)  # the session's earlier tests break some handoffs on purpose
     # a prompt the prefill engine has never seen (its cache cannot be reset at will: the blocks of
     # handoffs nobody read stay held until their lease ends)
     prompt = [(17 * i + 11) % 900 + 3 for i in range(300)]
@@ -121,5 +122,5 @@ async def test_handoff_reports_the_prefill_engines_hits(pd: PD) -> None:
     got = await pd.run_decode(request("ho2", prompt, max_tokens=8, kv_params=pre.kv_params, mode="handoff"))
     assert got == want
     assert pd.out.cached["ho2"] == (256, 0)
-    assert pd.out.fallbacks == []
+    assert len(pd.out.fallbacks) == fallbacks
     assert await d.reset_prefix_cache()

@@ -112,7 +112,9 @@ def test_second_turn_hits_the_cache_and_matches_cold(kairos_details: tuple[str, 
     w = warm.json()
     # every full block of turn 1's computed tokens (its prompt and all outputs but the last)
     assert w["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
-    # the router's prefix index, fed by the vLLM workers' cache reports, knew it before dispatch
-    assert warm.headers["x-kairos-cached-tokens"] == str(w["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # the vLLM workers' cache reports reach the router's prefix index (these baseline policies do
+    # not price by it, so x-kairos-cached-tokens stays 0 here)
+    prefix = httpx.get(url.removesuffix("/v1") + "/v1/kairos/stats", timeout=10).json()["prefix"]
+    assert prefix["summaries"] > 0 and prefix["blocks"] > 0 and prefix["workers"], prefix
     assert w["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     assert w["choices"][0]["text"] == cold["choices"][0]["text"]

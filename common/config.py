@@ -126,6 +126,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                             "chunks; 0: the profile's (vllm: vllm_token_budget)")] = 0
     decode_chunk: Annotated[int, doc("decode role: largest in-place prefill chunk per request and step when the "
                                      "router sends no schedule (vLLM long_prefill_token_threshold); 0: the profile's")] = 0
+    deflect_admission: Annotated[bool, doc("decode workers: check every deflection's chunk schedule against the "
+                                           "running decodes and the deflections already accepted (from any "
+                                           "router) and reject what would break the TBT budget")] = True
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0

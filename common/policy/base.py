@@ -75,6 +75,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     ttft_prefill_pred: float | None = None
     ttft_decode_pred: float | None = None
     chunk_schedule: tuple[int, ...] = ()
+    step_budget_s: float = 0.0  # deflect: the step time every chunk was planned to fit (0: none planned)
 
 
 class NoWorkers(Exception):

@@ -19,9 +19,12 @@ each worker publishes every `heartbeat_interval` seconds (phases staggered acros
 they are stale in between, plus, unless switched off, the router's ledger of work it has
 dispatched to the worker since that worker's last heartbeat. With `routers` > 1 the requests
 go round-robin to that many routers, each with its own policy object and its own ledger (it
-knows only what it dispatched itself); every heartbeat reaches all of them. With `admission`,
-a decode worker checks each deflection against its live state before it starts it
-(common/policy/admission.py) and the router sends a rejected one down the disaggregated path.
+knows only what it dispatched itself); every heartbeat reaches all of them. With `held_list`,
+a decode worker's heartbeats also list the deflections it holds and which router sent each, and
+each router adds the others' ones to its view; a live worker heartbeats at once when it admits
+a deflection and when one finishes its prefill, so the simulated routers see those changes at
+once. With `admission`, a decode worker checks each deflection against its live state before it
+starts it (common/policy/admission.py) and the router decides again without that worker.
 A heartbeat is the worker's state at the heartbeat instant; since state only changes at
 events, it is captured lazily (just before the first event at or after the instant touches the
 worker), which is exact and costs nothing while a worker is idle. `heartbeat_interval = 0`
@@ -55,7 +58,7 @@ from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.policy import ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
-from common.policy.admission import Accepted, accepted_entry, check_deflection, disagg_fallback
+from common.policy.admission import Accepted, accepted_entry, check_deflection, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.traces import TraceRequest
 from sim.stats import RequestTiming, summarize
@@ -74,6 +77,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
     admission: bool = True         # decode workers check every deflection against their live state
+    held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -280,9 +284,7 @@ class Simulation:
                     slo = s.tbt_slo
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
-            held = tuple((w.accepted_from[rid][0], a.reserved_s, w.accepted_from[rid][1])
-                         for rid, a in w.accepted.items()) if len(self._clusters) > 1 else ()
-            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s, held)
+            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s)
             for dl in w.led:
                 dl.res = dl.kv = dl.pending = 0
         w.views = [None] * len(w.views)
@@ -316,7 +318,7 @@ class Simulation:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
         reserved step cost come from the router's own exact record of deflections in flight (with
         several routers, of the ones it sent itself)."""
-        batch, kv, free, res, defl, slo, pending, busy, step_s, held = w.hb
+        batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
         led = w.led[router]
         reserved = 0.0
         reserved_tokens = 0
@@ -327,10 +329,10 @@ class Simulation:
                 reserved += cost
                 reserved_tokens += tokens
             inflight = tuple((end, cost, tokens) for cost, tokens, end in led.deflecting.values())
-            for rt, cost, tokens in held:  # the other routers' deflections its last heartbeat listed
-                if rt != router:
+            for rid, (rt, tokens) in w.accepted_from.items():  # the other routers' deflections (see _held_changed)
+                if rt != router and self.cfg.held_list:
                     defl += 1
-                    reserved += cost
+                    reserved += w.accepted[rid].reserved_s
                     reserved_tokens += tokens
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + led.res,
@@ -362,6 +364,15 @@ class Simulation:
             cluster = self._clusters[router] = ClusterView(tuple(w.views[router] for w in self.prefill),
                                                            tuple(d.views[router] for d in self.decode))
         return cluster
+
+    def _held_changed(self, w: _Decode, router: int) -> None:
+        """A deflection sent by `router` started or finished its prefill on `w`: the other
+        routers see it at once, as the live worker heartbeats at once on both (its heartbeats
+        list the deflections it holds and who sent them). Their ledgers never hold it."""
+        if self.cfg.ledger and self.cfg.held_list:
+            for i in range(len(self._clusters)):
+                if i != router:
+                    self._ledger_changed(w, i)
 
     def _ledger_changed(self, w: _Worker, router: int) -> None:
         w.views[router] = None
@@ -423,7 +434,8 @@ class Simulation:
                 if seq.deflected:
                     r.prefilled = now
                     w.accepted.pop(r.rid, None)
-                    w.accepted_from.pop(r.rid, None)
+                    if w.accepted_from.pop(r.rid, None) is not None:
+                        self._held_changed(w, r.router)
                     w.led[r.router].deflecting.pop(r.rid, None)
                     if self.cfg.ledger:
                         self._ledger_changed(w, r.router)
@@ -516,7 +528,7 @@ class Simulation:
         while d.route == "deflect" and cfg.admission and self._admission(dw, d):
             closed = closed | {d.decode_worker}
             try:
-                d2 = disagg_fallback(policy, spec, view, now, closed)  # the worker said no at once
+                d2 = decide_without(policy, spec, view, now, closed)  # the worker said no at once
             except NoWorkers:
                 break  # no prefill worker to fall back to: the deflection goes ahead (as the live router)
             self.admission_rejected += 1
@@ -537,6 +549,7 @@ class Simulation:
                                      max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             dw.accepted[r.rid] = accepted_entry(dw.model, d.chunk_schedule, d.step_budget_s, dw.batcher.token_budget)
             dw.accepted_from[r.rid] = (ri, max(d.chunk_schedule, default=0))
+            self._held_changed(dw, ri)
             if cfg.ledger:
                 led.res += r.prompt
                 led.kv += need

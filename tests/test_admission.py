@@ -14,7 +14,7 @@ from common import codec
 from common import messages as m
 from common.perf_model import PerfModel, load_profile
 from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
-from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, disagg_fallback
+from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.traces import TraceRequest
 from services.decode_worker.service import DecodeWorker
@@ -105,7 +105,7 @@ def test_the_fallback_is_disaggregated_on_the_least_loaded_workers(policy: str) 
     req = RequestSpec(request_id="r", prompt_tokens=500, max_tokens=10, ttft_slo=2.0, tbt_slo=0.1)
     pol = make_policy(policy, default_model=model)
     assert pol.decide(req, view, 0.0).route == "deflect"  # what the workers would have rejected
-    d = disagg_fallback(pol, req, view, 0.0)
+    d = decide_without(pol, req, view, 0.0)
     assert (d.route, d.prefill_worker, d.decode_worker, d.reason) == ("disagg", "prefill-0", "decode-0",
                                                                       REJECTED_REASON)
     assert d.ttft_decode_pred is None and d.step_budget_s == 0.0
@@ -117,14 +117,14 @@ def test_the_fallback_deflects_to_a_worker_that_did_not_reject() -> None:
     req = RequestSpec(request_id="r", prompt_tokens=500, max_tokens=10, ttft_slo=2.0, tbt_slo=0.1)
     pol = make_policy("kairos", default_model=model)
     assert pol.decide(req, view, 0.0).decode_worker == "decode-0"
-    d = disagg_fallback(pol, req, view, 0.0, frozenset({"decode-0"}))
+    d = decide_without(pol, req, view, 0.0, frozenset({"decode-0"}))
     assert (d.route, d.decode_worker) == ("deflect", "decode-1") and d.step_budget_s > 0
-    d = disagg_fallback(pol, req, view, 0.0, frozenset({"decode-0", "decode-1"}))
+    d = decide_without(pol, req, view, 0.0, frozenset({"decode-0", "decode-1"}))
     assert (d.route, d.reason) == ("disagg", REJECTED_REASON)
     # deflect-all deflects to the open worker; with every one closed it gets least-loaded disagg
-    d = disagg_fallback(make_policy("deflect-all"), req, view, 0.0, frozenset({"decode-0"}))
+    d = decide_without(make_policy("deflect-all"), req, view, 0.0, frozenset({"decode-0"}))
     assert (d.route, d.decode_worker) == ("deflect", "decode-1")
-    d = disagg_fallback(make_policy("deflect-all"), req, view, 0.0, frozenset({"decode-0", "decode-1"}))
+    d = decide_without(make_policy("deflect-all"), req, view, 0.0, frozenset({"decode-0", "decode-1"}))
     assert (d.route, d.prefill_worker, d.decode_worker) == ("disagg", "prefill-0", "decode-0")
 
 
@@ -325,20 +325,32 @@ def _sim(routers: int, admission: bool, **kw: object) -> tuple[dict[str, object]
     return summarize(res.records, ttft_slo=2.0, tbt_slo=0.1), res.stats
 
 
-def test_sim_routers_without_admission_stack_deflections_and_break_the_tbt_slo() -> None:
-    one, _ = _sim(1, admission=False)
-    four, _ = _sim(4, admission=False)
+def test_sim_routers_that_see_only_their_own_deflections_stack_them_and_break_the_tbt_slo() -> None:
+    one, _ = _sim(1, admission=False, held_list=False)
+    four, _ = _sim(4, admission=False, held_list=False)
     assert one["tbt_slo_attainment"] == 1.0
     assert four["tbt_slo_attainment"] < 0.9  # type: ignore[operator]
     assert four["deflection_rate"] > one["deflection_rate"]  # type: ignore[operator]
 
 
 def test_sim_admission_keeps_the_tbt_slo_with_several_routers() -> None:
-    four, stats = _sim(4, admission=True)
+    four, stats = _sim(4, admission=True, held_list=False)
     assert four["tbt_slo_attainment"] == 1.0
     assert stats["admission_rejected"] > 0 and stats["routers"] == 4  # type: ignore[operator]
     reasons = four["reasons"]
-    assert isinstance(reasons, dict) and any(REJECTED_REASON in k for k in reasons)
+    assert isinstance(reasons, dict) and REJECTED_REASON in reasons
+
+
+def test_sim_heartbeats_listing_held_deflections_keep_the_routers_apart() -> None:
+    """Routers that see the others' deflections (decode heartbeats list them, at once on a
+    change) no longer stack them: the TBT SLO holds without admission, and with it few are
+    rejected."""
+    listed, _ = _sim(4, admission=False, held_list=True)
+    assert listed["tbt_slo_attainment"] == 1.0
+    _, blind = _sim(4, admission=True, held_list=False)
+    both, stats = _sim(4, admission=True, held_list=True)
+    assert both["tbt_slo_attainment"] == 1.0
+    assert stats["admission_rejected"] < blind["admission_rejected"]  # type: ignore[operator]
 
 
 def test_sim_one_router_with_admission_is_the_router_without() -> None:

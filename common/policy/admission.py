@@ -16,9 +16,12 @@ router's ledger reserves it (`reserved_step_cost`, kept until the deflection's f
 and the step budget the least of the one the deflection carries (the router's beta x TBT SLO),
 those of the deflections already accepted, and beta x the worker's strictest resident TBT SLO
 (beta read off the deflection: its budget over its TBT SLO). A deflection that does not fit
-is rejected at once with the reason; the router then sends the request down the disaggregated
-path (`disagg_fallback`). The live decode worker (services/decode_worker) and the simulator
-(sim/core.py) call the same function.
+is rejected at once with the reason; the router then decides again with that worker closed to
+deflections (`decide_without`): another decode worker's deflection (checked there in turn), or
+the disaggregated path. The live decode worker (services/decode_worker) and the simulator
+(sim/core.py) call the same functions. Decode heartbeats also list the deflections a worker
+holds and which router sent each, so that a router's view counts the other routers' ones too
+(services/router/workers.py); admission covers what a heartbeat has not shown yet.
 
 A deflection that carries no budget (0: an older router, or a policy that plans none, such as
 deflect-all) is admitted unchecked, as before.
@@ -80,8 +83,8 @@ def check_deflection(model: PerfModel, *, batch: int, kv_tokens: int, schedule: 
     return ""
 
 
-def disagg_fallback(policy: Policy, req: RequestSpec, view: ClusterView, now: float,
-                    closed: frozenset[str] | None = None) -> Decision:
+def decide_without(policy: Policy, req: RequestSpec, view: ClusterView, now: float,
+                   closed: frozenset[str] | None = None) -> Decision:
     """Decide again for a request whose deflection a decode worker rejected: the decode workers
     in `closed` (None: every one) are shown at `max_deflections`, so the policy deflects to
     another one or takes the disaggregated path with its own prefill-path prediction; a policy
@@ -103,4 +106,4 @@ def disagg_fallback(policy: Policy, req: RequestSpec, view: ClusterView, now: fl
     return msgspec.structs.replace(d, reason=REJECTED_REASON, ttft_decode_pred=None)
 
 
-__all__ = ["REJECTED_REASON", "Accepted", "accepted_entry", "check_deflection", "disagg_fallback"]
+__all__ = ["REJECTED_REASON", "Accepted", "accepted_entry", "check_deflection", "decide_without"]

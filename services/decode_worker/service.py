@@ -312,6 +312,7 @@ class DecodeWorker(WorkerService):
         for it in items:
             if self.accepted and it.request_id in self.accepted:
                 self._prefilled(it.request_id)  # its first token: its prefill is over
+                changed = True  # every router sees at once that it holds one deflection less
             if it.finish_reason == "error":
                 continue  # on_failed already reported it (RequestFailed): not a completion
             if it.finish_reason is not None:

@@ -27,7 +27,7 @@ from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
 from common.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
-from common.policy.admission import REJECTED_REASON, disagg_fallback
+from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
@@ -231,7 +231,7 @@ class Router:
         if not rejected:
             decision = self.policy.decide(spec, view, time.monotonic())
         elif view.prefill:
-            decision = disagg_fallback(self.policy, spec, view, time.monotonic(), frozenset(req.rejected_by))
+            decision = decide_without(self.policy, spec, view, time.monotonic(), frozenset(req.rejected_by))
         else:
             decision = msgspec.structs.replace(self.policy.decide(spec, view, time.monotonic()), step_budget_s=0.0)
         decision_us = (time.perf_counter() - t0) * 1e6

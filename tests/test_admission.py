@@ -7,21 +7,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import msgspec
 import pytest
 
 from common import codec
 from common import messages as m
-from common.perf_model import PerfModel, load_profile
+from common.perf_model import PerfModel, load_profile, save_profile
 from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
 from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.traces import TraceRequest
+from kairos.up import Cluster
 from services.decode_worker.service import DecodeWorker
 from services.router import metrics
 from services.router.service import Router
 from sim.core import SimConfig, simulate
 from sim.stats import summarize
+from tests.conftest import start_cluster
 from tests.test_poison import FakeRouter, _start
 from tests.test_trust import frame, hello, make_router
 
@@ -363,3 +366,38 @@ def test_sim_one_router_with_admission_is_the_router_without() -> None:
 def test_sim_config_needs_a_router() -> None:
     with pytest.raises(ValueError, match="at least one router"):
         SimConfig(routers=0)
+
+
+# ------------------------------------------------------------------ a live cluster
+
+
+@pytest.fixture(scope="module")
+def blind_router_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """1P1D with steps slow enough (40 ms + 0.2 ms per token) for deflections to overlap, a 1 s
+    TBT SLO, and a router whose ledger is off: it does not reserve its own deflections in flight,
+    as a replica does not see another's, so it stacks them and the decode worker must say no."""
+    tmp = tmp_path_factory.mktemp("admission")
+    base = load_profile("fast")
+    prof = msgspec.structs.replace(base, name="slow-steps",
+                                   model=msgspec.structs.replace(base.model, a0=0.04, a3=2e-4))
+    path = tmp / "slow-steps.json"
+    save_profile(prof, path)
+    c = start_cluster(tmp, prefill=1, decode=1, profile=str(path), policy="kairos", kv_transport="modeled",
+                      router_env={"KAIROS_LEDGER": "false", "KAIROS_TBT_SLO": "1.0", "KAIROS_TTFT_SLO": "10"})
+    yield c
+    c.stop(15)
+
+
+async def test_live_decode_worker_rejects_stacked_deflections_and_every_request_completes(
+        blind_router_cluster: Cluster) -> None:
+    api = blind_router_cluster.spec.api
+    body = {"prompt": [5] * 3000, "max_tokens": 3, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        rs = await asyncio.gather(*[client.post(api + "/v1/completions", json=body) for _ in range(6)])
+    assert [r.status_code for r in rs] == [200] * 6, [r.text for r in rs if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in rs)
+    code, s = blind_router_cluster.get("/v1/kairos/stats")
+    assert code == 200
+    counts = s["counts"]
+    assert counts.get("deflect_rejected", 0) >= 1, counts
+    assert counts.get("redispatched", 0) == 0 and counts["completed"] >= 6

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-held-list", action="store_true",
                    help="with several routers, each sees only its own deflections in flight (decode heartbeats do "
                         "not list the deflections they hold)")
+    c.add_argument("--beat-on-dispatch", action="store_true",
+                   help="workers heartbeat at once when work reaches them, as live workers do (default: only "
+                        "every --heartbeat-interval)")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request that finds no KV room waits in the router's queue before it is "
                         "rejected (default 30; 0: reject at once)")
@@ -206,7 +209,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     base = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                      heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
                      step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
-                     kv_wait_max=args.kv_wait_max, held_list=not args.no_held_list)
+                     kv_wait_max=args.kv_wait_max, held_list=not args.no_held_list,
+                     beat_on_dispatch=args.beat_on_dispatch)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
@@ -265,6 +269,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
+        "beat_on_dispatch": args.beat_on_dispatch,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "settings": settings, "date": datetime.date.today().isoformat()}
     result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],

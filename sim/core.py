@@ -23,8 +23,11 @@ knows only what it dispatched itself); every heartbeat reaches all of them. With
 a decode worker's heartbeats also list the deflections it holds and which router sent each, and
 each router adds the others' ones to its view; a live worker heartbeats at once when it admits
 a deflection and when one finishes its prefill, so the simulated routers see those changes at
-once. With `admission`, a decode worker checks each deflection against its live state before it
-starts it (common/policy/admission.py) and the router decides again without that worker.
+once. With `beat_on_dispatch`, a worker heartbeats at once when work reaches it (live workers
+do, 2 ms later; the simulated heartbeat is instantaneous), so every router sees every dispatch
+at once; without it only at the heartbeat interval. With `admission`, a decode worker checks
+each deflection against its live state before it starts it (common/policy/admission.py) and
+the router decides again without that worker.
 A heartbeat is the worker's state at the heartbeat instant; since state only changes at
 events, it is captured lazily (just before the first event at or after the instant touches the
 worker), which is exact and costs nothing while a worker is idle. `heartbeat_interval = 0`
@@ -78,6 +81,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
     admission: bool = True         # decode workers check every deflection against their live state
     held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
+    beat_on_dispatch: bool = False  # a worker heartbeats at once when work reaches it (as live workers do)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -555,6 +559,8 @@ class Simulation:
                 led.kv += need
                 self._ledger_changed(dw, ri)
             self._admit(dw, seq, now)
+            if cfg.beat_on_dispatch:
+                self._snapshot(dw)
             return True
         assert d.prefill_worker is not None
         r.ttft_pred = d.ttft_prefill_pred
@@ -578,6 +584,9 @@ class Simulation:
             self._ledger_changed(dw, ri)
         if not pw.busy:
             self._start(pw, now)
+        if cfg.beat_on_dispatch:
+            self._snapshot(pw)
+            self._snapshot(dw)
         return True
 
     def _admission(self, w: _Decode, d: Decision) -> str:

@@ -356,6 +356,15 @@ def test_sim_heartbeats_listing_held_deflections_keep_the_routers_apart() -> Non
     assert stats["admission_rejected"] < blind["admission_rejected"]  # type: ignore[operator]
 
 
+def test_sim_heartbeats_at_dispatch_make_replicas_one_router() -> None:
+    """Live workers heartbeat at once when work reaches them: routers that see every dispatch
+    at once decide as one router does."""
+    one, _ = _sim(1, admission=True, beat_on_dispatch=True)
+    four, _ = _sim(4, admission=True, beat_on_dispatch=True)
+    assert four["ttft_p95"] == pytest.approx(one["ttft_p95"])  # type: ignore[arg-type]
+    assert four["tbt_slo_attainment"] == one["tbt_slo_attainment"] == 1.0
+
+
 def test_sim_one_router_with_admission_is_the_router_without() -> None:
     on, s_on = _sim(1, admission=True)
     off, _ = _sim(1, admission=False)

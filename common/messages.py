@@ -283,8 +283,8 @@ class DecodeWork(Msg, frozen=True):
     mode="deflect": prefill in place, one chunk of `chunk_schedule` per step (empty: the engine's
     default chunking). `step_budget_s` > 0: the step time every chunk was planned to fit; the
     worker admits the deflection only if the schedule fits its live state (common/policy/admission.py),
-    else it answers RequestFailed(code="deflect_rejected") at once and the router takes the
-    disaggregated path.
+    else it answers RequestFailed(code="deflect_rejected") at once and the router decides again
+    without that worker (another decode worker's deflection, or the disaggregated path).
     """
 
     request_id: str
@@ -371,7 +371,7 @@ class RequestFailed(Msg, frozen=True):
     reason: str
     retryable: bool = True
     code: str = ""  # "invalid_request": the request itself is at fault (HTTP 400), not the worker;
-    # "deflect_rejected": a decode worker's admission turned a deflection away (the router takes the other path)
+    # "deflect_rejected": a decode worker's admission turned a deflection away (the router decides again)
 
 
 # ---------------------------------------------------------------- telemetry (router -> monitor)

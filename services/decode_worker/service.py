@@ -7,8 +7,8 @@ heartbeat PUB, every interval and at once when a request is admitted or finishes
 A deflection that carries a step budget is admitted only if its chunk schedule fits the live
 state (the running decodes and every deflection accepted and not yet prefilled, from any
 router; common/policy/admission.py), else refused at once with code "deflect_rejected" (the
-router then takes the disaggregated path): with several routers none of them sees all the
-deflections, this worker does.
+router then decides again without this worker): with several routers none of them sees all
+the deflections, this worker does. Heartbeats list the deflections held and who sent each.
 
 A handed-off request waits here for its KV (KvReady) with KV space reserved. If the transfer
 failed or never arrives within `kv_handoff_timeout` (or the request's deadline, if sooner), the

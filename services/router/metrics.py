@@ -47,7 +47,7 @@ MIGRATIONS = Counter("kairos_router_migrations", "Streaming requests whose decod
                      "on another one, parked (no worker free yet), or failed (limit reached, no worker in time).",
                      ["outcome"])
 DEFLECT_REJECTED = Counter("kairos_router_deflections_rejected", "Deflections a decode worker's admission turned "
-                           "away (no room beside its decodes and accepted deflections): sent disaggregated.")
+                           "away (no room beside its decodes and accepted deflections): decided again without it.")
 KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
                        "place by their decode worker.")
 KV_BYTES = Counter("kairos_router_kv_transfer_bytes", "KV-cache bytes prefill workers reported moving to decode "

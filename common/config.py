@@ -52,6 +52,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
 class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
+    http_reuse_port: Annotated[bool, doc("replicated routers on one host: bind the HTTP port with SO_REUSEPORT so "
+                                         "several routers share it and the kernel spreads connections")] = False
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
                                "(no prefill workers) or deflect-all")] = "kairos"
@@ -103,6 +105,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
 
 class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     worker_id: Annotated[str, doc("unique worker name (default: role-host-pid)")] = ""
+    routers: Annotated[str, doc("replicated routers: every router's bus as host:work_port:heartbeat_port, "
+                                "comma-separated (the worker registers with and heartbeats to each); empty: "
+                                "the one router at router_host, work_port, heartbeat_port")] = ""
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
     profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
     time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0

@@ -182,7 +182,7 @@ class DecodeWorker(WorkerService):
             if model is not None:
                 a = self.accepted[w.request_id] = accepted_entry(model, schedule, w.step_budget_s,
                                                                  self.engine.token_budget)
-                self.held[w.request_id] = m.HeldDeflection(router=self.router_incarnation or "",
+                self.held[w.request_id] = m.HeldDeflection(router=self.router_of(w.request_id),
                                                            reserved_s=a.reserved_s, largest_chunk=max(schedule))
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
         self.log.debug("request_admitted", request_id=w.request_id, attempt=w.attempt, mode=mode,

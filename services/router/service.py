@@ -800,6 +800,7 @@ class Router:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "router": self.incarnation,
             "in_flight": len(self.requests),
             "kv_waiting": len(self.kv_waiting),
             "counts": dict(self.counts),

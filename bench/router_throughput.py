@@ -236,18 +236,23 @@ class Bench:
         self.cluster = cluster
         self.clients = clients
         self.console = console
-        self.router_pid = pid or self._pid("router")
-        self.worker_pids = [s.proc.pid for n, s in cluster.services.items() if n != "router" and s.proc] \
+        routers = cluster.spec.router_names if cluster is not None else ["router"]
+        self.router_pids = [pid] if pid else [self._pid(n) for n in routers]  # every replica: their sum
+        self.router_pid = self.router_pids[0]
+        self.worker_pids = [s.proc.pid for n, s in cluster.services.items() if n not in routers and s.proc] \
             if cluster is not None else []
         self.idle_cpu = 0.0
 
     def measure_idle(self, seconds: float) -> float:
         """The router's CPU use with no requests (heartbeats, liveness and telemetry loops), in
         cores; subtracted from the per-request and per-token costs."""
-        c0, t0 = cpu_seconds(self.router_pid), time.perf_counter()
+        c0, t0 = self.router_cpu_s(), time.perf_counter()
         time.sleep(seconds)
-        self.idle_cpu = (cpu_seconds(self.router_pid) - c0) / (time.perf_counter() - t0)
+        self.idle_cpu = (self.router_cpu_s() - c0) / (time.perf_counter() - t0)
         return self.idle_cpu
+
+    def router_cpu_s(self) -> float:
+        return sum(map(cpu_seconds, self.router_pids))
 
     def _pid(self, name: str) -> int:
         assert self.cluster is not None
@@ -261,7 +266,7 @@ class Bench:
         sampler: dict[str, Any] = {}
 
         def sample() -> dict[str, Any]:
-            return {"router": cpu_seconds(self.router_pid), "workers": sum(map(cpu_seconds, self.worker_pids)),
+            return {"router": self.router_cpu_s(), "workers": sum(map(cpu_seconds, self.worker_pids)),
                     "machine": machine_busy(), "t": time.perf_counter()}
 
         def start() -> None:  # counters when the clients start sending; then the profiler, if any
@@ -468,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=0,
                    help="load generator processes (default: one per CPU not given to the router, at most 8)")
     p.add_argument("--connections", type=int, default=256, help="keep-alive connections per client (default 256)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas on the one HTTP port (SO_REUSEPORT), all on --router-cpus; router CPU "
+                        "figures are their sum (default 1)")
     p.add_argument("--router-cpus", default="0", help="CPUs for the router, taskset list (default 0; '' = no pinning)")
     p.add_argument("--other-cpus", default="",
                    help="CPUs for workers and clients (default: every CPU not given to the router)")
@@ -544,17 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
                                  time_scale=args.time_scale, kv_transport=args.kv_transport, monitor=False,
                                  log_dir=log_dir, log_level=args.log_level,
-                                 router_env={"KAIROS_LIVENESS": str(args.liveness)})
+                                 router_env={"KAIROS_LIVENESS": str(args.liveness)}, routers=max(1, args.routers))
     cluster = Cluster(spec)
     for name, svc in cluster.services.items():
-        cpus = router_cpus if name == "router" else other_cpus
+        cpus = router_cpus if name in spec.router_names else other_cpus
         if cpus:
             svc.command = ["taskset", "-c", ",".join(map(str, cpus)), *svc.command]
-    console.print(f"cluster: router on CPUs {router_cpus or 'any'}, {args.prefill}P{args.decode}D workers and "
+    console.print(f"cluster: {spec.routers} router(s) on CPUs {router_cpus or 'any'}, {args.prefill}P{args.decode}D "
+                  "workers and "
                   f"{n_clients} client processes on CPUs {other_cpus}; profile {profile.name} x{args.time_scale:g},"
                   f" policy {args.policy}, KV {args.kv_transport}; logs {log_dir}")
     results: dict[str, Any] = {"config": {
-        "prefill": args.prefill, "decode": args.decode, "policy": args.policy, "profile": profile.name,
+        "prefill": args.prefill, "decode": args.decode, "routers": spec.routers, "policy": args.policy,
+        "profile": profile.name,
         "time_scale": args.time_scale, "kv_transport": args.kv_transport, "clients": n_clients,
         "log_level": args.log_level,
         "connections": args.connections,

@@ -169,3 +169,43 @@ def test_token_batch_split_per_router() -> None:
     assert [link.index for link, _ in o.split(m.Goodbye(worker_id="w", incarnation="i"))] == [0, 1]
     failed = m.RequestFailed(request_id="a", attempt=0, worker_id="w", reason="x")
     assert [link.index for link, _ in o.split(failed)] == [0]
+
+
+def test_kairos_up_routers_flag() -> None:
+    from kairos.up import Cluster, parser, spec_from_args
+
+    spec = spec_from_args(parser().parse_args(["--routers", "3", "--bus-port", "7000", "--kv-transport", "modeled"]))
+    assert spec.router_names == ["router", "router-1", "router-2"]
+    assert spec.router_bus() == [(7000, 7001, 7002), (7003, 7004, 7005), (7006, 7007, 7008)]
+    c = Cluster(spec)
+    for name, (work, hb, tel) in zip(spec.router_names, spec.router_bus(), strict=True):
+        env = c.services[name].env
+        assert c.services[name].command[-1] == "router"
+        assert (env["KAIROS_WORK_PORT"], env["KAIROS_HEARTBEAT_PORT"], env["KAIROS_TELEMETRY_PORT"]) == (
+            str(work), str(hb), str(tel))
+        assert env["KAIROS_HTTP_PORT"] == str(spec.http_port) and env["KAIROS_HTTP_REUSE_PORT"] == "true"
+    wcfg = config.load(config.WorkerConfig, env=c.services["decode-0"].env)
+    assert [(a.work_port, a.heartbeat_port) for a in router_addresses(wcfg)] == [(7000, 7001), (7003, 7004),
+                                                                                 (7006, 7007)]
+    one = Cluster(spec_from_args(parser().parse_args(["--kv-transport", "modeled"])))
+    assert "KAIROS_ROUTERS" not in one.services["decode-0"].env
+    assert "KAIROS_HTTP_REUSE_PORT" not in one.services["router"].env and "router-1" not in one.services
+
+
+def test_reuse_port_socket_shares_the_port_and_says_who_holds_it() -> None:
+    import socket
+
+    from kairos.up import parser, spec_from_args
+    from services.router.__main__ import reuse_port_socket
+
+    with pytest.raises(ConfigError, match="--routers"):
+        spec_from_args(parser().parse_args(["--routers", "0"]))
+    port = free_port()
+    a, b = reuse_port_socket("127.0.0.1", port), reuse_port_socket("127.0.0.1", port)  # two replicas, one port
+    a.close()
+    b.close()
+    with socket.socket() as plain:  # a process without SO_REUSEPORT holds it
+        plain.bind(("127.0.0.1", port))
+        plain.listen()
+        with pytest.raises(ConfigError, match="SO_REUSEPORT"):
+            reuse_port_socket("127.0.0.1", port)

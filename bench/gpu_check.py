@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -198,10 +199,15 @@ def kv_bench(out: Path, tiny: bool, memory: str, timeout: float) -> dict[str, An
     size = str(1 << 20 if tiny else 256 << 20)
     cmd = [sys.executable, "-m", "common.kv.bench", "--memory", memory, "--size", size, "--iters",
            "3" if tiny else "20", "--out", str(report)]
+    # UCX prints the protocol and transports it picked for each transfer (cuda_ipc, or staging
+    # through host memory): kept beside the report, since two agents in one process may not take
+    # the path two worker processes would
+    env = {**os.environ, "UCX_PROTO_INFO": "y"}
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 10.0))
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 10.0), env=env)
     except subprocess.TimeoutExpired:
         return {"failed": f"{' '.join(cmd[1:])} did not finish within {timeout:.0f} s"}
+    (out / f"kv-bench-{memory}.stderr.log").write_text(r.stderr)
     if r.returncode != 0:
         return {"failed": f"{' '.join(cmd[1:])} exited {r.returncode}: {r.stderr[-500:]}"}
     return {"command": " ".join(cmd[1:]), "report": json.loads(report.read_text())}

@@ -7,7 +7,9 @@ tensor, the receiver a pool tensor of `size / block_size` blocks, both registere
 the tensors themselves (NIXL reads the memory type, VRAM, and the GPU id off each tensor). The
 sender loads the receiver's metadata as a remote agent, so the WRITE goes through UCX as it does
 between a prefill and a decode worker (cuda_ipc on one host); a notification follows each WRITE.
-`--peer-device` puts the pool on another GPU (a hand-off between two GPUs of one host).
+`--peer-device` puts the pool on another GPU (a hand-off between two GPUs of one host). Not yet
+run on a GPU: two agents in one process may not take the UCX path (cuda_ipc) that a prefill and a
+decode process would; `UCX_PROTO_INFO=y` prints the path taken (scripts/gpu-check.sh keeps it).
 
 The cases are those of the host-memory bench (common.kv.bench): single (one descriptor), blocks
 (one descriptor per block, scattered over a random permutation of the pool) and

@@ -199,9 +199,8 @@ def kv_bench(out: Path, tiny: bool, memory: str, timeout: float) -> dict[str, An
     size = str(1 << 20 if tiny else 256 << 20)
     cmd = [sys.executable, "-m", "common.kv.bench", "--memory", memory, "--size", size, "--iters",
            "3" if tiny else "20", "--out", str(report)]
-    # UCX prints the protocol and transports it picked for each transfer (cuda_ipc, or staging
-    # through host memory): kept beside the report, since two agents in one process may not take
-    # the path two worker processes would
+    # UCX prints the protocol and transports it picked for each transfer (in GPU memory: cuda_ipc,
+    # or staging through host memory): kept beside the report
     env = {**os.environ, "UCX_PROTO_INFO": "y"}
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 10.0), env=env)

@@ -1,8 +1,8 @@
 """`kairos kv-bench --memory vram` (common.kv.tensor_bench) without a GPU.
 
 The VRAM path registers torch tensors with NIXL; the same code runs on CPU tensors (DRAM) here,
-so everything but the CUDA allocation is exercised: registration from tensors, a remote agent,
-single / scattered / in-order block WRITEs, notifications, on-device verification. The CLI's
+so everything but the CUDA allocation is exercised: the receiver process, registration from
+tensors, a remote agent, single / scattered / in-order block WRITEs, notifications, checksums. The CLI's
 refusal without CUDA is checked too. Lives in the vLLM tier: that venv has PyTorch and NIXL.
 """
 
@@ -36,22 +36,28 @@ def test_tensor_bench_moves_and_verifies_every_case_on_cpu_tensors() -> None:
         assert c["memcpy_gbps_median"] > 0 and c["ratio_to_memcpy"] > 0
 
 
-def test_tensor_bench_detects_a_write_that_did_not_land(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check is real: a WRITE whose bytes are lost (the pool is cleared after DONE) is KvCorrupt."""
+def test_tensor_bench_fails_when_the_receiver_holds_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check compares: a source checksum the receiver's bytes cannot match is KvCorrupt.
+    (The passing test cannot pass without the bytes arriving: the pool is cleared before each
+    WRITE and the source is fresh random bytes.)"""
     from common.kv import _nixl, tensor_bench
     from common.kv.errors import KvCorrupt
 
     if not _nixl.available():
         pytest.skip("NIXL is not importable in this venv")
-    real_sync = tensor_bench._Pair.sync
-
-    def lossy_sync(self: tensor_bench._Pair) -> None:  # also runs between DONE and the check
-        real_sync(self)
-        self.pool.zero_()
-
-    monkeypatch.setattr(tensor_bench._Pair, "sync", lossy_sync)
+    real = tensor_bench.checksum
+    monkeypatch.setattr(tensor_bench, "checksum", lambda t, data: real(t, data) + 1)  # the parent's side only
     with pytest.raises(KvCorrupt, match="differ"):
         tensor_bench.bench(64 << 10, 16 << 10, iters=1, warmup=0, timeout=30.0, device=None)
+
+
+def test_checksum_sees_a_moved_block() -> None:
+    from common.kv.tensor_bench import checksum
+
+    data = torch.randint(0, 256, (4 * 1024,), dtype=torch.uint8)
+    swapped = data.view(4, 1024)[torch.tensor([1, 0, 2, 3])].reshape(-1)
+    assert checksum(torch, data) == checksum(torch, data.clone())
+    assert checksum(torch, data) != checksum(torch, swapped)
 
 
 def test_vram_mode_refuses_without_cuda_in_one_line(tmp_path: Path) -> None:

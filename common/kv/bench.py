@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="dram: host memory between two processes; vram: torch CUDA tensors registered as VRAM")
     p.add_argument("--device", type=int, default=0, help="--memory vram: the sender's CUDA device")
     p.add_argument("--peer-device", type=int, default=None,
-                   help="--memory vram: the receiver's CUDA device (default: --device)")
+                   help="--memory vram: the receiver's CUDA device (None: the sender's)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # child mode (common.kv.remote)
     p.add_argument("--control", help=argparse.SUPPRESS)
     p.add_argument("--pool", action="append", default=[], help=argparse.SUPPRESS)

@@ -73,15 +73,23 @@ def scan_logs(log_dir: Path) -> dict[str, Any]:
 
 
 def greedy(api: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Each prompt's greedy completion and route; a 429/503 is retried after its Retry-After, as a
+    client would (a loaded host can miss a heartbeat), at most 5 times."""
     import httpx
 
     out = []
     with httpx.Client(base_url=api, timeout=120) as client:
         for p in prompts:
-            r = client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
-                                                     "ignore_eos": True})
-            r.raise_for_status()
-            out.append({"route": r.headers.get("x-kairos-route"), "text": r.json()["choices"][0]["text"]})
+            for attempt in range(6):
+                r = client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
+                                                         "ignore_eos": True})
+                if r.status_code not in (429, 503) or attempt == 5:
+                    break
+                time.sleep(min(float(r.headers.get("retry-after", "1")), 5.0))
+            if r.status_code != 200:
+                raise RuntimeError(f"greedy prompt of {len(p)} tokens: HTTP {r.status_code}: {r.text[:300]}")
+            out.append({"route": r.headers.get("x-kairos-route"), "text": r.json()["choices"][0]["text"],
+                        "attempts": attempt + 1})
     return out
 
 

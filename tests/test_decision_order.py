@@ -89,9 +89,10 @@ def random_case(rng: random.Random) -> tuple[PerfModel, KairosConfig, RequestSpe
     cfg = rng.choice([KairosConfig(), KairosConfig(alpha=1.0), KairosConfig(max_deflections=1),
                       KairosConfig(candidates=(1024, 256), beta=1.0), KairosConfig(budget_fit=False),
                       KairosConfig(predictor="paper")])
-    req = RequestSpec(request_id="r", prompt_tokens=rng.choice([rng.randint(1, 9000), 2048, rng.randint(9000, 33000)]),
-                      max_tokens=rng.randint(1, 400), ttft_slo=rng.choice([0.3, 1.0, 2.0, 30.0]),
-                      tbt_slo=rng.choice([0.05, 0.1]), cached_tokens=rng.choice([0, 0, 500]))
+    prompt = rng.choice([rng.randint(1, 9000), 2048, rng.randint(9000, 33000)])
+    req = RequestSpec(request_id="r", prompt_tokens=prompt, max_tokens=rng.randint(1, 400),
+                      ttft_slo=rng.choice([0.05, 0.3, 1.0, 2.0, 30.0]), tbt_slo=rng.choice([0.05, 0.1]),
+                      cached_tokens=rng.choice([0, 0, 500, prompt]))  # all cached: nothing to prefill
     return prof.model, cfg, req, ClusterView(prefill=tuple(prefill), decode=tuple(decode)), now
 
 

@@ -335,10 +335,11 @@ class Kairos:
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
         replay_p = cfg.predictor == "replay"
         # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
-        # depend only on the model and the token budget, so they are computed once per pair.
+        # depend only on the model and the token budget, so they are computed once per pair
+        # (the model by identity: hashing its coefficients costs more than this loop's body).
         best_p = None
         ttft_p = float("inf")
-        own: dict[tuple[PerfModel, int], tuple[float, float]] = {}
+        own: dict[tuple[int, int], tuple[float, float]] = {}
         last_m: PerfModel | None = None
         last_chunk = 0
         ex = xfer = 0.0
@@ -348,10 +349,10 @@ class Kairos:
             m = p.model if dflt is None else dflt
             chunk = p.token_budget
             if m is not last_m or chunk != last_chunk:
-                got = own.get((m, chunk))
+                got = own.get((id(m), chunk))
                 if got is None:
                     run = alone(m, chunk, tokens) if replay_p else m.prefill_exec(tokens, chunk)
-                    got = own[(m, chunk)] = (run, m.xfer_time(req.prompt_tokens) if cfg.transfer_term else 0.0)
+                    got = own[(id(m), chunk)] = (run, m.xfer_time(req.prompt_tokens) if cfg.transfer_term else 0.0)
                 ex, xfer = got
                 last_m, last_chunk = m, chunk
             if replay_p:
@@ -421,12 +422,13 @@ class Kairos:
             if cands is None:
                 cands = self._cands(cap)
             budget_s = beta * slo
-            lb = 0.0
             if not ends and tokens > 0 and cands:
                 base0 = (dm.a0 + dm.a6 + (dm.a1 + dm.a3) * b + dm.a5 * b * b + dm.a2 * d.kv_tokens
                          + d.reserved_step_s)
                 lb = _lower_bound(dm, base0, tokens, budget_s, cands, b)
-            todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap))
+                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap))
+            else:  # no bound (as `_search` has none here): searched first, and never skipped
+                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, ends, cap))
         if handoff is not None:
             # the disaggregated path's first token comes from the decode worker's next step after
             # the KV lands: half a step of waiting on average when it is busy, then that step
@@ -440,7 +442,7 @@ class Kairos:
             if best is not None and key > best[1] * (1 + 1e-9):
                 break  # this bound and every later one exceed the best TTFT_D found
             cut = (limit if best is None else min(limit, best[1])) - wait
-            if lb > cut * (1 + 1e-9):
+            if lb >= 0.0 and lb > cut * (1 + 1e-9):
                 status[wid] = _OVER_LIMIT
                 continue
             st, sched, total = _search(dm, d, tokens, budget_s, cands, cut, cfg.max_steps, replay_p,

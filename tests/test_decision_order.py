@@ -33,6 +33,7 @@ def id_order_best(k: Kairos, req: RequestSpec, view: ClusterView, now: float,
     cfg = k.cfg
     replay_p = cfg.predictor == "replay"
     tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
+    per_worker = cfg.prefix_aware and bool(req.cached)
     best: tuple[str, tuple[int, ...], float] | None = None
     for d in sorted(view.decode, key=lambda x: x.worker_id):
         if d.deflections >= cfg.max_deflections or d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
@@ -48,8 +49,10 @@ def id_order_best(k: Kairos, req: RequestSpec, view: ClusterView, now: float,
             cap -= d.reserved_tokens
         cands = [c for c in sorted(cfg.candidates, reverse=True) if c <= cap]
         cut = (limit if best is None else min(limit, best[2])) - wait
-        st, sched, total = _search(m, d, tokens, cfg.beta * slo, cands, cut, cfg.max_steps, replay_p,
-                                   1 if wait > 0 else 0, ends, cap if cfg.budget_fit and ends else -1)
+        td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+        st, sched, total = _search(m, d, td, cfg.beta * slo, cands, cut, cfg.max_steps, replay_p,
+                                   1 if wait > 0 else 0, ends, cap if cfg.budget_fit and ends else -1,
+                                   req.prompt_tokens - td if per_worker else 0)
         if st == _OK and (best is None or total + wait < best[2]):
             best = (d.worker_id, sched, total + wait)
     return best
@@ -90,9 +93,12 @@ def random_case(rng: random.Random) -> tuple[PerfModel, KairosConfig, RequestSpe
                       KairosConfig(candidates=(1024, 256), beta=1.0), KairosConfig(budget_fit=False),
                       KairosConfig(predictor="paper")])
     prompt = rng.choice([rng.randint(1, 9000), 2048, rng.randint(9000, 33000)])
+    ids = [p.worker_id for p in prefill] + [d.worker_id for d in decode]
+    held = tuple((w, rng.randint(0, 12_000)) for w in ids if rng.random() < 0.4) if rng.random() < 0.4 else ()
     req = RequestSpec(request_id="r", prompt_tokens=prompt, max_tokens=rng.randint(1, 400),
                       ttft_slo=rng.choice([0.05, 0.3, 1.0, 2.0, 30.0]), tbt_slo=rng.choice([0.05, 0.1]),
-                      cached_tokens=rng.choice([0, 0, 500, prompt]))  # all cached: nothing to prefill
+                      cached_tokens=rng.choice([0, 0, 500, prompt]),  # all cached: nothing to prefill
+                      cached=held)  # per worker, as the router's prefix index knows it
     return prof.model, cfg, req, ClusterView(prefill=tuple(prefill), decode=tuple(decode)), now
 
 

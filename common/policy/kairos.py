@@ -8,7 +8,10 @@ TTFT_D <= alpha * TTFT_P and TTFT_D <= the request's TTFT SLO.
 Beyond the paper, each switchable (KairosConfig): the ledger (done by the router, which folds
 dispatched work into the views), per-worker model coefficients (`per_worker_models`), several
 concurrent deflections per decode worker (`max_deflections` > 1: the in-flight ones' step cost
-is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`), and:
+is reserved out of the budget), prefix-cache-aware pricing (`prefix_aware`: with the router's
+prefix index, `RequestSpec.cached`, each decode worker is priced by its own uncached suffix, whose
+chunks attend over the cached prefix, and the prefill path by the chosen prefill worker's
+uncached tokens plus the transfer of what the disaggregated path's decode worker lacks), and:
 
 - `predictor`: "paper" is Equation 1 for TTFT_P and Algorithm 1's step sum for TTFT_D, as
   printed. "replay" replays the prefill worker's known queue through its batching rule
@@ -158,8 +161,8 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
             max_steps: int, exact: bool = False, lead: int = 0,
-            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, bounded: bool = False
-            ) -> tuple[int, tuple[int, ...], float]:
+            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, ctx0: int = 0,
+            bounded: bool = False) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
     feasibility beyond is unknown). `cands`: usable candidates, largest first.
@@ -172,8 +175,10 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     TTFT_D only until it ends. `fit_tokens` >= 0: a chunk also leaves in the token budget the
     largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
     tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
-    chunk short should one of them run longer, so the budget holds either way. `bounded`: the
-    caller already checked `_lower_bound` against `limit_s`."""
+    chunk short should one of them run longer, so the budget holds either way. `ctx0`: prompt
+    tokens already in the worker's prefix cache; the `tokens` to prefill come after them, so
+    every chunk attends over them too. `bounded`: the caller already checked `_lower_bound`
+    against `limit_s`."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a2, a3, a4, a5 = model.a2, model.a3, model.a4, model.a5
@@ -182,6 +187,9 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     base0 = _base0(model, d)
     a3 = a3 + 2.0 * a5 * b
     ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
+    if ctx0:  # a4*chi*(ctx0 + done + chi/2): the cached prefix adds a term linear in chi
+        base0 += ka * ctx0
+        a3 += a4 * ctx0
     ends = ends or []
     if not bounded and not ends and limit_s < _INF and tokens > 0 and \
             _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
@@ -232,16 +240,18 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     return _OK, tuple(sched), total
 
 
-def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0) -> float:
+def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0,
+                       cached: int = 0) -> float:
     """The step time a deflection in flight may add to its decode worker: the largest chunk
     cost over its schedule, each chunk at the context it will run at. This is what to put in
     `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
     the first chunk alone underestimates it, since later chunks attend over a longer prefix.
     With a superlinear step-total term (a5 > 0) a chunk costs more beside other tokens: each
     chunk is costed as if the rest of its step held `step_tokens` - chi tokens (pass the
-    worker's token budget), which covers its cross terms with the decodes and the other chunks."""
+    worker's token budget), which covers its cross terms with the decodes and the other chunks.
+    `cached`: prompt tokens the worker's prefix cache already holds (the schedule follows them)."""
     worst = 0.0
-    done = 0
+    done = cached
     for chi in schedule:
         worst = max(worst, model.chunk_cost(chi, done, max(0, step_tokens - chi)))
         done += chi
@@ -334,73 +344,88 @@ class Kairos:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
         replay_p = cfg.predictor == "replay"
+        # with the router's prefix index each worker is priced by its own uncached suffix, and
+        # the prefill path's KV transfer by what the decode worker that gets it lacks
+        per_worker = cfg.prefix_aware and bool(req.cached)
+        try:
+            handoff0: DecodeView | None = least_loaded_decode(view, req)
+        except NoWorkers:
+            handoff0 = None
+        lack = req.prompt_tokens
+        if per_worker and handoff0 is not None:
+            lack -= req.cached_on(handoff0.worker_id)
         # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
         # depend only on the model and the token budget, so they are computed once per pair
         # (the model by identity: hashing its coefficients costs more than this loop's body).
         best_p = None
         ttft_p = float("inf")
-        own: dict[tuple[int, int], tuple[float, float]] = {}
+        best_tp = tokens
+        own: dict[tuple[int, int, int], tuple[float, float]] = {}
         last_m: PerfModel | None = None
-        last_chunk = 0
+        last_chunk = last_tp = 0
         ex = xfer = 0.0
         dflt = None if cfg.per_worker_models else self.default_model  # `_model`, inline
         tails = self._last_tail
         for p in view.prefill:
             m = p.model if dflt is None else dflt
             chunk = p.token_budget
-            if m is not last_m or chunk != last_chunk:
-                got = own.get((id(m), chunk))
+            tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
+            if m is not last_m or chunk != last_chunk or tp != last_tp:
+                got = own.get((id(m), chunk, tp))
                 if got is None:
-                    run = alone(m, chunk, tokens) if replay_p else m.prefill_exec(tokens, chunk)
-                    got = own[(id(m), chunk)] = (run, m.xfer_time(req.prompt_tokens) if cfg.transfer_term else 0.0)
+                    run = alone(m, chunk, tp) if replay_p else m.prefill_exec(tp, chunk)
+                    got = own[(id(m), chunk, tp)] = (run, m.xfer_time(lack) if cfg.transfer_term else 0.0)
                 ex, xfer = got
-                last_m, last_chunk = m, chunk
+                last_m, last_chunk, last_tp = m, chunk, tp
             if replay_p:
                 last = tails.get(p.worker_id)  # `_tail`'s first test, inline
                 tail = last[2] if last is not None and last[0] is p and last[1] is m else self._tail(p, m, now)
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
                 if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
-                    t = extend(m, chunk, p.max_batch, tail, tokens, now).end - now + xfer
+                    t = extend(m, chunk, p.max_batch, tail, tp, now).end - now + xfer
                 else:
                     t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
             else:
                 t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
             if t < ttft_p:
-                best_p, ttft_p = p, t
+                best_p, ttft_p, best_tp = p, t, tp
         if not view.decode:
             raise NoWorkers("no live decode worker")
         if replay_p and cfg.share_expect and best_p is not None:
-            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), tokens, now)
-        # the disaggregated path's decode worker (`least_loaded_decode`, found in the loop below)
-        want_handoff = replay_p and best_p is not None
+            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), best_tp, now)
         handoff: DecodeView | None = None
-        hkey: tuple[int, int, str] = (0, 0, "")
+        if replay_p and best_p is not None:
+            # the disaggregated path's first token comes from the decode worker's next step after
+            # the KV lands: half a step of waiting on average when it is busy, then that step
+            handoff = handoff0
+            if handoff is not None:
+                dm = self._model(handoff.model)
+                step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
+                if handoff.batch + handoff.deflections + handoff.pending:
+                    step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
+                ttft_p += step
         # decode path: Algorithm 1 on every eligible decode worker; the best TTFT_D wins, ties to
         # the lowest id. Branch and bound: each worker's lower bound on TTFT_D first, then the
         # searches in increasing bound, each cut at the best found so far, until the next bound
         # cannot beat it (the same decision as searching every worker in id order, cheaper).
+        limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
+        best_td = tokens
         why_not = "no_decode_slack"
         need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
         fit, beta, max_defl = cfg.budget_fit, cfg.beta, cfg.max_deflections
         todo = []
         by_cap = self._cands_by_cap
-        # per worker, written out (it runs for every worker and decision): `least_loaded_decode`,
-        # `decode_time` for the wait, `_cands`, and `_search`'s base0 for the bound, each the same
+        # per worker, written out (it runs for every worker and decision): `decode_time` for the
+        # wait, `_cands`, and `_search`'s base0 for the bound, each the same arithmetic
         for d in view.decode:
-            if d.kv_free_tokens < need_kv:
-                if d.deflections >= max_defl:
-                    why_not = "deflection_in_flight"
-                continue
-            if want_handoff:
-                k = (d.batch + d.pending + d.deflections, d.kv_tokens, d.worker_id)
-                if handoff is None or k < hkey:
-                    handoff, hkey = d, k
             if d.deflections >= max_defl:
                 why_not = "deflection_in_flight"
+                continue
+            if d.kv_free_tokens < need_kv:
                 continue
             dm = d.model if dflt is None else dflt
             b = d.batch
@@ -421,56 +446,55 @@ class Kairos:
             cands = by_cap.get(cap)
             if cands is None:
                 cands = self._cands(cap)
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            ctx0 = req.prompt_tokens - td if per_worker else 0
             budget_s = beta * slo
-            if not ends and tokens > 0 and cands:
+            if not ends and td > 0 and cands:
                 base0 = (dm.a0 + dm.a6 + (dm.a1 + dm.a3) * b + dm.a5 * b * b + dm.a2 * d.kv_tokens
                          + d.reserved_step_s)
-                lb = _lower_bound(dm, base0, tokens, budget_s, cands, b)
-                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap))
+                if ctx0:  # as in `_search`
+                    base0 += (0.0 if replay_p else dm.a2) * ctx0
+                lb = _lower_bound(dm, base0, td, budget_s, cands, b)
+                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0))
             else:  # no bound (as `_search` has none here): searched first, and never skipped
-                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, ends, cap))
-        if handoff is not None:
-            # the disaggregated path's first token comes from the decode worker's next step after
-            # the KV lands: half a step of waiting on average when it is busy, then that step
-            step = self._model(handoff.model).decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
-            if handoff.batch + handoff.deflections + handoff.pending:
-                step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
-            ttft_p += step
-        limit = min(cfg.alpha * ttft_p, req.ttft_slo)
+                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, ends, cap, td, ctx0))
         todo.sort(key=_by_bound)
-        for key, wid, d, dm, budget_s, wait, lb, cands, ends, cap in todo:
+        for key, wid, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0 in todo:
             if best is not None and key > best[1] * (1 + 1e-9):
                 break  # this bound and every later one exceed the best TTFT_D found
             cut = (limit if best is None else min(limit, best[1])) - wait
             if lb >= 0.0 and lb > cut * (1 + 1e-9):
                 status[wid] = _OVER_LIMIT
                 continue
-            st, sched, total = _search(dm, d, tokens, budget_s, cands, cut, cfg.max_steps, replay_p,
-                                       1 if wait > 0 else 0, ends, cap if fit and ends else -1, bounded=True)
+            st, sched, total = _search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
+                                       1 if wait > 0 else 0, ends, cap if fit and ends else -1, ctx0, bounded=True)
             status[wid] = st
             if st != _OK:
                 continue
             total += wait
             if best is None or total < best[1] or (total == best[1] and best_d is not None and wid < best_d.worker_id):
-                best_d, best = d, (sched, total)
+                best_d, best, best_td = d, (sched, total), td
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
             d = handoff or least_loaded_decode(view, req)
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
-                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now)
-            self._note_dispatch(best_p.worker_id, tokens, now)
+                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now, per_worker)
+            self._note_dispatch(best_p.worker_id, best_tp, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
-                            reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None)
+                            reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
+                            cached_tokens=req.prompt_tokens - best_tp)
         sched, ttft_d = best
+        slo = best_d.strictest_tbt_slo if best_d.strictest_tbt_slo is not None else req.tbt_slo
         return Decision(route="deflect", prefill_worker=None, decode_worker=best_d.worker_id,
                         reason="decode_faster" if ttft_d <= ttft_p else "within_alpha",
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
-                        chunk_schedule=sched)
+                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
+                        step_budget_s=cfg.beta * slo)
 
     def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
-                                 status: dict[str, int], now: float) -> str:
+                                 status: dict[str, int], now: float, per_worker: bool = False) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
 
         `status`: what the limited search found per worker; one found infeasible stays so without
@@ -485,8 +509,10 @@ class Kairos:
             exact = cfg.predictor == "replay"
             cap = d.token_budget - d.batch - (d.reserved_tokens if cfg.budget_fit else 0)
             busy = exact and d.busy_until > now
-            st, _, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap),
-                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0)
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            st, _, total = _search(self._model(d.model), d, td, cfg.beta * slo, self._cands(cap),
+                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0,
+                                   ctx0=req.prompt_tokens - td if per_worker else 0)
             if busy:
                 total += d.busy_until - now
             if st == _OK:

@@ -17,7 +17,9 @@ for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the
 `worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
 can help.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds);
-the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`, and
+the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`,
+`x-kairos-cached-tokens` (prompt tokens the router's prefix index found cached where the prompt is
+prefilled), `x-kairos-router` (the incarnation of the router replica that serves it) and
 `x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
 is echoed back but is only a label).
 """
@@ -106,7 +108,8 @@ class App:
             t = self.router.table
             ok = t.count("decode") > 0 and self.router.accepting
             await self._json(send, 200 if ok else 503, {"ready": ok, "prefill_workers": t.count("prefill"),
-                                                        "decode_workers": t.count("decode")})
+                                                        "decode_workers": t.count("decode"),
+                                                        "router": self.router.incarnation})
             return
         if path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -199,10 +202,12 @@ class App:
         req = subs[0]
         d = req.decision
         headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
-                   (b"x-kairos-request-id", req.request_id.encode())]
+                   (b"x-kairos-request-id", req.request_id.encode()),
+                   (b"x-kairos-router", router.incarnation.encode())]
         if d is not None:
             headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
-                        (b"x-kairos-decode-worker", d.decode_worker.encode())]
+                        (b"x-kairos-decode-worker", d.decode_worker.encode()),
+                        (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:

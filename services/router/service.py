@@ -18,6 +18,7 @@ import uuid
 from collections import Counter, deque
 from typing import Any
 
+import msgspec
 import structlog
 
 from common import codec
@@ -25,11 +26,21 @@ from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
-from common.policy import ConditionalConfig, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
+from common.policy import (
+    ConditionalConfig,
+    KairosConfig,
+    KvAwareConfig,
+    NoKvRoom,
+    NoWorkers,
+    RequestSpec,
+    make_policy,
+)
+from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, migrate
+from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
@@ -53,11 +64,13 @@ class Router:
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
                                      decode_busy_threshold=cfg.decode_busy_threshold)
             self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ccfg,
-                                      default_model=self.profile.model)
+                                      default_model=self.profile.model,
+                                      kv_aware=KvAwareConfig(overlap_weight=cfg.overlap_weight))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
-        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models, me=self.incarnation)
+        self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
@@ -215,15 +228,24 @@ class Router:
                 self._fail(req, f"no decode worker had KV room for it within {self.cfg.kv_wait_timeout:g} s "
                                 "(kv_wait_timeout); retry later, or add decode workers", code="kv_wait_timeout")
 
-    def _dispatch(self, req: Request) -> None:
+    def _dispatch(self, req: Request, *, rejected: bool = False) -> None:
+        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
+        away, so decide again with those closed to deflections (common/policy/admission.py),
+        or, with no prefill worker live, deflect again without the admission check."""
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
+        cached, hashes = self.prefix.lookup(prompt)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
-                           cached_tokens=req.cached_tokens)
-        decision = self.policy.decide(spec, view, time.monotonic())
+                           cached_tokens=req.cached_tokens, cached=cached)
+        if not rejected:
+            decision = self.policy.decide(spec, view, time.monotonic())
+        elif view.prefill:
+            decision = decide_without(self.policy, spec, view, time.monotonic(), frozenset(req.rejected_by))
+        else:
+            decision = msgspec.structs.replace(self.policy.decide(spec, view, time.monotonic()), step_budget_s=0.0)
         decision_us = (time.perf_counter() - t0) * 1e6
         req.decision = decision
         req.decided_at = time.monotonic()
@@ -234,22 +256,26 @@ class Router:
         dw = self.table.workers[decision.decode_worker]
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
+        work = tokens - decision.cached_tokens  # what the prefilling worker computes, as the index knows
+        if self.prefix.enabled:
+            self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w], hashes,
+                                   tokens, decision.cached_tokens)
         if decision.route == "deflect":
-            no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
+            no = dw.next_dispatch(LedgerEntry(req.request_id, work, reserve, deflect=True))
             dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
-                                                                   dw.hello.token_budget)
+                                                                   dw.hello.token_budget, decision.cached_tokens)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
-                                        resume_tokens=req.resume_from))
+                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s))
             dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
                                                time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
-            pno = pw.next_dispatch(LedgerEntry(req.request_id, tokens, 0, deflect=False, at=time.monotonic()))
+            pno = pw.next_dispatch(LedgerEntry(req.request_id, work, 0, deflect=False, at=time.monotonic()))
             dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
@@ -534,6 +560,7 @@ class Router:
             return
         if g.reason == "drained":  # the drain is over and it is leaving: a departure, not a loss
             self.table.remove(w.worker_id)
+            self.prefix.forget(w.worker_id)
             metrics.observe_departed(w.role)
             log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
             self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed", at=time.time()))
@@ -625,6 +652,9 @@ class Router:
             return
         if not self._assigned(w, req, f):
             return
+        if f.code == REJECTED_REASON and req.decision is not None and req.decision.route == "deflect":
+            self._deflect_rejected(req, f)
+            return
         log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
                     retryable=f.retryable)
         if f.retryable:
@@ -633,6 +663,24 @@ class Router:
             self._fail(req, f.reason, code="invalid_request")
         else:
             self._fail(req, f"worker {f.worker_id}: {f.reason}", code="worker_error")
+
+    def _deflect_rejected(self, req: Request, f: m.RequestFailed) -> None:
+        """The decode worker's admission said no (another router's deflections, or decodes that
+        landed since its heartbeat, left no room): another decode worker's deflection or the
+        disaggregated path, same attempt."""
+        req.rejected_by.add(f.worker_id)
+        self.counts["deflect_rejected"] += 1
+        metrics.observe_deflect_rejected()
+        log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)
+        self._release(req)
+        try:
+            self._dispatch(req, rejected=True)
+        except NoKvRoom:
+            req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
+            self.kv_waiting.appendleft(req)
+            self.counts["kv_waited"] += 1
+        except NoWorkers as e:
+            migrate.park(self, req, str(e))
 
     def _kv_consumed(self, req: Request) -> None:
         """A handed-off request's first token: the decode side has the KV (or gave up on it), so a
@@ -674,6 +722,8 @@ class Router:
             metrics.observe_bad_frame("heartbeats")
             log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
             return
+        if entry is not None:
+            self.prefix.on_heartbeat(hb)
         if entry is None:
             # unknown worker or old incarnation: the router restarted, or declared it dead
             w = self.table.workers.get(hb.worker_id)
@@ -706,6 +756,7 @@ class Router:
                 continue
             for w in self.table.expired(self.liveness_s):
                 self.table.remove(w.worker_id)
+                self.prefix.forget(w.worker_id)
                 if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
                     metrics.observe_departed(w.role)
                     log.info("worker_departed", worker=w.worker_id, role=w.role,
@@ -725,6 +776,7 @@ class Router:
 
     def _worker_gone(self, w: WorkerEntry, why: str) -> None:
         metrics.observe_worker_lost(w.role)
+        self.prefix.forget(w.worker_id)
         self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
         self._requeue_held(w, why)
 
@@ -769,6 +821,7 @@ class Router:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "router": self.incarnation,
             "in_flight": len(self.requests),
             "kv_waiting": len(self.kv_waiting),
             "counts": dict(self.counts),
@@ -776,4 +829,5 @@ class Router:
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
             "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
                                       "holding": len(w.holding)} for w in self.table.workers.values()},
+            "prefix": self.prefix.stats(),
         }

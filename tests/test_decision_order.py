@@ -1,6 +1,6 @@
 """Kairos's decode path searches workers in increasing lower bound and stops early (branch and
 bound); the result must equal searching every worker in id order, as the rule is written. Also:
-the handoff it picks in the same loop is `least_loaded_decode`'s, and `alone` is the step_time sum."""
+the handoff of a disaggregated decision is `least_loaded_decode`'s, and `alone` is the step_time sum."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_bound_order_search_equals_the_id_order_search(seed: int) -> None:
         ref = id_order_best(Kairos(cfg, default_model=model), req, view, now, limit)
         if ref is None:
             assert d.route == "disagg"
-            if cfg.predictor == "replay":  # the handoff, found in the same loop
+            if cfg.predictor == "replay":  # the handoff
                 assert d.decode_worker == least_loaded_decode(view, req).worker_id
         else:
             deflected += 1

@@ -21,6 +21,7 @@ from common import messages as m
 from common.config import RouterConfig
 from common.errors import RequestError
 from common.tokenizer import Tokenizer
+from services.router.openai_structured import structured, template_tools
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 4       # vLLM: at most 4 stop strings
@@ -104,7 +105,7 @@ class ChatBody(_Body, kw_only=True, forbid_unknown_fields=True):
     top_logprobs: int | None = 0
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = "none"
+    tool_choice: Any = None  # vLLM: "auto" when tools are given, else "none"
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
@@ -122,15 +123,13 @@ class ChatBody(_Body, kw_only=True, forbid_unknown_fields=True):
 
 _BEAM = "beam search is not implemented (it needs every beam on one engine; Kairos splits prefill and decode)"
 _NO_TOK = "the engines run without a tokenizer (the router detokenizes), which this needs"
-_TOOLS = "tool calling is not implemented: Kairos has no tool-call parser; leave tools out"
+_TOOLS = "tool calls are not parsed: Kairos has no tool-call parser"
 REFUSED: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": "it applies to beam search only, which is not implemented",
     "watermarking": "watermarking is not implemented",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; use logprobs/top_logprobs",
     "bad_words": _NO_TOK + "; use logit_bias with negative values",
-    "response_format": "structured outputs are not implemented: " + _NO_TOK + " (only {\"type\": \"text\"})",
-    "structured_outputs": "structured outputs are not implemented: " + _NO_TOK,
     "priority": "request priorities are not implemented: the routing policy orders the work",
     "session_id": "sessions are not implemented",
     "routed_experts_prompt_start": "routed-expert reporting is not implemented",
@@ -147,9 +146,7 @@ REFUSED: dict[str, str] = {
     "spaces_between_special_tokens": "only the default (true) is supported",
     "suffix": "suffixes are not supported (vLLM refuses them too)",
     "prompt_embeds": "prompt embeddings are not supported",
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS + " (only \"none\")",
-    "parallel_tool_calls": _TOOLS,
+    "parallel_tool_calls": _TOOLS + " (only the default, true)",
     "reasoning_effort": "reasoning controls are not implemented (no reasoning parser)",
     "include_reasoning": "reasoning controls are not implemented (no reasoning parser)",
     "documents": "documents in the chat template are not supported",
@@ -160,9 +157,9 @@ REFUSED: dict[str, str] = {
 }
 # defaults besides the declared ones that mean "off" (vLLM treats them alike)
 _OFF: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tool_choice": ("none", None), "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None,),
     "length_penalty": (1.0,), "watermarking": (False,), "return_token_offsets": (None,),
-    "return_mm_kwargs": (False,), "tools": ([],),
+    "return_mm_kwargs": (False,),
 }
 
 
@@ -309,9 +306,11 @@ def chat_prompt(body: ChatBody, tok: Tokenizer) -> tuple[list[int], str, str]:
     if body.continue_final_message and body.add_generation_prompt:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false",
                            param="continue_final_message")
+    tools = template_tools(body)
+    kwargs = body.chat_template_kwargs if tools is None else {**(body.chat_template_kwargs or {}), "tools": tools}
     try:
         text = tok.render_chat(flat, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
+                               continue_final_message=body.continue_final_message, kwargs=kwargs)
     except Exception as e:  # a template error is the request's fault (its messages or kwargs)
         raise RequestError(f"the chat template could not render these messages: {e}", param="messages") from e
     echo = ""
@@ -440,7 +439,8 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
         stop_token_ids=tuple(body.stop_token_ids or ()), top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens, logit_bias=bias,
-        allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps)
+        allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps,
+        structured=structured(body))
     if n > 1 and base.temperature < 1e-5:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     samplings = [base if body.seed is None else msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]

@@ -100,6 +100,48 @@ SHAPES: list[tuple[str, str, dict[str, Any]]] = [
         **GREEDY, "messages": MSGS, "max_tokens": 6, "stream": True, "logprobs": True, "top_logprobs": 1,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
 ]
+# structured outputs: the grammar constrains the tiny model's garbage, so equal output is a real check
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+JSON_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}}
+JSON_OBJECT = {"response_format": {"type": "json_object"}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+SHAPES += [
+    ("json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, **JSON_SCHEMA}),
+    ("stream_json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, "stream": True,
+                                           **JSON_SCHEMA}),
+    ("json_object", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 12, **JSON_OBJECT}),
+    ("so_regex", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 12,
+                                 "structured_outputs": {"regex": "(fox|dog) [0-9]{2,4}"}}),
+    ("so_choice_seeded", "completions", {"prompt": TEXT, "max_tokens": 8, **SEEDED,
+                                         "structured_outputs": {"choice": ["alpha", "beta", "gamma"]}}),
+    ("so_grammar", "completions", {**GREEDY, "prompt": TOKENS, "max_tokens": 10,
+                                   "structured_outputs": {"grammar": 'root ::= ("ab" | "cd")+ "."'}}),
+    ("so_json_no_whitespace", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 30, "structured_outputs": {
+        "json": SCHEMA, "disable_any_whitespace": True}}),
+    ("chat_json_schema", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 40, **JSON_SCHEMA}),
+    ("chat_json_schema_logprobs", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 20, "logprobs": True,
+                                                       "top_logprobs": 2, **JSON_SCHEMA}),
+    ("chat_stream_json_schema", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 40, "stream": True,
+                                                     **JSON_SCHEMA}),
+    ("chat_json_object", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 12, **JSON_OBJECT}),
+    ("chat_stream_choice", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True,
+                                                "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    ("chat_n2_json_schema_seeded", "chat/completions", {"messages": MSGS, "max_tokens": 30, "n": 2, **SEEDED,
+                                                        **JSON_SCHEMA}),
+    ("chat_tools_none", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "tools": TOOLS,
+                                             "tool_choice": "none"}),
+    ("chat_stream_tools_none", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True,
+                                                    "tools": TOOLS, "tool_choice": "none"}),
+    ("two_constraints_refused", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, **JSON_OBJECT,
+                                                "structured_outputs": {"regex": "a+"}}),
+    ("json_schema_without_schema_refused", "chat/completions", {
+        **GREEDY, "messages": MSGS, "max_tokens": 4, "response_format": {"type": "json_schema"}}),
+    ("tools_empty_refused", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 4, "tools": []}),
+]
 IGNORED = {"id", "created", "system_fingerprint", "kairos"}
 
 

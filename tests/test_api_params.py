@@ -120,7 +120,7 @@ CHAT: dict[str, tuple[Any, Any]] = {
     "tool_choice": ("none", ("tok", "kwargs", {"tools": TOOLS_RENDERED})),
     "reasoning_effort": ("low", REFUSE),
     "include_reasoning": (False, REFUSE),
-    "parallel_tool_calls": (False, REFUSE),
+    "parallel_tool_calls": (False, lambda r: "tool_calls" not in _choice(r)["message"]),
     "echo": (True, lambda r: _choice(r)["message"]["content"].startswith("I say")),
     "add_generation_prompt": (False, ("tok", "add_generation_prompt")),
     "continue_final_message": (True, ("tok", "continue_final_message")),

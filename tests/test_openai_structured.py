@@ -115,5 +115,3 @@ def test_tool_choice_needing_a_parser_is_refused_by_name(extra: dict[str, Any]) 
 def test_bad_tools_are_refused() -> None:
     assert _refused({"tools": [], "tool_choice": "none"}).param == "tools"
     assert _refused({"tools": [{"type": "function"}], "tool_choice": "none"}).param == "tools"
-    assert _refused({"tools": [TOOL], "tool_choice": "none", "parallel_tool_calls": False}).param == \
-        "parallel_tool_calls"

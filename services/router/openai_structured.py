@@ -132,8 +132,15 @@ _TOOL_PARSER = ("Kairos has no tool-call parser (as vLLM's server without --tool
                 "send tool_choice \"none\" to render the tools and get plain content")
 
 
-def template_tools(body: ChatBody) -> list[dict[str, Any]] | None:
-    """The tools for the chat template (vLLM's shapes), after vLLM's checks of tools/tool_choice."""
+def calls_tools(body: ChatBody) -> bool:
+    """Whether the request lets the model call its tools (tool_choice auto, required or named)."""
+    choice = body.tool_choice if body.tool_choice is not None or not body.tools else "auto"
+    return choice is not None and choice != "none"
+
+
+def template_tools(body: ChatBody, parser: bool = False) -> list[dict[str, Any]] | None:
+    """The tools for the chat template (vLLM's shapes), after vLLM's checks of tools/tool_choice.
+    `parser`: the router has a tool-call parser (else tool_choice must be "none")."""
     tools, choice = body.tools, body.tool_choice
     if tools is not None and not tools:
         raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit the field "
@@ -148,8 +155,14 @@ def template_tools(body: ChatBody) -> list[dict[str, Any]] | None:
                        "\"required\" are supported.", "tool_choice")
         what = f'function "{(choice.get("function") or {}).get("name")}"' if isinstance(choice, dict) \
             else f'"{choice}"'
-        raise RequestError(f"tool_choice={what} is not supported: {_TOOL_PARSER}", param="tool_choice",
-                           code="unsupported_parameter")
+        if isinstance(choice, dict) and not any(isinstance(t, dict) and isinstance(t.get("function"), dict) and
+                                                t["function"].get("name") == (choice.get("function") or {}).get("name")
+                                                for t in tools):
+            raise _bad("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                       "tool_choice")
+        if not parser:
+            raise RequestError(f"tool_choice={what} is not supported: {_TOOL_PARSER}", param="tool_choice",
+                               code="unsupported_parameter")
     if tools is None:
         return None
     out = []

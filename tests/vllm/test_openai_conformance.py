@@ -11,7 +11,9 @@ and chunk the same prompt differently (Kairos runs its chunk schedule), which mo
 sums in the last digits. Sampled shapes (temperature > 0) carry a seed: vLLM's per-request
 generator makes them reproducible across servers.
 
-Skipped shapes, and why: none of the shapes below is skipped. Not compared at all: `/version`
+Skipped shapes, and why: none of the shapes below is skipped. Not compared: streamed tool calls
+(`stream` with tool_choice other than "none"), which Kairos refuses with a 400 naming `stream`
+(test_streamed_tool_calls_are_refused_by_name); vLLM streams tool-call deltas. Not compared at all: `/version`
 (each server reports its own version), and the fields Kairos refuses (tests/test_api_params.py
 checks each refusal names its field).
 """
@@ -109,6 +111,7 @@ JSON_OBJECT = {"response_format": {"type": "json_object"}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 SHAPES += [
     ("json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, **JSON_SCHEMA}),
     ("stream_json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, "stream": True,
@@ -128,7 +131,7 @@ SHAPES += [
     ("chat_stream_json_schema", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 40, "stream": True,
                                                      **JSON_SCHEMA}),
     ("chat_json_object", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 12, **JSON_OBJECT}),
-    ("chat_stream_choice", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True,
+    ("chat_stream_so_choice", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True,
                                                 "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
     ("chat_n2_json_schema_seeded", "chat/completions", {"messages": MSGS, "max_tokens": 30, "n": 2, **SEEDED,
                                                         **JSON_SCHEMA}),
@@ -136,6 +139,19 @@ SHAPES += [
                                              "tool_choice": "none"}),
     ("chat_stream_tools_none", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 8, "stream": True,
                                                     "tools": TOOLS, "tool_choice": "none"}),
+    # tool calling with vLLM's hermes parser on both servers (vLLM: --enable-auto-tool-choice
+    # --tool-call-parser hermes; Kairos: the router's tool_call_parser / enable_auto_tool_choice)
+    ("chat_tools_required", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 60, "tools": TOOLS,
+                                                 "tool_choice": "required"}),
+    ("chat_tools_named", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 40, "tools": TOOLS,
+                                              "tool_choice": NAMED}),
+    ("chat_tools_required_single_call", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 60,
+                                                             "tools": TOOLS, "tool_choice": "required",
+                                                             "parallel_tool_calls": False}),
+    ("chat_tools_auto", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 12, "tools": TOOLS}),
+    ("chat_tools_named_unknown_refused", "chat/completions", {
+        **GREEDY, "messages": MSGS, "max_tokens": 4, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
     ("two_constraints_refused", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 4, **JSON_OBJECT,
                                                 "structured_outputs": {"regex": "a+"}}),
     ("json_schema_without_schema_refused", "chat/completions", {
@@ -168,6 +184,8 @@ def kairos(request: pytest.FixtureRequest, tiny_model: Path,
                                  profile="cpu-tiny-llama", policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("conformance")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
+                                             "KAIROS_TOOL_CALL_PARSER": "hermes",
+                                             "KAIROS_ENABLE_AUTO_TOOL_CHOICE": "true",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
@@ -264,6 +282,15 @@ def test_same_response(name: str, endpoint: str, body: dict[str, Any], kairos: t
     assert headers.get("x-kairos-route") == route
     diffs = _diff(want, got)
     assert not diffs, f"{name} on the {route} route:\n" + "\n".join(diffs[:20])
+
+
+def test_streamed_tool_calls_are_refused_by_name(kairos: tuple[str, str], tiny_model: Path) -> None:
+    """Kairos does not stream tool-call deltas (vLLM does): refused with a 400 naming `stream`."""
+    url, _ = kairos
+    r = httpx.post(url + "/chat/completions", json={"model": tiny_model.name, "messages": MSGS, "max_tokens": 4,
+                                                    "tools": TOOLS, "tool_choice": "required", "stream": True},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
 
 
 def test_tokenize_and_detokenize(kairos: tuple[str, str], vllm_server: str, tiny_model: Path) -> None:

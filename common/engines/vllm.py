@@ -10,6 +10,10 @@ Roles and the KV protocol (docs/reference/vllm.md sections 1-2):
   generates every output token (the first included). mode="deflect" submits it without KV
   params and with the router's chunk schedule in `extra_args["kairos_chunks"]`; the
   `KairosScheduler` (common/engines/vllm_scheduler.py) runs exactly those chunks, decodes first.
+- Tokenizers: the prefill engine runs without one (`skip_tokenizer_init`); the decode engine loads
+  the model's, which vLLM's structured outputs need to build a request's grammar
+  (`Sampling.structured`: response_format, structured_outputs, tool_choice). Output text is still
+  detokenized by the router (`detokenize=False`).
 
 Pull, not push (`NixlConnector`, not `NixlPushConnector`). The router picks the decode worker
 before prefill starts, but the prefill worker learns it only through the router, and in vLLM

@@ -367,7 +367,7 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
     if isinstance(body, ChatBody):
         ids, text, echo_text = chat_prompt(body, tok, tools is not None)
         if tools is not None and calls_tools(body):  # vLLM's parser sets the grammar (it keeps response_format's)
-            tool_plan, grammar, skip_special = tools.plan(msgspec.to_builtins(body), bool(body.stream))
+            tool_plan, grammar, skip_special = tools.plan(msgspec.to_builtins(body))
         prompts, texts = [ids], [text]
         if body.top_logprobs and not body.logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")

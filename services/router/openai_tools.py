@@ -9,10 +9,8 @@ structural tag that forces "required"/named calls, `skip_special_tokens`), and s
 resulting grammar to the engine that samples (the decode worker on both routes). The output text
 is parsed back into `tool_calls` by the same parser (`parse`), and the choice is rendered as vLLM's
 server renders it (finish_reason "tool_calls" for auto calls and for "required", `parallel_tool_calls:
-false` keeps the first call).
-
-Not done: streamed tool-call deltas. `stream: true` with tool_choice other than "none" is refused
-with a 400 naming `stream`.
+false` keeps the first call). Streams go through the parser's `parse_delta` chunk by chunk, as in
+vLLM's server, so the tool-call deltas are vLLM's (`ToolStream`).
 
 This module imports vLLM (the router then needs it installed, as the vLLM engine's hosts have it);
 without the options it is never imported.
@@ -68,6 +66,36 @@ class ToolPlan:
         return content, out, finish, named or required or auto_called
 
 
+class ToolStream:
+    """One streamed choice's tool-call parsing: vLLM's `parse_delta`, chunk by chunk, as its server."""
+
+    def __init__(self, plan: ToolPlan, prompt_ids: list[int]) -> None:
+        self.plan = plan
+        self.prompt_ids: list[int] | None = prompt_ids
+        self.parser = plan.parser_cls(plan.tokenizer, plan.request.tools,
+                                      chat_template_kwargs=plan.request.chat_template_kwargs or {}, model_config=None)
+        self.tools_streamed = False
+
+    def delta(self, text: str, ids: list[int], finished: bool) -> dict[str, Any] | None:
+        """The chunk's delta (vLLM's DeltaMessage as its server serialises it), or None: nothing to send."""
+        dm = self.parser.parse_delta(delta_text=text, delta_token_ids=ids, request=self.plan.request,
+                                     prompt_token_ids=self.prompt_ids, finished=finished)
+        self.prompt_ids = None  # vLLM passes them with every output, but only the first call reads them
+        if dm is None:
+            return None
+        if dm.tool_calls:
+            self.tools_streamed = True
+            if self.plan.request.parallel_tool_calls is False:
+                dm.tool_calls = [tc for tc in dm.tool_calls if tc.index == 0]
+        out: dict[str, Any] = dm.model_dump(exclude_unset=True)
+        return out
+
+    def finish(self, finish: str | None) -> str | None:
+        choice = self.plan.request.tool_choice
+        named = choice is not None and not isinstance(choice, str)
+        return "tool_calls" if self.tools_streamed and not named and finish == "stop" else finish
+
+
 class ToolCalling:
     """The parser class for the served model, from the router's options (vLLM must be installed)."""
 
@@ -88,14 +116,11 @@ class ToolCalling:
         except (TypeError, KeyError, ValueError) as e:
             raise ConfigError(f"tool_call_parser={parser_name!r}: {e}") from e
 
-    def plan(self, body: dict[str, Any], stream: bool) -> tuple[ToolPlan, m.StructuredOutputs | None, bool]:
+    def plan(self, body: dict[str, Any]) -> tuple[ToolPlan, m.StructuredOutputs | None, bool]:
         """vLLM's request for this body, adjusted by the parser: (plan, grammar, skip_special_tokens)."""
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        if stream:
-            raise RequestError("streaming tool calls are not implemented: send 'stream': false with tools, or "
-                               "tool_choice \"none\"", param="stream", code="unsupported_parameter")
         try:
             req = ChatCompletionRequest.model_validate({k: body[k] for k in _FIELDS if body.get(k) is not None})
         except ValidationError as e:

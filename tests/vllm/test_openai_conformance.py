@@ -14,10 +14,10 @@ generator makes them reproducible across servers.
 Skipped shapes, and why: none of the shapes below is skipped. Streamed tool calls are compared as
 a client assembles them too: per tool-call index, the type, the name and the concatenated
 arguments (tool-call ids are random on both servers); vLLM's streaming tool parser depends on how
-tokens are grouped into chunks, which differs between the servers, so a streamed call may instead
-equal vLLM's non-streamed parse of the same output (see test_same_response). Not compared at all: `/version`
-(each server reports its own version), and the fields Kairos refuses (tests/test_api_params.py
-checks each refusal names its field).
+tokens are grouped into chunks, which differs between the servers: an empty arguments object may
+stream as "" from one and "{}" from the other, the one difference allowed (see test_same_response).
+Not compared at all: `/version` (each server reports its own version), and the fields Kairos
+refuses (tests/test_api_params.py checks each refusal names its field).
 """
 
 from __future__ import annotations
@@ -296,16 +296,15 @@ def test_same_response(name: str, endpoint: str, body: dict[str, Any], kairos: t
     assert headers.get("x-kairos-route") == route
     diffs = _diff(want, got)
     if diffs and body.get("stream") and body.get("tools"):
-        # vLLM's streaming tool parser depends on how tokens are grouped into chunks (hermes streams an
-        # empty arguments object as "" when its closing tokens arrive in one chunk), and Kairos groups
-        # them differently (the router may send two engine steps at once): a streamed call may equal
-        # vLLM's non-streamed parse of the same output instead
-        s3, unary, _ = _post(f"{vllm_server}/{endpoint}", {**req, "stream": False})
-        assert s3 == 200, unary
-        calls = unary["choices"][0]["message"].get("tool_calls") or []
-        want["choices"][0]["tool_calls"] = {i: {"type": tc["type"], "name": tc["function"]["name"],
-                                                "arguments": tc["function"]["arguments"]}
-                                            for i, tc in enumerate(calls)}
+        # vLLM's hermes streaming parser depends on how tokens are grouped into chunks, and Kairos
+        # groups them differently (the router may send two engine steps at once): seen on the
+        # deflected route, the same named call (its non-streamed output equal on both servers)
+        # streamed an empty arguments object as "" from vLLM and "{}" from Kairos; that one
+        # difference is allowed
+        got_calls = got["choices"][0].get("tool_calls") or {}
+        for i, t in (want["choices"][0].get("tool_calls") or {}).items():
+            if t["arguments"] == "" and got_calls.get(i, {}).get("arguments") == "{}":
+                t["arguments"] = "{}"
         diffs = _diff(want, got)
     assert not diffs, f"{name} on the {route} route:\n" + "\n".join(diffs[:20])
 

@@ -215,7 +215,6 @@ def unary_choice(c: Choice) -> dict[str, Any]:
     strs = c.out_strs(0, lps) if p.logprobs is not None else []
     if p.chat:
         text = p.echo_text + text if p.echo else text
-        content: str | None = text
         finish = c.finish
         message: dict[str, Any] = {"role": p.role, "content": text, "refusal": None, "annotations": None,
                                    "audio": None, "function_call": None, "reasoning": None}

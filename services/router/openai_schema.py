@@ -125,13 +125,13 @@ class ChatBody(_Body, kw_only=True, forbid_unknown_fields=True):
 
 
 _BEAM = "beam search is not implemented (it needs every beam on one engine; Kairos splits prefill and decode)"
-_NO_TOK = "the engines run without a tokenizer (the router detokenizes), which this needs"
 REFUSED: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": "it applies to beam search only, which is not implemented",
     "watermarking": "watermarking is not implemented",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; use logprobs/top_logprobs",
-    "bad_words": _NO_TOK + "; use logit_bias with negative values",
+    "bad_words": "bad words are not implemented (the prefill engines run without a tokenizer); use logit_bias "
+                 "with negative values",
     "priority": "request priorities are not implemented: the routing policy orders the work",
     "session_id": "sessions are not implemented",
     "routed_experts_prompt_start": "routed-expert reporting is not implemented",

@@ -60,6 +60,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
+    tool_call_parser: Annotated[str, doc("vLLM's tool-call parser for the model (vLLM's --tool-call-parser, e.g. "
+                                         "hermes; needs vLLM on the router host and --tokenizer)")] = ""
+    enable_auto_tool_choice: Annotated[bool, doc("let the model call tools on its own (vLLM's "
+                                                 "--enable-auto-tool-choice; with tool_call_parser)")] = False
     max_prompt_tokens: Annotated[int, doc("longest prompt accepted (HTTP 400 above)")] = 32768
     max_output_tokens: Annotated[int, doc("largest max_tokens accepted")] = 8192
     default_max_tokens: Annotated[int, doc("max_tokens when the client gives none")] = 256

@@ -228,6 +228,23 @@ class DecodeHeartbeat(Msg, frozen=True):
 # ---------------------------------------------------------------- work
 
 
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A grammar the sampling engine constrains the output with (vLLM's StructuredOutputsParams).
+
+    Exactly one constraint is set; `json` is the JSON schema as JSON text. Only the engine that
+    samples every output token uses it: the decode worker, on both routes."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     temperature: float = 0.0
@@ -246,6 +263,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None         # top logprobs per output token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for every prompt token (reported by whoever prefills)
+    structured: StructuredOutputs | None = None  # response_format / structured_outputs / tool_choice
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -176,7 +176,7 @@ class App:
         router = self.router
         decoded = schema.decode(raw, chat=chat)
         self._check_model(decoded.model)
-        p = schema.plan(decoded, router.cfg, router.tokenizer)
+        p = schema.plan(decoded, router.cfg, router.tokenizer, router.tool_calling)
         rid = p.request_id
         for k, v in scope["headers"]:
             if k == b"x-request-id":

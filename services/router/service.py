@@ -40,6 +40,7 @@ from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, migrate
+from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
@@ -69,6 +70,10 @@ class Router:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
+        self.tool_calling: ToolCalling | None = None
+        if cfg.tool_call_parser:
+            self.tool_calling = ToolCalling(cfg.tool_call_parser, cfg.enable_auto_tool_choice, cfg.tokenizer,
+                                            cfg.served_model_name)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}

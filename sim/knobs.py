@@ -140,6 +140,14 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="chunk schedules ignore the decode token budget taken by deflections in flight")
     k.add_argument("--share-expect", action="store_true", default=None,
                    help="replay predictor: count the tokens later requests add to a prompt's last prefill step")
+    k.add_argument("--late-binding", choices=("on", "off"), default=None,
+                   help="hold a request at the router while the prefill queues are deep and no decode worker can "
+                        "take it, and dispatch it when one frees room (default off)")
+    k.add_argument("--late-depth", type=float, default=None, metavar="N",
+                   help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
+    k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
+                   help="late binding: decide waiting requests again first those that can still meet the TTFT SLO "
+                        "(slack), or by arrival (fifo) (default slack)")
     c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
     c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
                    help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
@@ -162,7 +170,9 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "transfer_term": None if args.no_transfer_term is None else not args.no_transfer_term,
                    "predictor": args.predictor,
                    "budget_fit": None if args.no_budget_fit is None else not args.no_budget_fit,
-                   "share_expect": args.share_expect},
+                   "share_expect": args.share_expect,
+                   "late_binding": None if args.late_binding is None else args.late_binding == "on",
+                   "late_depth": args.late_depth, "late_order": args.late_order},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
                                "eff_isl_ratio_threshold": args.isl_ratio_threshold,
                                "prefill_busy_threshold": args.prefill_busy_threshold,

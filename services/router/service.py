@@ -47,7 +47,8 @@ class Router:
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
                                 per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
                                 predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
-                                share_expect=cfg.share_expect)
+                                share_expect=cfg.share_expect, late_binding=cfg.late_binding,
+                                late_depth=cfg.late_depth, late_order=cfg.late_order)  # type: ignore[arg-type]
             ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                      eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,

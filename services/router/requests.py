@@ -87,6 +87,8 @@ class Request:
     exclude: set[str] = field(default_factory=set)
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
+    held: bool = False          # ... because the policy held it (late binding), not for KV room
+    wait_reason: str = ""       # why it waits, the policy's words
 
     @property
     def streamed(self) -> bool:

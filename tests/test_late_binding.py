@@ -156,3 +156,14 @@ def test_the_switch_reaches_the_simulator_through_the_knobs() -> None:
     assert sim._late is policy.cfg
     off, _ = build("kairos", Setup(), PROF)
     assert isinstance(off, Kairos) and not off.cfg.late_binding
+
+
+def test_the_switch_reaches_kairos_up_and_the_router_config() -> None:
+    from common.config import RouterConfig
+    from kairos.up import knob_env, parser
+
+    router_env, _ = knob_env(parser().parse_args(["--late-binding", "on", "--late-depth", "2", "--late-order",
+                                                  "fifo"]))
+    assert router_env == {"KAIROS_LATE_BINDING": "true", "KAIROS_LATE_DEPTH": "2.0", "KAIROS_LATE_ORDER": "fifo"}
+    assert knob_env(parser().parse_args(["--late-binding", "off"]))[0] == {"KAIROS_LATE_BINDING": "false"}
+    assert RouterConfig().late_binding is False  # off by default

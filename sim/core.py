@@ -56,7 +56,7 @@ from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.policy import ClusterView, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
-from common.policy.kairos import Kairos, reserved_step_cost, retry_order
+from common.policy.kairos import Kairos, latest_start, reserved_step_cost, retry_order
 from common.traces import TraceRequest
 from sim.stats import RequestTiming, summarize
 
@@ -95,6 +95,7 @@ class _Req:
     waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
     held: bool = False            # waits because the policy held it (late binding), not for KV room
     was_held: bool = False
+    latest: float = math.nan      # latest start to meet the TTFT SLO (late binding's retry order)
     rejected: bool = False
     prefill_started: float = -1.0
     prefilled: float = -1.0
@@ -465,7 +466,11 @@ class Simulation:
         q = self._waiting
         head = list(itertools.islice(q, LATE_SCAN))
         slo = self.cfg.ttft_slo
-        for i in retry_order(self._late, [r.arrival + slo for r in head], now):
+        pm, pb = self.model, self.profile.prefill_token_budget
+        for r in head:
+            if self._late is not None and math.isnan(r.latest):
+                r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
+        for i in retry_order(self._late, [r.latest for r in head], now):
             r = head[i]
             self._count_wait(r, -1)
             if self._dispatch(r, now):
@@ -517,7 +522,7 @@ class Simulation:
         self._touch(dw, now)
         need = r.prompt + r.output
         if d.route == "deflect":
-            r.ttft_pred = d.ttft_decode_pred
+            r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r)
@@ -530,7 +535,7 @@ class Simulation:
             self._admit(dw, seq, now)
             return True
         assert d.prefill_worker is not None
-        r.ttft_pred = d.ttft_prefill_pred
+        r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
         pw = self._p_by_id[d.prefill_worker]
         self._touch(pw, now)
         pw.batcher.add(Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
@@ -619,6 +624,11 @@ class Simulation:
             prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
             xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred,
             wait_s=r.waited if r.waited >= 0 else None)
+
+
+def _from_arrival(pred: float | None, r: _Req, now: float) -> float | None:
+    """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
+    return None if pred is None else pred + (now - r.arrival)
 
 
 def _util(busy: list[float], span: float) -> float | None:

@@ -29,9 +29,10 @@ is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`)
   frees first: a prefill queue that dropped below the depth, or a decode worker whose TBT slack
   now admits a chunk schedule. The rule is `holds` (one implementation, for router and simulator).
   `late_order` is the order the waiting requests are decided again in (`retry_order`): "fifo"
-  by arrival, or "slack" (default): first those that can still meet their TTFT SLO, by arrival,
-  then the others. FIFO spreads a burst's wait over every request, so more of them miss the SLO
-  each by a little; "slack" keeps the ones that can still make it on time.
+  by arrival, or "slack" (default): first those that can still meet their TTFT SLO (arrival +
+  SLO, less their own prefill time on an idle worker, is still ahead), by arrival, then the
+  others. FIFO spreads a burst's wait over every request, so more of them miss the SLO each by a
+  little; "slack" keeps the ones that can still make it on time.
 """
 
 from __future__ import annotations
@@ -239,12 +240,18 @@ def holds(cfg: KairosConfig, p: PrefillView) -> bool:
     return cfg.late_binding and p.queued_tokens >= cfg.late_depth * p.token_budget
 
 
-def retry_order(cfg: KairosConfig | None, deadlines: Sequence[float], now: float) -> list[int]:
-    """The order to decide waiting requests again in, as indices into `deadlines` (each one's
-    arrival + TTFT SLO, in arrival order): see `late_order` (FIFO without a Kairos config)."""
+def latest_start(arrival: float, ttft_slo: float, alone_s: float) -> float:
+    """The latest time a request can still start and meet its TTFT SLO: arrival + SLO less its
+    own prefill on an idle worker (`alone_s`, e.g. `PerfModel.prefill_exec` at the token budget)."""
+    return arrival + ttft_slo - alone_s
+
+
+def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -> list[int]:
+    """The order to decide waiting requests again in, as indices into `latest` (each one's
+    `latest_start`, the requests in arrival order): see `late_order` (FIFO without a Kairos config)."""
     if cfg is None or cfg.late_order == "fifo":
-        return list(range(len(deadlines)))
-    return [i for i, t in enumerate(deadlines) if t > now] + [i for i, t in enumerate(deadlines) if t <= now]
+        return list(range(len(latest)))
+    return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
 def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0) -> float:

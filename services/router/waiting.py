@@ -6,7 +6,7 @@ A request waiting for KV room blocks the queue (FIFO: nobody overtakes it). Held
 not: a new arrival is still decided at once. The queue is decided again when room may have
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests, in the policy's `retry_order` (Kairos late binding: first those that can
-still meet their TTFT SLO, by arrival), past the held ones, up to the first that still waits for
+still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
 KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the reason in
 the message). The simulator (sim/core.py) runs the same rules.
 """
@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from common.policy import Hold, Kairos, KairosConfig, NoKvRoom, NoWorkers
-from common.policy.kairos import retry_order
+from common.policy.kairos import latest_start, retry_order
 
 if TYPE_CHECKING:
     from services.router.requests import Request
@@ -30,6 +30,13 @@ SCAN = 64  # waiting requests one retry decides again at most (as sim.core.LATE_
 def late_config(router: Router) -> KairosConfig | None:
     p = router.policy
     return p.cfg if isinstance(p, Kairos) and p.cfg.late_binding else None
+
+
+def alone_s(router: Router, tokens: int) -> float:
+    """The prompt's prefill time on the fastest idle prefill worker (0 when none is live)."""
+    times = [w.model.prefill_exec(tokens, w.hello.token_budget) for w in router.table.workers.values()
+             if w.role == "prefill"]
+    return min(times, default=0.0)
 
 
 def blocked(router: Router) -> bool:
@@ -54,7 +61,10 @@ def retry(router: Router) -> None:
         return
     head = list(itertools.islice(q, SCAN))
     now = time.monotonic()
-    for i in retry_order(late_config(router), [r.arrival + r.ttft_slo for r in head], now):
+    late = late_config(router)
+    latest = [latest_start(r.arrival, r.ttft_slo, alone_s(router, len(r.prompt_token_ids))) for r in head] \
+        if late is not None else [0.0] * len(head)
+    for i in retry_order(late, latest, now):
         req = head[i]
         if req.done:
             q.remove(req)

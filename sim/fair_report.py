@@ -63,8 +63,8 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
                    for p in w["probe"]])
     first: dict[str, Any] = next(iter(w["tuned"].values()), {})
     stress = first.get("tune_stress")
-    how = "" if not stress else (" the objective averaged over the slice at " + ", ".join(stress)
-                                 + " times that load (tune: both is that mean)")
+    how = "" if not stress else (", the objective averaged over the slice at " + " and ".join(stress)
+                                 + " that load (tune: both is that mean)")
     out += [f"Tuned at x{w['regime']:g} on the tune slice{how}:", ""]
     out += _table(["policy", "GPUs", "best setting (searched knobs)", "runs", "wall s", "tune: both", "report: both",
                    "defaults on tune: both"],

@@ -54,7 +54,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
-                               "(no prefill workers) or deflect-all")] = "kairos"
+                               "(no prefill workers), deflect-all or kv-aware")] = "kairos"
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
@@ -97,6 +97,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
+    overlap_weight: Annotated[float, doc("kv-aware: weight of a worker's uncached prompt tokens against its load")] \
+        = 1.0
+    prefix_cache: Annotated[bool, doc("keep a prefix index from the workers' cache reports and pass each worker's "
+                                      "cached prompt tokens to the policy (off: every prompt counts whole)")] = True
+    prefix_index_blocks: Annotated[int, doc("prefix index: most block hashes remembered (least recently seen "
+                                            "dropped first)")] = 1 << 20
     eff_isl_threshold: Annotated[int, doc("conditional-disagg: prefill locally a prompt of fewer uncached tokens (0: off)")] \
         = 2048
     eff_isl_ratio_threshold: Annotated[float, doc("conditional-disagg: ... only if uncached/prompt is below this "
@@ -132,6 +138,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                             "chunks; 0: the profile's (vllm: vllm_token_budget)")] = 0
     decode_chunk: Annotated[int, doc("decode role: largest in-place prefill chunk per request and step when the "
                                      "router sends no schedule (vLLM long_prefill_token_threshold); 0: the profile's")] = 0
+    prefix_cache: Annotated[bool, doc("sim engine: keep a prefix cache (finished requests' KV blocks stay until "
+                                      "room is needed) and report it to the router")] = True
+    prefix_block_tokens: Annotated[int, doc("sim engine: tokens per prefix-cache block")] = 16
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0

@@ -150,6 +150,21 @@ class QueueDrain(msgspec.Struct, frozen=True, array_like=True):
     end_s: float
 
 
+class PrefixSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker's prefix cache stored and evicted since its previous heartbeat, as block
+    hashes (common/prefix_hash.py) over blocks of `block_tokens` token ids. `cleared`: forget
+    everything reported before (the cache was reset, or the worker had more to report than a
+    heartbeat carries); the lists then say what came after. At most MAX_PREFIX_EVENTS entries."""
+
+    block_tokens: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+
+
+MAX_PREFIX_EVENTS = 8192  # block hashes per heartbeat (~150 KB); the rest waits for the next one
+
+
 class PrefillHeartbeat(Msg, frozen=True):
     """Prefill worker load: what Equation 1 needs (queued prompt tokens and the token budget),
     and what the replay predictor needs: each held request's (prompt tokens, tokens done) in
@@ -170,6 +185,7 @@ class PrefillHeartbeat(Msg, frozen=True):
     busy_s: float = 0.0
     max_batch: int = 0
     drain: QueueDrain | None = None
+    prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
 
 
 class DecodeHeartbeat(Msg, frozen=True):
@@ -195,6 +211,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     coeffs: Coeffs | None = None
     draining: bool = False
     busy_s: float = 0.0  # until the step in flight ends
+    prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
 
 
 # ---------------------------------------------------------------- work

@@ -35,9 +35,18 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, parent: int = ROOT
     """The prefix hash of each full block of `token_ids` (len(token_ids) // block_tokens of them)."""
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    n = len(token_ids) // block_tokens
+    if n == 0:
+        return []
+    # one conversion of the whole prompt, then slices of its bytes: the router hashes every prompt
+    raw = memoryview(array("q", token_ids[:n * block_tokens] if len(token_ids) != n * block_tokens
+                           else token_ids)).cast("B")
+    step = block_tokens * 8
     out: list[int] = []
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = _link(parent, array("q", token_ids[start:start + block_tokens]).tobytes())
+    for start in range(0, n * step, step):
+        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(raw[start:start + step])
+        parent = int.from_bytes(h.digest(), "little") & _MASK
         out.append(parent)
     return out
 

@@ -8,7 +8,10 @@ Formats read by `load_trace`:
                  `2023-11-16 18:17:03.9799600` (up to 7 fractional digits, some rows fewer),
                  or plain seconds. Times are re-based on the first row.
     JSON lines   one object per line with `timestamp` (milliseconds from start),
-                 `input_length` and `output_length`; other fields are ignored.
+                 `input_length` and `output_length`, and optionally `hash_ids`: one integer per
+                 block of the prompt (`--hash-block-tokens` tokens, 512 by default; the last may
+                 be partial), equal ids meaning equal content, as public production traces
+                 publish them (common/sessions.py writes such traces). Other fields are ignored.
 
 `synthetic` draws lognormal prompt and output lengths (clipped to [1, max]) and arrivals from
 a Gamma renewal process (DistServe's shape = 1/cv^2), a Poisson process, or the on/off MMPP
@@ -55,6 +58,7 @@ class TraceRequest(msgspec.Struct, frozen=True):
     t: float
     input_length: int
     output_length: int
+    hash_ids: tuple[int, ...] = ()  # per prompt block content ids (empty: no shared prefix known)
 
 
 # ------------------------------------------------------------------------------ locating
@@ -130,7 +134,10 @@ def _length(value: object, what: str) -> int:
     return n
 
 
-def _read_csv(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
+Row = tuple[float, int, int, tuple[int, ...]]
+
+
+def _read_csv(path: Path, lines: list[str]) -> list[Row]:
     header = [h.strip() for h in lines[0].split(",")]
     need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
     missing = [h for h in need if h not in header]
@@ -154,11 +161,17 @@ def _read_csv(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
     if not rows:
         return []
     w0, f0 = min((w, f) for w, f, _, _ in rows)
-    return [((w - w0) + (f - f0), i, o) for w, f, i, o in rows]
+    return [((w - w0) + (f - f0), i, o, ()) for w, f, i, o in rows]
 
 
-def _read_jsonl(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
-    rows: list[tuple[float, int, int]] = []
+def _hash_ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in value):
+        raise ValueError(f"hash_ids must be a list of integers, got {str(value)[:60]!r}")
+    return tuple(value)
+
+
+def _read_jsonl(path: Path, lines: list[str]) -> list[Row]:
+    rows: list[Row] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -176,7 +189,8 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
             if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
                 raise ValueError(f"timestamp must be a non-negative number of milliseconds, got {ts!r}")
             rows.append((ts / 1000.0, _length(obj["input_length"], "input_length"),
-                         _length(obj["output_length"], "output_length")))
+                         _length(obj["output_length"], "output_length"),
+                         _hash_ids(obj["hash_ids"]) if obj.get("hash_ids") is not None else ()))
         except ValueError as e:
             raise ConfigError(f"{path}:{n}: {e}") from None
     return rows
@@ -207,8 +221,8 @@ def load_trace(path: str | Path, *, start: float = 0.0, duration: float | None =
     rows = _read_jsonl(p, lines) if first.lstrip().startswith("{") else _read_csv(p, lines)
     rows.sort(key=lambda r: r[0])
     end = math.inf if duration is None else start + duration
-    return [TraceRequest(t=(t - start) / rate_scale, input_length=i, output_length=o)
-            for t, i, o in rows if start <= t < end]
+    return [TraceRequest(t=(t - start) / rate_scale, input_length=i, output_length=o, hash_ids=h)
+            for t, i, o, h in rows if start <= t < end]
 
 
 # ------------------------------------------------------------------------------ synthetic

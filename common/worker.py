@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 
@@ -33,6 +34,7 @@ from common import messages as m
 from common.config import WorkerConfig
 from common.engines.base import Engine, EngineRequest
 from common.errors import Overloaded
+from common.prefix_report import PrefixReporter
 from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
 
@@ -52,6 +54,7 @@ class WorkerService(abc.ABC):
         self.router_incarnation: str | None = None
         self.hb_interval = cfg.heartbeat_interval
         self.hb_seq = 0
+        self.prefix = PrefixReporter(engine)  # the prefix cache's changes, summarised in heartbeats
         self.last_dispatch = 0
         self.draining = False
         self.left = False
@@ -209,7 +212,11 @@ class WorkerService(abc.ABC):
             if self.left:
                 return
             self.hb_seq += 1
-            self.bus.beat(codec.encode(self.heartbeat()))
+            hb = self.heartbeat()
+            summary = self.prefix.summary()
+            if summary is not None:
+                hb = msgspec.structs.replace(hb, prefix=summary)
+            self.bus.beat(codec.encode(hb))
 
     def coeffs(self) -> m.Coeffs | None:
         """The step-time model the router should predict this worker with: the online refit when

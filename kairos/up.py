@@ -297,6 +297,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
     p.add_argument("--profile", default="a100-dsv2-lite", help="sim: performance profile (default a100-dsv2-lite)")
+    p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                   help="workers' prefix caches and the router's prefix index (default on; off: every prompt is "
+                        "prefilled whole)")
     p.add_argument("--kv-transport", default="nixl", choices=["nixl", "modeled"],
                    help="sim: how KV moves from prefill to decode workers: real bytes over NIXL (default), or "
                         "modeled (time only, no NIXL needed)")
@@ -373,6 +376,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         if a.kv_wait_timeout < 0:
             raise ConfigError("--kv-wait-timeout must be >= 0")
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
+    if a.prefix_cache == "off":
+        router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
     return ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,

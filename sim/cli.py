@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rejected (default 30; 0: reject at once)")
     c.add_argument("--kv-wait-max", type=int, default=1024,
                    help="requests waiting for KV room before new ones are rejected at once (default 1024)")
+    add_prefix_flags(c)
     add_engine_flags(p)
     s = p.add_argument_group("policies and SLOs")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default=None, metavar="DIR", help="write TTFT CDFs and attainment vs load here")
     o.add_argument("--quiet", action="store_true", help="no table on the terminal")
     return p
+
+
+def add_prefix_flags(c: argparse._ArgumentGroup) -> None:
+    c.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                   help="per-worker prefix caches and the router's prefix index, for traces with hash_ids "
+                        "(default on; off: every prompt is prefilled whole, as before prefix caching)")
+    c.add_argument("--hash-block-tokens", type=int, default=512, metavar="N",
+                   help="prompt tokens per hash_ids entry of the trace, the prefix cache's block size (default 512)")
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -141,14 +150,15 @@ TABLE_NOTE = ("TTFT percentiles count rejected requests as infinite; TBT SLO: ma
 
 def _table(point: dict[str, Any], title: str, clusters: dict[str, str]) -> Table:
     tab = Table(title=title, title_justify="left", caption=TABLE_NOTE, caption_justify="left")
-    for col in ("policy", "GPUs", "deflect", "TTFT p50 s", "p95 s", "p99 s", "TBT p99 ms", "TTFT SLO",
+    for col in ("policy", "GPUs", "deflect", "hits", "TTFT p50 s", "p95 s", "p99 s", "TBT p99 ms", "TTFT SLO",
                 "TBT max gap", "p99 gap", "both", "rejected", "pred err"):
         tab.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     lb = point["lower_bound"]
-    tab.add_row("[dim]lower bound[/]", "-", "-", fmt(lb["ttft_p50"]), fmt(lb["ttft_p95"]), fmt(lb["ttft_p99"]),
+    tab.add_row("[dim]lower bound[/]", "-", "-", "-", fmt(lb["ttft_p50"]), fmt(lb["ttft_p95"]), fmt(lb["ttft_p99"]),
                 "-", fmt(lb["ttft_slo_attainment"], "%"), "-", "-", "-", "-", "-", style="dim")
     for name, s in point["policies"].items():
-        tab.add_row(name, clusters[name], fmt(s["deflection_rate"], "%"), fmt(s["ttft_p50"]), fmt(s["ttft_p95"]),
+        tab.add_row(name, clusters[name], fmt(s["deflection_rate"], "%"), fmt(s["prefix_hit_rate"], "%"),
+                    fmt(s["ttft_p50"]), fmt(s["ttft_p95"]),
                     fmt(s["ttft_p99"]), fmt(s["tbt_p99"], "ms"), fmt(s["ttft_slo_attainment"], "%"),
                     fmt(s["tbt_slo_attainment"], "%"), fmt(s["tbt_p99_slo_attainment"], "%"),
                     fmt(s["slo_attainment"], "%"), str(s["rejected"]), fmt(s["ttft_pred_mape"], "%"))
@@ -176,7 +186,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     base = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                      heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
                      step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
-                     kv_wait_max=args.kv_wait_max)
+                     kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
+                     hash_block_tokens=args.hash_block_tokens)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
@@ -209,6 +220,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             policy, prof = build(name, setups[name], profile)
             res = simulate(trace, prof, policy, cfgs[name])
             summary = summarize(res.records, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
+            summary["prefix_hit_rate"] = res.stats["prefix_hit_rate"]
             summary["sim"] = res.stats
             point["policies"][name] = summary
             ttfts[name] = [r.ttft for r in res.records if r.ttft is not None]
@@ -228,6 +240,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
+        "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}
     result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],
               "sweep": sweep}

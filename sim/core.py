@@ -53,10 +53,13 @@ from typing import Any
 import msgspec
 
 from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.prefix_cache import PrefixCache
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.policy import ClusterView, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
 from common.policy.kairos import Kairos, latest_start, reserved_step_cost, retry_order
+from common.policy.prefix_index import PrefixIndex
+from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
 from sim.stats import RequestTiming, summarize
 
@@ -72,6 +75,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
+    prefix_cache: bool = True      # per-worker prefix caches and the router's prefix index (traces with hash_ids)
+    hash_block_tokens: int = 512   # prompt tokens per trace hash_ids entry: the cache's block size
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -80,6 +85,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("heartbeat_interval and step_noise must be >= 0")
         if self.kv_wait_timeout < 0 or self.kv_wait_max < 0:
             raise ValueError("kv_wait_timeout and kv_wait_max must be >= 0")
+        if self.hash_block_tokens < 1:
+            raise ValueError("hash_block_tokens must be >= 1")
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +111,8 @@ class _Req:
     last: float = -1.0
     done: float = -1.0
     ntok: int = 0
+    hashes: list[int] | None = None  # the prompt's block hashes (from the trace's hash_ids)
+    cached: int = 0                  # prompt tokens its prefill skipped (prefix-cache hit)
     gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
 
 
@@ -205,16 +214,26 @@ class Simulation:
         def phase(i: int) -> float:
             return h * i / n_workers if h > 0 else math.inf
 
+        bt = cfg.hash_block_tokens
+
+        def cache() -> PrefixCache | None:
+            return PrefixCache(bt, profile.kv_capacity_tokens // bt) if cfg.prefix_cache else None
+
         self.prefill = [
             _Prefill(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
                                   max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                  default_chunk=profile.prefill_token_budget), model, phase(i))
+                                  default_chunk=profile.prefill_token_budget, prefix_cache=cache()), model, phase(i))
             for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
         self.decode = [
             _Decode(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                 default_chunk=profile.decode_default_chunk), model, phase(cfg.prefill + i))
+                                 default_chunk=profile.decode_default_chunk, prefix_cache=cache()), model,
+                    phase(cfg.prefill + i))
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
+        self.index = PrefixIndex()  # the router's: fed by heartbeats' summaries and by dispatches
+        if cfg.prefix_cache:
+            for w in (*self.prefill, *self.decode):
+                self.index.join(w.wid, bt)
         self._p_by_id = {w.wid: w for w in self.prefill}
         self._d_by_id = {w.wid: w for w in self.decode}
         self._heap: list[tuple[float, int, int, Any, Any]] = []
@@ -241,6 +260,13 @@ class Simulation:
             self._snapshot(w)
 
     def _snapshot(self, w: _Worker) -> None:
+        cache = w.batcher.cache
+        if cache is not None:  # the heartbeat carries what the prefix cache stored and evicted
+            stored, removed = cache.take_events()
+            if removed:
+                self.index.removed(w.wid, removed)
+            if stored:
+                self.index.stored(w.wid, stored)
         if isinstance(w, _Prefill):
             backlog, busy = self._backlog(w)
             b = w.batcher
@@ -378,7 +404,12 @@ class Simulation:
         for seq in out.prefilled:
             r: _Req = seq.user  # type: ignore[assignment]
             r.prefilled = now
-            self._push(now + w.model.xfer_time(seq.prompt_len), _XFER, r, None)
+            r.cached = seq.cached
+            lack = seq.prompt_len
+            dcache = self._d_by_id[r.decode_worker].batcher.cache
+            if dcache is not None and r.hashes:  # only the KV the decode worker lacks moves
+                lack -= min(dcache.match(r.hashes) * dcache.block_tokens, seq.prompt_len - 1)
+            self._push(now + w.model.xfer_time(lack), _XFER, r, None)
         if out.prefilled and self._holding:
             self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
         self._start(w, now)
@@ -394,6 +425,7 @@ class Simulation:
                 r.first = now
                 if seq.deflected:
                     r.prefilled = now
+                    r.cached = seq.cached
                     w.deflecting.pop(r.rid, None)
                     if self.cfg.ledger:
                         self._ledger_changed(w)
@@ -437,7 +469,7 @@ class Simulation:
         w.waiting_kv -= 1
         w.waiting_kv_tokens -= r.prompt + r.output
         seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
-                  tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r)
+                  tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r, hashes=r.hashes)
         self._admit(w, seq, now)
 
     # -- arrivals and the router's wait queue -----------------------------------------------
@@ -502,8 +534,12 @@ class Simulation:
         """Ask the policy and send the request on its way; False (and why in `r.reason`) if it
         cannot be placed now."""
         cfg = self.cfg
+        cached: tuple[tuple[str, int], ...] = ()
+        if r.hashes:
+            bt = cfg.hash_block_tokens
+            cached = tuple((w, n * bt) for w, n in self.index.hits(r.hashes).items())
         spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
-                           ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+                           ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo, cached=cached)
         view = self._view(now)
         t0 = time.perf_counter_ns()
         try:
@@ -521,15 +557,21 @@ class Simulation:
         dw = self._d_by_id[d.decode_worker]
         self._touch(dw, now)
         need = r.prompt + r.output
+        uncached = r.prompt - d.cached_tokens  # as the router expects it
+        if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
+            self.index.stored(dw.wid, r.hashes)
+            if d.prefill_worker is not None:
+                self.index.stored(d.prefill_worker, r.hashes)
         if d.route == "deflect":
             r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
-                      arrived=now, user=r)
-            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget),
+                      arrived=now, user=r, hashes=r.hashes)
+            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget,
+                                                       d.cached_tokens),
                                     max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             if cfg.ledger:
-                dw.led_res += r.prompt
+                dw.led_res += uncached
                 dw.led_kv += need
                 self._ledger_changed(dw)
             self._admit(dw, seq, now)
@@ -538,17 +580,18 @@ class Simulation:
         r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
         pw = self._p_by_id[d.prefill_worker]
         self._touch(pw, now)
-        pw.batcher.add(Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
-                           tbt_slo=cfg.tbt_slo, arrived=now, user=r))
-        pw.queued_tokens += r.prompt
+        pseq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
+                   tbt_slo=cfg.tbt_slo, arrived=now, user=r, hashes=r.hashes)
+        pw.batcher.add(pseq)
+        pw.queued_tokens += pseq.remaining_prompt
         pw.queued_reqs += 1
         self._q_prefill.add(now, 1)
         dw.waiting_kv += 1
         dw.waiting_kv_tokens += need
         if cfg.ledger:
-            pw.led_tokens += r.prompt
+            pw.led_tokens += uncached
             pw.led_reqs += 1
-            pw.led_q.append((r.prompt, now))
+            pw.led_q.append((uncached, now))
             dw.led_pending += 1
             dw.led_kv += need
             self._ledger_changed(pw)
@@ -560,7 +603,10 @@ class Simulation:
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
         wall0 = time.perf_counter()
-        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length)
+        bt = self.cfg.hash_block_tokens
+        use = self.cfg.prefix_cache
+        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length,
+                     hashes=chain_ids(tr.hash_ids[:tr.input_length // bt]) or None if use and tr.hash_ids else None)
                 for i, tr in enumerate(trace)]
         if any(b.t < a.t for a, b in itertools.pairwise(trace)):
             raise ValueError("trace must be sorted by arrival time")
@@ -609,6 +655,8 @@ class Simulation:
             "queues": {"router_kv_wait": self._q_wait.report(end), "prefill": self._q_prefill.report(end),
                        "decode_admit": self._q_admit.report(end)},
             "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
+            "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
+            "prefix_index_blocks": len(self.index),
         }
         return SimResult(records=records, stats=stats)
 
@@ -629,6 +677,14 @@ class Simulation:
 def _from_arrival(pred: float | None, r: _Req, now: float) -> float | None:
     """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
     return None if pred is None else pred + (now - r.arrival)
+
+
+def prefix_hit_rate(reqs: Sequence[_Req]) -> float | None:
+    """Prompt tokens whose prefill a prefix-cache hit skipped, over the prompt tokens of the
+    requests that were prefilled (wherever: prefill worker or decode worker)."""
+    done = [r for r in reqs if r.prefilled >= 0]
+    total = sum(r.prompt for r in done)
+    return sum(r.cached for r in done) / total if total else None
 
 
 def _util(busy: list[float], span: float) -> float | None:

@@ -23,12 +23,13 @@ import msgspec
 from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import PerfModel, Profile
-from common.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, Policy, make_policy
+from common.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, KvAwareConfig, Policy, make_policy
 
 TUNED_FORMAT = "kairos-tuned/1"
 
 # the config type of each policy that has knobs of its own (the others have only engine settings)
-POLICY_KNOBS: dict[str, type[msgspec.Struct]] = {"kairos": KairosConfig, "conditional-disagg": ConditionalConfig}
+POLICY_KNOBS: dict[str, type[msgspec.Struct]] = {"kairos": KairosConfig, "conditional-disagg": ConditionalConfig,
+                                                 "kv-aware": KvAwareConfig}
 
 
 class Setup(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +75,7 @@ def build(name: str, setup: Setup, profile: Profile, default_model: PerfModel | 
     try:
         policy = make_policy(name, kairos=cfg if isinstance(cfg, KairosConfig) else None,
                              conditional=cfg if isinstance(cfg, ConditionalConfig) else None,
+                             kv_aware=cfg if isinstance(cfg, KvAwareConfig) else None,
                              default_model=default_model or profile.model)
         return policy, setup.engine.apply(profile)
     except ValueError as e:
@@ -148,6 +150,10 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
                    help="late binding: decide waiting requests again first those that can still meet the TTFT SLO "
                         "(slack), or by arrival (fifo) (default slack)")
+    k.add_argument("--no-prefix-aware", action="store_true", default=None,
+                   help="price every prompt whole, ignoring the prefix-cache hits the router knows of")
+    k.add_argument("--overlap-weight", type=float, default=None,
+                   help="kv-aware: weight of a worker's uncached prompt tokens against its load (default 1)")
     c = p.add_argument_group("conditional-disagg knobs: prefill locally iff short prompt OR busy prefill worker")
     c.add_argument("--isl-threshold", type=int, default=None, metavar="TOKENS",
                    help="a prompt below this many uncached tokens is short (default 2048; 0: that half off)")
@@ -172,7 +178,9 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "budget_fit": None if args.no_budget_fit is None else not args.no_budget_fit,
                    "share_expect": args.share_expect,
                    "late_binding": None if args.late_binding is None else args.late_binding == "on",
-                   "late_depth": args.late_depth, "late_order": args.late_order},
+                   "late_depth": args.late_depth, "late_order": args.late_order,
+                   "prefix_aware": None if args.no_prefix_aware is None else not args.no_prefix_aware},
+        "kv-aware": {"overlap_weight": args.overlap_weight},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,
                                "eff_isl_ratio_threshold": args.isl_ratio_threshold,
                                "prefill_busy_threshold": args.prefill_busy_threshold,

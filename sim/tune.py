@@ -42,6 +42,7 @@ from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
+from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
@@ -67,6 +68,8 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "chunked-prefill": {"decode_token_budget": (256, 512, 1024, 2048, 4096),
                         "decode_chunk": (256, 512, 1024, 2048, 4096)},
     "deflect-all": {"decode_token_budget": (256, 512, 1024, 2048, 4096), "decode_chunk": (256, 512, 1024, 2048)},
+    "kv-aware": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
+                 "overlap_weight": (0.25, 0.5, 1.0, 2.0, 4.0, 1000.0)},
 }
 DEFAULT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
 DEFAULT_PROFILE: str = sim_parser().get_default("profile")
@@ -113,6 +116,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # the tune slice is replayed at each of these multiples of the rate and the objective averaged:
     # > 1 compresses its bursts, so a policy is tuned on bursts larger than the slice's own
     stress: tuple[float, ...] = (1.0,)
+    fixed: dict[str, Any] = {}  # policy knobs held at these values (not searched)
 
 
 def _setup(values: dict[str, Any]) -> Setup:
@@ -121,11 +125,13 @@ def _setup(values: dict[str, Any]) -> Setup:
 
 
 def evaluate(job: Job, values: dict[str, Any], trace: Sequence[TraceRequest]) -> dict[str, Any]:
-    policy, prof = build(job.policy, _setup(values), job.profile)
+    policy, prof = build(job.policy, _setup({**values, **job.fixed}), job.profile)
     n_p, n_d = shape(job.policy, job.sim.prefill, job.sim.decode)
     cfg = msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d)
     res = simulate(trace, prof, policy, cfg)
-    return summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+    s = summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+    s["prefix_hit_rate"] = res.stats["prefix_hit_rate"]
+    return s
 
 
 def score(s: dict[str, Any]) -> tuple[float, float]:
@@ -190,7 +196,7 @@ def tune_one(job: Job) -> dict[str, Any]:
             break
     report = evaluate(job, best, job.report_trace)
     start = run(defaults(job))
-    setup = _setup(best)
+    setup = _setup({**best, **job.fixed})
     out = {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
            "cluster": "{}P{}D".format(*shape(job.policy, job.sim.prefill, job.sim.decode)),
            "tune": _brief(best_s), "report": _brief(report), "defaults_tune": _brief(start),
@@ -201,7 +207,8 @@ def tune_one(job: Job) -> dict[str, Any]:
 
 
 KEEP = ("requests", "rejected", "slo_attainment", "slo_attainment_p99", "ttft_slo_attainment", "tbt_slo_attainment",
-        "tbt_p99_slo_attainment", "ttft_p50", "ttft_p95", "ttft_p99", "tbt_p99", "deflection_rate", "ttft_pred_mape")
+        "tbt_p99_slo_attainment", "ttft_p50", "ttft_p95", "ttft_p99", "tbt_p99", "deflection_rate", "ttft_pred_mape",
+        "prefix_hit_rate")
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
@@ -240,11 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats (default 0.1)")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request waits for KV room before rejection (default 30)")
+    add_prefix_flags(c)
     s = p.add_argument_group("policies and search")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
+    s.add_argument("--no-prefix-aware", action="store_true",
+                   help="kairos prices every prompt whole (prefix_aware false, held, not searched)")
     s.add_argument("--passes", type=int, default=3, help="coordinate-descent passes at most (default 3)")
     s.add_argument("--stress", default="1",
                    help="rate multiples the tune slice is replayed at, comma separated; the objective is averaged "
@@ -267,8 +277,7 @@ def load_slices(args: argparse.Namespace) -> tuple[Slices, list[TraceRequest], l
         def syn(seed: int) -> list[TraceRequest]:
             base = synthetic(rate=args.rate, duration=args.duration, arrival=args.arrival, cv=args.cv, seed=seed,
                              **LENGTHS[args.lengths])  # type: ignore[arg-type]
-            return [TraceRequest(t=r.t / args.rate_scale, input_length=r.input_length, output_length=r.output_length)
-                    for r in base]
+            return [msgspec.structs.replace(r, t=r.t / args.rate_scale) for r in base]
 
         info = {"trace": "synthetic", "rate": args.rate, "arrival": args.arrival, "cv": args.cv,
                 "lengths": args.lengths, "duration": args.duration}
@@ -330,14 +339,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     profile = load_profile(args.profile)
     slices, tune_trace, report_trace, info = load_slices(args)
     sim = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
-                    heartbeat_interval=args.heartbeat_interval, kv_wait_timeout=args.kv_wait_timeout)
+                    heartbeat_interval=args.heartbeat_interval, kv_wait_timeout=args.kv_wait_timeout,
+                    prefix_cache=args.prefix_cache == "on", hash_block_tokens=args.hash_block_tokens)
+    fixed = {"kairos": {"prefix_aware": False}} if args.no_prefix_aware else {}
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     for name in policies:
         if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
     stress = parse_stress(args.stress)
     jobs = [Job(policy=name, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[name], passes=args.passes, stress=stress) for name in policies]
+                grid=GRIDS[name], passes=args.passes, fixed=fixed.get(name, {}), stress=stress) for name in policies]
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
             results = list(pool.map(tune_one, jobs))
@@ -347,6 +358,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "format": TUNED_FORMAT, **info, "profile": profile.name, "rate_scale": args.rate_scale,
         "cluster": f"{args.prefill}P{args.decode}D", "ttft_slo": args.ttft_slo, "tbt_slo": args.tbt_slo,
         "heartbeat_interval": args.heartbeat_interval, "kv_wait_timeout": args.kv_wait_timeout,
+        "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "slices": {"tune": slices.tune, "report": slices.report,
                    "unit": "seed" if isinstance(slices.tune, int) else "seconds of trace time, [start, end)"},
         "requests": {"tune": len(tune_trace), "report": len(report_trace)},
@@ -389,6 +401,7 @@ def replay_command(args: argparse.Namespace, path: Path) -> str:
     return (f"kairos sim --trace {args.trace} {where} --rate-scale {args.rate_scale:g} --profile {args.profile} "
             f"--prefill {args.prefill} --decode {args.decode} --ttft-slo {args.ttft_slo:g} --tbt-slo {args.tbt_slo:g} "
             f"--heartbeat-interval {args.heartbeat_interval:g} --kv-wait-timeout {args.kv_wait_timeout:g} "
+            f"--prefix-cache {args.prefix_cache} --hash-block-tokens {args.hash_block_tokens} "
             f"--tuned {path} {policies}")
 
 

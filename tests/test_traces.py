@@ -59,7 +59,7 @@ def test_jsonl(tmp_path: Path) -> None:
             {"timestamp": 250.5, "input_length": 42, "output_length": 9, "extra": "x"}]
     p = write(tmp_path, "t.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
     reqs = load_trace(p)
-    assert reqs == [TraceRequest(0.0, 7, 3), TraceRequest(0.2505, 42, 9), TraceRequest(1.5, 100, 5)]
+    assert reqs == [TraceRequest(0.0, 7, 3), TraceRequest(0.2505, 42, 9), TraceRequest(1.5, 100, 5, (1, 2))]
     assert [r.t for r in load_trace(p, start=0.2, rate_scale=0.5)] == pytest.approx([0.101, 2.6])
 
 

@@ -28,7 +28,8 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
         check_transport(cfg.kv_transport)  # unknown name, or nixl without NIXL: a clear error now
 
         return SimEngine(role, engine_settings(cfg).apply(load_profile(cfg.profile)), time_scale=cfg.time_scale,
-                         max_queue_requests=cfg.max_queue_requests)
+                         max_queue_requests=cfg.max_queue_requests,
+                         prefix_block_tokens=cfg.prefix_block_tokens if cfg.prefix_cache else 0)
     if cfg.engine == "vllm":
         try:
             import vllm  # noqa: F401

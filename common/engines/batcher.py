@@ -14,6 +14,13 @@ from a prefill worker) joins as a decode.
 Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt
 is complete leaves the batch (its KV then goes to a decode worker). The router's replay
 predictor (common/engines/replay.py) replays this rule; keep the two in step.
+
+Prefix cache (optional, `prefix_cache`; a Seq with `hashes`, its prompt's block hashes): a
+request added with its prompt to compute starts at its longest cached prefix (never the whole
+prompt: the last token is always computed, as in vLLM), so cache hits skip prefill work; its
+blocks are in use while the batch holds it, and stay cached after it leaves, least recently
+freed evicted first, within the KV capacity less the KV the held requests reserve. A
+handed-off request's KV arrives whole and is cached like the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+from common.engines.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +47,9 @@ class Seq:
     admitted: float | None = None
     prefill_started: float | None = None
     user: object = None
+    hashes: list[int] | None = None  # the prompt's block hashes (prefix cache); None: not cacheable
+    pinned: int = 0                  # leading blocks of `hashes` this request holds in the cache
+    cached: int = 0                  # prompt tokens found in the prefix cache when it was added
 
     @property
     def prefilling(self) -> bool:
@@ -86,7 +98,7 @@ class Batcher:
     """The batching state of one engine. See the module docstring for the step rules."""
 
     def __init__(self, *, role: Literal["prefill", "decode"], token_budget: int, max_batch: int,
-                 kv_capacity_tokens: int, default_chunk: int) -> None:
+                 kv_capacity_tokens: int, default_chunk: int, prefix_cache: PrefixCache | None = None) -> None:
         if token_budget <= 0 or default_chunk <= 0:
             raise ValueError("token_budget and default_chunk must be positive")
         self.role = role
@@ -99,6 +111,7 @@ class Batcher:
         self._by_id: dict[str, Seq] = {}
         self.kv_reserved = 0
         self.steps = 0
+        self.cache = prefix_cache
 
     # -- membership -----------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -127,6 +140,19 @@ class Batcher:
         else:
             self.kv_reserved += seq.kv_reserve
             self.running.append(seq)
+        cache = self.cache
+        if cache is None:
+            return
+        if seq.hashes:
+            if seq.computed >= seq.prompt_len:  # its KV arrived whole
+                self._pin(seq, len(seq.hashes))
+            else:
+                hits = cache.match(seq.hashes)
+                cached = min(hits * cache.block_tokens, seq.prompt_len - 1)
+                if cached > seq.computed:
+                    seq.computed = seq.cached = cached
+                self._pin(seq, hits)
+        self._trim()  # its KV reservation, too, takes room from the cached blocks
 
     def remove(self, request_id: str) -> Seq | None:
         seq = self._by_id.pop(request_id, None)
@@ -138,7 +164,24 @@ class Batcher:
                 self.kv_reserved -= seq.kv_reserve
         else:
             self.waiting.remove(seq)
+        if self.cache is not None and seq.hashes and seq.pinned:
+            self.cache.release(seq.hashes[:seq.pinned])
+            seq.pinned = 0
+            self._trim()
         return seq
+
+    def _pin(self, seq: Seq, blocks: int) -> None:
+        assert self.cache is not None and seq.hashes is not None
+        if blocks > seq.pinned:
+            self.cache.acquire(seq.hashes[seq.pinned:blocks])
+            seq.pinned = blocks
+
+    def _trim(self) -> None:
+        """Cached blocks fit in what the KV capacity leaves beside the held requests."""
+        cache = self.cache
+        assert cache is not None
+        bt = cache.block_tokens
+        cache.trim(cache.capacity_blocks - max(cache.in_use, -(-self.kv_reserved // bt)))
 
     # -- load, as heartbeats report it ---------------------------------------------------
     def queued_tokens(self) -> int:
@@ -236,6 +279,9 @@ class Batcher:
                     seq.schedule[0] -= chi
             if seq.computed < seq.prompt_len:
                 continue
+            if self.cache is not None and seq.hashes:
+                self._pin(seq, len(seq.hashes))  # the whole prompt's KV is now computed
+                self._trim()
             if self.role == "prefill":
                 out.prefilled.append(seq)
             else:

@@ -8,6 +8,10 @@ can check them (a seeded request is reproducible). A request resumed on another 
 (`resume_tokens`: its prompt ends with the output already streamed) continues at the position
 where the first worker stopped, as a greedy real engine would.
 
+With `prefix_block_tokens` > 0 it keeps a prefix cache (the Batcher's, with block hashes of the
+token ids, common/prefix_hash.py): a prompt starts at its longest cached prefix, and the cache's
+changes go to the router in heartbeats (`take_prefix_events`).
+
 Sampling parameters keep their response shapes with synthetic values: `stop_token_ids` end a
 request when a synthetic token is one of them (after `min_tokens`); `logprobs` report the chosen
 token at rank 1 with logprob -0.25 and each alternative i (1..k) as another synthetic token with
@@ -23,11 +27,13 @@ import zlib
 from collections import deque
 from typing import Literal
 
-from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled
+from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
 from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.prefix_cache import PrefixCache
 from common.errors import Overloaded
 from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
+from common.prefix_hash import block_hashes
 from common.tokenizer import SimpleTokenizer
 
 _tok = SimpleTokenizer()
@@ -61,7 +67,7 @@ class SimEngine(Engine):
     name = "sim"
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
-                 max_queue_requests: int = 1024) -> None:
+                 max_queue_requests: int = 1024, prefix_block_tokens: int = 0) -> None:
         super().__init__()
         self.role = role
         self.profile = profile
@@ -71,10 +77,13 @@ class SimEngine(Engine):
         self.max_batch = profile.max_batch
         self.kv_capacity_tokens = profile.kv_capacity_tokens if role == "decode" else 0
         self.max_queue_requests = max_queue_requests
+        self.prefix_block_tokens = prefix_block_tokens
+        cache = (PrefixCache(prefix_block_tokens, profile.kv_capacity_tokens // prefix_block_tokens)
+                 if prefix_block_tokens > 0 else None)
         self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
                                kv_capacity_tokens=max(self.kv_capacity_tokens, 1),
                                default_chunk=profile.decode_default_chunk if role == "decode"
-                               else self.token_budget)
+                               else self.token_budget, prefix_cache=cache)
         self._wake = asyncio.Event()
         self._step_ms: deque[float] = deque(maxlen=64)
         self.samples: deque[StepSample] = deque(maxlen=4096)
@@ -99,7 +108,9 @@ class SimEngine(Engine):
                   tbt_slo=req.tbt_slo, computed=computed,
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
                   deflected=req.mode == "deflect", arrived=time.monotonic(),
-                  user=token_key(req.request_id, req.sampling.seed))
+                  user=token_key(req.request_id, req.sampling.seed),
+                  hashes=block_hashes(req.prompt_token_ids, self.prefix_block_tokens)
+                  if self.batcher.cache is not None else None)
         if self.role == "decode" and not self.batcher.can_admit(seq):
             raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
@@ -119,6 +130,18 @@ class SimEngine(Engine):
 
     def held(self) -> list[str]:
         return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting)]
+
+    def take_prefix_events(self) -> PrefixEvents | None:
+        cache = self.batcher.cache
+        if cache is None:
+            return None
+        stored, removed = cache.take_events()
+        return PrefixEvents(block_tokens=cache.block_tokens, stored=stored, removed=removed)
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a held request its prefix cache held when it was added."""
+        seq = self.batcher.get(request_id)
+        return seq.cached if seq is not None else 0
 
     def coeffs(self) -> Coeffs:
         return self.model.scaled(self.time_scale).to_coeffs() if self.time_scale != 1.0 else self.model.to_coeffs()

@@ -21,11 +21,13 @@ from common.policy.baselines import (
     DeflectAll,
     DisaggLeastLoaded,
     DisaggRoundRobin,
+    KvAware,
+    KvAwareConfig,
 )
 from common.policy.kairos import Kairos, KairosConfig
 
 POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill",
-            "deflect-all")
+            "deflect-all", "kv-aware")
 NO_PREFILL_POLICIES = ("chunked-prefill",)  # a decode pool alone: `kairos sim` gives it every GPU
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "Hold",
     "Kairos",
     "KairosConfig",
+    "KvAwareConfig",
     "NoKvRoom",
     "NoWorkers",
     "Policy",
@@ -48,7 +51,7 @@ __all__ = [
 
 
 def make_policy(name: str, *, kairos: KairosConfig | None = None, conditional: ConditionalConfig | None = None,
-                default_model: PerfModel | None = None) -> Policy:
+                default_model: PerfModel | None = None, kv_aware: KvAwareConfig | None = None) -> Policy:
     """A fresh policy object by name (round-robin keeps a counter, so make one per router)."""
     if name == "kairos":
         return Kairos(kairos, default_model=default_model)
@@ -62,4 +65,6 @@ def make_policy(name: str, *, kairos: KairosConfig | None = None, conditional: C
         return ChunkedPrefill()
     if name == "deflect-all":
         return DeflectAll()
+    if name == "kv-aware":
+        return KvAware(kv_aware)
     raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

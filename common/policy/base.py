@@ -22,7 +22,19 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     ttft_slo: float
     tbt_slo: float
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens cached wherever it goes (an engine's report)
+    # per worker (prefill or decode): the prompt tokens its prefix cache holds, as the router's
+    # prefix index knows them (common/policy/prefix_index.py); empty: none known
+    cached: tuple[tuple[str, int], ...] = ()
+
+    def cached_on(self, worker_id: str) -> int:
+        """Prompt tokens a prefill on `worker_id` can skip (at most all but the last)."""
+        n = self.cached_tokens
+        for w, k in self.cached:
+            if w == worker_id:
+                n = max(n, k)
+                break
+        return min(n, self.prompt_tokens - 1) if n > 0 else 0
 
 
 class PrefillView(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +87,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     ttft_prefill_pred: float | None = None
     ttft_decode_pred: float | None = None
     chunk_schedule: tuple[int, ...] = ()
+    cached_tokens: int = 0  # prompt tokens the router expects the prefilling worker to hold
 
 
 class NoWorkers(Exception):

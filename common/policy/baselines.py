@@ -98,7 +98,7 @@ class ConditionalDisagg:
                             reason="no_prefill_worker")
         p = least_loaded_prefill(view)
         c = self.cfg
-        eff = req.prompt_tokens - req.cached_tokens
+        eff = req.prompt_tokens - req.cached_on(d.worker_id)
         isl_ok = eff < c.eff_isl_threshold and (
             c.eff_isl_ratio_threshold >= 1.0 or eff / max(req.prompt_tokens, 1) < c.eff_isl_ratio_threshold)
         busy = p.queued_tokens > c.prefill_busy_threshold * p.token_budget
@@ -121,3 +121,45 @@ class ChunkedPrefill:
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
         d = least_loaded_decode(view, req)
         return Decision(route="deflect", prefill_worker=None, decode_worker=d.worker_id, reason="chunked_prefill")
+
+
+class KvAwareConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Dynamo's KV router cost, per worker: overlap_weight x the prompt tokens it would have to
+    compute (its uncached suffix) + the tokens it already has to work through (a prefill
+    worker's queued tokens; a decode worker's KV in use, whose blocks it would add to)."""
+
+    overlap_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0:
+            raise ValueError(f"overlap_weight must be >= 0 (got {self.overlap_weight})")
+
+
+class KvAware:
+    """Always disaggregated, placed by prefix-cache hits (Dynamo's KV router style): the prefill
+    worker with the least `overlap_weight` x uncached prompt + queued tokens, and the decode
+    worker (among those with KV room) with the least `overlap_weight` x the KV it lacks (the
+    transfer) + its KV in use. Hits come from the router's prefix index (`RequestSpec.cached`);
+    without any it is least-loaded on both pools."""
+
+    name = "kv-aware"
+
+    def __init__(self, cfg: KvAwareConfig | None = None) -> None:
+        self.cfg = cfg or KvAwareConfig()
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        if not view.prefill:
+            raise NoWorkers("no live prefill worker")
+        w = self.cfg.overlap_weight
+        n = req.prompt_tokens
+        p = min(view.prefill, key=lambda x: (w * (n - req.cached_on(x.worker_id)) + x.queued_tokens,
+                                             x.queued_requests, x.worker_id))
+        need = n + req.max_tokens
+        room = [d for d in view.decode if d.kv_free_tokens >= need]
+        if not room:
+            least_loaded_decode(view, req)  # raises the right error
+        d = min(room, key=lambda x: (w * (n - req.cached_on(x.worker_id)) + x.kv_capacity_tokens - x.kv_free_tokens,
+                                     x.batch + x.pending + x.deflections, x.worker_id))
+        return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id,
+                        reason="kv_overlap" if req.cached_on(p.worker_id) else "least_loaded",
+                        cached_tokens=req.cached_on(p.worker_id))

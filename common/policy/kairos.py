@@ -8,7 +8,10 @@ TTFT_D <= alpha * TTFT_P and TTFT_D <= the request's TTFT SLO.
 Beyond the paper, each switchable (KairosConfig): the ledger (done by the router, which folds
 dispatched work into the views), per-worker model coefficients (`per_worker_models`), several
 concurrent deflections per decode worker (`max_deflections` > 1: the in-flight ones' step cost
-is reserved out of the budget), prefix-cache-aware token counts (`prefix_aware`), and:
+is reserved out of the budget), prefix-cache-aware pricing (`prefix_aware`: with the router's
+prefix index, `RequestSpec.cached`, each decode worker is priced by its own uncached suffix, whose
+chunks attend over the cached prefix, and the prefill path by the chosen prefill worker's
+uncached tokens plus the transfer of what the disaggregated path's decode worker lacks), and:
 
 - `predictor`: "paper" is Equation 1 for TTFT_P and Algorithm 1's step sum for TTFT_D, as
   printed. "replay" replays the prefill worker's known queue through its batching rule
@@ -158,7 +161,7 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
             max_steps: int, exact: bool = False, lead: int = 0,
-            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1
+            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, ctx0: int = 0
             ) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
@@ -172,7 +175,9 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     TTFT_D only until it ends. `fit_tokens` >= 0: a chunk also leaves in the token budget the
     largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
     tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
-    chunk short should one of them run longer, so the budget holds either way."""
+    chunk short should one of them run longer, so the budget holds either way. `ctx0`: prompt
+    tokens already in the worker's prefix cache; the `tokens` to prefill come after them, so
+    every chunk attends over them too."""
     if not cands:
         return _INFEASIBLE, (), 0.0
     a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
@@ -184,6 +189,9 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     base0 = model.a0 + model.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
     a3 = a3 + 2.0 * a5 * b
     ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
+    if ctx0:  # a4*chi*(ctx0 + done + chi/2): the cached prefix adds a term linear in chi
+        base0 += ka * ctx0
+        a3 += a4 * ctx0
     ends = ends or []
     if not ends and limit_s < _INF and tokens > 0 and \
             _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
@@ -254,16 +262,18 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
-def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0) -> float:
+def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0,
+                       cached: int = 0) -> float:
     """The step time a deflection in flight may add to its decode worker: the largest chunk
     cost over its schedule, each chunk at the context it will run at. This is what to put in
     `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
     the first chunk alone underestimates it, since later chunks attend over a longer prefix.
     With a superlinear step-total term (a5 > 0) a chunk costs more beside other tokens: each
     chunk is costed as if the rest of its step held `step_tokens` - chi tokens (pass the
-    worker's token budget), which covers its cross terms with the decodes and the other chunks."""
+    worker's token budget), which covers its cross terms with the decodes and the other chunks.
+    `cached`: prompt tokens the worker's prefix cache already holds (the schedule follows them)."""
     worst = 0.0
-    done = 0
+    done = cached
     for chi in schedule:
         worst = max(worst, model.chunk_cost(chi, done, max(0, step_tokens - chi)))
         done += chi
@@ -356,45 +366,54 @@ class Kairos:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
         replay_p = cfg.predictor == "replay"
+        # with the router's prefix index each worker is priced by its own uncached suffix, and
+        # the prefill path's KV transfer by what the decode worker that gets it lacks
+        per_worker = cfg.prefix_aware and bool(req.cached)
+        try:
+            handoff0: DecodeView | None = least_loaded_decode(view, req)
+        except NoWorkers:
+            handoff0 = None
+        lack = req.prompt_tokens
+        if per_worker and handoff0 is not None:
+            lack -= req.cached_on(handoff0.worker_id)
         # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
         # depend only on the model and the token budget, so they are computed once per pair.
         best_p = None
         ttft_p = float("inf")
-        own: dict[tuple[PerfModel, int], tuple[float, float]] = {}
+        best_tp = tokens
+        own: dict[tuple[PerfModel, int, int], tuple[float, float]] = {}
         last_m: PerfModel | None = None
-        last_chunk = 0
+        last_chunk = last_tp = 0
         ex = xfer = 0.0
         for p in view.prefill:
             m = self._model(p.model)
             chunk = p.token_budget
-            if m is not last_m or chunk != last_chunk:
-                got = own.get((m, chunk))
+            tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
+            if m is not last_m or chunk != last_chunk or tp != last_tp:
+                got = own.get((m, chunk, tp))
                 if got is None:
-                    run = alone(m, chunk, tokens) if replay_p else m.prefill_exec(tokens, chunk)
-                    got = own[(m, chunk)] = (run, m.xfer_time(req.prompt_tokens) if cfg.transfer_term else 0.0)
+                    run = alone(m, chunk, tp) if replay_p else m.prefill_exec(tp, chunk)
+                    got = own[(m, chunk, tp)] = (run, m.xfer_time(lack) if cfg.transfer_term else 0.0)
                 ex, xfer = got
-                last_m, last_chunk = m, chunk
+                last_m, last_chunk, last_tp = m, chunk, tp
             if replay_p:
                 tail = self._tail(p, m, now)
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
-                t = self._replay_ttft(p, m, tail, tokens, ex, now) + xfer
+                t = self._replay_ttft(p, m, tail, tp, ex, now) + xfer
             else:
                 t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
             if t < ttft_p:
-                best_p, ttft_p = p, t
+                best_p, ttft_p, best_tp = p, t, tp
         if not view.decode:
             raise NoWorkers("no live decode worker")
         if replay_p and cfg.share_expect and best_p is not None:
-            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), tokens, now)
+            ttft_p += self._expected_sharing(best_p, self._model(best_p.model), best_tp, now)
         handoff: DecodeView | None = None
         if replay_p and best_p is not None:
             # the disaggregated path's first token comes from the decode worker's next step after
             # the KV lands: half a step of waiting on average when it is busy, then that step
-            try:
-                handoff = least_loaded_decode(view, req)
-            except NoWorkers:
-                handoff = None
+            handoff = handoff0
             if handoff is not None:
                 dm = self._model(handoff.model)
                 step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
@@ -405,6 +424,7 @@ class Kairos:
         limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
+        best_td = tokens
         why_not = "no_decode_slack"
         need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
@@ -425,15 +445,16 @@ class Kairos:
             ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
             if fit and not ends:
                 cap -= d.reserved_tokens
-            st, sched, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap), cut,
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            st, sched, total = _search(self._model(d.model), d, td, cfg.beta * slo, self._cands(cap), cut,
                                        cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends,
-                                       cap if fit and ends else -1)
+                                       cap if fit and ends else -1, req.prompt_tokens - td if per_worker else 0)
             status[d.worker_id] = st
             if st != _OK:
                 continue
             total += wait
             if best is None or total < best[1]:
-                best_d, best = d, (sched, total)
+                best_d, best, best_td = d, (sched, total), td
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
@@ -444,18 +465,19 @@ class Kairos:
                            "and no decode worker can prefill it in place now")
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
-                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now)
-            self._note_dispatch(best_p.worker_id, tokens, now)
+                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now, per_worker)
+            self._note_dispatch(best_p.worker_id, best_tp, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
-                            reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None)
+                            reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
+                            cached_tokens=req.prompt_tokens - best_tp)
         sched, ttft_d = best
         return Decision(route="deflect", prefill_worker=None, decode_worker=best_d.worker_id,
                         reason="decode_faster" if ttft_d <= ttft_p else "within_alpha",
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
-                        chunk_schedule=sched)
+                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td)
 
     def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
-                                 status: dict[str, int], now: float) -> str:
+                                 status: dict[str, int], now: float, per_worker: bool = False) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
 
         `status`: what the limited search found per worker; one found infeasible stays so without
@@ -470,8 +492,10 @@ class Kairos:
             exact = cfg.predictor == "replay"
             cap = d.token_budget - d.batch - (d.reserved_tokens if cfg.budget_fit else 0)
             busy = exact and d.busy_until > now
-            st, _, total = _search(self._model(d.model), d, tokens, cfg.beta * slo, self._cands(cap),
-                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0)
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            st, _, total = _search(self._model(d.model), d, td, cfg.beta * slo, self._cands(cap),
+                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0,
+                                   ctx0=req.prompt_tokens - td if per_worker else 0)
             if busy:
                 total += d.busy_until - now
             if st == _OK:

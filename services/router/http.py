@@ -17,8 +17,9 @@ for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the
 `worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
 can help.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds);
-the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`, and
-`x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
+the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`,
+`x-kairos-cached-tokens` (prompt tokens the router's prefix index found cached where the prompt is
+prefilled), and `x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
 is echoed back but is only a label).
 """
 
@@ -202,7 +203,8 @@ class App:
                    (b"x-kairos-request-id", req.request_id.encode())]
         if d is not None:
             headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
-                        (b"x-kairos-decode-worker", d.decode_worker.encode())]
+                        (b"x-kairos-decode-worker", d.decode_worker.encode()),
+                        (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:

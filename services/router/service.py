@@ -25,11 +25,21 @@ from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
 from common.perf_model import load_profile
-from common.policy import ConditionalConfig, Hold, KairosConfig, NoKvRoom, NoWorkers, RequestSpec, make_policy
+from common.policy import (
+    ConditionalConfig,
+    Hold,
+    KairosConfig,
+    KvAwareConfig,
+    NoKvRoom,
+    NoWorkers,
+    RequestSpec,
+    make_policy,
+)
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, migrate, waiting
+from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
@@ -54,11 +64,13 @@ class Router:
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
                                      decode_busy_threshold=cfg.decode_busy_threshold)
             self.policy = make_policy(cfg.policy, kairos=kcfg, conditional=ccfg,
-                                      default_model=self.profile.model)
+                                      default_model=self.profile.model,
+                                      kv_aware=KvAwareConfig(overlap_weight=cfg.overlap_weight))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
+        self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
@@ -195,9 +207,10 @@ class Router:
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
+        cached, hashes = self.prefix.lookup(prompt)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
-                           cached_tokens=req.cached_tokens)
+                           cached_tokens=req.cached_tokens, cached=cached)
         decision = self.policy.decide(spec, view, time.monotonic())
         decision_us = (time.perf_counter() - t0) * 1e6
         req.decision = decision
@@ -209,10 +222,14 @@ class Router:
         dw = self.table.workers[decision.decode_worker]
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
+        work = tokens - decision.cached_tokens  # what the prefilling worker computes, as the index knows
+        if self.prefix.enabled:
+            self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w], hashes,
+                                   tokens, decision.cached_tokens)
         if decision.route == "deflect":
-            no = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=True))
+            no = dw.next_dispatch(LedgerEntry(req.request_id, work, reserve, deflect=True))
             dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
-                                                                   dw.hello.token_budget)
+                                                                   dw.hello.token_budget, decision.cached_tokens)
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
@@ -224,7 +241,7 @@ class Router:
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
-            pno = pw.next_dispatch(LedgerEntry(req.request_id, tokens, 0, deflect=False, at=time.monotonic()))
+            pno = pw.next_dispatch(LedgerEntry(req.request_id, work, 0, deflect=False, at=time.monotonic()))
             dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
@@ -510,6 +527,7 @@ class Router:
             return
         if g.reason == "drained":  # the drain is over and it is leaving: a departure, not a loss
             self.table.remove(w.worker_id)
+            self.prefix.forget(w.worker_id)
             metrics.observe_departed(w.role)
             log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
             self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed", at=time.time()))
@@ -654,6 +672,8 @@ class Router:
             metrics.observe_bad_frame("heartbeats")
             log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
             return
+        if entry is not None:
+            self.prefix.on_heartbeat(hb)
         if entry is None:
             # unknown worker or old incarnation: the router restarted, or declared it dead
             w = self.table.workers.get(hb.worker_id)
@@ -686,6 +706,7 @@ class Router:
                 continue
             for w in self.table.expired(self.liveness_s):
                 self.table.remove(w.worker_id)
+                self.prefix.forget(w.worker_id)
                 if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
                     metrics.observe_departed(w.role)
                     log.info("worker_departed", worker=w.worker_id, role=w.role,
@@ -705,6 +726,7 @@ class Router:
 
     def _worker_gone(self, w: WorkerEntry, why: str) -> None:
         metrics.observe_worker_lost(w.role)
+        self.prefix.forget(w.worker_id)
         self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
         self._requeue_held(w, why)
 
@@ -757,4 +779,5 @@ class Router:
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
             "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
                                       "holding": len(w.holding)} for w in self.table.workers.values()},
+            "prefix": self.prefix.stats(),
         }

@@ -49,7 +49,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     spec = ClusterSpec.ephemeral(prefill=0, decode=2, engine="vllm", model=str(tiny_model),
                                  profile="cpu-tiny-llama", policy="deflect-all", monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("vllm-migrate")),
-                                 router_env={"KAIROS_CANDIDATES": "256,128,64"},
+                                 router_env={"KAIROS_CANDIDATES": "256,128,64",
+                                             "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
     c.start(timeout=400)

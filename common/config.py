@@ -52,6 +52,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
 class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
+    http_reuse_port: Annotated[bool, doc("replicated routers on one host: bind the HTTP port with SO_REUSEPORT so "
+                                         "several routers share it and the kernel spreads connections")] = False
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
                                "(no prefill workers), deflect-all or kv-aware")] = "kairos"
@@ -115,6 +117,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
 
 class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     worker_id: Annotated[str, doc("unique worker name (default: role-host-pid)")] = ""
+    routers: Annotated[str, doc("replicated routers: every router's bus as host:work_port:heartbeat_port, "
+                                "comma-separated (the worker registers with and heartbeats to each); empty: "
+                                "the one router at router_host, work_port, heartbeat_port")] = ""
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
     profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
     time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
@@ -141,6 +146,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     prefix_cache: Annotated[bool, doc("sim engine: keep a prefix cache (finished requests' KV blocks stay until "
                                       "room is needed) and report it to the router")] = True
     prefix_block_tokens: Annotated[int, doc("sim engine: tokens per prefix-cache block")] = 16
+    deflect_admission: Annotated[bool, doc("decode workers: check every deflection's chunk schedule against the "
+                                           "running decodes and the deflections already accepted (from any "
+                                           "router) and reject what would break the TBT budget")] = True
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0

@@ -23,9 +23,9 @@ BUDGET = 64  # prefill token budget: one prompt of this size fills a step
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("late")
     fast = load_profile("fast")
-    # 0.3 s a step, so the requests sent together find the first one's prefill still running
+    # 1 s a step, so the requests sent together find the first one's prefill still running (even on a loaded machine)
     prof = msgspec.structs.replace(fast, name="slow-steps", prefill_token_budget=BUDGET,
-                                   model=msgspec.structs.replace(fast.model, a0=0.3))
+                                   model=msgspec.structs.replace(fast.model, a0=1.0))
     path = Path(tmp) / "slow-steps.json"
     save_profile(prof, path)
     # a 0.1 ms TBT SLO: no chunk schedule fits, so Kairos never deflects and every request needs

@@ -88,6 +88,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     ttft_decode_pred: float | None = None
     chunk_schedule: tuple[int, ...] = ()
     cached_tokens: int = 0  # prompt tokens the router expects the prefilling worker to hold
+    step_budget_s: float = 0.0  # deflect: the step time every chunk was planned to fit (0: none planned)
 
 
 class NoWorkers(Exception):

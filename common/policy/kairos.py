@@ -471,10 +471,12 @@ class Kairos:
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
                             cached_tokens=req.prompt_tokens - best_tp)
         sched, ttft_d = best
+        slo = best_d.strictest_tbt_slo if best_d.strictest_tbt_slo is not None else req.tbt_slo
         return Decision(route="deflect", prefill_worker=None, decode_worker=best_d.worker_id,
                         reason="decode_faster" if ttft_d <= ttft_p else "within_alpha",
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
-                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td)
+                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
+                        step_budget_s=cfg.beta * slo)
 
     def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

@@ -18,6 +18,7 @@ import uuid
 from collections import Counter, deque
 from typing import Any
 
+import msgspec
 import structlog
 
 from common import codec
@@ -35,6 +36,7 @@ from common.policy import (
     RequestSpec,
     make_policy,
 )
+from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
@@ -69,7 +71,7 @@ class Router:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
-        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
@@ -202,7 +204,10 @@ class Router:
         a deflection's first token and a request's end, i.e. when room may have opened."""
         waiting.retry(self)
 
-    def _dispatch(self, req: Request) -> None:
+    def _dispatch(self, req: Request, *, rejected: bool = False) -> None:
+        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
+        away, so decide again with those closed to deflections (common/policy/admission.py),
+        or, with no prefill worker live, deflect again without the admission check."""
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
@@ -211,7 +216,12 @@ class Router:
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens, cached=cached)
-        decision = self.policy.decide(spec, view, time.monotonic())
+        if not rejected:
+            decision = self.policy.decide(spec, view, time.monotonic())
+        elif view.prefill:
+            decision = decide_without(self.policy, spec, view, time.monotonic(), frozenset(req.rejected_by))
+        else:
+            decision = msgspec.structs.replace(self.policy.decide(spec, view, time.monotonic()), step_budget_s=0.0)
         decision_us = (time.perf_counter() - t0) * 1e6
         req.decision = decision
         req.decided_at = time.monotonic()
@@ -235,7 +245,7 @@ class Router:
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
-                                        resume_tokens=req.resume_from))
+                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s))
             dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
                                                time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
@@ -623,6 +633,9 @@ class Router:
             return
         if not self._assigned(w, req, f):
             return
+        if f.code == REJECTED_REASON and req.decision is not None and req.decision.route == "deflect":
+            self._deflect_rejected(req, f)
+            return
         log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
                     retryable=f.retryable)
         if f.retryable:
@@ -631,6 +644,24 @@ class Router:
             self._fail(req, f.reason, code="invalid_request")
         else:
             self._fail(req, f"worker {f.worker_id}: {f.reason}", code="worker_error")
+
+    def _deflect_rejected(self, req: Request, f: m.RequestFailed) -> None:
+        """The decode worker's admission said no (another router's deflections, or decodes that
+        landed since its heartbeat, left no room): another decode worker's deflection or the
+        disaggregated path, same attempt."""
+        req.rejected_by.add(f.worker_id)
+        self.counts["deflect_rejected"] += 1
+        metrics.observe_deflect_rejected()
+        log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)
+        self._release(req)
+        try:
+            self._dispatch(req, rejected=True)
+        except NoKvRoom:
+            req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
+            self.kv_waiting.appendleft(req)
+            self.counts["kv_waited"] += 1
+        except NoWorkers as e:
+            migrate.park(self, req, str(e))
 
     def _kv_consumed(self, req: Request) -> None:
         """A handed-off request's first token: the decode side has the KV (or gave up on it), so a
@@ -771,6 +802,7 @@ class Router:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "router": self.incarnation,
             "in_flight": len(self.requests),
             "kv_waiting": len(self.kv_waiting),
             "held": sum(r.held for r in self.kv_waiting),  # of which held by late binding

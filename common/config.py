@@ -95,6 +95,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     budget_fit: Annotated[bool, doc("kairos: chunk schedules leave token budget to the deflections in flight")] = True
     share_expect: Annotated[bool, doc("kairos replay predictor: count the tokens later requests add to a prompt's "
                                       "last prefill step")] = False
+    late_binding: Annotated[bool, doc("kairos: hold a request at the router while the prefill queues are deep and no "
+                                      "decode worker can take it; dispatch it when one frees room")] = False
+    late_depth: Annotated[float, doc("kairos late binding: hold while the prefill worker has this many token "
+                                     "budgets queued")] = 1.0
+    late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
+                                   "still meet the TTFT SLO) or fifo")] = "slack"
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
     overlap_weight: Annotated[float, doc("kv-aware: weight of a worker's uncached prompt tokens against its load")] \

@@ -39,6 +39,13 @@ worker's finished requests become visible (at its next heartbeat; at once withou
 A request that has waited `kv_wait_timeout` seconds, or finds `kv_wait_max` requests already
 waiting, is rejected: it produces no token and `summarize` counts it (see sim/stats.py). Work
 the router did place but that finds the worker's KV full queues on that worker until KV frees.
+
+Late binding (Kairos's `late_binding`): a request the policy holds (`Hold`: the prefill queues are
+deep, no decode worker can take it in place) waits in the same queue. Held requests do not block
+the queue: a later arrival is still decided at once, and a retry walks the waiting requests in
+arrival order (up to `LATE_SCAN` of them), stopping at one that waits for KV room. Retries also
+run when a prefill worker's shorter queue becomes visible (its next heartbeat) and when a
+deflection's first token frees its slot (the ledger: at once).
 """
 
 from __future__ import annotations
@@ -61,9 +68,9 @@ from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
-from common.policy import ClusterView, Decision, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
+from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
 from common.policy.admission import Accepted, accepted_entry, check_deflection, decide_without
-from common.policy.kairos import reserved_step_cost
+from common.policy.kairos import Kairos, latest_start, reserved_step_cost, retry_order
 from common.policy.prefix_index import PrefixIndex
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
@@ -113,6 +120,9 @@ class _Req:
     router: int = 0               # which router replica it arrived at
     ttft_pred: float | None = None
     waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
+    held: bool = False            # waits because the policy held it (late binding), not for KV room
+    was_held: bool = False
+    latest: float = math.nan      # latest start to meet the TTFT SLO (late binding's retry order)
     rejected: bool = False
     prefill_started: float = -1.0
     prefilled: float = -1.0
@@ -124,6 +134,9 @@ class _Req:
     hashes: list[int] | None = None  # the prompt's block hashes (from the trace's hash_ids)
     cached: int = 0                  # prompt tokens its prefill skipped (prefix-cache hit)
     gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+
+
+LATE_SCAN = 64  # waiting requests one retry decides again at most (late binding; as the router)
 
 
 class _PLed:
@@ -148,7 +161,8 @@ class _DLed:
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "until", "views", "wid")
+    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at", "until", "views",
+                 "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
         self.wid = wid
@@ -162,6 +176,7 @@ class _Worker:
         self.views: list[Any] = [None] * routers  # each router's view of it (None: to rebuild)
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
+        self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
 
 
 class _Prefill(_Worker):
@@ -270,7 +285,10 @@ class Simulation:
         self._noise_mu = -cfg.step_noise ** 2 / 2.0
         self.steps = 0
         self.decision_ns: list[int] = []
-        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room
+        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room or held
+        self._waiting_kv = 0  # of which waiting for KV room
+        self._holding = 0     # of which held by the policy (late binding)
+        self._late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
         self._q_wait, self._q_prefill, self._q_admit = _Level(), _Level(), _Level()
         for w in (*self.prefill, *self.decode):
             self._snapshot(w)  # the state announced at registration: idle
@@ -455,6 +473,8 @@ class Simulation:
             if dcache is not None and r.hashes:  # only the KV the decode worker lacks moves
                 lack -= min(dcache.match(r.hashes) * dcache.block_tokens, seq.prompt_len - 1)
             self._push(now + w.model.xfer_time(lack), _XFER, r, None)
+        if out.prefilled and self._holding:
+            self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
         self._start(w, now)
 
     def _decode_done(self, w: _Decode, plan: StepPlan, now: float) -> None:
@@ -475,6 +495,8 @@ class Simulation:
                     w.led[r.router].deflecting.pop(r.rid, None)
                     if self.cfg.ledger:
                         self._ledger_changed(w, r.router)
+                        if self._holding:
+                            self._push(now, _RETRY, None, None)  # a deflection slot freed, seen at once
             r.last = now
             r.ntok += 1
         for seq in out.finished:
@@ -483,9 +505,14 @@ class Simulation:
             if w.admit_wait:
                 self._drain_admissions(w, now)
             if self._waiting:  # the router sees the freed KV at this worker's next heartbeat
-                h = self.cfg.heartbeat_interval
-                self._push(w.next_hb if h > 0 else now, _RETRY, None, None)
+                self._retry_at_heartbeat(w, now)
         self._start(w, now)
+
+    def _retry_at_heartbeat(self, w: _Worker, now: float) -> None:
+        t = w.next_hb if self.cfg.heartbeat_interval > 0 else now
+        if t != w.retry_at:
+            w.retry_at = t
+            self._push(t, _RETRY, None, None)
 
     def _admit(self, w: _Decode, seq: Seq, now: float) -> None:
         if w.admit_wait or not w.batcher.can_admit(seq):
@@ -513,27 +540,55 @@ class Simulation:
 
     # -- arrivals and the router's wait queue -----------------------------------------------
     def _arrive(self, r: _Req, now: float) -> None:
-        if self._waiting or not self._dispatch(r, now):  # FIFO: nobody overtakes a waiting request
+        # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
+        # not block the queue, so a new arrival is decided at once unless one waits for KV
+        if self._waiting_kv or not self._dispatch(r, now):
             if len(self._waiting) >= self.cfg.kv_wait_max:
-                self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for KV room")
+                self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for a worker")
                 return
             self._waiting.append(r)
+            self._count_wait(r, 1)
             self._q_wait.add(now, 1)
             self._push(now + self.cfg.kv_wait_timeout, _GIVE_UP, r, None)
 
+    def _count_wait(self, r: _Req, delta: int) -> None:
+        if r.held:
+            self._holding += delta
+        else:
+            self._waiting_kv += delta
+
     def _retry(self, now: float) -> None:
-        while self._waiting and self._dispatch(self._waiting[0], now):
-            r = self._waiting.popleft()
-            r.waited = now - r.arrival
-            self._q_wait.add(now, -1)
+        """Decide the waiting requests again: the first LATE_SCAN, in the policy's `retry_order`
+        (arrival order but with late binding), past the held ones, stopping at the first that
+        still waits for KV room."""
+        q = self._waiting
+        head = list(itertools.islice(q, LATE_SCAN))
+        slo = self.cfg.ttft_slo
+        pm, pb = self.model, self.profile.prefill_token_budget
+        for r in head:
+            if self._late is not None and math.isnan(r.latest):
+                r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
+        for i in retry_order(self._late, [r.latest for r in head], now):
+            r = head[i]
+            self._count_wait(r, -1)
+            if self._dispatch(r, now):
+                q.remove(r)
+                r.waited = now - r.arrival
+                self._q_wait.add(now, -1)
+                continue
+            self._count_wait(r, 1)
+            if not r.held:
+                return
 
     def _give_up(self, r: _Req, now: float) -> bool:
         if r.route is not None or r.rejected:
             return False  # placed in time
         self._waiting.remove(r)
+        self._count_wait(r, -1)
         self._q_wait.add(now, -1)
         r.waited = now - r.arrival
-        self._reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for KV room ({r.reason})")
+        what = "a worker to take it" if r.held else "KV room"
+        self._reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({r.reason})")
         return True
 
     @staticmethod
@@ -559,6 +614,8 @@ class Simulation:
             d = policy.decide(spec, view, now)
         except NoWorkers as e:
             r.reason = str(e)
+            r.held = isinstance(e, Hold)
+            r.was_held = r.was_held or r.held
             return False
         finally:
             self.decision_ns.append(time.perf_counter_ns() - t0)
@@ -586,7 +643,7 @@ class Simulation:
             if d.prefill_worker is not None:
                 self.index.stored(d.prefill_worker, r.hashes)
         if d.route == "deflect":
-            r.ttft_pred = d.ttft_decode_pred
+            r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r, hashes=r.hashes)
@@ -606,7 +663,7 @@ class Simulation:
                 self._snapshot(dw)
             return True
         assert d.prefill_worker is not None
-        r.ttft_pred = d.ttft_prefill_pred
+        r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
         pw = self._p_by_id[d.prefill_worker]
         self._touch(pw, now)
         pseq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
@@ -704,6 +761,7 @@ class Simulation:
             "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
             "queues": {"router_kv_wait": self._q_wait.report(end), "prefill": self._q_prefill.report(end),
                        "decode_admit": self._q_admit.report(end)},
+            "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
             "prefix_index_blocks": len(self.index),
         }
@@ -721,6 +779,11 @@ class Simulation:
             prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
             xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred,
             wait_s=r.waited if r.waited >= 0 else None)
+
+
+def _from_arrival(pred: float | None, r: _Req, now: float) -> float | None:
+    """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
+    return None if pred is None else pred + (now - r.arrival)
 
 
 def prefix_hit_rate(reqs: Sequence[_Req]) -> float | None:

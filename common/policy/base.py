@@ -99,6 +99,12 @@ class NoKvRoom(NoWorkers):
     """Decode workers are live but none has KV room for this request now (it may wait)."""
 
 
+class Hold(NoKvRoom):
+    """Late binding: every path is busy now (the prefill queues are deep and no decode worker can
+    prefill it in place), so the request waits at the router, in arrival order, and is decided
+    again when a worker frees room. Waiting is bounded as for KV room (the router's wait timeout)."""
+
+
 class Policy(Protocol):
     name: str
 

@@ -25,11 +25,23 @@ uncached tokens plus the transfer of what the disaggregated path's decode worker
   after it take before the step starts (FIFO puts them in the same step); its predicted TTFT
   then counts the tokens the worker has been getting per second (an exponentially weighted
   rate of this policy's own dispatches) over that wait.
+- `late_binding` (off by default): a request Kairos would send to the prefill pool while the
+  chosen prefill worker already holds `late_depth` token budgets or more is not committed to
+  that queue: `decide` raises `Hold`, the router keeps it in its wait queue (arrival order) and
+  decides again when a worker's heartbeat or the ledger may show room, so it goes to whichever
+  frees first: a prefill queue that dropped below the depth, or a decode worker whose TBT slack
+  now admits a chunk schedule. The rule is `holds` (one implementation, for router and simulator).
+  `late_order` is the order the waiting requests are decided again in (`retry_order`): "fifo"
+  by arrival, or "slack" (default): first those that can still meet their TTFT SLO (arrival +
+  SLO, less their own prefill time on an idle worker, is still ahead), by arrival, then the
+  others. FIFO spreads a burst's wait over every request, so more of them miss the SLO each by a
+  little; "slack" keeps the ones that can still make it on time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import Literal
 
@@ -41,6 +53,7 @@ from common.policy.base import (
     ClusterView,
     Decision,
     DecodeView,
+    Hold,
     NoWorkers,
     PrefillView,
     RequestSpec,
@@ -61,6 +74,9 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     predictor: Literal["paper", "replay"] = "replay"
     budget_fit: bool = True
     share_expect: bool = False
+    late_binding: bool = False
+    late_depth: float = 1.0  # late binding: hold while the prefill worker has this many token budgets queued
+    late_order: Literal["slack", "fifo"] = "slack"  # late binding: which waiting request is decided first
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -73,6 +89,10 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_deflections must be >= 1")
         if self.predictor not in ("paper", "replay"):
             raise ValueError(f"predictor must be 'paper' or 'replay' (got {self.predictor!r})")
+        if self.late_order not in ("slack", "fifo"):
+            raise ValueError(f"late_order must be 'slack' or 'fifo' (got {self.late_order!r})")
+        if not self.late_depth > 0:
+            raise ValueError(f"late_depth must be > 0 token budgets (got {self.late_depth})")
 
 
 _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
@@ -238,6 +258,28 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         if total > limit_s:
             return _OVER_LIMIT, (), 0.0
     return _OK, tuple(sched), total
+
+
+def holds(cfg: KairosConfig, p: PrefillView) -> bool:
+    """Late binding: keep a request bound for prefill worker `p` at the router instead, because
+    `p` already holds `cfg.late_depth` token budgets or more (in flight, queued, and dispatched
+    since its heartbeat). Below that depth the worker's next steps are already fed, so a request
+    dispatched now runs as soon as one sent later would."""
+    return cfg.late_binding and p.queued_tokens >= cfg.late_depth * p.token_budget
+
+
+def latest_start(arrival: float, ttft_slo: float, alone_s: float) -> float:
+    """The latest time a request can still start and meet its TTFT SLO: arrival + SLO less its
+    own prefill on an idle worker (`alone_s`, e.g. `PerfModel.prefill_exec` at the token budget)."""
+    return arrival + ttft_slo - alone_s
+
+
+def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -> list[int]:
+    """The order to decide waiting requests again in, as indices into `latest` (each one's
+    `latest_start`, the requests in arrival order): see `late_order` (FIFO without a Kairos config)."""
+    if cfg is None or cfg.late_order == "fifo":
+        return list(range(len(latest)))
+    return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
 def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0,
@@ -478,6 +520,10 @@ class Kairos:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
             d = handoff or least_loaded_decode(view, req)
+            if holds(cfg, best_p):
+                raise Hold(f"prefill worker {best_p.worker_id} holds {best_p.queued_tokens} tokens "
+                           f"(late binding: waits below {cfg.late_depth:g} x {best_p.token_budget}) "
+                           "and no decode worker can prefill it in place now")
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
                 reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now, per_worker)

@@ -88,6 +88,8 @@ class Request:
     rejected_by: set[str] = field(default_factory=set)  # decode workers whose admission turned its deflection away
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
+    held: bool = False          # ... because the policy held it (late binding), not for KV room
+    wait_reason: str = ""       # why it waits, the policy's words
 
     @property
     def streamed(self) -> bool:

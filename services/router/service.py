@@ -28,6 +28,7 @@ from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, R
 from common.perf_model import load_profile
 from common.policy import (
     ConditionalConfig,
+    Hold,
     KairosConfig,
     KvAwareConfig,
     NoKvRoom,
@@ -39,7 +40,7 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import metrics, migrate
+from services.router import metrics, migrate, waiting
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
@@ -59,7 +60,8 @@ class Router:
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
                                 per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
                                 predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
-                                share_expect=cfg.share_expect)
+                                share_expect=cfg.share_expect, late_binding=cfg.late_binding,
+                                late_depth=cfg.late_depth, late_order=cfg.late_order)  # type: ignore[arg-type]
             ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                      eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -137,7 +139,7 @@ class Router:
         while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
             self.kv_waiting.popleft()
         try:
-            if self.kv_waiting:
+            if self.kv_waiting and waiting.blocked(self):
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
             self._dispatch(req)
         except NoKvRoom as e:
@@ -146,9 +148,7 @@ class Router:
                 metrics.observe_rejected("no_kv_room")
                 raise Unavailable(f"cannot serve now: {e}, and {len(self.kv_waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
-            req.kv_wait_until = now + self.cfg.kv_wait_timeout
-            self.kv_waiting.append(req)
-            self.counts["kv_waited"] += 1
+            waiting.enqueue(self, req, e, now)
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
@@ -205,33 +205,9 @@ class Router:
                                "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
     def _retry_kv_waiting(self) -> None:
-        """Place the requests waiting for KV room, in arrival order, while the views show room
-        (called on decode heartbeats and when a request ends, i.e. when room may have freed)."""
-        q = self.kv_waiting
-        while q:
-            req = q[0]
-            if req.done:  # aborted or past its deadline meanwhile
-                q.popleft()
-                continue
-            try:
-                self._dispatch(req)
-            except NoKvRoom:
-                return
-            except NoWorkers as e:
-                q.popleft()
-                self._fail(req, f"no worker can serve it: {e}", code="unavailable")
-                continue
-            q.popleft()
-            req.kv_wait_until = 0.0
-
-    def _expire_kv_waiting(self, now: float) -> None:
-        q = self.kv_waiting
-        while q and (q[0].done or now > q[0].kv_wait_until):
-            req = q.popleft()
-            if not req.done:
-                self.counts["kv_wait_timeouts"] += 1
-                self._fail(req, f"no decode worker had KV room for it within {self.cfg.kv_wait_timeout:g} s "
-                                "(kv_wait_timeout); retry later, or add decode workers", code="kv_wait_timeout")
+        """Decide the waiting requests again (services/router/waiting.py): called on heartbeats,
+        a deflection's first token and a request's end, i.e. when room may have opened."""
+        waiting.retry(self)
 
     def _dispatch(self, req: Request, *, rejected: bool = False) -> None:
         """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
@@ -410,8 +386,9 @@ class Router:
             req.exclude.clear()
             try:
                 self._dispatch(req)
-            except NoKvRoom:
+            except NoKvRoom as e:
                 # e.g. a decode worker refused it for KV room the views did not show: wait for room, first in line
+                req.held, req.wait_reason = isinstance(e, Hold), str(e)
                 req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
                 self.kv_waiting.appendleft(req)
                 self.counts["kv_waited"] += 1
@@ -587,6 +564,7 @@ class Router:
                 self.counts["kv_fallbacks"] += 1
                 metrics.observe_kv_fallback()
         wid = w.worker_id
+        freed = False  # a deflection slot: held requests (late binding) may fit now
         for it in b.items:
             req = reqs.get(it.request_id)
             if req is not None and req.decode_worker != wid:  # not (or no longer) this worker's
@@ -599,7 +577,8 @@ class Router:
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
             if req.n_out == req.resume_from:  # this attempt's first token: its prefill is over, its KV read
-                w.deflecting.pop(req.request_id, None)
+                if w.deflecting.pop(req.request_id, None) is not None:
+                    freed = True
                 w.deflect_info.pop(req.request_id, None)
                 self._kv_consumed(req)
             if req.first_token_at is None:
@@ -613,6 +592,8 @@ class Router:
                                         prompt_logprobs=it.prompt_logprobs))
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)
+        if freed and self.kv_waiting:
+            self._retry_kv_waiting()
 
     def _on_prefill_done(self, p: m.PrefillDone, pw: WorkerEntry) -> None:
         req = self.requests.get(p.request_id)
@@ -734,8 +715,8 @@ class Router:
             w = self.table.workers.get(hb.worker_id)
             if w is None or w.incarnation != hb.incarnation:
                 self._ask_hello(hb.worker_id)
-        elif self.kv_waiting and isinstance(hb, m.DecodeHeartbeat):
-            self._retry_kv_waiting()  # its view may show room now
+        elif self.kv_waiting:
+            self._retry_kv_waiting()  # its view may show room now (KV, a shorter prefill queue)
 
     def _ask_hello(self, worker_id: str) -> None:
         assert self.bus is not None
@@ -775,7 +756,7 @@ class Router:
             migrate.retry_parked(self)
             now = time.monotonic()
             if self.kv_waiting:
-                self._expire_kv_waiting(now)
+                waiting.expire(self, now)
             for req in [r for r in self.requests.values() if now > r.deadline]:
                 self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
 
@@ -829,6 +810,7 @@ class Router:
             "router": self.incarnation,
             "in_flight": len(self.requests),
             "kv_waiting": len(self.kv_waiting),
+            "held": sum(r.held for r in self.kv_waiting),  # of which held by late binding
             "counts": dict(self.counts),
             "routes": dict(self.routes),
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},

@@ -13,6 +13,9 @@ Each decision is timed alone with perf_counter_ns, after a warm-up, with the gar
 on (as in the router), in several passes; the median
 pass's p50 and p99 are reported (a shared machine's preemptions hit single passes), with the
 maximum over all passes and the routes taken, so that one can see the decisions were not trivial.
+The policies' passes alternate (pass 1 of each policy, then pass 2, ...) on the same views and
+requests, so that a change in the machine's load between passes hits every policy alike; the
+ratio of each policy's p50 and p99 to the last policy's at the same size is reported ("x ref").
 Each pass is run twice: on the wall clock (perf_counter_ns, what a request waits) and on the
 thread's CPU clock (thread_time_ns, the work itself: preemption by other processes does not
 count, the clock read costs about a microsecond more; in a shared VM, other processes' cache
@@ -98,18 +101,17 @@ def prompts(trace: str, n: int, seed: int) -> list[int]:
     return [rng.choice(lengths) for _ in range(n)]
 
 
-def measure(policy_name: str, n: int, *, decisions: int, seed: int, lengths: list[int], profile: str,
-            kcfg: KairosConfig, repeat: int = 3) -> dict[str, Any]:
+def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengths: list[int], profile: str,
+            kcfg: KairosConfig, repeat: int = 3) -> list[dict[str, Any]]:
+    """One row per policy at `n` + `n` workers, their passes interleaved (see the module doc)."""
     prof = load_profile(profile)
     rng = random.Random(seed * 1000 + n)
     views = [make_view(rng, n, prof.model, prof.prefill_token_budget, prof.decode_token_budget,
                        prof.kv_capacity_tokens, lengths) for _ in range(64)]
     reqs = [RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64, ttft_slo=2.0,
                         tbt_slo=0.1) for i in range(decisions)]
-    policy = make_policy(policy_name, kairos=kcfg, default_model=prof.model)
-    hb_rng = random.Random(seed)
 
-    def evolve(i: int, view: ClusterView, d: Decision, now: float) -> ClusterView:
+    def evolve(hb_rng: random.Random, i: int, view: ClusterView, d: Decision, now: float) -> ClusterView:
         """The next decision's view: the request joins its prefill worker's ledger, and one
         prefill worker (round robin) reports a fresh heartbeat."""
         pre = list(view.prefill)
@@ -122,42 +124,55 @@ def measure(policy_name: str, n: int, *, decisions: int, seed: int, lengths: lis
         pre[k] = make_prefill(hb_rng, pre[k].worker_id, prof.model, prof.prefill_token_budget, lengths, now)
         return ClusterView(prefill=tuple(pre), decode=views[(i + 1) % len(views)].decode)
 
-    view = views[0]
-    for i in range(min(500, decisions)):  # warm-up
-        d = policy.decide(reqs[i], view, i * 0.01)
-        view = evolve(i, view, d, i * 0.01)
-    routes: dict[str, int] = {}
-    passes: dict[str, list[list[int]]] = {"wall": [], "cpu": []}
+    policies = [make_policy(name, kairos=kcfg, default_model=prof.model) for name in policy_names]
+    for policy in policies:  # warm-up
+        hb_rng = random.Random(seed)
+        view = views[0]
+        for i in range(min(500, decisions)):
+            d = policy.decide(reqs[i], view, i * 0.01)
+            view = evolve(hb_rng, i, view, d, i * 0.01)
+    routes: list[dict[str, int]] = [{} for _ in policies]
+    passes: list[dict[str, list[list[int]]]] = [{"wall": [], "cpu": []} for _ in policies]
     for _ in range(repeat):
-        for kind, clock in (("wall", time.perf_counter_ns), ("cpu", time.thread_time_ns)):
-            ns: list[int] = []
-            routes = {}
-            gc.collect()
-            view = views[0]
-            for i, req in enumerate(reqs):
-                now = i * 0.01
-                t0 = clock()
-                d = policy.decide(req, view, now)
-                ns.append(clock() - t0)
-                routes[d.route] = routes.get(d.route, 0) + 1
-                view = evolve(i, view, d, now)
-            ns.sort()
-            passes[kind].append(ns)
+        for pi, policy in enumerate(policies):
+            for kind, clock in (("wall", time.perf_counter_ns), ("cpu", time.thread_time_ns)):
+                ns: list[int] = []
+                routes[pi] = {}
+                hb_rng = random.Random(seed)
+                gc.collect()
+                view = views[0]
+                for i, req in enumerate(reqs):
+                    now = i * 0.01
+                    t0 = clock()
+                    d = policy.decide(req, view, now)
+                    ns.append(clock() - t0)
+                    routes[pi][d.route] = routes[pi].get(d.route, 0) + 1
+                    view = evolve(hb_rng, i, view, d, now)
+                ns.sort()
+                passes[pi][kind].append(ns)
 
     def q(ns: list[int], f: float) -> float:
         return ns[min(len(ns) - 1, int(len(ns) * f))] / 1e3
 
-    out: dict[str, Any] = {"policy": policy_name, "prefill_workers": n, "decode_workers": n,
-                           "decisions": decisions, "repeat": repeat,
-                           "deflect_share": routes.get("deflect", 0) / decisions}
-    for kind, reps in passes.items():
-        pre = "" if kind == "wall" else "cpu_"
-        out[pre + "p50_us"] = statistics.median(q(ns, 0.5) for ns in reps)
-        out[pre + "p99_us"] = statistics.median(q(ns, 0.99) for ns in reps)
-        out[pre + "max_us"] = max(ns[-1] for ns in reps) / 1e3
-        out[pre + "mean_us"] = statistics.median(sum(ns) / len(ns) for ns in reps) / 1e3
-        out[pre + "p99_us_runs"] = [q(ns, 0.99) for ns in reps]
-    return out
+    rows = []
+    for name, rt, ps in zip(policy_names, routes, passes, strict=True):
+        out: dict[str, Any] = {"policy": name, "prefill_workers": n, "decode_workers": n,
+                               "decisions": decisions, "repeat": repeat,
+                               "deflect_share": rt.get("deflect", 0) / decisions}
+        for kind, reps in ps.items():
+            pre = "" if kind == "wall" else "cpu_"
+            out[pre + "p50_us"] = statistics.median(q(ns, 0.5) for ns in reps)
+            out[pre + "p99_us"] = statistics.median(q(ns, 0.99) for ns in reps)
+            out[pre + "max_us"] = max(ns[-1] for ns in reps) / 1e3
+            out[pre + "mean_us"] = statistics.median(sum(ns) / len(ns) for ns in reps) / 1e3
+            out[pre + "p99_us_runs"] = [q(ns, 0.99) for ns in reps]
+        rows.append(out)
+    ref = rows[-1]
+    for r in rows:
+        for k in ("p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"):
+            r[f"{k}_x_ref"] = r[k] / ref[k] if ref[k] > 0 else float("inf")
+        r["ref_policy"] = ref["policy"]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="2,8,32,128", help="decode (and prefill) workers per run, comma separated")
     ap.add_argument("--decisions", type=int, default=5000, help="timed decisions per size (default 5000)")
     ap.add_argument("--policy", action="append", default=None,
-                    help="policies to time (default: kairos and disagg-least-loaded)")
+                    help="policies to time; the last is the reference of the ratios "
+                         "(default: kairos and disagg-least-loaded)")
     ap.add_argument("--profile", default="a100-dsv2-lite")
     ap.add_argument("--trace", default="code", help="prompt lengths from this trace (default code)")
     ap.add_argument("--repeat", type=int, default=3,
@@ -182,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--workers needs positive integers; --decisions and --repeat must be >= 1")
         lengths = prompts(args.trace, 4096, args.seed)
         kcfg = KairosConfig() if args.predictor is None else KairosConfig(predictor=args.predictor)
-        rows = [measure(p, n, decisions=args.decisions, seed=args.seed, lengths=lengths, profile=args.profile,
-                        kcfg=kcfg, repeat=args.repeat)
-                for p in (args.policy or ["kairos", "disagg-least-loaded"]) for n in sizes]
+        names = args.policy or ["kairos", "disagg-least-loaded"]
+        by_size = [measure(names, n, decisions=args.decisions, seed=args.seed, lengths=lengths,
+                           profile=args.profile, kcfg=kcfg, repeat=args.repeat) for n in sizes]
+        rows = [row for name in names for rows_n in by_size for row in rows_n if row["policy"] == name]
     except (ConfigError, ValueError) as e:
         err.print(f"[red]kairos bench-decision: {e}[/]")
         return 2
@@ -192,12 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:
         console = Console(width=120)
     tab = Table(title=f"decision cost, {args.profile}, prompts from {args.trace}, Python {platform.python_version()}")
-    for col in ("policy", "P+D workers", "p50 µs", "p99 µs", "max µs", "CPU p50 µs", "CPU p99 µs", "deflect"):
+    for col in ("policy", "P+D workers", "p50 µs", "p99 µs", "max µs", "CPU p50 µs", "CPU p99 µs", "deflect",
+                "p50 / p99 x ref"):
         tab.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         tab.add_row(r["policy"], f"{r['prefill_workers']}+{r['decode_workers']}", f"{r['p50_us']:.1f}",
                     f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}", f"{r['cpu_p50_us']:.1f}", f"{r['cpu_p99_us']:.1f}",
-                    f"{100 * r['deflect_share']:.0f}%")
+                    f"{100 * r['deflect_share']:.0f}%", f"{r['p50_us_x_ref']:.1f} / {r['p99_us_x_ref']:.1f}")
     console.print(tab)
     if args.out:
         Path(args.out).write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),

@@ -13,20 +13,25 @@ written into the cache. One layer's weights and one KV buffer are shared by all 
 is far larger than the GPU's L2 cache, so the time per layer is that of distinct weights and
 caches, at a fraction of the memory.
 
-Three sweeps, each step timed `--repeats` times (the fastest kept: contention only adds time):
+Three sweeps, interleaved, each step timed `--repeats` times (the fastest kept: contention only
+adds time); the sweep stops at 60 % of --budget-s and fits what it has:
 - prefill: chunks of 128..8192 tokens over contexts of 0..32k (chunk + context <= 32k);
 - decode: batches of 1..256 at contexts of 512..8192 (batch x context <= 512k tokens);
 - mixed: one chunk beside a decode batch, the step a deflection adds to a decode worker.
 The samples are fitted with common.perf_model.fit (the fitter of `kairos profile`). Writes
 DIR/gpu-check.json (device, shapes, every sample, the fit, its error per kind of step) and
 DIR/gpu-check-profile.json (a profile `--profile` accepts). With NIXL importable it also runs
-`kairos kv-bench` (host memory) and stores its report beside them.
+`kairos kv-bench` in host memory and, on CUDA, in GPU memory (`--memory vram`), and with vLLM
+0.32.0 installed the vLLM stage (bench/gpu_vllm.py: Kairos's vLLM path on this platform, baseline
+against Kairos), each bounded by what is left of --budget-s; prints a summary; exit 1 when a
+stage that ran failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -163,34 +168,79 @@ def timed(model: Model, reps: int, **kw: int) -> float:
 
 
 def plan(sw: Sweep) -> list[tuple[str, dict[str, int]]]:
-    steps: list[tuple[str, dict[str, int]]] = []
+    """Every step shape, the three kinds interleaved: a run cut short by its time budget still has
+    samples of each kind (prefill, decode and mixed)."""
+    kinds: dict[str, list[tuple[str, dict[str, int]]]] = {"prefill": [], "decode": [], "mixed": []}
     for ctx in sw.contexts:
         for c in sw.chunks:
             if ctx + c <= sw.max_context:
-                steps.append(("prefill", dict(chunk=c, context=ctx, batch=0, decode_context=0)))
+                kinds["prefill"].append(("prefill", dict(chunk=c, context=ctx, batch=0, decode_context=0)))
     for dctx in sw.decode_contexts:
         for b in sw.batches:
             if b * (dctx + 1) <= sw.max_decode_tokens:
-                steps.append(("decode", dict(chunk=0, context=0, batch=b, decode_context=dctx)))
+                kinds["decode"].append(("decode", dict(chunk=0, context=0, batch=b, decode_context=dctx)))
     for b in sw.mixed_batches:
         for c in sw.mixed_chunks:
-            steps.append(("mixed", dict(chunk=c, context=sw.mixed_context, batch=b, decode_context=sw.mixed_context)))
+            kinds["mixed"].append(("mixed", dict(chunk=c, context=sw.mixed_context, batch=b,
+                                                 decode_context=sw.mixed_context)))
+    steps: list[tuple[str, dict[str, int]]] = []
+    for i in range(max(len(v) for v in kinds.values())):
+        steps += [v[i] for v in kinds.values() if i < len(v)]
     return steps
 
 
-def kv_bench(out: Path, tiny: bool) -> dict[str, Any]:
+def kv_bench(out: Path, tiny: bool, memory: str, timeout: float) -> dict[str, Any]:
+    """`kairos kv-bench` in host memory (dram) or GPU memory (vram); its report, or why not."""
     try:
         import nixl._api  # noqa: F401
     except ImportError as e:
         return {"skipped": f"NIXL is not importable ({e})"}
-    report = out / "kv-bench.json"
+    report = out / f"kv-bench-{memory}.json"
     size = str(1 << 20 if tiny else 256 << 20)
-    cmd = [sys.executable, "-m", "common.kv.bench", "--size", size, "--iters", "3" if tiny else "20",
-           "--out", str(report)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "common.kv.bench", "--memory", memory, "--size", size, "--iters",
+           "3" if tiny else "20", "--out", str(report)]
+    # UCX prints the protocol and transports it picked for each transfer (in GPU memory: cuda_ipc,
+    # or staging through host memory): kept beside the report
+    env = {**os.environ, "UCX_PROTO_INFO": "y"}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 10.0), env=env)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"{' '.join(cmd[1:])} did not finish within {timeout:.0f} s"}
+    (out / f"kv-bench-{memory}.stderr.log").write_text(r.stderr)
     if r.returncode != 0:
-        return {"failed": f"{' '.join(cmd)} exited {r.returncode}: {r.stderr[-500:]}"}
+        return {"failed": f"{' '.join(cmd[1:])} exited {r.returncode}: {r.stderr[-500:]}"}
     return {"command": " ".join(cmd[1:]), "report": json.loads(report.read_text())}
+
+
+def vllm_stage(out: Path, tiny: bool, budget_s: float) -> dict[str, Any]:
+    """bench.gpu_vllm (vLLM on this platform, baseline vs Kairos) when vLLM is installed."""
+    from bench import gpu_vllm
+
+    if why := gpu_vllm.unavailable():
+        return {"skipped": why}
+    if budget_s < 60:
+        return {"skipped": f"the time budget is spent ({budget_s:.0f} s left)"}
+    cmd = [sys.executable, "-m", "bench.gpu_vllm", "--out", str(out), "--requests", "8" if tiny else "48",
+           "--budget-s", str(int(budget_s - 20))]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"bench.gpu_vllm did not finish within {budget_s:.0f} s"}
+    res = out / "gpu-vllm.json"
+    if not res.exists():
+        return {"failed": f"bench.gpu_vllm exited {r.returncode}: {r.stderr[-800:]}"}
+    return {"command": " ".join(cmd[1:]), "summary": r.stdout.strip().splitlines()[-1:], **json.loads(res.read_text())}
+
+
+def summarize_stage(name: str, res: dict[str, Any]) -> str:
+    if "skipped" in res or "failed" in res:
+        return f"{name}: {'SKIPPED' if 'skipped' in res else 'FAILED'}: {res.get('skipped') or res.get('failed')}"
+    if "report" in res:
+        r = res["report"]
+        return (f"{name}: {r['single']['gbps_median']:.2f} GB/s one block, {r['blocks']['gbps_median']:.2f} GB/s "
+                f"{r['blocks']['blocks']} scattered blocks ({r['size_bytes'] >> 20} MiB; copy "
+                f"{r['memcpy_gbps_median']:.2f} GB/s)")
+    return f"{name}: {'ok' if res.get('ok') else 'FAILED'}: {'; '.join(res.get('summary', []))}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="", help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per step shape (the fastest is kept)")
     ap.add_argument("--no-kv-bench", action="store_true", help="skip `kairos kv-bench`")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM stage (bench.gpu_vllm)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="time for the whole check; the sweep stops at 60 %% of it and fits what it has")
     args = ap.parse_args(argv)
     import torch
 
@@ -223,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         model = Model(shape, device, dtype, kv_tokens)
         rows: list[dict[str, Any]] = []
         samples: list[StepSample] = []
-        for kind, kw in plan(sweep):
+        steps = plan(sweep)
+        for kind, kw in steps:
+            if time.monotonic() - t_start > 0.6 * args.budget_s:
+                print(f"sweep: time budget reached after {len(rows)} of {len(steps)} step shapes", flush=True)
+                break
             sec = timed(model, args.repeats, **kw)
             b, dctx = kw["batch"], kw["decode_context"]
             chunks = [(kw["chunk"], kw["context"])] if kw["chunk"] else []
@@ -241,13 +298,27 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kv = {"skipped": "--no-kv-bench"} if args.no_kv_bench else kv_bench(out, args.tiny)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    kv: dict[str, Any] = {}
+    for memory in ("dram", "vram"):
+        left = args.budget_s - (time.monotonic() - t_start)
+        if args.no_kv_bench:
+            kv[memory] = {"skipped": "--no-kv-bench"}
+        elif memory == "vram" and not device.startswith("cuda"):
+            kv[memory] = {"skipped": "no CUDA device"}
+        else:
+            kv[memory] = kv_bench(out, args.tiny, memory, min(120.0, left / 2))
+    left = args.budget_s - (time.monotonic() - t_start)
+    vllm = {"skipped": "--no-vllm"} if args.no_vllm else vllm_stage(out, args.tiny, left)
     result = {
         "when": when, "command": cmd, "device": device, "device_name": gpu, "torch": torch.__version__,
         "cuda": torch.version.cuda, "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape),
         "sweep": asdict(sweep), "repeats": args.repeats, "seconds_total": round(time.monotonic() - t_start, 1),
         "fit": {f: getattr(model_fit, f) for f in PerfModel.__struct_fields__}, "fit_mape": round(err, 4),
-        "fit_mape_per_kind": per_kind, "samples": rows, "kv_bench": kv,
+        "fit_mape_per_kind": per_kind, "steps_planned": len(steps), "samples": rows, "kv_bench": kv["dram"],
+        "kv_bench_vram": kv["vram"], "vllm": vllm,
     }
     (out / "gpu-check.json").write_text(json.dumps(result, indent=1))
     save_profile(Profile(
@@ -255,9 +326,15 @@ def main(argv: list[str] | None = None) -> int:
         derivation=(f"Measured with `{cmd}` on {gpu} ({when}, torch {torch.__version__}): {len(samples)} step "
                     f"shapes, the fastest of {args.repeats} runs each; fitted by common.perf_model.fit."),
         model=model_fit, fit_mape={"all": round(err, 4), **per_kind}), out / "gpu-check-profile.json")
-    print(f"fit: MAPE {err:.1%} ({per_kind}); wrote {out / 'gpu-check.json'} and {out / 'gpu-check-profile.json'} "
-          f"in {time.monotonic() - t_start:.0f} s")
-    return 0
+    print(f"\n== gpu-check summary ({gpu}, {time.monotonic() - t_start:.0f} s)")
+    print(f"sweep: {len(rows)} of {len(steps)} step shapes; fit MAPE {err:.1%} ({per_kind})")
+    print(summarize_stage("kv-bench host memory", kv["dram"]))
+    print(summarize_stage("kv-bench GPU memory", kv["vram"]))
+    print(summarize_stage("vLLM stage", vllm))
+    print(f"wrote {out / 'gpu-check.json'} and {out / 'gpu-check-profile.json'}")
+    failed = [n for n, r in (("kv-bench dram", kv["dram"]), ("kv-bench vram", kv["vram"]), ("vllm", vllm))
+              if "failed" in r or r.get("ok") is False]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

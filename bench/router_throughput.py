@@ -26,6 +26,12 @@ and kept the TTFT p50 within 2x (+2 ms) of the lowest step's. `router_us_per_req
 dedicated router core independently of what the rest of the machine could feed it.
 With --py-spy RATE, it also samples the router with py-spy during a request-rate step at RATE
 and reports where the router's time goes (self and inclusive, by function).
+4. reference (with the requests phase): the same request-rate steps against a minimal ASGI app
+   (bench/reference_app.py: uvicorn with the router's settings, a fixed SSE answer) pinned to
+   the router's CPUs, driven by the same load generator processes. `router_cost_ratio` =
+   router CPU per request / the reference's at the same offered rate: absolute microseconds
+   move between machines and days (a rerun on 2026-12-01 found about 930 us against 400-520 us
+   earlier), the ratio to a reference measured in the same run compares.
 """
 
 from __future__ import annotations
@@ -225,23 +231,31 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 
 class Bench:
-    def __init__(self, cluster: Cluster, clients: Clients, console: Console) -> None:
+    def __init__(self, cluster: Cluster | None, clients: Clients, console: Console, *, pid: int = 0) -> None:
+        """Measures the cluster's router, or with `pid` (and no cluster) that process instead."""
         self.cluster = cluster
         self.clients = clients
         self.console = console
-        self.router_pid = self._pid("router")
-        self.worker_pids = [s.proc.pid for n, s in cluster.services.items() if n != "router" and s.proc]
+        routers = cluster.spec.router_names if cluster is not None else ["router"]
+        self.router_pids = [pid] if pid else [self._pid(n) for n in routers]  # every replica: their sum
+        self.router_pid = self.router_pids[0]
+        self.worker_pids = [s.proc.pid for n, s in cluster.services.items() if n not in routers and s.proc] \
+            if cluster is not None else []
         self.idle_cpu = 0.0
 
     def measure_idle(self, seconds: float) -> float:
         """The router's CPU use with no requests (heartbeats, liveness and telemetry loops), in
         cores; subtracted from the per-request and per-token costs."""
-        c0, t0 = cpu_seconds(self.router_pid), time.perf_counter()
+        c0, t0 = self.router_cpu_s(), time.perf_counter()
         time.sleep(seconds)
-        self.idle_cpu = (cpu_seconds(self.router_pid) - c0) / (time.perf_counter() - t0)
+        self.idle_cpu = (self.router_cpu_s() - c0) / (time.perf_counter() - t0)
         return self.idle_cpu
 
+    def router_cpu_s(self) -> float:
+        return sum(map(cpu_seconds, self.router_pids))
+
     def _pid(self, name: str) -> int:
+        assert self.cluster is not None
         p = self.cluster.services[name].proc
         assert p is not None
         return p.pid
@@ -252,7 +266,7 @@ class Bench:
         sampler: dict[str, Any] = {}
 
         def sample() -> dict[str, Any]:
-            return {"router": cpu_seconds(self.router_pid), "workers": sum(map(cpu_seconds, self.worker_pids)),
+            return {"router": self.router_cpu_s(), "workers": sum(map(cpu_seconds, self.worker_pids)),
                     "machine": machine_busy(), "t": time.perf_counter()}
 
         def start() -> None:  # counters when the clients start sending; then the profiler, if any
@@ -269,7 +283,8 @@ class Bench:
         # draining) is part of what these requests cost
         b = sample()
         a = sampler["a"]
-        self.cluster.check_alive()
+        if self.cluster is not None:
+            self.cluster.check_alive()
         rows = [r for o in outs for r in o["results"]]
         sent = sum(o["sent"] for o in outs)
         ok = [r for r in rows if r[4] is None]
@@ -458,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=0,
                    help="load generator processes (default: one per CPU not given to the router, at most 8)")
     p.add_argument("--connections", type=int, default=256, help="keep-alive connections per client (default 256)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas on the one HTTP port (SO_REUSEPORT), all on --router-cpus; router CPU "
+                        "figures are their sum (default 1)")
     p.add_argument("--router-cpus", default="0", help="CPUs for the router, taskset list (default 0; '' = no pinning)")
     p.add_argument("--other-cpus", default="",
                    help="CPUs for workers and clients (default: every CPU not given to the router)")
@@ -534,17 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
                                  time_scale=args.time_scale, kv_transport=args.kv_transport, monitor=False,
                                  log_dir=log_dir, log_level=args.log_level,
-                                 router_env={"KAIROS_LIVENESS": str(args.liveness)})
+                                 router_env={"KAIROS_LIVENESS": str(args.liveness)}, routers=max(1, args.routers))
     cluster = Cluster(spec)
     for name, svc in cluster.services.items():
-        cpus = router_cpus if name == "router" else other_cpus
+        cpus = router_cpus if name in spec.router_names else other_cpus
         if cpus:
             svc.command = ["taskset", "-c", ",".join(map(str, cpus)), *svc.command]
-    console.print(f"cluster: router on CPUs {router_cpus or 'any'}, {args.prefill}P{args.decode}D workers and "
+    console.print(f"cluster: {spec.routers} router(s) on CPUs {router_cpus or 'any'}, {args.prefill}P{args.decode}D "
+                  "workers and "
                   f"{n_clients} client processes on CPUs {other_cpus}; profile {profile.name} x{args.time_scale:g},"
                   f" policy {args.policy}, KV {args.kv_transport}; logs {log_dir}")
     results: dict[str, Any] = {"config": {
-        "prefill": args.prefill, "decode": args.decode, "policy": args.policy, "profile": profile.name,
+        "prefill": args.prefill, "decode": args.decode, "routers": spec.routers, "policy": args.policy,
+        "profile": profile.name,
         "time_scale": args.time_scale, "kv_transport": args.kv_transport, "clients": n_clients,
         "log_level": args.log_level,
         "connections": args.connections,
@@ -584,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             best = sustained(steps)
             results["requests"] = {"steps": steps, "sustained": best}
             console.print(step_table("request rate (1 output token per request)", steps))
+            ref_rates = [s["offered_rate"] for s in steps]
         if "tokens" in phases:
             steps = []
             for r in token_rates:
@@ -622,11 +643,77 @@ def main(argv: list[str] | None = None) -> int:
         if clients is not None:
             clients.close()
         cluster.stop(10)
+    if "requests" in results:
+        try:
+            results["reference"] = reference_phase(console, args, ref_rates, n_clients, router_cpus, other_cpus,
+                                                   results["requests"]["steps"])
+        except (RuntimeError, TimeoutError) as e:
+            console.print(f"[red]kairos bench-router: reference app: {e}[/]")
+            return 1
     _print_summary(console, results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results: {args.out}")
     return 0
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    import socket
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with status {proc.returncode} before listening on port {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"not listening on port {port} after {timeout:g} s")
+
+
+def reference_phase(console: Console, args: argparse.Namespace, rates: Sequence[float], n_clients: int,
+                    router_cpus: Sequence[int], other_cpus: Sequence[int],
+                    router_steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The request-rate steps again against bench/reference_app.py on the router's CPUs, and the
+    router's CPU per request as a ratio to the reference's at each offered rate."""
+    from kairos.up import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.reference_app", "--port", str(port)]
+    if router_cpus:
+        cmd = ["taskset", "-c", ",".join(map(str, router_cpus)), *cmd]
+    proc = subprocess.Popen(cmd)
+    clients: Clients | None = None
+    try:
+        _wait_port(port, proc)
+        clients = Clients(n_clients, "127.0.0.1", port, args.connections, other_cpus)
+        bench = Bench(None, clients, console, pid=proc.pid)
+        bench.step(50, 1.5, max_tokens=4, prompt_tokens=args.prompt_tokens)  # warm up connections
+        bench.measure_idle(1.0)
+        steps = []
+        for r in rates:
+            s = bench.step(r, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens)
+            s.pop("_rows")
+            steps.append(s)
+            console.print(f"  reference {r:,.0f}/s: done {s['completed_rate']:,.0f}/s, TTFT p50 "
+                          f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, CPU {s['router_cpu']:.2f}")
+    finally:
+        if clients is not None:
+            clients.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    ratios = []
+    for rs, fs in zip(router_steps, steps, strict=False):
+        a, b = rs.get("router_us_per_request"), fs.get("router_us_per_request")
+        ratios.append({"offered_rate": rs["offered_rate"], "router_us_per_request": a, "reference_us_per_request": b,
+                       "router_cost_ratio": a / b if a and b else None})
+    best = sustained(router_steps)
+    at = next((x for x in ratios if best is not None and x["offered_rate"] == best["offered_rate"]), None)
+    return {"steps": steps, "ratios": ratios, "router_cost_ratio": at["router_cost_ratio"] if at else None}
 
 
 def _print_latency(console: Console, args: argparse.Namespace, lat: dict[str, Any]) -> None:
@@ -682,6 +769,11 @@ def _print_summary(console: Console, results: dict[str, Any]) -> None:
                       f"(step {top['offered_rate']:g} req/s) with router CPU {top['router_cpu']:.2f} and "
                       f"{_fmt(top[ck], digits=1)} us per {per}; machine CPU {top['machine_cpu']:.2f} of "
                       f"{os.cpu_count()}")
+    ref = results.get("reference")
+    if ref:
+        pairs = ", ".join(f"{x['offered_rate']:g}/s: {_fmt(x['router_cost_ratio'], digits=2)}" for x in ref["ratios"])
+        console.print(f"router CPU per request over the reference app's (same load, same run): "
+                      f"{_fmt(ref['router_cost_ratio'], digits=2)}x at the sustained step ({pairs})")
 
 
 if __name__ == "__main__":

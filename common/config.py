@@ -52,12 +52,18 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
 class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
+    http_reuse_port: Annotated[bool, doc("replicated routers on one host: bind the HTTP port with SO_REUSEPORT so "
+                                         "several routers share it and the kernel spreads connections")] = False
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
                                "(no prefill workers), deflect-all or kv-aware")] = "kairos"
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
+    tool_call_parser: Annotated[str, doc("vLLM's tool-call parser for the model (vLLM's --tool-call-parser, e.g. "
+                                         "hermes; needs vLLM on the router host and --tokenizer)")] = ""
+    enable_auto_tool_choice: Annotated[bool, doc("let the model call tools on its own (vLLM's "
+                                                 "--enable-auto-tool-choice; with tool_call_parser)")] = False
     max_prompt_tokens: Annotated[int, doc("longest prompt accepted (HTTP 400 above)")] = 32768
     max_output_tokens: Annotated[int, doc("largest max_tokens accepted")] = 8192
     default_max_tokens: Annotated[int, doc("max_tokens when the client gives none")] = 256
@@ -92,6 +98,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     budget_fit: Annotated[bool, doc("kairos: chunk schedules leave token budget to the deflections in flight")] = True
     share_expect: Annotated[bool, doc("kairos replay predictor: count the tokens later requests add to a prompt's "
                                       "last prefill step")] = False
+    late_binding: Annotated[bool, doc("kairos: hold a request at the router while the prefill queues are deep and no "
+                                      "decode worker can take it; dispatch it when one frees room")] = False
+    late_depth: Annotated[float, doc("kairos late binding: hold while the prefill worker has this many token "
+                                     "budgets queued")] = 1.0
+    late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
+                                   "still meet the TTFT SLO) or fifo")] = "slack"
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
     overlap_weight: Annotated[float, doc("kv-aware: weight of a worker's uncached prompt tokens against its load")] \
@@ -112,6 +124,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
 
 class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     worker_id: Annotated[str, doc("unique worker name (default: role-host-pid)")] = ""
+    routers: Annotated[str, doc("replicated routers: every router's bus as host:work_port:heartbeat_port, "
+                                "comma-separated (the worker registers with and heartbeats to each); empty: "
+                                "the one router at router_host, work_port, heartbeat_port")] = ""
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
     profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
     time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
@@ -138,6 +153,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     prefix_cache: Annotated[bool, doc("keep a prefix cache (finished requests' KV blocks stay until room is "
                                       "needed; vllm: its automatic prefix caching) and report it to the router")] = True
     prefix_block_tokens: Annotated[int, doc("sim engine: tokens per prefix-cache block")] = 16
+    deflect_admission: Annotated[bool, doc("decode workers: check every deflection's chunk schedule against the "
+                                           "running decodes and the deflections already accepted (from any "
+                                           "router) and reject what would break the TBT budget")] = True
     refit_interval: Annotated[float, doc("seconds between online refits of the step-time model from measured steps (engines that measure them; 0: off)")] = 30.0
     refit_max_mape: Annotated[float, doc("a refit is used only if its error on the recent steps is at most this")] = 0.25
     drain_timeout: Annotated[float, doc("on SIGTERM, seconds to finish held requests before handing them back")] = 30.0

@@ -188,6 +188,16 @@ class PrefillHeartbeat(Msg, frozen=True):
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
 
 
+class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
+    """A deflection a decode worker admitted and is still prefilling: which router sent it (its
+    incarnation) and the step time and token budget it reserves (its largest chunk's cost, as the
+    router's ledger reserves it). Routers add the ones other routers sent to their view."""
+
+    router: str
+    reserved_s: float
+    largest_chunk: int
+
+
 class DecodeHeartbeat(Msg, frozen=True):
     """Decode worker TBT-slack heartbeat: what Algorithm 1 needs."""
 
@@ -212,9 +222,27 @@ class DecodeHeartbeat(Msg, frozen=True):
     draining: bool = False
     busy_s: float = 0.0  # until the step in flight ends
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
+    held: list[HeldDeflection] = []  # deflections admitted and not yet prefilled, from every router
 
 
 # ---------------------------------------------------------------- work
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A grammar the sampling engine constrains the output with (vLLM's StructuredOutputsParams).
+
+    Exactly one constraint is set; `json` is the JSON schema as JSON text. Only the engine that
+    samples every output token uses it: the decode worker, on both routes."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,6 +263,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None         # top logprobs per output token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for every prompt token (reported by whoever prefills)
+    structured: StructuredOutputs | None = None  # response_format / structured_outputs / tool_choice
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -287,7 +316,10 @@ class DecodeWork(Msg, frozen=True):
     """Router -> decode worker. mode="handoff": KV comes from a prefill worker (await KvReady).
 
     mode="deflect": prefill in place, one chunk of `chunk_schedule` per step (empty: the engine's
-    default chunking).
+    default chunking). `step_budget_s` > 0: the step time every chunk was planned to fit; the
+    worker admits the deflection only if the schedule fits its live state (common/policy/admission.py),
+    else it answers RequestFailed(code="deflect_rejected") at once and the router decides again
+    without that worker (another decode worker's deflection, or the disaggregated path).
     """
 
     request_id: str
@@ -302,6 +334,7 @@ class DecodeWork(Msg, frozen=True):
     prefill_worker: str = ""
     cached_tokens: int = 0
     resume_tokens: int = 0  # the last resume_tokens prompt ids are output already streamed (a migrated request)
+    step_budget_s: float = 0.0  # deflect: the step budget the schedule assumes (0: admit unchecked)
 
 
 class KvWant(Msg, frozen=True):
@@ -376,7 +409,8 @@ class RequestFailed(Msg, frozen=True):
     worker_id: str
     reason: str
     retryable: bool = True
-    code: str = ""  # "invalid_request": the request itself is at fault (HTTP 400), not the worker
+    code: str = ""  # "invalid_request": the request itself is at fault (HTTP 400), not the worker;
+    # "deflect_rejected": a decode worker's admission turned a deflection away (the router decides again)
 
 
 # ---------------------------------------------------------------- telemetry (router -> monitor)

@@ -9,6 +9,10 @@ Welcome names those it no longer tracks, which the worker drops (their KV is fre
 that refuses the worker (engine, model or KV transport incompatible with the cluster's) says
 why; the worker logs it and tries again every REFUSED_RETRY_S.
 
+Replicated routers (WorkerConfig.routers): all of the above happens per router, on one
+RouterLink each (common/router_link.py); a request's messages go back to the router that sent
+it, and each router's heartbeats acknowledge that router's own dispatch numbers.
+
 No poison messages: a frame that does not decode is dropped; an error while handling a message
 or admitting a request fails that request (RequestFailed with the reason), never the worker.
 On SIGTERM it says Goodbye, finishes what it holds within `drain_timeout`, hands back the rest
@@ -35,6 +39,7 @@ from common.config import WorkerConfig
 from common.engines.base import Engine, EngineRequest
 from common.errors import Overloaded
 from common.prefix_report import PrefixReporter
+from common.router_link import Origins, RouterLink, router_addresses
 from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
 
@@ -50,8 +55,10 @@ class WorkerService(abc.ABC):
         self.incarnation = uuid.uuid4().hex[:12]
         self.log = structlog.get_logger().bind(worker=self.worker_id)
         self.stop = asyncio.Event()
-        self.welcomed = asyncio.Event()
-        self.router_incarnation: str | None = None
+        self.links = [RouterLink(i, c) for i, c in enumerate(router_addresses(cfg))]
+        self.origins = Origins(self.links)
+        first = self.links[0]
+        self.welcomed = first.welcomed    # the first router's (the only one, without replicas)
         self.hb_interval = cfg.heartbeat_interval
         self.hb_seq = 0
         self.prefix = PrefixReporter(engine)  # the prefix cache's changes, summarised in heartbeats
@@ -59,14 +66,26 @@ class WorkerService(abc.ABC):
         self.draining = False
         self.left = False
         self._beat_now = asyncio.Event()
-        self._hello_now = asyncio.Event()
-        self._answered = asyncio.Event()   # the router answered a Hello (Welcome or Refused)
-        self.refused = ""                  # why the router refused us, while it does
-        self.bus: WorkerBus
+        self._hello_now = first.hello_now
+        self._answered = first.answered    # the router answered a Hello (Welcome or Refused)
+        self.bus: WorkerBus                # the first router's sockets
         self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0, "refused": 0}
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
             engine.on_failed = self._on_engine_failed
+
+    @property
+    def refused(self) -> str:
+        """Why the (first) router refuses this worker, while it does."""
+        return self.links[0].refused
+
+    @property
+    def router_incarnation(self) -> str | None:
+        return self.links[0].incarnation
+
+    def router_of(self, request_id: str) -> str:
+        """The incarnation of the router that sent this request."""
+        return self.origins.of(request_id).incarnation or ""
 
     # -- to implement -------------------------------------------------------------------
     @abc.abstractmethod
@@ -105,25 +124,28 @@ class WorkerService(abc.ABC):
     async def run(self) -> int:
         install_signals(self.stop)
         self.log.info("worker_starting", role=self.role, engine=self.engine.name, incarnation=self.incarnation,
-                      router=f"{self.cfg.router_host}:{self.cfg.work_port}")
+                      routers=[link.address for link in self.links])
         await self.engine.start()
         await self.setup()
-        self.bus = WorkerBus(self.cfg, self.worker_id)
+        buses = [link.open(self.worker_id) for link in self.links]
+        self.bus = buses[0]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._recv_loop(), name="recv"),
-                         tg.create_task(self._hello_loop(), name="hello"),
-                         tg.create_task(self._heartbeat_loop(), name="heartbeat"),
+                tasks = [tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self._refit_loop(), name="refit"),
-                         tg.create_task(self._connection_loop(), name="connection"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
+                for link in self.links:
+                    tasks += [tg.create_task(self._recv_loop(link), name=f"recv-{link.index}"),
+                              tg.create_task(self._hello_loop(link), name=f"hello-{link.index}"),
+                              tg.create_task(self._connection_loop(link), name=f"connection-{link.index}")]
                 await self.stop.wait()
                 await self._drain()
                 for t in tasks:
                     t.cancel()
         finally:
-            self.bus.close()
+            for bus in buses:
+                bus.close()
             await self.teardown()
             await self.engine.close()
         self.log.info("worker_stopped")
@@ -141,7 +163,7 @@ class WorkerService(abc.ABC):
     async def _drain(self) -> None:
         self.draining = True
         self.log.info("drain_started", held=len(self.held_requests()), timeout_s=self.cfg.drain_timeout)
-        await self.bus.send(codec.encode(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)))
+        await self._to_all(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation))
         self.beat_now()
         deadline = time.monotonic() + self.cfg.drain_timeout
         while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
@@ -149,57 +171,69 @@ class WorkerService(abc.ABC):
         left = self.held_requests()
         for rid, attempt in left:
             self.engine.abort(rid)
-            await self.bus.send(codec.encode(m.RequestFailed(
+            link = self.origins.of(rid)
+            assert link.bus is not None
+            await link.bus.send(codec.encode(m.RequestFailed(
                 request_id=rid, attempt=attempt, worker_id=self.worker_id, reason="worker_draining",
                 retryable=True)))
         self.left = True  # no more heartbeats: the router must not take us for a worker to re-register
-        await self.bus.send(codec.encode(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation,
-                                                   reason="drained")))
+        await self._to_all(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="drained"))
         self.log.info("drain_finished", handed_back=len(left))
         await asyncio.sleep(0.05)  # let the hand-backs leave before the socket closes
 
+    async def _to_all(self, msg: m.Msg) -> None:
+        payload = codec.encode(msg)
+        for link in self.links:
+            assert link.bus is not None
+            await link.bus.send(payload)
+
     # -- loops --------------------------------------------------------------------------
-    def hello(self) -> m.Hello:
+    def hello(self, link: RouterLink | None = None) -> m.Hello:
+        held = self.held_ids()
+        if link is not None and len(self.links) > 1:  # only what this router sent: it names what it no longer tracks
+            held = [rid for rid in held if self.origins.of(rid) is link]
         return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
                        incarnation=self.incarnation, engine=self.engine.name,
                        model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
                        kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
                        coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport,
-                       held=self.held_ids(), max_model_len=self.max_model_len(),
+                       held=held, max_model_len=self.max_model_len(),
                        **{"kv_block_tokens": int(getattr(self.engine, "block_size", 0) or 0), **self.extra_hello()})
 
-    async def _hello_loop(self) -> None:
+    async def _hello_loop(self, link: RouterLink) -> None:
+        assert link.bus is not None
         while True:
-            self._answered.clear()
-            self._hello_now.clear()
-            await self.bus.send(codec.encode(self.hello()))
-            if not await _either(self._answered, self._hello_now, timeout=1.0):
-                self.log.warning("router_not_answering", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
+            link.answered.clear()
+            link.hello_now.clear()
+            await link.bus.send(codec.encode(self.hello(link)))
+            if not await _either(link.answered, link.hello_now, timeout=1.0):
+                self.log.warning("router_not_answering", router=link.address)
                 continue
-            if not self._answered.is_set():  # reconnected meanwhile: say Hello again at once
+            if not link.answered.is_set():  # reconnected meanwhile: say Hello again at once
                 continue
-            if not self.welcomed.is_set():  # refused: say why, try again later (the cluster may change)
+            if not link.welcomed.is_set():  # refused: say why, try again later (the cluster may change)
                 try:
-                    await asyncio.wait_for(self._hello_now.wait(), timeout=REFUSED_RETRY_S)
+                    await asyncio.wait_for(link.hello_now.wait(), timeout=REFUSED_RETRY_S)
                 except TimeoutError:
                     pass
                 continue
-            await self._hello_now.wait()
+            await link.hello_now.wait()
 
-    async def _connection_loop(self) -> None:
+    async def _connection_loop(self, link: RouterLink) -> None:
         """Say Hello as soon as the connection to the router is back after a break: a restarted
         router then knows this worker within a reconnect interval, not a heartbeat round trip."""
+        assert link.bus is not None
         broken = False
         while True:
-            event = await self.bus.connection_event()
+            event = await link.bus.connection_event()
             if event == zmq.EVENT_DISCONNECTED:
                 broken = True
-                self.log.info("router_disconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
+                self.log.info("router_disconnected", router=link.address)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
                 broken = False
-                self.log.info("router_reconnected", router=f"{self.cfg.router_host}:{self.cfg.work_port}")
-                self.welcomed.clear()
-                self._hello_now.set()
+                self.log.info("router_reconnected", router=link.address)
+                link.welcomed.clear()
+                link.hello_now.set()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -216,7 +250,12 @@ class WorkerService(abc.ABC):
             summary = self.prefix.summary()
             if summary is not None:
                 hb = msgspec.structs.replace(hb, prefix=summary)
-            self.bus.beat(codec.encode(hb))
+            if len(self.links) == 1:
+                self.bus.beat(codec.encode(hb))
+                continue
+            for link in self.links:  # each router's own dispatch numbers, acknowledged to it alone
+                assert link.bus is not None
+                link.bus.beat(codec.encode(msgspec.structs.replace(hb, last_dispatch=link.last_dispatch)))
 
     def coeffs(self) -> m.Coeffs | None:
         """The step-time model the router should predict this worker with: the online refit when
@@ -242,8 +281,10 @@ class WorkerService(abc.ABC):
     def beat_now(self) -> None:
         self._beat_now.set()
 
-    async def _recv_loop(self) -> None:
-        sock = self.bus.work
+    async def _recv_loop(self, link: RouterLink) -> None:
+        assert link.bus is not None
+        sock = link.bus.work
+        several = len(self.links) > 1
         while True:
             payload = await sock.recv()
             try:
@@ -252,36 +293,44 @@ class WorkerService(abc.ABC):
                 self.counters["bad_frames"] += 1
                 self.log.warning("bad_frame_dropped", error=str(e)[:200], bytes=len(payload))
                 continue
+            if several:
+                rid = getattr(msg, "request_id", None)
+                if isinstance(rid, str):
+                    self.origins.note(rid, link)
+                link.saw(msg)
             try:
-                await self._on_inbox(msg)
+                await self._on_inbox(msg, link)
             except Exception as e:  # one bad message fails its request, never the worker
                 self._on_handler_error(msg, e)
 
-    async def _on_inbox(self, msg: Any) -> None:
+    async def _on_inbox(self, msg: Any, link: RouterLink | None = None) -> None:
+        link = link or self.links[0]
         match msg:
             case m.Welcome():
-                self.router_incarnation = msg.router_incarnation
+                link.incarnation = msg.router_incarnation
                 self.hb_interval = msg.heartbeat_interval_s
-                if not self.welcomed.is_set():
-                    self.log.info("registered", router_incarnation=msg.router_incarnation)
-                self.refused = ""
-                self.welcomed.set()
-                self._answered.set()
-                self._drop_untracked(msg.drop)
+                if not link.welcomed.is_set():
+                    self.log.info("registered", router_incarnation=msg.router_incarnation, router=link.address)
+                link.refused = ""
+                link.welcomed.set()
+                link.answered.set()
+                self._drop_untracked(msg.drop if len(self.links) == 1
+                                     else [rid for rid in msg.drop if self.origins.of(rid) is link])
             case m.Refused():
-                if msg.reason != self.refused:
+                if msg.reason != link.refused:
                     self.log.error("registration_refused", reason=msg.reason, retry_in_s=REFUSED_RETRY_S,
+                                   router=link.address,
                                    fix="make this worker's engine, model and KV transport match the cluster's")
-                self.refused = msg.reason
-                self.welcomed.clear()
-                self._answered.set()
+                link.refused = msg.reason
+                link.welcomed.clear()
+                link.answered.set()
             case m.Reregister():
                 if self.draining:  # leaving: a router that does not know us has nothing of ours
                     return
                 self.log.info("reregister_requested", router_incarnation=msg.router_incarnation,
-                              reason=msg.reason)
-                self.welcomed.clear()
-                self._hello_now.set()
+                              reason=msg.reason, router=link.address)
+                link.welcomed.clear()
+                link.hello_now.set()
             case _:
                 await self.on_message(msg)
 
@@ -356,8 +405,11 @@ class WorkerService(abc.ABC):
         """Drop the worker's own bookkeeping of a request the engine gave up on."""
 
     def send(self, msg: m.Msg) -> None:
-        if not send_nowait(self.bus.work, codec.encode(msg)):
-            self.log.error("send_failed", message=type(msg).__name__)
+        """To the router that sent the request (every router for a message about none)."""
+        for link, part in self.origins.split(msg):
+            assert link.bus is not None
+            if not send_nowait(link.bus.work, codec.encode(part)):
+                self.log.error("send_failed", message=type(msg).__name__, router=link.address)
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event, *, timeout: float) -> bool:

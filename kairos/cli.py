@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.loadgen", "replay a trace against an OpenAI-compatible endpoint"),
     "bench-router": ("bench.router_throughput", "measure the router's throughput and added latency"),
     "bench-decision": ("bench.decision_cost", "measure the cost of one routing decision"),
-    "kv-bench": ("common.kv.bench", "measure KV transfer throughput over NIXL between two processes"),
+    "kv-bench": ("common.kv.bench", "measure KV transfer throughput over NIXL (host memory, or GPU memory)"),
     "profile": ("common.engines.profile", "profile an engine and fit the performance model"),
     "make-tiny-model": ("common.engines.tiny_model", "write a tiny random Llama model + tokenizer locally"),
     "keys": ("kairos.keys", "create CURVE keys for an authenticated bus"),

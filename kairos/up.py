@@ -1,12 +1,14 @@
 """`kairos up`: a whole local cluster in one command.
 
-Starts the router, the monitor, N prefill and M decode workers as separate processes (the
+Starts the router (or --routers R replicas sharing the HTTP port through SO_REUSEPORT, each on its
+own three bus ports, every worker registered with each), the monitor, N prefill and M decode
+workers as separate processes (the
 same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
 docker-compose.yml runs), waits until every worker has registered, prints the API address, and
 supervises them: a service that exits is started again (same command, same worker id) after a
 backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or when
 a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in order:
-router first (intake stops, in-flight requests drain), then workers, then the monitor, leaving no
+routers first (intake stops, in-flight requests drain), then workers, then the monitor, leaving no
 process behind.
 """
 
@@ -85,6 +87,9 @@ class ClusterSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
+    routers: int = 1
+    # bus ports (work, heartbeats, telemetry) of router replicas 1.. (replica 0 has the ports above)
+    replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def ephemeral(cls, **kw: object) -> ClusterSpec:
@@ -93,7 +98,17 @@ class ClusterSpec:
                                           "monitor_port")}
         ports.update({k: v for k, v in kw.items() if k in ports})  # type: ignore[misc]
         rest = {k: v for k, v in kw.items() if k not in ports}
+        n = int(rest.get("routers", 1))  # type: ignore[call-overload]
+        rest.setdefault("replica_ports", [(free_port(), free_port(), free_port()) for _ in range(n - 1)])
         return cls(**ports, **rest)  # type: ignore[arg-type]
+
+    def router_bus(self) -> list[tuple[int, int, int]]:
+        """(work, heartbeat, telemetry) ports of every router replica, replica 0 first."""
+        return [(self.work_port, self.heartbeat_port, self.telemetry_port), *self.replica_ports][:self.routers]
+
+    @property
+    def router_names(self) -> list[str]:
+        return ["router"] + [f"router-{i}" for i in range(1, self.routers)]
 
     @property
     def api(self) -> str:
@@ -117,16 +132,24 @@ class Cluster:
                "KAIROS_LOG_LEVEL": s.log_level, "KAIROS_LOG_FORMAT": "json",
                **({"KAIROS_CURVE_KEYS_DIR": s.curve_keys_dir} if s.curve_keys_dir else {})}
         self.bus_env = bus
-        self._add("router", {**bus, "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
+        if s.routers > 1 and len(s.router_bus()) < s.routers:
+            raise ConfigError(f"{s.routers} routers need {s.routers - 1} replica_ports entries")
+        for name, (work, hb, tel) in zip(s.router_names, s.router_bus(), strict=True):
+            self._add(name, {**bus, "KAIROS_WORK_PORT": str(work), "KAIROS_HEARTBEAT_PORT": str(hb),
+                             "KAIROS_TELEMETRY_PORT": str(tel),
+                             "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
                              "KAIROS_PROFILE": s.profile,
+                             **({"KAIROS_HTTP_REUSE_PORT": "true"} if s.routers > 1 else {}),
                              **({"KAIROS_TOKENIZER": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name}
                                 if s.engine == "vllm" and s.model else {}),
-                             **s.router_env})
-        if s.monitor:
+                             **s.router_env}, "router")
+        if s.monitor:  # the first router's telemetry
             self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port)})
         wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
                 "KAIROS_TIME_SCALE": str(s.time_scale),
                 **({"KAIROS_MODEL": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name} if s.model else {}),
+                **({"KAIROS_ROUTERS": ",".join(f"127.0.0.1:{w}:{h}" for w, h, _ in s.router_bus())}
+                   if s.routers > 1 else {}),
                 **s.worker_env}
         for i in range(s.prefill):
             self._add(f"prefill-{i}", {**wenv, "KAIROS_WORKER_ID": f"prefill-{i}"}, "prefill-worker")
@@ -156,10 +179,11 @@ class Cluster:
         """Router, then every other service, until all workers are registered. A start that fails
         (a service exits, or `timeout` passes) stops what it started before it raises."""
         try:
-            self.spawn("router")
+            for name in self.spec.router_names:
+                self.spawn(name)
             self.wait_http("/health", timeout)
             for name in self.services:
-                if name != "router":
+                if name not in self.spec.router_names:
                     self.spawn(name)
             self.wait_ready(timeout)
         except BaseException:
@@ -184,15 +208,21 @@ class Cluster:
         raise TimeoutError(f"router did not answer {path} within {timeout:.0f}s; see {self.spec.log_dir}/router.log")
 
     def wait_ready(self, timeout: float) -> None:
-        """Until every worker we started is registered with the router."""
+        """Until every worker we started is registered with the router (with every replica: each
+        new connection reaches one replica, chosen by the kernel, until all have answered ready)."""
         deadline = time.monotonic() + timeout
         want_p, want_d = self.spec.prefill, self.spec.decode
+        ready: set[object] = set()
         while time.monotonic() < deadline:
             self.check_alive()
             with contextlib.suppress(OSError, ValueError):
                 _, body = self.get("/ready")
                 if body.get("prefill_workers") == want_p and body.get("decode_workers") == want_d:
-                    return
+                    ready.add(body.get("router"))
+                    if len(ready) >= self.spec.routers:
+                        return
+                    time.sleep(0.02)
+                    continue
             time.sleep(0.1)
         raise TimeoutError(f"workers did not all register within {timeout:.0f}s; see the logs in {self.spec.log_dir}/")
 
@@ -261,10 +291,13 @@ class Cluster:
             self.wait_exit(name, 5)
 
     def stop(self, timeout: float = 40.0) -> None:
-        """Router first (stops intake, drains), then workers, then the monitor; SIGKILL stragglers."""
-        if "router" in self.services:
-            self.stop_service("router", timeout)
-        rest = [n for n in self.services if n not in ("router", "monitor")]
+        """Routers first (stop intake, drain), then workers, then the monitor; SIGKILL stragglers."""
+        routers = [n for n in self.spec.router_names if n in self.services]
+        for n in routers:
+            self.signal(n, signal.SIGTERM)
+        for n in routers:
+            self.stop_service(n, timeout)
+        rest = [n for n in self.services if n not in (*routers, "monitor")]
         for n in rest:
             self.signal(n, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -292,7 +325,10 @@ def parser() -> argparse.ArgumentParser:
                    help="routing policy (default kairos; chunked-prefill runs with --prefill 0)")
     p.add_argument("--port", type=int, default=8000, help="HTTP API port (default 8000)")
     p.add_argument("--bus-port", type=int, default=5555,
-                   help="first of three bus ports: work, heartbeats, telemetry (default 5555)")
+                   help="first of three bus ports: work, heartbeats, telemetry (default 5555); router replica i "
+                        "takes the three from bus-port + 3i")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas, all on --port through SO_REUSEPORT (default 1)")
     p.add_argument("--monitor-port", type=int, default=9100, help="monitor /metrics and dashboard port (default 9100)")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
@@ -360,6 +396,8 @@ def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
 
 def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     """The cluster the flags describe. Raises ConfigError with what to change."""
+    if a.routers < 1:
+        raise ConfigError("--routers must be 1 or more")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
     if a.engine == "vllm" and not a.model:
@@ -383,7 +421,9 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
-                       restart=restart)
+                       restart=restart, routers=a.routers,
+                       replica_ports=[(a.bus_port + 3 * i, a.bus_port + 3 * i + 1, a.bus_port + 3 * i + 2)
+                                      for i in range(1, a.routers)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        print(f"starting {a.prefill} prefill + {a.decode} decode workers ({a.engine} engine, policy {a.policy}); "
-              f"logs in {a.log_dir}/", flush=True)
+        print(f"starting {a.routers} router(s), {a.prefill} prefill + {a.decode} decode workers ({a.engine} engine, "
+              f"policy {a.policy}); logs in {a.log_dir}/", flush=True)
         cluster.start(timeout=300 if a.engine == "vllm" else 60)
         print(f"\nKairos is up.\n  OpenAI API:  {spec.api}/v1   (model: "
               f"{Path(a.model).name if a.model else 'kairos-sim'})\n"

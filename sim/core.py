@@ -17,10 +17,21 @@ Model of a request:
 What the policy sees is what the live router sees: per-worker views built from heartbeats that
 each worker publishes every `heartbeat_interval` seconds (phases staggered across workers), so
 they are stale in between, plus, unless switched off, the router's ledger of work it has
-dispatched to the worker since that worker's last heartbeat. A heartbeat is the worker's state at
-the heartbeat instant; since state only changes at events, it is captured lazily (just before the
-first event at or after the instant touches the worker), which is exact and costs nothing while
-a worker is idle. `heartbeat_interval = 0` gives the policy perfect, instantaneous views.
+dispatched to the worker since that worker's last heartbeat. With `routers` > 1 the requests
+go round-robin to that many routers, each with its own policy object and its own ledger (it
+knows only what it dispatched itself); every heartbeat reaches all of them. With `held_list`,
+a decode worker's heartbeats also list the deflections it holds and which router sent each, and
+each router adds the others' ones to its view; a live worker heartbeats at once when it admits
+a deflection and when one finishes its prefill, so the simulated routers see those changes at
+once. With `beat_on_dispatch`, a worker heartbeats at once when work reaches it (live workers
+do, 2 ms later; the simulated heartbeat is instantaneous), so every router sees every dispatch
+at once; without it only at the heartbeat interval. With `admission`, a decode worker checks
+each deflection against its live state before it starts it (common/policy/admission.py) and
+the router decides again without that worker.
+A heartbeat is the worker's state at the heartbeat instant; since state only changes at
+events, it is captured lazily (just before the first event at or after the instant touches the
+worker), which is exact and costs nothing while a worker is idle. `heartbeat_interval = 0`
+gives the policy perfect, instantaneous views.
 
 Overload, as engines behave: a request the policy cannot place (no decode worker has KV room in
 the router's view) waits in the router's FIFO queue, and the queue is retried whenever a decode
@@ -28,10 +39,18 @@ worker's finished requests become visible (at its next heartbeat; at once withou
 A request that has waited `kv_wait_timeout` seconds, or finds `kv_wait_max` requests already
 waiting, is rejected: it produces no token and `summarize` counts it (see sim/stats.py). Work
 the router did place but that finds the worker's KV full queues on that worker until KV frees.
+
+Late binding (Kairos's `late_binding`): a request the policy holds (`Hold`: the prefill queues are
+deep, no decode worker can take it in place) waits in the same queue. Held requests do not block
+the queue: a later arrival is still decided at once, and a retry walks the waiting requests in
+arrival order (up to `LATE_SCAN` of them), stopping at one that waits for KV room. Retries also
+run when a prefill worker's shorter queue becomes visible (its next heartbeat) and when a
+deflection's first token frees its slot (the ledger: at once).
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -49,8 +68,9 @@ from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
-from common.policy import ClusterView, DecodeView, NoWorkers, Policy, PrefillView, RequestSpec
-from common.policy.kairos import reserved_step_cost
+from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
+from common.policy.admission import Accepted, accepted_entry, check_deflection, decide_without
+from common.policy.kairos import Kairos, latest_start, reserved_step_cost, retry_order
 from common.policy.prefix_index import PrefixIndex
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
@@ -70,6 +90,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
     prefix_cache: bool = True      # per-worker prefix caches and the router's prefix index (traces with hash_ids)
     hash_block_tokens: int = 512   # prompt tokens per trace hash_ids entry: the cache's block size
+    routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
+    admission: bool = True         # decode workers check every deflection against their live state
+    held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
+    beat_on_dispatch: bool = False  # a worker heartbeats at once when work reaches it (as live workers do)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -80,6 +104,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("kv_wait_timeout and kv_wait_max must be >= 0")
         if self.hash_block_tokens < 1:
             raise ValueError("hash_block_tokens must be >= 1")
+        if self.routers < 1:
+            raise ValueError("need at least one router")
 
 
 @dataclass(slots=True, eq=False)
@@ -91,8 +117,12 @@ class _Req:
     route: str | None = None
     reason: str = ""
     decode_worker: str = ""
+    router: int = 0               # which router replica it arrived at
     ttft_pred: float | None = None
     waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
+    held: bool = False            # waits because the policy held it (late binding), not for KV room
+    was_held: bool = False
+    latest: float = math.nan      # latest start to meet the TTFT SLO (late binding's retry order)
     rejected: bool = False
     prefill_started: float = -1.0
     prefilled: float = -1.0
@@ -106,10 +136,35 @@ class _Req:
     gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
 
 
-class _Worker:
-    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "until", "view", "wid")
+LATE_SCAN = 64  # waiting requests one retry decides again at most (late binding; as the router)
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+
+class _PLed:
+    """One router's ledger of a prefill worker: what it dispatched there since the last heartbeat."""
+
+    __slots__ = ("q", "reqs", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = self.reqs = 0
+        self.q: list[tuple[int, float]] = []  # (prompt tokens, dispatch time) since the heartbeat
+
+
+class _DLed:
+    """One router's ledger of a decode worker, and its exact record of the deflections it sent."""
+
+    __slots__ = ("deflecting", "kv", "pending", "res")
+
+    def __init__(self) -> None:
+        self.res = self.kv = self.pending = 0
+        self.deflecting: dict[str, tuple[float, int, float]] = {}  # deflection -> (step cost s, largest chunk,
+        # predicted end)
+
+
+class _Worker:
+    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at", "until", "views",
+                 "wid")
+
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
         self.wid = wid
         self.batcher = batcher
         self.model = model
@@ -118,35 +173,33 @@ class _Worker:
         self.phase = phase
         self.next_hb = phase
         self.hb: tuple[Any, ...] = ()
-        self.view: Any = None
+        self.views: list[Any] = [None] * routers  # each router's view of it (None: to rebuild)
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
+        self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
 
 
 class _Prefill(_Worker):
-    __slots__ = ("led_q", "led_reqs", "led_tokens", "queued_reqs", "queued_tokens")
+    __slots__ = ("led", "queued_reqs", "queued_tokens")
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
-        super().__init__(wid, batcher, model, phase)
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
+        super().__init__(wid, batcher, model, phase, routers)
         self.queued_tokens = 0
         self.queued_reqs = 0
-        self.led_tokens = 0
-        self.led_reqs = 0
-        self.led_q: list[tuple[int, float]] = []  # (prompt tokens, dispatch time) since the heartbeat
+        self.led = [_PLed() for _ in range(routers)]
 
 
 class _Decode(_Worker):
-    __slots__ = ("admit_wait", "deflecting", "led_kv", "led_pending", "led_res", "step_s", "waiting_kv",
-                 "waiting_kv_tokens")
+    __slots__ = ("accepted", "accepted_from", "admit_wait", "led", "step_s", "waiting_kv", "waiting_kv_tokens")
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
-        super().__init__(wid, batcher, model, phase)
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
+        super().__init__(wid, batcher, model, phase, routers)
         self.waiting_kv = 0
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
-        self.deflecting: dict[str, tuple[float, int, float]] = {}  # router side: deflection -> (step cost s,
-        # largest chunk, predicted end)
-        self.led_res = self.led_kv = self.led_pending = 0
+        self.led = [_DLed() for _ in range(routers)]
+        self.accepted: dict[str, Accepted] = {}  # worker side: deflections admitted, not yet prefilled
+        self.accepted_from: dict[str, tuple[int, int]] = {}  # ... their router and largest chunk (heartbeats)
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
 
@@ -190,6 +243,8 @@ class Simulation:
     def __init__(self, profile: Profile, policy: Policy, cfg: SimConfig) -> None:
         self.profile = profile
         self.policy = policy
+        # one policy object per router (they keep per-router state: caches, counters, rates)
+        self.policies = [policy, *(copy.deepcopy(policy) for _ in range(cfg.routers - 1))]
         self.cfg = cfg
         model = profile.model
         self.model = model
@@ -207,13 +262,14 @@ class Simulation:
         self.prefill = [
             _Prefill(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
                                   max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                  default_chunk=profile.prefill_token_budget, prefix_cache=cache()), model, phase(i))
+                                  default_chunk=profile.prefill_token_budget, prefix_cache=cache()), model, phase(i),
+                     cfg.routers)
             for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
         self.decode = [
             _Decode(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
                                  default_chunk=profile.decode_default_chunk, prefix_cache=cache()), model,
-                    phase(cfg.prefill + i))
+                    phase(cfg.prefill + i), cfg.routers)
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
         self.index = PrefixIndex()  # the router's: fed by heartbeats' summaries and by dispatches
         if cfg.prefix_cache:
@@ -223,12 +279,16 @@ class Simulation:
         self._d_by_id = {w.wid: w for w in self.decode}
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
-        self._cluster: ClusterView | None = None
+        self._clusters: list[ClusterView | None] = [None] * cfg.routers
+        self.admission_rejected = 0
         self._rng = random.Random(cfg.seed)
         self._noise_mu = -cfg.step_noise ** 2 / 2.0
         self.steps = 0
         self.decision_ns: list[int] = []
-        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room
+        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room or held
+        self._waiting_kv = 0  # of which waiting for KV room
+        self._holding = 0     # of which held by the policy (late binding)
+        self._late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
         self._q_wait, self._q_prefill, self._q_admit = _Level(), _Level(), _Level()
         for w in (*self.prefill, *self.decode):
             self._snapshot(w)  # the state announced at registration: idle
@@ -254,8 +314,9 @@ class Simulation:
             b = w.batcher
             w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy,
                     drain(w.model, b.token_budget, b.max_batch, busy, backlog))
-            w.led_tokens = w.led_reqs = 0
-            w.led_q = []
+            for pl in w.led:
+                pl.tokens = pl.reqs = 0
+                pl.q = []
         else:
             assert isinstance(w, _Decode)
             batch = kv = res = defl = 0
@@ -272,9 +333,10 @@ class Simulation:
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
             w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s)
-            w.led_res = w.led_kv = w.led_pending = 0
-        w.view = None
-        self._cluster = None
+            for dl in w.led:
+                dl.res = dl.kv = dl.pending = 0
+        w.views = [None] * len(w.views)
+        self._clusters = [None] * len(self._clusters)
 
     def _busy_until(self, w: _Worker) -> float:
         """When the step in flight ends, as the worker predicts it (its model, without noise)."""
@@ -293,33 +355,41 @@ class Simulation:
                 q.append((seq.prompt_len, done))
         return tuple(q), self._busy_until(w)
 
-    def _prefill_view(self, w: _Prefill) -> PrefillView:
+    def _prefill_view(self, w: _Prefill, router: int) -> PrefillView:
         q, n, backlog, busy, tail = w.hb
-        return PrefillView(worker_id=w.wid, queued_tokens=q + w.led_tokens, queued_requests=n + w.led_reqs,
+        led = w.led[router]
+        return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
                            token_budget=w.batcher.token_budget, model=w.model, backlog=backlog, busy_until=busy,
-                           drain=tail, ledger=tuple(w.led_q), max_batch=w.batcher.max_batch)
+                           drain=tail, ledger=tuple(led.q), max_batch=w.batcher.max_batch)
 
-    def _decode_view(self, w: _Decode) -> DecodeView:
+    def _decode_view(self, w: _Decode, router: int) -> DecodeView:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
-        reserved step cost come from the router's own exact record of deflections in flight."""
+        reserved step cost come from the router's own exact record of deflections in flight (with
+        several routers, of the ones it sent itself)."""
         batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
+        led = w.led[router]
         reserved = 0.0
         reserved_tokens = 0
         inflight: tuple[tuple[float, float, int], ...] = ()
         if self.cfg.ledger:
-            defl = len(w.deflecting)
-            for cost, tokens, _ in w.deflecting.values():
+            defl = len(led.deflecting)
+            for cost, tokens, _ in led.deflecting.values():
                 reserved += cost
                 reserved_tokens += tokens
-            inflight = tuple((end, cost, tokens) for cost, tokens, end in w.deflecting.values())
-        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - w.led_kv, 0),
-                          kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + w.led_res,
+            inflight = tuple((end, cost, tokens) for cost, tokens, end in led.deflecting.values())
+            for rid, (rt, tokens) in w.accepted_from.items():  # the other routers' deflections (see _held_changed)
+                if rt != router and self.cfg.held_list:
+                    defl += 1
+                    reserved += w.accepted[rid].reserved_s
+                    reserved_tokens += tokens
+        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
+                          kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + led.res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
                           token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
-                          pending=pending + w.led_pending, reserved_tokens=reserved_tokens, busy_until=busy,
+                          pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
                           inflight=inflight, step_s=step_s)
 
-    def _view(self, now: float) -> ClusterView:
+    def _view(self, now: float, router: int = 0) -> ClusterView:
         fresh = self.cfg.heartbeat_interval <= 0
         for w in self.prefill:
             if fresh:
@@ -331,19 +401,30 @@ class Simulation:
                 self._snapshot(d)
             else:
                 self._touch(d, now)
-        if self._cluster is None:
+        cluster = self._clusters[router]
+        if cluster is None:
             for w in self.prefill:
-                if w.view is None:
-                    w.view = self._prefill_view(w)
+                if w.views[router] is None:
+                    w.views[router] = self._prefill_view(w, router)
             for d in self.decode:
-                if d.view is None:
-                    d.view = self._decode_view(d)
-            self._cluster = ClusterView(tuple(w.view for w in self.prefill), tuple(d.view for d in self.decode))
-        return self._cluster
+                if d.views[router] is None:
+                    d.views[router] = self._decode_view(d, router)
+            cluster = self._clusters[router] = ClusterView(tuple(w.views[router] for w in self.prefill),
+                                                           tuple(d.views[router] for d in self.decode))
+        return cluster
 
-    def _ledger_changed(self, w: _Worker) -> None:
-        w.view = None
-        self._cluster = None
+    def _held_changed(self, w: _Decode, router: int) -> None:
+        """A deflection sent by `router` started or finished its prefill on `w`: the other
+        routers see it at once, as the live worker heartbeats at once on both (its heartbeats
+        list the deflections it holds and who sent them). Their ledgers never hold it."""
+        if self.cfg.ledger and self.cfg.held_list:
+            for i in range(len(self._clusters)):
+                if i != router:
+                    self._ledger_changed(w, i)
+
+    def _ledger_changed(self, w: _Worker, router: int) -> None:
+        w.views[router] = None
+        self._clusters[router] = None
 
     # -- engine steps ---------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: Any, extra: Any) -> None:
@@ -392,6 +473,8 @@ class Simulation:
             if dcache is not None and r.hashes:  # only the KV the decode worker lacks moves
                 lack -= min(dcache.match(r.hashes) * dcache.block_tokens, seq.prompt_len - 1)
             self._push(now + w.model.xfer_time(lack), _XFER, r, None)
+        if out.prefilled and self._holding:
+            self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
         self._start(w, now)
 
     def _decode_done(self, w: _Decode, plan: StepPlan, now: float) -> None:
@@ -406,9 +489,14 @@ class Simulation:
                 if seq.deflected:
                     r.prefilled = now
                     r.cached = seq.cached
-                    w.deflecting.pop(r.rid, None)
+                    w.accepted.pop(r.rid, None)
+                    if w.accepted_from.pop(r.rid, None) is not None:
+                        self._held_changed(w, r.router)
+                    w.led[r.router].deflecting.pop(r.rid, None)
                     if self.cfg.ledger:
-                        self._ledger_changed(w)
+                        self._ledger_changed(w, r.router)
+                        if self._holding:
+                            self._push(now, _RETRY, None, None)  # a deflection slot freed, seen at once
             r.last = now
             r.ntok += 1
         for seq in out.finished:
@@ -417,9 +505,14 @@ class Simulation:
             if w.admit_wait:
                 self._drain_admissions(w, now)
             if self._waiting:  # the router sees the freed KV at this worker's next heartbeat
-                h = self.cfg.heartbeat_interval
-                self._push(w.next_hb if h > 0 else now, _RETRY, None, None)
+                self._retry_at_heartbeat(w, now)
         self._start(w, now)
+
+    def _retry_at_heartbeat(self, w: _Worker, now: float) -> None:
+        t = w.next_hb if self.cfg.heartbeat_interval > 0 else now
+        if t != w.retry_at:
+            w.retry_at = t
+            self._push(t, _RETRY, None, None)
 
     def _admit(self, w: _Decode, seq: Seq, now: float) -> None:
         if w.admit_wait or not w.batcher.can_admit(seq):
@@ -447,27 +540,55 @@ class Simulation:
 
     # -- arrivals and the router's wait queue -----------------------------------------------
     def _arrive(self, r: _Req, now: float) -> None:
-        if self._waiting or not self._dispatch(r, now):  # FIFO: nobody overtakes a waiting request
+        # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
+        # not block the queue, so a new arrival is decided at once unless one waits for KV
+        if self._waiting_kv or not self._dispatch(r, now):
             if len(self._waiting) >= self.cfg.kv_wait_max:
-                self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for KV room")
+                self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for a worker")
                 return
             self._waiting.append(r)
+            self._count_wait(r, 1)
             self._q_wait.add(now, 1)
             self._push(now + self.cfg.kv_wait_timeout, _GIVE_UP, r, None)
 
+    def _count_wait(self, r: _Req, delta: int) -> None:
+        if r.held:
+            self._holding += delta
+        else:
+            self._waiting_kv += delta
+
     def _retry(self, now: float) -> None:
-        while self._waiting and self._dispatch(self._waiting[0], now):
-            r = self._waiting.popleft()
-            r.waited = now - r.arrival
-            self._q_wait.add(now, -1)
+        """Decide the waiting requests again: the first LATE_SCAN, in the policy's `retry_order`
+        (arrival order but with late binding), past the held ones, stopping at the first that
+        still waits for KV room."""
+        q = self._waiting
+        head = list(itertools.islice(q, LATE_SCAN))
+        slo = self.cfg.ttft_slo
+        pm, pb = self.model, self.profile.prefill_token_budget
+        for r in head:
+            if self._late is not None and math.isnan(r.latest):
+                r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
+        for i in retry_order(self._late, [r.latest for r in head], now):
+            r = head[i]
+            self._count_wait(r, -1)
+            if self._dispatch(r, now):
+                q.remove(r)
+                r.waited = now - r.arrival
+                self._q_wait.add(now, -1)
+                continue
+            self._count_wait(r, 1)
+            if not r.held:
+                return
 
     def _give_up(self, r: _Req, now: float) -> bool:
         if r.route is not None or r.rejected:
             return False  # placed in time
         self._waiting.remove(r)
+        self._count_wait(r, -1)
         self._q_wait.add(now, -1)
         r.waited = now - r.arrival
-        self._reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for KV room ({r.reason})")
+        what = "a worker to take it" if r.held else "KV room"
+        self._reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({r.reason})")
         return True
 
     @staticmethod
@@ -485,20 +606,36 @@ class Simulation:
             cached = tuple((w, n * bt) for w, n in self.index.hits(r.hashes).items())
         spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
                            ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo, cached=cached)
-        view = self._view(now)
+        ri = r.router
+        view = self._view(now, ri)
+        policy = self.policies[ri]
         t0 = time.perf_counter_ns()
         try:
-            d = self.policy.decide(spec, view, now)
+            d = policy.decide(spec, view, now)
         except NoWorkers as e:
             r.reason = str(e)
+            r.held = isinstance(e, Hold)
+            r.was_held = r.was_held or r.held
             return False
         finally:
             self.decision_ns.append(time.perf_counter_ns() - t0)
+        dw = self._d_by_id[d.decode_worker]
+        self._touch(dw, now)
+        closed: frozenset[str] = frozenset()
+        while d.route == "deflect" and cfg.admission and self._admission(dw, d):
+            closed = closed | {d.decode_worker}
+            try:
+                d2 = decide_without(policy, spec, view, now, closed)  # the worker said no at once
+            except NoWorkers:
+                break  # no prefill worker to fall back to: the deflection goes ahead (as the live router)
+            self.admission_rejected += 1
+            d = d2
+            dw = self._d_by_id[d.decode_worker]
+            self._touch(dw, now)
         r.route = d.route
         r.reason = d.reason
         r.decode_worker = d.decode_worker
-        dw = self._d_by_id[d.decode_worker]
-        self._touch(dw, now)
+        led = dw.led[ri]
         need = r.prompt + r.output
         uncached = r.prompt - d.cached_tokens  # as the router expects it
         if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
@@ -506,21 +643,27 @@ class Simulation:
             if d.prefill_worker is not None:
                 self.index.stored(d.prefill_worker, r.hashes)
         if d.route == "deflect":
-            r.ttft_pred = d.ttft_decode_pred
+            r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r, hashes=r.hashes)
-            dw.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget,
-                                                       d.cached_tokens),
-                                    max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
+            led.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget,
+                                                        d.cached_tokens),
+                                     max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
+            dw.accepted[r.rid] = accepted_entry(dw.model, d.chunk_schedule, d.step_budget_s, dw.batcher.token_budget,
+                                                d.cached_tokens)
+            dw.accepted_from[r.rid] = (ri, max(d.chunk_schedule, default=0))
+            self._held_changed(dw, ri)
             if cfg.ledger:
-                dw.led_res += uncached
-                dw.led_kv += need
-                self._ledger_changed(dw)
+                led.res += uncached
+                led.kv += need
+                self._ledger_changed(dw, ri)
             self._admit(dw, seq, now)
+            if cfg.beat_on_dispatch:
+                self._snapshot(dw)
             return True
         assert d.prefill_worker is not None
-        r.ttft_pred = d.ttft_prefill_pred
+        r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
         pw = self._p_by_id[d.prefill_worker]
         self._touch(pw, now)
         pseq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
@@ -532,23 +675,42 @@ class Simulation:
         dw.waiting_kv += 1
         dw.waiting_kv_tokens += need
         if cfg.ledger:
-            pw.led_tokens += uncached
-            pw.led_reqs += 1
-            pw.led_q.append((uncached, now))
-            dw.led_pending += 1
-            dw.led_kv += need
-            self._ledger_changed(pw)
-            self._ledger_changed(dw)
+            pled = pw.led[ri]
+            pled.tokens += uncached
+            pled.reqs += 1
+            pled.q.append((uncached, now))
+            led.pending += 1
+            led.kv += need
+            self._ledger_changed(pw, ri)
+            self._ledger_changed(dw, ri)
         if not pw.busy:
             self._start(pw, now)
+        if cfg.beat_on_dispatch:
+            self._snapshot(pw)
+            self._snapshot(dw)
         return True
+
+    def _admission(self, w: _Decode, d: Decision) -> str:
+        """The decode worker's check of a deflection against its live state ('' when it fits)."""
+        batch = kv = 0
+        slo = math.inf
+        for s in w.batcher.running:
+            if s.computed >= s.prompt_len:
+                batch += 1
+                kv += s.computed + s.generated
+            if s.tbt_slo < slo:
+                slo = s.tbt_slo
+        return check_deflection(w.model, batch=batch, kv_tokens=kv, schedule=d.chunk_schedule,
+                                budget_s=d.step_budget_s, tbt_slo=self.cfg.tbt_slo, accepted=w.accepted.values(),
+                                strictest_tbt_slo=None if slo == math.inf else slo, cached=d.cached_tokens)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
         wall0 = time.perf_counter()
         bt = self.cfg.hash_block_tokens
         use = self.cfg.prefix_cache
-        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length,
+        nr = self.cfg.routers
+        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length, router=i % nr,
                      hashes=chain_ids(tr.hash_ids[:tr.input_length // bt]) or None if use and tr.hash_ids else None)
                 for i, tr in enumerate(trace)]
         if any(b.t < a.t for a, b in itertools.pairwise(trace)):
@@ -593,10 +755,13 @@ class Simulation:
             "wall_s": time.perf_counter() - wall0,
             "decision_us_p50": dec[len(dec) // 2] / 1e3 if dec else None,
             "decision_us_p99": dec[min(len(dec) - 1, int(len(dec) * 0.99))] / 1e3 if dec else None,
+            "routers": self.cfg.routers,
+            "admission_rejected": self.admission_rejected,
             "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, end)),
             "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
             "queues": {"router_kv_wait": self._q_wait.report(end), "prefill": self._q_prefill.report(end),
                        "decode_admit": self._q_admit.report(end)},
+            "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
             "prefix_index_blocks": len(self.index),
         }
@@ -614,6 +779,11 @@ class Simulation:
             prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
             xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred,
             wait_s=r.waited if r.waited >= 0 else None)
+
+
+def _from_arrival(pred: float | None, r: _Req, now: float) -> float | None:
+    """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
+    return None if pred is None else pred + (now - r.arrival)
 
 
 def prefix_hit_rate(reqs: Sequence[_Req]) -> float | None:

@@ -10,7 +10,10 @@ For each workload (the Azure code and conv traces, a long-context synthetic one 
      of requests, its busiest 10 s offer the prefill pool at least its capacity) while the decode
      pool still holds its TBT SLO (at least 99 % of requests keep every gap within it);
      --regime NAME=X overrides the choice;
-  2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py);
+  2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py),
+     the objective averaged over the slice at that load and at twice it (--stress 1,2: the tune
+     slices hold smaller bursts than the report slices, so a policy tuned on them alone is tuned
+     for calm traffic);
   3. replays the disjoint report slice at the regime load and around it (SWEEP x the regime) with
      each policy at its tuned best, on the same GPU count;
   4. writes everything as JSON, a `kairos-tuned/1` file per workload (for `kairos sim --tuned`),
@@ -44,7 +47,7 @@ from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_pa
 from sim.core import SimConfig, peak_load, prefill_load, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
-from sim.tune import GRIDS, OBJECTIVE, Job, _setup, tune_one
+from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one
 
 POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
 PROBE_POLICY = "disagg-least-loaded"
@@ -208,7 +211,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
     log(f"{w.name}: regime x{regime:g} ({time.monotonic() - t0:.0f} s); tuning {', '.join(args.policy)}")
     tune_trace, report_trace = load(w, w.tune, regime), load(w, w.report, regime)
     jobs = [Job(policy=p, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[p], passes=args.passes) for p in args.policy]
+                grid=GRIDS[p], passes=args.passes, stress=args.stress) for p in args.policy]
     tuned = dict(zip(args.policy, pmap(timed_tune, jobs, args.jobs), strict=True))
     log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
     setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
@@ -267,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regime", action="append", default=[], metavar="WORKLOAD=X",
                    help="use rate scale X as WORKLOAD's regime load instead of the probe's choice")
     p.add_argument("--passes", type=int, default=2, help="coordinate-descent passes at most (default 2)")
+    p.add_argument("--stress", default="1,2",
+                   help="tune at these multiples of the regime load on the tune slice, objective averaged "
+                        "(`kairos tune --stress`; default 1,2: bursts twice as dense as the slice's own)")
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default="results/fair-eval",
                    help="folder for results JSON, tuned files and tables.md (default results/fair-eval)")
@@ -284,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             regime[name] = float(x)
         args.regime = regime
         args.policy = list(dict.fromkeys(args.policy or POLICIES))
+        args.stress = parse_stress(args.stress)
         profiles = [load_profile(p) for p in dict.fromkeys(args.profile or ["h100-llama2-70b-tp4"])]
     except (ConfigError, ValueError) as e:
         print(f"fair_eval: {e}", file=sys.stderr)
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             "cluster": "per workload (chunked-prefill: all GPUs as decode workers)",
             "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
             "objective": OBJECTIVE, "passes": args.passes, "sweep_multiples": SWEEP,
+            "tune_stress": list(args.stress),
             "regime_rule": {"ttft_at_most": REGIME_TTFT, "tbt_at_least": REGIME_TBT, "peak_load_at_least": 1.0,
                             "probe_policy": PROBE_POLICY},
             "workloads": {}}

@@ -61,7 +61,11 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
                     _pct(p["ttft_slo_attainment"]), fmt(p["ttft_p95"]), _pct(p["tbt_slo_attainment"]),
                     fmt(p["tbt_p99"], "ms"), _pct(p.get("decode_busy")), "yes" if p["in_regime"] else "no"]
                    for p in w["probe"]])
-    out += [f"Tuned at x{w['regime']:g} on the tune slice:", ""]
+    first: dict[str, Any] = next(iter(w["tuned"].values()), {})
+    stress = first.get("tune_stress")
+    how = "" if not stress else (", the objective averaged over the slice at " + " and ".join(stress)
+                                 + " that load (tune: both is that mean)")
+    out += [f"Tuned at x{w['regime']:g} on the tune slice{how}:", ""]
     out += _table(["policy", "GPUs", "best setting (searched knobs)", "runs", "wall s", "tune: both", "report: both",
                    "defaults on tune: both"],
                   [[p, e["cluster"], _knobs_text(p, e, GRIDS[p]), str(e["evaluated"]), f"{e['wall_s']:.0f}",

@@ -142,6 +142,14 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="chunk schedules ignore the decode token budget taken by deflections in flight")
     k.add_argument("--share-expect", action="store_true", default=None,
                    help="replay predictor: count the tokens later requests add to a prompt's last prefill step")
+    k.add_argument("--late-binding", choices=("on", "off"), default=None,
+                   help="hold a request at the router while the prefill queues are deep and no decode worker can "
+                        "take it, and dispatch it when one frees room (default off)")
+    k.add_argument("--late-depth", type=float, default=None, metavar="N",
+                   help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
+    k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
+                   help="late binding: decide waiting requests again first those that can still meet the TTFT SLO "
+                        "(slack), or by arrival (fifo) (default slack)")
     k.add_argument("--no-prefix-aware", action="store_true", default=None,
                    help="price every prompt whole, ignoring the prefix-cache hits the router knows of")
     k.add_argument("--overlap-weight", type=float, default=None,
@@ -169,6 +177,8 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "predictor": args.predictor,
                    "budget_fit": None if args.no_budget_fit is None else not args.no_budget_fit,
                    "share_expect": args.share_expect,
+                   "late_binding": None if args.late_binding is None else args.late_binding == "on",
+                   "late_depth": args.late_depth, "late_order": args.late_order,
                    "prefix_aware": None if args.no_prefix_aware is None else not args.no_prefix_aware},
         "kv-aware": {"overlap_weight": args.overlap_weight},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,

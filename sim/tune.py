@@ -11,7 +11,9 @@ tune slice: no policy is judged on the data it was tuned on. Kairos goes through
 Objective: the fraction of requests that meet both SLOs (TTFT, and TBT by the largest gap) first;
 among equal attainment, the lower P95 TTFT (rejected requests count as infinite). TBT attainment
 is part of the objective, and the table shows it on its own so a setting that buys TTFT with TBT
-is visible.
+is visible. With --stress 1,2 the tune slice is also replayed at twice its rate (its bursts twice
+as dense) and the objective averaged over both, for every policy alike: a tune slice calmer than
+the traffic a policy will meet otherwise tunes it for calm traffic. The report slice is untouched.
 
 Search: coordinate descent over a small grid, from the defaults (the profile's budgets, the
 policy's default knobs): each knob in turn is set to its best value with the others fixed, and
@@ -56,7 +58,8 @@ OBJECTIVE = ("maximize both-SLO attainment (TTFT <= ttft_slo and largest TBT gap
 GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "kairos": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048, 4096),
                "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4),
-               "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64))},
+               "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64)),
+               "late_binding": (False, True), "late_depth": (0.5, 1.0, 2.0)},
     "conditional-disagg": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048),
                            "decode_chunk": (256, 512, 1024, 2048), "eff_isl_threshold": (0, 256, 512, 1024, 2048),
                            "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 1000.0)},
@@ -72,7 +75,7 @@ DEFAULT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chun
 DEFAULT_PROFILE: str = sim_parser().get_default("profile")
 SHORT = {"prefill_token_budget": "P budget", "decode_token_budget": "D budget", "decode_chunk": "D chunk",
          "max_deflections": "max defl", "eff_isl_threshold": "isl <", "prefill_busy_threshold": "busy >",
-         "eff_isl_ratio_threshold": "isl ratio <"}
+         "eff_isl_ratio_threshold": "isl ratio <", "late_binding": "late", "late_depth": "late depth"}
 
 
 class Slices(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +113,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     report_trace: list[TraceRequest]
     grid: dict[str, tuple[Any, ...]]
     passes: int = 3
+    # the tune slice is replayed at each of these multiples of the rate and the objective averaged:
+    # > 1 compresses its bursts, so a policy is tuned on bursts larger than the slice's own
+    stress: tuple[float, ...] = (1.0,)
     fixed: dict[str, Any] = {}  # policy knobs held at these values (not searched)
 
 
@@ -143,14 +149,35 @@ def defaults(job: Job) -> dict[str, Any]:
     return {k: tuple(start[k]) if isinstance(start[k], list) else start[k] for k in job.grid}
 
 
+def compress(trace: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """The same requests at `factor` x the rate (arrival times divided by it)."""
+    return [TraceRequest(t=r.t / factor, input_length=r.input_length, output_length=r.output_length) for r in trace]
+
+
+def combine(runs: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """One summary for the objective over the stress loads: both-SLO attainment and P95 TTFT
+    averaged (a rejected-request infinity stays infinite); the rest is the x1 run's, and each
+    load's own summary is under "stress"."""
+    base = next((s for m, s in runs if m == 1.0), runs[0][1])
+    att = [s["slo_attainment"] or 0.0 for _, s in runs]
+    p95 = [math.inf if s["ttft_p95"] is None else s["ttft_p95"] for _, s in runs]
+    return {**base, "slo_attainment": sum(att) / len(att), "ttft_p95": sum(p95) / len(p95),
+            "stress": {f"x{m:g}": _brief(s) for m, s in runs}}
+
+
 def tune_one(job: Job) -> dict[str, Any]:
-    """Coordinate descent on the tune slice; the winner then runs once on the report slice."""
+    """Coordinate descent on the tune slice (at each stress load); the winner then runs once on
+    the report slice."""
     cache: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+    loads = [(m, job.tune_trace if m == 1.0 else compress(job.tune_trace, m)) for m in job.stress]
 
     def run(values: dict[str, Any]) -> dict[str, Any]:
         key = tuple(sorted(values.items()))
         if key not in cache:
-            cache[key] = evaluate(job, values, job.tune_trace)
+            if len(loads) == 1 and loads[0][0] == 1.0:
+                cache[key] = evaluate(job, values, job.tune_trace)
+            else:
+                cache[key] = combine([(m, evaluate(job, values, tr)) for m, tr in loads])
         return cache[key]
 
     best = defaults(job)
@@ -170,10 +197,13 @@ def tune_one(job: Job) -> dict[str, Any]:
     report = evaluate(job, best, job.report_trace)
     start = run(defaults(job))
     setup = _setup({**best, **job.fixed})
-    return {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
-            "cluster": "{}P{}D".format(*shape(job.policy, job.sim.prefill, job.sim.decode)),
-            "tune": _brief(best_s), "report": _brief(report), "defaults_tune": _brief(start),
-            "evaluated": len(cache)}
+    out = {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
+           "cluster": "{}P{}D".format(*shape(job.policy, job.sim.prefill, job.sim.decode)),
+           "tune": _brief(best_s), "report": _brief(report), "defaults_tune": _brief(start),
+           "evaluated": len(cache)}
+    if "stress" in best_s:
+        out["tune_stress"] = best_s["stress"]
+    return out
 
 
 KEEP = ("requests", "rejected", "slo_attainment", "slo_attainment_p99", "ttft_slo_attainment", "tbt_slo_attainment",
@@ -226,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-aware", action="store_true",
                    help="kairos prices every prompt whole (prefix_aware false, held, not searched)")
     s.add_argument("--passes", type=int, default=3, help="coordinate-descent passes at most (default 3)")
+    s.add_argument("--stress", default="1",
+                   help="rate multiples the tune slice is replayed at, comma separated; the objective is averaged "
+                        "over them (e.g. 1,2: also with its bursts twice as dense) (default 1)")
     s.add_argument("--jobs", type=int, default=1,
                    help="policies tuned in parallel processes (default 1; more only helps with idle cores)")
     o = p.add_argument_group("output")
@@ -313,8 +346,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     for name in policies:
         if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
+    stress = parse_stress(args.stress)
     jobs = [Job(policy=name, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[name], passes=args.passes, fixed=fixed.get(name, {})) for name in policies]
+                grid=GRIDS[name], passes=args.passes, fixed=fixed.get(name, {}), stress=stress) for name in policies]
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
             results = list(pool.map(tune_one, jobs))
@@ -329,6 +363,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                    "unit": "seed" if isinstance(slices.tune, int) else "seconds of trace time, [start, end)"},
         "requests": {"tune": len(tune_trace), "report": len(report_trace)},
         "objective": OBJECTIVE, "method": f"coordinate descent over GRIDS, at most {args.passes} passes",
+        "stress": list(stress),
         "grids": {name: {k: list(v) for k, v in GRIDS[name].items()} for name in policies},
         "date": datetime.date.today().isoformat(),
         "policies": dict(zip(policies, results, strict=True))}
@@ -342,6 +377,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"wrote {path}; the report slice again, with the tuned settings:\n  {replay_command(args, path)}",
                   soft_wrap=True)
     return 0
+
+
+def parse_stress(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--stress must be comma-separated rate multiples, got {text!r}") from None
+    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
+        raise ConfigError(f"--stress needs positive rate multiples, got {text!r}")
+    return vals
 
 
 def replay_command(args: argparse.Namespace, path: Path) -> str:

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import pytest
 
+from common import messages as m
 from common.config import RouterConfig
 from common.tokenizer import SimpleTokenizer
 from kairos.up import Cluster
@@ -28,6 +29,9 @@ from services.router.requests import Event, Request
 from tests.conftest import start_cluster
 
 MSGS = [{"role": "user", "content": "hello there"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+TOOLS_RENDERED = [{"type": "function",
+                   "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}]
 Check = Callable[[dict[str, Any]], bool]
 REFUSE = "refused"
 
@@ -51,7 +55,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "max_tokens": (3, lambda r: r["usage"]["completion_tokens"] == 3),
     "n": (2, lambda r: len(r["choices"]) == 2),
     "presence_penalty": (0.5, _sampling("presence_penalty", 0.5)),
-    "response_format": ({"type": "json_object"}, REFUSE),
+    "response_format": ({"type": "json_object"}, _sampling("structured", m.StructuredOutputs(json_object=True))),
     "seed": (7, _sampling("seed", 7)),
     "stop": (["zzz"], ("plan", ("stop", ["zzz"]))),
     "stream": (True, lambda r: r["stream"]),
@@ -77,7 +81,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "prompt_logprobs": (1, lambda r: (r.get("prompt_logprobs") or _choice(r).get("prompt_logprobs")) is not None),
     "logprob_token_ids": ([3], REFUSE),
     "bad_words": (["the"], REFUSE),
-    "structured_outputs": ({"json": {}}, REFUSE),
+    "structured_outputs": ({"regex": "[ab]+"}, _sampling("structured", m.StructuredOutputs(regex="[ab]+"))),
     "priority": (1, REFUSE),
     "request_id": ("my-id-1", lambda r: r["id"].endswith("my-id-1")),
     "session_id": ("s", REFUSE),
@@ -112,11 +116,11 @@ CHAT: dict[str, tuple[Any, Any]] = {
     "logprobs": (True, lambda r: _choice(r)["logprobs"]["content"]),
     "top_logprobs": (2, lambda r: len(_choice(r)["logprobs"]["content"][0]["top_logprobs"]) == 2),
     "max_completion_tokens": (2, lambda r: r["usage"]["completion_tokens"] == 2),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE),
-    "tool_choice": ("auto", REFUSE),
+    "tools": (TOOLS, ("tok", "kwargs", {"tools": TOOLS_RENDERED})),
+    "tool_choice": ("none", ("tok", "kwargs", {"tools": TOOLS_RENDERED})),
     "reasoning_effort": ("low", REFUSE),
     "include_reasoning": (False, REFUSE),
-    "parallel_tool_calls": (False, REFUSE),
+    "parallel_tool_calls": (False, lambda r: "tool_calls" not in _choice(r)["message"]),
     "echo": (True, lambda r: _choice(r)["message"]["content"].startswith("I say")),
     "add_generation_prompt": (False, ("tok", "add_generation_prompt")),
     "continue_final_message": (True, ("tok", "continue_final_message")),
@@ -177,6 +181,10 @@ def _body(chat: bool, field: str, value: Any) -> dict[str, Any]:
             body["logprobs"] = True
     else:
         body["prompt"] = "the quick brown fox"
+    if field == "tools":
+        body["tool_choice"] = "none"  # "auto" (the default with tools) needs a tool-call parser
+    if field == "tool_choice":
+        body["tools"] = TOOLS
     if field == "truncation_side":
         body["truncate_prompt_tokens"] = 2
     if field in ("n", "stream_options"):
@@ -216,7 +224,7 @@ def test_field_is_honoured_or_refused(cluster: Cluster, endpoint: str, field: st
     tok = _Recording()
     p = schema.plan(schema.decode(raw, chat=chat), RouterConfig(), tok)
     if isinstance(expect, tuple) and expect[0] == "tok":
-        assert tok.seen[expect[1]] == value
+        assert tok.seen[expect[1]] == (expect[2] if len(expect) > 2 else value)
     elif isinstance(expect, tuple) and expect[0] == "sampling":
         attr, want = expect[1]
         assert getattr(p.samplings[0], attr) == want

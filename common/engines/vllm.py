@@ -10,6 +10,10 @@ Roles and the KV protocol (docs/reference/vllm.md sections 1-2):
   generates every output token (the first included). mode="deflect" submits it without KV
   params and with the router's chunk schedule in `extra_args["kairos_chunks"]`; the
   `KairosScheduler` (common/engines/vllm_scheduler.py) runs exactly those chunks, decodes first.
+- Tokenizers: the prefill engine runs without one (`skip_tokenizer_init`); the decode engine loads
+  the model's, which vLLM's structured outputs need to build a request's grammar
+  (`Sampling.structured`: response_format, structured_outputs, tool_choice). Output text is still
+  detokenized by the router (`detokenize=False`).
 
 Pull, not push (`NixlConnector`, not `NixlPushConnector`). The router picks the decode worker
 before prefill starts, but the prefill worker learns it only through the router, and in vLLM
@@ -76,7 +80,7 @@ import zmq
 from common import logging as klog
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
 from common.errors import ConfigError, KvTransferError, Overloaded
-from common.messages import Coeffs, TokenItem, TokenLogprobs
+from common.messages import Coeffs, StructuredOutputs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
 
 if TYPE_CHECKING:
@@ -292,7 +296,7 @@ class VllmEngine(Engine):
                     # KairosScheduler translates them and sends them with its step records
                     kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
                     if self.prefix_caching else None,
-                    seed=self.seed, skip_tokenizer_init=True, enable_logging_iteration_details=True,
+                    seed=self.seed, skip_tokenizer_init=self.role == "prefill", enable_logging_iteration_details=True,
                     disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
                     additional_config={"kairos": {"step_channel": step_channel}},
                     kv_transfer_config=kv_cfg)
@@ -495,7 +499,7 @@ class VllmEngine(Engine):
             min_tokens=min(s.min_tokens, max_tokens), stop_token_ids=list(s.stop_token_ids),
             logit_bias=dict(s.logit_bias) or None, allowed_token_ids=list(s.allowed_token_ids) or None,
             logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs if in_place else None,
-            detokenize=False, output_kind=kind, extra_args=extra)
+            structured_outputs=_structured(s.structured), detokenize=False, output_kind=kind, extra_args=extra)
 
     async def _serve_prefill(self, h: _Held) -> None:
         req = h.req
@@ -725,6 +729,21 @@ class VllmEngine(Engine):
             self.step_mismatches += 1
             _log.warning("step_record_mismatch", step=rec.index, planned_chunks=rec.chunks, decodes=rec.decodes,
                          ctx_tokens=details.num_ctx_tokens, generation_requests=details.num_generation_requests)
+
+
+def _structured(so: StructuredOutputs | None) -> Any:
+    """vLLM's StructuredOutputsParams for the wire's grammar (the decode role loads the tokenizer
+    the grammar backends need: skip_tokenizer_init is off there)."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=msgspec.json.decode(so.json) if so.json is not None else None, regex=so.regex,
+        choice=list(so.choice) if so.choice is not None else None,
+        grammar=so.grammar, json_object=so.json_object, structural_tag=so.structural_tag,
+        disable_any_whitespace=so.disable_any_whitespace,
+        disable_additional_properties=so.disable_additional_properties, whitespace_pattern=so.whitespace_pattern)
 
 
 def _position(lp: Any) -> TokenLogprobs:

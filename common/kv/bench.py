@@ -1,7 +1,10 @@
 """`kairos kv-bench`: NIXL WRITE throughput between two processes on loopback, against memcpy.
 
     kairos kv-bench [--size BYTES] [--block-size BYTES] [--iters N] [--warmup N] --out FILE.json
+    kairos kv-bench --memory vram [--device N] [--peer-device N] ...   (GPU memory: common.kv.tensor_bench)
     python -m common.kv.bench ...                     (the same; `--serve` is the child's mode)
+
+Host memory (the default, `--memory dram`):
 
 The parent is the sender (KvSender); a child process runs the receivers (KvReceiver, see
 common.kv.remote). Two cases, each `warmup` + `iters` pushes of `size` bytes:
@@ -158,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed transfers per case first")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of one transfer, seconds")
     p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--memory", choices=("dram", "vram"), default="dram",
+                   help="dram: host memory between two processes; vram: torch CUDA tensors registered as VRAM")
+    p.add_argument("--device", type=int, default=0, help="--memory vram: the sender's CUDA device")
+    p.add_argument("--peer-device", type=int, default=None,
+                   help="--memory vram: the receiver's CUDA device (None: the sender's)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # child mode (common.kv.remote)
     p.add_argument("--control", help=argparse.SUPPRESS)
     p.add_argument("--pool", action="append", default=[], help=argparse.SUPPRESS)
@@ -172,13 +180,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out FILE.json is required")
     if args.size < 1 or args.block_size < 1 or args.size % args.block_size or args.iters < 1 or args.warmup < 0:
         p.error("--size must be a positive multiple of --block-size; --iters >= 1; --warmup >= 0")
+    if args.memory == "vram":
+        from common.kv import tensor_bench
+
+        peer = args.device if args.peer_device is None else args.peer_device
+        if problem := tensor_bench.cuda_problem(args.device, peer):
+            print(f"kv-bench: {problem}", file=sys.stderr)
+            return 2
     try:
         _nixl.api()
     except Exception as e:
         print(f"kv-bench: {e}", file=sys.stderr)
         return 2
-    report = asyncio.run(bench(args.size, args.block_size, args.iters, args.warmup, args.timeout))
-    _print(report)
+    if args.memory == "vram":
+        report = tensor_bench.bench(args.size, args.block_size, args.iters, args.warmup, args.timeout,
+                                    device=args.device, peer_device=peer)
+        tensor_bench.print_report(report)
+    else:
+        report = asyncio.run(bench(args.size, args.block_size, args.iters, args.warmup, args.timeout))
+        _print(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"  wrote {args.out}")

@@ -88,6 +88,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     ttft_decode_pred: float | None = None
     chunk_schedule: tuple[int, ...] = ()
     cached_tokens: int = 0  # prompt tokens the router expects the prefilling worker to hold
+    step_budget_s: float = 0.0  # deflect: the step time every chunk was planned to fit (0: none planned)
 
 
 class NoWorkers(Exception):
@@ -96,6 +97,12 @@ class NoWorkers(Exception):
 
 class NoKvRoom(NoWorkers):
     """Decode workers are live but none has KV room for this request now (it may wait)."""
+
+
+class Hold(NoKvRoom):
+    """Late binding: every path is busy now (the prefill queues are deep and no decode worker can
+    prefill it in place), so the request waits at the router, in arrival order, and is decided
+    again when a worker frees room. Waiting is bounded as for KV room (the router's wait timeout)."""
 
 
 class Policy(Protocol):

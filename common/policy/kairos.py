@@ -25,11 +25,24 @@ uncached tokens plus the transfer of what the disaggregated path's decode worker
   after it take before the step starts (FIFO puts them in the same step); its predicted TTFT
   then counts the tokens the worker has been getting per second (an exponentially weighted
   rate of this policy's own dispatches) over that wait.
+- `late_binding` (off by default): a request Kairos would send to the prefill pool while the
+  chosen prefill worker already holds `late_depth` token budgets or more is not committed to
+  that queue: `decide` raises `Hold`, the router keeps it in its wait queue (arrival order) and
+  decides again when a worker's heartbeat or the ledger may show room, so it goes to whichever
+  frees first: a prefill queue that dropped below the depth, or a decode worker whose TBT slack
+  now admits a chunk schedule. The rule is `holds` (one implementation, for router and simulator).
+  `late_order` is the order the waiting requests are decided again in (`retry_order`): "fifo"
+  by arrival, or "slack" (default): first those that can still meet their TTFT SLO (arrival +
+  SLO, less their own prefill time on an idle worker, is still ahead), by arrival, then the
+  others. FIFO spreads a burst's wait over every request, so more of them miss the SLO each by a
+  little; "slack" keeps the ones that can still make it on time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from operator import itemgetter
 from typing import Literal
 
 import msgspec
@@ -40,6 +53,7 @@ from common.policy.base import (
     ClusterView,
     Decision,
     DecodeView,
+    Hold,
     NoWorkers,
     PrefillView,
     RequestSpec,
@@ -60,6 +74,9 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     predictor: Literal["paper", "replay"] = "replay"
     budget_fit: bool = True
     share_expect: bool = False
+    late_binding: bool = False
+    late_depth: float = 1.0  # late binding: hold while the prefill worker has this many token budgets queued
+    late_order: Literal["slack", "fifo"] = "slack"  # late binding: which waiting request is decided first
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -72,6 +89,10 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_deflections must be >= 1")
         if self.predictor not in ("paper", "replay"):
             raise ValueError(f"predictor must be 'paper' or 'replay' (got {self.predictor!r})")
+        if self.late_order not in ("slack", "fifo"):
+            raise ValueError(f"late_order must be 'slack' or 'fifo' (got {self.late_order!r})")
+        if not self.late_depth > 0:
+            raise ValueError(f"late_depth must be > 0 token budgets (got {self.late_depth})")
 
 
 _OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
@@ -105,8 +126,12 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
     else:
         chi_max = _INF
     chi_max = chi_max * (1 + 1e-9) + 1e-6
-    last = min(cands[0], chi_max)
-    body = next((c for c in cands if c <= chi_max), 0)
+    last = cands[0] if cands[0] < chi_max else chi_max
+    body = 0
+    for c in cands:
+        if c <= chi_max:
+            body = c
+            break
     if tokens <= last:
         n_min = 1.0
     elif body == 0:
@@ -115,8 +140,23 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
         n_min = 1.0 + math.ceil((tokens - last) / body)
     n = n_min
     if a5 > 0 and base0 > 0:
-        n = max(n_min, tokens * math.sqrt(a5 / base0))
+        n = tokens * math.sqrt(a5 / base0)
+        if n < n_min:
+            n = n_min
     return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4 * tokens * tokens / 2.0
+
+
+def _base0(model: PerfModel, d: DecodeView) -> float:
+    """PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled, the part without the chunk:
+    the decodes' share of the step-total terms and the prefill step's a6 (the chunk's share goes
+    to a3 in `_search`: a5*T**2 = a5*(b**2 + 2*b*chi + chi**2); the roofline a7*max(0, T - knee)
+    is per step), plus the reserved cost of the deflections in flight."""
+    b = d.batch
+    return (model.a0 + model.a6 + (model.a1 + model.a3) * b + model.a5 * b * b + model.a2 * d.kv_tokens
+            + d.reserved_step_s)
+
+
+_by_bound = itemgetter(0, 1)  # (lower bound incl. the wait, worker id): the search order of `decide`
 
 
 def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s: float,
@@ -141,8 +181,8 @@ def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s
 
 def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
             max_steps: int, exact: bool = False, lead: int = 0,
-            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, ctx0: int = 0
-            ) -> tuple[int, tuple[int, ...], float]:
+            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, ctx0: int = 0,
+            bounded: bool = False) -> tuple[int, tuple[int, ...], float]:
     """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
     some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
     feasibility beyond is unknown). `cands`: usable candidates, largest first.
@@ -157,26 +197,25 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
     chunk short should one of them run longer, so the budget holds either way. `ctx0`: prompt
     tokens already in the worker's prefix cache; the `tokens` to prefill come after them, so
-    every chunk attends over them too."""
+    every chunk attends over them too. `bounded`: the caller already checked `_lower_bound`
+    against `limit_s`."""
     if not cands:
         return _INFEASIBLE, (), 0.0
-    a1, a2, a3, a4, a5 = model.a1, model.a2, model.a3, model.a4, model.a5
+    a2, a3, a4, a5 = model.a2, model.a3, model.a4, model.a5
     a7, over0 = model.a7, d.batch - model.knee
     b = d.batch
-    # PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled: the decodes' share of the
-    # step-total terms and the prefill step's a6 go to base0, the chunk's to a3
-    # (a5*T**2 = a5*(b**2 + 2*b*chi + chi**2)); the roofline a7*max(0, T - knee) per step
-    base0 = model.a0 + model.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s
+    base0 = _base0(model, d)
     a3 = a3 + 2.0 * a5 * b
     ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
     if ctx0:  # a4*chi*(ctx0 + done + chi/2): the cached prefix adds a term linear in chi
         base0 += ka * ctx0
         a3 += a4 * ctx0
     ends = ends or []
-    if not ends and limit_s < _INF and tokens > 0 and \
+    if not bounded and not ends and limit_s < _INF and tokens > 0 and \
             _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
         return _OVER_LIMIT, (), 0.0
     sched: list[int] = []
+    steps = 0  # len(sched)
     total = 0.0
     done = 0
     i = 0
@@ -192,7 +231,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
             ei += 1
             i = 0  # more token budget: larger candidates may fit again
         rem = tokens - done
-        base = base0 + ka * done + g * (len(sched) + lead)
+        base = base0 + ka * done + g * (steps + lead)
         if rem <= top:
             # near the end every candidate >= rem proposes the whole remainder, which may fit
             # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
@@ -211,13 +250,36 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
         else:
             return _INFEASIBLE, (), 0.0
         sched.append(chi)
+        steps += 1
         total += t - off
         done += chi
-        if len(sched) > max_steps:
+        if steps > max_steps:
             return _INFEASIBLE, (), 0.0
         if total > limit_s:
             return _OVER_LIMIT, (), 0.0
     return _OK, tuple(sched), total
+
+
+def holds(cfg: KairosConfig, p: PrefillView) -> bool:
+    """Late binding: keep a request bound for prefill worker `p` at the router instead, because
+    `p` already holds `cfg.late_depth` token budgets or more (in flight, queued, and dispatched
+    since its heartbeat). Below that depth the worker's next steps are already fed, so a request
+    dispatched now runs as soon as one sent later would."""
+    return cfg.late_binding and p.queued_tokens >= cfg.late_depth * p.token_budget
+
+
+def latest_start(arrival: float, ttft_slo: float, alone_s: float) -> float:
+    """The latest time a request can still start and meet its TTFT SLO: arrival + SLO less its
+    own prefill on an idle worker (`alone_s`, e.g. `PerfModel.prefill_exec` at the token budget)."""
+    return arrival + ttft_slo - alone_s
+
+
+def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -> list[int]:
+    """The order to decide waiting requests again in, as indices into `latest` (each one's
+    `latest_start`, the requests in arrival order): see `late_order` (FIFO without a Kairos config)."""
+    if cfg is None or cfg.late_order == "fifo":
+        return list(range(len(latest)))
+    return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
 def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0,
@@ -335,30 +397,37 @@ class Kairos:
         if per_worker and handoff0 is not None:
             lack -= req.cached_on(handoff0.worker_id)
         # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
-        # depend only on the model and the token budget, so they are computed once per pair.
+        # depend only on the model and the token budget, so they are computed once per pair
+        # (the model by identity: hashing its coefficients costs more than this loop's body).
         best_p = None
         ttft_p = float("inf")
         best_tp = tokens
-        own: dict[tuple[PerfModel, int, int], tuple[float, float]] = {}
+        own: dict[tuple[int, int, int], tuple[float, float]] = {}
         last_m: PerfModel | None = None
         last_chunk = last_tp = 0
         ex = xfer = 0.0
+        dflt = None if cfg.per_worker_models else self.default_model  # `_model`, inline
+        tails = self._last_tail
         for p in view.prefill:
-            m = self._model(p.model)
+            m = p.model if dflt is None else dflt
             chunk = p.token_budget
             tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
             if m is not last_m or chunk != last_chunk or tp != last_tp:
-                got = own.get((m, chunk, tp))
+                got = own.get((id(m), chunk, tp))
                 if got is None:
                     run = alone(m, chunk, tp) if replay_p else m.prefill_exec(tp, chunk)
-                    got = own[(m, chunk, tp)] = (run, m.xfer_time(lack) if cfg.transfer_term else 0.0)
+                    got = own[(id(m), chunk, tp)] = (run, m.xfer_time(lack) if cfg.transfer_term else 0.0)
                 ex, xfer = got
                 last_m, last_chunk, last_tp = m, chunk, tp
             if replay_p:
-                tail = self._tail(p, m, now)
+                last = tails.get(p.worker_id)  # `_tail`'s first test, inline
+                tail = last[2] if last is not None and last[0] is p and last[1] is m else self._tail(p, m, now)
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
-                t = self._replay_ttft(p, m, tail, tp, ex, now) + xfer
+                if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
+                    t = extend(m, chunk, p.max_batch, tail, tp, now).end - now + xfer
+                else:
+                    t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
             else:
                 t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
             if t < ttft_p:
@@ -378,7 +447,10 @@ class Kairos:
                 if handoff.batch + handoff.deflections + handoff.pending:
                     step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
                 ttft_p += step
-        # decode path: Algorithm 1 on every eligible decode worker (sorted by id: ties -> lowest id)
+        # decode path: Algorithm 1 on every eligible decode worker; the best TTFT_D wins, ties to
+        # the lowest id. Branch and bound: each worker's lower bound on TTFT_D first, then the
+        # searches in increasing bound, each cut at the best found so far, until the next bound
+        # cannot beat it (the same decision as searching every worker in id order, cheaper).
         limit = min(cfg.alpha * ttft_p, req.ttft_slo)
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
@@ -386,37 +458,72 @@ class Kairos:
         why_not = "no_decode_slack"
         need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
-        fit = cfg.budget_fit
-        for d in sorted(view.decode, key=lambda x: x.worker_id):
-            if d.deflections >= cfg.max_deflections:
-                why_not = "deflection_in_flight" if why_not == "no_decode_slack" else why_not
+        fit, beta, max_defl = cfg.budget_fit, cfg.beta, cfg.max_deflections
+        todo = []
+        by_cap = self._cands_by_cap
+        # per worker, written out (it runs for every worker and decision): `decode_time` for the
+        # wait, `_cands`, and `_search`'s base0 for the bound, each the same arithmetic
+        for d in view.decode:
+            if d.deflections >= max_defl:
+                why_not = "deflection_in_flight"
                 continue
             if d.kv_free_tokens < need_kv:
                 continue
+            dm = d.model if dflt is None else dflt
+            b = d.batch
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            wait = d.busy_until - now if replay_p and d.busy_until > now else 0.0
-            if replay_p and wait == 0.0 and (d.batch or d.deflections):
-                # a stale view of a busy worker: on average half its decode step is left
-                wait = 0.5 * self._model(d.model).decode_time(d.batch, d.kv_tokens)
-            cut = (limit if best is None else min(limit, best[1])) - wait
-            cap = d.token_budget - d.batch
+            wait = 0.0
+            if replay_p:
+                if d.busy_until > now:
+                    wait = d.busy_until - now
+                elif b or d.deflections:
+                    # a stale view of a busy worker: on average half its decode step is left
+                    over = b - dm.knee
+                    wait = 0.5 * (dm.a0 + dm.a1 * b + dm.a2 * d.kv_tokens
+                                  + (dm.a3 * b + (dm.a7 * over if over > 0 else 0.0) + dm.a5 * b * b))
+            cap = d.token_budget - b
             ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
             if fit and not ends:
                 cap -= d.reserved_tokens
+            cands = by_cap.get(cap)
+            if cands is None:
+                cands = self._cands(cap)
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
-            st, sched, total = _search(self._model(d.model), d, td, cfg.beta * slo, self._cands(cap), cut,
-                                       cfg.max_steps, replay_p, 1 if wait > 0 else 0, ends,
-                                       cap if fit and ends else -1, req.prompt_tokens - td if per_worker else 0)
-            status[d.worker_id] = st
+            ctx0 = req.prompt_tokens - td if per_worker else 0
+            budget_s = beta * slo
+            if not ends and td > 0 and cands:
+                base0 = (dm.a0 + dm.a6 + (dm.a1 + dm.a3) * b + dm.a5 * b * b + dm.a2 * d.kv_tokens
+                         + d.reserved_step_s)
+                if ctx0:  # as in `_search`
+                    base0 += (0.0 if replay_p else dm.a2) * ctx0
+                lb = _lower_bound(dm, base0, td, budget_s, cands, b)
+                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0))
+            else:  # no bound (as `_search` has none here): searched first, and never skipped
+                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, ends, cap, td, ctx0))
+        todo.sort(key=_by_bound)
+        for key, wid, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0 in todo:
+            if best is not None and key > best[1] * (1 + 1e-9):
+                break  # this bound and every later one exceed the best TTFT_D found
+            cut = (limit if best is None else min(limit, best[1])) - wait
+            if lb >= 0.0 and lb > cut * (1 + 1e-9):
+                status[wid] = _OVER_LIMIT
+                continue
+            st, sched, total = _search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
+                                       1 if wait > 0 else 0, ends, cap if fit and ends else -1, ctx0, bounded=True)
+            status[wid] = st
             if st != _OK:
                 continue
             total += wait
-            if best is None or total < best[1]:
+            if best is None or total < best[1] or (total == best[1] and best_d is not None and wid < best_d.worker_id):
                 best_d, best, best_td = d, (sched, total), td
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
             d = handoff or least_loaded_decode(view, req)
+            if holds(cfg, best_p):
+                raise Hold(f"prefill worker {best_p.worker_id} holds {best_p.queued_tokens} tokens "
+                           f"(late binding: waits below {cfg.late_depth:g} x {best_p.token_budget}) "
+                           "and no decode worker can prefill it in place now")
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
                 reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now, per_worker)
@@ -425,10 +532,12 @@ class Kairos:
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
                             cached_tokens=req.prompt_tokens - best_tp)
         sched, ttft_d = best
+        slo = best_d.strictest_tbt_slo if best_d.strictest_tbt_slo is not None else req.tbt_slo
         return Decision(route="deflect", prefill_worker=None, decode_worker=best_d.worker_id,
                         reason="decode_faster" if ttft_d <= ttft_p else "within_alpha",
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
-                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td)
+                        chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
+                        step_budget_s=cfg.beta * slo)
 
     def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

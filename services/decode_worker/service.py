@@ -4,6 +4,12 @@ Inbox (DEALER from the router): DecodeWork, KvReady, Cancel, Drain (+ Welcome, R
 Outbox: TokenBatch / RequestFailed / KvTarget to the router; DecodeHeartbeat (TBT slack) on the
 heartbeat PUB, every interval and at once when a request is admitted or finishes prefill.
 
+A deflection that carries a step budget is admitted only if its chunk schedule fits the live
+state (the running decodes and every deflection accepted and not yet prefilled, from any
+router; common/policy/admission.py), else refused at once with code "deflect_rejected" (the
+router then decides again without this worker): with several routers none of them sees all
+the deflections, this worker does. Heartbeats list the deflections held and who sent each.
+
 A handed-off request waits here for its KV (KvReady) with KV space reserved. If the transfer
 failed or never arrives within `kv_handoff_timeout` (or the request's deadline, if sooner), the
 worker prefills it in place instead (the fallback): counted, logged with the reason, reported to
@@ -22,6 +28,8 @@ from common import codec
 from common import messages as m
 from common.engines.base import EngineRequest
 from common.kv import KvError, KvReceiver, receiver_from_config, transfer_key
+from common.perf_model import PerfModel
+from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection
 from common.worker import WorkerService
 
 
@@ -44,12 +52,15 @@ class DecodeWorker(WorkerService):
         self.active: dict[str, m.DecodeWork] = {}
         self._fallbacks: list[str] = []
         self._fallback_reasons: list[str] = []
+        self.accepted: dict[str, Accepted] = {}  # deflections admitted and not yet prefilled
+        self.held: dict[str, m.HeldDeflection] = {}  # the same, as heartbeats list them
+        self._model: tuple[m.Coeffs | None, PerfModel | None] = (None, None)
         self.rx: KvReceiver | None = None
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self.engine.on_tokens = self._on_tokens
         if hasattr(self.engine, "on_kv_fallback"):  # engines that load KV themselves (vllm)
             self.engine.on_kv_fallback = self._on_engine_kv_fallback
-        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0)
+        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0)
 
     # -- heartbeats --------------------------------------------------------------------------
     def _reserved(self) -> int:
@@ -67,7 +78,8 @@ class DecodeWorker(WorkerService):
             last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
-            steps=load.steps, coeffs=self.coeffs(), draining=self.draining, busy_s=load.busy_s)
+            steps=load.steps, coeffs=self.coeffs(), draining=self.draining, busy_s=load.busy_s,
+            held=list(self.held.values()))
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [
@@ -132,7 +144,30 @@ class DecodeWorker(WorkerService):
             self.pending[w.request_id] = _Pending(w, time.monotonic() + wait)
             self.beat_now()
             return
+        if w.step_budget_s > 0 and self.cfg.deflect_admission and (why := self._check_deflection(w)):
+            self.counters["deflect_rejected"] += 1
+            self.log.info("deflection_rejected", request_id=w.request_id, attempt=w.attempt, reason=why,
+                          chunk_schedule=list(w.chunk_schedule))
+            self.send(m.RequestFailed(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id,
+                                      reason=why, retryable=True, code=REJECTED_REASON))
+            return
         self._admit(w, "deflect", w.chunk_schedule)
+
+    def _step_model(self) -> PerfModel | None:
+        c = self.coeffs()
+        if c is not self._model[0]:
+            self._model = (c, PerfModel.from_coeffs(c) if c is not None else None)
+        return self._model[1]
+
+    def _check_deflection(self, w: m.DecodeWork) -> str:
+        """'' when the deflection fits this worker's live state, else why not."""
+        model = self._step_model()
+        if model is None:
+            return ""  # no step-time model to check with: admit, as before admission existed
+        load = self.engine.load()
+        return check_deflection(model, batch=load.batch, kv_tokens=load.kv_tokens, schedule=w.chunk_schedule,
+                                budget_s=w.step_budget_s, tbt_slo=w.tbt_slo, accepted=self.accepted.values(),
+                                strictest_tbt_slo=load.strictest_tbt_slo, cached=w.cached_tokens)
 
     def _admit(self, w: m.DecodeWork, mode: str, schedule: tuple[int, ...], kv: m.KvHandle | None = None) -> None:
         if not self.add_to_engine(EngineRequest(request_id=w.request_id, attempt=w.attempt,
@@ -142,6 +177,13 @@ class DecodeWorker(WorkerService):
                                                 cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens)):
             return
         self.active[w.request_id] = w
+        if mode == "deflect" and w.step_budget_s > 0 and schedule:
+            model = self._step_model()
+            if model is not None:
+                a = self.accepted[w.request_id] = accepted_entry(model, schedule, w.step_budget_s,
+                                                                 self.engine.token_budget, w.cached_tokens)
+                self.held[w.request_id] = m.HeldDeflection(router=self.router_of(w.request_id),
+                                                           reserved_s=a.reserved_s, largest_chunk=max(schedule))
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
         self.log.debug("request_admitted", request_id=w.request_id, attempt=w.attempt, mode=mode,
                        prompt_tokens=len(w.prompt_token_ids), chunk_schedule=list(schedule))
@@ -221,7 +263,13 @@ class DecodeWorker(WorkerService):
         self._fallbacks.append(request_id)
         self._fallback_reasons.append(reason)
 
+    def _prefilled(self, request_id: str) -> None:
+        """A deflection's prefill is over (or it left): it reserves nothing any more."""
+        self.accepted.pop(request_id, None)
+        self.held.pop(request_id, None)
+
     def forget(self, request_id: str) -> None:
+        self._prefilled(request_id)
         self.active.pop(request_id, None)
         self.pending.pop(request_id, None)
 
@@ -233,6 +281,7 @@ class DecodeWorker(WorkerService):
         self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
 
     def _drop(self, request_id: str) -> None:
+        self._prefilled(request_id)
         p = self.pending.pop(request_id, None)
         if p is not None:
             self._release_kv(p)
@@ -261,6 +310,9 @@ class DecodeWorker(WorkerService):
                                kv_fallback_reasons=why))
         changed = False
         for it in items:
+            if self.accepted and it.request_id in self.accepted:
+                self._prefilled(it.request_id)  # its first token: its prefill is over
+                changed = True  # every router sees at once that it holds one deflection less
             if it.finish_reason == "error":
                 continue  # on_failed already reported it (RequestFailed): not a completion
             if it.finish_reason is not None:

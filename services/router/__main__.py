@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 
 import structlog
 import uvicorn
 
 from common import config, logging
+from common.errors import ConfigError
 from common.service import HttpServer, install_signals, run
 from services.router.http import App
 from services.router.service import Router
 
 
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound with SO_REUSEPORT: every router replica on this host binds
+    the same port and the kernel spreads new connections among them (a killed replica's share
+    goes to the others at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot bind the HTTP port {host}:{port} with SO_REUSEPORT ({e}); a process without "
+                          "SO_REUSEPORT holds it: stop it or pick another --http-port") from e
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None) -> int:
     logging.configure("router", level=cfg.log_level, fmt=cfg.log_format)
     log = structlog.get_logger()
+    sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
     router = Router(cfg)
     router.open()
     stop = router.stop
@@ -27,7 +49,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(c, name=n) for n, c in router.loops()]
-            http = tg.create_task(server.serve(), name="http")
+            http = tg.create_task(server.serve(sockets=sockets), name="http")
             while not server.started:
                 if http.done():
                     break

@@ -19,7 +19,8 @@ can help.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds);
 the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`,
 `x-kairos-cached-tokens` (prompt tokens the router's prefix index found cached where the prompt is
-prefilled), and `x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
+prefilled), `x-kairos-router` (the incarnation of the router replica that serves it) and
+`x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
 is echoed back but is only a label).
 """
 
@@ -107,7 +108,8 @@ class App:
             t = self.router.table
             ok = t.count("decode") > 0 and self.router.accepting
             await self._json(send, 200 if ok else 503, {"ready": ok, "prefill_workers": t.count("prefill"),
-                                                        "decode_workers": t.count("decode")})
+                                                        "decode_workers": t.count("decode"),
+                                                        "router": self.router.incarnation})
             return
         if path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -174,7 +176,7 @@ class App:
         router = self.router
         decoded = schema.decode(raw, chat=chat)
         self._check_model(decoded.model)
-        p = schema.plan(decoded, router.cfg, router.tokenizer)
+        p = schema.plan(decoded, router.cfg, router.tokenizer, router.tool_calling)
         rid = p.request_id
         for k, v in scope["headers"]:
             if k == b"x-request-id":
@@ -200,7 +202,8 @@ class App:
         req = subs[0]
         d = req.decision
         headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
-                   (b"x-kairos-request-id", req.request_id.encode())]
+                   (b"x-kairos-request-id", req.request_id.encode()),
+                   (b"x-kairos-router", router.incarnation.encode())]
         if d is not None:
             headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
                         (b"x-kairos-decode-worker", d.decode_worker.encode()),

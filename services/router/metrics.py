@@ -46,6 +46,8 @@ REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after 
 MIGRATIONS = Counter("kairos_router_migrations", "Streaming requests whose decode worker died or froze: resumed "
                      "on another one, parked (no worker free yet), or failed (limit reached, no worker in time).",
                      ["outcome"])
+DEFLECT_REJECTED = Counter("kairos_router_deflections_rejected", "Deflections a decode worker's admission turned "
+                           "away (no room beside its decodes and accepted deflections): decided again without it.")
 KV_FALLBACKS = Counter("kairos_router_kv_fallbacks", "Requests whose KV transfer failed and were prefilled in "
                        "place by their decode worker.")
 KV_BYTES = Counter("kairos_router_kv_transfer_bytes", "KV-cache bytes prefill workers reported moving to decode "
@@ -118,6 +120,10 @@ def observe_rejected(reason: str) -> None:
 
 def observe_redispatch() -> None:
     REDISPATCHES.inc()
+
+
+def observe_deflect_rejected() -> None:
+    DEFLECT_REJECTED.inc()
 
 
 def observe_kv_fallback() -> None:

@@ -12,7 +12,9 @@ waking up) are dropped by the attempt check in the router, so the client sees on
 no token repeated or missing, the usage counts every token once, and finish_reason is the
 final worker's.
 
-Each request is resumed at most `max_migrations` times; after that it fails with
+A request with a grammar (`Sampling.structured`) is never resumed: the grammar would restart
+in the middle of its output; it fails with `worker_lost_midstream`. Each request is resumed at
+most `max_migrations` times; after that it fails with
 `worker_lost_midstream` as before. Counted in `counts["migrated"]`, the `kairos_router_migrations`
 metric and the `migrations` field of the request's log line.
 
@@ -46,6 +48,12 @@ def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> No
     lost = f"worker failed after streaming {req.n_out} tokens ({why})"
     if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
         router._finish(req, "length")
+        return
+    if req.sampling.structured is not None:  # a grammar cannot resume from a partial output
+        metrics.observe_migration("limit")
+        router._fail(req, f"{lost}; not resumed: its structured output (response_format, structured_outputs or "
+                          "tool_choice) cannot be resumed mid-output; the output is incomplete",
+                     code="worker_lost_midstream")
         return
     if req.migrations >= limit:
         metrics.observe_migration("limit")

@@ -233,11 +233,17 @@ def unary_choice(c: Choice) -> dict[str, Any]:
     strs = c.out_strs(0, lps) if p.logprobs is not None else []
     if p.chat:
         text = p.echo_text + text if p.echo else text
-        return {"index": c.index,
-                "message": {"role": p.role, "content": text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "reasoning": None},
+        finish = c.finish
+        message: dict[str, Any] = {"role": p.role, "content": text, "refusal": None, "annotations": None,
+                                   "audio": None, "function_call": None, "reasoning": None}
+        if p.tool_plan is not None:  # vLLM's tool-call parser (services/router/openai_tools.py)
+            content, calls, finish, _ = p.tool_plan.parse(text, list(ids), c.finish)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+        return {"index": c.index, "message": message,
                 "logprobs": c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None,
-                "finish_reason": c.finish, "stop_reason": c.stop_reason,
+                "finish_reason": finish, "stop_reason": c.stop_reason,
                 "token_ids": list(ids) if p.return_token_ids else None, "routed_experts": None}
     if p.echo and p.logprobs is not None:
         ptext, pids, plps, pstrs = c.echo_parts()

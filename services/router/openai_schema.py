@@ -13,7 +13,7 @@ seed + i, as vLLM's parallel sampling does).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -21,6 +21,10 @@ from common import messages as m
 from common.config import RouterConfig
 from common.errors import RequestError
 from common.tokenizer import Tokenizer
+from services.router.openai_structured import calls_tools, structured, template_tools
+
+if TYPE_CHECKING:
+    from services.router.openai_tools import ToolCalling
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 4       # vLLM: at most 4 stop strings
@@ -104,7 +108,7 @@ class ChatBody(_Body, kw_only=True, forbid_unknown_fields=True):
     top_logprobs: int | None = 0
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = "none"
+    tool_choice: Any = None  # vLLM: "auto" when tools are given, else "none"
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
@@ -121,16 +125,13 @@ class ChatBody(_Body, kw_only=True, forbid_unknown_fields=True):
 
 
 _BEAM = "beam search is not implemented (it needs every beam on one engine; Kairos splits prefill and decode)"
-_NO_TOK = "the engines run without a tokenizer (the router detokenizes), which this needs"
-_TOOLS = "tool calling is not implemented: Kairos has no tool-call parser; leave tools out"
 REFUSED: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": "it applies to beam search only, which is not implemented",
     "watermarking": "watermarking is not implemented",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; use logprobs/top_logprobs",
-    "bad_words": _NO_TOK + "; use logit_bias with negative values",
-    "response_format": "structured outputs are not implemented: " + _NO_TOK + " (only {\"type\": \"text\"})",
-    "structured_outputs": "structured outputs are not implemented: " + _NO_TOK,
+    "bad_words": "bad words are not implemented (the prefill engines run without a tokenizer); use logit_bias "
+                 "with negative values",
     "priority": "request priorities are not implemented: the routing policy orders the work",
     "session_id": "sessions are not implemented",
     "routed_experts_prompt_start": "routed-expert reporting is not implemented",
@@ -147,9 +148,6 @@ REFUSED: dict[str, str] = {
     "spaces_between_special_tokens": "only the default (true) is supported",
     "suffix": "suffixes are not supported (vLLM refuses them too)",
     "prompt_embeds": "prompt embeddings are not supported",
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS + " (only \"none\")",
-    "parallel_tool_calls": _TOOLS,
     "reasoning_effort": "reasoning controls are not implemented (no reasoning parser)",
     "include_reasoning": "reasoning controls are not implemented (no reasoning parser)",
     "documents": "documents in the chat template are not supported",
@@ -160,9 +158,8 @@ REFUSED: dict[str, str] = {
 }
 # defaults besides the declared ones that mean "off" (vLLM treats them alike)
 _OFF: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tool_choice": ("none", None), "parallel_tool_calls": (None,),
     "length_penalty": (1.0,), "watermarking": (False,), "return_token_offsets": (None,),
-    "return_mm_kwargs": (False,), "tools": ([],),
+    "return_mm_kwargs": (False,),
 }
 
 
@@ -263,6 +260,7 @@ class Plan(msgspec.Struct, kw_only=True):
     ttft_slo: float | None
     tbt_slo: float | None
     request_id: str | None
+    tool_plan: Any = None         # chat with tool calls: services.router.openai_tools.ToolPlan
 
     @property
     def n(self) -> int:
@@ -290,7 +288,7 @@ def _text_content(content: Any, i: int) -> str:
     raise RequestError(f"messages[{i}].content must be a string or an array of text parts", param="messages")
 
 
-def chat_prompt(body: ChatBody, tok: Tokenizer) -> tuple[list[int], str, str]:
+def chat_prompt(body: ChatBody, tok: Tokenizer, parser: bool = False) -> tuple[list[int], str, str]:
     msgs = body.messages
     if not msgs:
         raise RequestError("'messages' must be a non-empty array", param="messages")
@@ -300,7 +298,8 @@ def chat_prompt(body: ChatBody, tok: Tokenizer) -> tuple[list[int], str, str]:
         if not isinstance(role, str):
             raise RequestError(f"messages[{i}] must be an object with a 'role'", param="messages")
         if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
-            raise RequestError(f"messages[{i}]: tool messages and tool calls are not supported ({_TOOLS})",
+            raise RequestError(f"messages[{i}]: tool messages and assistant tool calls in the history are not "
+                               "supported; send the tool results as user text",
                                param="messages")
         extra = set(msg) - {"role", "content", "name"}
         if extra:
@@ -309,9 +308,11 @@ def chat_prompt(body: ChatBody, tok: Tokenizer) -> tuple[list[int], str, str]:
     if body.continue_final_message and body.add_generation_prompt:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false",
                            param="continue_final_message")
+    tools = template_tools(body, parser)
+    kwargs = body.chat_template_kwargs if tools is None else {**(body.chat_template_kwargs or {}), "tools": tools}
     try:
         text = tok.render_chat(flat, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
+                               continue_final_message=body.continue_final_message, kwargs=kwargs)
     except Exception as e:  # a template error is the request's fault (its messages or kwargs)
         raise RequestError(f"the chat template could not render these messages: {e}", param="messages") from e
     echo = ""
@@ -357,11 +358,16 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
     return prompts, texts
 
 
-def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> Plan:
+def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, tools: ToolCalling | None = None) -> Plan:
     chat = isinstance(body, ChatBody)
     echo_text = ""
+    grammar = structured(body)
+    tool_plan = None
+    skip_special = body.skip_special_tokens
     if isinstance(body, ChatBody):
-        ids, text, echo_text = chat_prompt(body, tok)
+        ids, text, echo_text = chat_prompt(body, tok, tools is not None)
+        if tools is not None and calls_tools(body):  # vLLM's parser sets the grammar (it keeps response_format's)
+            tool_plan, grammar, skip_special = tools.plan(msgspec.to_builtins(body))
         prompts, texts = [ids], [text]
         if body.top_logprobs and not body.logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -440,7 +446,8 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
         stop_token_ids=tuple(body.stop_token_ids or ()), top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens, logit_bias=bias,
-        allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps)
+        allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps,
+        structured=grammar)
     if n > 1 and base.temperature < 1e-5:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     samplings = [base if body.seed is None else msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]
@@ -451,9 +458,9 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer) -> 
     return Plan(chat=chat, model=cfg.served_model_name, prompts=prompts, prompt_texts=texts, samplings=samplings,
                 stream=bool(body.stream), include_usage=bool(so and so.include_usage),
                 continuous_usage=bool(so and so.continuous_usage_stats), stop=stop,
-                include_stop=body.include_stop_str_in_output, skip_special=body.skip_special_tokens, echo=echo,
+                include_stop=body.include_stop_str_in_output, skip_special=skip_special, echo=echo,
                 echo_text=echo_text, logprobs=logprobs,
                 role=response_role(body) if isinstance(body, ChatBody) else "assistant",
                 max_tokens_zero=zero, return_token_ids=bool(body.return_token_ids),
                 tokens_as_ids=bool(body.return_tokens_as_token_ids), ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
-                request_id=body.request_id)
+                request_id=body.request_id, tool_plan=tool_plan)

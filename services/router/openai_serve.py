@@ -16,6 +16,7 @@ import msgspec
 
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
+from services.router.openai_tools import ToolStream
 from services.router.requests import Event
 from services.router.service import Router
 
@@ -128,6 +129,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
         await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
     echoed = [False] * len(choices)
     offsets = [0] * len(choices)
+    tool_streams = [ToolStream(p.tool_plan, p.prompts[c.prompt_index]) for c in choices] \
+        if p.tool_plan is not None else []
     merge = _Merge(choices)
     try:
         while not all(c.done for c in choices):
@@ -147,9 +150,16 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 continue
             fin = c.finish if c.done else None
             if p.chat:
-                delta: dict[str, Any] = {"content": text} if text or not fin else {}
+                delta: dict[str, Any] | None = {"content": text} if text or not fin else {}
                 lp = c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None
-                out = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
+                if tool_streams:  # vLLM's tool-call parser makes the delta (services/router/openai_tools.py)
+                    delta = tool_streams[i].delta(text, ids, fin is not None)
+                    fin = tool_streams[i].finish(fin)
+                    if delta is None:
+                        if fin is None and lp is None and not p.return_token_ids:
+                            continue
+                        delta = {}
+                out: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
                 if fin is not None:
                     out["stop_reason"] = c.stop_reason
                 if p.return_token_ids:

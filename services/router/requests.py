@@ -85,8 +85,11 @@ class Request:
     kv_error: str = ""
     prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)
+    rejected_by: set[str] = field(default_factory=set)  # decode workers whose admission turned its deflection away
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
+    held: bool = False          # ... because the policy held it (late binding), not for KV room
+    wait_reason: str = ""       # why it waits, the policy's words
     engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
     engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)
 

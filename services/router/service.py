@@ -18,6 +18,7 @@ import uuid
 from collections import Counter, deque
 from typing import Any
 
+import msgspec
 import structlog
 
 from common import codec
@@ -27,6 +28,7 @@ from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, R
 from common.perf_model import load_profile
 from common.policy import (
     ConditionalConfig,
+    Hold,
     KairosConfig,
     KvAwareConfig,
     NoKvRoom,
@@ -34,10 +36,12 @@ from common.policy import (
     RequestSpec,
     make_policy,
 )
+from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import metrics, migrate
+from services.router import metrics, migrate, waiting
+from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
@@ -56,7 +60,8 @@ class Router:
                                 transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
                                 per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
                                 predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
-                                share_expect=cfg.share_expect)
+                                share_expect=cfg.share_expect, late_binding=cfg.late_binding,
+                                late_depth=cfg.late_depth, late_order=cfg.late_order)  # type: ignore[arg-type]
             ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                      eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                      prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -67,7 +72,11 @@ class Router:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tokenizer = make_tokenizer(cfg.tokenizer)
-        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models)
+        self.tool_calling: ToolCalling | None = None
+        if cfg.tool_call_parser:
+            self.tool_calling = ToolCalling(cfg.tool_call_parser, cfg.enable_auto_tool_choice, cfg.tokenizer,
+                                            cfg.served_model_name)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
@@ -130,7 +139,7 @@ class Router:
         while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
             self.kv_waiting.popleft()
         try:
-            if self.kv_waiting:
+            if self.kv_waiting and waiting.blocked(self):
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
             self._dispatch(req)
         except NoKvRoom as e:
@@ -139,9 +148,7 @@ class Router:
                 metrics.observe_rejected("no_kv_room")
                 raise Unavailable(f"cannot serve now: {e}, and {len(self.kv_waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
-            req.kv_wait_until = now + self.cfg.kv_wait_timeout
-            self.kv_waiting.append(req)
-            self.counts["kv_waited"] += 1
+            waiting.enqueue(self, req, e, now)
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
@@ -198,35 +205,14 @@ class Router:
                                "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
     def _retry_kv_waiting(self) -> None:
-        """Place the requests waiting for KV room, in arrival order, while the views show room
-        (called on decode heartbeats and when a request ends, i.e. when room may have freed)."""
-        q = self.kv_waiting
-        while q:
-            req = q[0]
-            if req.done:  # aborted or past its deadline meanwhile
-                q.popleft()
-                continue
-            try:
-                self._dispatch(req)
-            except NoKvRoom:
-                return
-            except NoWorkers as e:
-                q.popleft()
-                self._fail(req, f"no worker can serve it: {e}", code="unavailable")
-                continue
-            q.popleft()
-            req.kv_wait_until = 0.0
+        """Decide the waiting requests again (services/router/waiting.py): called on heartbeats,
+        a deflection's first token and a request's end, i.e. when room may have opened."""
+        waiting.retry(self)
 
-    def _expire_kv_waiting(self, now: float) -> None:
-        q = self.kv_waiting
-        while q and (q[0].done or now > q[0].kv_wait_until):
-            req = q.popleft()
-            if not req.done:
-                self.counts["kv_wait_timeouts"] += 1
-                self._fail(req, f"no decode worker had KV room for it within {self.cfg.kv_wait_timeout:g} s "
-                                "(kv_wait_timeout); retry later, or add decode workers", code="kv_wait_timeout")
-
-    def _dispatch(self, req: Request) -> None:
+    def _dispatch(self, req: Request, *, rejected: bool = False) -> None:
+        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
+        away, so decide again with those closed to deflections (common/policy/admission.py),
+        or, with no prefill worker live, deflect again without the admission check."""
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
@@ -235,7 +221,12 @@ class Router:
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens, cached=cached)
-        decision = self.policy.decide(spec, view, time.monotonic())
+        if not rejected:
+            decision = self.policy.decide(spec, view, time.monotonic())
+        elif view.prefill:
+            decision = decide_without(self.policy, spec, view, time.monotonic(), frozenset(req.rejected_by))
+        else:
+            decision = msgspec.structs.replace(self.policy.decide(spec, view, time.monotonic()), step_budget_s=0.0)
         decision_us = (time.perf_counter() - t0) * 1e6
         req.decision = decision
         req.decided_at = time.monotonic()
@@ -259,7 +250,7 @@ class Router:
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
-                                        resume_tokens=req.resume_from))
+                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s))
             dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
                                                time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
@@ -395,8 +386,9 @@ class Router:
             req.exclude.clear()
             try:
                 self._dispatch(req)
-            except NoKvRoom:
+            except NoKvRoom as e:
                 # e.g. a decode worker refused it for KV room the views did not show: wait for room, first in line
+                req.held, req.wait_reason = isinstance(e, Hold), str(e)
                 req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
                 self.kv_waiting.appendleft(req)
                 self.counts["kv_waited"] += 1
@@ -572,6 +564,7 @@ class Router:
                 self.counts["kv_fallbacks"] += 1
                 metrics.observe_kv_fallback()
         wid = w.worker_id
+        freed = False  # a deflection slot: held requests (late binding) may fit now
         for it in b.items:
             req = reqs.get(it.request_id)
             if req is not None and req.decode_worker != wid:  # not (or no longer) this worker's
@@ -584,7 +577,8 @@ class Router:
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
             if req.n_out == req.resume_from:  # this attempt's first token: its prefill is over, its KV read
-                w.deflecting.pop(req.request_id, None)
+                if w.deflecting.pop(req.request_id, None) is not None:
+                    freed = True
                 w.deflect_info.pop(req.request_id, None)
                 self._kv_consumed(req)
             if req.first_token_at is None:
@@ -600,6 +594,8 @@ class Router:
                                         prompt_logprobs=it.prompt_logprobs))
             if it.finish_reason is not None:
                 self._finish(req, it.finish_reason)
+        if freed and self.kv_waiting:
+            self._retry_kv_waiting()
 
     def _on_prefill_done(self, p: m.PrefillDone, pw: WorkerEntry) -> None:
         req = self.requests.get(p.request_id)
@@ -644,6 +640,9 @@ class Router:
             return
         if not self._assigned(w, req, f):
             return
+        if f.code == REJECTED_REASON and req.decision is not None and req.decision.route == "deflect":
+            self._deflect_rejected(req, f)
+            return
         log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
                     retryable=f.retryable)
         if f.retryable:
@@ -652,6 +651,24 @@ class Router:
             self._fail(req, f.reason, code="invalid_request")
         else:
             self._fail(req, f"worker {f.worker_id}: {f.reason}", code="worker_error")
+
+    def _deflect_rejected(self, req: Request, f: m.RequestFailed) -> None:
+        """The decode worker's admission said no (another router's deflections, or decodes that
+        landed since its heartbeat, left no room): another decode worker's deflection or the
+        disaggregated path, same attempt."""
+        req.rejected_by.add(f.worker_id)
+        self.counts["deflect_rejected"] += 1
+        metrics.observe_deflect_rejected()
+        log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)
+        self._release(req)
+        try:
+            self._dispatch(req, rejected=True)
+        except NoKvRoom:
+            req.kv_wait_until = time.monotonic() + self.cfg.kv_wait_timeout
+            self.kv_waiting.appendleft(req)
+            self.counts["kv_waited"] += 1
+        except NoWorkers as e:
+            migrate.park(self, req, str(e))
 
     def _kv_consumed(self, req: Request) -> None:
         """A handed-off request's first token: the decode side has the KV (or gave up on it), so a
@@ -700,8 +717,8 @@ class Router:
             w = self.table.workers.get(hb.worker_id)
             if w is None or w.incarnation != hb.incarnation:
                 self._ask_hello(hb.worker_id)
-        elif self.kv_waiting and isinstance(hb, m.DecodeHeartbeat):
-            self._retry_kv_waiting()  # its view may show room now
+        elif self.kv_waiting:
+            self._retry_kv_waiting()  # its view may show room now (KV, a shorter prefill queue)
 
     def _ask_hello(self, worker_id: str) -> None:
         assert self.bus is not None
@@ -741,7 +758,7 @@ class Router:
             migrate.retry_parked(self)
             now = time.monotonic()
             if self.kv_waiting:
-                self._expire_kv_waiting(now)
+                waiting.expire(self, now)
             for req in [r for r in self.requests.values() if now > r.deadline]:
                 self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
 
@@ -792,8 +809,10 @@ class Router:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "router": self.incarnation,
             "in_flight": len(self.requests),
             "kv_waiting": len(self.kv_waiting),
+            "held": sum(r.held for r in self.kv_waiting),  # of which held by late binding
             "counts": dict(self.counts),
             "routes": dict(self.routes),
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},

@@ -4,7 +4,9 @@ Heartbeats are timed on the router's own monotonic clock. A worker's view for th
 last heartbeat plus every dispatch the worker had not yet acknowledged in it (heartbeats carry
 the highest dispatch number the worker has seen), so back-to-back decisions between two
 heartbeats do not herd onto the same "idle" worker. The ledger can be switched off to measure
-what it buys (the paper's stale-view behaviour).
+what it buys (the paper's stale-view behaviour). With several routers, each ledger holds only
+its own dispatches; a decode heartbeat lists every deflection the worker is prefilling and who
+sent it, and the view adds the other routers' ones to this router's exact record.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class WorkerEntry:
                            backlog=self.backlog, busy_until=self.hb_at + hb.busy_s, drain=self.drain,
                            ledger=ledger, max_batch=hb.max_batch)
 
-    def decode_view(self, use_ledger: bool) -> DecodeView:
+    def decode_view(self, use_ledger: bool, me: str = "") -> DecodeView:
         hb = self.hb
         h = self.hello
         busy_until = step_s = 0.0
@@ -104,6 +106,12 @@ class WorkerEntry:
             reserved = sum(self.deflecting.values())
             reserved_tokens = sum(t for t, _ in self.deflect_info.values())
             inflight = tuple((end, self.deflecting.get(rid, 0.0), k) for rid, (k, end) in self.deflect_info.items())
+            if isinstance(hb, m.DecodeHeartbeat):
+                for held in hb.held:
+                    if held.router != me:  # another router's deflection (as of its heartbeat)
+                        defl += 1
+                        reserved += held.reserved_s
+                        reserved_tokens += held.largest_chunk
         return DecodeView(worker_id=self.worker_id, batch=batch, kv_tokens=kv, kv_free_tokens=max(free, 0),
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
@@ -112,7 +120,8 @@ class WorkerEntry:
 
 
 class WorkerTable:
-    def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True) -> None:
+    def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True, me: str = "") -> None:
+        self.me = me  # this router's incarnation: deflections heartbeats list under another are the other routers'
         self.workers: dict[str, WorkerEntry] = {}
         self.default_model = default_model
         self.per_worker_models = per_worker_models
@@ -167,7 +176,7 @@ class WorkerTable:
             if e.role == "prefill":
                 p.append(e.prefill_view(use_ledger))
             else:
-                d.append(e.decode_view(use_ledger))
+                d.append(e.decode_view(use_ledger, self.me))
         return ClusterView(prefill=tuple(p), decode=tuple(d))
 
     def count(self, role: m.Role) -> int:

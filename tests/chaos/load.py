@@ -49,6 +49,12 @@ class Tally:
     ttft: list[float] = field(default_factory=list)    # per accepted request: send to first token, s
     stall: list[float] = field(default_factory=list)   # per accepted request: longest gap between tokens, s
     streaming: Counter[str] = field(default_factory=Counter)  # decode worker -> streams it is sending now
+    # router replica (x-kairos-router; "" before any header came) -> outcome -> requests
+    by_router: dict[str, Counter[str]] = field(default_factory=dict)
+    open_by_router: Counter[str] = field(default_factory=Counter)  # router replica -> responses open now
+
+    def outcome(self, router: str, what: str) -> None:
+        self.by_router.setdefault(router, Counter())[what] += 1
 
     def worst(self) -> str:
         """The slowest first token and the longest pause any client saw (what a fault cost)."""
@@ -70,9 +76,11 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
             "stream": True, "ignore_eos": True}
     give_up = time.monotonic() + retry_for
     t0 = time.monotonic()
+    router = ""
     while True:
         try:
             async with client.stream("POST", url, json=body) as r:
+                router = r.headers.get("x-kairos-router", "")
                 if r.status_code in (429, 503) and time.monotonic() < give_up:
                     tally.retries += 1
                     await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "0.2")) * 0.25))
@@ -81,10 +89,17 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
                     await r.aread()
                     tally.failed += 1
                     tally.errors[f"http_{r.status_code}"] += 1
+                    tally.outcome(router, f"http_{r.status_code}")
                     return
                 tally.accepted += 1
-                await _consume(r, tally, max_tokens, check_text=check_text, t0=t0,
-                               worker=r.headers.get("x-kairos-decode-worker", ""))
+                done = tally.completed
+                tally.open_by_router[router] += 1
+                try:
+                    await _consume(r, tally, max_tokens, check_text=check_text, t0=t0,
+                                   worker=r.headers.get("x-kairos-decode-worker", ""))
+                finally:
+                    tally.open_by_router[router] -= 1
+                tally.outcome(router, "completed" if tally.completed > done else "not_completed")
                 return
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if time.monotonic() < give_up:
@@ -97,10 +112,12 @@ async def one_request(client: httpx.AsyncClient, url: str, tally: Tally, rng: ra
         except httpx.ReadTimeout:
             tally.hung += 1
             tally.errors["read_timeout"] += 1
+            tally.outcome(router, "read_timeout")
             return
         except (httpx.RemoteProtocolError, httpx.ReadError) as e:
             tally.failed += 1
             tally.errors[f"connection_dropped:{type(e).__name__}"] += 1
+            tally.outcome(router, "connection_dropped")
             return
 
 

@@ -55,9 +55,12 @@ def free_port_run(n: int) -> int:
 class Up:
     """`kairos up` as a child process, its JSON lines read from a file."""
 
-    def __init__(self, log_dir: Path, *, time_scale: float = 1.0, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, log_dir: Path, *, time_scale: float = 1.0, extra: tuple[str, ...] = (),
+                 routers: int = 1) -> None:
         self.log_dir = log_dir
-        self.port, bus, mon = free_port_run(1), free_port_run(3), free_port_run(1)
+        self.port, bus, mon = free_port_run(1), free_port_run(3 * routers), free_port_run(1)
+        if routers > 1:
+            extra = ("--routers", str(routers), *extra)
         self.api = f"http://127.0.0.1:{self.port}"
         self.out = log_dir / "up.out"
         cmd = [sys.executable, "-m", "kairos.cli", "up", "--prefill", "2", "--decode", "2", "--port", str(self.port),

@@ -91,7 +91,8 @@ def run_vllm_server(tiny_model: Path, log_dir: Path, *extra_args: str) -> Iterat
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
-           "--served-model-name", tiny_model.name, *extra_args]
+           "--served-model-name", tiny_model.name, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+           *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1100)]
 ROOT = Path(__file__).resolve().parents[2]
 torch = pytest.importorskip("torch", reason="the GPU check needs PyTorch (the vLLM tier's venv has it)")
 
@@ -25,7 +25,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
 
     env = {**os.environ, "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(ROOT / "scripts/gpu-check.sh"), "--tiny", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=540)
+                       capture_output=True, text=True, timeout=1050)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "gpu-check.json").read_text())
     steps = plan(TINY_SWEEP)
@@ -37,9 +37,18 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert result["fit"]["a0"] >= 0 and all(result["fit"][a] >= 0 for a in ("a1", "a2", "a3", "a4", "a5"))
     assert set(result["fit_mape_per_kind"]) == {"prefill", "decode", "mixed"}
     assert "kv_bench" in result  # run, skipped or failed: always said
+    assert result["kv_bench_vram"] == {"skipped": "no CUDA device"}
+    vllm = result["vllm"]
+    if "skipped" not in vllm:  # vLLM is installed: the stage ran on CPU, baseline and Kairos
+        assert vllm["ok"], json.dumps(vllm, indent=1)[-3000:]
+        assert vllm["platform"] == "cpu" and vllm["checks"]["identical_greedy_text"]
+        assert set(vllm["runs"]) == {"disagg-least-loaded", "kairos"}
+        assert all(e["kv_buffer_device"] == "cpu" for run in vllm["runs"].values() for e in run["logs"]["engines"])
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "== gpu-check summary" in log and "vLLM stage:" in log
     profile = load_profile(str(tmp_path / "gpu-check-profile.json"))
     assert profile.name == "gpu-check-tiny" and profile.model.a0 == result["fit"]["a0"]
-    assert (tmp_path / "gpu-check.log").read_text().count(" ms") == len(steps)
+    assert sum(1 for line in log.splitlines() if line.endswith(" ms")) == len(steps)
 
 
 def test_gpu_check_refuses_full_run_without_gpu(tmp_path: Path) -> None:

@@ -1,0 +1,79 @@
+"""The reference `kairos bench-router` measures the router against: the least an HTTP server can do.
+
+    python -m bench.reference_app --port 8100
+
+A plain ASGI app on uvicorn with the router's own server settings (httptools, no access log,
+no lifespan) that answers POST /v1/completions with an OpenAI-style SSE stream of `max_tokens`
+one-token events and `[DONE]`, without tokenizing, routing or a bus. Driven by the same load
+generator in the same run, its CPU time per request is the floor of this machine's HTTP and
+JSON cost that day; the router's cost over it is a ratio that compares across machines and
+days, where absolute microseconds do not (other processes, CPU frequency, kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import uvicorn
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_TOKEN = b'data: {"object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
+_LAST = b'data: {"object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}]}\n\n'
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Body(msgspec.Struct):
+    max_tokens: int = 16
+
+
+_decode = msgspec.json.Decoder(_Body).decode
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    if scope["method"] != "POST" or scope["path"] != "/v1/completions":
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    try:
+        n = max(1, _decode(body).max_tokens)
+    except msgspec.DecodeError:
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+    for _ in range(n - 1):
+        await send({"type": "http.response.body", "body": _TOKEN, "more_body": True})
+    await send({"type": "http.response.body", "body": _LAST + _DONE, "more_body": False})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.reference_app", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=False,
+                                           log_level="warning", http="httptools"))
+    asyncio.run(server.serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

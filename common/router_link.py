@@ -1,0 +1,118 @@
+"""A worker's connection to one router of a replicated cluster, and which router owns a request.
+
+With several routers (WorkerConfig.routers) a worker holds one RouterLink per router: its own
+bus sockets, its own registration state (welcomed, refused, the router's incarnation), and the
+highest dispatch number that router sent it, which the heartbeats on that link acknowledge (each
+router numbers its dispatches on its own, so one shared counter would clear another router's
+ledger entries). Every request is remembered against the link it arrived on, so its replies,
+KV hand-off messages and hand-backs go to the router that sent it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+import msgspec
+
+from common import messages as m
+from common.config import BusConfig, WorkerConfig
+from common.errors import ConfigError
+from common.sockets import WorkerBus
+
+# Requests remembered against their router; the oldest are forgotten past this many (a request
+# still alive after this many newer ones then answers on the first link).
+ORIGIN_CAP = 1 << 16
+
+
+def router_addresses(cfg: WorkerConfig) -> list[BusConfig]:
+    """The bus address of every router the worker serves: WorkerConfig.routers, a comma list of
+    host:work_port:heartbeat_port, or the one router at router_host/work_port/heartbeat_port."""
+    text = cfg.routers.strip()
+    if not text:
+        return [cfg]
+    out: list[BusConfig] = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ConfigError(f"routers: {item.strip()!r} is not host:work_port:heartbeat_port "
+                              "(example: 10.0.0.5:5555:5556)")
+        out.append(msgspec.structs.replace(cfg, router_host=parts[0], work_port=int(parts[1]),
+                                           heartbeat_port=int(parts[2])))
+    return out
+
+
+class RouterLink:
+    """One router, as this worker sees it."""
+
+    def __init__(self, index: int, bus_cfg: BusConfig) -> None:
+        self.index = index
+        self.cfg = bus_cfg
+        self.address = f"{bus_cfg.router_host}:{bus_cfg.work_port}"
+        self.welcomed = asyncio.Event()
+        self.answered = asyncio.Event()  # the router answered a Hello (Welcome or Refused)
+        self.hello_now = asyncio.Event()
+        self.refused = ""                 # why the router refuses us, while it does
+        self.incarnation: str | None = None
+        self.last_dispatch = 0            # the highest dispatch number this router sent us
+        self.bus: WorkerBus | None = None
+
+    def open(self, worker_id: str) -> WorkerBus:
+        self.bus = WorkerBus(self.cfg, worker_id)
+        return self.bus
+
+    def saw(self, msg: object) -> None:
+        """Note the dispatch number of work that arrived on this link (its heartbeats acknowledge it)."""
+        d = getattr(msg, "dispatch", None)
+        if isinstance(d, int) and d > self.last_dispatch:
+            self.last_dispatch = d
+
+
+class Origins:
+    """request id -> the link it arrived on (bounded: see ORIGIN_CAP)."""
+
+    def __init__(self, links: list[RouterLink]) -> None:
+        self.links = links
+        self._of: OrderedDict[str, RouterLink] = OrderedDict()
+
+    def note(self, request_id: str, link: RouterLink) -> None:
+        if len(self.links) == 1:
+            return
+        self._of[request_id] = link
+        self._of.move_to_end(request_id)
+        while len(self._of) > ORIGIN_CAP:
+            self._of.popitem(last=False)
+
+    def of(self, request_id: str) -> RouterLink:
+        return self._of.get(request_id, self.links[0])
+
+    def forget(self, request_id: str) -> None:
+        self._of.pop(request_id, None)
+
+    def split(self, msg: m.Msg) -> list[tuple[RouterLink, m.Msg]]:
+        """Where a worker -> router message goes: the router of its request; a TokenBatch is cut
+        into one batch per router; a message about no request goes to every router."""
+        if len(self.links) == 1:
+            return [(self.links[0], msg)]
+        if isinstance(msg, m.TokenBatch):
+            per: dict[int, tuple[list[m.TokenItem], list[str], list[str]]] = {}
+            for it in msg.items:
+                per.setdefault(self.of(it.request_id).index, ([], [], []))[0].append(it)
+            reasons = msg.kv_fallback_reasons or [""] * len(msg.kv_fallback)
+            for fid, why in zip(msg.kv_fallback, reasons, strict=False):
+                _, fb, fbr = per.setdefault(self.of(fid).index, ([], [], []))
+                fb.append(fid)
+                fbr.append(why)
+            for it in msg.items:
+                if it.finish_reason is not None:
+                    self.forget(it.request_id)
+            return [(self.links[i], msgspec.structs.replace(msg, items=items, kv_fallback=fb,
+                                                            kv_fallback_reasons=fbr if msg.kv_fallback_reasons else []))
+                    for i, (items, fb, fbr) in per.items()]
+        rid = getattr(msg, "request_id", None)
+        if isinstance(rid, str):
+            link = self.of(rid)
+            if isinstance(msg, m.RequestFailed):
+                self.forget(rid)
+            return [(link, msg)]
+        return [(link, msg) for link in self.links]

@@ -1,0 +1,47 @@
+"""Two router replicas on one HTTP port (`Cluster` with routers=2, what `kairos up --routers 2`
+runs) on an authenticated bus (CURVE): both routers take the same worker keys, every worker
+registers with both, both serve on the shared port, and a request that goes through prefill
+worker and decode worker (the KV hand-off crosses the router) completes on either."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kairos.up import Cluster
+from tests.conftest import start_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    keys = tmp_path_factory.mktemp("keys") / "curve"
+    rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(keys)], capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
+    c = start_cluster(tmp_path_factory.mktemp("replicas"), prefill=1, decode=1, profile="fast",
+                      policy="disagg-least-loaded", kv_transport="modeled", routers=2, curve_keys_dir=str(keys))
+    yield c
+    c.stop(15)
+
+
+def test_both_replicas_serve_on_one_port_with_every_worker(cluster: Cluster) -> None:
+    assert cluster.spec.routers == 2 and set(cluster.spec.router_names) <= set(cluster.services)
+    seen: dict[str, int] = {}
+    with httpx.Client(timeout=30) as client:
+        for i in range(80):  # new connections: the kernel picks the replica (bounded tries)
+            r = client.post(cluster.spec.api + "/v1/completions", headers={"connection": "close"},
+                            json={"prompt": "hello " * (20 + i), "max_tokens": 5})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+            assert r.headers["x-kairos-route"] == "disagg"  # prefill worker -> KV -> decode worker
+            seen[r.headers["x-kairos-router"]] = seen.get(r.headers["x-kairos-router"], 0) + 1
+            if len(seen) == 2 and min(seen.values()) >= 3:
+                break
+    assert len(seen) == 2 and min(seen.values()) >= 3, seen
+    for name in cluster.spec.router_names:
+        log = Path(cluster.services[name].log_path or "").read_text()
+        assert log.count('"worker_joined"') == 2, name  # prefill-0 and decode-0, with the shared worker key

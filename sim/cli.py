@@ -178,7 +178,8 @@ def _load(args: argparse.Namespace, rate_scale: float) -> tuple[list[TraceReques
 
 
 TABLE_NOTE = ("TTFT percentiles count rejected requests as infinite; TBT SLO: max gap = every gap "
-              "<= SLO, p99 gap = the request's P99 gap <= SLO; both: TTFT and max-gap TBT")
+              "<= SLO, p99 gap = the request's P99 gap <= SLO; both: TTFT and max-gap TBT; lower bound: "
+              "every prompt prefilled whole on an idle worker (prefix-cache hits can beat it)")
 
 
 def _table(point: dict[str, Any], title: str, clusters: dict[str, str]) -> Table:

@@ -175,7 +175,8 @@ def test_step_records_survive_a_batch_queue(sched: Any, monkeypatch: pytest.Monk
     s = object.__new__(KairosScheduler)  # the state KairosScheduler.__init__ sets up, without an engine
     sock = _Sock()
     s.__dict__.update(requests=requests, running=[], waiting=[], kv_holding_waiting=[], max_num_scheduled_tokens=256,
-                      _bases={}, _others_left=0, _model_steps=0, _dropped=0, _pending={}, _sock=sock)
+                      _bases={}, _others_left=0, _model_steps=0, _dropped=0, _pending={}, _sock=sock,
+                      prefix=None)
     out0 = s.schedule()
     out1 = s.schedule()  # the batch queue schedules ahead
     s.update_from_output(out0, None)

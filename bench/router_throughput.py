@@ -592,15 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             results["latency"] = {"step": s, **lat}
             _print_latency(console, args, lat)
         if "requests" in phases:
-            steps = []
-            for r in rates:
-                s = bench.step(r, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens)
-                s.pop("_rows")
-                steps.append(s)
-                console.print(f"  requests {r:,.0f}/s: done {s['completed_rate']:,.0f}/s, TTFT p50 "
-                              f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, router CPU {s['router_cpu']:.2f}")
-                if s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0:
-                    break  # far past saturation: stop before queues explode
+            steps = _request_steps(bench, console, args, rates, "requests", "router CPU", stop_past_saturation=True)
             best = sustained(steps)
             results["requests"] = {"steps": steps, "sustained": best}
             console.print(step_table("request rate (1 output token per request)", steps))
@@ -671,6 +663,22 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
     raise TimeoutError(f"not listening on port {port} after {timeout:g} s")
 
 
+def _request_steps(bench: Bench, console: Console, args: argparse.Namespace, rates: Sequence[float], label: str,
+                   cpu_label: str, *, stop_past_saturation: bool) -> list[dict[str, Any]]:
+    """One step of one-token requests per offered rate (the requests phase, and the reference app's
+    rerun of it at the rates the router carried)."""
+    steps = []
+    for r in rates:
+        s = bench.step(r, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens)
+        s.pop("_rows")
+        steps.append(s)
+        console.print(f"  {label} {r:,.0f}/s: done {s['completed_rate']:,.0f}/s, TTFT p50 "
+                      f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, {cpu_label} {s['router_cpu']:.2f}")
+        if stop_past_saturation and (s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0):
+            break  # far past saturation: stop before queues explode
+    return steps
+
+
 def reference_phase(console: Console, args: argparse.Namespace, rates: Sequence[float], n_clients: int,
                     router_cpus: Sequence[int], other_cpus: Sequence[int],
                     router_steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -690,13 +698,7 @@ def reference_phase(console: Console, args: argparse.Namespace, rates: Sequence[
         bench = Bench(None, clients, console, pid=proc.pid)
         bench.step(50, 1.5, max_tokens=4, prompt_tokens=args.prompt_tokens)  # warm up connections
         bench.measure_idle(1.0)
-        steps = []
-        for r in rates:
-            s = bench.step(r, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens)
-            s.pop("_rows")
-            steps.append(s)
-            console.print(f"  reference {r:,.0f}/s: done {s['completed_rate']:,.0f}/s, TTFT p50 "
-                          f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, CPU {s['router_cpu']:.2f}")
+        steps = _request_steps(bench, console, args, rates, "reference", "CPU", stop_past_saturation=False)
     finally:
         if clients is not None:
             clients.close()

@@ -20,8 +20,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 VOCAB = 1024
-# a plain chat template, so the chat endpoints of vLLM's server and Kairos' can be compared
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+# a plain chat template, so the chat endpoints of vLLM's server and Kairos' can be compared; it
+# renders a message's name, an assistant's tool calls (arguments as the mapping chat templates are
+# given), a tool result's call id, and the tools' names and descriptions, so conversations with
+# tools and tool turns can be compared too
+CHAT_TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %} {{ t.function.name }}: "
+                 "{{ t.function.description or '' }}{% endfor %}</s>\n{% endif %}"
+                 "{% for message in messages %}<|{{ message['role'] }}|>"
+                 "{% if message.name %} {{ message.name }}{% endif %}"
+                 "{% if message.tool_call_id %} [{{ message.tool_call_id }}]{% endif %}\n"
+                 "{{ message['content'] or '' }}"
+                 "{% for tc in message.tool_calls or [] %}<tool_call>{{ tc.function.name }} "
+                 "{{ tc.function.arguments | tojson }}</tool_call>{% endfor %}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # KV bytes per token of this model: layers x (K, V) x KV heads x head dim x float32.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4

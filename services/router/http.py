@@ -251,7 +251,8 @@ class App:
             chat = schema.ChatBody(messages=b.messages, add_generation_prompt=b.add_generation_prompt,
                                    continue_final_message=b.continue_final_message,
                                    add_special_tokens=b.add_special_tokens is True,
-                                   chat_template_kwargs=b.chat_template_kwargs)
+                                   chat_template_kwargs=b.chat_template_kwargs, tools=b.tools,
+                                   tool_choice="none" if b.tools is not None else None)  # rendered, not called
             ids = schema.chat_prompt(chat, tok)[0]
         elif b.prompt is not None:
             ids = tok.encode(b.prompt, add_special_tokens=b.add_special_tokens is not False)

@@ -13,6 +13,7 @@ seed + i, as vLLM's parallel sampling does).
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -205,6 +206,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     continue_final_message: bool = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as vLLM's /tokenize does
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -288,6 +290,55 @@ def _text_content(content: Any, i: int) -> str:
     raise RequestError(f"messages[{i}].content must be a string or an array of text parts", param="messages")
 
 
+_MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _history_message(msg: dict[str, Any], role: str, i: int) -> dict[str, object]:
+    """One message as vLLM 0.32's chat_utils hands it to the chat template: text content (parts
+    joined by newlines), `name` when given, an assistant's `tool_calls` with each call's JSON
+    `arguments` string parsed into the mapping templates expect (unparsable or not an object: {},
+    as vLLM coerces it; an empty list dropped), a tool result's `tool_call_id`."""
+    if "function_call" in msg:
+        raise RequestError(f"messages[{i}].function_call: the deprecated function_call is not supported; send "
+                           "the call as tool_calls", param="messages")
+    extra = set(msg) - {"role", "content", "name"} - _MESSAGE_FIELDS.get(role, set())
+    if extra:
+        raise RequestError(f"messages[{i}]: field '{sorted(extra)[0]}' is not supported for the {role!r} role",
+                           param="messages")
+    out: dict[str, object] = {"role": role, "content": _text_content(msg.get("content"), i)}
+    if isinstance(msg.get("name"), str):
+        out["name"] = msg["name"]
+    if role == "tool" and msg.get("tool_call_id") is not None:
+        if not isinstance(msg["tool_call_id"], str):
+            raise RequestError(f"messages[{i}].tool_call_id must be a string", param="messages")
+        out["tool_call_id"] = msg["tool_call_id"]
+    calls = msg.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        if not isinstance(calls, list):
+            raise RequestError(f"messages[{i}].tool_calls must be an array", param="messages")
+        if calls:
+            out["tool_calls"] = [_history_call(c, i) for c in calls]
+    return out
+
+
+def _history_call(call: Any, i: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or call.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{i}].tool_calls: each call must be an object of type 'function' with a "
+                           "function name", param="messages")
+    args = fn.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        args = {}
+    out = {k: v for k, v in call.items() if k != "function"}
+    out["function"] = {**fn, "arguments": args}
+    return out
+
+
 def chat_prompt(body: ChatBody, tok: Tokenizer, parser: bool = False) -> tuple[list[int], str, str]:
     msgs = body.messages
     if not msgs:
@@ -297,14 +348,7 @@ def chat_prompt(body: ChatBody, tok: Tokenizer, parser: bool = False) -> tuple[l
         role = msg.get("role")
         if not isinstance(role, str):
             raise RequestError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
-            raise RequestError(f"messages[{i}]: tool messages and assistant tool calls in the history are not "
-                               "supported; send the tool results as user text",
-                               param="messages")
-        extra = set(msg) - {"role", "content", "name"}
-        if extra:
-            raise RequestError(f"messages[{i}]: field '{sorted(extra)[0]}' is not supported", param="messages")
-        flat.append({"role": role, "content": _text_content(msg.get("content"), i)})
+        flat.append(_history_message(msg, role, i))
     if body.continue_final_message and body.add_generation_prompt:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false",
                            param="continue_final_message")

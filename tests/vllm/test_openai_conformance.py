@@ -115,6 +115,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+HISTORY = [MSGS[0], {"role": "user", "content": "weather in Oslo?", "name": "ann"},
+           {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny, 12 C"}]}]
+BAD_ARGS = [*HISTORY[:2], {"role": "assistant", "content": "let me look", "tool_calls": [
+    {**CALL, "function": {"name": "get_weather", "arguments": "not json"}}]}, HISTORY[3]]
 SHAPES += [
     ("json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, **JSON_SCHEMA}),
     ("stream_json_schema", "completions", {**GREEDY, "prompt": TEXT, "max_tokens": 40, "stream": True,
@@ -166,6 +172,14 @@ SHAPES += [
     ("json_schema_without_schema_refused", "chat/completions", {
         **GREEDY, "messages": MSGS, "max_tokens": 4, "response_format": {"type": "json_schema"}}),
     ("tools_empty_refused", "chat/completions", {**GREEDY, "messages": MSGS, "max_tokens": 4, "tools": []}),
+    # a conversation with a tool turn: the assistant's call (arguments parsed into a mapping for the
+    # template) and the tool's result (its call id), rendered by the tiny model's template
+    ("chat_tool_history", "chat/completions", {**GREEDY, "messages": HISTORY, "max_tokens": 8}),
+    ("chat_stream_tool_history", "chat/completions", {**GREEDY, "messages": HISTORY, "max_tokens": 8,
+                                                      "stream": True}),
+    ("chat_tool_history_tools_auto", "chat/completions", {**GREEDY, "messages": HISTORY, "max_tokens": 12,
+                                                          "tools": TOOLS}),
+    ("chat_tool_history_bad_arguments", "chat/completions", {**GREEDY, "messages": BAD_ARGS, "max_tokens": 8}),
 ]
 IGNORED = {"id", "created", "system_fingerprint", "kairos"}
 
@@ -318,7 +332,8 @@ def test_tokenize_and_detokenize(kairos: tuple[str, str], vllm_server: str, tiny
     base = vllm_server.removesuffix("/v1")
     kbase = url.removesuffix("/v1")
     for body in ({"prompt": TEXT}, {"prompt": TEXT, "add_special_tokens": False, "return_token_strs": True},
-                 {"messages": MSGS}, {"messages": MSGS, "add_generation_prompt": False}):
+                 {"messages": MSGS}, {"messages": MSGS, "add_generation_prompt": False},
+                 {"messages": HISTORY}, {"messages": MSGS, "tools": TOOLS}):
         want = httpx.post(base + "/tokenize", json={"model": tiny_model.name, **body}, timeout=30).json()
         got = httpx.post(kbase + "/tokenize", json={"model": tiny_model.name, **body}, timeout=30).json()
         assert not _diff(want, got), (body, want, got)

@@ -170,6 +170,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
 
 
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):
+    telemetry: Annotated[str, doc("replicated routers: every router's telemetry endpoint as host:port, comma "
+                                  "separated (the monitor sums their counts and shows each replica); empty: "
+                                  "the one router at router_host, telemetry_port")] = ""
     http_host: Annotated[str, doc("address the metrics and dashboard server listens on")] = "127.0.0.1"
     http_port: Annotated[int, doc("port of /metrics and the dashboard")] = 9100
     api_key: Annotated[str, doc("if set, every route but /health needs 'Authorization: Bearer <key>' (the "

@@ -20,6 +20,7 @@ back under its id is accepted once the old connection misses its heartbeats, ~3 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,13 +159,16 @@ class RouterBus:
                               f"{cfg.work_port}/{cfg.heartbeat_port}/{cfg.telemetry_port}: {e} "
                               "(another router running? pick other ports)") from e
         self._tseq = 0
+        # Each router names itself in the telemetry topic (the monitor may subscribe to several
+        # replicas and numbers each one's messages apart): host and telemetry port.
+        self._ttopic = TELEMETRY_TOPIC + f"{socket.gethostname()}:{cfg.telemetry_port}".encode()
         # A plain view of the send-only telemetry socket: a non-blocking send without a Future.
         self._telemetry_nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self.telemetry.underlying)
 
     def publish(self, payload: bytes) -> None:
         self._tseq += 1
         try:
-            self._telemetry_nowait.send_multipart([TELEMETRY_TOPIC, self._tseq.to_bytes(8, "big"), payload],
+            self._telemetry_nowait.send_multipart([self._ttopic, self._tseq.to_bytes(8, "big"), payload],
                                                   flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # monitor slow or absent: telemetry is best effort
@@ -224,6 +228,21 @@ class WorkerBus:
         self.ctx.term()
 
 
+def telemetry_endpoints(cfg: Any) -> list[tuple[str, int]]:
+    """Every router the monitor reads: `telemetry` (host:port, comma separated), else the one router."""
+    spec = getattr(cfg, "telemetry", "")
+    if not spec:
+        return [(cfg.router_host, cfg.telemetry_port)]
+    out = []
+    for item in spec.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"telemetry: {item.strip()!r} is not host:port (give every router's telemetry "
+                              "endpoint, comma separated, e.g. 10.0.0.5:5557,10.0.0.6:5557)")
+        out.append((host, int(port)))
+    return out
+
+
 class MonitorBus:
     """The monitor's SUB socket on the router's telemetry."""
 
@@ -234,7 +253,8 @@ class MonitorBus:
         self.telemetry.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
         if cfg.curve_keys_dir:
             curve_client(self.telemetry, cfg, "monitor")
-        self.telemetry.connect(endpoint(cfg.router_host, cfg.telemetry_port))
+        for host, port in telemetry_endpoints(cfg):
+            self.telemetry.connect(endpoint(host, port))
 
     def close(self) -> None:
         self.telemetry.close(linger=0)

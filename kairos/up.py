@@ -143,8 +143,10 @@ class Cluster:
                              **({"KAIROS_TOKENIZER": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name}
                                 if s.engine == "vllm" and s.model else {}),
                              **s.router_env}, "router")
-        if s.monitor:  # the first router's telemetry
-            self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port)})
+        if s.monitor:  # every router's telemetry
+            self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port),
+                                  **({"KAIROS_TELEMETRY": ",".join(f"127.0.0.1:{t}" for _, _, t in s.router_bus())}
+                                     if s.routers > 1 else {})})
         wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
                 "KAIROS_TIME_SCALE": str(s.time_scale),
                 **({"KAIROS_MODEL": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name} if s.model else {}),

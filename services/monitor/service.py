@@ -22,7 +22,7 @@ from common import codec
 from common import messages as m
 from common.config import MonitorConfig
 from common.service import HttpServer, install_signals
-from common.sockets import MonitorBus
+from common.sockets import TELEMETRY_TOPIC, MonitorBus, telemetry_endpoints
 from services.monitor.http import App, Feed
 from services.monitor.metrics import MonitorMetrics
 from services.monitor.state import MonitorState
@@ -51,7 +51,7 @@ class Monitor:
                        stop=self.stop, api_key=cfg.api_key)
 
     # ------------------------------------------------------------------ intake
-    def on_message(self, msg: m.TelemetryInbox) -> None:
+    def on_message(self, msg: m.TelemetryInbox, router: str = "") -> None:
         match msg:
             case m.WorkerSeen():
                 known = self.state.workers.get(msg.worker_id)
@@ -68,7 +68,7 @@ class Monitor:
             case _:
                 log.warning("unexpected_message", message=type(msg).__name__)
                 return
-        self.state.on_message(msg, self.clock())
+        self.state.on_message(msg, self.clock(), router)
         self.metrics.observe(msg)
 
     def on_frames(self, frames: list[bytes]) -> None:
@@ -76,16 +76,17 @@ class Monitor:
             self.state.on_bad_frame()
             log.warning("bad_frame_dropped", frames=len(frames))
             return
-        missed = self.state.on_frame_seq(codec.unpack_seq(frames[1]))
+        router = frames[0][len(TELEMETRY_TOPIC):].decode(errors="replace")  # which replica sent it
+        missed = self.state.on_frame_seq(codec.unpack_seq(frames[1]), router)
         if missed:
-            log.warning("telemetry_missed", messages=missed)
+            log.warning("telemetry_missed", messages=missed, router=router)
         try:
             msg = codec.telemetry_inbox.decode(frames[2])
         except codec.DecodeError as e:
             self.state.on_bad_frame()
             log.warning("bad_frame_dropped", error=str(e)[:200])
             return
-        self.on_message(msg)
+        self.on_message(msg, router)
 
     # ------------------------------------------------------------------ what HTTP serves
     def snapshot(self) -> dict[str, Any]:
@@ -128,7 +129,7 @@ class Monitor:
                               hint="is the port in use? pick another with --http-port")
                     self.stop.set()
                 else:
-                    log.info("monitor_started", router=f"{cfg.router_host}:{cfg.telemetry_port}",
+                    log.info("monitor_started", routers=[f"{h}:{p}" for h, p in telemetry_endpoints(cfg)],
                              dashboard=f"http://{cfg.http_host}:{cfg.http_port}/")
                 await self.stop.wait()
                 self.feed.publish(self.feed.data)  # wake the event streams so they see `stop` and end

@@ -126,18 +126,33 @@ class MonitorState:
         self.lost: deque[tuple[float, m.WorkerLost]] = deque(maxlen=20)
         self.recent: deque[Recent] = deque(maxlen=recent)
         self._recent_by_id: dict[str, Recent] = {}
-        self.router: m.RouterStats | None = None
-        self.router_seen = 0.0
+        self.routers: dict[str, tuple[m.RouterStats, float]] = {}  # by router name: its last stats, when
         self.policy = ""
         self.totals: Counter[str] = Counter()                       # messages by type, bad frames, gaps
         self.decisions: Counter[tuple[str, str]] = Counter()        # (route, reason) since start
         self.outcomes: Counter[tuple[str, str]] = Counter()         # (route, outcome) since start
-        self._last_seq: int | None = None
+        self._last_seq: dict[str, int] = {}  # by router name: each router numbers its own messages
+
+    @property
+    def router(self) -> m.RouterStats | None:
+        """Every router's stats summed (replicated routers each report their own requests)."""
+        if not self.routers:
+            return None
+        rs = [r for r, _ in self.routers.values()]
+        fresh = self.router_seen - self.worker_expiry_s  # a silent replica's last in-flight count is stale
+        return m.RouterStats(at=max(r.at for r in rs),
+                             in_flight=sum(r.in_flight for r, t in self.routers.values() if t >= fresh),
+                             accepted=sum(r.accepted for r in rs), completed=sum(r.completed for r in rs),
+                             failed=sum(r.failed for r in rs), rejected=sum(r.rejected for r in rs))
+
+    @property
+    def router_seen(self) -> float:
+        return max((t for _, t in self.routers.values()), default=0.0)
 
     # ------------------------------------------------------------------ intake
-    def on_frame_seq(self, seq: int) -> int:
-        """Track the PUB sequence number; returns how many messages were missed (dropped at a HWM)."""
-        last, self._last_seq = self._last_seq, seq
+    def on_frame_seq(self, seq: int, router: str = "") -> int:
+        """Track one router's PUB sequence number; returns how many messages were missed (dropped at a HWM)."""
+        last, self._last_seq[router] = self._last_seq.get(router), seq
         if last is None or seq <= last:  # first frame, or the router restarted
             return 0
         missed = seq - last - 1
@@ -148,7 +163,7 @@ class MonitorState:
     def on_bad_frame(self) -> None:
         self.totals["bad_frames"] += 1
 
-    def on_message(self, msg: m.TelemetryInbox, now: float) -> None:
+    def on_message(self, msg: m.TelemetryInbox, now: float, router: str = "") -> None:
         if not self.started:
             self.started = now
         self.totals[type(msg).__name__] += 1
@@ -162,7 +177,7 @@ class MonitorState:
             case m.RequestRecord():
                 self._on_request(msg, now)
             case m.RouterStats():
-                self.router, self.router_seen = msg, now
+                self.routers[router] = (msg, now)
 
     def _on_worker_seen(self, w: m.WorkerSeen, now: float) -> None:
         info = self.workers.get(w.worker_id)
@@ -249,6 +264,9 @@ class MonitorState:
             del self.workers[wid]
         while self.lost and now - self.lost[0][0] > self.lost_keep_s:
             self.lost.popleft()
+        for name in [n for n, (_, t) in self.routers.items() if now - t > self.lost_keep_s]:
+            del self.routers[name]  # a replica gone for good (its counts leave the totals with it)
+            self._last_seq.pop(name, None)
         self._trim(now)
         return gone
 
@@ -345,10 +363,12 @@ class MonitorState:
         lo = int(now) - self.window_s
         window = self._summary(self._window(lo, int(now)), min(self.window_s, max(1.0, now - self.started)))
         router = None
-        if self.router is not None:
-            r = self.router
+        if (r := self.router) is not None:  # all routers together; age_s: the freshest one's
             router = {"in_flight": r.in_flight, "accepted": r.accepted, "completed": r.completed,
-                      "failed": r.failed, "rejected": r.rejected, "age_s": round(now - self.router_seen, 3)}
+                      "failed": r.failed, "rejected": r.rejected, "age_s": round(now - self.router_seen, 3),
+                      "replicas": [{"name": name or "router", "in_flight": st.in_flight, "accepted": st.accepted,
+                                    "failed": st.failed, "age_s": round(now - t, 3)}
+                                   for name, (st, t) in sorted(self.routers.items())]}
         recent = []
         for rc in reversed(self.recent):
             d = rc.decision

@@ -62,8 +62,14 @@ def render(s: dict[str, Any], url: str) -> Group:
     elif r["age_s"] > 5:
         router = Text(f"router silent for {r['age_s']:.0f} s", style="bold red")
     else:
-        router = Text(f"router ok · {r['in_flight']} in flight · {r['accepted']} accepted · {r['failed']} failed "
+        reps = r.get("replicas") or []
+        silent = [x["name"] for x in reps if x["age_s"] > 5]
+        who = f"{len(reps)} routers" if len(reps) > 1 else "router"
+        router = Text(f"{who} ok · {r['in_flight']} in flight · {r['accepted']} accepted · {r['failed']} failed "
                       f"· {r['rejected']} rejected", style="green")
+        if silent:
+            router = Text(f"{len(silent)} of {len(reps)} routers silent ({', '.join(silent)}) · {r['in_flight']} in "
+                          f"flight · {r['accepted']} accepted · {r['failed']} failed", style="bold yellow")
     live = s["live_workers"]
     head = Text.assemble(("Kairos ", "bold"), (f"policy {s['policy'] or '?'}  ", "dim"), router,
                          (f"   {live['prefill']} prefill · {live['decode']} decode workers   ", ""), (url, "dim"))

@@ -199,6 +199,53 @@ def test_frames_sequence_gaps_and_bad_payloads(clock: Clock) -> None:
     assert value(s, "kairos_telemetry_messages_total", type="RouterStats") == 3
 
 
+def test_replicated_routers_are_numbered_apart_summed_and_shown_each(clock: Clock) -> None:
+    """Two router replicas: each numbers its own telemetry (no false gaps when their frames
+    interleave), their counts are summed, a silent one is named, and one gone for good is dropped."""
+    mon = Monitor(MonitorConfig(telemetry="127.0.0.1:5557,127.0.0.1:5560"), clock=clock)
+
+    def stats(in_flight: int, accepted: int) -> bytes:
+        return codec.encode(m.RouterStats(at=clock.now, in_flight=in_flight, accepted=accepted, completed=0,
+                                          failed=1, rejected=0))
+
+    a, b = TELEMETRY_TOPIC + b"host:5557", TELEMETRY_TOPIC + b"host:5560"
+    for seq in range(1, 4):  # interleaved: 1, 1, 2, 2, 3, 3
+        mon.on_frames([a, codec.pack_seq(seq), stats(3, 10)])
+        mon.on_frames([b, codec.pack_seq(seq), stats(4, 20)])
+    mon.on_frames([b, codec.pack_seq(6), stats(4, 20)])  # 4 and 5 of b lost
+    s = parse_metrics(mon.metrics.render().decode())
+    assert value(s, "kairos_telemetry_missed_total") == 2
+    assert value(s, "kairos_requests_in_flight") == 7
+    assert value(s, "kairos_router_reported_requests_total", state="accepted") == 30
+    r = mon.snapshot()["router"]
+    assert (r["accepted"], r["failed"]) == (30, 2)
+    assert [x["name"] for x in r["replicas"]] == ["host:5557", "host:5560"]
+    console = Console(width=200, record=True)
+    console.print(top.render(mon.snapshot(), "http://m"))
+    assert "2 routers ok · 7 in flight · 30 accepted" in console.export_text()
+    clock.now += 20  # replica a is killed; b keeps reporting
+    mon.on_frames([b, codec.pack_seq(7), stats(2, 25)])
+    snap = mon.snapshot()
+    assert snap["router"]["in_flight"] == 2  # a's last in-flight count is stale: not summed
+    assert snap["router"]["accepted"] == 35   # its counts stay until it is forgotten
+    console = Console(width=200, record=True)
+    console.print(top.render(snap, "http://m"))
+    assert "1 of 2 routers silent (host:5557)" in console.export_text()
+    clock.now += 400
+    mon.on_frames([b, codec.pack_seq(8), stats(0, 25)])
+    assert [x["name"] for x in mon.snapshot()["router"]["replicas"]] == ["host:5560"]
+
+
+def test_telemetry_endpoints_are_checked() -> None:
+    from common.errors import ConfigError
+    from common.sockets import telemetry_endpoints
+
+    assert telemetry_endpoints(MonitorConfig(router_host="10.0.0.5", telemetry_port=6000)) == [("10.0.0.5", 6000)]
+    assert telemetry_endpoints(MonitorConfig(telemetry="a:1, b:2")) == [("a", 1), ("b", 2)]
+    with pytest.raises(ConfigError, match="not host:port"):
+        telemetry_endpoints(MonitorConfig(telemetry="a:1,b"))
+
+
 def test_snapshot_window_series_and_recent_decisions(mon: Monitor, clock: Clock) -> None:
     clock.now += 2
     snap = mon.snapshot()

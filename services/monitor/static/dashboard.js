@@ -144,8 +144,16 @@ function render(s) {
   if (!r) { rt.textContent = "router: no telemetry yet"; rt.className = "pill bad"; }
   else if (r.age_s > 5) { rt.textContent = `router silent for ${fmtAge(r.age_s)}`; rt.className = "pill bad"; }
   else {
-    rt.textContent = `router ok · ${r.accepted} accepted · ${r.failed} failed · ${r.rejected} rejected`;
-    rt.className = "pill ok";
+    const reps = r.replicas || [];
+    const silent = reps.filter((x) => x.age_s > 5).map((x) => x.name);
+    if (silent.length) {
+      rt.textContent = `${silent.length} of ${reps.length} routers silent (${silent.join(", ")}) · ${r.accepted} accepted · ${r.failed} failed`;
+      rt.className = "pill bad";
+    } else {
+      const who = reps.length > 1 ? `${reps.length} routers` : "router";
+      rt.textContent = `${who} ok · ${r.accepted} accepted · ${r.failed} failed · ${r.rejected} rejected`;
+      rt.className = "pill ok";
+    }
   }
   $("live").textContent = `${s.live_workers.prefill} prefill · ${s.live_workers.decode} decode workers`;
   const u = $("updated");

@@ -114,7 +114,7 @@ def kv_buffer_device_for(platform: str, wanted: str = "") -> str:
     return device
 
 
-from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, StepRecord  # noqa: E402
+from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, RESUME_KEY, StepRecord  # noqa: E402
 
 SCHEDULER_CLS = "common.engines.vllm_scheduler.KairosScheduler"
 CREATED_KEY = "kairos_cache_created_tokens"  # in a prefill's kv_params: its num_cache_creation_tokens
@@ -573,6 +573,8 @@ class VllmEngine(Engine):
         path failed before the first token (only when `deadline` is set: a handoff)."""
         req = h.req
         extra = {**extra, ID_KEY: h.key}
+        if req.resume_tokens and req.sampling.structured is not None:  # the grammar continues after them
+            extra[RESUME_KEY] = req.resume_tokens
         sp = self._sampling(req, max_tokens=req.sampling.max_tokens, extra=extra, delta=True)
         agen = self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key).__aiter__()
         try:

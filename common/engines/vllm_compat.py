@@ -49,6 +49,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook(SCHEDULER + ".schedule", params=("throttle_prefills",)),
     Hook(SCHEDULER + ".update_from_output", params=("scheduler_output", "model_runner_output")),
     Hook(SCHEDULER + ".shutdown", params=()),
+    # resumed grammars (KairosScheduler._handle_blocked_waiting_request)
+    Hook(SCHEDULER + "._handle_blocked_waiting_request", params=("request",), called_by=("schedule",)),
+    Hook(SCHEDULER, attrs=("grammar_compile_error_reqs",)),
+    Hook("vllm.v1.request:RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"),
+    Hook("vllm.v1.request:Request", attrs=("status", "structured_output_request", "prompt_token_ids")),
+    Hook("vllm.v1.structured_output.request:StructuredOutputRequest.grammar"),
+    Hook("vllm.v1.structured_output.backend_types:StructuredOutputGrammar.accept_tokens",
+         params=("request_id", "tokens")),
     # the prefix cache's events (vllm_prefix.PrefixTranslator, KairosScheduler._KeepEvents)
     Hook(SCHEDULER, attrs=("enable_kv_cache_events", "kv_event_publisher", "kv_cache_manager")),
     Hook("vllm.distributed.kv_events:NullEventPublisher.publish", params=("events",)),

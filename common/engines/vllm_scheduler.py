@@ -20,6 +20,13 @@ It changes three things in vLLM 0.32.0's `Scheduler` and leaves the rest alone:
 3. **Budget for the others.** Prefills without a schedule get only what is left of the
    step's token budget after the decodes, the handed-off requests and the scheduled chunks,
    so they never squeeze a scheduled chunk.
+4. **Resumed grammars.** A migrated request (the router's mid-stream migration) arrives with
+   the output already streamed at the end of its prompt; `extra_args["kairos_resume_tokens"]`
+   says how many. With structured outputs its grammar must continue from there, not start
+   over: when vLLM promotes the request from waiting for its grammar
+   (`_handle_blocked_waiting_request`), the grammar accepts those tokens first. If it refuses
+   them (they were produced under another grammar), the request ends with vLLM's grammar error
+   rather than an output the grammar does not describe.
 
 Per-step records. vLLM's iteration details time only `future.result()` of the model call; with
 the in-process (uniproc) executor that CPU engines use the forward pass has already run by
@@ -66,10 +73,12 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import NullEventPublisher
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from common.engines.vllm_prefix import PrefixTranslator
 
 CHUNKS_KEY = "kairos_chunks"
+RESUME_KEY = "kairos_resume_tokens"
 ID_KEY = "kairos_id"
 
 
@@ -225,6 +234,21 @@ class KairosScheduler(Scheduler):  # type: ignore[misc]  # vllm is untyped for m
         n = min(n, self._others_left)
         self._others_left -= n
         return n
+
+    # -- resumed grammars ------------------------------------------------------------------------
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        grammar_wait = request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        ready: bool = super()._handle_blocked_waiting_request(request)
+        n = int((request.sampling_params.extra_args or {}).get(RESUME_KEY) or 0) if ready and grammar_wait else 0
+        if n > 0:
+            so = request.structured_output_request
+            resumed = list(request.prompt_token_ids[-n:])
+            if not so.grammar.accept_tokens(request.request_id, resumed):
+                so.grammar = ValueError(f"the {n} resumed output tokens do not fit this request's grammar")
+                request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                self.grammar_compile_error_reqs.add(request.request_id)  # finished with an error next step
+                return False
+        return ready
 
     # -- per-step records -----------------------------------------------------------------------
     def _record(self, out: Any, started: float) -> StepRecord:

@@ -12,11 +12,13 @@ waking up) are dropped by the attempt check in the router, so the client sees on
 no token repeated or missing, the usage counts every token once, and finish_reason is the
 final worker's.
 
-A request with a grammar (`Sampling.structured`) is never resumed: the grammar would restart
-in the middle of its output; it fails with `worker_lost_midstream`. Each request is resumed at
-most `max_migrations` times; after that it fails with
-`worker_lost_midstream` as before. Counted in `counts["migrated"]`, the `kairos_router_migrations`
-metric and the `migrations` field of the request's log line.
+A request with a grammar (`Sampling.structured`: response_format, structured_outputs, tool
+calls) is resumed the same way: the vLLM decode engine's grammar first accepts the output already
+sent (`DecodeWork.resume_tokens`; common/engines/vllm_scheduler.py, "Resumed grammars"), so it
+continues the structure instead of starting it over. Each request is resumed at most
+`max_migrations` times; after that it fails with `worker_lost_midstream` as before.
+Counted in `counts["migrated"]`, the `kairos_router_migrations` metric and the `migrations`
+field of the request's log line.
 
 Parking: when a request loses its worker (streaming or not) and no live worker can take it (the
 only other one was lost too, or is restarting under `kairos up`), it waits in `Router.parked`
@@ -48,12 +50,6 @@ def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> No
     lost = f"worker failed after streaming {req.n_out} tokens ({why})"
     if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
         router._finish(req, "length")
-        return
-    if req.sampling.structured is not None:  # a grammar cannot resume from a partial output
-        metrics.observe_migration("limit")
-        router._fail(req, f"{lost}; not resumed: its structured output (response_format, structured_outputs or "
-                          "tool_choice) cannot be resumed mid-output; the output is incomplete",
-                     code="worker_lost_midstream")
         return
     if req.migrations >= limit:
         metrics.observe_migration("limit")

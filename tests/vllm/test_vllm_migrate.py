@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from common.engines.base import EngineRequest
-from common.messages import Sampling
+from common.messages import Sampling, StructuredOutputs
 from kairos.up import Cluster, ClusterSpec
 from tests.vllm.helpers import PD, VLLM_MISSING, request
 
@@ -42,6 +43,36 @@ async def test_a_resumed_greedy_run_continues_the_uninterrupted_one(pd: PD) -> N
     assert await pd.decode.reset_prefix_cache()
     assert sent + rest == full
     assert pd.out.finish["resumed"] == "length"
+
+
+NAME_SCHEMA = StructuredOutputs(json=msgspec.json.encode({
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"]}).decode())
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_resumed_run_with_a_grammar_continues_inside_it(pd: PD) -> None:
+    """With a grammar (a JSON schema), the resumed request's grammar first accepts the output
+    already sent (resume_tokens), so the output continues the JSON instead of starting another."""
+    def grammar_request(rid: str, prompt: list[int], max_tokens: int, resume: int) -> EngineRequest:
+        return EngineRequest(request_id=rid, attempt=1 if resume else 0, prompt_token_ids=prompt, mode="deflect",
+                             resume_tokens=resume, sampling=Sampling(max_tokens=max_tokens, structured=NAME_SCHEMA))
+
+    assert await pd.decode.reset_prefix_cache()
+    full = await pd.run_decode(grammar_request("json-whole", PROMPT, 30, 0))
+    assert len(full) > 8, full
+    sent = full[:6]
+    assert await pd.decode.reset_prefix_cache()
+    rest = await pd.run_decode(grammar_request("json-resumed", PROMPT + sent, 30 - len(sent), len(sent)))
+    assert sent + rest == full
+    assert pd.out.finish["json-resumed"] == pd.out.finish["json-whole"]
+    # without the resume count the grammar starts over: another JSON object, not the same output
+    assert await pd.decode.reset_prefix_cache()
+    fresh = await pd.run_decode(EngineRequest(request_id="json-restarted", attempt=1, prompt_token_ids=PROMPT + sent,
+                                              mode="deflect",
+                                              sampling=Sampling(max_tokens=30 - len(sent), structured=NAME_SCHEMA)))
+    assert sent + fresh != full
+    assert await pd.decode.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")

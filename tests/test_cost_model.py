@@ -23,11 +23,16 @@ HW = {"a100-llama2-70b-tp4": "a100-80gb", "h100-llama2-70b-tp4": "h100-80gb"}
 
 @pytest.mark.parametrize("name", MEASURED)
 def test_shipped_profile_is_what_the_fit_command_writes(name: str) -> None:
-    """The profile in the tree is reproducible from the CSV (the derivation text carries a date)."""
+    """The profile in the tree is reproducible from the CSV (the derivation text carries a date),
+    up to floating-point round-off: the least-squares solve's last digits move with the numpy
+    and BLAS build (seen: a fresh install gave a0 differing in the 16th digit)."""
     shipped = load_profile(name)
     again = build_profile("llama2-70b", HW[name], 4, name=name)
-    assert again.model == shipped.model
-    assert again.fit_mape == shipped.fit_mape
+    want, got = msgspec.structs.asdict(shipped.model), msgspec.structs.asdict(again.model)
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-15), k
+    assert again.fit_mape == pytest.approx(shipped.fit_mape, rel=1e-9)
     assert (again.kv_capacity_tokens, again.prefill_token_budget, again.decode_token_budget, again.max_batch) == (
         shipped.kv_capacity_tokens, shipped.prefill_token_budget, shipped.decode_token_budget, shipped.max_batch)
     assert shipped.model.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2  # Llama-2-70B: 80 layers, 8 KV heads, fp16

@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-held-list", action="store_true",
                    help="with several routers, each sees only its own deflections in flight (decode heartbeats do "
                         "not list the deflections they hold)")
-    c.add_argument("--beat-on-dispatch", action="store_true",
-                   help="workers heartbeat at once when work reaches them, as live workers do (default: only "
-                        "every --heartbeat-interval)")
+    c.add_argument("--prompt-beat", type=float, default=0.002, metavar="SECONDS",
+                   help="besides every --heartbeat-interval, a worker heartbeats this long after its state changes "
+                        "(work arrives, a request is admitted, a prefill ends, a request finishes), as live workers "
+                        "do (default 0.002, their coalescing delay); -1: only the periodic heartbeats")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request that finds no KV room waits in the router's queue before it is "
                         "rejected (default 30; 0: reject at once)")
@@ -222,7 +223,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
-                     beat_on_dispatch=args.beat_on_dispatch)
+                     prompt_beat=args.prompt_beat)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
@@ -282,7 +283,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
-        "beat_on_dispatch": args.beat_on_dispatch,
+        "prompt_beat": args.prompt_beat,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}

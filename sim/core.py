@@ -23,9 +23,12 @@ knows only what it dispatched itself); every heartbeat reaches all of them. With
 a decode worker's heartbeats also list the deflections it holds and which router sent each, and
 each router adds the others' ones to its view; a live worker heartbeats at once when it admits
 a deflection and when one finishes its prefill, so the simulated routers see those changes at
-once. With `beat_on_dispatch`, a worker heartbeats at once when work reaches it (live workers
-do, 2 ms later; the simulated heartbeat is instantaneous), so every router sees every dispatch
-at once; without it only at the heartbeat interval. With `admission`, a decode worker checks
+once. Besides its periodic heartbeats a worker heartbeats `prompt_beat` seconds after its state
+changes, as live workers do (common/worker.py: 2 ms, changes in between coalesced into one
+beat): when work reaches it, when a decode worker admits a request (a deflection, or a handoff
+whose KV landed), when a prefill ends, when a request finishes. So every router sees every
+dispatch within 2 ms, and the router's wait queue is retried then. `prompt_beat` < 0: only the
+periodic heartbeats (the simulator's behaviour before 2026-12-01); 0: at once. With `admission`, a decode worker checks
 each deflection against its live state before it starts it (common/policy/admission.py) and
 the router decides again without that worker.
 A heartbeat is the worker's state at the heartbeat instant; since state only changes at
@@ -93,7 +96,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
     admission: bool = True         # decode workers check every deflection against their live state
     held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
-    beat_on_dispatch: bool = False  # a worker heartbeats at once when work reaches it (as live workers do)
+    prompt_beat: float = 0.002  # a worker also heartbeats this long after its state changes (live: 2 ms); < 0: never
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -161,8 +164,8 @@ class _DLed:
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at", "until", "views",
-                 "wid")
+    __slots__ = ("batcher", "beat_at", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at",
+                 "until", "views", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
         self.wid = wid
@@ -177,6 +180,7 @@ class _Worker:
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
         self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
+        self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
 
 
 class _Prefill(_Worker):
@@ -203,7 +207,7 @@ class _Decode(_Worker):
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
 
-_STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP = 0, 1, 2, 3, 4
+_STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP, _BEAT = 0, 1, 2, 3, 4, 5
 
 
 class _Level:
@@ -426,6 +430,19 @@ class Simulation:
         w.views[router] = None
         self._clusters[router] = None
 
+    def _soon(self, w: _Worker, now: float) -> None:
+        """`w`'s state changed: it heartbeats `prompt_beat` later (one beat for every change
+        until then), unless prompt beats are off or the views are always fresh anyway."""
+        d = self.cfg.prompt_beat
+        if d >= 0 and self.cfg.heartbeat_interval > 0 and w.beat_at < 0:
+            w.beat_at = now + d
+            self._push(w.beat_at, _BEAT, w, None)
+
+    def _beat(self, w: _Worker, now: float) -> None:
+        w.beat_at = -1.0
+        self._touch(w, now)
+        self._snapshot(w)
+
     # -- engine steps ---------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: Any, extra: Any) -> None:
         self._seq += 1
@@ -473,6 +490,8 @@ class Simulation:
             if dcache is not None and r.hashes:  # only the KV the decode worker lacks moves
                 lack -= min(dcache.match(r.hashes) * dcache.block_tokens, seq.prompt_len - 1)
             self._push(now + w.model.xfer_time(lack), _XFER, r, None)
+        if out.prefilled:
+            self._soon(w, now)
         if out.prefilled and self._holding:
             self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
         self._start(w, now)
@@ -492,6 +511,7 @@ class Simulation:
                     w.accepted.pop(r.rid, None)
                     if w.accepted_from.pop(r.rid, None) is not None:
                         self._held_changed(w, r.router)
+                    self._soon(w, now)
                     w.led[r.router].deflecting.pop(r.rid, None)
                     if self.cfg.ledger:
                         self._ledger_changed(w, r.router)
@@ -502,6 +522,7 @@ class Simulation:
         for seq in out.finished:
             seq.user.done = now  # type: ignore[attr-defined]
         if out.finished:
+            self._soon(w, now)
             if w.admit_wait:
                 self._drain_admissions(w, now)
             if self._waiting:  # the router sees the freed KV at this worker's next heartbeat
@@ -510,6 +531,8 @@ class Simulation:
 
     def _retry_at_heartbeat(self, w: _Worker, now: float) -> None:
         t = w.next_hb if self.cfg.heartbeat_interval > 0 else now
+        if 0 <= w.beat_at < t:
+            t = w.beat_at
         if t != w.retry_at:
             w.retry_at = t
             self._push(t, _RETRY, None, None)
@@ -537,6 +560,7 @@ class Simulation:
         seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
                   tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r, hashes=r.hashes)
         self._admit(w, seq, now)
+        self._soon(w, now)
 
     # -- arrivals and the router's wait queue -----------------------------------------------
     def _arrive(self, r: _Req, now: float) -> None:
@@ -659,8 +683,7 @@ class Simulation:
                 led.kv += need
                 self._ledger_changed(dw, ri)
             self._admit(dw, seq, now)
-            if cfg.beat_on_dispatch:
-                self._snapshot(dw)
+            self._soon(dw, now)
             return True
         assert d.prefill_worker is not None
         r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
@@ -685,9 +708,8 @@ class Simulation:
             self._ledger_changed(dw, ri)
         if not pw.busy:
             self._start(pw, now)
-        if cfg.beat_on_dispatch:
-            self._snapshot(pw)
-            self._snapshot(dw)
+        self._soon(pw, now)
+        self._soon(dw, now)
         return True
 
     def _admission(self, w: _Decode, d: Decision) -> str:
@@ -735,6 +757,8 @@ class Simulation:
                     self._kv_landed(obj, now)
                 elif kind == _RETRY:
                     self._retry(now)
+                elif kind == _BEAT:
+                    self._beat(obj, now)
             elif ai < n:
                 now = end = reqs[ai].arrival
                 self._arrive(reqs[ai], now)

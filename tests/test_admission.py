@@ -357,12 +357,17 @@ def test_sim_heartbeats_listing_held_deflections_keep_the_routers_apart() -> Non
 
 
 def test_sim_heartbeats_at_dispatch_make_replicas_one_router() -> None:
-    """Live workers heartbeat at once when work reaches them: routers that see every dispatch
-    at once decide as one router does."""
-    one, _ = _sim(1, admission=True, beat_on_dispatch=True)
-    four, _ = _sim(4, admission=True, beat_on_dispatch=True)
-    assert four["ttft_p95"] == pytest.approx(one["ttft_p95"])  # type: ignore[arg-type]
-    assert four["tbt_slo_attainment"] == one["tbt_slo_attainment"] == 1.0
+    """Live workers heartbeat when work reaches them (2 ms later, the default) or at once (0):
+    routers that see every dispatch that soon decide as one router does; with periodic
+    heartbeats only (-1) they do not."""
+    for beat in (0.0, 0.002):
+        one, _ = _sim(1, admission=True, prompt_beat=beat)
+        four, _ = _sim(4, admission=True, prompt_beat=beat)
+        assert four["ttft_p95"] == pytest.approx(one["ttft_p95"], rel=0.02)  # type: ignore[arg-type]
+        assert four["tbt_slo_attainment"] == one["tbt_slo_attainment"] == 1.0
+    one, _ = _sim(1, admission=True, prompt_beat=-1)
+    four, _ = _sim(4, admission=True, prompt_beat=-1)
+    assert four["ttft_p95"] != pytest.approx(one["ttft_p95"], rel=0.02)  # type: ignore[arg-type]
 
 
 def test_sim_one_router_with_admission_is_the_router_without() -> None:

@@ -44,7 +44,7 @@ class Monitor:
         self.cfg = cfg
         self.clock = clock
         self.stop = asyncio.Event()
-        self.state = MonitorState()
+        self.state = MonitorState(max_routers=len(telemetry_endpoints(cfg)))
         self.metrics = MonitorMetrics(self.state, clock)
         self.feed = Feed()
         self.app = App(snapshot=self.snapshot, metrics=self.metrics.render, health=self.health, feed=self.feed,

@@ -115,7 +115,7 @@ class MonitorState:
     """The rolling cluster picture. Not thread-safe: owned by the monitor's event loop."""
 
     def __init__(self, *, window_s: int = 60, smooth_s: int = 5, recent: int = 40,
-                 worker_expiry_s: float = 10.0, lost_keep_s: float = 300.0) -> None:
+                 worker_expiry_s: float = 10.0, lost_keep_s: float = 300.0, max_routers: int = 1) -> None:
         self.window_s = window_s
         self.smooth_s = smooth_s
         self.worker_expiry_s = worker_expiry_s
@@ -127,6 +127,9 @@ class MonitorState:
         self.recent: deque[Recent] = deque(maxlen=recent)
         self._recent_by_id: dict[str, Recent] = {}
         self.routers: dict[str, tuple[m.RouterStats, float]] = {}  # by router name: its last stats, when
+        # as many routers as the monitor subscribes to: a router that comes back under another name
+        # (a recreated container has a new host name) replaces the stalest one at once
+        self.max_routers = max(max_routers, 1)
         self.policy = ""
         self.totals: Counter[str] = Counter()                       # messages by type, bad frames, gaps
         self.decisions: Counter[tuple[str, str]] = Counter()        # (route, reason) since start
@@ -178,6 +181,10 @@ class MonitorState:
                 self._on_request(msg, now)
             case m.RouterStats():
                 self.routers[router] = (msg, now)
+                while len(self.routers) > self.max_routers:
+                    stalest = min((n for n in self.routers if n != router), key=lambda n: self.routers[n][1])
+                    del self.routers[stalest]
+                    self._last_seq.pop(stalest, None)
 
     def _on_worker_seen(self, w: m.WorkerSeen, now: float) -> None:
         info = self.workers.get(w.worker_id)

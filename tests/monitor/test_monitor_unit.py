@@ -236,6 +236,29 @@ def test_replicated_routers_are_numbered_apart_summed_and_shown_each(clock: Cloc
     assert [x["name"] for x in mon.snapshot()["router"]["replicas"]] == ["host:5560"]
 
 
+def test_a_router_back_under_another_name_replaces_the_silent_one(clock: Clock) -> None:
+    """A recreated router container has a new host name: with one router configured, its stats
+    replace the old name's at once (no "1 of 2 routers silent" for a router that no longer
+    exists); with two, only the stalest name goes."""
+    def stats(accepted: int) -> bytes:
+        return codec.encode(m.RouterStats(at=clock.now, in_flight=0, accepted=accepted, completed=0, failed=0,
+                                          rejected=0))
+
+    one = Monitor(MonitorConfig(), clock=clock)
+    one.on_frames([TELEMETRY_TOPIC + b"old:5557", codec.pack_seq(1), stats(10)])
+    clock.now += 3
+    one.on_frames([TELEMETRY_TOPIC + b"new:5557", codec.pack_seq(1), stats(2)])
+    r = one.snapshot()["router"]
+    assert [x["name"] for x in r["replicas"]] == ["new:5557"] and r["accepted"] == 2
+    two = Monitor(MonitorConfig(telemetry="a:5557,b:5557"), clock=clock)
+    for name in (b"a1:5557", b"b:5557"):
+        two.on_frames([TELEMETRY_TOPIC + name, codec.pack_seq(1), stats(1)])
+    clock.now += 3
+    two.on_frames([TELEMETRY_TOPIC + b"b:5557", codec.pack_seq(2), stats(1)])
+    two.on_frames([TELEMETRY_TOPIC + b"a2:5557", codec.pack_seq(1), stats(1)])  # a recreated
+    assert [x["name"] for x in two.snapshot()["router"]["replicas"]] == ["a2:5557", "b:5557"]
+
+
 def test_telemetry_endpoints_are_checked() -> None:
     from common.errors import ConfigError
     from common.sockets import telemetry_endpoints

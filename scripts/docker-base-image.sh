@@ -30,7 +30,7 @@ else
   # The host's own Debian mirror (it is reachable: apt works here).
   mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
   mirror=${mirror:-$(awk '$1=="deb" && $3=="bookworm" {print $2; exit}' /etc/apt/sources.list 2>/dev/null)}
-  mirror=${mirror:-http://deb.debian.org/debian}
+  [[ -n "$mirror" ]] || { say "no Debian bookworm mirror in the host's APT sources (/etc/apt/sources.list.d/debian.sources or /etc/apt/sources.list): set one there, or pull $PUBLIC"; exit 3; }
   root=$(mktemp -d /tmp/kairos-base-root.XXXXXX)
   trap 'rm -rf "$root"' EXIT
   say "debootstrap bookworm from $mirror (about 2 minutes)"

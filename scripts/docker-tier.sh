@@ -14,6 +14,10 @@
 #    JSON lines (tests/docker_tier.py), then down
 # 5. docker-compose.multihost.yml (each service its own container and address on user-defined
 #    networks, no host networking): health, requests, every worker restarted under load, logs, down
+# 6. docker-compose.replicas.yml (two routers behind HAProxy, CURVE bus; the haproxy image, or a
+#    stand-in built from Debian's package when it cannot be pulled: docker/Dockerfile.haproxy):
+#    health through the balancer, the monitor showing both routers, every worker restarted under
+#    load (no request may fail), each router restarted under load (reported), logs, down
 # Exit 0 passed, 1 failed, 3 cannot run here (no daemon and cannot start one). Figures are
 # appended to $KAIROS_DOCKER_REPORT (default: docker-tier-report.jsonl, git-ignored).
 set -euo pipefail
@@ -95,4 +99,24 @@ say "docker-compose.multihost.yml up, API published on 127.0.0.1:$KAIROS_HTTP_PO
        say "FAIL (multi-host stack): every service's log is in docker-tier-logs/multihost.log"; exit 1; }
 $multi down -v -t 10 >/dev/null 2>&1
 say "docker-compose.multihost.yml: passed, down ($((SECONDS - t0)) s)"
+# ---------------------------------------------------------------------------- 6. router replicas
+lb_image=${KAIROS_HAPROXY_IMAGE:-haproxy:2.8}
+if ! docker image inspect "$lb_image" >/dev/null 2>&1 && ! timeout 60 docker pull -q "$lb_image" >/dev/null 2>&1; then
+  lb_image=kairos-haproxy:local
+  docker build -q --network host --build-arg BASE_IMAGE="$base" -f docker/Dockerfile.haproxy -t "$lb_image" docker \
+    >/dev/null
+  say "cannot pull haproxy:2.8: built $lb_image from Debian's haproxy package ($((SECONDS - t0)) s)"
+fi
+export KAIROS_HAPROXY_IMAGE=$lb_image KAIROS_HTTP_PORT=$(free_port) KAIROS_MONITOR_PORT=$(free_port)
+replicas="docker-compose -p kairos-tier-replicas -f docker-compose.replicas.yml"
+projects+=("kairos-tier-replicas:docker-compose.replicas.yml")
+$replicas up -d --no-build >/dev/null 2>&1 || { $replicas up -d --no-build; exit 1; }
+say "docker-compose.replicas.yml up, API (HAProxy) on 127.0.0.1:$KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
+"$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$replicas" \
+    --monitor-url "http://127.0.0.1:$KAIROS_MONITOR_PORT" --routers 2 \
+    --restart prefill-0 prefill-1 decode-0 decode-1 --router-restart router-a router-b --report "$REPORT" \
+  || { mkdir -p docker-tier-logs; $replicas logs --no-color >docker-tier-logs/replicas.log 2>&1
+       say "FAIL (replicas stack): every service's log is in docker-tier-logs/replicas.log"; exit 1; }
+$replicas down -v -t 10 >/dev/null 2>&1
+say "docker-compose.replicas.yml: passed, down ($((SECONDS - t0)) s)"
 say "docker tier passed in $((SECONDS - t0)) s (figures: $REPORT)"

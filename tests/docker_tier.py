@@ -1,14 +1,17 @@
 """The Docker tier's client side (scripts/docker-tier.sh runs it against a compose stack).
 
     python -m tests.docker_tier check    --url URL --compose "docker-compose -p P -f FILE" \
-        [--prefill N --decode N] [--restart SVC ...] [--router-restart] [--report FILE]
+        [--prefill N --decode N] [--restart SVC ...] [--router-restart [SVC ...]] \
+        [--monitor-url URL --routers N] [--report FILE]
 
 Waits until the router lists every worker, sends requests with the official `openai` client,
 then, under load from 4 concurrent clients, restarts each named service one at a time
 (`docker-compose restart`, then waits until it is healthy again) and counts failed requests:
-any failure while workers and the monitor restart fails the tier. The router's restart is run
-last and only reported (its recovery is being fixed separately). Finally it parses
-`docker-compose logs` as JSON lines and fails on any line that is not one.
+any failure while workers and the monitor restart fails the tier. The routers' restarts are run
+last and only reported (a router's own clients see its restart). With `--monitor-url`, the
+monitor must show `--routers` replicas, each reporting (router replicas: one monitor reads every
+router). Finally it parses `docker-compose logs` as JSON lines and fails on any line that is not
+one.
 Not collected by pytest (no test_ prefix); it is a script with assertions.
 """
 
@@ -119,10 +122,10 @@ def wait_healthy(cmd: str, service: str, timeout: float) -> None:
     raise TimeoutError(f"{service} not healthy within {timeout:.0f}s after its restart")
 
 
-def worker_lost_events(cmd: str) -> list[tuple[str, float, str]]:
+def worker_lost_events(cmd: str, router: str = "router") -> list[tuple[str, float, str]]:
     """(worker, seconds silent, time) of every worker_lost event in the router's log."""
     out = []
-    for line in compose(cmd, "logs", "--no-color", "router", timeout=120).splitlines():
+    for line in compose(cmd, "logs", "--no-color", router, timeout=120).splitlines():
         _, _, text = line.partition("|")
         try:
             ev = json.loads(text)
@@ -131,6 +134,21 @@ def worker_lost_events(cmd: str) -> list[tuple[str, float, str]]:
         if isinstance(ev, dict) and ev.get("event") == "worker_lost":
             out.append((str(ev.get("worker")), float(ev.get("silent_s", 0.0)), str(ev.get("timestamp", ""))[11:23]))
     return out
+
+
+def wait_monitor_replicas(url: str, n: int, timeout: float) -> list[str]:
+    """Until the monitor's /api/state lists `n` router replicas, each reported within 5 s; their names."""
+    t0 = time.monotonic()
+    last: Any = None
+    while time.monotonic() - t0 < timeout:
+        try:
+            last = (get_json(url + "/api/state").get("router") or {}).get("replicas", [])
+            if len(last) == n and all(r["age_s"] < 5 for r in last):
+                return [str(r["name"]) for r in last]
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the monitor did not show {n} reporting router replicas within {timeout:.0f}s (last: {last})")
 
 
 def check_logs(cmd: str) -> dict[str, int]:
@@ -167,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--requests", type=int, default=20, help="sequential requests before the restarts")
     ap.add_argument("--restart", nargs="*", default=[], help="services to restart one at a time under load")
-    ap.add_argument("--router-restart", action="store_true", help="then restart the router (reported only)")
+    ap.add_argument("--router-restart", nargs="*", default=None, metavar="SVC",
+                    help="then restart these router services one at a time (default: router; reported only)")
+    ap.add_argument("--monitor-url", default="", help="the monitor's URL: check it sees --routers replicas")
+    ap.add_argument("--routers", type=int, default=1, help="router replicas the monitor must show")
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.add_argument("--report", default="", help="append one JSON line with the figures to this file")
     args = ap.parse_args(argv)
@@ -181,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         out = client.completions.create(model="kairos-sim", prompt=f"warm-up {i} " * 30, max_tokens=8)
         assert out.choices[0].finish_reason in ("length", "stop") and out.usage is not None, out
     say(f"{args.requests} requests through the openai client: ok")
+    routers = args.router_restart or ["router"]
+    if args.monitor_url:
+        reps = wait_monitor_replicas(args.monitor_url, args.routers, 60)
+        report["monitor_replicas"] = reps
+        say(f"the monitor shows {len(reps)} router replicas, each reporting: {reps}")
 
     if args.restart:
         with Load(args.url) as load:
@@ -199,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if load.failed:
             say(f"FAIL: {len(load.failed)} of {load.ok + len(load.failed)} requests failed during the rolling "
                 f"restart, e.g. {load.failed[:3]}")
-            lost = worker_lost_events(args.compose)
+            lost = worker_lost_events(args.compose, routers[0])
             if lost:
                 say(f"the router declared workers lost {len(lost)} times (heartbeats silent past the liveness "
                     f"window; a restart accounts for one per restarted worker): {lost[:6]}")
@@ -207,21 +233,22 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         say(f"rolling restart of {len(args.restart)} services: {load.ok} requests, none failed")
 
-    if args.router_restart:
-        with Load(args.url) as load:
-            t0 = time.monotonic()
-            compose(args.compose, "restart", "router")
-            wait_healthy(args.compose, "router", 120)
-            wait_ready(args.url, args.prefill, args.decode, 120)
-            recovered = time.monotonic() - t0
-            time.sleep(2.0)
-        kinds: dict[str, int] = {}
-        for f in load.failed:
-            kinds[f.split(":", 1)[0]] = kinds.get(f.split(":", 1)[0], 0) + 1
-        report["router_restart"] = {"ok": load.ok, "failed": len(load.failed), "recovered_s": round(recovered, 1),
-                                    "failures": kinds}
-        say(f"router restart (reported, not asserted): {len(load.failed)} of {load.ok + len(load.failed)} "
-            f"requests failed, workers re-registered {recovered:.1f}s after the restart began {kinds}")
+    if args.router_restart is not None:
+        for svc in routers:
+            with Load(args.url) as load:
+                t0 = time.monotonic()
+                compose(args.compose, "restart", svc)
+                wait_healthy(args.compose, svc, 120)
+                wait_ready(args.url, args.prefill, args.decode, 120)
+                recovered = time.monotonic() - t0
+                time.sleep(2.0)
+            kinds: dict[str, int] = {}
+            for f in load.failed:
+                kinds[f.split(":", 1)[0]] = kinds.get(f.split(":", 1)[0], 0) + 1
+            report.setdefault("router_restart", {})[svc] = {
+                "ok": load.ok, "failed": len(load.failed), "recovered_s": round(recovered, 1), "failures": kinds}
+            say(f"{svc} restart (reported, not asserted): {len(load.failed)} of {load.ok + len(load.failed)} "
+                f"requests failed, healthy and serving {recovered:.1f}s after the restart began {kinds}")
 
     per = check_logs(args.compose)
     report["log_lines"] = per

@@ -98,7 +98,8 @@ def run_vllm_server(tiny_model: Path, log_dir: Path, *extra_args: str) -> Iterat
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
+        # 1-2 minutes alone; up to 4 seen on 2 shared CI cores beside a Kairos cluster's two engines
+        deadline = time.monotonic() + 420
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 pytest.fail(f"vLLM server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -109,7 +110,7 @@ def run_vllm_server(tiny_model: Path, log_dir: Path, *extra_args: str) -> Iterat
             except OSError:
                 time.sleep(0.5)
         else:
-            pytest.fail(f"vLLM server not ready in 240 s:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"vLLM server not ready in 420 s:\n{log.read_text()[-3000:]}")
         yield url + "/v1"
     finally:
         proc.terminate()

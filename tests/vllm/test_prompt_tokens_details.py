@@ -23,7 +23,8 @@ from tests.vllm.conftest import run_vllm_server
 from tests.vllm.helpers import VLLM_MISSING
 from tests.vllm.test_openai_conformance import _diff, _post
 
-# setup starts a vLLM server and a Kairos cluster of two vLLM engines: minutes on shared CI cores
+# setup starts a vLLM server and a Kairos cluster of two vLLM engines: minutes on shared CI cores.
+# The server is requested first, so it starts before the cluster's engines compete for the cores
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or ""),
               pytest.mark.timeout(600)]
 
@@ -74,7 +75,7 @@ def kairos_details(request: pytest.FixtureRequest, tiny_model: Path,
     c.stop(30)
 
 
-def test_same_details_cold_then_cached(kairos_details: tuple[str, str, int], vllm_details: str,
+def test_same_details_cold_then_cached(vllm_details: str, kairos_details: tuple[str, str, int],
                                        tiny_model: Path) -> None:
     url, route, seed = kairos_details
     for name, endpoint, body in shapes(seed):
@@ -90,7 +91,7 @@ def test_same_details_cold_then_cached(kairos_details: tuple[str, str, int], vll
             assert not diffs, f"{name} ({send}) on the {route} route:\n" + "\n".join(diffs[:20])
 
 
-def test_second_turn_hits_the_cache_and_matches_cold(kairos_details: tuple[str, str, int], vllm_details: str,
+def test_second_turn_hits_the_cache_and_matches_cold(vllm_details: str, kairos_details: tuple[str, str, int],
                                                      tiny_model: Path) -> None:
     """Turn 2 = turn 1's prompt + its output + new text, at the token level. Kairos has served turn 1
     (on the one decode worker, or through the one prefill worker), so turn 2 prefills only what is

@@ -9,7 +9,8 @@
 # Prints one line on stdout: the image name to pass as --build-arg PYTHON_IMAGE / KAIROS_PYTHON_IMAGE.
 # Tries, in order: the image already present; `docker pull` of $KAIROS_PYTHON_IMAGE
 # (python:3.11-slim-bookworm); the cached tarball $KAIROS_DOCKER_CACHE/kairos-base-bookworm.tar
-# (default ~/.cache/kairos-docker); debootstrap (root, ~2 min, ~150 MB), saved to that tarball.
+# (default ~/.cache/kairos-docker); debootstrap (root, ~2 min, ~150 MB; Debian's debootstrap package
+# is installed when missing), saved to that tarball.
 set -euo pipefail
 say() { printf '[docker-base-image] %s\n' "$*" >&2; }
 
@@ -25,8 +26,13 @@ if docker image inspect "$LOCAL" >/dev/null 2>&1; then echo "$LOCAL"; exit 0; fi
 if [[ -s "$TARBALL" ]]; then
   say "importing the cached root $TARBALL"
 else
-  command -v debootstrap >/dev/null || { say "debootstrap is missing: apt-get install -y debootstrap (as root)"; exit 3; }
   [[ $(id -u) -eq 0 ]] || { say "making the base image needs root (debootstrap)"; exit 3; }
+  if ! command -v debootstrap >/dev/null; then  # as test-all installs Chromium: Debian's package, as root
+    say "installing debootstrap (Debian's package)"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap; } >/dev/null 2>&1 \
+      || { say "debootstrap is missing and apt-get install debootstrap failed"; exit 3; }
+  fi
   # The host's own Debian mirror (it is reachable: apt works here).
   mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
   mirror=${mirror:-$(awk '$1=="deb" && $3=="bookworm" {print $2; exit}' /etc/apt/sources.list 2>/dev/null)}

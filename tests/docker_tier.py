@@ -153,7 +153,8 @@ def wait_monitor_replicas(url: str, n: int, timeout: float) -> list[str]:
 
 def check_logs(cmd: str) -> dict[str, int]:
     """Every line of a service's `docker-compose logs` must be one JSON object; lines per service.
-    The one-shot `keys` container is a command (`kairos keys`) printing a human summary, not a service."""
+    The one-shot `keys` container is a command (`kairos keys`) printing a human summary, not a service;
+    `lb` is HAProxy (docker-compose.replicas.yml), whose log is its own."""
     out = compose(cmd, "logs", "--no-color", timeout=120)
     per: dict[str, int] = {}
     bad: list[str] = []
@@ -162,7 +163,7 @@ def check_logs(cmd: str) -> dict[str, int]:
             continue  # compose's own "Attaching to ..." header
         svc, _, text = line.partition("|")
         text = text.strip()
-        if not text or svc.strip().rsplit("_", 1)[0].rsplit("-", 1)[0] == "keys":
+        if not text or svc.strip().rsplit("_", 1)[0].rsplit("-", 1)[0] in ("keys", "lb"):
             continue
         try:
             obj = json.loads(text)

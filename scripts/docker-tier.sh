@@ -51,6 +51,7 @@ if ! why=$(start_daemon); then
 fi
 started_pid=$(cat /tmp/kairos-dockerd.pid 2>/dev/null || true)  # set only if this run started dockerd
 [[ -n "$started_pid" ]] && say "started dockerd (pid $started_pid); it is stopped at the end"
+trap '[[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT  # also when a later step fails
 [[ "${1:-}" == "--check" ]] && { say "a Docker daemon is running: the tier can run"; exit 0; }
 command -v docker-compose >/dev/null || bash scripts/check-compose.sh >/dev/null
 say "docker $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short)"

@@ -72,7 +72,9 @@ def test_changed_signature_refuses(sched: Any, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(sched.Scheduler, "schedule", schedule)
     found = problems()
     assert any(p.endswith("Scheduler.schedule takes (), expected (throttle_prefills, ...)") for p in found), found
-    with pytest.raises(ConfigError, match=r"is not supported: .* \(and 1 more\); .* need vllm==0\.32\.0"):
+    # the other problems: schedule no longer calls the hooks it must (_reserve_prefill_lookahead,
+    # _handle_blocked_waiting_request)
+    with pytest.raises(ConfigError, match=r"is not supported: .* \(and 2 more\); .* need vllm==0\.32\.0"):
         require_supported_vllm()
 
 

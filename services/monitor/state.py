@@ -182,9 +182,12 @@ class MonitorState:
             case m.RouterStats():
                 self.routers[router] = (msg, now)
                 while len(self.routers) > self.max_routers:
-                    stalest = min((n for n in self.routers if n != router), key=lambda n: self.routers[n][1])
-                    del self.routers[stalest]
-                    self._last_seq.pop(stalest, None)
+                    self._forget_router(min((n for n in self.routers if n != router),
+                                            key=lambda n: self.routers[n][1]))
+
+    def _forget_router(self, name: str) -> None:
+        del self.routers[name]
+        self._last_seq.pop(name, None)
 
     def _on_worker_seen(self, w: m.WorkerSeen, now: float) -> None:
         info = self.workers.get(w.worker_id)
@@ -272,8 +275,7 @@ class MonitorState:
         while self.lost and now - self.lost[0][0] > self.lost_keep_s:
             self.lost.popleft()
         for name in [n for n, (_, t) in self.routers.items() if now - t > self.lost_keep_s]:
-            del self.routers[name]  # a replica gone for good (its counts leave the totals with it)
-            self._last_seq.pop(name, None)
+            self._forget_router(name)  # a replica gone for good (its counts leave the totals with it)
         self._trim(now)
         return gone
 

@@ -13,8 +13,11 @@ Liveness below the application: ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/TIMEOUT/TTL
 keepalive on every bus connection, so a peer whose host died is noticed in seconds, not when
 TCP gives up. With CURVE, the router's ROUTER socket hands an identity over to the newest
 connection (ROUTER_HANDOVER), so a worker that comes back under its id is reachable at once
-(without CURVE that would let any peer take a live worker's identity, so it stays off: a worker
-back under its id is accepted once the old connection misses its heartbeats, ~3 s).
+(without CURVE that would let any peer take a live worker's identity, so it stays off). Without
+handover, libzmq ignores a connection under an identity still in use for good, even after the old
+one closes; so a worker whose Hello goes unanswered for a few seconds dials again
+(WorkerBus.reconnect), and is accepted once the router has dropped the old connection (ZeroMQ
+heartbeats: ~3 x zmq_heartbeat_s).
 """
 
 from __future__ import annotations
@@ -200,9 +203,19 @@ class WorkerBus:
         # Connection events of the work socket: a worker says Hello again as soon as it reconnects
         # (the router may have restarted), instead of waiting to be asked.
         self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.work.connect(endpoint(cfg.router_host, cfg.work_port))
+        self._work_ep = endpoint(cfg.router_host, cfg.work_port)
+        self.work.connect(self._work_ep)
         self.heartbeats.connect(endpoint(cfg.router_host, cfg.heartbeat_port))
         self._seq = 0
+
+    def reconnect(self) -> None:
+        """Drop the work connection and dial again. A ROUTER without ROUTER_HANDOVER keeps a
+        connection that arrived under an identity still in use anonymous, and libzmq never looks
+        at it again, even once the old connection is gone: a worker that reconnected while the
+        router still held its old connection (both stalled past the ZeroMQ heartbeat timeout) is
+        never heard. A fresh connection, once the old one is gone, is."""
+        self.work.disconnect(self._work_ep)
+        self.work.connect(self._work_ep)
 
     async def send(self, payload: bytes) -> None:
         await self.work.send(payload)

@@ -44,6 +44,7 @@ from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
 
 REFUSED_RETRY_S = 5.0
+REDIAL_AFTER = 3  # unanswered Hellos (1 s apart) before the work connection is dropped and dialled again
 
 class WorkerService(abc.ABC):
     role: m.Role
@@ -202,13 +203,21 @@ class WorkerService(abc.ABC):
 
     async def _hello_loop(self, link: RouterLink) -> None:
         assert link.bus is not None
+        unanswered = 0
         while True:
             link.answered.clear()
             link.hello_now.clear()
             await link.bus.send(codec.encode(self.hello(link)))
             if not await _either(link.answered, link.hello_now, timeout=1.0):
-                self.log.warning("router_not_answering", router=link.address)
+                unanswered += 1
+                if unanswered % REDIAL_AFTER == 0:  # perhaps ignored as a duplicate of our old connection
+                    self.log.warning("router_not_answering", router=link.address, hellos=unanswered,
+                                     action="reconnecting")
+                    link.bus.reconnect()
+                else:
+                    self.log.warning("router_not_answering", router=link.address, hellos=unanswered)
                 continue
+            unanswered = 0
             if not link.answered.is_set():  # reconnected meanwhile: say Hello again at once
                 continue
             if not link.welcomed.is_set():  # refused: say why, try again later (the cluster may change)

@@ -4,7 +4,8 @@ rejects at once what no worker can serve, and survives a message it fails to han
 
 Router-only: the router runs in this process with its bus bound on free ports, and frames are
 handed to its work-socket callback as the socket would hand them (identity, payload); what it
-sends back is not read (no worker is connected), only its state and its clients' events.
+sends back is accepted as if every worker were connected, and not read (tests that look at it
+capture `_work_send`), only its state and its clients' events.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def hello(worker_id: str, role: m.Role = "decode", **kw: object) -> m.Hello:
     return m.Hello(**base)  # type: ignore[arg-type]
 
 
-def make_router(policy: str = "kairos") -> Router:
+def make_router(policy: str = "kairos", **overrides: object) -> Router:
     cfg = config.load(config.RouterConfig, env={}, overrides={
         "work_port": free_port(), "heartbeat_port": free_port(), "telemetry_port": free_port(),
-        "policy": policy, "profile": "fast"})
+        "policy": policy, "profile": "fast", **overrides})
     r = Router(cfg)
     r.open()
+    r._work_send = lambda frames: True  # type: ignore[method-assign]  # as if every worker were connected
     return r
 
 
@@ -210,6 +212,44 @@ async def test_welcome_names_the_requests_the_router_does_not_track(router: Rout
     frame(router, b"decode-0", hello("decode-0", held=[req.request_id, "from-a-router-before-a-restart"]))
     welcome = [msg for _, msg in sent if isinstance(msg, m.Welcome)]
     assert len(welcome) == 1 and welcome[0].drop == ["from-a-router-before-a-restart"]
+
+
+async def test_a_worker_the_router_cannot_reach_is_lost_until_it_says_hello_again() -> None:
+    """A send that fails (ZeroMQ: unroutable; e.g. the worker reconnected while its old
+    connection lingered) takes the worker out of the view at once; its heartbeats, which still
+    arrive on their own socket, do not keep it alive; the liveness loop declares it lost and
+    re-dispatches its request; a Hello brings it back."""
+    import asyncio
+
+    router = make_router(heartbeat_interval=0.02, liveness=10)  # lost after 0.2 s
+    reachable = {b"decode-0"}
+    router._work_send = lambda frames: frames[0] in reachable  # type: ignore[method-assign]
+    frame(router, b"decode-0", hello("decode-0"))
+    reachable.clear()  # its connection is gone (a new one, if any, is ignored as a duplicate)
+    req = router.submit([1, 2, 3], SAMPLING)
+    bad = "decode-0"
+    assert req.decode_worker == bad and router.table.workers[bad].unreachable
+    assert not router.table.view(use_ledger=True).decode
+    reachable.add(b"decode-1")
+    frame(router, b"decode-1", hello("decode-1"))
+    loop = asyncio.create_task(router._liveness_loop())
+    try:
+        for seq in range(1, 30):  # it keeps beating, and is still declared lost
+            hb = m.DecodeHeartbeat(worker_id=bad, incarnation="i1", seq=seq, batch=0, kv_tokens=0,
+                                   kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
+                                   deflections=0, strictest_tbt_slo=None, token_budget=2048)
+            router.table.heartbeat(hb)
+            await asyncio.sleep(0.02)
+            if bad not in router.table.workers:
+                break
+        assert bad not in router.table.workers
+        assert req.decode_worker == "decode-1" and not req.done  # re-dispatched to the reachable one
+        reachable.add(bad.encode())
+        frame(router, bad.encode(), hello(bad))
+        assert bad in {d.worker_id for d in router.table.view(use_ledger=True).decode}
+    finally:
+        loop.cancel()
+        router.close()
 
 
 async def test_held_request_is_served_when_a_worker_registers(router: Router) -> None:

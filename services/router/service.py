@@ -288,9 +288,13 @@ class Router:
     def _send(self, w: WorkerEntry, msg: m.Msg) -> None:
         assert self.bus is not None
         if not self._work_send([w.identity, codec.encode(msg)]):
-            # unroutable (gone) or its queue is full: the liveness loop will settle it; make it soon
+            # unroutable (gone, or reconnected under its id while the old connection lingered) or
+            # its queue is full: nothing was queued. The liveness loop declares it lost at its next
+            # tick (its heartbeats no longer count) and re-dispatches what it held; its next
+            # heartbeat then asks it to register again.
             log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
-            w.last_seen = min(w.last_seen, time.monotonic() - self.liveness_s + 0.05)
+            w.unreachable = True
+            w.last_seen = min(w.last_seen, time.monotonic() - self.liveness_s - 1.0)
 
     def _publish(self, msg: m.Msg) -> None:
         if self.bus is not None:
@@ -752,9 +756,10 @@ class Router:
                     self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
                                                at=time.time()))
                     continue
-                log.warning("worker_lost", worker=w.worker_id, role=w.role,
+                why = "unreachable" if w.unreachable else "heartbeat timeout"
+                log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
                             silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
-                self._worker_gone(w, "heartbeat timeout")
+                self._worker_gone(w, why)
             migrate.retry_parked(self)
             now = time.monotonic()
             if self.kv_waiting:

@@ -51,6 +51,9 @@ class WorkerEntry:
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
+    # a send to it failed (unroutable, or its queue full): out of every view, and its heartbeats no
+    # longer keep it alive, until it says Hello again; the liveness loop declares it lost meanwhile
+    unreachable: bool = False
 
     def next_dispatch(self, entry: LedgerEntry) -> int:
         self.dispatch_no += 1
@@ -134,6 +137,7 @@ class WorkerTable:
             old.last_seen = now
             old.hello = hello
             old.identity = identity
+            old.unreachable = False
             return old, None
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
@@ -149,7 +153,9 @@ class WorkerTable:
             return e  # reordered or duplicate: keep the newer one
         e.hb = hb
         e.heartbeats += 1
-        e.last_seen = e.hb_at = time.monotonic()
+        e.hb_at = time.monotonic()
+        if not e.unreachable:  # we cannot reach it: its heartbeats do not prove it can be served
+            e.last_seen = e.hb_at
         if isinstance(hb, m.PrefillHeartbeat):
             # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects
             e.backlog = tuple(hb.backlog) if hb.backlog is not None else None
@@ -171,7 +177,7 @@ class WorkerTable:
     def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:
         p, d = [], []
         for e in self.workers.values():
-            if e.draining or e.worker_id in exclude:
+            if e.draining or e.unreachable or e.worker_id in exclude:
                 continue
             if e.role == "prefill":
                 p.append(e.prefill_view(use_ledger))
@@ -180,4 +186,4 @@ class WorkerTable:
         return ClusterView(prefill=tuple(p), decode=tuple(d))
 
     def count(self, role: m.Role) -> int:
-        return sum(1 for e in self.workers.values() if e.role == role and not e.draining)
+        return sum(1 for e in self.workers.values() if e.role == role and not e.draining and not e.unreachable)

@@ -151,6 +151,27 @@ async def test_broken_kv_transfers_fall_back(faulty_kv_cluster: Cluster) -> None
     save_results()
 
 
+def test_a_router_frozen_past_the_bus_heartbeat_gets_its_workers_back(tmp_path: Path) -> None:
+    """The router stops for 7 s (CPU starvation, a VM pause): the workers' ZeroMQ heartbeats time
+    out and they reconnect while the router still holds their old connections, which libzmq then
+    ignores for good as duplicate identities. Each time, within seconds of the thaw, the workers
+    dial again and the first request is served (before the fix: never, every try)."""
+    c = start_cluster(tmp_path, prefill=1, decode=1, profile="fast", policy="disagg-least-loaded")
+    body = {"prompt": "after the freeze", "max_tokens": 3}
+    try:
+        for _ in range(2):
+            assert httpx.post(c.spec.api + "/v1/completions", json=body, timeout=30).status_code == 200
+            c.signal("router", signal.SIGSTOP)
+            time.sleep(7)
+            c.signal("router", signal.SIGCONT)
+            started = time.monotonic()
+            r = httpx.post(c.spec.api + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert time.monotonic() - started < 15
+    finally:
+        c.stop(10)
+
+
 def test_hello_is_retried_until_a_router_answers(tmp_path: Path) -> None:
     """With its router gone, a worker stops cleanly on SIGTERM; started with no router listening,
     it keeps saying Hello (a warning each unanswered try, not a crash, not a busy loop) and

@@ -186,6 +186,33 @@ def test_search_steps_equal_the_step_time(exact: bool) -> None:
     assert total == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_search_runs_of_equal_chunks_equal_the_step_by_step_walk(exact: bool) -> None:
+    """The search walks a run of equal chunks in closed form; on random states (long prompts,
+    so runs are long) every step of its schedule fits the budget, the next larger candidate
+    would not have (the greedy), and its TTFT_D is the sum of the steps' PerfModel.step_time."""
+    rng = random.Random(7)
+    cands = [2048, 1024, 512, 256, 128]
+    for _ in range(300):
+        d = dv(batch=rng.randint(0, 150), kv=rng.randint(0, 300_000))
+        tokens, budget = rng.randint(1, 40_000), rng.uniform(0.05, 0.4)
+        st_, sched, total = _search(M, d, tokens, budget, cands, float("inf"), 4096, exact)
+        if st_ != 0:
+            continue
+        want, done = 0.0, 0
+        for i, chi in enumerate(sched):
+            kv = d.kv_tokens + (d.batch * i if exact else done)
+            t = M.step_time(d.batch, kv, [(chi, done)])
+            assert t <= budget * (1 + 1e-9)
+            bigger = [c for c in cands if c > chi and c <= tokens - done]
+            if bigger:
+                assert M.step_time(d.batch, kv, [(min(bigger), done)]) > budget * (1 - 1e-9)
+            want += t
+            done += chi
+        assert done == tokens
+        assert total == pytest.approx(want, rel=1e-9)
+
+
 def test_deflected_prediction_is_exact_in_the_simulator() -> None:
     """With fresh views and no noise, TTFT_D is what the decode worker then takes: the wait for
     its step in flight, then the schedule's steps with the decodes' context growing."""

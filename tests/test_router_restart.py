@@ -52,3 +52,37 @@ def test_router_restart_under_load(tmp_path: Path) -> None:
         assert "router_reconnected" in ev and "registered" in ev[ev.index("router_reconnected"):], (name, ev)
     # ~0.1 s on an idle machine (BENCHMARKS.md); the bound only catches a regression to seconds
     assert max(joined.values()) < 3.0, f"re-registration took {joined}"
+
+
+def test_drain_grace_keeps_serving_while_a_balancer_takes_the_router_out(tmp_path: Path) -> None:
+    """With drain_grace_s, a SIGTERMed router first answers /ready with 503 (a balancer's health
+    check takes it out) while it still serves what arrives, each response closing its connection
+    (a client's keep-alive connection then reconnects through the balancer); then it refuses new
+    requests, drains and exits 0."""
+    import signal
+    import time
+
+    import httpx
+
+    c = start_cluster(tmp_path, prefill=1, decode=1, profile="fast", policy="kairos",
+                      router_env={"KAIROS_DRAIN_GRACE_S": "3"})
+    body = {"prompt": "still here", "max_tokens": 3}
+    try:
+        with httpx.Client(base_url=c.spec.api, timeout=10) as client:
+            assert client.get("/ready").status_code == 200
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers.get("connection") != "close"
+            c.signal("router", signal.SIGTERM)
+            deadline = time.monotonic() + 2
+            while client.get("/ready").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            started = time.monotonic()
+            ready = client.get("/ready")
+            assert ready.status_code == 503 and ready.headers.get("connection") == "close"
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers.get("connection") == "close" and r.json()["usage"]["completion_tokens"] == 3
+            assert time.monotonic() - started < 2.5  # still within the grace
+        assert c.wait_exit("router", 15) == 0
+    finally:
+        c.stop(10)

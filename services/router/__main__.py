@@ -63,6 +63,12 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 if ready is not None:
                     ready.set()
             await stop.wait()
+            if cfg.drain_grace_s > 0:
+                # a balancer sees /ready fail and stops sending new connections; meanwhile what
+                # still arrives is served, and each response closes its connection
+                router.leaving = True
+                log.info("router_leaving", grace_s=cfg.drain_grace_s, in_flight=len(router.requests))
+                await asyncio.sleep(cfg.drain_grace_s)
             log.info("router_stopping", in_flight=len(router.requests))
             await router.drain(timeout=30.0)
             server.should_exit = True

@@ -72,6 +72,16 @@ class HttpError(Exception):
                                        "code": self.code}})
 
 
+def _closing(send: Send) -> Send:
+    """`send` with `connection: close` on the response: the client's next request opens a new
+    connection, which a balancer gives to another router."""
+    async def wrapped(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+    return wrapped
+
+
 class App:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -81,6 +91,8 @@ class App:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        if self.router.leaving:  # stopping behind a balancer: this connection's next request goes elsewhere
+            send = _closing(send)
         try:
             await self._route(scope, receive, send)
         except HttpError as e:
@@ -106,7 +118,7 @@ class App:
             return
         if path == "/ready":
             t = self.router.table
-            ok = t.count("decode") > 0 and self.router.accepting
+            ok = t.count("decode") > 0 and self.router.accepting and not self.router.leaving
             await self._json(send, 200 if ok else 503, {"ready": ok, "prefill_workers": t.count("prefill"),
                                                         "decode_workers": t.count("decode"),
                                                         "router": self.router.incarnation})

@@ -87,6 +87,7 @@ class Router:
         self.bus: RouterBus | None = None
         self.stop = asyncio.Event()
         self.accepting = True
+        self.leaving = False  # SIGTERM with a drain grace: still serving, /ready says 503 (see __main__)
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
         self._inbox: Inbox | None = None
         self.gate = Gate(self.counts)

@@ -213,8 +213,31 @@ def kairos(request: pytest.FixtureRequest, tiny_model: Path,
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
     c = Cluster(spec)
     c.start(timeout=300)
-    yield c.spec.api + "/v1", "deflect" if request.param == "deflect-all" else "disagg"
+    route = "deflect" if request.param == "deflect-all" else "disagg"
+    CLUSTERS[route] = c
+    yield c.spec.api + "/v1", route
+    CLUSTERS.pop(route, None)
     c.stop(30)
+
+
+CLUSTERS: dict[str, Cluster] = {}
+
+
+def _diagnose(route: str) -> str:
+    """What the cluster says when Kairos fails where vLLM's server did not: each service
+    running or not, and its last warnings and errors."""
+    c = CLUSTERS.get(route)
+    if c is None:
+        return ""
+    out = []
+    for name, svc in c.services.items():
+        code = c.returncode(name)
+        out.append(f"{name}: {'running' if code is None else f'exited {code}'}")
+        if svc.log_path is not None and svc.log_path.exists():
+            bad = [ln for ln in svc.log_path.read_text(errors="replace").splitlines()
+                   if '"level": "warning"' in ln or '"level": "error"' in ln or "Traceback" in ln]
+            out += ["  " + ln[:300] for ln in bad[-6:]]
+    return "\n".join(out)
 
 
 def _fill(body: dict[str, Any], stops: dict[str, str], model: str) -> dict[str, Any]:
@@ -307,7 +330,7 @@ def test_same_response(name: str, endpoint: str, body: dict[str, Any], kairos: t
         assert s1 == 400 and s2 == 400, (want, got)
         return
     assert s1 == 200, want
-    assert s2 == 200, got
+    assert s2 == 200, f"{got}\n{_diagnose(route)}"
     assert headers.get("x-kairos-route") == route
     diffs = _diff(want, got)
     if diffs and body.get("stream") and body.get("tools"):

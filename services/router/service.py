@@ -291,11 +291,10 @@ class Router:
         if not self._work_send([w.identity, codec.encode(msg)]):
             # unroutable (gone, or reconnected under its id while the old connection lingered) or
             # its queue is full: nothing was queued. The liveness loop declares it lost at its next
-            # tick (its heartbeats no longer count) and re-dispatches what it held; its next
-            # heartbeat then asks it to register again.
+            # tick, whatever it still sends, and re-dispatches what it held; its next heartbeat
+            # then asks it to register again.
             log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
             w.unreachable = True
-            w.last_seen = min(w.last_seen, time.monotonic() - self.liveness_s - 1.0)
 
     def _publish(self, msg: m.Msg) -> None:
         if self.bus is not None:

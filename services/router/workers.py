@@ -51,8 +51,8 @@ class WorkerEntry:
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
-    # a send to it failed (unroutable, or its queue full): out of every view, and its heartbeats no
-    # longer keep it alive, until it says Hello again; the liveness loop declares it lost meanwhile
+    # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
+    # whatever it still sends (heartbeats, tokens), until it says Hello again
     unreachable: bool = False
 
     def next_dispatch(self, entry: LedgerEntry) -> int:
@@ -153,9 +153,7 @@ class WorkerTable:
             return e  # reordered or duplicate: keep the newer one
         e.hb = hb
         e.heartbeats += 1
-        e.hb_at = time.monotonic()
-        if not e.unreachable:  # we cannot reach it: its heartbeats do not prove it can be served
-            e.last_seen = e.hb_at
+        e.last_seen = e.hb_at = time.monotonic()
         if isinstance(hb, m.PrefillHeartbeat):
             # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects
             e.backlog = tuple(hb.backlog) if hb.backlog is not None else None
@@ -172,7 +170,7 @@ class WorkerTable:
 
     def expired(self, timeout_s: float) -> list[WorkerEntry]:
         now = time.monotonic()
-        return [e for e in self.workers.values() if now - e.last_seen > timeout_s]
+        return [e for e in self.workers.values() if e.unreachable or now - e.last_seen > timeout_s]
 
     def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:
         p, d = [], []

@@ -263,7 +263,7 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
                 fit_k = int((budget_s - t) / inc) + 1
                 if fit_k < k:
                     k = fit_k
-            sched.extend([chi] * k) if k > 1 else sched.append(chi)
+            sched.extend([chi] * k)
             steps += k
             total += k * t + inc * (k * (k - 1) // 2)
             done += chi * k

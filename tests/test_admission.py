@@ -22,6 +22,7 @@ from kairos.up import Cluster
 from services.decode_worker.service import DecodeWorker
 from services.router import metrics
 from services.router.service import Router
+from services.router.workers import LedgerEntry
 from sim.core import SimConfig, simulate
 from sim.stats import summarize
 from tests.conftest import start_cluster
@@ -288,8 +289,7 @@ def test_router_view_adds_the_deflections_other_routers_sent() -> None:
             worker_id="decode-0", incarnation="i1", seq=1, batch=0, kv_tokens=0, kv_free_tokens=10**6,
             kv_capacity_tokens=10**6, resident_prefill_tokens=0, deflections=2, strictest_tbt_slo=0.1,
             token_budget=2048, held=held))
-        e.deflecting["mine"] = 0.005  # this router's own record of the second one
-        e.deflect_info["mine"] = (256, 0.0)
+        e.add_deflection("mine", 0.005, 256, 0.0)  # this router's own record of the second one
         (d,) = router.table.view(use_ledger=True).decode
         assert d.deflections == 2 and d.reserved_step_s == pytest.approx(0.008) and d.reserved_tokens == 768
         (d,) = router.table.view(use_ledger=False).decode  # the paper's view: heartbeats only
@@ -415,3 +415,39 @@ async def test_live_decode_worker_rejects_stacked_deflections_and_every_request_
     counts = s["counts"]
     assert counts.get("deflect_rejected", 0) >= 1, counts
     assert counts.get("redispatched", 0) == 0 and counts["completed"] >= 6
+
+
+def test_router_keeps_a_workers_view_until_it_changes() -> None:
+    """The policy keeps per-view work by identity: an unchanged worker keeps its view object
+    between decisions, and every change to what a view is built from gives a new one."""
+    router = make_router()
+    try:
+        frame(router, b"decode-0", hello("decode-0"))
+        e = router.table.workers["decode-0"]
+
+        def view() -> object:
+            (d,) = router.table.view(use_ledger=True).decode
+            return d
+
+        def beat(seq: int, batch: int) -> None:
+            router.table.heartbeat(m.DecodeHeartbeat(
+                worker_id="decode-0", incarnation="i1", seq=seq, batch=batch, kv_tokens=0, kv_free_tokens=10**6,
+                kv_capacity_tokens=10**6, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+                token_budget=2048, last_dispatch=seq - 1))
+
+        beat(1, 3)
+        v = view()
+        assert view() is v
+        changes = [lambda: beat(2, 4),  # a heartbeat
+                   lambda: e.next_dispatch(LedgerEntry("r1", 100, 200, deflect=False)),  # the ledger
+                   lambda: beat(3, 4),  # acknowledges r1
+                   lambda: e.add_deflection("r2", 0.01, 256, 1.0),
+                   lambda: e.end_deflection("r2")]
+        for change in changes:
+            change()
+            w = view()
+            assert w is not v and view() is w
+            v = w
+        assert view().batch == 4 and view().pending == 0 and view().deflections == 0
+    finally:
+        router.close()

@@ -244,16 +244,17 @@ class Router:
                                    tokens, decision.cached_tokens)
         if decision.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(req.request_id, work, reserve, deflect=True))
-            dw.deflecting[req.request_id] = reserved_step_cost(dw.model, decision.chunk_schedule,
-                                                                   dw.hello.token_budget, decision.cached_tokens)
+            dw.add_deflection(req.request_id,
+                              reserved_step_cost(dw.model, decision.chunk_schedule, dw.hello.token_budget,
+                                                 decision.cached_tokens),
+                              max(decision.chunk_schedule, default=0),
+                              time.monotonic() + (decision.ttft_decode_pred or 0.0))
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s))
-            dw.deflect_info[req.request_id] = (max(decision.chunk_schedule, default=0),
-                                               time.monotonic() + (decision.ttft_decode_pred or 0.0))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
@@ -306,8 +307,7 @@ class Router:
             w = self.table.workers.get(wid) if wid else None
             if w is not None:
                 w.holding.discard(req.request_id)
-                w.deflecting.pop(req.request_id, None)
-                w.deflect_info.pop(req.request_id, None)
+                w.end_deflection(req.request_id)
 
     def _end(self, req: Request, outcome: str, counter: str, *, cancel: bool) -> bool:
         """The bookkeeping every end of a request shares; False if it had already ended."""
@@ -581,9 +581,8 @@ class Router:
                     self._send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
             if req.n_out == req.resume_from:  # this attempt's first token: its prefill is over, its KV read
-                if w.deflecting.pop(req.request_id, None) is not None:
+                if w.end_deflection(req.request_id):
                     freed = True
-                w.deflect_info.pop(req.request_id, None)
                 self._kv_consumed(req)
             if req.first_token_at is None:
                 req.first_token_at = now

@@ -54,16 +54,47 @@ class WorkerEntry:
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
     # whatever it still sends (heartbeats, tokens), until it says Hello again
     unreachable: bool = False
+    # the policy's view of it, kept until something it is built from changes (`touch`): the
+    # policy keeps per-view work by identity, so an unchanged worker must keep its view object
+    _view: PrefillView | DecodeView | None = None
+    _view_key: tuple[bool, str] = (False, "")
+
+    def touch(self) -> None:
+        """Its heartbeat, ledger, deflections or model changed: the next view is built afresh."""
+        self._view = None
+
+    def view(self, use_ledger: bool, me: str) -> PrefillView | DecodeView:
+        if self._view is None or self._view_key != (use_ledger, me):
+            self._view = self.prefill_view(use_ledger) if self.role == "prefill" else self.decode_view(use_ledger, me)
+            self._view_key = (use_ledger, me)
+        return self._view
 
     def next_dispatch(self, entry: LedgerEntry) -> int:
         self.dispatch_no += 1
         self.ledger[self.dispatch_no] = entry
+        self._view = None
         return self.dispatch_no
 
     def acknowledge(self, last_dispatch: int) -> None:
         if self.ledger:
             for k in [k for k in self.ledger if k <= last_dispatch]:
                 del self.ledger[k]
+                self._view = None
+
+    def add_deflection(self, request_id: str, reserved_s: float, largest_chunk: int, end: float) -> None:
+        """A deflection this router sent it: its reserved step cost, largest chunk and predicted
+        end of prefill (router clock), until its first token (`end_deflection`)."""
+        self.deflecting[request_id] = reserved_s
+        self.deflect_info[request_id] = (largest_chunk, end)
+        self._view = None
+
+    def end_deflection(self, request_id: str) -> bool:
+        """Its prefill is over (or the request ended): True if it was deflecting here."""
+        self.deflect_info.pop(request_id, None)
+        was = self.deflecting.pop(request_id, None) is not None
+        if was:
+            self._view = None
+        return was
 
     def prefill_view(self, use_ledger: bool) -> PrefillView:
         hb = self.hb
@@ -138,6 +169,7 @@ class WorkerTable:
             old.hello = hello
             old.identity = identity
             old.unreachable = False
+            old.touch()
             return old, None
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
@@ -163,6 +195,7 @@ class WorkerTable:
         e.acknowledge(hb.last_dispatch)
         if hb.coeffs is not None and self.per_worker_models:
             e.model = PerfModel.from_coeffs(hb.coeffs)
+        e.touch()
         return e
 
     def remove(self, worker_id: str) -> WorkerEntry | None:
@@ -173,14 +206,17 @@ class WorkerTable:
         return [e for e in self.workers.values() if e.unreachable or now - e.last_seen > timeout_s]
 
     def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:
-        p, d = [], []
+        """Every routable worker's view; an unchanged worker's is the same object as last time."""
+        p: list[PrefillView] = []
+        d: list[DecodeView] = []
         for e in self.workers.values():
             if e.draining or e.unreachable or e.worker_id in exclude:
                 continue
-            if e.role == "prefill":
-                p.append(e.prefill_view(use_ledger))
+            v = e.view(use_ledger, self.me)
+            if isinstance(v, PrefillView):
+                p.append(v)
             else:
-                d.append(e.decode_view(use_ledger, self.me))
+                d.append(v)
         return ClusterView(prefill=tuple(p), decode=tuple(d))
 
     def count(self, role: m.Role) -> int:

@@ -7,8 +7,11 @@ of them) or with 1-60k queued prompt tokens, held as requests of the trace's len
 backlog the replay predictor reads, and its replay, which the worker computes for its
 heartbeat). Prompts are drawn from the Azure code trace
 (synthetic code-like lengths if the trace is absent). The views change between decisions as
-in the router (untimed): 10 ms apart, one prefill worker's heartbeat is replaced each time (its
-queue must be replayed afresh) and each request sent to a prefill worker joins its ledger.
+in the router (untimed, `Cluster`): decisions 10 ms apart; every worker's heartbeat every
+0.1 s (the router's default), staggered, brings a fresh state (a prefill worker's queue must
+be replayed afresh); each request joins its prefill worker's ledger, takes its decode worker's
+KV, and a deflection is in flight on its decode worker until its predicted TTFT; a worker's
+view stays the same object until one of these changes it, as `WorkerTable.view` keeps it.
 Each decision is timed alone with perf_counter_ns, after a warm-up, with the garbage collector
 on (as in the router), in several passes; the median
 pass's p50 and p99 are reported (a shared machine's preemptions hit single passes), with the
@@ -51,6 +54,7 @@ from common.policy import (
     RequestSpec,
     make_policy,
 )
+from common.policy.kairos import reserved_step_cost
 from common.traces import synthetic
 
 
@@ -90,6 +94,83 @@ def make_view(rng: random.Random, n: int, model: PerfModel, prefill_budget: int,
     return ClusterView(prefill=prefill, decode=tuple(decode))
 
 
+DT_S = 0.01  # between decisions (100 requests/s)
+HEARTBEATS_PER_DT = 10  # a worker's heartbeat every 10 decisions: the router's default 0.1 s
+
+
+def beats(i: int, n: int) -> list[int]:
+    """The workers (of `n`, heartbeats evenly staggered) whose heartbeat comes between decision
+    i - 1 and decision i."""
+    r = HEARTBEATS_PER_DT
+    return [j for j in range(n) if (i * n - r * j) // (r * n) > ((i - 1) * n - r * j) // (r * n)]
+
+
+class Cluster:
+    """The views a router holds between decisions, as `WorkerTable.view` builds them: a worker's
+    view is its last heartbeat plus what this router dispatched to it since (the ledger), and
+    stays the same object until one of them changes. A heartbeat (staggered, `beats`) brings a
+    fresh state from `views` and acknowledges the ledger; a request dispatched to a prefill
+    worker joins its ledger; one dispatched to a decode worker takes its KV (until the worker's
+    next heartbeat), and a deflection is in flight there (reserved step cost, largest chunk,
+    predicted end) until its predicted TTFT has passed (the router's stand-in: its first token)."""
+
+    def __init__(self, views: list[ClusterView], model: PerfModel, prefill_budget: int, lengths: list[int]) -> None:
+        self.views, self.model, self.prefill_budget, self.lengths = views, model, prefill_budget, lengths
+
+    def reset(self) -> ClusterView:
+        self.prefill = list(self.views[0].prefill)
+        self.base = list(self.views[0].decode)
+        self.decode = list(self.base)
+        self.ledger: list[list[tuple[int, int, bool]]] = [[] for _ in self.base]  # (tokens, KV, deflect)
+        self.inflight: list[dict[int, tuple[float, float, int]]] = [{} for _ in self.base]
+        return ClusterView(prefill=tuple(self.prefill), decode=tuple(self.decode))
+
+    def _fold(self, j: int) -> None:
+        b, led, fl = self.base[j], self.ledger[j], self.inflight[j]
+        if not led and not fl:
+            self.decode[j] = b
+            return
+        self.decode[j] = msgspec.structs.replace(
+            b, kv_free_tokens=max(0, b.kv_free_tokens - sum(kv for _, kv, _ in led)),
+            resident_prefill_tokens=b.resident_prefill_tokens + sum(t for t, _, df in led if df),
+            pending=b.pending + sum(1 for _, _, df in led if not df), deflections=b.deflections + len(fl),
+            reserved_step_s=b.reserved_step_s + sum(r for _, r, _ in fl.values()),
+            reserved_tokens=b.reserved_tokens + sum(c for _, _, c in fl.values()), inflight=tuple(fl.values()))
+
+    def after(self, hb_rng: random.Random, i: int, req: RequestSpec, d: Decision, now: float) -> ClusterView:
+        """The next decision's view, after decision `d` on request number `i` at `now`."""
+        pre, n = self.prefill, len(self.prefill)
+        if d.prefill_worker is not None:
+            j = next(k for k, p in enumerate(pre) if p.worker_id == d.prefill_worker)
+            p = pre[j]
+            pre[j] = msgspec.structs.replace(p, queued_tokens=p.queued_tokens + req.prompt_tokens,
+                                             ledger=(*p.ledger, (req.prompt_tokens, now)))
+        nxt = (i + 1) * DT_S
+        changed = set()
+        if d.decode_worker is not None:
+            j = next(k for k, x in enumerate(self.decode) if x.worker_id == d.decode_worker)
+            deflect = d.route == "deflect"
+            self.ledger[j].append((req.prompt_tokens, req.prompt_tokens + req.max_tokens, deflect))
+            if deflect:
+                sched = d.chunk_schedule
+                self.inflight[j][i] = (now + (d.ttft_decode_pred or 0.0),
+                                       reserved_step_cost(self.model, sched, self.base[j].token_budget),
+                                       max(sched, default=0))
+            changed.add(j)
+        for j, fl in enumerate(self.inflight):
+            for k in [k for k, (end, _, _) in fl.items() if end <= nxt]:
+                del fl[k]
+                changed.add(j)
+        for j in beats(i + 1, n):
+            pre[j] = make_prefill(hb_rng, pre[j].worker_id, self.model, self.prefill_budget, self.lengths, nxt)
+            self.base[j] = self.views[(i + 1) % len(self.views)].decode[j]
+            self.ledger[j] = []
+            changed.add(j)
+        for j in changed:
+            self._fold(j)
+        return ClusterView(prefill=tuple(pre), decode=tuple(self.decode))
+
+
 def prompts(trace: str, n: int, seed: int) -> list[int]:
     from common.traces import load_trace, trace_path
 
@@ -108,26 +189,17 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
     rng = random.Random(seed * 1000 + n)
     views = [make_view(rng, n, prof.model, prof.prefill_token_budget, prof.decode_token_budget,
                        prof.kv_capacity_tokens, lengths) for _ in range(64)]
+    cluster = Cluster(views, prof.model, prof.prefill_token_budget, lengths)
     reqs = [RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64, ttft_slo=2.0,
                         tbt_slo=0.1) for i in range(decisions)]
 
     def evolve(hb_rng: random.Random, i: int, view: ClusterView, d: Decision, now: float) -> ClusterView:
-        """The next decision's view: the request joins its prefill worker's ledger, and one
-        prefill worker (round robin) reports a fresh heartbeat."""
-        pre = list(view.prefill)
-        if d.prefill_worker is not None:
-            j = next(k for k, p in enumerate(pre) if p.worker_id == d.prefill_worker)
-            p = pre[j]
-            pre[j] = msgspec.structs.replace(p, queued_tokens=p.queued_tokens + reqs[i].prompt_tokens,
-                                             ledger=(*p.ledger, (reqs[i].prompt_tokens, now)))
-        k = i % len(pre)
-        pre[k] = make_prefill(hb_rng, pre[k].worker_id, prof.model, prof.prefill_token_budget, lengths, now)
-        return ClusterView(prefill=tuple(pre), decode=views[(i + 1) % len(views)].decode)
+        return cluster.after(hb_rng, i, reqs[i], d, now)
 
     policies = [make_policy(name, kairos=kcfg, default_model=prof.model) for name in policy_names]
     for policy in policies:  # warm-up
         hb_rng = random.Random(seed)
-        view = views[0]
+        view = cluster.reset()
         for i in range(min(500, decisions)):
             d = policy.decide(reqs[i], view, i * 0.01)
             view = evolve(hb_rng, i, view, d, i * 0.01)
@@ -140,7 +212,7 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                 routes[pi] = {}
                 hb_rng = random.Random(seed)
                 gc.collect()
-                view = views[0]
+                view = cluster.reset()
                 for i, req in enumerate(reqs):
                     now = i * 0.01
                     t0 = clock()

@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from common.engines.replay import alone, drain
+from common.engines.replay import alone, drain, extend, extend_end, shares
 from common.perf_model import PerfModel, Profile, load_profile
 from common.policy import (
     ClusterView,
@@ -127,6 +127,26 @@ def test_bound_order_search_equals_the_id_order_search(seed: int) -> None:
     assert deflected > 50  # the cases exercise the search, not only the disaggregated path
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_long_lived_policy_decides_as_a_fresh_one(seed: int) -> None:
+    """Kairos keeps per-worker work between decisions (the replayed prefill queue, each decode
+    view's request-independent terms), keyed by the view object: a policy that has seen other
+    views under the same worker ids, and the same view before, decides as a fresh one does."""
+    rng = random.Random(100 + seed)
+    kept: dict[tuple[KairosConfig, int], Kairos] = {}
+    for _ in range(300):
+        model, cfg, req, view, now = random_case(rng)
+        old = kept.setdefault((cfg, id(model)), Kairos(cfg, default_model=model))
+        try:
+            want = Kairos(cfg, default_model=model).decide(req, view, now)
+        except NoWorkers as e:
+            with pytest.raises(type(e)):
+                old.decide(req, view, now)
+            continue
+        assert old.decide(req, view, now) == want
+        assert old.decide(req, view, now) == want  # the same view again
+
+
 @pytest.mark.parametrize("prof", PROFILES, ids=lambda p: p.name)
 def test_alone_is_the_sum_of_its_step_times(prof: Profile) -> None:
     """`alone` writes `step_time` out (the router runs it per request): bit for bit the same."""
@@ -141,3 +161,36 @@ def test_alone_is_the_sum_of_its_step_times(prof: Profile) -> None:
             t += m.step_time(0, 0, ((chi, at),))
             at += chi
         assert alone(m, budget, tokens, done) == t
+
+
+@pytest.mark.parametrize("prof", PROFILES, ids=lambda p: p.name)
+def test_extend_is_the_replay_one_step_at_a_time(prof: Profile) -> None:
+    """`extend` (and `extend_end`, which the decision uses) against the queue's steps timed one
+    by one with `step_time`: the shared last step, then the prompt alone, bit for bit."""
+    m = prof.model
+    rng = random.Random(6)
+    shared = 0
+    for _ in range(3000):
+        budget = rng.choice([512, 2048, 8192])
+        backlog = tuple((rng.randint(1, 9000), 0) for _ in range(rng.randint(0, 5)))
+        tail = drain(m, budget, rng.choice([0, 2, 256]), 10.0, backlog)
+        tokens, join = rng.randint(1, 30_000), rng.uniform(9.0, tail.end + 1.0)
+        max_batch = rng.choice([0, 2, 256])
+        got = extend(m, budget, max_batch, tail, tokens, join)
+        if shares(budget, max_batch, tail, join):
+            shared += 1
+            chi = min(budget - tail.used, tokens)
+            t, done = tail.start + m.step_time(0, 0, (*tail.chunks, (chi, 0))), chi
+            assert extend_end(m, budget, tail, tokens) == got.end
+        else:
+            t, done = max(tail.end, join), 0
+        last: tuple[float, tuple[tuple[int, int], ...]] | None = None  # its last step alone
+        while done < tokens:
+            chi = min(budget, tokens - done)
+            last = (t, ((chi, done),))
+            t += m.step_time(0, 0, ((chi, done),))
+            done += chi
+        assert got.end == t
+        if last is not None:
+            assert (got.start, got.chunks, got.used) == (*last, last[1][0][0])
+    assert shared > 300

@@ -364,3 +364,79 @@ def test_share_expect_counts_what_later_requests_add_to_the_last_step() -> None:
     for i in range(1, 20):  # 3000 tokens every 100 ms: 30k tokens/s at steady state
         a, b = on.decide(rq(3000), view, 0.1 * i), off.decide(rq(3000), view, 0.1 * i)
     assert (a.ttft_prefill_pred or 0.0) > (b.ttft_prefill_pred or 0.0)
+
+
+def _greedy(model: Any, d: DecodeView, tokens: int, budget: float, cands: list[int], limit: float, exact: bool,
+            lead: int, ends: list[tuple[float, float, int]], fit_tokens: int,
+            ctx0: int) -> tuple[int, list[int], float]:
+    """Algorithm 1 as printed, one step at a time, every candidate tried from the largest each
+    step; the step cost is `_search`'s (the module docstring's) so that float rounding agrees."""
+    b = d.batch
+    base0 = (model.a0 + model.a6 + (model.a1 + model.a3) * b + model.a5 * b * b + model.a2 * d.kv_tokens
+             + d.reserved_step_s)
+    a3 = model.a3 + 2.0 * model.a5 * b
+    ka, g = (0.0, model.a2 * b) if exact else (model.a2, 0.0)
+    base0 += ka * ctx0
+    a3 += model.a4 * ctx0
+    total, done, off, ei, sched = 0.0, 0, 0.0, 0, []
+    cap = fit_tokens - sum(e[2] for e in ends) if fit_tokens >= 0 else 1 << 60
+    while done < tokens:
+        while ei < len(ends) and ends[ei][0] <= total:
+            off, cap, ei = off + ends[ei][1], cap + ends[ei][2], ei + 1
+        base = base0 + ka * done + g * (len(sched) + lead)
+        for c in cands:
+            chi = min(c, tokens - done)
+            t = base + a3 * chi + model.a4 * chi * (done + chi * 0.5) + model.a5 * chi * chi
+            if b - model.knee + chi > 0:
+                t += model.a7 * (b - model.knee + chi)
+            if chi <= cap and t <= budget:
+                break
+        else:
+            return 1, [], 0.0
+        sched.append(chi)
+        total += t - off
+        done += chi
+        if total > limit:
+            return 2, [], 0.0
+    return 0, sched, total
+
+
+@pytest.mark.parametrize("profile", ["a100-dsv2-lite", "a100-llama2-70b-tp4", "h100-llama2-70b-tp4", "kv-heavy"])
+def test_search_equals_the_printed_greedy_with_deflections_in_flight(profile: str) -> None:
+    """`_search`'s shortcuts (it resumes from the last candidate that fit, tries the whole
+    remainder once near the end, and walks runs of equal chunks in closed form, also between the
+    ends of deflections in flight) give the printed greedy's schedule, status and TTFT_D, on
+    random states: deflections in flight with their predicted ends, the token-budget fit, a
+    cached prefix, a step in flight, finite and infinite limits. Past a finite limit it may give
+    up as over the limit where the greedy would next find a step with no safe candidate."""
+    if profile == "kv-heavy":  # KV reads dearer than prompt tokens: a remainder can cost more a step later
+        model, kv_max = msgspec.structs.replace(M, a2=M.a3 * 1.5), 1000
+    else:
+        model, kv_max = load_profile(profile).model, 300_000
+    rng = random.Random(11)
+    cands = [2048, 1024, 512, 256, 128]
+    seen = {0: 0, 1: 0, 2: 0}
+    for _ in range(3000):
+        ends = sorted((rng.uniform(-0.05, 1.5), rng.uniform(0.0, 0.02), rng.choice(cands))
+                      for _ in range(rng.choice([0, 0, 1, 2, 4])))
+        d = dv(batch=rng.randint(0, 150), kv=rng.randint(0, kv_max), reserved=sum(e[1] for e in ends))
+        d = msgspec.structs.replace(d, model=model)
+        tokens, budget = rng.randint(1, 20_000), rng.uniform(0.03, 0.5)
+        exact, lead, ctx0 = rng.random() < 0.7, rng.randint(0, 1), rng.choice([0, 0, rng.randint(1, 8000)])
+        fit_tokens = rng.choice([-1, rng.randint(128, 2304)])
+        use = [c for c in cands if fit_tokens < 0 or c <= fit_tokens] or cands[-1:]
+        limit = rng.choice([float("inf"), rng.uniform(0.05, 3.0)])
+        got = _search(model, d, tokens, budget, use, limit, 10**6, exact, lead, list(ends) or None, fit_tokens,
+                      ctx0)
+        want = _greedy(model, d, tokens, budget, use, limit, exact, lead, list(ends), fit_tokens, ctx0)
+        free = _greedy(model, d, tokens, budget, use, float("inf"), exact, lead, list(ends), fit_tokens, ctx0)
+        if got[0] == 0 or want[0] == 0:
+            assert got[0] == want[0] == 0, (got, want)
+            assert list(got[1]) == want[1]
+            assert got[2] == pytest.approx(want[2], rel=1e-9)
+        elif got[0] == 1:  # no schedule at all
+            assert free[0] == 1, (got, free)
+        else:  # over the limit (a lower bound may say so before a later step turns out infeasible)
+            assert free[0] == 1 or free[2] > limit * (1 - 1e-9), (got, free, limit)
+        seen[got[0]] += 1
+    assert min(seen.values()) > 100, seen  # every outcome was exercised

@@ -132,17 +132,30 @@ def extend(model: PerfModel, budget: int, max_batch: int, tail: Tail, tokens: in
         end = tail.start + model.step_time(0, 0, shared)
         if chi >= tokens:
             return Tail(tail.start, shared, tail.used + chi, end)
-        done = chi
-        t = end
+        start, chi, done, end = _alone_after(model, budget, end, tokens, chi)
     else:
-        done = 0
-        t = tail.end if tail.end > join else join
-    start = t
-    chunks: tuple[tuple[int, int], ...] = ()
+        start, chi, done, end = _alone_after(model, budget, tail.end if tail.end > join else join, tokens, 0)
+    return Tail(start, ((chi, done),), chi, end)
+
+
+def extend_end(model: PerfModel, budget: int, tail: Tail, tokens: int) -> float:
+    """`extend(...).end` for a request of `tokens` > 0 that `shares` the queue's last step,
+    without building the Tail (the router runs this per prefill worker and request)."""
+    chi = min(budget - tail.used, tokens)
+    end = tail.start + model.step_time(0, 0, (*tail.chunks, (chi, 0)))
+    return end if chi >= tokens else _alone_after(model, budget, end, tokens, chi)[3]
+
+
+def _alone_after(model: PerfModel, budget: int, t: float, tokens: int, done: int) -> tuple[float, int, int, float]:
+    """A prompt's steps alone from `t`, `done` of its `tokens` prefilled (< tokens): its last
+    step's (start, chunk, tokens before it) and end. Each step is `model.step_time(0, 0,
+    ((chi, done),))` written out as in `alone` (bit for bit the same)."""
+    fixed, a3, a4, a5, a7, knee = model.a0 + model.a6, model.a3, model.a4, model.a5, model.a7, model.knee
+    start, chi, before = t, 0, done
     while done < tokens:
         chi = min(budget, tokens - done)
-        chunks = ((chi, done),)
-        start = t
-        t += model.step_time(0, 0, chunks)
+        over = chi - knee
+        start, before = t, done
+        t += (fixed + (a3 * chi + (a7 * over if over > 0 else 0.0) + a5 * chi * chi)) + a4 * (chi * (done + chi / 2.0))
         done += chi
-    return Tail(start, chunks, chunks[0][0], t)
+    return start, chi, before, t

@@ -47,7 +47,7 @@ from typing import Literal
 
 import msgspec
 
-from common.engines.replay import Tail, alone, drain, extend, shares
+from common.engines.replay import Tail, alone, drain, extend, extend_end, shares
 from common.perf_model import PerfModel
 from common.policy.base import (
     ClusterView,
@@ -112,12 +112,30 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
     left out, which keeps the bound a bound. Every chunk satisfies
     base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
     the bound stays valid under float error); all but the last are candidates <= chi_max, so
-    n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate)."""
+    n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate). The part that does not
+    depend on L is `_bound_terms` (kept per decode view by `decide`), the rest `_bound`."""
+    return _bound(_bound_terms(model, base0, budget_s, cands, batch), tokens)
+
+
+# `_lower_bound`'s terms that do not depend on the prompt: (base0, a3', a4/2, a5, last, body,
+# sqrt(a5/base0) or 0); None when no chunk fits (the bound is then 0: the search finds that)
+_BoundTerms = tuple[float, float, float, float, float, int, float] | None
+
+
+def _bound_terms(model: PerfModel, base0: float, budget_s: float, cands: list[int], batch: int,
+                 relief: float = 0.0) -> _BoundTerms:
+    """`relief`: the reserved step cost of the deflections in flight, which every step's safety
+    check counts (in `base0`) but the predicted TTFT_D stops counting once each ends: the cost
+    part of the bound takes them as ended at once."""
     a4, a5 = model.a4, model.a5
     a3 = model.a3 + 2.0 * a5 * batch
     room = budget_s - base0
     if room <= 0:
-        return 0.0  # no chunk fits: the search finds that at its first step
+        return None
+    if relief > 0:
+        base0 -= relief
+        if base0 <= 0:
+            return None  # no useful bound: 0
     q = a4 / 2.0 + a5
     if q > 0:
         chi_max = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q)
@@ -132,6 +150,14 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
         if c <= chi_max:
             body = c
             break
+    s = math.sqrt(a5 / base0) if a5 > 0 and base0 > 0 else 0.0
+    return (base0, a3, a4 / 2.0, a5, last, body, s)
+
+
+def _bound(terms: _BoundTerms, tokens: int) -> float:
+    if terms is None:
+        return 0.0
+    base0, a3, a4h, a5, last, body, s = terms
     if tokens <= last:
         n_min = 1.0
     elif body == 0:
@@ -139,11 +165,11 @@ def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, c
     else:
         n_min = 1.0 + math.ceil((tokens - last) / body)
     n = n_min
-    if a5 > 0 and base0 > 0:
-        n = tokens * math.sqrt(a5 / base0)
+    if s:
+        n = tokens * s
         if n < n_min:
             n = n_min
-    return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4 * tokens * tokens / 2.0
+    return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4h * tokens * tokens
 
 
 def _base0(model: PerfModel, d: DecodeView) -> float:
@@ -155,6 +181,11 @@ def _base0(model: PerfModel, d: DecodeView) -> float:
     return (model.a0 + model.a6 + (model.a1 + model.a3) * b + model.a5 * b * b + model.a2 * d.kv_tokens
             + d.reserved_step_s)
 
+
+# `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
+# token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
+# the smallest candidate cannot start)
+_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], _BoundTerms, float, bool]
 
 _by_bound = itemgetter(0, 1)  # (lower bound incl. the wait, worker id): the search order of `decide`
 
@@ -234,38 +265,93 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
             i = 0  # more token budget: larger candidates may fit again
         rem = tokens - done
         base = base0 + ka * done + g * (steps + lead)
+        chi = 0
         if rem <= top:
             # near the end every candidate >= rem proposes the whole remainder, which may fit
-            # although those candidates failed as full chunks earlier: rescan, as the printed greedy does
-            i = 0
-        while i < n:
-            chi = cands[i] if cands[i] < rem else rem
-            if chi > cap:
+            # although those candidates failed as full chunks earlier (the printed greedy rescans
+            # from the top): tried once here; the smaller candidates are full chunks, and those
+            # that failed as such before (below index i) fail again
+            if rem <= cap:
+                t = base + a3 * rem + a4 * rem * (done + rem * 0.5) + a5 * rem * rem
+                if over0 + rem > 0:
+                    t += a7 * (over0 + rem)
+                if t <= budget_s:
+                    chi = rem
+            while i < n and cands[i] >= rem:
                 i += 1
-                continue
-            t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
-            if over0 + chi > 0:
-                t += a7 * (over0 + chi)
-            if t <= budget_s:
-                break
-            i += 1
-        else:
-            return _INFEASIBLE, (), 0.0
-        if ne == 0 and rem - chi > top:
+        if not chi:
+            while i < n:
+                chi = cands[i] if cands[i] < rem else rem
+                if chi > cap:
+                    i += 1
+                    continue
+                t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
+                if over0 + chi > 0:
+                    t += a7 * (over0 + chi)
+                if t <= budget_s:
+                    break
+                i += 1
+            else:
+                return _INFEASIBLE, (), 0.0
+        if chi < rem:
             # A run of full chunks of this candidate: t grows by `inc` a step (the prompt's own
-            # context, and the decodes' in the exact form), so it lasts while t <= budget_s and
-            # the remainder stays above `top` (below it the scan restarts). Walked in closed form:
-            # O(candidates) per schedule, not O(steps). The sum differs from a step-by-step one
-            # in the last bits only.
+            # context, and the decodes' in the exact form), so it lasts while t <= budget_s, no
+            # deflection in flight ends (its end changes `off` and `cap`), and: above `top`,
+            # while the remainder stays above `top` (then the scan restarts); within `top`,
+            # while the remainder stays above the chunk and does not fit whole (tried first at
+            # every step). Walked in closed form: O(candidates + deflections in flight) per
+            # schedule, not O(steps). The sum differs from a step-by-step one in the last bits.
             inc = ka * chi + g + a4 * chi * chi
-            k = -(-(rem - top) // chi)  # steps while the remainder stays above top
+            k = -(-(rem - top) // chi) if rem > top else -(-(rem - chi) // chi)
             if inc > 0.0:
                 fit_k = int((budget_s - t) / inc) + 1
                 if fit_k < k:
                     k = fit_k
+            u = t - off
+            if ei < ne and k > 1:
+                # step j of the run starts at total + j*u + inc*j*(j-1)/2 (increasing in j): it
+                # runs only if the next end is still ahead then; the largest such j, bisected
+                e = ends[ei][0]
+                h = inc * 0.5
+                if total + (k - 1) * (u + h * (k - 2)) >= e:
+                    lo, hi = 0, k - 1  # step lo starts before e, step hi does not
+                    while hi - lo > 1:
+                        mid = (lo + hi) >> 1
+                        if total + mid * (u + h * (mid - 1)) < e:
+                            lo = mid
+                        else:
+                            hi = mid
+                    k = lo + 1
+            if rem <= top and k > 1:
+                # the whole remainder r at step j: it fits from some step on, as r shrinks, when
+                # its cost falls step by step: the context grows by ka*chi + g a step and the
+                # remainder's own terms fall by at least a3*chi (the attention's, a5's and a7's
+                # fall too, done + r being fixed). Then the first step it fits ends the run, bisected.
+                if ka * chi + g <= a3 * chi:
+                    j = k - 1
+                    r, dj = rem - j * chi, done + j * chi
+                    tr = base0 + ka * dj + g * (steps + j + lead) + a3 * r + a4 * r * (dj + r * 0.5) + a5 * r * r
+                    if over0 + r > 0:
+                        tr += a7 * (over0 + r)
+                    if r <= cap and tr <= budget_s:
+                        lo, hi = 0, j  # the remainder does not fit at step lo, fits at step hi
+                        while hi - lo > 1:
+                            mid = (lo + hi) >> 1
+                            r, dj = rem - mid * chi, done + mid * chi
+                            tr = (base0 + ka * dj + g * (steps + mid + lead) + a3 * r + a4 * r * (dj + r * 0.5)
+                                  + a5 * r * r)
+                            if over0 + r > 0:
+                                tr += a7 * (over0 + r)
+                            if r <= cap and tr <= budget_s:
+                                hi = mid
+                            else:
+                                lo = mid
+                        k = hi
+                else:
+                    k = 1
             sched.extend([chi] * k)
             steps += k
-            total += k * t + inc * (k * (k - 1) // 2)
+            total += k * u + inc * (k * (k - 1) // 2)
             done += chi * k
         else:
             sched.append(chi)
@@ -326,11 +412,13 @@ class Kairos:
         self.cfg = cfg or KairosConfig()
         self.default_model = default_model
         self._desc = sorted(self.cfg.candidates, reverse=True)
+        self._replay_p = self.cfg.predictor == "replay"
         self._cands_by_cap: dict[int, list[int]] = {}
         self._replays = ReplayCache()
         self._last_tail: dict[str, tuple[PrefillView, PerfModel, Tail]] = {}
         self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
         self._rates: dict[str, tuple[float, float]] = {}  # prefill worker -> (when, tokens/s sent to it)
+        self._dprep: dict[str, _Prep] = {}  # decode worker -> `_prep` of its last view
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -344,6 +432,54 @@ class Kairos:
                 self._cands_by_cap.clear()
             c = self._cands_by_cap[cap] = [x for x in self._desc if x <= cap]
         return c
+
+    def _prep(self, d: DecodeView, slo: float) -> _Prep:
+        """What `decide` needs of decode view `d` that does not depend on the request or the
+        clock, kept per worker until its view changes (views are frozen: a new heartbeat or a
+        dispatch folded in by the router is a new object): (d, slo, model, step budget,
+        busy_until, wait when its view is stale, token cap, candidates, `_bound_terms`).
+        The wait on a busy worker is `busy_until` - now; on a stale view of a busy one, half its
+        decode step (`decode_time` written out)."""
+        cfg = self.cfg
+        dm = d.model if cfg.per_worker_models or self.default_model is None else self.default_model
+        b = d.batch
+        a0, a1, a2, a3, a4, a5, a7 = dm.a0, dm.a1, dm.a2, dm.a3, dm.a4, dm.a5, dm.a7
+        replay_p = self._replay_p
+        busy_until, stale = -_INF, 0.0
+        if replay_p:
+            busy_until = d.busy_until
+            if b or d.deflections:
+                over = b - dm.knee
+                stale = 0.5 * (a0 + a1 * b + a2 * d.kv_tokens
+                               + (a3 * b + (a7 * over if over > 0 else 0.0) + a5 * b * b))
+        cap = d.token_budget - b
+        inflight = d.inflight if replay_p else ()
+        if cfg.budget_fit and not inflight:
+            cap -= d.reserved_tokens
+        cands = self._cands_by_cap.get(cap) or self._cands(cap)
+        budget_s = cfg.beta * slo
+        relief = sum(c for _, c, _ in inflight) if inflight else 0.0
+        base0 = a0 + dm.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s  # `_base0`
+        terms: _BoundTerms = None
+        # the search's first step with the smallest candidate, written as `_search` computes it
+        # (no step in flight, no cached prefix): when it does not fit, no schedule starts, for
+        # any prompt of at least that many tokens. Valid when a step's cost rises with the chunk,
+        # the context and the step count (coefficients >= 0; fits are non-negative).
+        stuck = False
+        if cands:
+            a3b = a3 + 2.0 * a5 * b
+            if a3b >= 0 and a2 >= 0 and a4 >= 0 and a5 >= 0 and a7 >= 0:
+                chi = cands[-1]
+                first = base0 + a3b * chi + a4 * chi * (0 + chi * 0.5) + a5 * chi * chi
+                if b - dm.knee + chi > 0:
+                    first += a7 * (b - dm.knee + chi)
+                stuck = first > budget_s
+            terms = _bound_terms(dm, base0, budget_s, cands, b, relief)
+        if len(self._dprep) > 4096:
+            self._dprep.clear()
+        got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
+                                          stuck)
+        return got
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
         """The replay of `p`'s known queue: the drain it reported (else its backlog replayed
@@ -408,10 +544,26 @@ class Kairos:
         # with the router's prefix index each worker is priced by its own uncached suffix, and
         # the prefill path's KV transfer by what the decode worker that gets it lacks
         per_worker = cfg.prefix_aware and bool(req.cached)
-        try:
-            handoff0: DecodeView | None = least_loaded_decode(view, req)
-        except NoWorkers:
-            handoff0 = None
+        # one pass over the decode workers: those that may take a deflection, and the
+        # disaggregated path's handoff (`least_loaded_decode`, written out)
+        need_kv = req.prompt_tokens + req.max_tokens
+        max_defl = cfg.max_deflections
+        why_not = "no_decode_slack"
+        open_d = []
+        handoff0: DecodeView | None = None
+        h_load = h_kv = 0
+        for d in view.decode:
+            full = d.deflections >= max_defl
+            if full:
+                why_not = "deflection_in_flight"
+            if d.kv_free_tokens < need_kv:
+                continue
+            load = d.batch + d.pending + d.deflections
+            if handoff0 is None or load < h_load or (load == h_load and (
+                    d.kv_tokens < h_kv or (d.kv_tokens == h_kv and d.worker_id < handoff0.worker_id))):
+                handoff0, h_load, h_kv = d, load, d.kv_tokens
+            if not full:
+                open_d.append(d)
         lack = req.prompt_tokens
         if per_worker and handoff0 is not None:
             lack -= req.cached_on(handoff0.worker_id)
@@ -444,7 +596,7 @@ class Kairos:
                 if tail.end - now + xfer >= ttft_p:
                     continue  # its queue alone outlasts the best so far
                 if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
-                    t = extend(m, chunk, p.max_batch, tail, tp, now).end - now + xfer
+                    t = (extend_end(m, chunk, tail, tp) if tp > 0 else tail.end) - now + xfer
                 else:
                     t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
             else:
@@ -474,59 +626,40 @@ class Kairos:
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
         best_td = tokens
-        why_not = "no_decode_slack"
-        need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
-        fit, beta, max_defl = cfg.budget_fit, cfg.beta, cfg.max_deflections
+        fit = cfg.budget_fit
         todo = []
-        by_cap = self._cands_by_cap
-        # per worker, written out (it runs for every worker and decision): `decode_time` for the
-        # wait, `_cands`, and `_search`'s base0 for the bound, each the same arithmetic
-        for d in view.decode:
-            if d.deflections >= max_defl:
-                why_not = "deflection_in_flight"
-                continue
-            if d.kv_free_tokens < need_kv:
-                continue
-            dm = d.model if dflt is None else dflt
-            b = d.batch
+        preps = self._dprep
+        for d in open_d:
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            wait = 0.0
-            if replay_p:
-                if d.busy_until > now:
-                    wait = d.busy_until - now
-                elif b or d.deflections:
-                    # a stale view of a busy worker: on average half its decode step is left
-                    over = b - dm.knee
-                    wait = 0.5 * (dm.a0 + dm.a1 * b + dm.a2 * d.kv_tokens
-                                  + (dm.a3 * b + (dm.a7 * over if over > 0 else 0.0) + dm.a5 * b * b))
-            cap = d.token_budget - b
-            ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
-            if fit and not ends:
-                cap -= d.reserved_tokens
-            cands = by_cap.get(cap)
-            if cands is None:
-                cands = self._cands(cap)
+            prep = preps.get(d.worker_id)
+            if prep is None or prep[0] is not d or prep[1] != slo:
+                prep = self._prep(d, slo)
+            _, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck = prep
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            if stuck and td >= cands[-1]:
+                status[d.worker_id] = _INFEASIBLE  # what its search finds at the first step
+                continue
+            wait = busy_until - now if busy_until > now else stale
             ctx0 = req.prompt_tokens - td if per_worker else 0
-            budget_s = beta * slo
-            if not ends and td > 0 and cands:
-                base0 = (dm.a0 + dm.a6 + (dm.a1 + dm.a3) * b + dm.a5 * b * b + dm.a2 * d.kv_tokens
-                         + d.reserved_step_s)
-                if ctx0:  # as in `_search`
-                    base0 += (0.0 if replay_p else dm.a2) * ctx0
-                lb = _lower_bound(dm, base0, td, budget_s, cands, b)
-                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0))
-            else:  # no bound (as `_search` has none here): searched first, and never skipped
-                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, ends, cap, td, ctx0))
+            if td > 0 and cands:
+                if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `_search`
+                    base0 = _base0(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
+                    lb = _bound(_bound_terms(dm, base0, budget_s, cands, d.batch, prep[9]), td)
+                else:
+                    lb = _bound(terms, td)
+                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, cap, td, ctx0))
+            else:  # no bound: searched first (it finds nothing to do, or no candidate), never skipped
+                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, cap, td, ctx0))
         todo.sort(key=_by_bound)
-        for key, wid, d, dm, budget_s, wait, lb, cands, ends, cap, td, ctx0 in todo:
+        for key, wid, d, dm, budget_s, wait, lb, cands, cap, td, ctx0 in todo:
             if best is not None and key > best[1] * (1 + 1e-9):
                 break  # this bound and every later one exceed the best TTFT_D found
             cut = (limit if best is None else min(limit, best[1])) - wait
             if lb >= 0.0 and lb > cut * (1 + 1e-9):
                 status[wid] = _OVER_LIMIT
                 continue
+            ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
             st, sched, total = _search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
                                        1 if wait > 0 else 0, ends, cap if fit and ends else -1, ctx0, bounded=True)
             status[wid] = st

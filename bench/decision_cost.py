@@ -258,7 +258,8 @@ def jitter(target_us: float = 50.0, runs: int = 5000) -> dict[str, float]:
     """The machine's own noise at this time scale: a fixed pure-Python loop of about
     `target_us`, timed `runs` times on the wall clock like a decision. Identical work every
     time, so its p99 / p50 is what preemption, interrupts and cache sharing alone add."""
-    n = 1000
+    n = 20_000
+    _spin(n)  # warm
     t0 = time.perf_counter_ns()
     _spin(n)
     per = max(1.0, (time.perf_counter_ns() - t0) / n)

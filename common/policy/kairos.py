@@ -436,10 +436,9 @@ class Kairos:
     def _prep(self, d: DecodeView, slo: float) -> _Prep:
         """What `decide` needs of decode view `d` that does not depend on the request or the
         clock, kept per worker until its view changes (views are frozen: a new heartbeat or a
-        dispatch folded in by the router is a new object): (d, slo, model, step budget,
-        busy_until, wait when its view is stale, token cap, candidates, `_bound_terms`).
-        The wait on a busy worker is `busy_until` - now; on a stale view of a busy one, half its
-        decode step (`decode_time` written out)."""
+        dispatch folded in by the router is a new object): see `_Prep`. The wait on a busy
+        worker is `busy_until` - now; on a stale view of a busy one, half its decode step
+        (`decode_time` written out)."""
         cfg = self.cfg
         dm = d.model if cfg.per_worker_models or self.default_model is None else self.default_model
         b = d.batch

@@ -126,4 +126,7 @@ def test_killing_the_decode_worker_mid_stream_leaves_one_greedy_stream(cluster: 
     assert finish == "length"
     assert usage is not None and usage["completion_tokens"] == max_tokens and usage["prompt_tokens"] == len(PROMPT)
     after = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
-    assert after == before + 1, "the stream finished before the kill: nothing was migrated"
+    # at least one migration: the kill came mid-stream. A second one is the router doing its job
+    # when the surviving worker also goes silent past the liveness timeout (seen once in CI: the
+    # other decode worker silent 5 s on 2 starved cores, then the stream resumed and was whole)
+    assert after > before, "the stream finished before the kill: nothing was migrated"

@@ -72,28 +72,30 @@ class WorkerEntry:
     def next_dispatch(self, entry: LedgerEntry) -> int:
         self.dispatch_no += 1
         self.ledger[self.dispatch_no] = entry
-        self._view = None
+        self.touch()
         return self.dispatch_no
 
     def acknowledge(self, last_dispatch: int) -> None:
         if self.ledger:
-            for k in [k for k in self.ledger if k <= last_dispatch]:
+            done = [k for k in self.ledger if k <= last_dispatch]
+            for k in done:
                 del self.ledger[k]
-                self._view = None
+            if done:
+                self.touch()
 
     def add_deflection(self, request_id: str, reserved_s: float, largest_chunk: int, end: float) -> None:
         """A deflection this router sent it: its reserved step cost, largest chunk and predicted
         end of prefill (router clock), until its first token (`end_deflection`)."""
         self.deflecting[request_id] = reserved_s
         self.deflect_info[request_id] = (largest_chunk, end)
-        self._view = None
+        self.touch()
 
     def end_deflection(self, request_id: str) -> bool:
         """Its prefill is over (or the request ended): True if it was deflecting here."""
         self.deflect_info.pop(request_id, None)
         was = self.deflecting.pop(request_id, None) is not None
         if was:
-            self._view = None
+            self.touch()
         return was
 
     def prefill_view(self, use_ledger: bool) -> PrefillView:

@@ -104,14 +104,7 @@ def drain(model: PerfModel, budget: int, max_batch: int, busy_until: float,
 def alone(model: PerfModel, budget: int, tokens: int, done: int = 0) -> float:
     """Prefill time of a prompt alone on the worker from `done` tokens: steps of `budget` tokens
     (each `model.step_time(0, 0, ((chi, done),))`, written out: the router runs this per request)."""
-    fixed, a3, a4, a5, a7, knee = model.a0 + model.a6, model.a3, model.a4, model.a5, model.a7, model.knee
-    t = 0.0
-    while done < tokens:
-        chi = min(budget, tokens - done)
-        over = chi - knee
-        t += (fixed + (a3 * chi + (a7 * over if over > 0 else 0.0) + a5 * chi * chi)) + a4 * (chi * (done + chi / 2.0))
-        done += chi
-    return t
+    return _alone_after(model, budget, 0.0, tokens, done)[3]
 
 
 def shares(budget: int, max_batch: int, tail: Tail, join: float) -> bool:
@@ -147,9 +140,10 @@ def extend_end(model: PerfModel, budget: int, tail: Tail, tokens: int) -> float:
 
 
 def _alone_after(model: PerfModel, budget: int, t: float, tokens: int, done: int) -> tuple[float, int, int, float]:
-    """A prompt's steps alone from `t`, `done` of its `tokens` prefilled (< tokens): its last
-    step's (start, chunk, tokens before it) and end. Each step is `model.step_time(0, 0,
-    ((chi, done),))` written out as in `alone` (bit for bit the same)."""
+    """A prompt's steps alone from `t`, `done` of its `tokens` prefilled: its last step's (start,
+    chunk, tokens before it) and end (`t` itself when nothing is left). Each step is
+    `model.step_time(0, 0, ((chi, done),))` written out, bit for bit the same
+    (tests/test_decision_order.py)."""
     fixed, a3, a4, a5, a7, knee = model.a0 + model.a6, model.a3, model.a4, model.a5, model.a7, model.knee
     start, chi, before = t, 0, done
     while done < tokens:

@@ -328,25 +328,19 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
                 # remainder's own terms fall by at least a3*chi (the attention's, a5's and a7's
                 # fall too, done + r being fixed). Then the first step it fits ends the run, bisected.
                 if ka * chi + g <= a3 * chi:
-                    j = k - 1
-                    r, dj = rem - j * chi, done + j * chi
-                    tr = base0 + ka * dj + g * (steps + j + lead) + a3 * r + a4 * r * (dj + r * 0.5) + a5 * r * r
-                    if over0 + r > 0:
-                        tr += a7 * (over0 + r)
-                    if r <= cap and tr <= budget_s:
-                        lo, hi = 0, j  # the remainder does not fit at step lo, fits at step hi
-                        while hi - lo > 1:
-                            mid = (lo + hi) >> 1
-                            r, dj = rem - mid * chi, done + mid * chi
-                            tr = (base0 + ka * dj + g * (steps + mid + lead) + a3 * r + a4 * r * (dj + r * 0.5)
-                                  + a5 * r * r)
-                            if over0 + r > 0:
-                                tr += a7 * (over0 + r)
-                            if r <= cap and tr <= budget_s:
-                                hi = mid
-                            else:
-                                lo = mid
-                        k = hi
+                    lo, hi, j = 0, k, k - 1  # it does not fit at step lo; fits at hi (k: not in this run)
+                    while j > lo:  # step k - 1 first (usually it does not fit there: one test), then bisect
+                        r, dj = rem - j * chi, done + j * chi
+                        tr = (base0 + ka * dj + g * (steps + j + lead) + a3 * r + a4 * r * (dj + r * 0.5)
+                              + a5 * r * r)
+                        if over0 + r > 0:
+                            tr += a7 * (over0 + r)
+                        if r <= cap and tr <= budget_s:
+                            hi = j
+                        else:
+                            lo = j
+                        j = (lo + hi) >> 1
+                    k = hi
                 else:
                     k = 1
             sched.extend([chi] * k)
@@ -442,15 +436,12 @@ class Kairos:
         cfg = self.cfg
         dm = d.model if cfg.per_worker_models or self.default_model is None else self.default_model
         b = d.batch
-        a0, a1, a2, a3, a4, a5, a7 = dm.a0, dm.a1, dm.a2, dm.a3, dm.a4, dm.a5, dm.a7
         replay_p = self._replay_p
         busy_until, stale = -_INF, 0.0
         if replay_p:
             busy_until = d.busy_until
             if b or d.deflections:
-                over = b - dm.knee
-                stale = 0.5 * (a0 + a1 * b + a2 * d.kv_tokens
-                               + (a3 * b + (a7 * over if over > 0 else 0.0) + a5 * b * b))
+                stale = 0.5 * dm.decode_time(b, d.kv_tokens)
         cap = d.token_budget - b
         inflight = d.inflight if replay_p else ()
         if cfg.budget_fit and not inflight:
@@ -458,7 +449,7 @@ class Kairos:
         cands = self._cands_by_cap.get(cap) or self._cands(cap)
         budget_s = cfg.beta * slo
         relief = sum(c for _, c, _ in inflight) if inflight else 0.0
-        base0 = a0 + dm.a6 + (a1 + a3) * b + a5 * b * b + a2 * d.kv_tokens + d.reserved_step_s  # `_base0`
+        base0 = _base0(dm, d)
         terms: _BoundTerms = None
         # the search's first step with the smallest candidate, written as `_search` computes it
         # (no step in flight, no cached prefix): when it does not fit, no schedule starts, for
@@ -466,10 +457,10 @@ class Kairos:
         # the context and the step count (coefficients >= 0; fits are non-negative).
         stuck = False
         if cands:
-            a3b = a3 + 2.0 * a5 * b
-            if a3b >= 0 and a2 >= 0 and a4 >= 0 and a5 >= 0 and a7 >= 0:
+            a3, a4, a5, a7 = dm.a3 + 2.0 * dm.a5 * b, dm.a4, dm.a5, dm.a7
+            if a3 >= 0 and dm.a2 >= 0 and a4 >= 0 and a5 >= 0 and a7 >= 0:
                 chi = cands[-1]
-                first = base0 + a3b * chi + a4 * chi * (0 + chi * 0.5) + a5 * chi * chi
+                first = base0 + a3 * chi + a4 * chi * (0 + chi * 0.5) + a5 * chi * chi
                 if b - dm.knee + chi > 0:
                     first += a7 * (b - dm.knee + chi)
                 stuck = first > budget_s
@@ -543,26 +534,10 @@ class Kairos:
         # with the router's prefix index each worker is priced by its own uncached suffix, and
         # the prefill path's KV transfer by what the decode worker that gets it lacks
         per_worker = cfg.prefix_aware and bool(req.cached)
-        # one pass over the decode workers: those that may take a deflection, and the
-        # disaggregated path's handoff (`least_loaded_decode`, written out)
-        need_kv = req.prompt_tokens + req.max_tokens
-        max_defl = cfg.max_deflections
-        why_not = "no_decode_slack"
-        open_d = []
-        handoff0: DecodeView | None = None
-        h_load = h_kv = 0
-        for d in view.decode:
-            full = d.deflections >= max_defl
-            if full:
-                why_not = "deflection_in_flight"
-            if d.kv_free_tokens < need_kv:
-                continue
-            load = d.batch + d.pending + d.deflections
-            if handoff0 is None or load < h_load or (load == h_load and (
-                    d.kv_tokens < h_kv or (d.kv_tokens == h_kv and d.worker_id < handoff0.worker_id))):
-                handoff0, h_load, h_kv = d, load, d.kv_tokens
-            if not full:
-                open_d.append(d)
+        try:
+            handoff0: DecodeView | None = least_loaded_decode(view, req)
+        except NoWorkers:
+            handoff0 = None
         lack = req.prompt_tokens
         if per_worker and handoff0 is not None:
             lack -= req.cached_on(handoff0.worker_id)
@@ -625,11 +600,18 @@ class Kairos:
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
         best_td = tokens
+        why_not = "no_decode_slack"
+        need_kv = req.prompt_tokens + req.max_tokens
         status: dict[str, int] = {}
-        fit = cfg.budget_fit
+        fit, max_defl = cfg.budget_fit, cfg.max_deflections
         todo = []
         preps = self._dprep
-        for d in open_d:
+        for d in view.decode:
+            if d.deflections >= max_defl:
+                why_not = "deflection_in_flight"
+                continue
+            if d.kv_free_tokens < need_kv:
+                continue
             slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
             prep = preps.get(d.worker_id)
             if prep is None or prep[0] is not d or prep[1] != slo:

@@ -193,16 +193,13 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
     reqs = [RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64, ttft_slo=2.0,
                         tbt_slo=0.1) for i in range(decisions)]
 
-    def evolve(hb_rng: random.Random, i: int, view: ClusterView, d: Decision, now: float) -> ClusterView:
-        return cluster.after(hb_rng, i, reqs[i], d, now)
-
     policies = [make_policy(name, kairos=kcfg, default_model=prof.model) for name in policy_names]
     for policy in policies:  # warm-up
         hb_rng = random.Random(seed)
         view = cluster.reset()
         for i in range(min(500, decisions)):
             d = policy.decide(reqs[i], view, i * 0.01)
-            view = evolve(hb_rng, i, view, d, i * 0.01)
+            view = cluster.after(hb_rng, i, reqs[i], d, i * 0.01)
     routes: list[dict[str, int]] = [{} for _ in policies]
     passes: list[dict[str, list[list[int]]]] = [{"wall": [], "cpu": []} for _ in policies]
     for _ in range(repeat):
@@ -219,7 +216,7 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                     d = policy.decide(req, view, now)
                     ns.append(clock() - t0)
                     routes[pi][d.route] = routes[pi].get(d.route, 0) + 1
-                    view = evolve(hb_rng, i, view, d, now)
+                    view = cluster.after(hb_rng, i, req, d, now)
                 ns.sort()
                 passes[pi][kind].append(ns)
 

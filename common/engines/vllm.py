@@ -38,7 +38,10 @@ On the CPU platform only, `VLLM_ENABLE_V1_MULTIPROCESSING=0` makes that core run
 in-process (uniproc executor) instead of a third process, and `OMP_NUM_THREADS=1` keeps CPU
 steps at milliseconds; on GPUs both are left as vLLM intends (an operator's explicit values
 always win for OMP_NUM_THREADS). They are set before the core is started and inherited by it, as
-are the NIXL side-channel variables, set per engine under a lock.
+are the NIXL side-channel variables, set per engine under a lock. The KV connector is vLLM's
+pull `NixlConnector` loaded through common/engines/vllm_nixl.py, which on the CPU platform builds
+its NIXL agent without the progress thread: NIXL's Python API makes that thread poll with a zero
+timeout, a whole core spinning per engine even when idle (see that module).
 
 Platform settings. Async scheduling is turned off (vLLM 0.32 turns it on by default on CUDA;
 KairosScheduler refuses it: see vllm_scheduler.py). `kv_buffer_device` is the platform's device
@@ -119,6 +122,8 @@ from common.engines.vllm_scheduler import CHUNKS_KEY, ID_KEY, RESUME_KEY, StepRe
 SCHEDULER_CLS = "common.engines.vllm_scheduler.KairosScheduler"
 CREATED_KEY = "kairos_cache_created_tokens"  # in a prefill's kv_params: its num_cache_creation_tokens
 KV_CONNECTOR = "NixlConnector"  # pull; see the module docstring
+KV_CONNECTOR_MODULE = "common.engines.vllm_nixl"  # vLLM's pull connector, progress thread off on CPU
+PROGRESS_THREAD_KEY = "kairos_progress_thread"  # vllm_nixl.PROGRESS_THREAD_KEY (that module imports vLLM)
 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is created at a time
 _log = klog.get()
@@ -280,8 +285,10 @@ class VllmEngine(Engine):
 
                 kv_cfg = None
                 if self.kv_transfer:
+                    # our NixlConnector (vllm_nixl.py): vLLM's, without NIXL's spinning progress thread on CPU
                     kv_cfg = KVTransferConfig(
-                        kv_connector=KV_CONNECTOR,
+                        kv_connector=KV_CONNECTOR, kv_connector_module_path=KV_CONNECTOR_MODULE,
+                        kv_connector_extra_config={PROGRESS_THREAD_KEY: not on_cpu},
                         kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
                         kv_load_failure_policy="fail", engine_id=self.engine_id,
                         kv_buffer_device=self.kv_buffer_device)

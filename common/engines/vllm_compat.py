@@ -88,6 +88,15 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.metrics.loggers:StatLoggerBase.record", params=("scheduler_stats", "iteration_stats")),
     Hook("vllm.v1.metrics.stats:SchedulerIterationDetails",
          fields=("iteration_index", "num_ctx_tokens", "num_generation_requests", "is_dummy")),
+    # the KV connector (vllm_nixl.NixlConnector): vLLM's pull connector, its worker's agent config
+    Hook("vllm.config:KVTransferConfig", fields=("kv_connector_module_path", "kv_connector_extra_config")),
+    Hook("vllm.config:KVTransferConfig.get_from_extra_config", params=("key", "default")),
+    Hook("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector:NixlPullConnector.__init__",
+         params=("vllm_config", "role", "kv_cache_config")),
+    Hook("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:nixl_agent_config"),
+    # (its __init__ must still read the module's nixl_agent_config when it builds nixl_wrapper)
+    Hook("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker",
+         attrs=("nixl_agent_config", "nixl_wrapper")),
     # the NIXL side channel (vLLM reads these at engine start)
     Hook("vllm.envs:VLLM_NIXL_SIDE_CHANNEL_HOST"),
     Hook("vllm.envs:VLLM_NIXL_SIDE_CHANNEL_PORT"),

@@ -187,3 +187,38 @@ async def test_unscheduled_prefill_gets_only_the_leftover_budget(pd: PD) -> None
             assert theirs <= budget - r.decodes - ours[r.index]
     assert sum(chi for _, chi, _ in steps_of(pd, "mix-other:0")) == len(other)
     assert pd.decode.chunk_misses == 0
+
+
+def _core_cpu_seconds() -> dict[int, float]:
+    """CPU seconds used so far by each vLLM engine-core process this test process started."""
+    import psutil  # a dependency of vllm
+
+    out: dict[int, float] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+async def test_idle_engines_leave_the_cpu_alone(pd: PD) -> None:
+    """Engines with nothing to do use next to no CPU. With NIXL's progress thread on, each engine
+    core kept one core at 100 % forever (the thread polls with a zero timeout; see
+    common/engines/vllm_nixl.py), which halved every step on a 2-core host. An engine holding KV
+    no decode engine will read (the fallback tests above leave some) steps until vLLM's 30 s lease
+    expires, so the test waits for a quiet 3 s window, for at most 90 s."""
+    first = _core_cpu_seconds()
+    assert len(first) >= 2, f"expected the prefill and decode engine cores, found {first}"
+    window, deadline = 3.0, time.monotonic() + 90
+    busiest: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        before = _core_cpu_seconds()
+        await asyncio.sleep(window)
+        after = _core_cpu_seconds()
+        busiest = {pid: (after[pid] - before[pid]) / window for pid in before if pid in after}
+        if busiest and max(busiest.values()) < 0.2:
+            return
+    pytest.fail(f"engine cores still busy while idle (share of a core each, last {window:.0f} s): {busiest}")

@@ -49,11 +49,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports. Every socket stays bound until all are picked: ports picked
+    one at a time (bind to 0, close) can come back twice, and a cluster given the same port for two
+    of its buses fails to start ("Address already in use")."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -94,12 +102,14 @@ class ClusterSpec:
     @classmethod
     def ephemeral(cls, **kw: object) -> ClusterSpec:
         """Free ports everywhere (tests, benchmarks)."""
-        ports = {k: free_port() for k in ("http_port", "work_port", "heartbeat_port", "telemetry_port",
-                                          "monitor_port")}
+        names = ("http_port", "work_port", "heartbeat_port", "telemetry_port", "monitor_port")
+        n = int(kw.get("routers", 1))  # type: ignore[call-overload]
+        picked = free_ports(len(names) + 3 * (n - 1))  # all distinct
+        ports = dict(zip(names, picked[:len(names)], strict=True))
         ports.update({k: v for k, v in kw.items() if k in ports})  # type: ignore[misc]
         rest = {k: v for k, v in kw.items() if k not in ports}
-        n = int(rest.get("routers", 1))  # type: ignore[call-overload]
-        rest.setdefault("replica_ports", [(free_port(), free_port(), free_port()) for _ in range(n - 1)])
+        spare = picked[len(names):]
+        rest.setdefault("replica_ports", [tuple(spare[3 * i:3 * i + 3]) for i in range(n - 1)])
         return cls(**ports, **rest)  # type: ignore[arg-type]
 
     def router_bus(self) -> list[tuple[int, int, int]]:

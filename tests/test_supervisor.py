@@ -120,3 +120,41 @@ def test_help_lists_the_restart_flags() -> None:
                          check=True).stdout
     for flag in ("--restart-backoff", "--restart-backoff-max", "--crash-loop-exits", "--crash-loop-window"):
         assert flag in out
+
+
+def test_an_ephemeral_cluster_gets_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ports picked one at a time (bind to 0, close) can repeat: a CI run's cluster got the same port
+    for two router buses and could not start. The picker keeps every socket bound until all are
+    picked; here the kernel is made to offer the same port twice in a row, as it may."""
+    offers = iter([41001, 41001, 41002, 41003, 41004, 41005] + list(range(41006, 41100)))
+    real_socket = up.socket.socket
+
+    class Repeating:
+        def __init__(self) -> None:
+            self.s = real_socket()
+            self.port = 0
+
+        def __enter__(self) -> Repeating:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.s.close()
+
+        def bind(self, addr: tuple[str, int]) -> None:
+            for port in offers:  # the next offered port this process can still bind
+                try:
+                    self.s.bind((addr[0], port))
+                except OSError:
+                    continue
+                self.port = port
+                return
+            raise OSError("no port left")
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(up.socket, "socket", Repeating)
+    spec = up.ClusterSpec.ephemeral(routers=3)
+    ports = [spec.http_port, spec.work_port, spec.heartbeat_port, spec.telemetry_port, spec.monitor_port,
+             *(p for trio in spec.replica_ports for p in trio)]
+    assert len(ports) == 11 and len(set(ports)) == 11, ports

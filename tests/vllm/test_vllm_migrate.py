@@ -131,3 +131,56 @@ def test_killing_the_decode_worker_mid_stream_leaves_one_greedy_stream(cluster: 
     # when the surviving worker also goes silent past the liveness timeout (seen once in CI: the
     # other decode worker silent 5 s on 2 starved cores, then the stream resumed and was whole)
     assert after > before, "the stream finished before the kill: nothing was migrated"
+
+
+# the tiny model never closes a string of its own accord: a bounded string makes the grammar end it
+STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 200, "maxLength": 200}},
+                "required": ["story"], "additionalProperties": False}
+
+
+@pytest.mark.timeout(600)
+def test_a_grammar_stream_whose_worker_is_killed_stays_one_valid_json(cluster: Cluster) -> None:
+    """The cluster-level twin of the grammar resume test above: a JSON-schema stream is migrated
+    when its decode worker is killed mid-stream, and the client still gets exactly the greedy
+    output of an uninterrupted run: one JSON object that satisfies the schema, not a second one
+    started after the first tokens."""
+    dead = [n for n, s in cluster.services.items() if n.startswith("decode") and s.proc is not None
+            and s.proc.poll() is not None]
+    for name in dead:  # the test above killed one: bring it back, so that a worker is left to resume on
+        cluster.restart(name)
+    cluster.wait_registered(set(dead), timeout=400)
+    api = cluster.spec.api
+    body = {"prompt": PROMPT, "max_tokens": 600, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}}
+    whole = httpx.post(api + "/v1/completions", json=body, timeout=300)
+    assert whole.status_code == 200, whole.text
+    want = whole.json()["choices"][0]["text"]
+    assert len(json.loads(want)["story"]) == 200
+    before = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+
+    chunks: list[str] = []
+    finish = None
+    killed = ""
+    with httpx.stream("POST", api + "/v1/completions", timeout=300, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        victim = r.headers["x-kairos-decode-worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            for ch in ev["choices"]:
+                chunks.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+            if not killed and len(chunks) >= 3:
+                p = cluster.services[victim].proc
+                assert p is not None
+                os.killpg(p.pid, signal.SIGKILL)
+                killed = victim
+    assert killed
+    got = "".join(chunks)
+    assert got == want  # one JSON object, continued where the dead worker stopped
+    assert len(json.loads(got)["story"]) == 200
+    assert finish == whole.json()["choices"][0]["finish_reason"] == "stop"
+    after = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    assert after > before, "the stream finished before the kill: nothing was migrated"

@@ -126,7 +126,7 @@ def test_an_ephemeral_cluster_gets_distinct_ports(monkeypatch: pytest.MonkeyPatc
     """Ports picked one at a time (bind to 0, close) can repeat: a CI run's cluster got the same port
     for two router buses and could not start. The picker keeps every socket bound until all are
     picked; here the kernel is made to offer the same port twice in a row, as it may."""
-    offers = iter([41001, 41001, 41002, 41003, 41004, 41005] + list(range(41006, 41100)))
+    offers = iter([41001, 41001, *range(41002, 41100)])
     real_socket = up.socket.socket
 
     class Repeating:

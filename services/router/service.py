@@ -4,9 +4,10 @@ Binds the bus (workers connect to it), keeps the worker table from heartbeats, r
 per request, sends work down the disaggregated path (PrefillWork + DecodeWork(handoff), then
 KvReady when the prefill side is done) or the deflected path (DecodeWork(deflect) with the chunk
 schedule), relays tokens to the HTTP layer, and publishes every decision and outcome to the
-monitor. Reliability: a worker silent for liveness x interval is removed; its requests are
-re-dispatched if no token reached the client yet, else resumed on another decode worker
-(services.router.migrate). Every request has a deadline.
+monitor. Reliability: a worker silent for liveness x interval is removed (services.router.membership,
+with Hello, Goodbye and heartbeats); its requests are re-dispatched if no token reached the
+client yet, else resumed on another decode worker (services.router.migrate). Every request has a
+deadline.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.kairos import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import metrics, migrate, waiting
+from services.router import membership, metrics, migrate, waiting
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
-from services.router.trust import Gate, kv_limit, refusal, serving_limit, too_small
+from services.router.trust import Gate, kv_limit, serving_limit, too_small
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
@@ -87,11 +88,12 @@ class Router:
         self.bus: RouterBus | None = None
         self.stop = asyncio.Event()
         self.accepting = True
-        self.leaving = False  # SIGTERM with a drain grace: still serving, /ready says 503 (see __main__)
+        self.leaving = False  # after SIGTERM: /ready says 503, each response closes its connection (see __main__)
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
         self._inbox: Inbox | None = None
         self.gate = Gate(self.counts)
         self._workers_joined = asyncio.Event()  # set (and replaced) whenever a worker registers
+        self.asked_hello: dict[str, float] = {}  # worker id -> when it was last asked to Hello again
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -107,7 +109,7 @@ class Router:
 
     def loops(self) -> list[tuple[str, Any]]:
         return [("work", self._work_loop()), ("heartbeats", self._heartbeat_loop()),
-                ("liveness", self._liveness_loop()), ("telemetry", self._telemetry_loop())]
+                ("liveness", membership.liveness_loop(self)), ("telemetry", membership.telemetry_loop(self))]
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""
@@ -438,7 +440,7 @@ class Router:
 
     def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
         if isinstance(msg, m.Hello):
-            self._on_hello(identity, msg)
+            membership.on_hello(self, identity, msg)
             return
         w = self._trusted_sender(identity, msg)
         if w is None:
@@ -455,7 +457,7 @@ class Router:
             case m.KvWant():
                 self._relay(msg, w, to="decode")
             case m.Goodbye():
-                self._on_goodbye(msg, w)
+                membership.on_goodbye(self, msg, w)
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on the work socket")
 
@@ -499,61 +501,6 @@ class Router:
                            code="internal_error")
             except Exception as e2:  # already failing: log, never take the router down
                 log.error("fail_after_handler_error_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
-
-    def _refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
-        self.counts["workers_refused"] += 1
-        metrics.observe_refused(reason.split(":", 1)[0])
-        log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
-                  kv_transport=h.kv_transport, reason=reason)
-        self._work_send([identity, codec.encode(m.Refused(router_incarnation=self.incarnation, reason=reason))])
-
-    def _tracks(self, request_id: str, worker_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and worker_id in (req.prefill_worker, req.decode_worker)
-
-    def _wake_held(self) -> None:
-        """A worker registered: requests held at admission try again."""
-        joined, self._workers_joined = self._workers_joined, asyncio.Event()
-        joined.set()
-
-    def _on_hello(self, identity: bytes, h: m.Hello) -> None:
-        reason = refusal(identity, h, self.table, served_model=self.cfg.served_model_name)
-        if reason:
-            self._refuse(identity, h, reason)
-            return
-        known = self.table.workers.get(h.worker_id)
-        is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
-        entry, old = self.table.register(h, identity)
-        if old is not None:
-            log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
-                        incarnation=h.incarnation)
-            self._worker_gone(old, "restarted")
-        if is_new:
-            log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
-                     token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
-                     kv_transport=h.kv_transport)
-        # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
-        drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
-        if drop:
-            log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
-        self._send(entry, m.Welcome(router_incarnation=self.incarnation,
-                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
-        if not entry.draining:
-            self._wake_held()
-
-    def _on_goodbye(self, g: m.Goodbye, w: WorkerEntry) -> None:
-        if w.incarnation != g.incarnation:
-            return
-        if g.reason == "drained":  # the drain is over and it is leaving: a departure, not a loss
-            self.table.remove(w.worker_id)
-            self.prefix.forget(w.worker_id)
-            metrics.observe_departed(w.role)
-            log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
-            self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed", at=time.time()))
-            self._requeue_held(w, "departed")
-            return
-        w.draining = True
-        log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
 
     def _on_tokens(self, b: m.TokenBatch, w: WorkerEntry) -> None:
         now = time.monotonic()
@@ -687,127 +634,11 @@ class Router:
         # an Inbox reads every queued heartbeat per wakeup, like the work socket's: read one per
         # loop iteration, they fell behind on a busy router and live workers were declared dead
         assert self.bus is not None
-        inbox = Inbox(self.bus.heartbeats, self._on_heartbeat_frames)
+        inbox = Inbox(self.bus.heartbeats, lambda frames: membership.on_heartbeat_frames(self, frames))
         try:
             await inbox.failed
         finally:
             inbox.close()
-
-    def _on_heartbeat_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            self.counts["bad_frames"] += 1
-            metrics.observe_bad_frame("heartbeats")
-            log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
-            return
-        try:
-            hb = codec.heartbeat_inbox.decode(frames[2])
-        except codec.DecodeError as e:
-            self.counts["bad_frames"] += 1
-            metrics.observe_bad_frame("heartbeats")
-            log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
-            return
-        try:
-            entry = self.table.heartbeat(hb)
-        except Exception as e:  # e.g. coefficients no model can be built from
-            self.counts["bad_frames"] += 1
-            metrics.observe_bad_frame("heartbeats")
-            log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
-            return
-        if entry is not None:
-            self.prefix.on_heartbeat(hb)
-        if entry is None:
-            # unknown worker or old incarnation: the router restarted, or declared it dead
-            w = self.table.workers.get(hb.worker_id)
-            if w is None or w.incarnation != hb.incarnation:
-                self._ask_hello(hb.worker_id)
-        elif self.kv_waiting:
-            self._retry_kv_waiting()  # its view may show room now (KV, a shorter prefill queue)
-
-    def _ask_hello(self, worker_id: str) -> None:
-        assert self.bus is not None
-        now = time.monotonic()
-        last = getattr(self, "_asked", {})
-        if now - last.get(worker_id, 0.0) < 0.5:
-            return
-        self._asked = last
-        if self._work_send([worker_id.encode(), codec.encode(
-                m.Reregister(router_incarnation=self.incarnation, reason="unknown worker"))]):
-            last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
-
-    async def _liveness_loop(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
-            now = time.monotonic()
-            late, last = now - last - self.cfg.heartbeat_interval, now
-            if late > self.liveness_s / 2:
-                # this process did not run for a while (CPU starvation, a pause): the heartbeats
-                # of that time may still be unread, so judge no worker before reading them
-                log.warning("router_stalled", late_s=round(late, 3))
-                continue
-            for w in self.table.expired(self.liveness_s):
-                self.table.remove(w.worker_id)
-                self.prefix.forget(w.worker_id)
-                if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
-                    metrics.observe_departed(w.role)
-                    log.info("worker_departed", worker=w.worker_id, role=w.role,
-                             silent_s=round(time.monotonic() - w.last_seen, 3))
-                    self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
-                                               at=time.time()))
-                    continue
-                why = "unreachable" if w.unreachable else "heartbeat timeout"
-                log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
-                            silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
-                self._worker_gone(w, why)
-            migrate.retry_parked(self)
-            now = time.monotonic()
-            if self.kv_waiting:
-                waiting.expire(self, now)
-            for req in [r for r in self.requests.values() if now > r.deadline]:
-                self._fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
-
-    def _worker_gone(self, w: WorkerEntry, why: str) -> None:
-        metrics.observe_worker_lost(w.role)
-        self.prefix.forget(w.worker_id)
-        self._publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=time.time()))
-        self._requeue_held(w, why)
-
-    def _requeue_held(self, w: WorkerEntry, why: str) -> None:
-        """Re-dispatch (or fail, if already streaming) what a worker that left was holding."""
-        for rid in list(w.holding):
-            req = self.requests.get(rid)
-            if req is None or req.done:
-                continue
-            if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id):
-                continue
-            self._redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id)
-
-    async def _telemetry_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            now = time.time()
-            for w in self.table.workers.values():
-                hb = w.hb
-                state: dict[str, float] = {}
-                if isinstance(hb, m.PrefillHeartbeat):
-                    state = {"queued_tokens": hb.queued_tokens, "queued_requests": hb.queued_requests,
-                             "step_ms_p50": hb.step_ms_p50}
-                elif isinstance(hb, m.DecodeHeartbeat):
-                    state = {"batch": hb.batch, "kv_tokens": hb.kv_tokens,
-                             "kv_used": 1.0 - hb.kv_free_tokens / max(hb.kv_capacity_tokens, 1),
-                             "deflections": hb.deflections, "step_ms_p50": hb.step_ms_p50,
-                             "step_ms_max": hb.step_ms_max,
-                             "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0,
-                             "waiting_kv": hb.waiting_kv, "resident_prefill_tokens": hb.resident_prefill_tokens}
-                state["draining"] = float(w.draining)
-                state["holding"] = len(w.holding)
-                self._publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
-                                           engine=w.hello.engine, state=state, at=now))
-            metrics.set_in_flight(len(self.requests))
-            metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
-            self._publish(m.RouterStats(at=now, in_flight=len(self.requests), accepted=self.counts["accepted"],
-                                        completed=self.counts["completed"], failed=self.counts["failed"],
-                                        rejected=self.counts["rejected"]))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

@@ -63,10 +63,14 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 if ready is not None:
                     ready.set()
             await stop.wait()
+            # from now on each response closes its connection, so that a client's next request
+            # opens a new one (to another router behind a balancer, or a refused connect it can
+            # retry) instead of going out on a kept-alive connection the server closes when it
+            # exits (the client then sees the connection drop with its request unanswered)
+            router.leaving = True
             if cfg.drain_grace_s > 0:
                 # a balancer sees /ready fail and stops sending new connections; meanwhile what
-                # still arrives is served, and each response closes its connection
-                router.leaving = True
+                # still arrives is served
                 log.info("router_leaving", grace_s=cfg.drain_grace_s, in_flight=len(router.requests))
                 await asyncio.sleep(cfg.drain_grace_s)
             log.info("router_stopping", in_flight=len(router.requests))

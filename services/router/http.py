@@ -91,7 +91,7 @@ class App:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if self.router.leaving:  # stopping behind a balancer: this connection's next request goes elsewhere
+        if self.router.leaving:  # stopping: this connection's next request goes elsewhere (or retries)
             send = _closing(send)
         try:
             await self._route(scope, receive, send)

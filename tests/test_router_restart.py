@@ -86,3 +86,40 @@ def test_drain_grace_keeps_serving_while_a_balancer_takes_the_router_out(tmp_pat
         assert c.wait_exit("router", 15) == 0
     finally:
         c.stop(10)
+
+
+def test_without_a_grace_a_draining_router_closes_each_connection_it_answers(tmp_path: Path) -> None:
+    """With no drain grace a SIGTERMed router refuses new requests at once while it drains what is
+    in flight, and each of those answers closes its connection: a client's next request then opens
+    a new connection (refused once the router is gone, which it can retry) instead of going out on
+    a kept-alive one that the exiting server closes under it (seen in a chaos run as a
+    connection_dropped ReadError)."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    c = start_cluster(tmp_path, prefill=1, decode=1, profile="fast", policy="kairos")
+    long_body = {"prompt": "keep the router draining", "max_tokens": 3000, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=c.spec.api, timeout=30) as client:
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+            assert r.status_code == 200 and r.headers.get("connection") != "close"
+            in_flight = threading.Thread(target=lambda: httpx.post(c.spec.api + "/v1/completions", json=long_body,
+                                                                   timeout=60), daemon=True)
+            in_flight.start()
+            deadline = time.monotonic() + 10
+            while c.get("/v1/kairos/stats")[1].get("in_flight", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            c.signal("router", signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while (r := client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})).status_code == 200:
+                assert time.monotonic() < deadline, "the router kept accepting after SIGTERM"
+                time.sleep(0.02)
+            assert r.status_code == 503, r.text
+            assert r.headers.get("connection") == "close"
+            in_flight.join(60)
+        assert c.wait_exit("router", 40) == 0
+    finally:
+        c.stop(10)

@@ -123,7 +123,7 @@ SCHEDULER_CLS = "common.engines.vllm_scheduler.KairosScheduler"
 CREATED_KEY = "kairos_cache_created_tokens"  # in a prefill's kv_params: its num_cache_creation_tokens
 KV_CONNECTOR = "NixlConnector"  # pull; see the module docstring
 KV_CONNECTOR_MODULE = "common.engines.vllm_nixl"  # vLLM's pull connector, progress thread off on CPU
-PROGRESS_THREAD_KEY = "kairos_progress_thread"  # vllm_nixl.PROGRESS_THREAD_KEY (that module imports vLLM)
+PROGRESS_THREAD_KEY = "kairos_progress_thread"  # in kv_connector_extra_config, read by vllm_nixl.NixlConnector
 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is created at a time
 _log = klog.get()

@@ -33,8 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-MODULE = __name__
-PROGRESS_THREAD_KEY = "kairos_progress_thread"  # in kv_connector_extra_config; absent: vLLM's default (on)
+from common.engines.vllm import PROGRESS_THREAD_KEY  # absent from the extra config: vLLM's default (on)
 
 
 @contextlib.contextmanager

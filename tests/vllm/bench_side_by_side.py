@@ -20,8 +20,7 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from kairos.up import Cluster, ClusterSpec
-from tests.vllm.helpers import free_port
+from kairos.up import Cluster, ClusterSpec, free_port
 from tests.vllm.test_real_clients import timed_trace
 
 WORKLOADS = {

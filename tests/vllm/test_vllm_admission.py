@@ -20,9 +20,10 @@ from common import worker as worker_mod
 from common.perf_model import load_profile
 from common.policy.admission import REJECTED_REASON
 from common.policy.kairos import reserved_step_cost
+from kairos.up import free_port
 from services.decode_worker.service import DecodeWorker
 from tests.test_poison import FakeRouter
-from tests.vllm.helpers import VLLM_MISSING, free_port
+from tests.vllm.helpers import VLLM_MISSING
 
 pytestmark = [
     pytest.mark.vllm,

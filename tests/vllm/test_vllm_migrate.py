@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -75,6 +76,42 @@ async def test_a_resumed_run_with_a_grammar_continues_inside_it(pd: PD) -> None:
     assert await pd.decode.reset_prefix_cache()
 
 
+def migrated(api: str) -> int:
+    """The router's count of requests resumed on another decode worker."""
+    return int(httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0))
+
+
+def stream_killing_its_worker(cluster: Cluster, body: dict[str, Any]) -> tuple[str, str | None, Any]:
+    """Stream the completion `body` and, after its first three chunks, kill -9 the decode worker
+    streaming it (its process group: the worker and its engine-core process). What the client got:
+    the text, the last finish_reason and the usage (when the body asks for it)."""
+    chunks: list[str] = []
+    finish = None
+    usage = None
+    killed = ""
+    with httpx.stream("POST", cluster.spec.api + "/v1/completions", timeout=300,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        victim = r.headers["x-kairos-decode-worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev["choices"]:
+                chunks.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+            if not killed and len(chunks) >= 3:
+                p = cluster.services[victim].proc
+                assert p is not None
+                os.killpg(p.pid, signal.SIGKILL)
+                killed = victim
+    assert killed
+    return "".join(chunks), finish, usage
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec.ephemeral(prefill=0, decode=2, engine="vllm", model=str(tiny_model),
@@ -97,36 +134,14 @@ def test_killing_the_decode_worker_mid_stream_leaves_one_greedy_stream(cluster: 
     whole = httpx.post(api + "/v1/completions", json=body, timeout=300)
     assert whole.status_code == 200, whole.text
     want = whole.json()["choices"][0]["text"]
-    before = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    before = migrated(api)
 
-    chunks: list[str] = []
-    finish = None
-    usage = None
-    killed = ""
-    with httpx.stream("POST", api + "/v1/completions", timeout=300,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200
-        victim = r.headers["x-kairos-decode-worker"]
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev["choices"]:
-                chunks.append(ch.get("text") or "")
-                finish = ch.get("finish_reason") or finish
-            if not killed and len(chunks) >= 3:
-                p = cluster.services[victim].proc
-                assert p is not None
-                os.killpg(p.pid, signal.SIGKILL)  # the worker and its engine-core process
-                killed = victim
-    assert killed
-    assert "".join(chunks) == want                  # nothing repeated, nothing missing
+    text, finish, usage = stream_killing_its_worker(
+        cluster, {**body, "stream_options": {"include_usage": True}})
+    assert text == want                             # nothing repeated, nothing missing
     assert finish == "length"
     assert usage is not None and usage["completion_tokens"] == max_tokens and usage["prompt_tokens"] == len(PROMPT)
-    after = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    after = migrated(api)
     # at least one migration: the kill came mid-stream. A second one is the router doing its job
     # when the surviving worker also goes silent past the liveness timeout (seen once in CI: the
     # other decode worker silent 5 s on 2 starved cores, then the stream resumed and was whole)
@@ -156,31 +171,11 @@ def test_a_grammar_stream_whose_worker_is_killed_stays_one_valid_json(cluster: C
     assert whole.status_code == 200, whole.text
     want = whole.json()["choices"][0]["text"]
     assert len(json.loads(want)["story"]) == 200
-    before = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    before = migrated(api)
 
-    chunks: list[str] = []
-    finish = None
-    killed = ""
-    with httpx.stream("POST", api + "/v1/completions", timeout=300, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        victim = r.headers["x-kairos-decode-worker"]
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            for ch in ev["choices"]:
-                chunks.append(ch.get("text") or "")
-                finish = ch.get("finish_reason") or finish
-            if not killed and len(chunks) >= 3:
-                p = cluster.services[victim].proc
-                assert p is not None
-                os.killpg(p.pid, signal.SIGKILL)
-                killed = victim
-    assert killed
-    got = "".join(chunks)
+    got, finish, _ = stream_killing_its_worker(cluster, body)
     assert got == want  # one JSON object, continued where the dead worker stopped
     assert len(json.loads(got)["story"]) == 200
     assert finish == whole.json()["choices"][0]["finish_reason"] == "stop"
-    after = httpx.get(api + "/v1/kairos/stats", timeout=10).json()["counts"].get("migrated", 0)
+    after = migrated(api)
     assert after > before, "the stream finished before the kill: nothing was migrated"

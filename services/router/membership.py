@@ -91,32 +91,27 @@ def on_goodbye(router: Router, g: m.Goodbye, w: WorkerEntry) -> None:
 
 def on_heartbeat_frames(router: Router, frames: list[bytes]) -> None:
     if len(frames) != 3:
-        router.counts["bad_frames"] += 1
-        metrics.observe_bad_frame("heartbeats")
-        log.warning("bad_frame_dropped", socket="heartbeats", frames=len(frames))
+        router.drop_frame("heartbeats", "bad_frame_dropped", socket="heartbeats", frames=len(frames))
         return
     try:
         hb = codec.heartbeat_inbox.decode(frames[2])
     except codec.DecodeError as e:
-        router.counts["bad_frames"] += 1
-        metrics.observe_bad_frame("heartbeats")
-        log.warning("bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
+        router.drop_frame("heartbeats", "bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
         return
     try:
         entry = router.table.heartbeat(hb)
     except Exception as e:  # e.g. coefficients no model can be built from
-        router.counts["bad_frames"] += 1
-        metrics.observe_bad_frame("heartbeats")
-        log.warning("bad_heartbeat_dropped", worker=hb.worker_id, error=f"{type(e).__name__}: {e}"[:200])
+        router.drop_frame("heartbeats", "bad_heartbeat_dropped", worker=hb.worker_id,
+                          error=f"{type(e).__name__}: {e}"[:200])
         return
-    if entry is not None:
-        router.prefix.on_heartbeat(hb)
     if entry is None:
         # unknown worker or old incarnation: the router restarted, or declared it dead
         w = router.table.workers.get(hb.worker_id)
         if w is None or w.incarnation != hb.incarnation:
             ask_hello(router, hb.worker_id)
-    elif router.kv_waiting:
+        return
+    router.prefix.on_heartbeat(hb)
+    if router.kv_waiting:
         router._retry_kv_waiting()  # its view may show room now (KV, a shorter prefill queue)
 
 

@@ -417,19 +417,22 @@ class Router:
             self._inbox.close()
             self._inbox = None
 
+    def drop_frame(self, source: str, event: str, **fields: object) -> None:
+        """A frame from the bus that cannot be used (`source`: its metric label): counted, logged,
+        nothing else."""
+        self.counts["bad_frames"] += 1
+        metrics.observe_bad_frame(source)
+        log.warning(event, **fields)
+
     def _on_work_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            self.counts["bad_frames"] += 1
-            metrics.observe_bad_frame("work")
-            log.warning("bad_frame_dropped", socket="work", frames=len(frames))
+            self.drop_frame("work", "bad_frame_dropped", socket="work", frames=len(frames))
             return
         identity, payload = frames
         try:
             msg = codec.router_inbox.decode(payload)
         except codec.DecodeError as e:
-            self.counts["bad_frames"] += 1
-            metrics.observe_bad_frame("work")
-            log.warning("bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
+            self.drop_frame("work", "bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
             return
         try:
             self._on_work_message(identity, msg)

@@ -21,7 +21,7 @@ from common.policy import (
     RequestSpec,
 )
 from common.policy.base import least_loaded_decode
-from common.policy.kairos import _OK, Kairos, _search
+from common.policy.kairos import _OK, Kairos, _search, _surely_feasible
 
 PROFILES = [load_profile(n) for n in ("a100-dsv2-lite", "a100-llama2-70b-tp4", "h100-llama2-70b-tp4")]
 
@@ -194,3 +194,53 @@ def test_extend_is_the_replay_one_step_at_a_time(prof: Profile) -> None:
         if last is not None:
             assert (got.start, got.chunks, got.used) == (*last, last[1][0][0])
     assert shared > 300
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_what_prep_rules_out_has_no_schedule_and_surely_feasible_has_one(seed: int) -> None:
+    """`_prep`'s `doom` (no schedule from that prompt size on) and `_surely_feasible` (a schedule
+    exists) let `decide` and its reason label skip searches; each must agree with `_search`
+    itself, whatever the step in flight, the deflections in flight and the cached prefix."""
+    rng = random.Random(300 + seed)
+    doomed = feasible = 0
+    for _ in range(300):
+        model, cfg, req, view, now = random_case(rng)
+        k = Kairos(cfg, default_model=model)
+        exact = cfg.predictor == "replay"
+        for d in view.decode:
+            slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
+            prep = k._prep(d, slo)
+            cands, doom = prep[7], prep[12]
+            for td in {1, 64, 127, 128, 700, 2048, 5000, 20_000, int(min(doom, 1e6))}:
+                lead = rng.choice([0, 1])
+                ctx0 = rng.choice([0, 0, 3000])
+                ends = sorted((rng.uniform(0.0, 1.0), c, x) for _, c, x in d.inflight) or None
+                st, _, _ = _search(prep[2], d, td, prep[3], cands, float("inf"), cfg.max_steps, exact, lead, ends,
+                                   prep[6] if ends and cfg.budget_fit else -1, ctx0)
+                if td >= doom:
+                    doomed += 1
+                    assert st != _OK, (td, doom)
+                if not ctx0 and not ends and _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact,
+                                                              lead):
+                    feasible += 1
+                    assert st == _OK, td
+    assert doomed > 100 and feasible > 100  # both rules fire in these cases
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_prepared_view_decides_as_an_unprepared_one(seed: int) -> None:
+    """`Kairos.prepare` does a view's request-independent work ahead of the decision (the router
+    calls it when its views change): what is decided afterwards is what a fresh policy decides,
+    also when the request's TBT SLO is not the one prepared for."""
+    rng = random.Random(200 + seed)
+    for _ in range(200):
+        model, cfg, req, view, now = random_case(rng)
+        k = Kairos(cfg, default_model=model)
+        k.prepare(view, now, rng.choice([req.tbt_slo, 0.3]))
+        try:
+            want = Kairos(cfg, default_model=model).decide(req, view, now)
+        except NoWorkers as e:
+            with pytest.raises(type(e)):
+                k.decide(req, view, now)
+            continue
+        assert k.decide(req, view, now) == want

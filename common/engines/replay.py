@@ -133,9 +133,33 @@ def extend(model: PerfModel, budget: int, max_batch: int, tail: Tail, tokens: in
 
 def extend_end(model: PerfModel, budget: int, tail: Tail, tokens: int) -> float:
     """`extend(...).end` for a request of `tokens` > 0 that `shares` the queue's last step,
-    without building the Tail (the router runs this per prefill worker and request)."""
-    chi = min(budget - tail.used, tokens)
-    end = tail.start + model.step_time(0, 0, (*tail.chunks, (chi, 0)))
+    without building the Tail."""
+    tot, attn = last_step_sums(tail)
+    return extend_end_after(model, budget, tail, tot, attn, tokens)
+
+
+def last_step_sums(tail: Tail) -> tuple[int, float]:
+    """The tokens of the queue's last step and its attention sum, as `PerfModel.step_time`
+    accumulates them (kept per worker by the router's policy, for `extend_end_after`)."""
+    tot = 0
+    attn = 0.0
+    for chi, k in tail.chunks:
+        tot += chi
+        attn += chi * (k + chi / 2.0)
+    return tot, attn
+
+
+def extend_end_after(model: PerfModel, budget: int, tail: Tail, tot: int, attn: float, tokens: int) -> float:
+    """`extend_end` given `last_step_sums(tail)`: the shared step is `model.step_time(0, 0,
+    (*tail.chunks, (chi, 0)))` written out from those sums, bit for bit the same (the router
+    runs this per prefill worker and request; tests/test_decision_order.py)."""
+    chi = budget - tail.used
+    if chi > tokens:
+        chi = tokens
+    total = tot + chi
+    over = total - model.knee
+    gemm = model.a3 * total + (model.a7 * over if over > 0 else 0.0) + model.a5 * total * total
+    end = tail.start + (((model.a0 + model.a6) + gemm) + model.a4 * (attn + chi * (0 + chi / 2.0)))
     return end if chi >= tokens else _alone_after(model, budget, end, tokens, chi)[3]
 
 

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Literal
 
 import msgspec
 
-from common.engines.replay import Tail, alone, drain, extend, extend_end, shares
+from common.engines.replay import Tail, alone, drain, extend, extend_end_after, last_step_sums, shares
 from common.perf_model import PerfModel
 from common.policy.base import (
     ClusterView,
@@ -184,8 +184,14 @@ def _base0(model: PerfModel, d: DecodeView) -> float:
 
 # `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
 # token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
-# the smallest candidate cannot start)
-_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], _BoundTerms, float, bool]
+# the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
+# no schedule exists)
+_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], _BoundTerms, float, bool,
+              tuple[int, int, str], float]
+
+# `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
+# attention sum (`last_step_sums`))
+_TailEntry = tuple[PrefillView, PerfModel, Tail, int, float]
 
 _by_bound = itemgetter(0, 1)  # (lower bound incl. the wait, worker id): the search order of `decide`
 
@@ -359,6 +365,32 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     return _OK, tuple(sched), total
 
 
+def _surely_feasible(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int],
+                     max_steps: int, exact: bool, lead: int) -> bool:
+    """A sufficient condition for `_search` (no limit, no deflections in flight, no cached
+    prefix) to find a schedule, in O(1): the smallest candidate (or a smaller remainder) fits
+    even at the most loaded step the prompt can reach, with the context of the whole prompt
+    and the most steps (every chunk but the last at least that candidate). The greedy then
+    never runs out of candidates. False when unsure (a coefficient < 0, no candidates)."""
+    if not cands or tokens <= 0:
+        return False
+    a2, a3, a4, a5, a7 = model.a2, model.a3, model.a4, model.a5, model.a7
+    b = d.batch
+    a3 = a3 + 2.0 * a5 * b
+    if min(a2, a3, a4, a5, a7) < 0.0:
+        return False
+    chi = cands[-1]
+    steps = tokens // chi + 1
+    if steps > max_steps:
+        return False
+    ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
+    t = (_base0(model, d) + ka * tokens + g * (steps + lead) + a3 * chi + a4 * chi * (tokens + chi * 0.5)
+         + a5 * chi * chi)
+    if b - model.knee + chi > 0:
+        t += a7 * (b - model.knee + chi)
+    return t * (1 + 1e-9) <= budget_s
+
+
 def holds(cfg: KairosConfig, p: PrefillView) -> bool:
     """Late binding: keep a request bound for prefill worker `p` at the router instead, because
     `p` already holds `cfg.late_depth` token budgets or more (in flight, queued, and dispatched
@@ -399,6 +431,63 @@ def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], 
     return worst
 
 
+class _ClusterPrep:
+    """What `Kairos.decide` needs of a cluster view that does not depend on the request (beyond
+    its TBT SLO, which idle decode workers take as theirs) or the clock: the prefill workers in
+    increasing end of their replayed queues (the prefill path's search stops at the first whose
+    queue alone outlasts the best so far), the decode workers in the handoff's order
+    (`least_loaded_decode`), and those that may take a deflection: below `max_deflections`
+    (`dec`), of those the ones where a token fits in a step (`alive`), and of those, for a prompt
+    of at least the smallest candidate, the ones not stuck (`live`; `_prep`: even the smallest
+    chunk would break their TBT budget at the first step)."""
+
+    __slots__ = ("alive", "dec", "decode", "defl_full", "live", "ll", "monotone", "pre", "prefill", "slo")
+
+    def __init__(self, k: Kairos, view: ClusterView, slo: float, now: float) -> None:
+        self.prefill, self.decode, self.slo = view.prefill, view.decode, slo
+        cfg = k.cfg
+        dflt = None if cfg.per_worker_models else k.default_model
+        pre = []
+        models = set()
+        if k._replay_p:
+            tails, entry = k._last_tail, k._tail_entry
+            for i, p in enumerate(view.prefill):
+                m = p.model if dflt is None else dflt
+                e = tails.get(p.worker_id)
+                if e is None or e[0] is not p or e[1] is not m:
+                    e = entry(p, m, now)
+                pre.append((e[2].end, i, p, m, e))
+                models.add(id(m))
+            pre.sort(key=_by_bound)
+        self.pre = pre
+        # the queue ends bound the prefill path's TTFT from below in increasing order only when
+        # every worker pays the same transfer and steps cost more with more tokens
+        m0 = pre[0][3] if pre else None
+        self.monotone = len(models) == 1 and m0 is not None and min(
+            m0.a0, m0.a1, m0.a2, m0.a3, m0.a4, m0.a5, m0.a6, m0.a7) >= 0.0
+        preps, prep_of = k._dprep, k._prep
+        max_defl = cfg.max_deflections
+        dec, alive, live, ll = [], [], [], []
+        full = False
+        for d in view.decode:
+            s = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else slo
+            prep = preps.get(d.worker_id)
+            if prep is None or prep[0] is not d or prep[1] != s:
+                prep = prep_of(d, s)
+            ll.append((prep[11], d))
+            if d.deflections >= max_defl:
+                full = True
+                continue
+            dec.append(prep)
+            if prep[12] > 1.0:
+                alive.append(prep)
+                if not prep[10]:
+                    live.append(prep)
+        ll.sort(key=itemgetter(0))
+        self.ll = [d for _, d in ll]
+        self.dec, self.alive, self.live, self.defl_full = dec, alive, live, full
+
+
 class Kairos:
     name = "kairos"
 
@@ -409,10 +498,13 @@ class Kairos:
         self._replay_p = self.cfg.predictor == "replay"
         self._cands_by_cap: dict[int, list[int]] = {}
         self._replays = ReplayCache()
-        self._last_tail: dict[str, tuple[PrefillView, PerfModel, Tail]] = {}
+        self._last_tail: dict[str, _TailEntry] = {}
+        self._alone: dict[int, tuple[PerfModel, dict[tuple[int, int], float]]] = {}  # id(model) -> run alone
         self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
         self._rates: dict[str, tuple[float, float]] = {}  # prefill worker -> (when, tokens/s sent to it)
         self._dprep: dict[str, _Prep] = {}  # decode worker -> `_prep` of its last view
+        self._cp: _ClusterPrep | None = None  # `_cluster` of the last view
+        self._min_cand = min(self.cfg.candidates)
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -456,6 +548,7 @@ class Kairos:
         # any prompt of at least that many tokens. Valid when a step's cost rises with the chunk,
         # the context and the step count (coefficients >= 0; fits are non-negative).
         stuck = False
+        doom = _INF
         if cands:
             a3, a4, a5, a7 = dm.a3 + 2.0 * dm.a5 * b, dm.a4, dm.a5, dm.a7
             if a3 >= 0 and dm.a2 >= 0 and a4 >= 0 and a5 >= 0 and a7 >= 0:
@@ -464,26 +557,52 @@ class Kairos:
                 if b - dm.knee + chi > 0:
                     first += a7 * (b - dm.knee + chi)
                 stuck = first > budget_s
+                # past the context `dstar` that chunk no longer fits (the step count and a
+                # cached prefix only add), nor does any larger one; chunks are at most the
+                # largest candidate and what fits at the first step (`top`), so a prompt
+                # of `doom` tokens or more reaches such a context with at least that chunk
+                # left to prefill, and its search fails there
+                slope = (0.0 if replay_p else dm.a2) + a4 * chi
+                if stuck:
+                    # not even one token fits (the deflections in flight reserve the budget):
+                    # no prompt with anything left to prefill has a schedule
+                    one = base0 + a3 + a4 * 0.5 + a5
+                    if b - dm.knee + 1 > 0:
+                        one += a7 * (b - dm.knee + 1)
+                    if one * (1 - 1e-9) > budget_s:
+                        doom = 1.0
+                elif slope > 0:
+                    dstar = (budget_s - first) / slope
+                    q, room = a4 / 2.0 + a5, budget_s - base0
+                    top = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q) if q > 0 else room / a3 \
+                        if a3 > 0 else _INF
+                    top = min(float(cands[0]), top * (1 + 1e-9) + 1.0)
+                    doom = dstar * (1 + 1e-9) + 1.0 + top + chi
             terms = _bound_terms(dm, base0, budget_s, cands, b, relief)
         if len(self._dprep) > 4096:
             self._dprep.clear()
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
-                                          stuck)
+                                          stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom)
         return got
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
         """The replay of `p`'s known queue: the drain it reported (else its backlog replayed
         here), extended by the ledger (cached per worker, see predict.py). A worker that reports
         no backlog is taken to hold its queued tokens (beyond the ledger's) as one request."""
+        return self._tail_entry(p, m, now)[2]
+
+    def _tail_entry(self, p: PrefillView, m: PerfModel, now: float) -> _TailEntry:
+        """`_tail` kept per worker with its last step's sums (`last_step_sums`), by view identity."""
         last = self._last_tail.get(p.worker_id)
         if last is not None and last[0] is p and last[1] is m:
-            return last[2]  # the very same view as last time (the simulator keeps unchanged ones)
+            return last  # the very same view as last time (the router keeps unchanged ones)
         base = p.drain if p.drain is not None and m is p.model else self._base(p, m, now)
         tail = self._replays.tail(p.worker_id, m, p.token_budget, p.max_batch, base, p.ledger)
         if len(self._last_tail) > 4096:
             self._last_tail.clear()
-        self._last_tail[p.worker_id] = (p, m, tail)
-        return tail
+        tot, attn = last_step_sums(tail)
+        got = self._last_tail[p.worker_id] = (p, m, tail, tot, attn)
+        return got
 
     def _base(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
         backlog, busy = p.backlog, p.busy_until
@@ -527,56 +646,138 @@ class Kairos:
             return 0.0
         return m.step_time(0, 0, (*fin.chunks, (extra, 0))) - m.step_time(0, 0, fin.chunks)
 
+    def _alone_time(self, m: PerfModel, chunk: int, tokens: int) -> float:
+        """Prefill time of `tokens` alone on an idle worker of model `m` in `chunk`-token steps
+        (the replay's `alone`, or Equation 1's Exec), kept per model object across decisions."""
+        got = self._alone.get(id(m))
+        if got is None or got[0] is not m:
+            if len(self._alone) > 64:
+                self._alone.clear()
+            got = self._alone[id(m)] = (m, {})
+        runs = got[1]
+        run = runs.get((chunk, tokens))
+        if run is None:
+            if len(runs) > 8192:
+                runs.clear()
+            run = runs[(chunk, tokens)] = alone(m, chunk, tokens) if self._replay_p else m.prefill_exec(tokens, chunk)
+        return run
+
+    def prepare(self, view: ClusterView, now: float, tbt_slo: float) -> None:
+        """Do now the work of the next decision that depends only on `view` (each changed
+        worker's replayed queue and decode terms, the cluster's orderings), so that a request
+        decided on the same view, at a TBT SLO of `tbt_slo`, waits only for its own part. The
+        router calls it when its views change (a heartbeat, a dispatch); optional: `decide`
+        does whatever is not done yet. The bench times it apart (`kairos bench-decision`)."""
+        self._cluster(view, tbt_slo, now)
+
+    def _cluster(self, view: ClusterView, slo: float, now: float) -> _ClusterPrep:
+        """`view`'s prepared form (`_ClusterPrep`), kept until a worker's view changes: views are
+        frozen and an unchanged worker keeps its view object, so identity tells what changed."""
+        cp = self._cp
+        if cp is not None and cp.slo == slo:
+            pre, dec = view.prefill, view.decode
+            if (cp.prefill is pre or (len(pre) == len(cp.prefill) and all(map(is_, pre, cp.prefill)))) and \
+                    (cp.decode is dec or (len(dec) == len(cp.decode) and all(map(is_, dec, cp.decode)))):
+                return cp
+        cp = self._cp = _ClusterPrep(self, view, slo, now)
+        return cp
+
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
         cfg = self.cfg
         tokens = req.prompt_tokens - (req.cached_tokens if cfg.prefix_aware else 0)
-        replay_p = cfg.predictor == "replay"
+        replay_p = self._replay_p
         # with the router's prefix index each worker is priced by its own uncached suffix, and
         # the prefill path's KV transfer by what the decode worker that gets it lacks
         per_worker = cfg.prefix_aware and bool(req.cached)
-        try:
-            handoff0: DecodeView | None = least_loaded_decode(view, req)
-        except NoWorkers:
-            handoff0 = None
+        cp = self._cluster(view, req.tbt_slo, now)
+        # the disaggregated path's handoff: `least_loaded_decode`, in the order kept in `cp`
+        need_kv = req.prompt_tokens + req.max_tokens
+        handoff0: DecodeView | None = None
+        for d in cp.ll:
+            if d.kv_free_tokens >= need_kv:
+                handoff0 = d
+                break
+        # the decode path's candidates, each with a lower bound on its TTFT_D (searched below,
+        # once the prefill path's prediction sets the limit). Workers `_prep` rules out for this
+        # prompt are skipped: a stuck one unless the prompt (or, with the prefix index, a
+        # worker's suffix) may be smaller than the smallest candidate, one where not a token
+        # fits unless there may be nothing to prefill, and any whose `doom` the prompt reaches
+        why_not = "deflection_in_flight" if cp.defl_full else "no_decode_slack"
+        preps = cp.dec if per_worker or tokens <= 0 else cp.alive if tokens < self._min_cand else cp.live
+        todo = []
+        for prep in preps:
+            d, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck, _, doom = prep
+            if d.kv_free_tokens < need_kv:
+                continue
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            if td >= doom or (stuck and td >= cands[-1]):
+                continue  # what its search finds (at the first step, if stuck)
+            wait = busy_until - now if busy_until > now else stale
+            ctx0 = req.prompt_tokens - td if per_worker else 0
+            if td > 0 and cands:
+                if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `_search`
+                    base0 = _base0(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
+                    lb = _bound(_bound_terms(dm, base0, budget_s, cands, d.batch, prep[9]), td)
+                else:
+                    lb = _bound(terms, td)
+                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, cap, td, ctx0))
+            else:  # no bound: searched first (it finds nothing to do, or no candidate), never skipped
+                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, cap, td, ctx0))
         lack = req.prompt_tokens
         if per_worker and handoff0 is not None:
             lack -= req.cached_on(handoff0.worker_id)
-        # prefill path: predicted TTFT on every prefill worker, take the best. Exec and T_xfer
-        # depend only on the model and the token budget, so they are computed once per pair
-        # (the model by identity: hashing its coefficients costs more than this loop's body).
+        # prefill path: predicted TTFT on every prefill worker, take the best (ties to the first
+        # in the view). Exec and T_xfer depend only on the model and the token budget, so they
+        # are computed once per pair (the model by identity: hashing it costs more than this).
         best_p = None
-        ttft_p = float("inf")
+        ttft_p = _INF
         best_tp = tokens
-        own: dict[tuple[int, int, int], tuple[float, float]] = {}
         last_m: PerfModel | None = None
         last_chunk = last_tp = 0
         ex = xfer = 0.0
-        dflt = None if cfg.per_worker_models else self.default_model  # `_model`, inline
-        tails = self._last_tail
-        for p in view.prefill:
-            m = p.model if dflt is None else dflt
-            chunk = p.token_budget
-            tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
-            if m is not last_m or chunk != last_chunk or tp != last_tp:
-                got = own.get((id(m), chunk, tp))
-                if got is None:
-                    run = alone(m, chunk, tp) if replay_p else m.prefill_exec(tp, chunk)
-                    got = own[(id(m), chunk, tp)] = (run, m.xfer_time(lack) if cfg.transfer_term else 0.0)
-                ex, xfer = got
-                last_m, last_chunk, last_tp = m, chunk, tp
-            if replay_p:
-                last = tails.get(p.worker_id)  # `_tail`'s first test, inline
-                tail = last[2] if last is not None and last[0] is p and last[1] is m else self._tail(p, m, now)
-                if tail.end - now + xfer >= ttft_p:
-                    continue  # its queue alone outlasts the best so far
+        transfer = cfg.transfer_term
+        if replay_p:
+            # in increasing end of each worker's queue: its end (+ T_xfer) bounds its TTFT
+            # from below, so once it exceeds the best, so do all later ones (`cp.monotone`)
+            best_i = -1
+            stop = cp.monotone
+            for end, i, p, m, e in cp.pre:
+                chunk = p.token_budget
+                tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
+                if m is not last_m or chunk != last_chunk or tp != last_tp:
+                    ex = self._alone_time(m, chunk, tp)
+                    if m is not last_m:
+                        xfer = m.xfer_time(lack) if transfer else 0.0
+                    last_m, last_chunk, last_tp = m, chunk, tp
+                lb = end - now + xfer
+                if lb >= ttft_p:
+                    if lb > ttft_p:
+                        if stop:
+                            break
+                        continue  # its queue alone outlasts the best so far
+                    if i > best_i:
+                        continue  # at best a tie, and later in the view
+                tail = e[2]
                 if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
-                    t = (extend_end(m, chunk, tail, tp) if tp > 0 else tail.end) - now + xfer
+                    t = (extend_end_after(m, chunk, tail, e[3], e[4], tp) if tp > 0 else tail.end) - now + xfer
                 else:
                     t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
-            else:
+                if t < ttft_p or (t == ttft_p and i < best_i):
+                    best_p, ttft_p, best_tp, best_i = p, t, tp, i
+        else:
+            dflt = None if cfg.per_worker_models else self.default_model  # `_model`, inline
+            for p in view.prefill:
+                m = p.model if dflt is None else dflt
+                chunk = p.token_budget
+                tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
+                if m is not last_m or chunk != last_chunk or tp != last_tp:
+                    ex = self._alone_time(m, chunk, tp)
+                    if m is not last_m:
+                        xfer = m.xfer_time(lack) if transfer else 0.0
+                    last_m, last_chunk, last_tp = m, chunk, tp
                 t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
-            if t < ttft_p:
-                best_p, ttft_p, best_tp = p, t, tp
+                if t < ttft_p:
+                    best_p, ttft_p, best_tp = p, t, tp
         if not view.decode:
             raise NoWorkers("no live decode worker")
         if replay_p and cfg.share_expect and best_p is not None:
@@ -600,38 +801,8 @@ class Kairos:
         best_d: DecodeView | None = None
         best: tuple[tuple[int, ...], float] | None = None
         best_td = tokens
-        why_not = "no_decode_slack"
-        need_kv = req.prompt_tokens + req.max_tokens
+        fit = cfg.budget_fit
         status: dict[str, int] = {}
-        fit, max_defl = cfg.budget_fit, cfg.max_deflections
-        todo = []
-        preps = self._dprep
-        for d in view.decode:
-            if d.deflections >= max_defl:
-                why_not = "deflection_in_flight"
-                continue
-            if d.kv_free_tokens < need_kv:
-                continue
-            slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            prep = preps.get(d.worker_id)
-            if prep is None or prep[0] is not d or prep[1] != slo:
-                prep = self._prep(d, slo)
-            _, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck = prep
-            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
-            if stuck and td >= cands[-1]:
-                status[d.worker_id] = _INFEASIBLE  # what its search finds at the first step
-                continue
-            wait = busy_until - now if busy_until > now else stale
-            ctx0 = req.prompt_tokens - td if per_worker else 0
-            if td > 0 and cands:
-                if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `_search`
-                    base0 = _base0(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
-                    lb = _bound(_bound_terms(dm, base0, budget_s, cands, d.batch, prep[9]), td)
-                else:
-                    lb = _bound(terms, td)
-                todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, cap, td, ctx0))
-            else:  # no bound: searched first (it finds nothing to do, or no candidate), never skipped
-                todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, cap, td, ctx0))
         todo.sort(key=_by_bound)
         for key, wid, d, dm, budget_s, wait, lb, cands, cap, td, ctx0 in todo:
             if best is not None and key > best[1] * (1 + 1e-9):
@@ -659,7 +830,7 @@ class Kairos:
                            "and no decode worker can prefill it in place now")
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
-                reason = self._reason_without_schedule(req, view, tokens, ttft_p, status, now, per_worker)
+                reason = self._reason_without_schedule(req, preps, tokens, ttft_p, status, now, per_worker)
             self._note_dispatch(best_p.worker_id, best_tp, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
@@ -672,26 +843,35 @@ class Kairos:
                         chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
                         step_budget_s=cfg.beta * slo)
 
-    def _reason_without_schedule(self, req: RequestSpec, view: ClusterView, tokens: int, ttft_p: float,
+    def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
 
-        `status`: what the limited search found per worker; one found infeasible stays so without
-        the limit (the same steps fail), so only the others are searched again."""
+        `preps`: the decode workers `decide` looked at, in view order (`_ClusterPrep`); `status`:
+        what the limited search found per worker. One found infeasible stays so without the
+        limit (the same steps fail), as does one `_prep` rules out, so only the others are
+        searched again."""
         cfg = self.cfg
-        for d in view.decode:
-            if d.deflections >= cfg.max_deflections or d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
+        need_kv = req.prompt_tokens + req.max_tokens
+        exact = self._replay_p
+        # "ttft_slo_gate" needs SLO < TTFT_D <= alpha * TTFT_P: impossible when alpha * TTFT_P is
+        # within the SLO, and then a worker's feasibility alone decides the label
+        gate_free = cfg.alpha * ttft_p <= req.ttft_slo
+        for prep in preps:
+            d = prep[0]
+            if d.kv_free_tokens < need_kv or status.get(d.worker_id) == _INFEASIBLE:
                 continue
-            if status.get(d.worker_id) == _INFEASIBLE:
-                continue
-            slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-            exact = cfg.predictor == "replay"
+            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
+            if td >= prep[12] or (prep[10] and td >= prep[7][-1]):
+                continue  # no schedule (`_prep`), as `decide` found
             cap = d.token_budget - d.batch - (d.reserved_tokens if cfg.budget_fit else 0)
             busy = exact and d.busy_until > now
-            td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
-            st, _, total = _search(self._model(d.model), d, td, cfg.beta * slo, self._cands(cap),
-                                   float("inf"), cfg.max_steps, exact, 1 if busy else 0,
-                                   ctx0=req.prompt_tokens - td if per_worker else 0)
+            cands = self._cands(cap)
+            if gate_free and not per_worker and _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps,
+                                                                 exact, 1 if busy else 0):
+                return "decode_slower"  # its search would find a schedule: no TTFT_D is a gate's
+            st, _, total = _search(prep[2], d, td, prep[3], cands, _INF, cfg.max_steps, exact,
+                                   1 if busy else 0, ctx0=req.prompt_tokens - td if per_worker else 0)
             if busy:
                 total += d.busy_until - now
             if st == _OK:

@@ -19,6 +19,10 @@ maximum over all passes and the routes taken, so that one can see the decisions 
 The policies' passes alternate (pass 1 of each policy, then pass 2, ...) on the same views and
 requests, so that a change in the machine's load between passes hits every policy alike; the
 ratio of each policy's p50 and p99 to the last policy's at the same size is reported ("x ref").
+The views are prepared before each decision, apart (`Kairos.prepare`: the request-independent
+work on the workers whose view changed, which the router does when a heartbeat or a dispatch
+changes a view, see services/router/service.py); that is timed too, and reported alone and
+summed with the decision (the router's CPU per request); `--no-prepare` leaves it to the decision.
 Each pass is run twice: on the wall clock (perf_counter_ns, what a request waits) and on the
 thread's CPU clock (thread_time_ns, the work itself: preemption by other processes does not
 count, the clock read costs about a microsecond more; in a shared VM, other processes' cache
@@ -183,7 +187,7 @@ def prompts(trace: str, n: int, seed: int) -> list[int]:
 
 
 def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengths: list[int], profile: str,
-            kcfg: KairosConfig, repeat: int = 3) -> list[dict[str, Any]]:
+            kcfg: KairosConfig, repeat: int = 3, prepare: bool = True) -> list[dict[str, Any]]:
     """One row per policy at `n` + `n` workers, their passes interleaved (see the module doc)."""
     prof = load_profile(profile)
     rng = random.Random(seed * 1000 + n)
@@ -194,18 +198,24 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                         tbt_slo=0.1) for i in range(decisions)]
 
     policies = [make_policy(name, kairos=kcfg, default_model=prof.model) for name in policy_names]
-    for policy in policies:  # warm-up
+    # the router prepares a policy's view when a worker's view changes (`prepare`, if the policy
+    # has it), apart from the decision a request waits for; both are timed, and their sum
+    preps = [getattr(policy, "prepare", None) if prepare else None for policy in policies]
+    for policy, prep in zip(policies, preps, strict=True):  # warm-up
         hb_rng = random.Random(seed)
         view = cluster.reset()
         for i in range(min(500, decisions)):
+            if prep is not None:
+                prep(view, i * 0.01, reqs[i].tbt_slo)
             d = policy.decide(reqs[i], view, i * 0.01)
             view = cluster.after(hb_rng, i, reqs[i], d, i * 0.01)
     routes: list[dict[str, int]] = [{} for _ in policies]
-    passes: list[dict[str, list[list[int]]]] = [{"wall": [], "cpu": []} for _ in policies]
+    passes: list[dict[str, list[list[int]]]] = [{"wall": [], "cpu": [], "prep": [], "total": []} for _ in policies]
     for _ in range(repeat):
-        for pi, policy in enumerate(policies):
+        for pi, (policy, prep) in enumerate(zip(policies, preps, strict=True)):
             for kind, clock in (("wall", time.perf_counter_ns), ("cpu", time.thread_time_ns)):
                 ns: list[int] = []
+                pns: list[int] = []
                 routes[pi] = {}
                 hb_rng = random.Random(seed)
                 gc.collect()
@@ -213,10 +223,19 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                 for i, req in enumerate(reqs):
                     now = i * 0.01
                     t0 = clock()
+                    if prep is not None:
+                        prep(view, now, req.tbt_slo)
+                    t1 = clock()
                     d = policy.decide(req, view, now)
-                    ns.append(clock() - t0)
+                    ns.append(clock() - t1)
+                    pns.append(t1 - t0)
                     routes[pi][d.route] = routes[pi].get(d.route, 0) + 1
                     view = cluster.after(hb_rng, i, req, d, now)
+                if kind == "wall":
+                    tot = sorted(a + b for a, b in zip(ns, pns, strict=True))
+                    pns.sort()
+                    passes[pi]["prep"].append(pns)
+                    passes[pi]["total"].append(tot)
                 ns.sort()
                 passes[pi][kind].append(ns)
 
@@ -229,7 +248,7 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                                "decisions": decisions, "repeat": repeat,
                                "deflect_share": rt.get("deflect", 0) / decisions}
         for kind, reps in ps.items():
-            pre = "" if kind == "wall" else "cpu_"
+            pre = "" if kind == "wall" else f"{kind}_"
             out[pre + "p50_us"] = statistics.median(q(ns, 0.5) for ns in reps)
             out[pre + "p99_us"] = statistics.median(q(ns, 0.99) for ns in reps)
             out[pre + "max_us"] = max(ns[-1] for ns in reps) / 1e3
@@ -238,7 +257,7 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
         rows.append(out)
     ref = rows[-1]
     for r in rows:
-        for k in ("p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"):
+        for k in ("p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us", "total_p50_us", "total_p99_us"):
             r[f"{k}_x_ref"] = r[k] / ref[k] if ref[k] > 0 else float("inf")
         r["ref_policy"] = ref["policy"]
     return rows
@@ -285,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", choices=("replay", "paper"), default=None,
                     help="kairos: TTFT predictor (default: the policy's default)")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="do not prepare the views apart (the policy's `prepare`, which the router calls when a "
+                         "worker's view changes): each decision then does that work itself, as in the simulator")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -296,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         kcfg = KairosConfig() if args.predictor is None else KairosConfig(predictor=args.predictor)
         names = args.policy or ["kairos", "disagg-least-loaded"]
         by_size = [measure(names, n, decisions=args.decisions, seed=args.seed, lengths=lengths,
-                           profile=args.profile, kcfg=kcfg, repeat=args.repeat) for n in sizes]
+                           profile=args.profile, kcfg=kcfg, repeat=args.repeat, prepare=not args.no_prepare)
+                   for n in sizes]
         rows = [row for name in names for rows_n in by_size for row in rows_n if row["policy"] == name]
     except (ConfigError, ValueError) as e:
         err.print(f"[red]kairos bench-decision: {e}[/]")
@@ -306,13 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=120)
     tab = Table(title=f"decision cost, {args.profile}, prompts from {args.trace}, Python {platform.python_version()}")
     for col in ("policy", "P+D workers", "p50 µs", "p99 µs", "max µs", "CPU p50 µs", "CPU p99 µs", "deflect",
-                "p50 / p99 x ref"):
+                "p50 / p99 x ref", "prepare mean µs", "with prepare p50 / p99 µs", "x ref"):
         tab.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         tab.add_row(r["policy"], f"{r['prefill_workers']}+{r['decode_workers']}", f"{r['p50_us']:.1f}",
                     f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}", f"{r['cpu_p50_us']:.1f}", f"{r['cpu_p99_us']:.1f}",
-                    f"{100 * r['deflect_share']:.0f}%", f"{r['p50_us_x_ref']:.1f} / {r['p99_us_x_ref']:.1f}")
+                    f"{100 * r['deflect_share']:.0f}%", f"{r['p50_us_x_ref']:.1f} / {r['p99_us_x_ref']:.1f}",
+                    f"{r['prep_mean_us']:.1f}", f"{r['total_p50_us']:.1f} / {r['total_p99_us']:.1f}",
+                    f"{r['total_p50_us_x_ref']:.1f} / {r['total_p99_us_x_ref']:.1f}")
     console.print(tab)
+    console.print("p50/p99: the decision a request waits for; prepare: the policy's work on the views that changed "
+                  "since the last decision, which the router does when they change (--no-prepare: in the decision); "
+                  "with prepare: both, per decision, the router's CPU per request.")
     jit = jitter()
     console.print(f"machine jitter: the same pure-Python loop timed 5,000 times: p50 {jit['p50_us']:.1f} µs, "
                   f"p99 {jit['p99_us']:.1f} µs ({jit['p99_over_p50']:.1f}x p50). Identical work each time: "

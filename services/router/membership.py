@@ -113,6 +113,7 @@ def on_heartbeat_frames(router: Router, frames: list[bytes]) -> None:
     router.prefix.on_heartbeat(hb)
     if router.kv_waiting:
         router._retry_kv_waiting()  # its view may show room now (KV, a shorter prefill queue)
+    router.prepare_soon()
 
 
 def ask_hello(router: Router, worker_id: str) -> None:

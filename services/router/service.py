@@ -82,6 +82,9 @@ class Router:
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
+        # the policy's view work, done when views change rather than in the next decision (`prepare_soon`)
+        self._prepare = getattr(self.policy, "prepare", None)
+        self._prepare_queued = False
         self.counts: Counter[str] = Counter()
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -207,6 +210,20 @@ class Router:
                                f"{need} tokens of KV cache; the largest decode worker holds {kv}: shorten the prompt "
                                "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
+    def prepare_soon(self) -> None:
+        """A worker's view changed (a heartbeat, a dispatch): have the policy prepare the new
+        view once the loop is free (`Kairos.prepare`), so that the next request's decision does
+        only its own part. Coalesced; a decision that comes first does the work itself."""
+        if self._prepare is None or self._prepare_queued:
+            return
+        self._prepare_queued = True
+        asyncio.get_running_loop().call_soon(self._prepare_now)
+
+    def _prepare_now(self) -> None:
+        self._prepare_queued = False
+        if self._prepare is not None:
+            self._prepare(self.table.view(use_ledger=self.cfg.ledger), time.monotonic(), self.cfg.tbt_slo)
+
     def _retry_kv_waiting(self) -> None:
         """Decide the waiting requests again (services/router/waiting.py): called on heartbeats,
         a deflection's first token and a request's end, i.e. when room may have opened."""
@@ -288,6 +305,7 @@ class Router:
                   decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
                   ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
                   schedule=list(decision.chunk_schedule), decision_us=round(decision_us, 1), attempt=req.attempt)
+        self.prepare_soon()
 
     def _send(self, w: WorkerEntry, msg: m.Msg) -> None:
         assert self.bus is not None

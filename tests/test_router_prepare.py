@@ -1,0 +1,45 @@
+"""The router has the policy prepare its views when they change (a dispatch, a heartbeat), once
+the loop is free, so the next request's decision finds the view work done (`Kairos.prepare`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from common.policy import kairos
+from services.router.service import Router
+from tests.test_trust import SAMPLING, frame, hello, make_router
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    r = make_router()
+    yield r
+    r.close()
+
+
+async def test_the_next_decision_finds_its_view_prepared(router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds: list[int] = []
+
+    class Counting(kairos._ClusterPrep):
+        def __init__(self, k: kairos.Kairos, view: kairos.ClusterView, slo: float, now: float) -> None:
+            builds.append(len(view.decode))
+            super().__init__(k, view, slo, now)
+
+    monkeypatch.setattr(kairos, "_ClusterPrep", Counting)
+    frame(router, b"decode-0", hello("decode-0"))
+    frame(router, b"decode-1", hello("decode-1"))
+    frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
+    router.submit([1, 2, 3] * 300, SAMPLING)  # decided, then its dispatch changes a view (the ledger)
+    await asyncio.sleep(0)  # the loop is free: the router prepares the changed views
+    n = len(builds)
+    assert n >= 1
+    cp = router.policy._cp  # type: ignore[attr-defined]
+    view = router.table.view(use_ledger=router.cfg.ledger)
+    assert all(a is b for a, b in zip(cp.decode, view.decode, strict=True)) and len(cp.decode) == 2
+    router.submit([4, 5, 6] * 300, SAMPLING)
+    assert len(builds) == n  # the decision used the prepared view as it was
+    await asyncio.sleep(0)
+    assert len(builds) == n + 1  # and its dispatch had the new one prepared, once

@@ -185,9 +185,10 @@ def _base0(model: PerfModel, d: DecodeView) -> float:
 # `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
 # token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
 # the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
-# no schedule exists)
+# no schedule exists, the terms of `decode_time(batch + 1, ...)` for a handoff: a0 + a1*(batch + 1),
+# a2, and the GEMM terms)
 _Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], _BoundTerms, float, bool,
-              tuple[int, int, str], float]
+              tuple[int, int, str], float, tuple[float, float, float]]
 
 # `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
 # attention sum (`last_step_sums`))
@@ -262,7 +263,10 @@ def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands
     top = cands[0]
     off = 0.0  # reserved cost of the deflections in flight predicted to have ended
     ei, ne = 0, len(ends)
-    cap = fit_tokens - sum(e[2] for e in ends) if fit_tokens >= 0 else 1 << 60
+    cap = fit_tokens if fit_tokens >= 0 else 1 << 60
+    if fit_tokens >= 0:
+        for end in ends:
+            cap -= end[2]
     while done < tokens:
         while ei < ne and ends[ei][0] <= total:
             off += ends[ei][1]
@@ -474,7 +478,7 @@ class _ClusterPrep:
             prep = preps.get(d.worker_id)
             if prep is None or prep[0] is not d or prep[1] != s:
                 prep = prep_of(d, s)
-            ll.append((prep[11], d))
+            ll.append((prep[11], prep))
             if d.deflections >= max_defl:
                 full = True
                 continue
@@ -484,7 +488,7 @@ class _ClusterPrep:
                 if not prep[10]:
                     live.append(prep)
         ll.sort(key=itemgetter(0))
-        self.ll = [d for _, d in ll]
+        self.ll = [prep for _, prep in ll]
         self.dec, self.alive, self.live, self.defl_full = dec, alive, live, full
 
 
@@ -582,7 +586,8 @@ class Kairos:
         if len(self._dprep) > 4096:
             self._dprep.clear()
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
-                                          stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom)
+                                          stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom,
+                                          (dm.a0 + dm.a1 * (b + 1), dm.a2, dm._gemm(b + 1)))
         return got
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
@@ -693,9 +698,10 @@ class Kairos:
         # the disaggregated path's handoff: `least_loaded_decode`, in the order kept in `cp`
         need_kv = req.prompt_tokens + req.max_tokens
         handoff0: DecodeView | None = None
-        for d in cp.ll:
-            if d.kv_free_tokens >= need_kv:
-                handoff0 = d
+        hprep: _Prep | None = None
+        for x in cp.ll:
+            if x[0].kv_free_tokens >= need_kv:
+                handoff0, hprep = x[0], x
                 break
         # the decode path's candidates, each with a lower bound on its TTFT_D (searched below,
         # once the prefill path's prediction sets the limit). Workers `_prep` rules out for this
@@ -706,7 +712,7 @@ class Kairos:
         preps = cp.dec if per_worker or tokens <= 0 else cp.alive if tokens < self._min_cand else cp.live
         todo = []
         for prep in preps:
-            d, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck, _, doom = prep
+            d, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck, _, doom, _ = prep
             if d.kv_free_tokens < need_kv:
                 continue
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
@@ -757,6 +763,11 @@ class Kairos:
                         continue  # its queue alone outlasts the best so far
                     if i > best_i:
                         continue  # at best a tie, and later in the view
+                if end <= now:
+                    t = ex + xfer  # idle (its queue ends before now): alone, at once
+                    if t < ttft_p or (t == ttft_p and i < best_i):
+                        best_p, ttft_p, best_tp, best_i = p, t, tp, i
+                    continue
                 tail = e[2]
                 if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
                     t = (extend_end_after(m, chunk, tail, e[3], e[4], tp) if tp > 0 else tail.end) - now + xfer
@@ -787,9 +798,10 @@ class Kairos:
             # the disaggregated path's first token comes from the decode worker's next step after
             # the KV lands: half a step of waiting on average when it is busy, then that step
             handoff = handoff0
-            if handoff is not None:
-                dm = self._model(handoff.model)
-                step = dm.decode_time(handoff.batch + 1, handoff.kv_tokens + req.prompt_tokens)
+            if handoff is not None and hprep is not None:
+                # `decode_time(batch + 1, kv_tokens + prompt)`, from the terms kept in its `_prep`
+                c1, a2, g1 = hprep[13]
+                step = c1 + a2 * (handoff.kv_tokens + req.prompt_tokens) + g1
                 if handoff.batch + handoff.deflections + handoff.pending:
                     step = 1.5 * max(step, handoff.step_s)  # its steps run as they have lately
                 ttft_p += step
@@ -811,7 +823,11 @@ class Kairos:
             if lb >= 0.0 and lb > cut * (1 + 1e-9):
                 status[wid] = _OVER_LIMIT
                 continue
-            ends = sorted((e - now - wait, c, k) for e, c, k in d.inflight) if replay_p and d.inflight else None
+            ends = None
+            if replay_p and d.inflight:
+                ends = [(e - now - wait, c, k) for e, c, k in d.inflight]
+                if len(ends) > 1:
+                    ends.sort()
             st, sched, total = _search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
                                        1 if wait > 0 else 0, ends, cap if fit and ends else -1, ctx0, bounded=True)
             status[wid] = st
@@ -831,7 +847,8 @@ class Kairos:
             reason = why_not if ttft_p < float("inf") else "no_decode_slack"
             if why_not == "no_decode_slack":
                 reason = self._reason_without_schedule(req, preps, tokens, ttft_p, status, now, per_worker)
-            self._note_dispatch(best_p.worker_id, best_tp, now)
+            if cfg.share_expect:
+                self._note_dispatch(best_p.worker_id, best_tp, now)
             return Decision(route="disagg", prefill_worker=best_p.worker_id, decode_worker=d.worker_id,
                             reason=reason, ttft_prefill_pred=ttft_p, ttft_decode_pred=None,
                             cached_tokens=req.prompt_tokens - best_tp)
@@ -854,9 +871,7 @@ class Kairos:
         cfg = self.cfg
         need_kv = req.prompt_tokens + req.max_tokens
         exact = self._replay_p
-        # "ttft_slo_gate" needs SLO < TTFT_D <= alpha * TTFT_P: impossible when alpha * TTFT_P is
-        # within the SLO, and then a worker's feasibility alone decides the label
-        gate_free = cfg.alpha * ttft_p <= req.ttft_slo
+        todo = []
         for prep in preps:
             d = prep[0]
             if d.kv_free_tokens < need_kv or status.get(d.worker_id) == _INFEASIBLE:
@@ -865,14 +880,18 @@ class Kairos:
             if td >= prep[12] or (prep[10] and td >= prep[7][-1]):
                 continue  # no schedule (`_prep`), as `decide` found
             cap = d.token_budget - d.batch - (d.reserved_tokens if cfg.budget_fit else 0)
-            busy = exact and d.busy_until > now
-            cands = self._cands(cap)
-            if gate_free and not per_worker and _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps,
-                                                                 exact, 1 if busy else 0):
-                return "decode_slower"  # its search would find a schedule: no TTFT_D is a gate's
-            st, _, total = _search(prep[2], d, td, prep[3], cands, _INF, cfg.max_steps, exact,
-                                   1 if busy else 0, ctx0=req.prompt_tokens - td if per_worker else 0)
-            if busy:
+            todo.append((prep, d, td, self._cands(cap), 1 if exact and d.busy_until > now else 0))
+        # "ttft_slo_gate" needs SLO < TTFT_D <= alpha * TTFT_P: impossible when alpha * TTFT_P is
+        # within the SLO, and then any worker's feasibility decides the label, whichever it is:
+        # first those `_surely_feasible` shows feasible without a search
+        if cfg.alpha * ttft_p <= req.ttft_slo and not per_worker:
+            for prep, d, td, cands, lead in todo:
+                if _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact, lead):
+                    return "decode_slower"
+        for prep, d, td, cands, lead in todo:
+            st, _, total = _search(prep[2], d, td, prep[3], cands, _INF, cfg.max_steps, exact, lead,
+                                   ctx0=req.prompt_tokens - td if per_worker else 0)
+            if lead:
                 total += d.busy_until - now
             if st == _OK:
                 if total > req.ttft_slo and total <= cfg.alpha * ttft_p:

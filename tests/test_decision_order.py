@@ -21,7 +21,7 @@ from common.policy import (
     RequestSpec,
 )
 from common.policy.base import least_loaded_decode
-from common.policy.kairos import _OK, Kairos, _search, _surely_feasible
+from common.policy.kairos import _OK, Kairos, _bound, _held, _search, _surely_feasible
 
 PROFILES = [load_profile(n) for n in ("a100-dsv2-lite", "a100-llama2-70b-tp4", "h100-llama2-70b-tp4")]
 
@@ -244,3 +244,36 @@ def test_a_prepared_view_decides_as_an_unprepared_one(seed: int) -> None:
                 k.decide(req, view, now)
             continue
         assert k.decide(req, view, now) == want
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_lower_bound_with_deflections_in_flight_is_one(seed: int) -> None:
+    """`_bound` plus `_held` (the reserved cost of the deflections in flight over the steps that
+    start before each ends) never exceeds the TTFT_D the search finds: branch and bound prunes
+    on it."""
+    rng = random.Random(500 + seed)
+    checked = tight = 0
+    for _ in range(400):
+        model, cfg, req, view, now = random_case(rng)
+        if cfg.predictor != "replay":
+            continue
+        k = Kairos(cfg, default_model=model)
+        for d in view.decode:
+            if not d.inflight:
+                continue
+            slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
+            prep = k._prep(d, slo)
+            terms, cands, budget_s = prep[8], prep[7], prep[3]
+            for td in (64, 500, 2048, 6000, 20_000):
+                wait = rng.choice([0.0, 0.02])
+                ends = sorted((e - now - wait, c, x) for e, c, x in d.inflight)
+                st, _, total = _search(prep[2], d, td, budget_s, cands, float("inf"), cfg.max_steps, True,
+                                       1 if wait else 0, ends, prep[6] if cfg.budget_fit else -1)
+                lb = _bound(terms, td)
+                if st != _OK or lb <= 0.0:
+                    continue
+                held = _held(terms, td, d.inflight, now + wait, budget_s)
+                checked += 1
+                tight += held > 0.0
+                assert lb + held <= total * (1 + 1e-9), (td, lb, held, total)
+    assert checked > 100 and tight > 50

@@ -172,6 +172,25 @@ def _bound(terms: _BoundTerms, tokens: int) -> float:
     return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4h * tokens * tokens
 
 
+def _held(terms: _BoundTerms, tokens: int, inflight: tuple[tuple[float, float, int], ...], start: float,
+          budget_s: float) -> float:
+    """What the deflections in flight add to `_bound`, which takes them as ended at once: each
+    one's reserved step cost counts in every step that starts before its predicted end, and
+    steps start at most `budget_s` apart (each fits the budget), so in the first ceil(end /
+    budget_s) steps (rounded down where float error could make it one more), of at least the
+    bound's fewest steps. `start`: when the schedule starts (its ends are relative to it)."""
+    if terms is None:
+        return 0.0
+    last, body = terms[4], terms[5]
+    n = 1 if tokens <= last else 1 + math.ceil((tokens - last) / body) if body else 0
+    extra = 0.0
+    for end, cost, _ in inflight:
+        k = math.ceil((end - start) / budget_s - 1e-9)
+        if k > 0:
+            extra += cost * (k if k < n else n)
+    return extra
+
+
 def _base0(model: PerfModel, d: DecodeView) -> float:
     """PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled, the part without the chunk:
     the decodes' share of the step-total terms and the prefill step's a6 (the chunk's share goes
@@ -723,9 +742,10 @@ class Kairos:
             if td > 0 and cands:
                 if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `_search`
                     base0 = _base0(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
-                    lb = _bound(_bound_terms(dm, base0, budget_s, cands, d.batch, prep[9]), td)
-                else:
-                    lb = _bound(terms, td)
+                    terms = _bound_terms(dm, base0, budget_s, cands, d.batch, prep[9])
+                lb = _bound(terms, td)
+                if lb > 0.0 and replay_p and d.inflight:
+                    lb += _held(terms, td, d.inflight, now + wait, budget_s)
                 todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, cap, td, ctx0))
             else:  # no bound: searched first (it finds nothing to do, or no candidate), never skipped
                 todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, cap, td, ctx0))

@@ -58,7 +58,7 @@ from common.policy import (
     RequestSpec,
     make_policy,
 )
-from common.policy.kairos import reserved_step_cost
+from common.policy.schedule import reserved_step_cost
 from common.traces import synthetic
 
 

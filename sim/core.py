@@ -73,8 +73,9 @@ from common.engines.replay import drain
 from common.perf_model import PerfModel, Profile
 from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
 from common.policy.admission import Accepted, accepted_entry, check_deflection, decide_without
-from common.policy.kairos import Kairos, latest_start, reserved_step_cost, retry_order
+from common.policy.kairos import Kairos, latest_start, retry_order
 from common.policy.prefix_index import PrefixIndex
+from common.policy.schedule import reserved_step_cost
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
 from sim.stats import RequestTiming, summarize

@@ -16,7 +16,7 @@ from common import messages as m
 from common.perf_model import PerfModel, load_profile, save_profile
 from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
 from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, decide_without
-from common.policy.kairos import reserved_step_cost
+from common.policy.schedule import reserved_step_cost
 from common.traces import TraceRequest
 from kairos.up import Cluster
 from services.decode_worker.service import DecodeWorker

@@ -21,7 +21,8 @@ from common.policy import (
     RequestSpec,
 )
 from common.policy.base import least_loaded_decode
-from common.policy.kairos import _OK, Kairos, _bound, _held, _search, _surely_feasible
+from common.policy.kairos import Kairos
+from common.policy.schedule import OK, bound_of, held_bound, search, surely_feasible
 
 PROFILES = [load_profile(n) for n in ("a100-dsv2-lite", "a100-llama2-70b-tp4", "h100-llama2-70b-tp4")]
 
@@ -50,10 +51,10 @@ def id_order_best(k: Kairos, req: RequestSpec, view: ClusterView, now: float,
         cands = [c for c in sorted(cfg.candidates, reverse=True) if c <= cap]
         cut = (limit if best is None else min(limit, best[2])) - wait
         td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
-        st, sched, total = _search(m, d, td, cfg.beta * slo, cands, cut, cfg.max_steps, replay_p,
+        st, sched, total = search(m, d, td, cfg.beta * slo, cands, cut, cfg.max_steps, replay_p,
                                    1 if wait > 0 else 0, ends, cap if cfg.budget_fit and ends else -1,
                                    req.prompt_tokens - td if per_worker else 0)
-        if st == _OK and (best is None or total + wait < best[2]):
+        if st == OK and (best is None or total + wait < best[2]):
             best = (d.worker_id, sched, total + wait)
     return best
 
@@ -198,13 +199,13 @@ def test_extend_is_the_replay_one_step_at_a_time(prof: Profile) -> None:
 
 @pytest.mark.parametrize("seed", range(2))
 def test_what_prep_rules_out_has_no_schedule_and_surely_feasible_has_one(seed: int) -> None:
-    """`_prep`'s `doom` (no schedule from that prompt size on) and `_surely_feasible` (a schedule
-    exists) let `decide` and its reason label skip searches; each must agree with `_search`
+    """`_prep`'s `doom` (no schedule from that prompt size on) and `surely_feasible` (a schedule
+    exists) let `decide` and its reason label skip searches; each must agree with `search`
     itself, whatever the step in flight, the deflections in flight and the cached prefix."""
     rng = random.Random(300 + seed)
     doomed = feasible = 0
     for _ in range(300):
-        model, cfg, req, view, now = random_case(rng)
+        model, cfg, req, view, _ = random_case(rng)
         k = Kairos(cfg, default_model=model)
         exact = cfg.predictor == "replay"
         for d in view.decode:
@@ -215,15 +216,15 @@ def test_what_prep_rules_out_has_no_schedule_and_surely_feasible_has_one(seed: i
                 lead = rng.choice([0, 1])
                 ctx0 = rng.choice([0, 0, 3000])
                 ends = sorted((rng.uniform(0.0, 1.0), c, x) for _, c, x in d.inflight) or None
-                st, _, _ = _search(prep[2], d, td, prep[3], cands, float("inf"), cfg.max_steps, exact, lead, ends,
+                st, _, _ = search(prep[2], d, td, prep[3], cands, float("inf"), cfg.max_steps, exact, lead, ends,
                                    prep[6] if ends and cfg.budget_fit else -1, ctx0)
                 if td >= doom:
                     doomed += 1
-                    assert st != _OK, (td, doom)
-                if not ctx0 and not ends and _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact,
+                    assert st != OK, (td, doom)
+                if not ctx0 and not ends and surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact,
                                                               lead):
                     feasible += 1
-                    assert st == _OK, td
+                    assert st == OK, td
     assert doomed > 100 and feasible > 100  # both rules fire in these cases
 
 
@@ -248,7 +249,7 @@ def test_a_prepared_view_decides_as_an_unprepared_one(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(2))
 def test_the_lower_bound_with_deflections_in_flight_is_one(seed: int) -> None:
-    """`_bound` plus `_held` (the reserved cost of the deflections in flight over the steps that
+    """`bound_of` plus `held_bound` (the reserved cost of the deflections in flight over the steps that
     start before each ends) never exceeds the TTFT_D the search finds: branch and bound prunes
     on it."""
     rng = random.Random(500 + seed)
@@ -267,12 +268,12 @@ def test_the_lower_bound_with_deflections_in_flight_is_one(seed: int) -> None:
             for td in (64, 500, 2048, 6000, 20_000):
                 wait = rng.choice([0.0, 0.02])
                 ends = sorted((e - now - wait, c, x) for e, c, x in d.inflight)
-                st, _, total = _search(prep[2], d, td, budget_s, cands, float("inf"), cfg.max_steps, True,
+                st, _, total = search(prep[2], d, td, budget_s, cands, float("inf"), cfg.max_steps, True,
                                        1 if wait else 0, ends, prep[6] if cfg.budget_fit else -1)
-                lb = _bound(terms, td)
-                if st != _OK or lb <= 0.0:
+                lb = bound_of(terms, td)
+                if st != OK or lb <= 0.0:
                     continue
-                held = _held(terms, td, d.inflight, now + wait, budget_s)
+                held = held_bound(terms, td, d.inflight, now + wait, budget_s)
                 checked += 1
                 tight += held > 0.0
                 assert lb + held <= total * (1 + 1e-9), (td, lb, held, total)

@@ -24,7 +24,7 @@ from common.policy import (
     make_policy,
 )
 from common.policy.baselines import ConditionalConfig
-from common.policy.kairos import _lower_bound, largest_safe_schedule, reserved_step_cost
+from common.policy.schedule import largest_safe_schedule, lower_bound, reserved_step_cost
 
 M = load_profile("a100-dsv2-lite").model
 CANDS = (2048, 1024, 512, 256, 128)
@@ -365,7 +365,7 @@ def test_lower_bound_never_exceeds_the_schedule() -> None:
         if found is None:
             continue
         base0 = m.decode_time(d.batch, d.kv_tokens) + m.a6 + d.reserved_step_s
-        assert _lower_bound(m, base0, tokens, budget, cands, d.batch) <= found[1] * (1 + 1e-12)
+        assert lower_bound(m, base0, tokens, budget, cands, d.batch) <= found[1] * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(("kw", "msg"), [({"alpha": 0.9}, "alpha"), ({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),

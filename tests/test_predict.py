@@ -25,8 +25,9 @@ from common.policy import (
     RequestSpec,
     make_policy,
 )
-from common.policy.kairos import Kairos, _search, largest_safe_schedule
+from common.policy.kairos import Kairos
 from common.policy.predict import ReplayCache
+from common.policy.schedule import largest_safe_schedule, search
 from common.traces import TraceRequest
 from sim.core import SimConfig, Simulation
 
@@ -174,9 +175,9 @@ def test_paper_predictor_is_selectable() -> None:
 @pytest.mark.parametrize("exact", [False, True])
 def test_search_steps_equal_the_step_time(exact: bool) -> None:
     """The search writes PerfModel.step_time out for speed; this fails if the two drift apart
-    (a new cost form must be written into `_search` too)."""
+    (a new cost form must be written into `search` too)."""
     d = dv(batch=37, kv=90_000)
-    st_, sched, total = _search(M, d, 6000, 0.2, [2048, 1024, 512, 256], float("inf"), 4096, exact)
+    st_, sched, total = search(M, d, 6000, 0.2, [2048, 1024, 512, 256], float("inf"), 4096, exact)
     assert st_ == 0
     want, done = 0.0, 0
     for i, chi in enumerate(sched):
@@ -196,7 +197,7 @@ def test_search_runs_of_equal_chunks_equal_the_step_by_step_walk(exact: bool) ->
     for _ in range(300):
         d = dv(batch=rng.randint(0, 150), kv=rng.randint(0, 300_000))
         tokens, budget = rng.randint(1, 40_000), rng.uniform(0.05, 0.4)
-        st_, sched, total = _search(M, d, tokens, budget, cands, float("inf"), 4096, exact)
+        st_, sched, total = search(M, d, tokens, budget, cands, float("inf"), 4096, exact)
         if st_ != 0:
             continue
         want, done = 0.0, 0
@@ -370,7 +371,7 @@ def _greedy(model: Any, d: DecodeView, tokens: int, budget: float, cands: list[i
             lead: int, ends: list[tuple[float, float, int]], fit_tokens: int,
             ctx0: int) -> tuple[int, list[int], float]:
     """Algorithm 1 as printed, one step at a time, every candidate tried from the largest each
-    step; the step cost is `_search`'s (the module docstring's) so that float rounding agrees."""
+    step; the step cost is `search`'s (the module docstring's) so that float rounding agrees."""
     b = d.batch
     base0 = (model.a0 + model.a6 + (model.a1 + model.a3) * b + model.a5 * b * b + model.a2 * d.kv_tokens
              + d.reserved_step_s)
@@ -403,7 +404,7 @@ def _greedy(model: Any, d: DecodeView, tokens: int, budget: float, cands: list[i
 
 @pytest.mark.parametrize("profile", ["a100-dsv2-lite", "a100-llama2-70b-tp4", "h100-llama2-70b-tp4", "kv-heavy"])
 def test_search_equals_the_printed_greedy_with_deflections_in_flight(profile: str) -> None:
-    """`_search`'s shortcuts (it resumes from the last candidate that fit, tries the whole
+    """`search`'s shortcuts (it resumes from the last candidate that fit, tries the whole
     remainder once near the end, and walks runs of equal chunks in closed form, also between the
     ends of deflections in flight) give the printed greedy's schedule, status and TTFT_D, on
     random states: deflections in flight with their predicted ends, the token-budget fit, a
@@ -426,7 +427,7 @@ def test_search_equals_the_printed_greedy_with_deflections_in_flight(profile: st
         fit_tokens = rng.choice([-1, rng.randint(128, 2304)])
         use = [c for c in cands if fit_tokens < 0 or c <= fit_tokens] or cands[-1:]
         limit = rng.choice([float("inf"), rng.uniform(0.05, 3.0)])
-        got = _search(model, d, tokens, budget, use, limit, 10**6, exact, lead, list(ends) or None, fit_tokens,
+        got = search(model, d, tokens, budget, use, limit, 10**6, exact, lead, list(ends) or None, fit_tokens,
                       ctx0)
         want = _greedy(model, d, tokens, budget, use, limit, exact, lead, list(ends), fit_tokens, ctx0)
         free = _greedy(model, d, tokens, budget, use, float("inf"), exact, lead, list(ends), fit_tokens, ctx0)

@@ -43,7 +43,7 @@ from common.policy.base import (
     least_loaded_decode,
     least_loaded_prefill,
 )
-from common.policy.kairos import reserved_step_cost
+from common.policy.schedule import reserved_step_cost
 
 REJECTED_REASON = "deflect_rejected"  # the decision reason (and RequestFailed.code) of a rejected deflection
 

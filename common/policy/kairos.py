@@ -60,6 +60,18 @@ from common.policy.base import (
     least_loaded_decode,
 )
 from common.policy.predict import ReplayCache
+from common.policy.schedule import (
+    INFEASIBLE,
+    OK,
+    OVER_LIMIT,
+    BoundTerms,
+    bound_of,
+    bound_terms,
+    fixed_step_cost,
+    held_bound,
+    search,
+    surely_feasible,
+)
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,323 +107,19 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"late_depth must be > 0 token budgets (got {self.late_depth})")
 
 
-_OK, _INFEASIBLE, _OVER_LIMIT = 0, 1, 2
 _INF = float("inf")
 _RATE_TAU_S = 1.0  # time constant of the dispatch rate behind `share_expect`
-
-
-def _lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, cands: list[int],
-                 batch: int = 0) -> float:
-    """A lower bound on TTFT_D of any schedule the search can build, to skip a worker that
-    cannot beat the limit without walking its steps.
-
-    n chunks cost at least n*base0 + a3'*L + a4*L^2/2 + a5*L^2/n (a3' = a3 + 2*a5*batch: the
-    step-total term a5*T**2 grows by a5*(chi**2 + 2*batch*chi) with a chunk beside `batch`
-    decodes; base0 holds the decodes' own share): the attention term sums to
-    exactly a4*L^2/2 for any chunking, and sum(chi^2) >= L^2/n; the roofline term a7 (>= 0) is
-    left out, which keeps the bound a bound. Every chunk satisfies
-    base0 + a3*chi + (a4/2 + a5)*chi^2 <= budget, which caps its size (chi_max, rounded up so
-    the bound stays valid under float error); all but the last are candidates <= chi_max, so
-    n >= 1 + ceil((L - min(top, chi_max)) / largest such candidate). The part that does not
-    depend on L is `_bound_terms` (kept per decode view by `decide`), the rest `_bound`."""
-    return _bound(_bound_terms(model, base0, budget_s, cands, batch), tokens)
-
-
-# `_lower_bound`'s terms that do not depend on the prompt: (base0, a3', a4/2, a5, last, body,
-# sqrt(a5/base0) or 0); None when no chunk fits (the bound is then 0: the search finds that)
-_BoundTerms = tuple[float, float, float, float, float, int, float] | None
-
-
-def _bound_terms(model: PerfModel, base0: float, budget_s: float, cands: list[int], batch: int,
-                 relief: float = 0.0) -> _BoundTerms:
-    """`relief`: the reserved step cost of the deflections in flight, which every step's safety
-    check counts (in `base0`) but the predicted TTFT_D stops counting once each ends: the cost
-    part of the bound takes them as ended at once."""
-    a4, a5 = model.a4, model.a5
-    a3 = model.a3 + 2.0 * a5 * batch
-    room = budget_s - base0
-    if room <= 0:
-        return None
-    if relief > 0:
-        base0 -= relief
-        if base0 <= 0:
-            return None  # no useful bound: 0
-    q = a4 / 2.0 + a5
-    if q > 0:
-        chi_max = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q)
-    elif a3 > 0:
-        chi_max = room / a3
-    else:
-        chi_max = _INF
-    chi_max = chi_max * (1 + 1e-9) + 1e-6
-    last = cands[0] if cands[0] < chi_max else chi_max
-    body = 0
-    for c in cands:
-        if c <= chi_max:
-            body = c
-            break
-    s = math.sqrt(a5 / base0) if a5 > 0 and base0 > 0 else 0.0
-    return (base0, a3, a4 / 2.0, a5, last, body, s)
-
-
-def _bound(terms: _BoundTerms, tokens: int) -> float:
-    if terms is None:
-        return 0.0
-    base0, a3, a4h, a5, last, body, s = terms
-    if tokens <= last:
-        n_min = 1.0
-    elif body == 0:
-        return 0.0  # infeasible: left to the search
-    else:
-        n_min = 1.0 + math.ceil((tokens - last) / body)
-    n = n_min
-    if s:
-        n = tokens * s
-        if n < n_min:
-            n = n_min
-    return n * base0 + a5 * tokens * tokens / n + a3 * tokens + a4h * tokens * tokens
-
-
-def _held(terms: _BoundTerms, tokens: int, inflight: tuple[tuple[float, float, int], ...], start: float,
-          budget_s: float) -> float:
-    """What the deflections in flight add to `_bound`, which takes them as ended at once: each
-    one's reserved step cost counts in every step that starts before its predicted end, and
-    steps start at most `budget_s` apart (each fits the budget), so in the first ceil(end /
-    budget_s) steps (rounded down where float error could make it one more), of at least the
-    bound's fewest steps. `start`: when the schedule starts (its ends are relative to it)."""
-    if terms is None:
-        return 0.0
-    last, body = terms[4], terms[5]
-    n = 1 if tokens <= last else 1 + math.ceil((tokens - last) / body) if body else 0
-    extra = 0.0
-    for end, cost, _ in inflight:
-        k = math.ceil((end - start) / budget_s - 1e-9)
-        if k > 0:
-            extra += cost * (k if k < n else n)
-    return extra
-
-
-def _base0(model: PerfModel, d: DecodeView) -> float:
-    """PerfModel.step_time(b, kv + done, [(chi, done)]) unrolled, the part without the chunk:
-    the decodes' share of the step-total terms and the prefill step's a6 (the chunk's share goes
-    to a3 in `_search`: a5*T**2 = a5*(b**2 + 2*b*chi + chi**2); the roofline a7*max(0, T - knee)
-    is per step), plus the reserved cost of the deflections in flight."""
-    b = d.batch
-    return (model.a0 + model.a6 + (model.a1 + model.a3) * b + model.a5 * b * b + model.a2 * d.kv_tokens
-            + d.reserved_step_s)
-
-
 # `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
 # token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
 # the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
 # no schedule exists, the terms of `decode_time(batch + 1, ...)` for a handoff: a0 + a1*(batch + 1),
 # a2, and the GEMM terms)
-_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], _BoundTerms, float, bool,
+_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], BoundTerms, float, bool,
               tuple[int, int, str], float, tuple[float, float, float]]
-
 # `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
 # attention sum (`last_step_sums`))
 _TailEntry = tuple[PrefillView, PerfModel, Tail, int, float]
-
 _by_bound = itemgetter(0, 1)  # (lower bound incl. the wait, worker id): the search order of `decide`
-
-
-def largest_safe_schedule(model: PerfModel, d: DecodeView, tokens: int, budget_s: float,
-                          candidates: tuple[int, ...], limit_s: float, max_steps: int, *, exact: bool = False,
-                          fit: bool = False) -> tuple[tuple[int, ...], float] | None:
-    """Algorithm 1 on one decode worker. Returns (schedule, TTFT_D) or None if some step has no
-    safe candidate, or if the running TTFT_D already exceeds `limit_s` (it can only lose).
-    `exact`: step times as the worker runs them (see the module docstring, "replay"); `fit`:
-    the chunks also leave `d.reserved_tokens` of the token budget to the deflections in flight.
-
-    The step cost rises with the prompt's own context, so once a candidate fails as a full chunk
-    it fails for every later step: the search resumes from the last candidate that fit, and
-    walks each run of equal full chunks in closed form, which keeps a decision to
-    O(candidates) per worker (O(steps) with deflections in flight, whose ends change the
-    cost). Only the remainder can fit again (a smaller chunk), so the scan restarts from the
-    top once the remainder is within the largest candidate; the schedule is non-increasing
-    except possibly for its last chunk.
-    """
-    cap = d.token_budget - d.batch - (d.reserved_tokens if fit else 0)
-    cands = [c for c in sorted(candidates, reverse=True) if c <= cap]
-    status, sched, total = _search(model, d, tokens, budget_s, cands, limit_s, max_steps, exact)
-    return (sched, total) if status == _OK else None
-
-
-def _search(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int], limit_s: float,
-            max_steps: int, exact: bool = False, lead: int = 0,
-            ends: list[tuple[float, float, int]] | None = None, fit_tokens: int = -1, ctx0: int = 0,
-            bounded: bool = False) -> tuple[int, tuple[int, ...], float]:
-    """`largest_safe_schedule` with the reason it gave up: _INFEASIBLE (no safe candidate at
-    some step, or the step cap; also without a limit) or _OVER_LIMIT (TTFT_D passed `limit_s`;
-    feasibility beyond is unknown). `cands`: usable candidates, largest first.
-
-    The step cost is `PerfModel.step_time` written out (tests check they agree): paper form
-    a2*(K + done), exact form a2*(K + B*(lead + step)), the decodes' context growing by one
-    token per step (`lead` = 1: a step in flight first adds one). `ends`: when each deflection
-    in flight is predicted to finish (seconds after this schedule starts), its reserved step
-    cost and its largest chunk; the safety check always reserves every one's cost, the predicted
-    TTFT_D only until it ends. `fit_tokens` >= 0: a chunk also leaves in the token budget the
-    largest chunks of the deflections still in flight at its step (predicted), of `fit_tokens`
-    tokens left beside the decodes (`cands` are those up to `fit_tokens`); the engine cuts a
-    chunk short should one of them run longer, so the budget holds either way. `ctx0`: prompt
-    tokens already in the worker's prefix cache; the `tokens` to prefill come after them, so
-    every chunk attends over them too. `bounded`: the caller already checked `_lower_bound`
-    against `limit_s`."""
-    if not cands:
-        return _INFEASIBLE, (), 0.0
-    a2, a3, a4, a5 = model.a2, model.a3, model.a4, model.a5
-    a7, over0 = model.a7, d.batch - model.knee
-    b = d.batch
-    base0 = _base0(model, d)
-    a3 = a3 + 2.0 * a5 * b
-    ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
-    if ctx0:  # a4*chi*(ctx0 + done + chi/2): the cached prefix adds a term linear in chi
-        base0 += ka * ctx0
-        a3 += a4 * ctx0
-    ends = ends or []
-    if not bounded and not ends and limit_s < _INF and tokens > 0 and \
-            _lower_bound(model, base0, tokens, budget_s, cands, b) > limit_s * (1 + 1e-9):
-        return _OVER_LIMIT, (), 0.0
-    sched: list[int] = []
-    steps = 0  # len(sched)
-    total = 0.0
-    done = 0
-    i = 0
-    n = len(cands)
-    top = cands[0]
-    off = 0.0  # reserved cost of the deflections in flight predicted to have ended
-    ei, ne = 0, len(ends)
-    cap = fit_tokens if fit_tokens >= 0 else 1 << 60
-    if fit_tokens >= 0:
-        for end in ends:
-            cap -= end[2]
-    while done < tokens:
-        while ei < ne and ends[ei][0] <= total:
-            off += ends[ei][1]
-            cap += ends[ei][2]
-            ei += 1
-            i = 0  # more token budget: larger candidates may fit again
-        rem = tokens - done
-        base = base0 + ka * done + g * (steps + lead)
-        chi = 0
-        if rem <= top:
-            # near the end every candidate >= rem proposes the whole remainder, which may fit
-            # although those candidates failed as full chunks earlier (the printed greedy rescans
-            # from the top): tried once here; the smaller candidates are full chunks, and those
-            # that failed as such before (below index i) fail again
-            if rem <= cap:
-                t = base + a3 * rem + a4 * rem * (done + rem * 0.5) + a5 * rem * rem
-                if over0 + rem > 0:
-                    t += a7 * (over0 + rem)
-                if t <= budget_s:
-                    chi = rem
-            while i < n and cands[i] >= rem:
-                i += 1
-        if not chi:
-            while i < n:
-                chi = cands[i] if cands[i] < rem else rem
-                if chi > cap:
-                    i += 1
-                    continue
-                t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
-                if over0 + chi > 0:
-                    t += a7 * (over0 + chi)
-                if t <= budget_s:
-                    break
-                i += 1
-            else:
-                return _INFEASIBLE, (), 0.0
-        if chi < rem:
-            # A run of full chunks of this candidate: t grows by `inc` a step (the prompt's own
-            # context, and the decodes' in the exact form), so it lasts while t <= budget_s, no
-            # deflection in flight ends (its end changes `off` and `cap`), and: above `top`,
-            # while the remainder stays above `top` (then the scan restarts); within `top`,
-            # while the remainder stays above the chunk and does not fit whole (tried first at
-            # every step). Walked in closed form: O(candidates + deflections in flight) per
-            # schedule, not O(steps). The sum differs from a step-by-step one in the last bits.
-            inc = ka * chi + g + a4 * chi * chi
-            k = -(-(rem - top) // chi) if rem > top else -(-(rem - chi) // chi)
-            if inc > 0.0:
-                fit_k = int((budget_s - t) / inc) + 1
-                if fit_k < k:
-                    k = fit_k
-            u = t - off
-            if ei < ne and k > 1:
-                # step j of the run starts at total + j*u + inc*j*(j-1)/2 (increasing in j): it
-                # runs only if the next end is still ahead then; the largest such j, bisected
-                e = ends[ei][0]
-                h = inc * 0.5
-                if total + (k - 1) * (u + h * (k - 2)) >= e:
-                    lo, hi = 0, k - 1  # step lo starts before e, step hi does not
-                    while hi - lo > 1:
-                        mid = (lo + hi) >> 1
-                        if total + mid * (u + h * (mid - 1)) < e:
-                            lo = mid
-                        else:
-                            hi = mid
-                    k = lo + 1
-            if rem <= top and k > 1:
-                # the whole remainder r at step j: it fits from some step on, as r shrinks, when
-                # its cost falls step by step: the context grows by ka*chi + g a step and the
-                # remainder's own terms fall by at least a3*chi (the attention's, a5's and a7's
-                # fall too, done + r being fixed). Then the first step it fits ends the run, bisected.
-                if ka * chi + g <= a3 * chi:
-                    lo, hi, j = 0, k, k - 1  # it does not fit at step lo; fits at hi (k: not in this run)
-                    while j > lo:  # step k - 1 first (usually it does not fit there: one test), then bisect
-                        r, dj = rem - j * chi, done + j * chi
-                        tr = (base0 + ka * dj + g * (steps + j + lead) + a3 * r + a4 * r * (dj + r * 0.5)
-                              + a5 * r * r)
-                        if over0 + r > 0:
-                            tr += a7 * (over0 + r)
-                        if r <= cap and tr <= budget_s:
-                            hi = j
-                        else:
-                            lo = j
-                        j = (lo + hi) >> 1
-                    k = hi
-                else:
-                    k = 1
-            sched.extend([chi] * k)
-            steps += k
-            total += k * u + inc * (k * (k - 1) // 2)
-            done += chi * k
-        else:
-            sched.append(chi)
-            steps += 1
-            total += t - off
-            done += chi
-        if steps > max_steps:
-            return _INFEASIBLE, (), 0.0
-        if total > limit_s:
-            return _OVER_LIMIT, (), 0.0
-    return _OK, tuple(sched), total
-
-
-def _surely_feasible(model: PerfModel, d: DecodeView, tokens: int, budget_s: float, cands: list[int],
-                     max_steps: int, exact: bool, lead: int) -> bool:
-    """A sufficient condition for `_search` (no limit, no deflections in flight, no cached
-    prefix) to find a schedule, in O(1): the smallest candidate (or a smaller remainder) fits
-    even at the most loaded step the prompt can reach, with the context of the whole prompt
-    and the most steps (every chunk but the last at least that candidate). The greedy then
-    never runs out of candidates. False when unsure (a coefficient < 0, no candidates)."""
-    if not cands or tokens <= 0:
-        return False
-    a2, a3, a4, a5, a7 = model.a2, model.a3, model.a4, model.a5, model.a7
-    b = d.batch
-    a3 = a3 + 2.0 * a5 * b
-    if min(a2, a3, a4, a5, a7) < 0.0:
-        return False
-    chi = cands[-1]
-    steps = tokens // chi + 1
-    if steps > max_steps:
-        return False
-    ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
-    t = (_base0(model, d) + ka * tokens + g * (steps + lead) + a3 * chi + a4 * chi * (tokens + chi * 0.5)
-         + a5 * chi * chi)
-    if b - model.knee + chi > 0:
-        t += a7 * (b - model.knee + chi)
-    return t * (1 + 1e-9) <= budget_s
 
 
 def holds(cfg: KairosConfig, p: PrefillView) -> bool:
@@ -434,24 +142,6 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     if cfg is None or cfg.late_order == "fifo":
         return list(range(len(latest)))
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
-
-
-def reserved_step_cost(model: PerfModel, schedule: tuple[int, ...] | list[int], step_tokens: int = 0,
-                       cached: int = 0) -> float:
-    """The step time a deflection in flight may add to its decode worker: the largest chunk
-    cost over its schedule, each chunk at the context it will run at. This is what to put in
-    `DecodeView.reserved_step_s` for a further concurrent deflection (max_deflections > 1);
-    the first chunk alone underestimates it, since later chunks attend over a longer prefix.
-    With a superlinear step-total term (a5 > 0) a chunk costs more beside other tokens: each
-    chunk is costed as if the rest of its step held `step_tokens` - chi tokens (pass the
-    worker's token budget), which covers its cross terms with the decodes and the other chunks.
-    `cached`: prompt tokens the worker's prefix cache already holds (the schedule follows them)."""
-    worst = 0.0
-    done = cached
-    for chi in schedule:
-        worst = max(worst, model.chunk_cost(chi, done, max(0, step_tokens - chi)))
-        done += chi
-    return worst
 
 
 class _ClusterPrep:
@@ -564,9 +254,9 @@ class Kairos:
         cands = self._cands_by_cap.get(cap) or self._cands(cap)
         budget_s = cfg.beta * slo
         relief = sum(c for _, c, _ in inflight) if inflight else 0.0
-        base0 = _base0(dm, d)
-        terms: _BoundTerms = None
-        # the search's first step with the smallest candidate, written as `_search` computes it
+        base0 = fixed_step_cost(dm, d)
+        terms: BoundTerms = None
+        # the search's first step with the smallest candidate, written as `search` computes it
         # (no step in flight, no cached prefix): when it does not fit, no schedule starts, for
         # any prompt of at least that many tokens. Valid when a step's cost rises with the chunk,
         # the context and the step count (coefficients >= 0; fits are non-negative).
@@ -601,7 +291,7 @@ class Kairos:
                         if a3 > 0 else _INF
                     top = min(float(cands[0]), top * (1 + 1e-9) + 1.0)
                     doom = dstar * (1 + 1e-9) + 1.0 + top + chi
-            terms = _bound_terms(dm, base0, budget_s, cands, b, relief)
+            terms = bound_terms(dm, base0, budget_s, cands, b, relief)
         if len(self._dprep) > 4096:
             self._dprep.clear()
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
@@ -740,12 +430,12 @@ class Kairos:
             wait = busy_until - now if busy_until > now else stale
             ctx0 = req.prompt_tokens - td if per_worker else 0
             if td > 0 and cands:
-                if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `_search`
-                    base0 = _base0(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
-                    terms = _bound_terms(dm, base0, budget_s, cands, d.batch, prep[9])
-                lb = _bound(terms, td)
+                if ctx0:  # the cached prefix changes base0 (and a3, left out: the bound stays one), as in `search`
+                    base0 = fixed_step_cost(dm, d) + (0.0 if replay_p else dm.a2) * ctx0
+                    terms = bound_terms(dm, base0, budget_s, cands, d.batch, prep[9])
+                lb = bound_of(terms, td)
                 if lb > 0.0 and replay_p and d.inflight:
-                    lb += _held(terms, td, d.inflight, now + wait, budget_s)
+                    lb += held_bound(terms, td, d.inflight, now + wait, budget_s)
                 todo.append((wait + lb, d.worker_id, d, dm, budget_s, wait, lb, cands, cap, td, ctx0))
             else:  # no bound: searched first (it finds nothing to do, or no candidate), never skipped
                 todo.append((-_INF, d.worker_id, d, dm, budget_s, wait, -1.0, cands, cap, td, ctx0))
@@ -841,17 +531,17 @@ class Kairos:
                 break  # this bound and every later one exceed the best TTFT_D found
             cut = (limit if best is None else min(limit, best[1])) - wait
             if lb >= 0.0 and lb > cut * (1 + 1e-9):
-                status[wid] = _OVER_LIMIT
+                status[wid] = OVER_LIMIT
                 continue
             ends = None
             if replay_p and d.inflight:
                 ends = [(e - now - wait, c, k) for e, c, k in d.inflight]
                 if len(ends) > 1:
                     ends.sort()
-            st, sched, total = _search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
+            st, sched, total = search(dm, d, td, budget_s, cands, cut, cfg.max_steps, replay_p,
                                        1 if wait > 0 else 0, ends, cap if fit and ends else -1, ctx0, bounded=True)
             status[wid] = st
-            if st != _OK:
+            if st != OK:
                 continue
             total += wait
             if best is None or total < best[1] or (total == best[1] and best_d is not None and wid < best_d.worker_id):
@@ -894,7 +584,7 @@ class Kairos:
         todo = []
         for prep in preps:
             d = prep[0]
-            if d.kv_free_tokens < need_kv or status.get(d.worker_id) == _INFEASIBLE:
+            if d.kv_free_tokens < need_kv or status.get(d.worker_id) == INFEASIBLE:
                 continue
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
             if td >= prep[12] or (prep[10] and td >= prep[7][-1]):
@@ -903,17 +593,17 @@ class Kairos:
             todo.append((prep, d, td, self._cands(cap), 1 if exact and d.busy_until > now else 0))
         # "ttft_slo_gate" needs SLO < TTFT_D <= alpha * TTFT_P: impossible when alpha * TTFT_P is
         # within the SLO, and then any worker's feasibility decides the label, whichever it is:
-        # first those `_surely_feasible` shows feasible without a search
+        # first those `surely_feasible` shows feasible without a search
         if cfg.alpha * ttft_p <= req.ttft_slo and not per_worker:
             for prep, d, td, cands, lead in todo:
-                if _surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact, lead):
+                if surely_feasible(prep[2], d, td, prep[3], cands, cfg.max_steps, exact, lead):
                     return "decode_slower"
         for prep, d, td, cands, lead in todo:
-            st, _, total = _search(prep[2], d, td, prep[3], cands, _INF, cfg.max_steps, exact, lead,
+            st, _, total = search(prep[2], d, td, prep[3], cands, _INF, cfg.max_steps, exact, lead,
                                    ctx0=req.prompt_tokens - td if per_worker else 0)
             if lead:
                 total += d.busy_until - now
-            if st == _OK:
+            if st == OK:
                 if total > req.ttft_slo and total <= cfg.alpha * ttft_p:
                     return "ttft_slo_gate"
                 return "decode_slower"

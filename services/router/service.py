@@ -38,7 +38,7 @@ from common.policy import (
     make_policy,
 )
 from common.policy.admission import REJECTED_REASON, decide_without
-from common.policy.kairos import reserved_step_cost
+from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import membership, metrics, migrate, waiting

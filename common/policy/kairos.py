@@ -160,7 +160,7 @@ class _ClusterPrep:
         self.prefill, self.decode, self.slo = view.prefill, view.decode, slo
         cfg = k.cfg
         dflt = None if cfg.per_worker_models else k.default_model
-        pre = []
+        pre: list[tuple[float, int, PrefillView, PerfModel, _TailEntry | None]] = []
         models = set()
         if k._replay_p:
             tails, entry = k._last_tail, k._tail_entry
@@ -172,11 +172,13 @@ class _ClusterPrep:
                 pre.append((e[2].end, i, p, m, e))
                 models.add(id(m))
             pre.sort(key=_by_bound)
+        else:  # Equation 1 reads no queue: view order, no early stop
+            pre = [(-_INF, i, p, p.model if dflt is None else dflt, None) for i, p in enumerate(view.prefill)]
         self.pre = pre
         # the queue ends bound the prefill path's TTFT from below in increasing order only when
         # every worker pays the same transfer and steps cost more with more tokens
         m0 = pre[0][3] if pre else None
-        self.monotone = len(models) == 1 and m0 is not None and min(
+        self.monotone = k._replay_p and len(models) == 1 and m0 is not None and min(
             m0.a0, m0.a1, m0.a2, m0.a3, m0.a4, m0.a5, m0.a6, m0.a7) >= 0.0
         preps, prep_of = k._dprep, k._prep
         max_defl = cfg.max_deflections
@@ -452,19 +454,22 @@ class Kairos:
         last_chunk = last_tp = 0
         ex = xfer = 0.0
         transfer = cfg.transfer_term
-        if replay_p:
-            # in increasing end of each worker's queue: its end (+ T_xfer) bounds its TTFT
-            # from below, so once it exceeds the best, so do all later ones (`cp.monotone`)
-            best_i = -1
-            stop = cp.monotone
-            for end, i, p, m, e in cp.pre:
-                chunk = p.token_budget
-                tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
-                if m is not last_m or chunk != last_chunk or tp != last_tp:
-                    ex = self._alone_time(m, chunk, tp)
-                    if m is not last_m:
-                        xfer = m.xfer_time(lack) if transfer else 0.0
-                    last_m, last_chunk, last_tp = m, chunk, tp
+        # with the replay predictor, in increasing end of each worker's queue: its end (+ T_xfer)
+        # bounds its TTFT from below, so once it exceeds the best, so do all later ones
+        # (`cp.monotone`); with Equation 1 (no replay), in view order
+        best_i = -1
+        stop = cp.monotone
+        for end, i, p, m, e in cp.pre:
+            chunk = p.token_budget
+            tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
+            if m is not last_m or chunk != last_chunk or tp != last_tp:
+                ex = self._alone_time(m, chunk, tp)
+                if m is not last_m:
+                    xfer = m.xfer_time(lack) if transfer else 0.0
+                last_m, last_chunk, last_tp = m, chunk, tp
+            if e is None:
+                t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
+            else:
                 lb = end - now + xfer
                 if lb >= ttft_p:
                     if lb > ttft_p:
@@ -473,32 +478,15 @@ class Kairos:
                         continue  # its queue alone outlasts the best so far
                     if i > best_i:
                         continue  # at best a tie, and later in the view
+                tail = e[2]
                 if end <= now:
                     t = ex + xfer  # idle (its queue ends before now): alone, at once
-                    if t < ttft_p or (t == ttft_p and i < best_i):
-                        best_p, ttft_p, best_tp, best_i = p, t, tp, i
-                    continue
-                tail = e[2]
-                if now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
+                elif now < tail.start and shares(chunk, p.max_batch, tail, now):  # `_replay_ttft`, inline
                     t = (extend_end_after(m, chunk, tail, e[3], e[4], tp) if tp > 0 else tail.end) - now + xfer
                 else:
-                    t = (tail.end - now if tail.end > now else 0.0) + ex + xfer
-                if t < ttft_p or (t == ttft_p and i < best_i):
-                    best_p, ttft_p, best_tp, best_i = p, t, tp, i
-        else:
-            dflt = None if cfg.per_worker_models else self.default_model  # `_model`, inline
-            for p in view.prefill:
-                m = p.model if dflt is None else dflt
-                chunk = p.token_budget
-                tp = req.prompt_tokens - req.cached_on(p.worker_id) if per_worker else tokens
-                if m is not last_m or chunk != last_chunk or tp != last_tp:
-                    ex = self._alone_time(m, chunk, tp)
-                    if m is not last_m:
-                        xfer = m.xfer_time(lack) if transfer else 0.0
-                    last_m, last_chunk, last_tp = m, chunk, tp
-                t = m.queue_wait(p.queued_tokens, chunk) + ex + xfer
-                if t < ttft_p:
-                    best_p, ttft_p, best_tp = p, t, tp
+                    t = tail.end - now + ex + xfer
+            if t < ttft_p or (t == ttft_p and i < best_i):
+                best_p, ttft_p, best_tp, best_i = p, t, tp, i
         if not view.decode:
             raise NoWorkers("no live decode worker")
         if replay_p and cfg.share_expect and best_p is not None:

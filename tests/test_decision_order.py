@@ -263,3 +263,32 @@ def test_the_lower_bound_with_deflections_in_flight_is_one(seed: int) -> None:
                 tight += held > 0.0
                 assert lb + held <= total * (1 + 1e-9), (td, lb, held, total)
     assert checked > 100 and tight > 50
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_policy_following_changing_views_decides_as_a_fresh_one(n: int) -> None:
+    """Views that change a few workers at a time, as the router's do (`kairos bench-decision`'s
+    `Cluster`: heartbeats, dispatches folded in, deflections in flight ending): the policy that
+    followed them, preparing most of them first (`Kairos.prepare`), decides every request as a
+    fresh policy does."""
+    from bench.decision_cost import Cluster, make_view
+
+    prof = PROFILES[1]
+    rng = random.Random(n)
+    lengths = [rng.choice([60, 300, 900, 2048, 3000, 6000]) for _ in range(64)]
+    views = [make_view(rng, n, prof.model, prof.prefill_token_budget, prof.decode_token_budget,
+                       prof.kv_capacity_tokens, lengths) for _ in range(8)]
+    cluster = Cluster(views, prof.model, prof.prefill_token_budget, lengths)
+    for cfg in (KairosConfig(), KairosConfig(predictor="paper", max_deflections=1)):
+        kept = Kairos(cfg, default_model=prof.model)
+        hb = random.Random(1)
+        view = cluster.reset()
+        for i in range(400):
+            now = i * 0.01
+            req = RequestSpec(request_id=str(i), prompt_tokens=lengths[i % len(lengths)], max_tokens=64,
+                              ttft_slo=2.0, tbt_slo=0.1)
+            if i % 3:
+                kept.prepare(view, now, 0.1)
+            d = kept.decide(req, view, now)
+            assert d == Kairos(cfg, default_model=prof.model).decide(req, view, now), i
+            view = cluster.after(hb, i, req, d, now)

@@ -171,7 +171,7 @@ class _ClusterPrep:
                     e = entry(p, m, now)
                 pre.append((e[2].end, i, p, m, e))
                 models.add(id(m))
-            pre.sort(key=_by_bound)
+            pre.sort()  # by (end, position): positions are unique, so the rest is never compared
         else:  # Equation 1 reads no queue: view order, no early stop
             pre = [(-_INF, i, p, p.model if dflt is None else dflt, None) for i, p in enumerate(view.prefill)]
         self.pre = pre
@@ -198,7 +198,7 @@ class _ClusterPrep:
                 alive.append(prep)
                 if not prep[10]:
                     live.append(prep)
-        ll.sort(key=itemgetter(0))
+        ll.sort()  # by key, which ends in the unique worker id
         self.ll = [prep for _, prep in ll]
         self.dec, self.alive, self.live, self.defl_full = dec, alive, live, full
 

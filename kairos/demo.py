@@ -41,7 +41,8 @@ from common.perf_model import Profile, load_profile
 from common.policy import make_policy
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
 from kairos.up import Cluster, ClusterSpec
-from sim.core import SimConfig, peak_load, prefill_load, simulate
+from sim.core import SimConfig, simulate
+from sim.load import peak_load, prefill_load
 from sim.stats import fmt, json_safe, summarize
 
 BASELINE = "disagg-least-loaded"

@@ -36,7 +36,7 @@ from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
-from sim.core import SimConfig, fastest_prefill, lower_bound, prefill_load, simulate
+from sim.core import SimConfig, simulate
 from sim.knobs import (
     Setup,
     add_engine_flags,
@@ -47,6 +47,7 @@ from sim.knobs import (
     setups_from_flags,
     shape,
 )
+from sim.load import fastest_prefill, lower_bound, prefill_load
 from sim.stats import fmt, json_safe, summarize
 
 DEFAULT_POLICIES = ("kairos", "disagg-least-loaded", "disagg-round-robin", "conditional-disagg", "chunked-prefill")

@@ -59,10 +59,8 @@ import itertools
 import math
 import random
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -70,15 +68,16 @@ import msgspec
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.replay import drain
-from common.perf_model import PerfModel, Profile
+from common.perf_model import Profile
 from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
-from common.policy.admission import Accepted, accepted_entry, check_deflection, decide_without
+from common.policy.admission import accepted_entry, check_deflection, decide_without
 from common.policy.kairos import Kairos, latest_start, retry_order
 from common.policy.prefix_index import PrefixIndex
 from common.policy.schedule import reserved_step_cost
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
-from sim.stats import RequestTiming, summarize
+from sim.state import DecodeWorker, Level, PrefillWorker, Req, Worker
+from sim.stats import RequestTiming
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,124 +111,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("need at least one router")
 
 
-@dataclass(slots=True, eq=False)
-class _Req:
-    rid: str
-    arrival: float
-    prompt: int
-    output: int
-    route: str | None = None
-    reason: str = ""
-    decode_worker: str = ""
-    router: int = 0               # which router replica it arrived at
-    ttft_pred: float | None = None
-    waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
-    held: bool = False            # waits because the policy held it (late binding), not for KV room
-    was_held: bool = False
-    latest: float = math.nan      # latest start to meet the TTFT SLO (late binding's retry order)
-    rejected: bool = False
-    prefill_started: float = -1.0
-    prefilled: float = -1.0
-    xfer: float = -1.0
-    first: float = -1.0
-    last: float = -1.0
-    done: float = -1.0
-    ntok: int = 0
-    hashes: list[int] | None = None  # the prompt's block hashes (from the trace's hash_ids)
-    cached: int = 0                  # prompt tokens its prefill skipped (prefix-cache hit)
-    gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
-
-
 LATE_SCAN = 64  # waiting requests one retry decides again at most (late binding; as the router)
 
 
-class _PLed:
-    """One router's ledger of a prefill worker: what it dispatched there since the last heartbeat."""
-
-    __slots__ = ("q", "reqs", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = self.reqs = 0
-        self.q: list[tuple[int, float]] = []  # (prompt tokens, dispatch time) since the heartbeat
-
-
-class _DLed:
-    """One router's ledger of a decode worker, and its exact record of the deflections it sent."""
-
-    __slots__ = ("deflecting", "kv", "pending", "res")
-
-    def __init__(self) -> None:
-        self.res = self.kv = self.pending = 0
-        self.deflecting: dict[str, tuple[float, int, float]] = {}  # deflection -> (step cost s, largest chunk,
-        # predicted end)
-
-
-class _Worker:
-    __slots__ = ("batcher", "beat_at", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at",
-                 "until", "views", "wid")
-
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
-        self.wid = wid
-        self.batcher = batcher
-        self.model = model
-        self.busy = False
-        self.busy_s = 0.0
-        self.phase = phase
-        self.next_hb = phase
-        self.hb: tuple[Any, ...] = ()
-        self.views: list[Any] = [None] * routers  # each router's view of it (None: to rebuild)
-        self.plan: StepPlan | None = None  # the step in flight
-        self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
-        self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
-        self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
-
-
-class _Prefill(_Worker):
-    __slots__ = ("led", "queued_reqs", "queued_tokens")
-
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
-        super().__init__(wid, batcher, model, phase, routers)
-        self.queued_tokens = 0
-        self.queued_reqs = 0
-        self.led = [_PLed() for _ in range(routers)]
-
-
-class _Decode(_Worker):
-    __slots__ = ("accepted", "accepted_from", "admit_wait", "led", "step_s", "waiting_kv", "waiting_kv_tokens")
-
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
-        super().__init__(wid, batcher, model, phase, routers)
-        self.waiting_kv = 0
-        self.waiting_kv_tokens = 0
-        self.admit_wait: deque[Seq] = deque()
-        self.led = [_DLed() for _ in range(routers)]
-        self.accepted: dict[str, Accepted] = {}  # worker side: deflections admitted, not yet prefilled
-        self.accepted_from: dict[str, tuple[int, int]] = {}  # ... their router and largest chunk (heartbeats)
-        self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
-
-
 _STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP, _BEAT = 0, 1, 2, 3, 4, 5
-
-
-class _Level:
-    """A queue's length over time: its maximum and its time-weighted mean."""
-
-    __slots__ = ("area", "max", "n", "t")
-
-    def __init__(self) -> None:
-        self.n = self.max = 0
-        self.area = self.t = 0.0
-
-    def add(self, now: float, delta: int) -> None:
-        self.area += self.n * (now - self.t)
-        self.t = now
-        self.n += delta
-        if self.n > self.max:
-            self.max = self.n
-
-    def report(self, end: float) -> dict[str, float]:
-        area = self.area + self.n * (end - self.t)
-        return {"max": self.max, "mean": area / end if end > 0 else 0.0}
 
 
 class SimResult(msgspec.Struct, kw_only=True):
@@ -265,13 +150,13 @@ class Simulation:
             return PrefixCache(bt, profile.kv_capacity_tokens // bt) if cfg.prefix_cache else None
 
         self.prefill = [
-            _Prefill(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
+            PrefillWorker(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
                                   max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
                                   default_chunk=profile.prefill_token_budget, prefix_cache=cache()), model, phase(i),
                      cfg.routers)
             for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
         self.decode = [
-            _Decode(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
+            DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
                                  default_chunk=profile.decode_default_chunk, prefix_cache=cache()), model,
                     phase(cfg.prefill + i), cfg.routers)
@@ -290,23 +175,23 @@ class Simulation:
         self._noise_mu = -cfg.step_noise ** 2 / 2.0
         self.steps = 0
         self.decision_ns: list[int] = []
-        self._waiting: deque[_Req] = deque()  # the router's FIFO of requests waiting for KV room or held
+        self._waiting: deque[Req] = deque()  # the router's FIFO of requests waiting for KV room or held
         self._waiting_kv = 0  # of which waiting for KV room
         self._holding = 0     # of which held by the policy (late binding)
         self._late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
-        self._q_wait, self._q_prefill, self._q_admit = _Level(), _Level(), _Level()
+        self._q_wait, self._q_prefill, self._q_admit = Level(), Level(), Level()
         for w in (*self.prefill, *self.decode):
             self._snapshot(w)  # the state announced at registration: idle
 
     # -- heartbeats and views -------------------------------------------------------------
-    def _touch(self, w: _Worker, now: float) -> None:
+    def _touch(self, w: Worker, now: float) -> None:
         """Capture the heartbeat(s) due by `now` before `w` changes (see the module docstring)."""
         if now >= w.next_hb:
             h = self.cfg.heartbeat_interval
             w.next_hb = w.phase + (math.floor((now - w.phase) / h) + 1) * h
             self._snapshot(w)
 
-    def _snapshot(self, w: _Worker) -> None:
+    def _snapshot(self, w: Worker) -> None:
         cache = w.batcher.cache
         if cache is not None:  # the heartbeat carries what the prefix cache stored and evicted
             stored, removed = cache.take_events()
@@ -314,7 +199,7 @@ class Simulation:
                 self.index.removed(w.wid, removed)
             if stored:
                 self.index.stored(w.wid, stored)
-        if isinstance(w, _Prefill):
+        if isinstance(w, PrefillWorker):
             backlog, busy = self._backlog(w)
             b = w.batcher
             w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy,
@@ -323,7 +208,7 @@ class Simulation:
                 pl.tokens = pl.reqs = 0
                 pl.q = []
         else:
-            assert isinstance(w, _Decode)
+            assert isinstance(w, DecodeWorker)
             batch = kv = res = defl = 0
             slo = math.inf
             for s in w.batcher.running:
@@ -343,11 +228,11 @@ class Simulation:
         w.views = [None] * len(w.views)
         self._clusters = [None] * len(self._clusters)
 
-    def _busy_until(self, w: _Worker) -> float:
+    def _busy_until(self, w: Worker) -> float:
         """When the step in flight ends, as the worker predicts it (its model, without noise)."""
         return w.until if w.busy else 0.0
 
-    def _backlog(self, w: _Prefill) -> tuple[tuple[tuple[int, int], ...], float]:
+    def _backlog(self, w: PrefillWorker) -> tuple[tuple[tuple[int, int], ...], float]:
         """What a prefill heartbeat reports for the replay predictor: each held request's
         (prompt tokens, tokens done) in FIFO order once the step in flight ends, and that time
         (the worker also replays it: `drain`)."""
@@ -360,14 +245,14 @@ class Simulation:
                 q.append((seq.prompt_len, done))
         return tuple(q), self._busy_until(w)
 
-    def _prefill_view(self, w: _Prefill, router: int) -> PrefillView:
+    def _prefill_view(self, w: PrefillWorker, router: int) -> PrefillView:
         q, n, backlog, busy, tail = w.hb
         led = w.led[router]
         return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
                            token_budget=w.batcher.token_budget, model=w.model, backlog=backlog, busy_until=busy,
                            drain=tail, ledger=tuple(led.q), max_batch=w.batcher.max_batch)
 
-    def _decode_view(self, w: _Decode, router: int) -> DecodeView:
+    def _decode_view(self, w: DecodeWorker, router: int) -> DecodeView:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
         reserved step cost come from the router's own exact record of deflections in flight (with
         several routers, of the ones it sent itself)."""
@@ -418,7 +303,7 @@ class Simulation:
                                                            tuple(d.views[router] for d in self.decode))
         return cluster
 
-    def _held_changed(self, w: _Decode, router: int) -> None:
+    def _held_changed(self, w: DecodeWorker, router: int) -> None:
         """A deflection sent by `router` started or finished its prefill on `w`: the other
         routers see it at once, as the live worker heartbeats at once on both (its heartbeats
         list the deflections it holds and who sent them). Their ledgers never hold it."""
@@ -427,11 +312,11 @@ class Simulation:
                 if i != router:
                     self._ledger_changed(w, i)
 
-    def _ledger_changed(self, w: _Worker, router: int) -> None:
+    def _ledger_changed(self, w: Worker, router: int) -> None:
         w.views[router] = None
         self._clusters[router] = None
 
-    def _soon(self, w: _Worker, now: float) -> None:
+    def _soon(self, w: Worker, now: float) -> None:
         """`w`'s state changed: it heartbeats `prompt_beat` later (one beat for every change
         until then), unless prompt beats are off or the views are always fresh anyway."""
         d = self.cfg.prompt_beat
@@ -439,7 +324,7 @@ class Simulation:
             w.beat_at = now + d
             self._push(w.beat_at, _BEAT, w, None)
 
-    def _beat(self, w: _Worker, now: float) -> None:
+    def _beat(self, w: Worker, now: float) -> None:
         w.beat_at = -1.0
         self._touch(w, now)
         self._snapshot(w)
@@ -449,13 +334,13 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, obj, extra))
 
-    def _duration(self, w: _Worker, plan: StepPlan) -> float:
+    def _duration(self, w: Worker, plan: StepPlan) -> float:
         dt = w.model.step_time(len(plan.decodes), plan.kv_tokens, [(chi, k) for _, chi, k in plan.chunks])
         if self.cfg.step_noise > 0:
             dt *= self._rng.lognormvariate(self._noise_mu, self.cfg.step_noise)
         return dt
 
-    def _start(self, w: _Worker, now: float) -> None:
+    def _start(self, w: Worker, now: float) -> None:
         plan = w.batcher.plan()
         if plan is None:
             w.busy = False
@@ -471,11 +356,11 @@ class Simulation:
                          w.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()))
         w.busy_s += dt
         self.steps += 1
-        if isinstance(w, _Decode):
+        if isinstance(w, DecodeWorker):
             w.step_s += 0.1 * (dt - w.step_s)
-        self._push(now + dt, _STEP_P if isinstance(w, _Prefill) else _STEP_D, w, plan)
+        self._push(now + dt, _STEP_P if isinstance(w, PrefillWorker) else _STEP_D, w, plan)
 
-    def _prefill_done(self, w: _Prefill, plan: StepPlan, now: float) -> None:
+    def _prefill_done(self, w: PrefillWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
         out = w.batcher.commit(plan)
         w.queued_tokens -= sum(chi for _, chi, _ in plan.chunks)
@@ -483,7 +368,7 @@ class Simulation:
         if out.prefilled:
             self._q_prefill.add(now, -len(out.prefilled))
         for seq in out.prefilled:
-            r: _Req = seq.user  # type: ignore[assignment]
+            r: Req = seq.user  # type: ignore[assignment]
             r.prefilled = now
             r.cached = seq.cached
             lack = seq.prompt_len
@@ -497,11 +382,11 @@ class Simulation:
             self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
         self._start(w, now)
 
-    def _decode_done(self, w: _Decode, plan: StepPlan, now: float) -> None:
+    def _decode_done(self, w: DecodeWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
         out = w.batcher.commit(plan)
         for seq in out.tokens:
-            r: _Req = seq.user  # type: ignore[assignment]
+            r: Req = seq.user  # type: ignore[assignment]
             if r.ntok:
                 r.gaps.append(now - r.last)
             else:
@@ -530,7 +415,7 @@ class Simulation:
                 self._retry_at_heartbeat(w, now)
         self._start(w, now)
 
-    def _retry_at_heartbeat(self, w: _Worker, now: float) -> None:
+    def _retry_at_heartbeat(self, w: Worker, now: float) -> None:
         t = w.next_hb if self.cfg.heartbeat_interval > 0 else now
         if 0 <= w.beat_at < t:
             t = w.beat_at
@@ -538,7 +423,7 @@ class Simulation:
             w.retry_at = t
             self._push(t, _RETRY, None, None)
 
-    def _admit(self, w: _Decode, seq: Seq, now: float) -> None:
+    def _admit(self, w: DecodeWorker, seq: Seq, now: float) -> None:
         if w.admit_wait or not w.batcher.can_admit(seq):
             w.admit_wait.append(seq)
             self._q_admit.add(now, 1)
@@ -547,12 +432,12 @@ class Simulation:
         if not w.busy:
             self._start(w, now)
 
-    def _drain_admissions(self, w: _Decode, now: float) -> None:
+    def _drain_admissions(self, w: DecodeWorker, now: float) -> None:
         while w.admit_wait and w.batcher.can_admit(w.admit_wait[0]):
             w.batcher.add(w.admit_wait.popleft())
             self._q_admit.add(now, -1)
 
-    def _kv_landed(self, r: _Req, now: float) -> None:
+    def _kv_landed(self, r: Req, now: float) -> None:
         w = self._d_by_id[r.decode_worker]
         self._touch(w, now)
         r.xfer = now
@@ -564,7 +449,7 @@ class Simulation:
         self._soon(w, now)
 
     # -- arrivals and the router's wait queue -----------------------------------------------
-    def _arrive(self, r: _Req, now: float) -> None:
+    def _arrive(self, r: Req, now: float) -> None:
         # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
         # not block the queue, so a new arrival is decided at once unless one waits for KV
         if self._waiting_kv or not self._dispatch(r, now):
@@ -576,7 +461,7 @@ class Simulation:
             self._q_wait.add(now, 1)
             self._push(now + self.cfg.kv_wait_timeout, _GIVE_UP, r, None)
 
-    def _count_wait(self, r: _Req, delta: int) -> None:
+    def _count_wait(self, r: Req, delta: int) -> None:
         if r.held:
             self._holding += delta
         else:
@@ -605,7 +490,7 @@ class Simulation:
             if not r.held:
                 return
 
-    def _give_up(self, r: _Req, now: float) -> bool:
+    def _give_up(self, r: Req, now: float) -> bool:
         if r.route is not None or r.rejected:
             return False  # placed in time
         self._waiting.remove(r)
@@ -617,11 +502,11 @@ class Simulation:
         return True
 
     @staticmethod
-    def _reject(r: _Req, reason: str) -> None:
+    def _reject(r: Req, reason: str) -> None:
         r.rejected = True
         r.reason = reason
 
-    def _dispatch(self, r: _Req, now: float) -> bool:
+    def _dispatch(self, r: Req, now: float) -> bool:
         """Ask the policy and send the request on its way; False (and why in `r.reason`) if it
         cannot be placed now."""
         cfg = self.cfg
@@ -713,7 +598,7 @@ class Simulation:
         self._soon(dw, now)
         return True
 
-    def _admission(self, w: _Decode, d: Decision) -> str:
+    def _admission(self, w: DecodeWorker, d: Decision) -> str:
         """The decode worker's check of a deflection against its live state ('' when it fits)."""
         batch = kv = 0
         slo = math.inf
@@ -733,7 +618,7 @@ class Simulation:
         bt = self.cfg.hash_block_tokens
         use = self.cfg.prefix_cache
         nr = self.cfg.routers
-        reqs = [_Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length, router=i % nr,
+        reqs = [Req(rid=str(i), arrival=tr.t, prompt=tr.input_length, output=tr.output_length, router=i % nr,
                      hashes=chain_ids(tr.hash_ids[:tr.input_length // bt]) or None if use and tr.hash_ids else None)
                 for i, tr in enumerate(trace)]
         if any(b.t < a.t for a, b in itertools.pairwise(trace)):
@@ -793,7 +678,7 @@ class Simulation:
         return SimResult(records=records, stats=stats)
 
     @staticmethod
-    def _timing(r: _Req) -> RequestTiming:
+    def _timing(r: Req) -> RequestTiming:
         if r.route is None or r.first < 0:
             return RequestTiming(ttft=None, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
                                  rejected=r.rejected, wait_s=r.waited if r.waited >= 0 else None)
@@ -806,12 +691,12 @@ class Simulation:
             wait_s=r.waited if r.waited >= 0 else None)
 
 
-def _from_arrival(pred: float | None, r: _Req, now: float) -> float | None:
+def _from_arrival(pred: float | None, r: Req, now: float) -> float | None:
     """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
     return None if pred is None else pred + (now - r.arrival)
 
 
-def prefix_hit_rate(reqs: Sequence[_Req]) -> float | None:
+def prefix_hit_rate(reqs: Sequence[Req]) -> float | None:
     """Prompt tokens whose prefill a prefix-cache hit skipped, over the prompt tokens of the
     requests that were prefilled (wherever: prefill worker or decode worker)."""
     done = [r for r in reqs if r.prefilled >= 0]
@@ -827,78 +712,3 @@ def _util(busy: list[float], span: float) -> float | None:
 
 def simulate(trace: Sequence[TraceRequest], profile: Profile, policy: Policy, cfg: SimConfig) -> SimResult:
     return Simulation(profile, policy, cfg).run(trace)
-
-
-def fastest_prefill(model: PerfModel, tokens: int) -> float:
-    """The shortest time a prompt alone can be prefilled in on an idle engine, over every way
-    of chunking it: alone in its steps a chunk is the step's total, so n chunks cost
-    n*(a0 + a6) + a3*L + a4*L^2/2 + sum over chunks of (a7*max(0, chi - knee) + a5*chi^2) (the
-    attention term does not depend on the chunking). The last two are convex in chi, so for a
-    given n equal chunks are best; n is searched around L*sqrt(a5/(a0 + a6)) (about 680 tokens
-    a chunk for a100-dsv2-lite) and up to where chunks reach the knee (one chunk when a5 = 0
-    and a0 + a6 >= a7*knee, as in the measured profiles)."""
-    if tokens <= 0:
-        return 0.0
-    fixed = model.a3 * tokens + model.a4 * tokens * tokens / 2.0
-    per_step = model.a0 + model.a6
-
-    def cost(n: int) -> float:
-        q, r = divmod(tokens, n)
-        over = r * max(0.0, q + 1 - model.knee) + (n - r) * max(0.0, q - model.knee)
-        return n * per_step + fixed + model.a7 * over + model.a5 * (r * (q + 1) ** 2 + (n - r) * q * q)
-
-    ns = {1, tokens}
-    if model.a5 > 0 and per_step > 0:
-        guess = int(tokens * math.sqrt(model.a5 / per_step))
-        ns.update(range(max(1, guess - 2), min(tokens, guess + 3) + 1))
-    if model.a7 > 0 and model.knee > 0:
-        top = min(tokens, int(tokens / model.knee) + 2)
-        ns.update(range(1, top + 1))
-    return min(cost(n) for n in ns)
-
-
-def lower_bound(trace: Sequence[TraceRequest], profile: Profile, *, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
-    """The physical limit: every request's own prefill, alone on an idle worker, chunked the
-    fastest way (`fastest_prefill`), with no queueing and no KV transfer (the last chunk's step
-    samples the first token). The TTFT keys match `summarize`; `tbt_single_decode_step` is a
-    decode step with one request and an empty cache."""
-    model = profile.model
-    cache: dict[int, float] = {}
-    recs = []
-    for tr in trace:
-        t = cache.get(tr.input_length)
-        if t is None:
-            t = cache[tr.input_length] = fastest_prefill(model, tr.input_length)
-        recs.append(RequestTiming(ttft=t, route=None, prompt_tokens=tr.input_length, output_tokens=tr.output_length))
-    s = summarize(recs, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
-    keep = ("requests", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99", "ttft_max",
-            "ttft_slo", "ttft_slo_attainment", "prompt_tokens")
-    out = {k: s[k] for k in keep}
-    out["tbt_single_decode_step"] = model.decode_time(1, 0)
-    return out
-
-
-def prefill_load(trace: Sequence[TraceRequest], profile: Profile, n_prefill: int) -> float | None:
-    """Offered load on the prefill pool: the trace's total prefill work (each prompt alone at
-    the token budget) over the trace span times the number of prefill workers."""
-    if not trace or n_prefill < 1:
-        return None
-    span = trace[-1].t - trace[0].t
-    if span <= 0:
-        return None
-    work = sum(profile.model.prefill_exec(tr.input_length, profile.prefill_token_budget) for tr in trace)
-    return work / (span * n_prefill)
-
-
-def peak_load(reqs: Sequence[TraceRequest], profile: Profile, n_prefill: int, window: float = 10.0) -> float:
-    """Offered prefill load in the busiest `window` seconds (1.0 = the prefill pool's capacity)."""
-    model, budget = profile.model, profile.prefill_token_budget
-    work = [model.prefill_exec(r.input_length, budget) for r in reqs]
-    best, j, acc = 0.0, 0, 0.0
-    for i, r in enumerate(reqs):
-        acc += work[i]
-        while reqs[j].t <= r.t - window:
-            acc -= work[j]
-            j += 1
-        best = max(best, acc)
-    return best / (window * n_prefill)

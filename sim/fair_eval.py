@@ -44,8 +44,9 @@ import numpy as np
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
-from sim.core import SimConfig, peak_load, prefill_load, simulate
+from sim.core import SimConfig, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
+from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
 from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one
 

@@ -13,7 +13,8 @@ from common.perf_model import Profile, load_profile
 from common.policy import POLICIES, KairosConfig, RequestSpec, make_policy
 from common.traces import TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
 from sim.cli import main
-from sim.core import SimConfig, Simulation, fastest_prefill, lower_bound, simulate
+from sim.core import SimConfig, Simulation, simulate
+from sim.load import fastest_prefill, lower_bound
 from sim.stats import RequestTiming, summarize
 
 PROF = load_profile("a100-dsv2-lite")

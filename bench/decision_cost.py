@@ -297,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", default=None,
                     help="policies to time; the last is the reference of the ratios "
                          "(default: kairos and disagg-least-loaded)")
-    ap.add_argument("--profile", default="a100-dsv2-lite")
+    ap.add_argument("--profile", default="a100-dsv2-lite",
+                    help="cost model the views and the policy use (default a100-dsv2-lite, as in earlier runs)")
     ap.add_argument("--trace", default="code", help="prompt lengths from this trace (default code)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed passes per size; the median pass's p50/p99 are reported (default 3)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the views, prompts and heartbeats (default 0)")
     ap.add_argument("--predictor", choices=("replay", "paper"), default=None,
                     help="kairos: TTFT predictor (default: the policy's default)")
     ap.add_argument("--no-prepare", action="store_true",

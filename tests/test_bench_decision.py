@@ -54,3 +54,16 @@ def test_bench_decision_runs_and_reports_the_machine_jitter(tmp_path: Path) -> N
     got = json.loads(out.read_text())
     assert [r["policy"] for r in got["rows"]] == ["kairos", "disagg-least-loaded"]
     assert got["rows"][0]["p50_us"] > 0 and got["jitter"]["p99_us"] >= got["jitter"]["p50_us"] > 0
+
+
+def test_bench_decision_times_the_preparation_apart_unless_told_not_to(tmp_path: Path) -> None:
+    """Kairos's view preparation is timed apart from the decision and summed with it; with
+    --no-prepare the decision does it and nothing is timed apart. Least-loaded has none."""
+    out = tmp_path / "d.json"
+    assert main(["--workers", "8", "--decisions", "200", "--repeat", "1", "--out", str(out)]) == 0
+    kairos, ll = json.loads(out.read_text())["rows"]
+    assert kairos["prep_mean_us"] > 1.0 and ll["prep_mean_us"] < 1.0
+    assert kairos["total_p50_us"] >= kairos["p50_us"]
+    assert main(["--workers", "8", "--decisions", "200", "--repeat", "1", "--no-prepare", "--out", str(out)]) == 0
+    kairos, _ = json.loads(out.read_text())["rows"]
+    assert kairos["prep_mean_us"] < 1.0

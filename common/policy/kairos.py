@@ -67,8 +67,10 @@ from common.policy.schedule import (
     BoundTerms,
     bound_of,
     bound_terms,
+    chunk_step,
     fixed_step_cost,
     held_bound,
+    largest_chunk,
     search,
     surely_feasible,
 )
@@ -268,9 +270,7 @@ class Kairos:
             a3, a4, a5, a7 = dm.a3 + 2.0 * dm.a5 * b, dm.a4, dm.a5, dm.a7
             if a3 >= 0 and dm.a2 >= 0 and a4 >= 0 and a5 >= 0 and a7 >= 0:
                 chi = cands[-1]
-                first = base0 + a3 * chi + a4 * chi * (0 + chi * 0.5) + a5 * chi * chi
-                if b - dm.knee + chi > 0:
-                    first += a7 * (b - dm.knee + chi)
+                first = chunk_step(base0, a3, a4, a5, a7, b - dm.knee, chi, 0)
                 stuck = first > budget_s
                 # past the context `dstar` that chunk no longer fits (the step count and a
                 # cached prefix only add), nor does any larger one; chunks are at most the
@@ -281,17 +281,11 @@ class Kairos:
                 if stuck:
                     # not even one token fits (the deflections in flight reserve the budget):
                     # no prompt with anything left to prefill has a schedule
-                    one = base0 + a3 + a4 * 0.5 + a5
-                    if b - dm.knee + 1 > 0:
-                        one += a7 * (b - dm.knee + 1)
-                    if one * (1 - 1e-9) > budget_s:
+                    if chunk_step(base0, a3, a4, a5, a7, b - dm.knee, 1, 0) * (1 - 1e-9) > budget_s:
                         doom = 1.0
                 elif slope > 0:
                     dstar = (budget_s - first) / slope
-                    q, room = a4 / 2.0 + a5, budget_s - base0
-                    top = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q) if q > 0 else room / a3 \
-                        if a3 > 0 else _INF
-                    top = min(float(cands[0]), top * (1 + 1e-9) + 1.0)
+                    top = min(float(cands[0]), largest_chunk(a3, a4 / 2.0 + a5, budget_s - base0) * (1 + 1e-9) + 1.0)
                     doom = dstar * (1 + 1e-9) + 1.0 + top + chi
             terms = bound_terms(dm, base0, budget_s, cands, b, relief)
         if len(self._dprep) > 4096:

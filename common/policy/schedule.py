@@ -42,6 +42,27 @@ def lower_bound(model: PerfModel, base0: float, tokens: int, budget_s: float, ca
 BoundTerms = tuple[float, float, float, float, float, int, float] | None
 
 
+def largest_chunk(a3: float, q: float, room: float) -> float:
+    """The largest chunk chi with a3*chi + q*chi**2 <= room (`room`: the step budget less the
+    step's cost without the chunk; q = a4/2 + a5, the chunk's own attention and step-total
+    terms at no context): what fits in a step at best, since context only adds. Unrounded."""
+    if q > 0:
+        return (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q)
+    return room / a3 if a3 > 0 else _INF
+
+
+def chunk_step(base: float, a3: float, a4: float, a5: float, a7: float, over0: float, chi: int,
+               done: int) -> float:
+    """One step with a chunk of `chi` tokens after `done` of the prompt, as `search` writes
+    `PerfModel.step_time` out: `base` the step without the chunk, `a3` with the decodes' cross
+    term (a3 + 2*a5*batch), `over0` = batch - knee (the roofline term a7 counts the step's
+    tokens past the knee)."""
+    t = base + a3 * chi + a4 * chi * (done + chi * 0.5) + a5 * chi * chi
+    if over0 + chi > 0:
+        t += a7 * (over0 + chi)
+    return t
+
+
 def bound_terms(model: PerfModel, base0: float, budget_s: float, cands: list[int], batch: int,
                  relief: float = 0.0) -> BoundTerms:
     """`relief`: the reserved step cost of the deflections in flight, which every step's safety
@@ -56,14 +77,7 @@ def bound_terms(model: PerfModel, base0: float, budget_s: float, cands: list[int
         base0 -= relief
         if base0 <= 0:
             return None  # no useful bound: 0
-    q = a4 / 2.0 + a5
-    if q > 0:
-        chi_max = (-a3 + math.sqrt(a3 * a3 + 4.0 * q * room)) / (2.0 * q)
-    elif a3 > 0:
-        chi_max = room / a3
-    else:
-        chi_max = _INF
-    chi_max = chi_max * (1 + 1e-9) + 1e-6
+    chi_max = largest_chunk(a3, a4 / 2.0 + a5, room) * (1 + 1e-9) + 1e-6
     last = cands[0] if cands[0] < chi_max else chi_max
     body = 0
     for c in cands:
@@ -316,10 +330,8 @@ def surely_feasible(model: PerfModel, d: DecodeView, tokens: int, budget_s: floa
     if steps > max_steps:
         return False
     ka, g = (0.0, a2 * b) if exact else (a2, 0.0)
-    t = (fixed_step_cost(model, d) + ka * tokens + g * (steps + lead) + a3 * chi + a4 * chi * (tokens + chi * 0.5)
-         + a5 * chi * chi)
-    if b - model.knee + chi > 0:
-        t += a7 * (b - model.knee + chi)
+    t = chunk_step(fixed_step_cost(model, d) + ka * tokens + g * (steps + lead), a3, a4, a5, a7, b - model.knee, chi,
+                   tokens)
     return t * (1 + 1e-9) <= budget_s
 
 

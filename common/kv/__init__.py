@@ -73,10 +73,10 @@ count them in `stats["failures"]`. Byte scaling (bytes per token vs the profile'
 
 from __future__ import annotations
 
+import common.kv._nixl as _nixl
 from common import logging as klog
 from common.config import WorkerConfig
 from common.errors import ConfigError
-from common.kv import _nixl
 from common.kv.errors import (
     REASONS,
     KvBadDescriptor,

@@ -29,8 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from datetime import UTC, datetime
@@ -39,33 +37,11 @@ from typing import Any
 
 import numpy as np
 
+import common.kv._nixl as _nixl
 from common import logging as klog
-from common.kv import _nixl
+from common.kv.bench_report import machine, rate_summary
 from common.kv.pattern import fill_pattern
 from common.kv.receiver import transfer_key
-
-
-def _machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        mem_gib = 0.0
-    return {"cpus": os.cpu_count(), "arch": platform.machine(), "cpu_model": model, "mem_gib": mem_gib,
-            "os": platform.platform(), "python": platform.python_version()}
-
-
-def _summary(nbytes: int, seconds: list[float]) -> dict[str, float]:
-    rates = [nbytes / s / 1e9 for s in seconds]
-    return {"gbps_median": round(statistics.median(rates), 3), "gbps_min": round(min(rates), 3),
-            "gbps_max": round(max(rates), 3), "ms_median": round(1e3 * statistics.median(seconds), 3)}
 
 
 class Memcpy:
@@ -101,10 +77,10 @@ async def _run_case(tx: Any, peer: Any, agent: str, case: str, size: int, block_
             transfer.append(result.transfer_s)
             total.append(result.total_s)
             copies.append(copy_s)
-    wire = _summary(size, transfer)
-    base = _summary(size, copies)
+    wire = rate_summary(size, transfer)
+    base = rate_summary(size, copies)
     return {"blocks": blocks, "verified": warmup + iters, **wire,
-            "push_gbps_median": _summary(size, total)["gbps_median"], "memcpy_gbps_median": base["gbps_median"],
+            "push_gbps_median": rate_summary(size, total)["gbps_median"], "memcpy_gbps_median": base["gbps_median"],
             "ratio_to_memcpy": round(wire["gbps_median"] / base["gbps_median"], 3)}
 
 
@@ -117,7 +93,7 @@ async def bench(size: int, block_size: int, iters: int, warmup: int, timeout: fl
     tag = f"{os.getpid()}"
     single, many = f"kvbench-single-{tag}", f"kvbench-blocks-{tag}"
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": _machine(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
         "nixl_version": _nixl.version(), "size_bytes": size, "block_bytes": block_size, "iters": iters,
         "warmup": warmup,
     }

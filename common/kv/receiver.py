@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+import common.kv._nixl as _nixl
 from common import logging as klog
-from common.kv import _nixl
 from common.kv.blocks import BlockAllocator, is_contiguous
 from common.kv.errors import KvBadDescriptor, KvCorrupt, KvError, KvNoSpace, KvTimeout, KvUnavailable
 from common.kv.layout import KvLayout

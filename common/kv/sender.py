@@ -32,8 +32,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+import common.kv._nixl as _nixl
 from common import logging as klog
-from common.kv import _nixl
 from common.kv.blocks import BlockAllocator
 from common.kv.errors import (
     KvBadDescriptor,

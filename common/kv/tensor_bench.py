@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from common.kv import _nixl
-from common.kv.bench import _machine, _summary
+import common.kv._nixl as _nixl
+from common.kv.bench_report import machine, rate_summary
 from common.kv.errors import KvCorrupt, KvNixlError, KvTimeout
 
 
@@ -268,7 +268,7 @@ def bench(size: int, block_size: int, iters: int, warmup: int, timeout: float, d
     dev = "cpu" if device is None else f"cuda:{device}"
     peer = dev if peer_device is None or device is None else f"cuda:{peer_device}"
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": _machine(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
         "nixl_version": _nixl.version(), "torch": torch.__version__, "memory": "VRAM" if device is not None else "DRAM",
         "device": dev, "peer_device": peer,
         "device_name": torch.cuda.get_device_name(device) if device is not None else "cpu",
@@ -286,7 +286,7 @@ def bench(size: int, block_size: int, iters: int, warmup: int, timeout: float, d
                 if i >= warmup:
                     wire.append(seconds)
                     copies.append(copy_s)
-            w, c = _summary(size, wire), _summary(size, copies)
+            w, c = rate_summary(size, wire), rate_summary(size, copies)
             report[case] = {"blocks": blocks, "verified": warmup + iters, **w, "memcpy_gbps_median": c["gbps_median"],
                             "ratio_to_memcpy": round(w["gbps_median"] / c["gbps_median"], 3)}
     finally:

@@ -13,6 +13,7 @@ seed + i, as vLLM's parallel sampling does).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -164,13 +165,20 @@ _OFF: dict[str, tuple[Any, ...]] = {
 }
 
 
+@functools.cache
+def _refusable(typ: type[msgspec.Struct]) -> tuple[tuple[str, str, Any, tuple[Any, ...]], ...]:
+    """The refused fields a body type has, each with its default and its 'off' values: read once
+    per type. (`msgspec.structs.fields` re-reads the type's annotations on every call: about
+    0.8 ms for the 57-field chat body, more than the rest of a request's router work.)"""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(typ)}
+    return tuple((name, why, defaults[name], _OFF.get(name, ())) for name, why in REFUSED.items()
+                 if name in defaults)
+
+
 def _check_refused(body: _Body) -> None:
-    defaults = {f.name: f.default for f in msgspec.structs.fields(body)}
-    for name, why in REFUSED.items():
-        if name not in defaults:
-            continue
+    for name, why, default, off in _refusable(type(body)):
         v = getattr(body, name)
-        if v is None or v == defaults[name] or v in _OFF.get(name, ()):
+        if v is None or v == default or v in off:
             continue
         raise RequestError(f"'{name}' is not supported by Kairos: {why}", param=name, code="unsupported_parameter")
 

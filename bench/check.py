@@ -1,0 +1,118 @@
+"""`make bench-check`: short runs of bench-router and bench-decision against committed figures.
+
+    python -m bench.check                  # measure, compare with bench/baseline.json, exit 1 on a regression
+    python -m bench.check --update         # measure and write the figures as the new baseline
+    python -m bench.check --out FILE.json  # also keep what was measured
+
+What it compares is two ratios measured within one run, so that the machine's speed and load
+cancel out (absolute microseconds move by 2x between days on the same VM):
+
+- `router_cost_ratio`: the router's CPU per request over a bare ASGI app's (bench/reference_app.py)
+  at the same offered rates, one output token per request (`kairos bench-router --phases requests`);
+- `decision_total_ratio`: Kairos's decision plus view preparation, mean per request, over
+  disagg-least-loaded's, at 8+8 workers (`kairos bench-decision`, `total_mean_us`).
+
+A check fails when a measured ratio exceeds its baseline by more than the tolerance factor in
+bench/baseline.json. The tolerance is set from repeated runs on a 2-core machine (BENCHMARKS.md,
+"bench-check"): wide enough that the machine's own spread never reaches it, narrow enough that a
+per-request cost like the one 3c42f7e added (2.5x on the router ratio) fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+BASELINE = Path(__file__).with_name("baseline.json")
+# the short runs: two request rates a router on one core carries easily, 4 s each, plus the reference
+ROUTER_ARGS = ["--phases", "requests", "--rates", "100,200", "--step", "4", "--log-level", "warning"]
+DECISION_ARGS = ["--workers", "8", "--decisions", "3000", "--repeat", "3"]
+
+
+def _run(module: str, args: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0 or not out.exists():
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"bench-check: `{' '.join(cmd)}` failed (exit {proc.returncode}); its output is above")
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def measure(runs: int) -> dict[str, Any]:
+    """Each ratio `runs` times (router and decision runs alternated); the median is what counts."""
+    router: list[float] = []
+    decision: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="kairos-bench-check-") as tmp:
+        for i in range(runs):
+            r = _run("bench.router_throughput", ROUTER_ARGS, Path(tmp) / f"router-{i}.json")
+            ratio = (r.get("reference") or {}).get("router_cost_ratio")
+            if not ratio:
+                raise SystemExit("bench-check: bench-router gave no router_cost_ratio (did the reference app run?)")
+            router.append(float(ratio))
+            d = _run("bench.decision_cost", DECISION_ARGS, Path(tmp) / f"decision-{i}.json")
+            rows = {row["policy"]: row for row in d["rows"]}
+            decision.append(rows["kairos"]["total_mean_us"] / rows["disagg-least-loaded"]["total_mean_us"])
+    return {"router_cost_ratio": statistics.median(router), "decision_total_ratio": statistics.median(decision),
+            "runs": {"router_cost_ratio": [round(x, 3) for x in router],
+                     "decision_total_ratio": [round(x, 3) for x in decision]}}
+
+
+def compare(measured: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+    """The failures: each ratio above baseline x tolerance."""
+    tol = float(baseline["tolerance"])
+    bad = []
+    for key in ("router_cost_ratio", "decision_total_ratio"):
+        limit = float(baseline[key]) * tol
+        if measured[key] > limit:
+            bad.append(f"{key} {measured[key]:.2f} exceeds the baseline {baseline[key]:.2f} x {tol:g} = {limit:.2f}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=1, help="runs of each benchmark; the median counts (default 1)")
+    p.add_argument("--baseline", type=Path, default=BASELINE, help="figures to compare with (bench/baseline.json)")
+    p.add_argument("--update", action="store_true", help="write what was measured as the new baseline")
+    p.add_argument("--out", type=Path, help="also write what was measured here (JSON)")
+    args = p.parse_args(argv)
+    measured = measure(args.runs)
+    measured["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    if args.out:
+        args.out.write_text(json.dumps(measured, indent=1) + "\n")
+    print(f"bench-check: router CPU per request {measured['router_cost_ratio']:.2f}x the reference app, "
+          f"decision + preparation {measured['decision_total_ratio']:.2f}x least-loaded "
+          f"(runs: {measured['runs']})")
+    if args.update:
+        old = json.loads(args.baseline.read_text()) if args.baseline.exists() else {}
+        new = {"router_cost_ratio": round(measured["router_cost_ratio"], 2),
+               "decision_total_ratio": round(measured["decision_total_ratio"], 2),
+               "tolerance": old.get("tolerance", 1.6), "measured": measured["date"],
+               "note": old.get("note", "")}
+        args.baseline.write_text(json.dumps(new, indent=1) + "\n")
+        print(f"bench-check: baseline written to {args.baseline}")
+        return 0
+    baseline = json.loads(args.baseline.read_text())
+    bad = compare(measured, baseline)
+    for line in bad:
+        print(f"bench-check: REGRESSION: {line}")
+    if bad:
+        print("bench-check: a per-request or per-decision cost grew; profile with `kairos bench-router --py-spy 200` "
+              "or `kairos bench-decision`, or, if the cost is deliberate, `python -m bench.check --update --runs 5` "
+              "and say why in BENCHMARKS.md")
+        return 1
+    print(f"bench-check: ok (baseline {baseline['router_cost_ratio']}x and {baseline['decision_total_ratio']}x, "
+          f"tolerance x{baseline['tolerance']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

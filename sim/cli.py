@@ -40,8 +40,10 @@ from sim.core import SimConfig, simulate
 from sim.knobs import (
     Setup,
     add_engine_flags,
+    add_error_flags,
     add_policy_flags,
     build,
+    error_settings,
     knob_values,
     load_tuned,
     setups_from_flags,
@@ -84,9 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between worker heartbeats; 0 = the policy sees the live state (default 0.1)")
     c.add_argument("--no-ledger", action="store_true",
                    help="the policy sees heartbeats only, not the router's ledger of work dispatched since")
-    c.add_argument("--step-noise", type=float, default=0.0,
-                   help="sigma of a mean-1 lognormal error on every executed step (the policy predicts "
-                        "without it), e.g. 0.1 for ~10%% model error (default 0)")
     c.add_argument("--routers", default="1",
                    help="router replicas, requests assigned round-robin, each with its own ledger and stale view; "
                         "a comma list runs each (default 1)")
@@ -107,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for KV room before new ones are rejected at once (default 1024)")
     add_prefix_flags(c)
     add_engine_flags(p)
+    add_error_flags(p)
     s = p.add_argument_group("policies and SLOs")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--rate-scale values must be positive")
     base = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                      heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
-                     step_noise=args.step_noise, seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
+                     **error_settings(args), seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
                      prompt_beat=args.prompt_beat)
@@ -282,7 +282,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "tbt_slo_definition": "tbt_slo_attainment: the request's largest inter-token gap <= tbt_slo; "
                               "tbt_p99_slo_attainment: its P99 gap <= tbt_slo",
         "ttft_percentiles": "over every request; one that got no token (rejected) counts as infinite (null here)",
-        "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger, "step_noise": args.step_noise,
+        "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in error_settings(args).items()},
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
         "prompt_beat": args.prompt_beat,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,

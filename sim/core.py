@@ -68,6 +68,7 @@ import msgspec
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.replay import drain
+from common.engines.step_error import ChunkGuard, StepError, StepErrorEstimator
 from common.perf_model import Profile
 from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
 from common.policy.admission import accepted_entry, check_deflection, decide_without
@@ -88,6 +89,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_interval: float = 0.1
     ledger: bool = True
     step_noise: float = 0.0   # sigma of a mean-1 lognormal factor on every executed step time
+    step_scale: float = 1.0   # every executed step takes this times the model's time (the engine slower or faster)
+    worker_speed: tuple[float, ...] = ()  # per-worker factors (prefill workers first, then decode; cycled)
+    slow_every_s: float = 0.0  # mean seconds between a worker's slow periods (0: none; common/engines/step_error.py)
+    slow_for_s: float = 1.0    # mean length of a slow period
+    slow_factor: float = 1.5   # step time factor in a slow period
+    straggler_p: float = 0.0   # fraction of steps that straggle
+    straggler_factor: float = 3.0  # step time factor of a straggler
+    closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
@@ -109,6 +118,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("hash_block_tokens must be >= 1")
         if self.routers < 1:
             raise ValueError("need at least one router")
+        self.step_error()  # validates
+
+    def step_error(self) -> StepError:
+        return StepError(noise=self.step_noise, scale=self.step_scale, speeds=self.worker_speed,
+                         slow_every_s=self.slow_every_s, slow_for_s=self.slow_for_s, slow_factor=self.slow_factor,
+                         straggler_p=self.straggler_p, straggler_factor=self.straggler_factor)
 
 
 LATE_SCAN = 64  # waiting requests one retry decides again at most (late binding; as the router)
@@ -158,7 +173,8 @@ class Simulation:
         self.decode = [
             DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                 default_chunk=profile.decode_default_chunk, prefix_cache=cache()), model,
+                                 default_chunk=profile.decode_default_chunk, prefix_cache=cache(),
+                                 guard=ChunkGuard(model, StepErrorEstimator()) if cfg.closed_loop else None), model,
                     phase(cfg.prefill + i), cfg.routers)
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
         self.index = PrefixIndex()  # the router's: fed by heartbeats' summaries and by dispatches
@@ -172,7 +188,10 @@ class Simulation:
         self._clusters: list[ClusterView | None] = [None] * cfg.routers
         self.admission_rejected = 0
         self._rng = random.Random(cfg.seed)
-        self._noise_mu = -cfg.step_noise ** 2 / 2.0
+        error = cfg.step_error()
+        self._exact = error.exact
+        # each worker's injected error (one shared generator: with noise alone, the same draws as before)
+        self._error = {w.wid: error.source(i, self._rng) for i, w in enumerate((*self.prefill, *self.decode))}
         self.steps = 0
         self.decision_ns: list[int] = []
         self._waiting: deque[Req] = deque()  # the router's FIFO of requests waiting for KV room or held
@@ -334,11 +353,12 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, obj, extra))
 
-    def _duration(self, w: Worker, plan: StepPlan) -> float:
-        dt = w.model.step_time(len(plan.decodes), plan.kv_tokens, [(chi, k) for _, chi, k in plan.chunks])
-        if self.cfg.step_noise > 0:
-            dt *= self._rng.lognormvariate(self._noise_mu, self.cfg.step_noise)
-        return dt
+    def _duration(self, w: Worker, plan: StepPlan, now: float) -> tuple[float, float]:
+        """(the step's time as executed, as the model predicts it)."""
+        pred = w.model.step_time(len(plan.decodes), plan.kv_tokens, [(chi, k) for _, chi, k in plan.chunks])
+        if self._exact:
+            return pred, pred
+        return pred * self._error[w.wid].factor(now), pred
 
     def _start(self, w: Worker, now: float) -> None:
         plan = w.batcher.plan()
@@ -351,13 +371,15 @@ class Simulation:
             if seq.prefill_started is None:
                 seq.prefill_started = now
                 seq.user.prefill_started = now  # type: ignore[attr-defined]
-        dt = self._duration(w, plan)
-        w.until = now + (dt if self.cfg.step_noise <= 0 else
-                         w.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()))
+        dt, pred = self._duration(w, plan, now)
+        w.until = now + pred  # the end of the step in flight, as the worker predicts it
         w.busy_s += dt
         self.steps += 1
         if isinstance(w, DecodeWorker):
             w.step_s += 0.1 * (dt - w.step_s)
+            guard = w.batcher.guard
+            if guard is not None:  # measured when the step ends, before the next plan: the same
+                guard.estimator.observe(pred, dt)
         self._push(now + dt, _STEP_P if isinstance(w, PrefillWorker) else _STEP_D, w, plan)
 
     def _prefill_done(self, w: PrefillWorker, plan: StepPlan, now: float) -> None:

@@ -126,6 +126,47 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "no chunk schedule (conditional-disagg, chunked-prefill; vLLM long_prefill_token_threshold)")
 
 
+def add_error_flags(p: argparse.ArgumentParser) -> None:
+    """Model error injected into the simulated engine (common/engines/step_error.py): the policy
+    predicts with the profile, the engine runs otherwise."""
+    e = p.add_argument_group("model error: how the simulated engine departs from its profile (default: not at all)")
+    e.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="sigma of a mean-1 lognormal error on every executed step, e.g. 0.1 for ~10%% (default 0)")
+    e.add_argument("--step-scale", type=float, default=1.0, metavar="F",
+                   help="every step takes F x the profile's time: 1.15 = an engine 15%% slower than profiled")
+    e.add_argument("--worker-speed", default="", metavar="F,F,...",
+                   help="per-worker step time factors, prefill workers first, then decode (cycled): a mixed fleet")
+    e.add_argument("--slow-every", type=float, default=0.0, metavar="S",
+                   help="mean seconds between a worker's slow periods (0: none)")
+    e.add_argument("--slow-for", type=float, default=1.0, metavar="S", help="mean length of a slow period (default 1)")
+    e.add_argument("--slow-factor", type=float, default=1.5, metavar="F", help="step time factor when slow (1.5)")
+    e.add_argument("--straggler-p", type=float, default=0.0, metavar="P", help="fraction of steps that straggle")
+    e.add_argument("--straggler-factor", type=float, default=3.0, metavar="F",
+                   help="step time factor of a straggling step (default 3)")
+    e.add_argument("--closed-loop", choices=("on", "off"), default="on",
+                   help="decode workers measure their step error and cut in-place chunks to keep gaps within the "
+                        "TBT SLO (default on; off: the router's plan alone, as before)")
+
+
+def error_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The SimConfig fields of `add_error_flags`; ConfigError for bad values."""
+    from common.engines.step_error import StepError, parse_speeds
+
+    try:
+        out: dict[str, Any] = {
+            "step_noise": args.step_noise, "step_scale": args.step_scale,
+            "worker_speed": parse_speeds(args.worker_speed), "slow_every_s": args.slow_every,
+            "slow_for_s": args.slow_for, "slow_factor": args.slow_factor, "straggler_p": args.straggler_p,
+            "straggler_factor": args.straggler_factor}
+        StepError(noise=out["step_noise"], scale=out["step_scale"], speeds=out["worker_speed"],
+                  slow_every_s=out["slow_every_s"], slow_for_s=out["slow_for_s"], slow_factor=out["slow_factor"],
+                  straggler_p=out["straggler_p"], straggler_factor=out["straggler_factor"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    out["closed_loop"] = args.closed_loop == "on"
+    return out
+
+
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("kairos knobs (default: KairosConfig's)")
     k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.3)")

@@ -45,7 +45,7 @@ from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_pa
 from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
-from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
+from sim.knobs import TUNED_FORMAT, Setup, add_error_flags, build, error_settings, knob_values, shape
 from sim.stats import fmt, json_safe, summarize
 
 ENGINE_KNOBS = ("prefill_token_budget", "decode_token_budget", "decode_chunk")
@@ -248,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request waits for KV room before rejection (default 30)")
     add_prefix_flags(c)
+    add_error_flags(p)  # tune under the model error the policies will be judged in
     s = p.add_argument_group("policies and search")
     s.add_argument("--policy", action="append", choices=POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
@@ -340,7 +341,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     slices, tune_trace, report_trace, info = load_slices(args)
     sim = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                     heartbeat_interval=args.heartbeat_interval, kv_wait_timeout=args.kv_wait_timeout,
-                    prefix_cache=args.prefix_cache == "on", hash_block_tokens=args.hash_block_tokens)
+                    prefix_cache=args.prefix_cache == "on", hash_block_tokens=args.hash_block_tokens,
+                    **error_settings(args))
     fixed = {"kairos": {"prefix_aware": False}} if args.no_prefix_aware else {}
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     for name in policies:

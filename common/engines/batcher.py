@@ -7,7 +7,10 @@ simulated engine and the discrete-event simulator share this class, so they batc
 Decode role, each step: every running decode gets one token first; then every in-place
 (deflected) prefill gets its next chunk, the next entry of its schedule when it has one (the
 router sized it for the TBT budget), else up to the engine's default chunk, always within the
-remaining token budget (a scheduled chunk cut short continues next step). The step that runs
+remaining token budget (a scheduled chunk cut short continues next step). With a `guard`
+(common/engines/step_error.py: the closed-loop TBT protection), a scheduled chunk is also cut
+to what the step's predicted time times the worker's measured error margin allows within the
+strictest TBT SLO of the decodes in the batch. The step that runs
 a prompt's last chunk also samples its first token, as vLLM does. A handed-off request (KV
 from a prefill worker) joins as a decode.
 
@@ -27,9 +30,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from common.engines.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from common.engines.step_error import ChunkGuard
 
 
 @dataclass(slots=True, eq=False)
@@ -98,7 +104,8 @@ class Batcher:
     """The batching state of one engine. See the module docstring for the step rules."""
 
     def __init__(self, *, role: Literal["prefill", "decode"], token_budget: int, max_batch: int,
-                 kv_capacity_tokens: int, default_chunk: int, prefix_cache: PrefixCache | None = None) -> None:
+                 kv_capacity_tokens: int, default_chunk: int, prefix_cache: PrefixCache | None = None,
+                 guard: ChunkGuard | None = None) -> None:
         if token_budget <= 0 or default_chunk <= 0:
             raise ValueError("token_budget and default_chunk must be positive")
         self.role = role
@@ -112,6 +119,7 @@ class Batcher:
         self.kv_reserved = 0
         self.steps = 0
         self.cache = prefix_cache
+        self.guard = guard  # decode role: cuts scheduled chunks to the measured step-time error
 
     # -- membership -----------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -238,10 +246,14 @@ class Batcher:
                 kv += seq.kv_tokens
         budget = self.token_budget - len(decodes)
         chunks: list[tuple[Seq, int, int]] = []
+        guard = self.guard if decodes else None
+        slo = min(s.tbt_slo for s in decodes) if guard is not None else 0.0
         for seq in prefills:
             if seq.schedule:
                 # the router sized it for the budget it saw; never past the budget left now
                 chi = min(seq.schedule[0], seq.remaining_prompt, budget)
+                if guard is not None and chi > 1:  # nor past what the measured model error allows
+                    chi = guard.fit(len(decodes), kv, [(c, k) for _, c, k in chunks], chi, seq.computed, slo)
             else:
                 chi = min(self.default_chunk, seq.remaining_prompt, budget)
             if chi <= 0:

@@ -1,0 +1,200 @@
+"""How wrong the step-time model is on one engine, and what a worker does about it.
+
+Two halves, both pure (no clock, no I/O; randomness passed in):
+
+- `StepError`: error *injected* into a simulated engine, so the simulator (`kairos sim`) and the
+  live simulated engine (`kairos up`) run steps that the policy's model does not predict exactly:
+  every executed step takes model time x scale x worker speed x a noise factor. The factor is a
+  mean-1 lognormal with sigma `noise` (independent per step), times `slow_factor` while the
+  worker is in a slow period (a two-state process: slow periods start at rate 1/`slow_every_s`
+  and last `slow_for_s` on average, both exponential: co-tenants, thermal or power capping,
+  a noisy neighbour on the NVLink or PCIe switch), times `straggler_factor` for a fraction
+  `straggler_p` of steps (allocator stalls, a host-side hiccup). The defaults inject nothing.
+  Real engines show all three kinds (per-step jitter of a few percent, bias of 10-20 % between
+  a profile and another driver or GPU revision, rare slow steps); the sizes here are
+  assumptions to stress the policy, not measurements, and docs/cost-model.md says so.
+
+- `StepErrorEstimator`: what a decode worker *measures*: for every executed step, measured /
+  predicted. It keeps the last `window` ratios and gives their bias (median) and the margin the
+  worker plans with: the (1 - target) quantile of the ratio, so that a step planned to take at
+  most SLO / margin by the model exceeds the SLO with probability about `target`. After an
+  overrun (a step whose ratio exceeds the margin) the margin is at least that step's ratio until
+  a step comes back within the quantile: correlated slowness is answered at the next step, on
+  the worker, without waiting for the window or the router. Until `min_samples` steps have been
+  seen the margin is 1 (trust the model).
+
+- `ChunkGuard`: the worker-side use of the margin. When a decode step is planned, each chunk of
+  a scheduled (router-planned) deflection is cut so that the step's predicted time x margin stays
+  within the strictest TBT SLO of the decodes in the batch; the rest of the chunk runs next step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+
+import msgspec
+
+from common.perf_model import PerfModel
+
+
+class StepError(msgspec.Struct, frozen=True, kw_only=True):
+    """Injected model error (see the module docstring). All defaults: the model is exact."""
+
+    noise: float = 0.0            # sigma of a mean-1 lognormal factor per step
+    scale: float = 1.0            # every step takes scale x the model's time (all workers)
+    speeds: tuple[float, ...] = ()  # per-worker factors, in worker order (cycled); () = 1.0 each
+    slow_every_s: float = 0.0     # mean seconds between slow periods (0: none)
+    slow_for_s: float = 1.0       # mean length of a slow period
+    slow_factor: float = 1.5      # steps in a slow period take this much longer
+    straggler_p: float = 0.0      # fraction of steps that straggle
+    straggler_factor: float = 3.0  # a straggling step takes this much longer
+
+    def __post_init__(self) -> None:
+        if self.noise < 0 or self.scale <= 0 or any(s <= 0 for s in self.speeds):
+            raise ValueError("step noise must be >= 0, step scale and worker speeds > 0")
+        if self.slow_every_s < 0 or self.slow_for_s <= 0 or self.slow_factor <= 0:
+            raise ValueError("slow periods: every >= 0, for > 0, factor > 0")
+        if not 0.0 <= self.straggler_p < 1.0 or self.straggler_factor <= 0:
+            raise ValueError("straggler probability must be in [0, 1), its factor > 0")
+
+    @property
+    def exact(self) -> bool:
+        return (self.noise == 0 and self.scale == 1.0 and all(s == 1.0 for s in self.speeds)
+                and self.slow_every_s == 0 and self.straggler_p == 0)
+
+    def speed(self, index: int) -> float:
+        return self.speeds[index % len(self.speeds)] if self.speeds else 1.0
+
+    def source(self, index: int, rng: random.Random) -> StepErrorSource:
+        return StepErrorSource(self, self.speed(index) * self.scale, rng)
+
+
+class StepErrorSource:
+    """The injected error of one worker: `factor(now)` for the step that starts at `now`."""
+
+    def __init__(self, cfg: StepError, base: float, rng: random.Random) -> None:
+        self.cfg = cfg
+        self.base = base
+        self.rng = rng
+        self._mu = -cfg.noise ** 2 / 2.0
+        self._slow_until = -math.inf
+        self._next_slow = rng.expovariate(1.0 / cfg.slow_every_s) if cfg.slow_every_s > 0 else math.inf
+
+    def factor(self, now: float) -> float:
+        cfg = self.cfg
+        f = self.base
+        if cfg.noise > 0:
+            f *= self.rng.lognormvariate(self._mu, cfg.noise)
+        if cfg.slow_every_s > 0:
+            while now >= self._next_slow:  # periods that started (and perhaps ended) since the last step
+                self._slow_until = self._next_slow + self.rng.expovariate(1.0 / cfg.slow_for_s)
+                self._next_slow = self._slow_until + self.rng.expovariate(1.0 / cfg.slow_every_s)
+            if now < self._slow_until:
+                f *= cfg.slow_factor
+        if cfg.straggler_p > 0 and self.rng.random() < cfg.straggler_p:
+            f *= cfg.straggler_factor
+        return f
+
+
+def parse_speeds(text: str) -> tuple[float, ...]:
+    """'0.9,1.1' -> (0.9, 1.1); '' -> ()."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise ValueError(f"--worker-speed takes numbers separated by commas (got {text!r})") from e
+
+
+TARGET = 0.01      # the chance of a gap over the SLO a chunk is planned for
+WINDOW = 512       # steps the estimator remembers
+MIN_SAMPLES = 32   # steps before the measured margin replaces 1.0
+
+
+class StepErrorEstimator:
+    """Measured / predicted step time of one worker (see the module docstring)."""
+
+    def __init__(self, *, target: float = TARGET, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
+        if not 0.0 < target < 0.5:
+            raise ValueError("the overrun target must be in (0, 0.5)")
+        self.target = target
+        self.min_samples = min_samples
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.steps = 0
+        self.overruns = 0      # steps whose ratio exceeded the margin planned with
+        self._stale = True
+        self._quantile = 1.0
+        self._bias = 1.0
+        self._hold = 0.0       # after an overrun: plan as if steps run this slow, until one does not
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        r = measured_s / predicted_s
+        margin = self.margin()
+        self.ratios.append(r)
+        self.steps += 1
+        self._stale = True
+        if len(self.ratios) < self.min_samples:
+            return
+        if r > margin:
+            self.overruns += 1
+            self._hold = r
+        elif r <= self._q():
+            self._hold = 0.0
+
+    def _q(self) -> float:
+        if self._stale:
+            s = sorted(self.ratios)
+            n = len(s)
+            self._quantile = s[min(n - 1, math.ceil((1.0 - self.target) * n) - 1)] if n else 1.0
+            self._bias = s[n // 2] if n else 1.0
+            self._stale = False
+        return self._quantile
+
+    def margin(self) -> float:
+        """What a planned step's predicted time is multiplied by before it is held to the SLO."""
+        if len(self.ratios) < self.min_samples:
+            return 1.0
+        return max(self._q(), self._hold)
+
+    def bias(self) -> float:
+        """The median of measured / predicted (1.0 until `min_samples`)."""
+        if len(self.ratios) < self.min_samples:
+            return 1.0
+        self._q()
+        return self._bias
+
+
+class ChunkGuard:
+    """Cuts a deflection's chunk to what fits its step beside the batch (see the module docstring)."""
+
+    def __init__(self, model: PerfModel, estimator: StepErrorEstimator) -> None:
+        self.model = model
+        self.estimator = estimator
+        self.cuts = 0  # chunks cut
+
+    def fit(self, batch: int, kv_tokens: int, chunks: Sequence[tuple[int, int]], chi: int, context: int,
+            tbt_slo: float) -> int:
+        """The largest chunk <= chi (at least 1 token) whose step, beside `batch` decodes over
+        `kv_tokens` and the chunks already planned, is predicted within tbt_slo / margin."""
+        if batch == 0 or tbt_slo <= 0 or chi <= 1:
+            return chi
+        limit = tbt_slo / self.estimator.margin()
+        step = self.model.step_time
+        if step(batch, kv_tokens, [*chunks, (chi, context)]) <= limit:
+            return chi
+        lo, hi = 1, chi  # step time grows with the chunk: the largest chunk that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if step(batch, kv_tokens, [*chunks, (mid, context)]) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        self.cuts += 1
+        return lo
+
+
+__all__ = ["MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard", "StepError", "StepErrorEstimator",
+           "StepErrorSource", "parse_speeds"]

@@ -135,6 +135,16 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
     profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
     time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
+    step_noise: Annotated[float, doc("sim: sigma of a mean-1 lognormal error on every step (model error; 0: none)")] = 0.0
+    step_scale: Annotated[float, doc("sim: every step takes this times the profile's time (1.15: 15 % slower)")] = 1.0
+    step_speed: Annotated[float, doc("sim: this worker's own step time factor (a mixed fleet)")] = 1.0
+    slow_every: Annotated[float, doc("sim: mean seconds between slow periods (0: none)")] = 0.0
+    slow_for: Annotated[float, doc("sim: mean length of a slow period, seconds")] = 1.0
+    slow_factor: Annotated[float, doc("sim: step time factor in a slow period")] = 1.5
+    straggler_p: Annotated[float, doc("sim: fraction of steps that straggle")] = 0.0
+    straggler_factor: Annotated[float, doc("sim: step time factor of a straggling step")] = 3.0
+    closed_loop: Annotated[bool, doc("decode workers: measure each step against the model and cut in-place "
+                                     "prefill chunks so gaps stay within the TBT SLO at the measured error")] = True
     model: Annotated[str, doc("vllm: model directory")] = ""
     served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
     heartbeat_interval: Annotated[float, doc("heartbeat period, seconds (the router's Welcome overrides it)")] = 0.1

@@ -223,6 +223,8 @@ class DecodeHeartbeat(Msg, frozen=True):
     busy_s: float = 0.0  # until the step in flight ends
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
     held: list[HeldDeflection] = []  # deflections admitted and not yet prefilled, from every router
+    step_margin: float = 1.0  # measured / predicted step time the worker plans chunks with (its 99th percentile)
+    step_bias: float = 1.0    # the median of measured / predicted step time
 
 
 # ---------------------------------------------------------------- work

@@ -241,7 +241,9 @@ class Simulation:
                     slo = s.tbt_slo
             pending = w.waiting_kv + len(w.admit_wait)
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
-            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s)
+            guard = w.batcher.guard
+            w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s,
+                    guard.estimator.margin() if guard is not None else 1.0)
             for dl in w.led:
                 dl.res = dl.kv = dl.pending = 0
         w.views = [None] * len(w.views)
@@ -275,7 +277,7 @@ class Simulation:
         """As services/router/workers.py builds it: with the ledger, the deflection count and the
         reserved step cost come from the router's own exact record of deflections in flight (with
         several routers, of the ones it sent itself)."""
-        batch, kv, free, res, defl, slo, pending, busy, step_s = w.hb
+        batch, kv, free, res, defl, slo, pending, busy, step_s, margin = w.hb
         led = w.led[router]
         reserved = 0.0
         reserved_tokens = 0
@@ -296,7 +298,7 @@ class Simulation:
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
                           token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
                           pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
-                          inflight=inflight, step_s=step_s)
+                          inflight=inflight, step_s=step_s, step_margin=margin)
 
     def _view(self, now: float, router: int = 0) -> ClusterView:
         fresh = self.cfg.heartbeat_interval <= 0

@@ -27,9 +27,18 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
 
         check_transport(cfg.kv_transport)  # unknown name, or nixl without NIXL: a clear error now
 
+        from common.engines.step_error import StepError
+
+        try:
+            error = StepError(noise=cfg.step_noise, scale=cfg.step_scale, speeds=(cfg.step_speed,),
+                              slow_every_s=cfg.slow_every, slow_for_s=cfg.slow_for, slow_factor=cfg.slow_factor,
+                              straggler_p=cfg.straggler_p, straggler_factor=cfg.straggler_factor)
+        except ValueError as e:
+            raise ConfigError(f"model error settings: {e}") from e
         return SimEngine(role, engine_settings(cfg).apply(load_profile(cfg.profile)), time_scale=cfg.time_scale,
                          max_queue_requests=cfg.max_queue_requests,
-                         prefix_block_tokens=cfg.prefix_block_tokens if cfg.prefix_cache else 0)
+                         prefix_block_tokens=cfg.prefix_block_tokens if cfg.prefix_cache else 0,
+                         step_error=error, closed_loop=cfg.closed_loop, seed=cfg.worker_id)
     if cfg.engine == "vllm":
         try:
             import vllm  # noqa: F401

@@ -49,6 +49,8 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     steps: int = 0
     backlog: list[tuple[int, int]] | None = None  # prefill role: None when the engine cannot say
     busy_s: float = 0.0                           # until the step in flight ends (predicted)
+    step_margin: float = 1.0  # measured step error: the ratio (measured / predicted) planned with (step_error.py)
+    step_bias: float = 1.0    # its median
 
 
 class Prefilled(msgspec.Struct, kw_only=True):

@@ -22,6 +22,7 @@ same way (logprob -1.0). Temperature and penalties do not change the synthetic t
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import zlib
 from collections import deque
@@ -30,6 +31,7 @@ from typing import Literal
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
+from common.engines.step_error import ChunkGuard, StepError, StepErrorEstimator
 from common.errors import Overloaded
 from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
@@ -67,7 +69,8 @@ class SimEngine(Engine):
     name = "sim"
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
-                 max_queue_requests: int = 1024, prefix_block_tokens: int = 0) -> None:
+                 max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
+                 closed_loop: bool = True, seed: str = "") -> None:
         super().__init__()
         self.role = role
         self.profile = profile
@@ -80,10 +83,17 @@ class SimEngine(Engine):
         self.prefix_block_tokens = prefix_block_tokens
         cache = (PrefixCache(prefix_block_tokens, profile.kv_capacity_tokens // prefix_block_tokens)
                  if prefix_block_tokens > 0 else None)
+        # model error: injected (StepError: steps run otherwise than the profile says), and measured
+        # (every step against its prediction: the decode role's chunk guard plans with it)
+        self.error = (step_error or StepError()).source(0, random.Random(zlib.crc32(seed.encode())))
+        self.exact = step_error is None or step_error.exact
+        self.estimator = StepErrorEstimator()
+        planned = self.model.scaled(time_scale) if time_scale != 1.0 else self.model
+        self.guard = ChunkGuard(planned, self.estimator) if role == "decode" and closed_loop else None
         self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
                                kv_capacity_tokens=max(self.kv_capacity_tokens, 1),
                                default_chunk=profile.decode_default_chunk if role == "decode"
-                               else self.token_budget, prefix_cache=cache)
+                               else self.token_budget, prefix_cache=cache, guard=self.guard)
         self._wake = asyncio.Event()
         self._step_ms: deque[float] = deque(maxlen=64)
         self.samples: deque[StepSample] = deque(maxlen=4096)
@@ -156,7 +166,8 @@ class SimEngine(Engine):
             deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
             step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
             steps=b.steps, backlog=self._backlog() if self.role == "prefill" else None,
-            busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0)
+            busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0,
+            step_margin=self.estimator.margin(), step_bias=self.estimator.bias())
 
     def _backlog(self) -> list[tuple[int, int]]:
         """Each held request's (prompt tokens, tokens done) in FIFO order once the step in flight
@@ -180,8 +191,9 @@ class SimEngine(Engine):
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
-            dt = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
+            pred = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
             started = loop.time()
+            dt = pred if self.exact else pred * self.error.factor(started)
             self._inflight, self._inflight_end = plan, time.monotonic() + dt
             if self.role == "prefill":
                 t_now = time.monotonic()
@@ -192,6 +204,7 @@ class SimEngine(Engine):
             deadline = max(deadline, started - dt) + dt
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             elapsed = loop.time() - started
+            self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
             self._step_ms.append(elapsed * 1000.0)
             self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
             self._inflight = None

@@ -72,6 +72,8 @@ class DecodeView(msgspec.Struct, frozen=True, kw_only=True):
     inflight: tuple[tuple[float, float, int], ...] = ()  # deflections in flight: (predicted end,
     # reserved step s, largest chunk)
     step_s: float = 0.0           # its recent step time (0: unknown)
+    step_margin: float = 1.0      # its measured step error (measured / predicted, 99th pct): chunks are
+    # planned so that their steps, times this, fit the TBT SLO (common/engines/step_error.py)
 
 
 class ClusterView(msgspec.Struct, frozen=True):

@@ -76,6 +76,13 @@ from common.policy.schedule import (
 )
 
 
+def step_budget(beta: float, margin: float, slo: float) -> float:
+    """The step time a deflection's chunks are planned to: beta x the TBT SLO, or less where the
+    worker measures its steps running slower than the model (its margin: measured / predicted
+    at the 99th percentile), so that a planned step overruns the SLO about 1 % of the time."""
+    return min(beta, 1.0 / margin) * slo if margin > 0 else beta * slo
+
+
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     candidates: tuple[int, ...] = (2048, 1024, 512, 256, 128)
     alpha: float = 1.3
@@ -256,7 +263,7 @@ class Kairos:
         if cfg.budget_fit and not inflight:
             cap -= d.reserved_tokens
         cands = self._cands_by_cap.get(cap) or self._cands(cap)
-        budget_s = cfg.beta * slo
+        budget_s = step_budget(cfg.beta, d.step_margin, slo)
         relief = sum(c for _, c, _ in inflight) if inflight else 0.0
         base0 = fixed_step_cost(dm, d)
         terms: BoundTerms = None
@@ -550,7 +557,7 @@ class Kairos:
                         reason="decode_faster" if ttft_d <= ttft_p else "within_alpha",
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
                         chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
-                        step_budget_s=cfg.beta * slo)
+                        step_budget_s=step_budget(cfg.beta, best_d.step_margin, slo))
 
     def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

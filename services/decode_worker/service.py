@@ -79,7 +79,7 @@ class DecodeWorker(WorkerService):
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
             steps=load.steps, coeffs=self.coeffs(), draining=self.draining, busy_s=load.busy_s,
-            held=list(self.held.values()))
+            held=list(self.held.values()), step_margin=load.step_margin, step_bias=load.step_bias)
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [

@@ -121,8 +121,9 @@ class WorkerEntry:
         hb = self.hb
         h = self.hello
         busy_until = step_s = 0.0
+        margin = 1.0
         if isinstance(hb, m.DecodeHeartbeat):
-            busy_until, step_s = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0
+            busy_until, step_s, margin = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0, hb.step_margin
             batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
             resident, defl = hb.resident_prefill_tokens, hb.deflections
             slo, pending = hb.strictest_tbt_slo, hb.waiting_kv
@@ -152,7 +153,7 @@ class WorkerEntry:
                           kv_capacity_tokens=h.kv_capacity_tokens, resident_prefill_tokens=resident,
                           deflections=defl, strictest_tbt_slo=slo, token_budget=h.token_budget, model=self.model,
                           reserved_step_s=reserved, pending=pending, reserved_tokens=reserved_tokens,
-                          busy_until=busy_until, inflight=inflight, step_s=step_s)
+                          busy_until=busy_until, inflight=inflight, step_s=step_s, step_margin=margin)
 
 
 class WorkerTable:

@@ -12,6 +12,8 @@
   network addresses, which differ by design.
 - The keys Job's script makes keys once and keeps them on a second run; each role's mounted
   files are what common/sockets.py loads.
+- overlays/sim's pods run here as processes (their commands, TOML, environment and key files;
+  addresses moved to loopback): the workers register over CURVE and every probe passes.
 
 kubectl comes from scripts/install-kubectl.sh (make test runs it); without it these tests fail
 under CI and are skipped elsewhere, saying so.
@@ -19,6 +21,7 @@ under CI and are skipped elsewhere, saying so.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -34,6 +37,7 @@ import zmq
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the manifests (the dev extra)")
 
 from common import config, sockets  # noqa: E402
+from kairos.up import Cluster, ClusterSpec, Service, kairos_cmd  # noqa: E402
 from tests.test_compose import duration_s, environment, services  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,9 +301,17 @@ def run_job_script(script: str, work: Path, existing: Path) -> dict[str, str]:
     return data
 
 
-def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) -> None:
-    import base64
+def materialize(docs: list[dict[str, Any]], kind: str, owner: str, data: dict[str, str], d: Path) -> Path:
+    """The `keys` volume as the kubelet writes it into the pod: only the Secret items listed."""
+    vol = next(v for v in pod_spec(docs, kind, owner)["volumes"] if v["name"] == "keys")["secret"]
+    assert vol["secretName"] == "kairos-bus-keys"
+    for item in vol["items"]:
+        (d / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (d / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+    return d
 
+
+def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) -> None:
     docs = render("sim")
     first = run_job_script(job_script(docs), tmp_path / "w1", tmp_path / "none")
     assert {"router.key", "router.key_secret", "worker.key", "worker.key_secret", "monitor.key",
@@ -316,12 +328,7 @@ def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) 
                                       ("Deployment", "monitor", config.MonitorConfig, sockets.MONITOR_DOMAIN),
                                       ("StatefulSet", "decode", config.WorkerConfig, sockets.WORKER_DOMAIN),
                                       ("StatefulSet", "prefill", config.WorkerConfig, sockets.WORKER_DOMAIN)]:
-            vol = next(v for v in pod_spec(docs, kind, name)["volumes"] if v["name"] == "keys")["secret"]
-            assert vol["secretName"] == "kairos-bus-keys"
-            d = tmp_path / f"mounted-{name}"
-            for item in vol["items"]:  # what the kubelet writes into the pod
-                (d / item["path"]).parent.mkdir(parents=True, exist_ok=True)
-                (d / item["path"]).write_bytes(base64.b64decode(first[item["key"]]))
+            d = materialize(docs, kind, name, first, tmp_path / f"mounted-{name}")
             cfg = cls(curve_keys_dir=str(d))
             sock = ctx.socket(zmq.DEALER)
             try:
@@ -336,3 +343,50 @@ def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) 
                 sock.close(0)
     finally:
         ctx.term()
+
+
+# ------------------------------------------------------------------- the pods, run here
+
+
+def test_sim_pods_run_as_processes_and_pass_their_probes(tmp_path: Path) -> None:
+    """overlays/sim's router, monitor, prefill-0 and decode-0 as local processes: their command,
+    their TOML and environment, their role's key files from the keys Job's script; only the
+    addresses are moved to loopback ports. Workers register over CURVE, every probe passes."""
+    docs = render("sim")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    keys = run_job_script(job_script(docs), tmp_path / "job", tmp_path / "none")
+    spec = ClusterSpec.ephemeral(prefill=1, decode=1, log_dir=str(tmp_path / "logs"))
+    bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(spec.work_port),
+           "KAIROS_HEARTBEAT_PORT": str(spec.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(spec.telemetry_port)}
+    loopback = {
+        "router": {"KAIROS_BIND_HOST": "127.0.0.1", "KAIROS_HTTP_HOST": "127.0.0.1",
+                   "KAIROS_HTTP_PORT": str(spec.http_port)},
+        "monitor": {"KAIROS_HTTP_HOST": "127.0.0.1", "KAIROS_HTTP_PORT": str(spec.monitor_port),
+                    "KAIROS_TELEMETRY": f"127.0.0.1:{spec.telemetry_port}"},
+        "worker": {"KAIROS_ROUTERS": f"127.0.0.1:{spec.work_port}:{spec.heartbeat_port}"}}
+    cluster = Cluster(spec)
+    cluster.services = {}
+    containers = {}
+    for name, kind, owner in [("router", "StatefulSet", "router"), ("monitor", "Deployment", "monitor"),
+                              ("prefill-0", "StatefulSet", "prefill"), ("decode-0", "StatefulSet", "decode")]:
+        (c,) = pod_spec(docs, kind, owner)["containers"]
+        d = materialize(docs, kind, owner, keys, tmp_path / f"keys-{name}")
+        env = {**pod_env(c, name, cm, tmp_path), **bus, **loopback.get(name, loopback["worker"]),
+               "KAIROS_CURVE_KEYS_DIR": str(d)}
+        assert c["args"][0] in CONFIG_OF and len(c["args"]) == 1
+        cluster.services[name] = Service(name, kairos_cmd(c["args"][0]), env)
+        containers[name] = c
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
+    cluster.start(timeout=90)
+    try:
+        for name, c in containers.items():
+            for p in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if p not in c:
+                    continue
+                cmd = [spec.api if a == "http://router:8000" else a for a in c[p]["exec"]["command"]]
+                assert cmd[0] == "kairos"
+                r = subprocess.run([sys.executable, "-m", "kairos.cli", *cmd[1:]], capture_output=True, text=True,
+                                   timeout=30, env={**clean, **cluster.services[name].env}, cwd=ROOT)
+                assert r.returncode == 0, f"{name} {p}: {r.stdout}{r.stderr}"
+    finally:
+        cluster.stop(20)

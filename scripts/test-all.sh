@@ -46,6 +46,7 @@ tier "bench-check: router and decision cost against bench/baseline.json (ratios 
 "$VENV/bin/python" -m bench.check --runs 3
 
 tier "main suite: unit, integration, chaos, monitor, browser"
+bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"  # the k8s manifests' tests
 command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
 

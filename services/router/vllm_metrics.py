@@ -27,16 +27,17 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from common import messages as m
 
-if TYPE_CHECKING:
-    from services.router.requests import Request
-    from services.router.service import Router
+# The router (services.router.service.Router) and its requests (services.router.requests.Request)
+# are read duck-typed: importing them here would close an import cycle through the service.
+Router = Any
+Request = Any
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # the router's own series; per-worker gauges carry the worker id instead
@@ -100,7 +101,7 @@ class _Gauges:
     """vLLM's scheduler and KV gauges, read from the live router at scrape time."""
 
     def __init__(self) -> None:
-        self.router: weakref.ReferenceType[Router] | None = None
+        self.router: weakref.ReferenceType[Any] | None = None
 
     def collect(self) -> Iterator[Metric]:
         router = self.router() if self.router is not None else None

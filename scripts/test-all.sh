@@ -40,8 +40,9 @@ bash scripts/fresh-clone-check.sh
 tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh
 
-tier "main suite: unit, integration, chaos, monitor, browser"
+tier "main suite: unit, integration, chaos, monitor, browser, dashboards (Prometheus)"
 command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
+command -v prometheus >/dev/null || apt_install prometheus || echo "(prometheus install failed)"
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
 
 if [[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]]; then

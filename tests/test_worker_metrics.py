@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.errors import ConfigError
+from common.metrics_http import serve_metrics
 from kairos.up import Cluster, ClusterSpec, free_ports, parser, spec_from_args
 from tests.conftest import start_cluster
 
@@ -61,15 +62,20 @@ def test_each_service_serves_its_own(cluster: Cluster) -> None:
     assert prefill["kairos_engine_steps"][0][1]["worker"] == "prefill-0"
 
 
-def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
-    from common.errors import ConfigError
-    from common.metrics_http import serve_metrics
+def test_port_in_use_is_a_clear_error() -> None:
+    import services.router.vllm_metrics  # noqa: F401 (registers vLLM's gauges)
 
-    stop = serve_metrics("127.0.0.1", free_ports(1)[0])
+
+    port = free_ports(1)[0]
+    stop = serve_metrics("127.0.0.1", port)
     try:
-        taken = int(stop.__closure__[0].cell_contents.server_address[1])  # type: ignore[index]
         with pytest.raises(ConfigError, match="metrics port"):
-            serve_metrics("127.0.0.1", taken)
+            serve_metrics("127.0.0.1", port)
+        # a Prometheus server asks for OpenMetrics; vLLM's names must keep their colons all the same
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, headers={
+            "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert "vllm:kv_cache_usage_perc" in r.text and "vllm_kv_cache" not in r.text
     finally:
         stop()
-    assert isinstance(ClusterSpec().metrics_ports, dict)
+    assert ClusterSpec().metrics_ports == {}

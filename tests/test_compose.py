@@ -53,7 +53,8 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
 }
 # Variables the compose files interpolate that are not config fields (each file documents them).
 COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME",
-                "KAIROS_MONITOR_PORT",
+                "KAIROS_MONITOR_PORT", "KAIROS_PROMETHEUS_IMAGE", "KAIROS_GRAFANA_IMAGE", "KAIROS_PROMETHEUS_PORT",
+                "KAIROS_GRAFANA_PORT",
                 "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1",
                 "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1"}
 # Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
@@ -100,11 +101,12 @@ def resolve(node: Any, env: dict[str, str]) -> Any:
     return node
 
 
-def services(path: Path, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """The file's services after YAML anchors/merges and interpolation (env: the shell's variables)."""
+def services(path: Path, env: dict[str, str] | None = None, *, profiles: bool = False) -> dict[str, dict[str, Any]]:
+    """The file's services after YAML anchors/merges and interpolation (env: the shell's variables);
+    the cluster's only, unless `profiles` (then also those of a profile: Prometheus, Grafana)."""
     data = yaml.safe_load(path.read_text())
     svcs: dict[str, dict[str, Any]] = resolve(data["services"], env or {})
-    return svcs
+    return {k: v for k, v in svcs.items() if profiles or not v.get("profiles")}
 
 
 def environment(svc: dict[str, Any]) -> dict[str, str | None]:
@@ -171,6 +173,21 @@ def any_compose_file(request: pytest.FixtureRequest) -> Path:
 
 def test_services_are_the_cluster(compose_file: Path) -> None:
     assert set(services(compose_file)) == SERVICES | {KEYS}
+
+
+def test_observability_profile(compose_file: Path) -> None:
+    """Prometheus and Grafana only with --profile observability, reading the repository's files."""
+    extra = {k: v for k, v in services(compose_file, profiles=True).items() if k not in SERVICES | {KEYS}}
+    assert set(extra) == {"prometheus", "grafana"}
+    assert all(v["profiles"] == ["observability"] for v in extra.values())
+    for svc in extra.values():
+        for volume in svc["volumes"]:
+            host = volume.split(":", 1)[0]
+            if host.startswith("./"):
+                assert (ROOT / host).exists(), f"{compose_file.name}: {host} is not in the repository"
+    prom = yaml.safe_load((ROOT / "observability/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"127.0.0.1:8000", "127.0.0.1:9100"} <= targets  # the router's and the monitor's defaults
 
 
 def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None:

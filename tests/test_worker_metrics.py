@@ -79,3 +79,21 @@ def test_port_in_use_is_a_clear_error() -> None:
     finally:
         stop()
     assert ClusterSpec().metrics_ports == {}
+
+
+def test_router_replicas_each_count_their_own(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two routers on one HTTP port: each serves its own vLLM series, and their sum is the cluster's."""
+    ports = dict(zip(("router", "router-1"), free_ports(2), strict=True))
+    c = start_cluster(tmp_path_factory.mktemp("replicas"), prefill=1, decode=1, profile="fast", routers=2,
+                      metrics_ports=ports)
+    try:
+        n = 8
+        for _ in range(n):  # a new connection each: the kernel spreads them over the two routers
+            r = httpx.post(c.spec.api + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
+                           headers={"connection": "close"})
+            assert r.status_code == 200, r.text
+        per_router = [sum(v for name, _, v in scrape(p)["vllm:request_success"] if name.endswith("_total"))
+                      for p in ports.values()]
+        assert sum(per_router) == n, per_router
+    finally:
+        c.stop(15)

@@ -1,11 +1,11 @@
 """Both Grafana dashboards (Kairos's, and vLLM's example one) against a real Prometheus.
 
-A `kairos up` cluster (simulated engine, loopback ports, the monitor on, every router and worker
-on its own metrics port) takes a short bounded load down both routes while Debian's `prometheus`
-scrapes it every second; then every query of every panel of observability/grafana/dashboards/*.json,
-with Grafana's variables filled in as Grafana would, must return at least one finite value over
-the load. Skipped, saying why, where the `prometheus` binary is missing (scripts/test-all.sh
-installs it as root).
+A `kairos up` cluster (simulated engine, loopback ports, the monitor on, every worker on its own
+metrics port; the router scraped on its HTTP port, as observability/prometheus.yml does) takes a
+short bounded load down both routes while Debian's `prometheus` scrapes it every second; then
+every query of every panel of observability/grafana/dashboards/*.json, with Grafana's variables
+filled in as Grafana would, must return at least one finite value over the load. Skipped, saying
+why, where the `prometheus` binary is missing (scripts/test-all.sh installs it as root).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_the_dashboards_are_there() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    names = ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"]
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     c = start_monitored(tmp_path_factory.mktemp("cluster"), prefill=2, decode=2, metrics_ports=ports)
     yield c
@@ -71,8 +71,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert PROMETHEUS is not None
     tmp = tmp_path_factory.mktemp("prometheus")
-    targets = [f"127.0.0.1:{p}" for p in cluster.spec.metrics_ports.values()]
-    targets.append(f"127.0.0.1:{cluster.spec.monitor_port}")
+    # as observability/prometheus.yml does: the router on its HTTP port, the monitor, each worker's
+    # metrics port (a router's own metrics port is checked in test_worker_metrics.py)
+    targets = [f"127.0.0.1:{p}" for n, p in cluster.spec.metrics_ports.items() if n != "router"]
+    targets += [f"127.0.0.1:{cluster.spec.http_port}", f"127.0.0.1:{cluster.spec.monitor_port}"]
     (tmp / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
         "scrape_configs": [{"job_name": "kairos", "static_configs": [{"targets": targets}]}]}))

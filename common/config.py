@@ -54,6 +54,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
     http_reuse_port: Annotated[bool, doc("replicated routers on one host: bind the HTTP port with SO_REUSEPORT so "
                                          "several routers share it and the kernel spreads connections")] = False
+    metrics_port: Annotated[int, doc("also serve /metrics on this port (0: only on the HTTP port); give each "
+                                     "replica its own, as replicas share the HTTP port")] = 0
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
                                "(no prefill workers), deflect-all or kv-aware")] = "kairos"
@@ -147,6 +149,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                      "prefill chunks so gaps stay within the TBT SLO at the measured error")] = True
     model: Annotated[str, doc("vllm: model directory")] = ""
     served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
+    metrics_host: Annotated[str, doc("address the worker's /metrics (its engine's metrics) listens on")] = "127.0.0.1"
+    metrics_port: Annotated[int, doc("port of the worker's /metrics (0: none)")] = 0
     heartbeat_interval: Annotated[float, doc("heartbeat period, seconds (the router's Welcome overrides it)")] = 0.1
     kv_transport: Annotated[str, doc("nixl (real KV bytes over NIXL, timed by the profile) or modeled (time only, no bytes)")] \
         = "nixl"

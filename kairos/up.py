@@ -98,6 +98,8 @@ class ClusterSpec:
     routers: int = 1
     # bus ports (work, heartbeats, telemetry) of router replicas 1.. (replica 0 has the ports above)
     replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
+    # service name -> the port of its own /metrics (routers: vLLM's series; workers: their engine's)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def ephemeral(cls, **kw: object) -> ClusterSpec:
@@ -119,6 +121,12 @@ class ClusterSpec:
     @property
     def router_names(self) -> list[str]:
         return ["router"] + [f"router-{i}" for i in range(1, self.routers)]
+
+    @property
+    def service_names(self) -> list[str]:
+        """Routers, prefill workers, decode workers (the monitor aside), in the order of their metrics ports."""
+        return [*self.router_names, *(f"prefill-{i}" for i in range(self.prefill)),
+                *(f"decode-{i}" for i in range(self.decode))]
 
     @property
     def api(self) -> str:
@@ -167,6 +175,8 @@ class Cluster:
             self._add(f"prefill-{i}", {**wenv, "KAIROS_WORKER_ID": f"prefill-{i}"}, "prefill-worker")
         for i in range(s.decode):
             self._add(f"decode-{i}", {**wenv, "KAIROS_WORKER_ID": f"decode-{i}"}, "decode-worker")
+        for name, port in s.metrics_ports.items():
+            self.services[name].env["KAIROS_METRICS_PORT"] = str(port)
 
     def _add(self, name: str, env: dict[str, str], service: str | None = None) -> None:
         self.services[name] = Service(name, kairos_cmd(service or name), env)
@@ -342,6 +352,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas, all on --port through SO_REUSEPORT (default 1)")
     p.add_argument("--monitor-port", type=int, default=9100, help="monitor /metrics and dashboard port (default 9100)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="BASE",
+                   help="give every router and worker its own /metrics from port BASE up: routers, then prefill, "
+                        "then decode workers (what Prometheus scrapes; docs/observability.md). Default 0: none")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
     p.add_argument("--profile", default="a100-dsv2-lite", help="sim: performance profile (default a100-dsv2-lite)")
@@ -428,12 +441,18 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
+    metrics_ports: dict[str, int] = {}
+    if a.metrics_port:
+        names = ClusterSpec(prefill=a.prefill, decode=a.decode, routers=a.routers).service_names
+        if not 0 < a.metrics_port <= 65535 - len(names):
+            raise ConfigError(f"--metrics-port {a.metrics_port}: need {len(names)} ports from there, below 65536")
+        metrics_ports = {n: a.metrics_port + i for i, n in enumerate(names)}
     return ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
-                       restart=restart, routers=a.routers,
+                       restart=restart, routers=a.routers, metrics_ports=metrics_ports,
                        replica_ports=[(a.bus_port + 3 * i, a.bus_port + 3 * i + 1, a.bus_port + 3 * i + 2)
                                       for i in range(1, a.routers)])
 
@@ -466,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{Path(a.model).name if a.model else 'kairos-sim'})\n"
               f"  dashboard:   http://127.0.0.1:{spec.monitor_port}/   metrics: http://127.0.0.1:{spec.monitor_port}/metrics\n"
               f"  stats:       {spec.api}/v1/kairos/stats\n"
+              + (f"  /metrics:    {', '.join(f'{n} :{p}' for n, p in spec.metrics_ports.items())}\n"
+                 if spec.metrics_ports else "") +
               f"  try:  curl -s {spec.api}/v1/completions -H 'content-type: application/json' "
               f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
               "Ctrl-C stops everything.", flush=True)

@@ -5,7 +5,8 @@
 #   scripts/check-compose.sh --no-install   fail (rc 3) instead of installing when it is missing
 #
 # Checked: docker-compose.yml (GPU), docker-compose.yml + docker-compose.rdma.yml,
-# docker-compose.sim.yml (the simulated cluster, standalone), docker-compose.multihost.yml
+# docker-compose.sim.yml (the simulated cluster, standalone; both with the `observability` profile's
+# Prometheus and Grafana), docker-compose.multihost.yml
 # (containers as hosts) and docker-compose.replicas.yml (two routers behind HAProxy). `config -q` parses, interpolates and checks each file against the
 # compose schema (reservations, ports, depends_on, healthchecks); `config --services` must list
 # exactly the services we expect. Nothing is built or started, and no daemon is needed or
@@ -67,9 +68,13 @@ check() {  # check "<label>" "<expected services>" -f FILE [-f FILE...]
 }
 
 services="decode-0 decode-1 keys monitor prefill-0 prefill-1 router"
-check "docker-compose.yml" "$services" -f docker-compose.yml
-check "docker-compose.yml + docker-compose.rdma.yml" "$services" -f docker-compose.yml -f docker-compose.rdma.yml
-check "docker-compose.sim.yml" "$services" -f docker-compose.sim.yml
+# docker-compose.yml and docker-compose.sim.yml also hold the `observability` profile (Prometheus,
+# Grafana): `config` lists every service, whatever the profiles
+observed="decode-0 decode-1 grafana keys monitor prefill-0 prefill-1 prometheus router"
+check "docker-compose.yml" "$observed" -f docker-compose.yml
+check "docker-compose.yml + docker-compose.rdma.yml" "$observed" -f docker-compose.yml -f docker-compose.rdma.yml
+check "docker-compose.sim.yml" "$observed" -f docker-compose.sim.yml
+check "docker-compose.sim.yml --profile observability" "$observed" -f docker-compose.sim.yml --profile observability
 check "docker-compose.multihost.yml" "$services" -f docker-compose.multihost.yml
 check "docker-compose.replicas.yml" "decode-0 decode-1 keys lb monitor prefill-0 prefill-1 router-a router-b" \
   -f docker-compose.replicas.yml

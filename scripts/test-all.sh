@@ -45,9 +45,10 @@ bash scripts/check-compose.sh
 tier "bench-check: router and decision cost against bench/baseline.json (ratios within one run)"
 "$VENV/bin/python" -m bench.check --runs 3
 
-tier "main suite: unit, integration, chaos, monitor, browser"
+tier "main suite: unit, integration, chaos, monitor, browser, dashboards (Prometheus)"
 bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"  # the k8s manifests' tests
 command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
+command -v prometheus >/dev/null || apt_install prometheus || echo "(prometheus install failed)"
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
 
 if [[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]]; then

@@ -53,7 +53,10 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
 }
 # Variables the compose files interpolate that are not config fields (each file documents them).
 COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_MODELS_DIR", "KAIROS_MODEL_NAME",
-                "KAIROS_MONITOR_PORT",
+                "KAIROS_MONITOR_PORT", "KAIROS_PROMETHEUS_IMAGE", "KAIROS_GRAFANA_IMAGE", "KAIROS_PROMETHEUS_PORT",
+                "KAIROS_GRAFANA_PORT",
+                "KAIROS_METRICS_PORT_PREFILL_0", "KAIROS_METRICS_PORT_PREFILL_1", "KAIROS_METRICS_PORT_DECODE_0",
+                "KAIROS_METRICS_PORT_DECODE_1",
                 "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1",
                 "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1"}
 # Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
@@ -100,11 +103,12 @@ def resolve(node: Any, env: dict[str, str]) -> Any:
     return node
 
 
-def services(path: Path, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """The file's services after YAML anchors/merges and interpolation (env: the shell's variables)."""
+def services(path: Path, env: dict[str, str] | None = None, *, profiles: bool = False) -> dict[str, dict[str, Any]]:
+    """The file's services after YAML anchors/merges and interpolation (env: the shell's variables);
+    the cluster's only, unless `profiles` (then also those of a profile: Prometheus, Grafana)."""
     data = yaml.safe_load(path.read_text())
     svcs: dict[str, dict[str, Any]] = resolve(data["services"], env or {})
-    return svcs
+    return {k: v for k, v in svcs.items() if profiles or not v.get("profiles")}
 
 
 def environment(svc: dict[str, Any]) -> dict[str, str | None]:
@@ -171,6 +175,21 @@ def any_compose_file(request: pytest.FixtureRequest) -> Path:
 
 def test_services_are_the_cluster(compose_file: Path) -> None:
     assert set(services(compose_file)) == SERVICES | {KEYS}
+
+
+def test_observability_profile(compose_file: Path) -> None:
+    """Prometheus and Grafana only with --profile observability, reading the repository's files."""
+    extra = {k: v for k, v in services(compose_file, profiles=True).items() if k not in SERVICES | {KEYS}}
+    assert set(extra) == {"prometheus", "grafana"}
+    assert all(v["profiles"] == ["observability"] for v in extra.values())
+    for svc in extra.values():
+        for volume in svc["volumes"]:
+            host = volume.split(":", 1)[0]
+            if host.startswith("./"):
+                assert (ROOT / host).exists(), f"{compose_file.name}: {host} is not in the repository"
+    prom = yaml.safe_load((ROOT / "observability/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"127.0.0.1:8000", "127.0.0.1:9100"} <= targets  # the router's and the monitor's defaults
 
 
 def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None:
@@ -280,16 +299,19 @@ def test_operations_settings(compose_file: Path) -> None:
 # ------------------------------------------------------------------------- the simulated cluster
 
 
+WORKER_METRICS = {"prefill-0": 9201, "prefill-1": 9202, "decode-0": 9203, "decode-1": 9204}  # the files' defaults
 SIM_SHAPES = {
-    "defaults": ({}, {}),
+    "defaults": ({}, {"metrics_ports": WORKER_METRICS}),
     "everything-changed": (
         {"KAIROS_POLICY": "disagg-least-loaded", "KAIROS_PROFILE": "fast", "KAIROS_HTTP_PORT": "18000",
          "KAIROS_WORK_PORT": "15555", "KAIROS_HEARTBEAT_PORT": "15556", "KAIROS_TELEMETRY_PORT": "15557",
          "KAIROS_MONITOR_PORT": "19100", "KAIROS_KV_TRANSPORT": "nixl", "KAIROS_TIME_SCALE": "0.5",
-         "KAIROS_LOG_LEVEL": "debug"},
+         "KAIROS_LOG_LEVEL": "debug", "KAIROS_METRICS_PORT_PREFILL_0": "19201", "KAIROS_METRICS_PORT_PREFILL_1": "0",
+         "KAIROS_METRICS_PORT_DECODE_0": "19203", "KAIROS_METRICS_PORT_DECODE_1": "19204"},
         {"policy": "disagg-least-loaded", "profile": "fast", "http_port": 18000, "work_port": 15555,
          "heartbeat_port": 15556, "telemetry_port": 15557, "monitor_port": 19100, "kv_transport": "nixl",
-         "time_scale": 0.5, "log_level": "debug"}),
+         "time_scale": 0.5, "log_level": "debug",
+         "metrics_ports": {"prefill-0": 19201, "prefill-1": 0, "decode-0": 19203, "decode-1": 19204}}),
 }
 
 
@@ -479,7 +501,8 @@ def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """docker-compose.sim.yml's services as plain processes: its commands, its environment."""
     ports = {"KAIROS_HTTP_PORT": free_port(), "KAIROS_WORK_PORT": free_port(),
              "KAIROS_HEARTBEAT_PORT": free_port(), "KAIROS_TELEMETRY_PORT": free_port(),
-             "KAIROS_MONITOR_PORT": free_port()}
+             "KAIROS_MONITOR_PORT": free_port(), **{"KAIROS_METRICS_PORT_" + w.upper().replace("-", "_"): free_port()
+                                                     for w in WORKER_METRICS}}
     shell = {k: str(v) for k, v in ports.items()}
     svcs = services(SIM_FILE, shell)
     keys = svcs.pop(KEYS)

@@ -7,6 +7,7 @@ import sys
 from common import config, logging
 from common.engines import make_engine
 from common.service import run
+from common.worker_metrics import run_with_metrics
 from services.decode_worker.service import DecodeWorker
 
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def _main() -> int:
         logging.configure("decode_worker", level=cfg.log_level, fmt=cfg.log_format)
-        return await DecodeWorker(cfg, make_engine(cfg, "decode")).run()
+        return await run_with_metrics(cfg, DecodeWorker(cfg, make_engine(cfg, "decode")))
 
     return run(_main)
 

@@ -7,6 +7,7 @@ import sys
 from common import config, logging
 from common.engines import make_engine
 from common.service import run
+from common.worker_metrics import run_with_metrics
 from services.prefill_worker.service import PrefillWorker
 
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def _main() -> int:
         logging.configure("prefill_worker", level=cfg.log_level, fmt=cfg.log_format)
-        return await PrefillWorker(cfg, make_engine(cfg, "prefill")).run()
+        return await run_with_metrics(cfg, PrefillWorker(cfg, make_engine(cfg, "prefill")))
 
     return run(_main)
 

@@ -11,6 +11,7 @@ import uvicorn
 
 from common import config, logging
 from common.errors import ConfigError
+from common.metrics_http import serve_metrics
 from common.service import HttpServer, install_signals, run
 from services.router.http import App
 from services.router.service import Router
@@ -41,6 +42,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
     sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
     router = Router(cfg)
     router.open()
+    stop_metrics = serve_metrics(cfg.http_host, cfg.metrics_port)
     stop = router.stop
     install_signals(stop)
     server = HttpServer(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
@@ -81,6 +83,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 t.cancel()
     finally:
         router.close()
+        stop_metrics()
     log.info("router_stopped")
     return 0 if server.started else 1
 

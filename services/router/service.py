@@ -41,7 +41,7 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import membership, metrics, migrate, waiting
+from services.router import membership, metrics, migrate, vllm_metrics, waiting
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
@@ -97,6 +97,7 @@ class Router:
         self.gate = Gate(self.counts)
         self._workers_joined = asyncio.Event()  # set (and replaced) whenever a worker registers
         self.asked_hello: dict[str, float] = {}  # worker id -> when it was last asked to Hello again
+        vllm_metrics.attach(self)  # vLLM's gauges on /metrics read this router
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -347,7 +348,7 @@ class Router:
     def _finish(self, req: Request, finish_reason: str) -> None:
         if self._end(req, "ok", "completed", cancel=False):
             req.events.put_nowait(Event(finish_reason=finish_reason))
-            self._log_done(req)
+            self._log_done(req, finish_reason)
 
     def _fail(self, req: Request, message: str, *, code: str) -> None:
         if self._end(req, code, "failed", cancel=True):
@@ -357,12 +358,12 @@ class Router:
     def stop_early(self, req: Request) -> None:
         """The HTTP layer found a stop string: the request is complete; stop its work."""
         if self._end(req, "ok", "completed", cancel=True):
-            self._log_done(req)
+            self._log_done(req, "stop")
 
     def abort(self, req: Request, reason: str = "client_disconnected") -> None:
         """The client went away: stop the work on the workers."""
         if self._end(req, reason, "aborted", cancel=True):
-            self._log_done(req)
+            self._log_done(req, "abort")
 
     def _cancel_on_workers(self, req: Request, reason: str) -> None:
         for wid in {req.prefill_worker, req.decode_worker}:
@@ -370,10 +371,11 @@ class Router:
             if w is not None:
                 self._send(w, m.Cancel(request_id=req.request_id, attempt=req.attempt, reason=reason))
 
-    def _log_done(self, req: Request) -> None:
+    def _log_done(self, req: Request, finished_reason: str | None = None) -> None:
         rec = req.record()
         self._publish(rec)
         metrics.observe_request(rec, req.gaps)
+        vllm_metrics.observe_finished(self.cfg.served_model_name, req, finished_reason)
         metrics.set_in_flight(len(self.requests))
         log.info("request_done", request_id=req.request_id, client_request_id=req.client_request_id or None,
                  route=rec.route, reason=rec.reason,

@@ -53,6 +53,9 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
 ADDRESSES = {"router_host", "routers", "telemetry", "bind_host", "http_host",
              "vllm_side_channel_host", "vllm_side_channel_bind", "vllm_side_channel_port"}
 ROUTER_ONLY = {"drain_grace_s"}
+# Ports that differ by design: compose runs every worker on one host (9201, 9202, ...), each pod
+# has its own address (9200 on all); on in one means on in the other.
+PORTS = {"metrics_port"}
 POD_IP = "10.1.2.3"
 
 
@@ -135,6 +138,11 @@ def test_servicemonitor_component_selects_the_monitor_service(tmp_path: Path) ->
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
     assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
     assert "ServiceMonitor" not in {d["kind"] for d in render("sim")}  # optional: not in the overlays
+    pm = obj(docs, "PodMonitor", "kairos-workers")
+    for owner in ("prefill", "decode"):
+        labels = obj(docs, "StatefulSet", owner)["spec"]["template"]["metadata"]["labels"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
 
 
 # ------------------------------------------------------------------- what the issue asks for
@@ -193,8 +201,9 @@ def test_probes_disruption_budgets_and_network_policies() -> None:
         for p in rule["ports"]:
             allowed.setdefault(p["port"], set()).update(froms)
     assert allowed == {8000: {"anyone"}, 5555: {"prefill", "decode"}, 5556: {"prefill", "decode"}, 5557: {"monitor"}}
-    (workers_rule,) = nps["kairos-workers"]["ingress"]
+    workers_rule, metrics_rule = nps["kairos-workers"]["ingress"]
     assert "ports" not in workers_rule  # the KV path: UCX picks its ports
+    assert metrics_rule == {"ports": [{"protocol": "TCP", "port": 9200}]}  # /metrics only, from anyone
     peers = workers_rule["from"][0]["podSelector"]
     assert {n for n, lab in pods.items() if selects(peers, lab)} == {"prefill", "decode"}
 
@@ -250,7 +259,11 @@ def test_manifests_run_what_compose_runs(overlay: str, tmp_path: Path) -> None:
         want = effective_config(cls, compose_env)
         got = effective_config(cls, pod_env(c, name, cm, tmp_path))
         differ = {f for f in want if want[f] != got[f]}
-        assert differ <= ADDRESSES | ROUTER_ONLY, (name, {f: (want[f], got[f]) for f in differ - ADDRESSES})
+        assert differ <= ADDRESSES | ROUTER_ONLY | PORTS, (name, {f: (want[f], got[f]) for f in differ - ADDRESSES})
+        for f in PORTS & set(want):
+            assert bool(want[f]) == bool(got[f]), (name, f, want[f], got[f])
+            if got[f]:  # the pod declares it, named for the PodMonitor
+                assert {"name": "metrics", "containerPort": got[f]} in c.get("ports", []), name
         assert not differ & ROUTER_ONLY or name == "router"
         assert got["log_format"] == "json" and got["curve_keys_dir"] == "/var/lib/kairos/keys"
         if cls is config.WorkerConfig:
@@ -261,6 +274,7 @@ def test_manifests_run_what_compose_runs(overlay: str, tmp_path: Path) -> None:
         # ports: one containerPort per port the service listens on
         listens = {"router": ["http_port", "work_port", "heartbeat_port", "telemetry_port"], "monitor": ["http_port"]}
         fields = listens.get(name, ["vllm_side_channel_port"] if name.startswith("prefill") else [])
+        fields += ["metrics_port"] if got.get("metrics_port") else []
         assert sorted(p["containerPort"] for p in c.get("ports", [])) == sorted(got[f] for f in fields), name
         # probes: compose's health check command and timings
         cmd, timing = compose_probe(svc)

@@ -95,7 +95,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "report usage.prompt_tokens_details (cached_tokens: prompt tokens the engine found in its prefix "
         "cache), as vLLM's server flag of the same name; off by default there too")] = False
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True
-    alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.3
+    alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.6
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"
     transfer_term: Annotated[bool, doc("kairos: add the KV transfer time to the prefill path's TTFT")] = True
@@ -106,7 +106,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     share_expect: Annotated[bool, doc("kairos replay predictor: count the tokens later requests add to a prompt's "
                                       "last prefill step")] = False
     late_binding: Annotated[bool, doc("kairos: hold a request at the router while the prefill queues are deep and no "
-                                      "decode worker can take it; dispatch it when one frees room")] = False
+                                      "decode worker can take it; dispatch it when one frees room")] = True
     late_depth: Annotated[float, doc("kairos late binding: hold while the prefill worker has this many token "
                                      "budgets queued")] = 1.0
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "

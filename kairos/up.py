@@ -37,7 +37,16 @@ from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES
 from kairos.supervisor import RestartPolicy, Supervisor
-from sim.knobs import add_engine_flags, add_policy_flags, load_tuned, policy_config, setups_from_flags
+from sim.knobs import (
+    add_engine_flags,
+    add_error_flags,
+    add_policy_flags,
+    error_settings,
+    load_tuned,
+    policy_config,
+    setups_from_flags,
+    shipped,
+)
 
 log = structlog.get_logger()
 
@@ -96,6 +105,7 @@ class ClusterSpec:
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     routers: int = 1
+    worker_speeds: tuple[float, ...] = ()  # sim: per-worker step time factors, prefill workers first (cycled)
     # bus ports (work, heartbeats, telemetry) of router replicas 1.. (replica 0 has the ports above)
     replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
     # service name -> the port of its own /metrics (routers: vLLM's series; workers: their engine's)
@@ -171,10 +181,14 @@ class Cluster:
                 **({"KAIROS_ROUTERS": ",".join(f"127.0.0.1:{w}:{h}" for w, h, _ in s.router_bus())}
                    if s.routers > 1 else {}),
                 **s.worker_env}
+        def speed(i: int) -> dict[str, str]:
+            return {"KAIROS_STEP_SPEED": str(s.worker_speeds[i % len(s.worker_speeds)])} if s.worker_speeds else {}
+
         for i in range(s.prefill):
-            self._add(f"prefill-{i}", {**wenv, "KAIROS_WORKER_ID": f"prefill-{i}"}, "prefill-worker")
+            self._add(f"prefill-{i}", {**wenv, "KAIROS_WORKER_ID": f"prefill-{i}", **speed(i)}, "prefill-worker")
         for i in range(s.decode):
-            self._add(f"decode-{i}", {**wenv, "KAIROS_WORKER_ID": f"decode-{i}"}, "decode-worker")
+            self._add(f"decode-{i}", {**wenv, "KAIROS_WORKER_ID": f"decode-{i}", **speed(s.prefill + i)},
+                      "decode-worker")
         for name, port in s.metrics_ports.items():
             self.services[name].env["KAIROS_METRICS_PORT"] = str(port)
 
@@ -389,6 +403,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned", metavar="FILE", default=None,
                    help="the --policy's engine settings and knobs from `kairos tune --out FILE` (flags below override)")
     add_engine_flags(p)
+    add_error_flags(p)
     add_policy_flags(p)
     return p
 
@@ -400,12 +415,13 @@ def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     for name, other in given.items():
         if name != a.policy and other.policy:
             raise ConfigError(f"{name} knob(s) {', '.join(other.policy)} given, but --policy is {a.policy}")
-    setup = given[a.policy]
+    tuned_setup = None
     if a.tuned:
         tuned = load_tuned(a.tuned)
         if a.policy not in tuned:
             raise ConfigError(f"{a.tuned} holds no settings for policy {a.policy!r} (it has: {', '.join(tuned)})")
-        setup = tuned[a.policy].merged(setup)
+        tuned_setup = tuned[a.policy]
+    setup = shipped(a.policy, given[a.policy], tuned_setup)
     policy_config(a.policy, setup.policy)  # unknown knob or bad value: a clear error now
     router_fields = set(RouterConfig.__struct_fields__)
     router_env: dict[str, str] = {}
@@ -441,6 +457,12 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
+    err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it
+    for key, name in (("step_noise", "STEP_NOISE"), ("step_scale", "STEP_SCALE"), ("slow_every_s", "SLOW_EVERY"),
+                      ("slow_for_s", "SLOW_FOR"), ("slow_factor", "SLOW_FACTOR"), ("straggler_p", "STRAGGLER_P"),
+                      ("straggler_factor", "STRAGGLER_FACTOR")):
+        worker_env[ENV_PREFIX + name] = str(err[key])
+    worker_env[ENV_PREFIX + "CLOSED_LOOP"] = str(err["closed_loop"]).lower()
     metrics_ports: dict[str, int] = {}
     if a.metrics_port:
         names = ClusterSpec(prefill=a.prefill, decode=a.decode, routers=a.routers).service_names
@@ -452,7 +474,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
-                       restart=restart, routers=a.routers, metrics_ports=metrics_ports,
+                       restart=restart, routers=a.routers, worker_speeds=err["worker_speed"],
+                       metrics_ports=metrics_ports,
                        replica_ports=[(a.bus_port + 3 * i, a.bus_port + 3 * i + 1, a.bus_port + 3 * i + 2)
                                       for i in range(1, a.routers)])
 

@@ -48,6 +48,7 @@ from sim.knobs import (
     load_tuned,
     setups_from_flags,
     shape,
+    shipped,
 )
 from sim.load import fastest_prefill, lower_bound, prefill_load
 from sim.stats import fmt, json_safe, summarize
@@ -301,12 +302,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 
 def resolve_setups(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
-    """Per policy: the tuned file's settings (if any), overridden by knob flags given explicitly."""
+    """Per policy: its shipped defaults, under the tuned file's settings (if any), under the flags given."""
     flags = setups_from_flags(args, policies)
-    if not args.tuned:
-        return flags
-    tuned = load_tuned(args.tuned)
-    return {name: tuned[name].merged(flags[name]) if name in tuned else flags[name] for name in policies}
+    tuned = load_tuned(args.tuned) if args.tuned else {}
+    return {name: shipped(name, flags[name], tuned.get(name)) for name in policies}
 
 
 def _tuned_note(console: Console, args: argparse.Namespace, profile: str, policies: list[str]) -> None:

@@ -55,6 +55,15 @@ PROBE_POLICY = "disagg-least-loaded"
 REGIME_TTFT = 0.95   # the baseline meets the TTFT SLO for at most this fraction: prefill queues hurt
 REGIME_TBT = 0.99    # ... while at least this fraction keep every gap within the TBT SLO
 SWEEP = (0.5, 1.0, 1.5, 2.0)  # report rates, multiples of the regime rate scale
+# Model error the engine has and the policies do not know (sim/core.py SimConfig; the sizes are
+# assumptions, not measurements: docs/cost-model.md, "Model error"). Every policy is tuned and
+# judged under the same one.
+CONDITIONS: dict[str, dict[str, Any]] = {
+    "exact": {},                                            # every step takes what the model says
+    "noise": {"step_noise": 0.1},                           # 10 % lognormal error per step
+    "slow": {"step_scale": 1.15},                           # the engine 15 % slower than its profile
+    "hetero": {"worker_speed": (0.85, 1.15, 0.95, 1.05)},   # a fleet whose workers differ (P0 P1 D0 D1)
+}
 
 
 @dataclass(frozen=True)
@@ -238,8 +247,11 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
 
 
 def must_show(pols: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """At the regime load: Kairos's both-SLO attainment >= every baseline's, and its P95 TTFT below
-    every baseline whose TBT attainment (largest gap) is within one point of Kairos's."""
+    """At the regime load: Kairos's both-SLO attainment >= every baseline's, and its P95 TTFT
+    (rejected requests: infinite) below every baseline's. The P95 comparison is always made; a
+    lower P95 counts against Kairos unless that baseline kept the TBT SLO for over a point fewer
+    of its served requests (it bought its TTFT with its decodes' gaps). TBT attainment is over
+    served requests, so rejections never excuse anything."""
     if "kairos" not in pols or len(pols) < 2:
         return None
     k = pols["kairos"]
@@ -248,10 +260,11 @@ def must_show(pols: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     for name, s in pols.items():
         if name == "kairos":
             continue
-        close = abs((s["tbt_slo_attainment"] or 0) - (k["tbt_slo_attainment"] or 0)) <= 0.01
+        worse_tbt = (s["tbt_slo_attainment"] or 0) < (k["tbt_slo_attainment"] or 0) - 0.01
+        p95_lower = (k["ttft_p95"] or inf) < (s["ttft_p95"] or inf)
         rows[name] = {"attainment_ok": (k["slo_attainment"] or 0) >= (s["slo_attainment"] or 0),
-                      "tbt_within_1pt": close,
-                      "p95_ok": (not close) or (k["ttft_p95"] or inf) < (s["ttft_p95"] or inf)}
+                      "p95_lower": p95_lower, "baseline_tbt_worse": worse_tbt,
+                      "p95_ok": p95_lower or worse_tbt}
     return {"baselines": rows, "holds": all(r["attainment_ok"] and r["p95_ok"] for r in rows.values())}
 
 
@@ -270,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"repeat for several (default: all of {', '.join(POLICIES)})")
     p.add_argument("--regime", action="append", default=[], metavar="WORKLOAD=X",
                    help="use rate scale X as WORKLOAD's regime load instead of the probe's choice")
+    p.add_argument("--condition", choices=tuple(CONDITIONS), default="exact",
+                   help="model error every policy is tuned and judged under: exact, noise (10 %% per step), slow "
+                        "(engine 15 %% slower than its profile), hetero (worker speeds 0.85-1.15) (default exact)")
     p.add_argument("--passes", type=int, default=2, help="coordinate-descent passes at most (default 2)")
     p.add_argument("--stress", default="1,2",
                    help="tune at these multiples of the regime load on the tune slice, objective averaged "
@@ -298,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1)
+    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[args.condition])
+    stem = "" if args.condition == "exact" else f"-{args.condition}"
     t0 = time.monotonic()
     load0 = os.getloadavg()
 
@@ -317,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": load0, "profile": profile.name, "profile_description": profile.description,
             "cluster": "per workload (chunked-prefill: all GPUs as decode workers)",
             "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
+            "condition": args.condition, "model_error": CONDITIONS[args.condition],
             "objective": OBJECTIVE, "passes": args.passes, "sweep_multiples": SWEEP,
             "tune_stress": list(args.stress),
             "regime_rule": {"ttft_at_most": REGIME_TTFT, "tbt_at_least": REGIME_TBT, "peak_load_at_least": 1.0,
@@ -328,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
             tuned_file = {"format": TUNED_FORMAT, "trace": WORKLOADS[name].trace, "profile": profile.name,
                           "cluster": wr["cluster"], "rate_scale": wr["regime"], "objective": OBJECTIVE,
                           "slices": wr["slices"], "policies": wr["tuned"]}
-            (out / f"tuned-{profile.name}-{name}.json").write_text(json.dumps(json_safe(tuned_file), indent=2) + "\n")
+            tuned_path = out / f"tuned-{profile.name}{stem}-{name}.json"
+            tuned_path.write_text(json.dumps(json_safe(tuned_file), indent=2) + "\n")
             result["loadavg_end"] = os.getloadavg()
             result["wall_s"] = time.monotonic() - t0
-            (out / f"{profile.name}.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
-            (out / f"{profile.name}.md").write_text(markdown(result))
-        log(f"wrote {out / profile.name}.json and .md")
+            (out / f"{profile.name}{stem}.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
+            (out / f"{profile.name}{stem}.md").write_text(markdown(result))
+        log(f"wrote {out / (profile.name + stem)}.json and .md")
     return 0
 
 

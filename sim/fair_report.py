@@ -4,7 +4,8 @@
     python -m sim.fair_report --splice docs/results.md results/fair-eval/*.json
 
 --splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
-`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level).
+`<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level);
+a result under model error (`--condition noise`) goes between `<!-- fair-eval PROFILE/noise -->` and its end line.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
     if ms is not None:
         parts = []
         for b, r in ms["baselines"].items():
-            parts.append(f"{b}: attainment {'ok' if r['attainment_ok'] else 'LOWER'}, TBT "
-                         f"{'within' if r['tbt_within_1pt'] else 'not within'} 1 pt"
-                         + (f", P95 {'lower' if r['p95_ok'] else 'NOT lower'}" if r["tbt_within_1pt"] else ""))
+            parts.append(f"{b}: attainment {'ok' if r['attainment_ok'] else 'LOWER'}, P95 "
+                         f"{'lower' if r['p95_lower'] else 'NOT lower'}"
+                         + (" (its TBT over 1 pt worse)" if r["baseline_tbt_worse"] and not r["p95_lower"] else ""))
         out += [f"Must-show at x{w['regime']:g}: **{'holds' if ms['holds'] else 'does not hold'}** "
                 f"(Kairos against {'; '.join(parts)}).", ""]
     out += ["Where the TTFT goes at the regime load (routes; tail = requests at or above the policy's P95 TTFT):", ""]
@@ -125,7 +126,11 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
 
 def markdown(res: dict[str, Any]) -> str:
     la0, la1 = res["loadavg_start"], res.get("loadavg_end", res["loadavg_start"])
-    out = [f"## {res['profile']}", "",
+    cond = res.get("condition", "exact")
+    error = (", ".join(f"{k} {v}" for k, v in res.get("model_error", {}).items())
+             or "none: steps take what the model says")
+    out = [f"## {res['profile']}" + ("" if cond == "exact" else f", {cond}"), "",
+           f"Model error (condition `{cond}`): {error}; every policy tuned and judged under it.", "",
            f"Run {res['date']} on {res['machine']} (load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end; "
            f"wall time {res.get('wall_s', 0):.0f} s), simulated: `{res['command']}`.", "",
            "Headline, at each workload's regime load, report slice (both = both-SLO attainment, TBT = largest-gap "
@@ -143,7 +148,7 @@ def splice(doc: str, profile: str, tables: str) -> str:
     head, rest = doc.split(start, 1)
     _, tail = rest.split(end, 1)
     lines = tables.splitlines()
-    if lines[:1] == [f"## {profile}"]:
+    if lines[:1] and lines[0].startswith(f"## {profile.split('/')[0]}"):
         lines = lines[1:]  # the document has its own heading for the profile
     body = "\n".join(("#" + line) if line.startswith("#") else line for line in lines)
     return f"{head}{start}\n{body}\n{end}{tail}"
@@ -164,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(markdown(res))
             continue
         try:
-            target.write_text(splice(target.read_text(), res["profile"], markdown(res)))
+            cond = res.get("condition", "exact")
+            key = res["profile"] + ("" if cond == "exact" else f"/{cond}")
+            target.write_text(splice(target.read_text(), key, markdown(res)))
         except ValueError as e:
             print(f"fair_report: {target}: {e}", file=sys.stderr)
             return 2

@@ -168,8 +168,8 @@ def error_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
-    k = p.add_argument_group("kairos knobs (default: KairosConfig's)")
-    k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.3)")
+    k = p.add_argument_group("kairos knobs (defaults: as shipped, what compose and Kubernetes run)")
+    k.add_argument("--alpha", type=float, default=None, help="deflect iff TTFT_D <= alpha x TTFT_P (default 1.6)")
     k.add_argument("--beta", type=float, default=None, help="TBT budget = beta x strictest TBT SLO (default 0.9)")
     k.add_argument("--candidates", default=None,
                    help="chunk candidates, comma separated (default 2048,1024,512,256,128)")
@@ -185,7 +185,7 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="replay predictor: count the tokens later requests add to a prompt's last prefill step")
     k.add_argument("--late-binding", choices=("on", "off"), default=None,
                    help="hold a request at the router while the prefill queues are deep and no decode worker can "
-                        "take it, and dispatch it when one frees room (default off)")
+                        "take it, and dispatch it when one frees room (default on)")
     k.add_argument("--late-depth", type=float, default=None, metavar="N",
                    help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
     k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
@@ -206,8 +206,17 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="never prefill on a decode worker whose KV is more than F used (default 0.9)")
 
 
+# What a policy runs with when nothing is given: its shipped engine settings and knobs (the
+# profile's and the config class's for the others; RouterConfig's defaults match these knobs).
+# Kairos's come from the evaluation under model error (docs/results.md, "Defaults"): its
+# decode workers need token budget beside their decodes for in-place chunks, and smaller prefill
+# steps keep the prefill queues' TTFT predictable.
+SHIPPED: dict[str, Setup] = {"kairos": Setup(engine=EngineSettings(prefill_token_budget=2048, decode_token_budget=2048),
+                                             policy={"alpha": 1.6, "late_binding": True})}
+
+
 def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
-    """The settings each policy gets from the command line (only what was given)."""
+    """The settings each policy gets from the command line (only what was given; `shipped` adds the rest)."""
     engine = EngineSettings(prefill_token_budget=args.prefill_token_budget or 0,
                             decode_token_budget=args.decode_token_budget or 0, decode_chunk=args.decode_chunk or 0)
     given = {
@@ -228,6 +237,15 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                                "decode_busy_threshold": args.decode_busy_threshold}}
     return {name: Setup(engine=engine, policy={k: v for k, v in given.get(name, {}).items() if v is not None})
             for name in policies}
+
+
+def shipped(name: str, flags: Setup, tuned: Setup | None = None) -> Setup:
+    """What policy `name` runs with: its shipped defaults, under a tuned file's settings, under
+    the flags given."""
+    base = SHIPPED.get(name, Setup())
+    if tuned is not None:
+        base = base.merged(tuned)
+    return base.merged(flags)
 
 
 def parse_candidates(text: str) -> tuple[int, ...]:

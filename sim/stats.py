@@ -12,8 +12,11 @@ Definitions (the same wherever these keys appear):
 - TBT: the gaps between a request's consecutive output tokens. `tbt_pXX` are percentiles over
   the gaps of all requests pooled (each gap weighs the same).
 - A request meets the TTFT SLO iff its TTFT <= ttft_slo.
-- A request meets the TBT SLO iff it completed and its **largest** gap <= tbt_slo: every token
-  arrived in time (a request with one output token has no gap and meets it). We use the max and
+- A request meets the TBT SLO iff its **largest** gap <= tbt_slo: every token arrived in time (a
+  request with one output token has no gap and meets it). `tbt_slo_attainment` (and
+  `tbt_p99_slo_attainment`) are fractions of the **served** requests: a request without a token
+  has no gaps, so it is a TTFT miss (an infinite TTFT), never a TBT miss, and a policy that
+  rejects cannot trade its rejections for TBT. We use the max and
   not a per-request percentile because a deflected prefill hurts the residents through a few
   long steps, which a per-request p95 would hide for long outputs. For comparison with papers
   that use a percentile, `tbt_p99_slo_attainment` is the fraction of requests whose own P99 gap
@@ -170,8 +173,8 @@ def summarize(records: Sequence[RequestTiming], *, ttft_slo: float, tbt_slo: flo
         "ttft_slo": ttft_slo,
         "tbt_slo": tbt_slo,
         "ttft_slo_attainment": ttft_ok / n if n else None,
-        "tbt_slo_attainment": tbt_ok / n if n else None,
-        "tbt_p99_slo_attainment": tbt99_ok / n if n else None,
+        "tbt_slo_attainment": tbt_ok / ttft.size if ttft.size else None,
+        "tbt_p99_slo_attainment": tbt99_ok / ttft.size if ttft.size else None,
         "slo_attainment": both_ok / n if n else None,
         "slo_attainment_p99": both99_ok / n if n else None,
         "deflection_rate": routes.get("deflect", 0) / n if n else None,

@@ -45,7 +45,7 @@ from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_pa
 from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
-from sim.knobs import TUNED_FORMAT, Setup, add_error_flags, build, error_settings, knob_values, shape
+from sim.knobs import TUNED_FORMAT, Setup, add_error_flags, build, error_settings, knob_values, shape, shipped
 from sim.stats import fmt, json_safe, summarize
 
 ENGINE_KNOBS = ("prefill_token_budget", "decode_token_budget", "decode_chunk")
@@ -56,11 +56,11 @@ OBJECTIVE = ("maximize both-SLO attainment (TTFT <= ttft_slo and largest TBT gap
 # cap (decode_chunk) matters only to policies that send no chunk schedule. 1000 x the budget
 # queued switches conditional-disagg's load half off, a length threshold of 0 its length half.
 GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "kairos": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048, 4096),
-               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4),
+    "kairos": {"prefill_token_budget": (512, 1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048, 4096),
+               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4, 8),
                "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64)),
-               "late_binding": (False, True), "late_depth": (0.5, 1.0, 2.0)},
-    "conditional-disagg": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048),
+               "late_binding": (False, True), "late_depth": (0.25, 0.5, 1.0, 2.0)},
+    "conditional-disagg": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (256, 512, 1024, 2048),
                            "decode_chunk": (256, 512, 1024, 2048), "eff_isl_threshold": (0, 256, 512, 1024, 2048),
                            "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 1000.0)},
     "disagg-least-loaded": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192)},
@@ -71,6 +71,23 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "kv-aware": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
                  "overlap_weight": (0.25, 0.5, 1.0, 2.0, 4.0, 1000.0)},
 }
+# Grid values that switch a mechanism off rather than set a size: a knob there is not "on an edge".
+OFF = {"prefill_busy_threshold": 1000.0, "eff_isl_threshold": 0, "overlap_weight": 1000.0}
+
+
+def edges(grid: dict[str, tuple[Any, ...]], chosen: dict[str, Any]) -> list[str]:
+    """The searched numeric knobs whose tuned value is the smallest or largest of their grid (the
+    optimum may lie beyond it: widen that grid)."""
+    out = []
+    for knob, vals in grid.items():
+        nums = sorted(v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and v != OFF.get(knob))
+        v = chosen.get(knob)
+        if len(nums) >= 3 and v in (nums[0], nums[-1]):
+            out.append(knob)
+    return out
+
+
 DEFAULT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
 DEFAULT_PROFILE: str = sim_parser().get_default("profile")
 SHORT = {"prefill_token_budget": "P budget", "decode_token_budget": "D budget", "decode_chunk": "D chunk",
@@ -141,8 +158,10 @@ def score(s: dict[str, Any]) -> tuple[float, float]:
 
 
 def defaults(job: Job) -> dict[str, Any]:
-    """The starting point: the profile's budgets and the policy's default knobs, for the knobs searched."""
-    start = {**msgspec.structs.asdict(EngineSettings().resolved(job.profile)), **knob_values(job.policy, Setup())}
+    """The starting point: what the policy ships with (sim/knobs.py SHIPPED, else the profile's
+    budgets and the policy's config defaults), for the knobs searched."""
+    setup = shipped(job.policy, Setup())
+    start = {**msgspec.structs.asdict(setup.engine.resolved(job.profile)), **knob_values(job.policy, setup)}
     unknown = set(job.grid) - set(start)
     if unknown:
         raise ConfigError(f"{job.policy}: cannot search unknown knob(s) {', '.join(sorted(unknown))}")
@@ -150,8 +169,9 @@ def defaults(job: Job) -> dict[str, Any]:
 
 
 def compress(trace: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
-    """The same requests at `factor` x the rate (arrival times divided by it)."""
-    return [TraceRequest(t=r.t / factor, input_length=r.input_length, output_length=r.output_length) for r in trace]
+    """The same requests at `factor` x the rate (arrival times divided by it; prompts, and so
+    their prefix-cache hits, unchanged)."""
+    return [msgspec.structs.replace(r, t=r.t / factor) for r in trace]
 
 
 def combine(runs: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
@@ -200,7 +220,7 @@ def tune_one(job: Job) -> dict[str, Any]:
     out = {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
            "cluster": "{}P{}D".format(*shape(job.policy, job.sim.prefill, job.sim.decode)),
            "tune": _brief(best_s), "report": _brief(report), "defaults_tune": _brief(start),
-           "evaluated": len(cache)}
+           "evaluated": len(cache), "edges": edges(job.grid, best)}
     if "stress" in best_s:
         out["tune_stress"] = best_s["stress"]
     return out
@@ -303,7 +323,8 @@ def _knobs_text(name: str, entry: dict[str, Any], grid: dict[str, tuple[Any, ...
         if isinstance(v, (list, tuple)):
             return "/".join(str(x) for x in v)
         return str(v)
-    return ", ".join(f"{SHORT.get(k, k)} {text(vals.get(k))}" for k in grid)
+    on_edge = set(entry.get("edges", ()))
+    return ", ".join(f"{SHORT.get(k, k)} {text(vals.get(k))}{' (grid edge)' if k in on_edge else ''}" for k in grid)
 
 
 def _table(out: dict[str, Any], title: str) -> Table:

@@ -21,13 +21,17 @@ def test_must_show_holds_and_fails() -> None:
     ok = must_show({"kairos": k, "a": _s(0.90, 1.0, 3.0), "b": _s(0.94, 0.95, 1.0)})
     assert ok is not None and ok["holds"]
     # b's TBT is 5 points below Kairos's: its lower P95 does not count against Kairos
-    assert ok["baselines"]["b"] == {"attainment_ok": True, "tbt_within_1pt": False, "p95_ok": True}
+    assert ok["baselines"]["b"] == {"attainment_ok": True, "p95_lower": False, "baseline_tbt_worse": True,
+                                    "p95_ok": True}
     lower = must_show({"kairos": k, "a": _s(0.96, 1.0, 3.0)})
     assert lower is not None and not lower["holds"] and not lower["baselines"]["a"]["attainment_ok"]
     slower = must_show({"kairos": k, "a": _s(0.90, 0.995, 1.2)})
     assert slower is not None and not slower["holds"] and not slower["baselines"]["a"]["p95_ok"]
     rejected = must_show({"kairos": _s(0.95, 1.0, None), "a": _s(0.90, 1.0, 3.0)})  # Kairos P95 infinite
     assert rejected is not None and not rejected["holds"]
+    # Kairos rejects, the baseline's TBT is barely lower: the P95 is still compared, and fails
+    hidden = must_show({"kairos": _s(0.95, 1.0, None), "a": _s(0.90, 0.995, 60.0)})
+    assert hidden is not None and not hidden["holds"] and not hidden["baselines"]["a"]["p95_lower"]
     assert must_show({"a": _s(0.9, 1.0, 1.0)}) is None
 
 

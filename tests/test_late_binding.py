@@ -164,6 +164,8 @@ def test_the_switch_reaches_kairos_up_and_the_router_config() -> None:
 
     router_env, _ = knob_env(parser().parse_args(["--late-binding", "on", "--late-depth", "2", "--late-order",
                                                   "fifo"]))
-    assert router_env == {"KAIROS_LATE_BINDING": "true", "KAIROS_LATE_DEPTH": "2.0", "KAIROS_LATE_ORDER": "fifo"}
-    assert knob_env(parser().parse_args(["--late-binding", "off"]))[0] == {"KAIROS_LATE_BINDING": "false"}
-    assert RouterConfig().late_binding is False  # off by default
+    assert router_env == {"KAIROS_LATE_BINDING": "true", "KAIROS_LATE_DEPTH": "2.0", "KAIROS_LATE_ORDER": "fifo",
+                          "KAIROS_ALPHA": "1.6"}  # the shipped alpha (sim/knobs.py SHIPPED)
+    assert knob_env(parser().parse_args(["--late-binding", "off"]))[0] == {"KAIROS_LATE_BINDING": "false",
+                                                                            "KAIROS_ALPHA": "1.6"}
+    assert RouterConfig().late_binding is True  # on as shipped (compose, Kubernetes)

@@ -257,14 +257,14 @@ def test_summarize_definitions() -> None:
     s = summarize(recs, ttft_slo=2.0, tbt_slo=0.1)
     assert (s["requests"], s["completed"], s["failed"]) == (5, 4, 1)
     assert s["ttft_slo_attainment"] == pytest.approx(3 / 5)
-    assert s["tbt_slo_attainment"] == pytest.approx(3 / 5)
+    assert s["tbt_slo_attainment"] == pytest.approx(3 / 4)  # of the served: the rejected one is a TTFT miss only
     assert s["slo_attainment"] == pytest.approx(2 / 5)
     assert s["deflection_rate"] == pytest.approx(2 / 5)
     # the rejected request counts as an infinite TTFT: median of 0.1, 0.5, 1.0, 3.0, inf
     assert s["ttft_p50"] == pytest.approx(1.0)
     assert s["ttft_p95"] == float("inf") and s["ttft_p95_served"] == pytest.approx(2.7)  # served: 0.1 .. 3.0
     assert s["ttft_mean"] == pytest.approx(4.6 / 4)  # of the served ones
-    assert s["tbt_p99_slo_attainment"] == pytest.approx(3 / 5)  # the third's P99 gap is 0.197 s
+    assert s["tbt_p99_slo_attainment"] == pytest.approx(3 / 4)  # of the served; the third's P99 gap is 0.197 s
     assert s["tbt_p50"] == pytest.approx(0.04)   # pooled gaps 0.02 0.02 0.03 0.05 0.05 0.2
     assert s["tbt_max"] == pytest.approx(0.2)
     assert s["routes"] == {"deflect": 2, "disagg": 2}

@@ -266,3 +266,32 @@ def test_stress_tunes_on_the_tune_slice_at_each_load_and_reports_once(monkeypatc
                                                            + both["x2"]["slo_attainment"]) / 2)
     with pytest.raises(ConfigError, match="stress"):
         tune.parse_stress("1,-2")
+
+
+def test_compress_keeps_the_prompts_and_their_prefix_ids() -> None:
+    from common.traces import TraceRequest
+    trace = [TraceRequest(t=2.0, input_length=100, output_length=5, hash_ids=(1, 2, 3)),
+             TraceRequest(t=4.0, input_length=80, output_length=3, hash_ids=(1, 2))]
+    fast = tune.compress(trace, 2.0)
+    assert [r.t for r in fast] == [1.0, 2.0]
+    assert [r.hash_ids for r in fast] == [(1, 2, 3), (1, 2)]  # the x2 stress run still hits the cache
+    assert [(r.input_length, r.output_length) for r in fast] == [(100, 5), (80, 3)]
+
+
+def test_tuned_knobs_on_a_grid_edge_are_named() -> None:
+    grid = {"a": (1, 2, 4), "b": (0.5, 1.0, 2.0), "flag": (False, True),
+            "prefill_busy_threshold": (1.0, 2.0, 4.0, 1000.0)}
+    assert tune.edges(grid, {"a": 4, "b": 1.0, "flag": True, "prefill_busy_threshold": 1000.0}) == ["a"]
+    # off is not an edge, but the largest real threshold is
+    assert tune.edges(grid, {"a": 2, "b": 0.5, "flag": False, "prefill_busy_threshold": 4.0}) == [
+        "b", "prefill_busy_threshold"]
+    text = tune._knobs_text("x", {"engine": {}, "policy": {"a": 4, "b": 1.0}, "edges": ["a"]}, {"a": (), "b": ()})
+    assert text == "a 4 (grid edge), b 1"
+
+
+def test_tuning_starts_from_the_shipped_settings() -> None:
+    job = tune.Job(policy="kairos", profile=load_profile("h100-llama2-70b-tp4"), sim=SimConfig(), tune_trace=[],
+                   report_trace=[], grid=tune.GRIDS["kairos"], passes=1, fixed={}, stress=(1.0,))
+    start = tune.defaults(job)
+    assert (start["prefill_token_budget"], start["decode_token_budget"]) == (2048, 2048)
+    assert start["alpha"] == 1.6 and start["late_binding"] is True

@@ -25,7 +25,8 @@ uncached tokens plus the transfer of what the disaggregated path's decode worker
   after it take before the step starts (FIFO puts them in the same step); its predicted TTFT
   then counts the tokens the worker has been getting per second (an exponentially weighted
   rate of this policy's own dispatches) over that wait.
-- `late_binding` (off by default): a request Kairos would send to the prefill pool while the
+- `late_binding` (off in this class; on as shipped: sim/knobs.py SHIPPED, RouterConfig): a
+  request Kairos would send to the prefill pool while the
   chosen prefill worker already holds `late_depth` token budgets or more is not committed to
   that queue: `decide` raises `Hold`, the router keeps it in its wait queue (arrival order) and
   decides again when a worker's heartbeat or the ledger may show room, so it goes to whichever
@@ -85,7 +86,7 @@ def step_budget(beta: float, margin: float, slo: float) -> float:
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     candidates: tuple[int, ...] = (2048, 1024, 512, 256, 128)
-    alpha: float = 1.3
+    alpha: float = 1.3  # the paper's rule; what kairos up, kairos sim and the router ship: sim/knobs.py SHIPPED
     beta: float = 0.9
     transfer_term: bool = True
     max_deflections: int = 4

@@ -139,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     a = p.parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # piped or logged (`--once > file`): the full tables, not 80 columns
+        console = Console(width=160)
     with httpx.Client(timeout=5.0) as client:
         if a.once:
             try:

@@ -21,7 +21,8 @@ the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-deco
 `x-kairos-cached-tokens` (prompt tokens the router's prefix index found cached where the prompt is
 prefilled), `x-kairos-router` (the incarnation of the router replica that serves it) and
 `x-kairos-request-id` (the router's own id for the request, random; the client's `x-request-id`
-is echoed back but is only a label).
+is echoed back but is only a label). A stream whose request late binding still holds when its
+headers go out says `x-kairos-route: held` and nothing of a route (the log line has it).
 """
 
 from __future__ import annotations
@@ -212,25 +213,29 @@ class App:
             raise HttpError(503, str(e), type_="service_unavailable", code="unavailable",
                             retry_after=e.retry_after_s) from e
         req = subs[0]
-        d = req.decision
-        headers = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
+
+        def headers() -> list[tuple[bytes, bytes]]:
+            d = req.decision
+            out = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
                    (b"x-kairos-request-id", req.request_id.encode()),
                    (b"x-kairos-router", router.incarnation.encode())]
-        if d is not None:
-            headers += [(b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
-                        (b"x-kairos-decode-worker", d.decode_worker.encode()),
-                        (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
+            if d is None:  # a stream's headers go out at once: late binding may still be holding it
+                return [*out, (b"x-kairos-route", b"held")]
+            return [*out, (b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
+                    (b"x-kairos-decode-worker", d.decode_worker.encode()),
+                    (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
+
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:
             if p.stream:
-                await serve.stream(router, send, p, choices, headers)
+                await serve.stream(router, send, p, choices, headers())
             else:
                 status, body = await serve.unary(router, p, choices)
                 if status != 200:
                     raise HttpError(status, body["message"], code=body["code"], retry_after=body["retry_after"],
                                     type_="invalid_request_error" if status == 400 else "server_error")
-                await self._json(send, 200, body, headers)
+                await self._json(send, 200, body, headers())  # decided by now, held or not
         except OSError:  # the client went away mid-response (uvicorn's ClientDisconnected)
             pass
         finally:

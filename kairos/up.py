@@ -4,7 +4,8 @@ Starts the router (or --routers R replicas sharing the HTTP port through SO_REUS
 own three bus ports, every worker registered with each), the monitor, N prefill and M decode
 workers as separate processes (the
 same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
-docker-compose.yml runs), waits until every worker has registered, prints the API address, and
+docker-compose.yml runs; the operator's own KAIROS_* variables and --config file reach every
+service that has the setting, under what kairos up sets itself: kairos/passthrough.py), waits until every worker has registered, prints the API address, and
 supervises them: a service that exits is started again (same command, same worker id) after a
 backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or when
 a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in order:
@@ -36,6 +37,7 @@ from common.config import ENV_PREFIX, RouterConfig
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES
+from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
     add_engine_flags,
@@ -110,6 +112,10 @@ class ClusterSpec:
     replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
     # service name -> the port of its own /metrics (routers: vLLM's series; workers: their engine's)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # role (router, monitor, prefill, decode) -> KAIROS_* settings the operator gave (environment,
+    # --config: kairos/passthrough.py); what kairos up sets itself wins over them
+    operator_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    operator_notes: list[str] = field(default_factory=list)  # what of it was ignored, for the log
 
     @classmethod
     def ephemeral(cls, **kw: object) -> ClusterSpec:
@@ -141,6 +147,11 @@ class ClusterSpec:
     @property
     def api(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+
+def role_of(service: str) -> str:
+    """router, monitor, prefill or decode: the part of a service name before its index."""
+    return service.split("-")[0]
 
 
 def kairos_cmd(service: str) -> list[str]:
@@ -191,6 +202,12 @@ class Cluster:
                       "decode-worker")
         for name, port in s.metrics_ports.items():
             self.services[name].env["KAIROS_METRICS_PORT"] = str(port)
+        # the operator's settings under kairos up's own; `overridden` names those kairos up replaced
+        self.overridden: dict[str, str] = {}
+        for name, svc in self.services.items():
+            given = s.operator_env.get(role_of(name), {})
+            self.overridden |= {k: name for k, v in given.items() if k in svc.env and svc.env[k] != v}
+            svc.env = {**given, **svc.env}
 
     def _add(self, name: str, env: dict[str, str], service: str | None = None) -> None:
         self.services[name] = Service(name, kairos_cmd(service or name), env)
@@ -400,6 +417,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-wait-timeout", type=float, default=None, metavar="S",
                    help="seconds a request that finds no decode worker with KV room waits before HTTP 503 "
                         "(default 30; 0: at once)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a TOML file of service settings, passed to every service that has them, as is the KAIROS_* "
+                        "environment (e.g. tool_call_parser = \"hermes\"; [worker] tables: kairos/passthrough.py); "
+                        "kairos up's own flags win over both")
     p.add_argument("--tuned", metavar="FILE", default=None,
                    help="the --policy's engine settings and knobs from `kairos tune --out FILE` (flags below override)")
     add_engine_flags(p)
@@ -439,6 +460,7 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     """The cluster the flags describe. Raises ConfigError with what to change."""
     if a.routers < 1:
         raise ConfigError("--routers must be 1 or more")
+    operator_env, notes = passthrough(a.config, os.environ)
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
     if a.engine == "vllm" and not a.model:
@@ -475,7 +497,7 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
                        restart=restart, routers=a.routers, worker_speeds=err["worker_speed"],
-                       metrics_ports=metrics_ports,
+                       metrics_ports=metrics_ports, operator_env=operator_env, operator_notes=notes,
                        replica_ports=[(a.bus_port + 3 * i, a.bus_port + 3 * i + 1, a.bus_port + 3 * i + 2)
                                       for i in range(1, a.routers)])
 
@@ -489,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)
+    for note in spec.operator_notes:
+        log.warning("setting_ignored", detail=note)
+    for var, service in sorted(cluster.overridden.items()):
+        log.warning("setting_overridden", setting=var, service=service,
+                    detail=f"{var} from the environment or --config is one kairos up sets itself (its flags, its "
+                           "wiring): kairos up's value is used; give it as a kairos up flag instead")
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kairos.passthrough import passthrough
 from kairos.up import Cluster, ClusterSpec
 from tests.vllm.helpers import VLLM_MISSING
 
@@ -207,10 +208,12 @@ def kairos(request: pytest.FixtureRequest, tiny_model: Path,
                                  profile="cpu-tiny-llama", policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("conformance")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
-                                             "KAIROS_TOOL_CALL_PARSER": "hermes",
-                                             "KAIROS_ENABLE_AUTO_TOOL_CHOICE": "true",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
-                                 worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
+                                 # tool calling and the KV size as an operator turns them on under `kairos up`:
+                                 # from its environment (kairos/passthrough.py), not from kairos up's flags
+                                 operator_env=passthrough(None, {"KAIROS_TOOL_CALL_PARSER": "hermes",
+                                                                 "KAIROS_ENABLE_AUTO_TOOL_CHOICE": "true",
+                                                                 "KAIROS_VLLM_KV_CACHE_MIB": "64"})[0])
     c = Cluster(spec)
     c.start(timeout=300)
     route = "deflect" if request.param == "deflect-all" else "disagg"

@@ -112,6 +112,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
+    bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "
+                                         "measured / predicted step time; 2 % deadband)")] = True
     prefix_aware: Annotated[bool, doc("kairos: count only uncached prompt tokens when an engine reports hits")] = True
     overlap_weight: Annotated[float, doc("kv-aware: weight of a worker's uncached prompt tokens against its load")] \
         = 1.0
@@ -224,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         env = ENV_PREFIX + name.upper()
-        text = f"{help_text} (default: {default!r}; env {env})"
+        text = f"{help_text} (default: {default!r}; env {env})".replace("%", "%%")  # argparse formats help with %
         if base is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:

@@ -186,6 +186,7 @@ class PrefillHeartbeat(Msg, frozen=True):
     max_batch: int = 0
     drain: QueueDrain | None = None
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
+    step_bias: float = 1.0  # the median of measured / predicted step time (predicted by `coeffs`, else the profile)
 
 
 class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
@@ -337,6 +338,7 @@ class DecodeWork(Msg, frozen=True):
     cached_tokens: int = 0
     resume_tokens: int = 0  # the last resume_tokens prompt ids are output already streamed (a migrated request)
     step_budget_s: float = 0.0  # deflect: the step budget the schedule assumes (0: admit unchecked)
+    model_bias: float = 1.0  # deflect: the router planned with this worker's model x this (its measured bias)
 
 
 class KvWant(Msg, frozen=True):

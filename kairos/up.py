@@ -2,15 +2,15 @@
 
 Starts the router (or --routers R replicas sharing the HTTP port through SO_REUSEPORT, each on its
 own three bus ports, every worker registered with each), the monitor, N prefill and M decode
-workers as separate processes (the
-same `kairos <service>` commands, configured by the same KAIROS_* environment variables, that
-docker-compose.yml runs; the operator's own KAIROS_* variables and --config file reach every
-service that has the setting, under what kairos up sets itself: kairos/passthrough.py), waits until every worker has registered, prints the API address, and
-supervises them: a service that exits is started again (same command, same worker id) after a
-backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or when
-a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in order:
-routers first (intake stops, in-flight requests drain), then workers, then the monitor, leaving no
-process behind.
+workers as separate processes (the same `kairos <service>` commands, configured by the same
+KAIROS_* environment variables, that docker-compose.yml runs; the operator's own KAIROS_*
+variables and --config file reach every service that has the setting, under what kairos up sets
+itself: kairos/passthrough.py), waits until every worker has registered, prints the API address,
+and supervises them: a service that exits is started again (same command, same worker id) after
+a backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or
+when a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in
+order: routers first (intake stops, in-flight requests drain), then workers, then the monitor,
+leaving no process behind.
 """
 
 from __future__ import annotations
@@ -485,6 +485,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                       ("straggler_factor", "STRAGGLER_FACTOR")):
         worker_env[ENV_PREFIX + name] = str(err[key])
     worker_env[ENV_PREFIX + "CLOSED_LOOP"] = str(err["closed_loop"]).lower()
+    if not err["bias_correction"]:
+        router_env[ENV_PREFIX + "BIAS_CORRECTION"] = "false"
     metrics_ports: dict[str, int] = {}
     if a.metrics_port:
         names = ClusterSpec(prefill=a.prefill, decode=a.decode, routers=a.routers).service_names

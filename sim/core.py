@@ -67,8 +67,8 @@ import msgspec
 
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
-from common.engines.replay import drain
-from common.engines.step_error import ChunkGuard, StepError, StepErrorEstimator
+from common.engines.replay import Tail, drain
+from common.engines.step_error import ChunkGuard, StepError, StepErrorEstimator, bias_factor
 from common.perf_model import Profile
 from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
 from common.policy.admission import accepted_entry, check_deflection, decide_without
@@ -97,6 +97,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     straggler_p: float = 0.0   # fraction of steps that straggle
     straggler_factor: float = 3.0  # step time factor of a straggler
     closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
+    bias_correction: bool = True  # routers scale each worker's model by its measured step bias (heartbeats)
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
@@ -177,6 +178,10 @@ class Simulation:
                                  guard=ChunkGuard(model, StepErrorEstimator()) if cfg.closed_loop else None), model,
                     phase(cfg.prefill + i), cfg.routers)
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
+        for w in (*self.prefill, *self.decode):  # measured step error: the guard's estimator, where there is one
+            guard = w.batcher.guard
+            w.estimator = guard.estimator if guard is not None else (
+                StepErrorEstimator() if cfg.bias_correction else None)
         self.index = PrefixIndex()  # the router's: fed by heartbeats' summaries and by dispatches
         if cfg.prefix_cache:
             for w in (*self.prefill, *self.decode):
@@ -200,7 +205,7 @@ class Simulation:
         self._late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
         self._q_wait, self._q_prefill, self._q_admit = Level(), Level(), Level()
         for w in (*self.prefill, *self.decode):
-            self._snapshot(w)  # the state announced at registration: idle
+            self._snapshot(w, 0.0)  # the state announced at registration: idle
 
     # -- heartbeats and views -------------------------------------------------------------
     def _touch(self, w: Worker, now: float) -> None:
@@ -208,9 +213,9 @@ class Simulation:
         if now >= w.next_hb:
             h = self.cfg.heartbeat_interval
             w.next_hb = w.phase + (math.floor((now - w.phase) / h) + 1) * h
-            self._snapshot(w)
+            self._snapshot(w, now)
 
-    def _snapshot(self, w: Worker) -> None:
+    def _snapshot(self, w: Worker, now: float) -> None:
         cache = w.batcher.cache
         if cache is not None:  # the heartbeat carries what the prefix cache stored and evicted
             stored, removed = cache.take_events()
@@ -218,11 +223,18 @@ class Simulation:
                 self.index.removed(w.wid, removed)
             if stored:
                 self.index.stored(w.wid, stored)
+        est = w.estimator
+        bias = bias_factor(est.bias()) if est is not None and self.cfg.bias_correction else 1.0
+        if bias != w.bias:  # as services/router/workers.py: a new model object only when it changes
+            w.bias = bias
+            w.view_model = w.model.scaled(bias) if bias != 1.0 else w.model
         if isinstance(w, PrefillWorker):
             backlog, busy = self._backlog(w)
             b = w.batcher
-            w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy,
-                    drain(w.model, b.token_budget, b.max_batch, busy, backlog))
+            tail = drain(w.model, b.token_budget, b.max_batch, busy, backlog)  # the worker's replay, its model
+            if w.bias != 1.0:  # routers stretch it by its measured bias, from the heartbeat on (as live)
+                tail = Tail(now + (tail.start - now) * w.bias, tail.chunks, tail.used, now + (tail.end - now) * w.bias)
+            w.hb = (w.queued_tokens, w.queued_reqs, backlog, busy, tail)
             for pl in w.led:
                 pl.tokens = pl.reqs = 0
                 pl.q = []
@@ -243,7 +255,7 @@ class Simulation:
             free = w.batcher.kv_free() - w.waiting_kv_tokens - sum(s.kv_reserve for s in w.admit_wait)
             guard = w.batcher.guard
             w.hb = (batch, kv, free, res, defl, slo, pending, self._busy_until(w), w.step_s,
-                    guard.estimator.margin() if guard is not None else 1.0)
+                    (guard.estimator.margin() if guard is not None else 1.0) / w.bias)
             for dl in w.led:
                 dl.res = dl.kv = dl.pending = 0
         w.views = [None] * len(w.views)
@@ -270,7 +282,7 @@ class Simulation:
         q, n, backlog, busy, tail = w.hb
         led = w.led[router]
         return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
-                           token_budget=w.batcher.token_budget, model=w.model, backlog=backlog, busy_until=busy,
+                           token_budget=w.batcher.token_budget, model=w.view_model, backlog=backlog, busy_until=busy,
                            drain=tail, ledger=tuple(led.q), max_batch=w.batcher.max_batch)
 
     def _decode_view(self, w: DecodeWorker, router: int) -> DecodeView:
@@ -296,7 +308,7 @@ class Simulation:
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
                           kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + led.res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
-                          token_budget=w.batcher.token_budget, model=w.model, reserved_step_s=reserved,
+                          token_budget=w.batcher.token_budget, model=w.view_model, reserved_step_s=reserved,
                           pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
                           inflight=inflight, step_s=step_s, step_margin=margin)
 
@@ -304,12 +316,12 @@ class Simulation:
         fresh = self.cfg.heartbeat_interval <= 0
         for w in self.prefill:
             if fresh:
-                self._snapshot(w)
+                self._snapshot(w, now)
             else:
                 self._touch(w, now)
         for d in self.decode:
             if fresh:
-                self._snapshot(d)
+                self._snapshot(d, now)
             else:
                 self._touch(d, now)
         cluster = self._clusters[router]
@@ -348,7 +360,7 @@ class Simulation:
     def _beat(self, w: Worker, now: float) -> None:
         w.beat_at = -1.0
         self._touch(w, now)
-        self._snapshot(w)
+        self._snapshot(w, now)
 
     # -- engine steps ---------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: Any, extra: Any) -> None:
@@ -379,9 +391,8 @@ class Simulation:
         self.steps += 1
         if isinstance(w, DecodeWorker):
             w.step_s += 0.1 * (dt - w.step_s)
-            guard = w.batcher.guard
-            if guard is not None:  # measured when the step ends, before the next plan: the same
-                guard.estimator.observe(pred, dt)
+        if w.estimator is not None:  # measured when the step ends, before the next plan: the same
+            w.estimator.observe(pred, dt)
         self._push(now + dt, _STEP_P if isinstance(w, PrefillWorker) else _STEP_D, w, plan)
 
     def _prefill_done(self, w: PrefillWorker, plan: StepPlan, now: float) -> None:
@@ -581,11 +592,11 @@ class Simulation:
             seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=cfg.tbt_slo,
                       schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                       arrived=now, user=r, hashes=r.hashes)
-            led.deflecting[r.rid] = (reserved_step_cost(dw.model, d.chunk_schedule, dw.batcher.token_budget,
+            led.deflecting[r.rid] = (reserved_step_cost(dw.view_model, d.chunk_schedule, dw.batcher.token_budget,
                                                         d.cached_tokens),
                                      max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
-            dw.accepted[r.rid] = accepted_entry(dw.model, d.chunk_schedule, d.step_budget_s, dw.batcher.token_budget,
-                                                d.cached_tokens)
+            dw.accepted[r.rid] = accepted_entry(dw.view_model, d.chunk_schedule, d.step_budget_s,
+                                                dw.batcher.token_budget, d.cached_tokens)
             dw.accepted_from[r.rid] = (ri, max(d.chunk_schedule, default=0))
             self._held_changed(dw, ri)
             if cfg.ledger:
@@ -632,7 +643,8 @@ class Simulation:
                 kv += s.computed + s.generated
             if s.tbt_slo < slo:
                 slo = s.tbt_slo
-        return check_deflection(w.model, batch=batch, kv_tokens=kv, schedule=d.chunk_schedule,
+        # the model the router planned with (the worker's, times the bias the router took: DecodeWork.model_bias)
+        return check_deflection(w.view_model, batch=batch, kv_tokens=kv, schedule=d.chunk_schedule,
                                 budget_s=d.step_budget_s, tbt_slo=self.cfg.tbt_slo, accepted=w.accepted.values(),
                                 strictest_tbt_slo=None if slo == math.inf else slo, cached=d.cached_tokens)
 

@@ -146,6 +146,9 @@ def add_error_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--closed-loop", choices=("on", "off"), default="on",
                    help="decode workers measure their step error and cut in-place chunks to keep gaps within the "
                         "TBT SLO (default on; off: the router's plan alone, as before)")
+    e.add_argument("--bias-correction", choices=("on", "off"), default="on",
+                   help="routers scale each worker's model by the median step error its heartbeats report, so "
+                        "TTFT predictions and chunk costs follow what the engine really does (default on)")
 
 
 def error_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,6 +167,7 @@ def error_settings(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     out["closed_loop"] = args.closed_loop == "on"
+    out["bias_correction"] = args.bias_correction == "on"
     return out
 
 

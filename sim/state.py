@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.step_error import StepErrorEstimator
 from common.perf_model import PerfModel
 from common.policy.admission import Accepted
 
@@ -65,8 +66,8 @@ class DecodeLedger:
 
 
 class Worker:
-    __slots__ = ("batcher", "beat_at", "busy", "busy_s", "hb", "model", "next_hb", "phase", "plan", "retry_at",
-                 "until", "views", "wid")
+    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "model", "next_hb", "phase",
+                 "plan", "retry_at", "until", "view_model", "views", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
         self.wid = wid
@@ -82,6 +83,9 @@ class Worker:
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
         self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
         self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
+        self.estimator: StepErrorEstimator | None = None  # its measured step error (None: not measured)
+        self.bias = 1.0              # the bias its last heartbeat reported, as routers take it (bias_factor)
+        self.view_model = model      # what routers predict it with: model x bias
 
 
 class PrefillWorker(Worker):

@@ -141,3 +141,96 @@ def test_the_batcher_cuts_a_scheduled_chunk_and_carries_the_rest() -> None:
     seq = b.get("x")
     assert seq is not None and seq.computed == chi and seq.schedule is not None
     assert seq.schedule[0] == planned - chi  # the cut-off part runs next step
+
+
+# ------------------------------------------------------------------ the router's bias correction
+
+
+def test_bias_factor_deadband_rounding_and_limits() -> None:
+    from common.engines.step_error import bias_factor
+    assert bias_factor(1.0) == bias_factor(1.019) == bias_factor(0.981) == 1.0  # an exact model stays exact
+    assert bias_factor(1.153) == 1.15 and bias_factor(0.874) == 0.87
+    assert bias_factor(5.0) == 2.0 and bias_factor(0.1) == 0.5 and bias_factor(math.nan) == 1.0
+
+
+def _hello(role: str, wid: str):  # type: ignore[no-untyped-def]
+    from common import messages as wire
+    return wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=wid, role=role, incarnation="i", engine="sim",
+                      model="x", token_budget=2048, coeffs=MODEL.to_coeffs())
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_the_router_predicts_each_worker_with_its_measured_bias(correct: bool) -> None:
+    from common import messages as wire
+    from services.router.workers import WorkerTable
+
+    table = WorkerTable(MODEL, bias_correction=correct)
+    table.register(_hello("prefill", "prefill-0"), b"p")
+    table.register(_hello("decode", "decode-0"), b"d")
+
+    def beat(seq: int, bias: float) -> None:
+        table.heartbeat(wire.PrefillHeartbeat(worker_id="prefill-0", incarnation="i", seq=seq, queued_tokens=4096,
+                                              queued_requests=1, token_budget=2048, step_bias=bias,
+                                              drain=wire.QueueDrain(start_s=0.1, chunks=[(2048, 2048)], used=2048,
+                                                                    end_s=0.3)))
+        table.heartbeat(wire.DecodeHeartbeat(worker_id="decode-0", incarnation="i", seq=seq, batch=8, kv_tokens=8000,
+                                             kv_free_tokens=10**6, kv_capacity_tokens=10**6,
+                                             resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=SLO,
+                                             token_budget=2048, step_margin=1.3, step_bias=bias))
+
+    beat(1, 1.2)
+    view = table.view(use_ledger=True)
+    p, d = view.prefill[0], view.decode[0]
+    f = 1.2 if correct else 1.0
+    assert p.model.a0 == pytest.approx(MODEL.a0 * f) and d.model.a3 == pytest.approx(MODEL.a3 * f)
+    assert d.step_margin == pytest.approx(1.3 / f)  # what is left of the margin beside the bias
+    entry = table.workers["prefill-0"]
+    assert p.drain is not None and p.drain.end - entry.hb_at == pytest.approx(0.3 * f)
+    model = p.model
+    beat(2, 1.201)  # the same bias: the same model object (the policy caches replays by identity)
+    assert table.view(use_ledger=True).prefill[0].model is model
+    beat(3, 1.0)
+    assert table.view(use_ledger=True).decode[0].model.a0 == pytest.approx(MODEL.a0)
+
+
+def _sim(correct: bool, scale: float):  # type: ignore[no-untyped-def]
+    from common.traces import LENGTHS, synthetic
+    from sim.core import SimConfig, simulate
+    from sim.knobs import Setup, build, shipped
+    from sim.stats import summarize
+    trace = synthetic(rate=3.0, duration=120, arrival="onoff", cv=2.2, seed=3, **LENGTHS["code"])  # type: ignore[arg-type]
+    policy, prof = build("kairos", shipped("kairos", Setup()), PROFILE)
+    cfg = SimConfig(step_scale=scale, bias_correction=correct)
+    res = simulate(trace, prof, policy, cfg)
+    return summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+
+
+def test_bias_correction_makes_a_slow_engines_ttft_predictable_and_changes_nothing_when_exact() -> None:
+    on, off = _sim(True, 1.15), _sim(False, 1.15)
+    assert on["ttft_pred_mape"] < 0.8 * off["ttft_pred_mape"], (on["ttft_pred_mape"], off["ttft_pred_mape"])
+    exact_on, exact_off = _sim(True, 1.0), _sim(False, 1.0)
+    for k in ("slo_attainment", "ttft_p95", "tbt_slo_attainment", "deflection_rate", "ttft_pred_mape"):
+        assert exact_on[k] == exact_off[k], k
+
+
+def test_the_decode_worker_admits_against_the_model_the_router_planned_with() -> None:
+    """The router plans a fast worker's chunks with its model x 0.85; the worker's admission
+    check must use the same, or it refuses every chunk the router sized to its real speed."""
+    from common import config
+    from common import messages as wire
+    from common.engines.sim import SimEngine
+    from services.decode_worker.service import DecodeWorker
+
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"kv_transport": "modeled"})
+    worker = DecodeWorker(cfg, SimEngine("decode", PROFILE))
+    # an idle worker: the largest chunk whose step fits the budget if steps take 0.85 x the model's time
+    chunk = max(c for c in range(64, 16384, 16) if MODEL.step_time(0, 0, [(c, 0)]) * 0.85 <= SLO * 0.9)
+    assert MODEL.step_time(0, 0, [(chunk, 0)]) > SLO * 0.9
+
+    def work(bias: float) -> wire.DecodeWork:
+        return wire.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect", prompt_token_ids=[1] * chunk,
+                               sampling=wire.Sampling(max_tokens=4), tbt_slo=SLO, deadline_s=10.0,
+                               chunk_schedule=(chunk,), step_budget_s=SLO * 0.9, model_bias=bias)
+
+    assert worker._check_deflection(work(0.85)) == ""
+    assert "budget" in worker._check_deflection(work(1.0))  # the unscaled model: too big

@@ -23,6 +23,12 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
   the worker, without waiting for the window or the router. Until `min_samples` steps have been
   seen the margin is 1 (trust the model).
 
+- `bias_factor`: the router-side use of the bias. Workers report their bias in heartbeats; each
+  router predicts a worker with its model times `bias_factor(bias)` (TTFT on both routes, chunk
+  costs, the prefill queue's drain stretched alike) and plans chunks against the margin left
+  beside it (margin / bias). Within a 2 % deadband the model is taken as exact, so an exact
+  model decides exactly as without any of this.
+
 - `ChunkGuard`: the worker-side use of the margin. When a decode step is planned, each chunk of
   a scheduled (router-planned) deflection is cut so that the step's predicted time x margin stays
   within the strictest TBT SLO of the decodes in the batch; the rest of the chunk runs next step.
@@ -112,6 +118,19 @@ WINDOW = 512       # steps the estimator remembers
 MIN_SAMPLES = 32   # steps before the measured margin replaces 1.0
 
 
+BIAS_DEADBAND = 0.02        # a measured bias this close to 1 is no bias: an exact model decides as before
+BIAS_RANGE = (0.5, 2.0)     # what a router will believe of one worker's bias
+
+
+def bias_factor(bias: float) -> float:
+    """What a router scales a worker's model by, given the median measured / predicted step time
+    its heartbeats report: 1.0 within the deadband, else rounded to a whole per cent (a worker's
+    view changes only when its bias moves) and clamped to BIAS_RANGE."""
+    if not math.isfinite(bias) or abs(bias - 1.0) <= BIAS_DEADBAND:
+        return 1.0
+    return min(max(round(bias, 2), BIAS_RANGE[0]), BIAS_RANGE[1])
+
+
 class StepErrorEstimator:
     """Measured / predicted step time of one worker (see the module docstring)."""
 
@@ -196,5 +215,5 @@ class ChunkGuard:
         return lo
 
 
-__all__ = ["MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard", "StepError", "StepErrorEstimator",
-           "StepErrorSource", "parse_speeds"]
+__all__ = ["BIAS_DEADBAND", "BIAS_RANGE", "MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard", "StepError",
+           "StepErrorEstimator", "StepErrorSource", "bias_factor", "parse_speeds"]

@@ -159,9 +159,16 @@ class DecodeWorker(WorkerService):
             self._model = (c, PerfModel.from_coeffs(c) if c is not None else None)
         return self._model[1]
 
+    def _planned_model(self, w: m.DecodeWork) -> PerfModel | None:
+        """The model the router planned `w`'s chunks with: ours, times the bias it took for us."""
+        model = self._step_model()
+        if model is None or w.model_bias == 1.0:
+            return model
+        return model.scaled(w.model_bias)
+
     def _check_deflection(self, w: m.DecodeWork) -> str:
         """'' when the deflection fits this worker's live state, else why not."""
-        model = self._step_model()
+        model = self._planned_model(w)
         if model is None:
             return ""  # no step-time model to check with: admit, as before admission existed
         load = self.engine.load()
@@ -178,7 +185,7 @@ class DecodeWorker(WorkerService):
             return
         self.active[w.request_id] = w
         if mode == "deflect" and w.step_budget_s > 0 and schedule:
-            model = self._step_model()
+            model = self._planned_model(w)
             if model is not None:
                 a = self.accepted[w.request_id] = accepted_entry(model, schedule, w.step_budget_s,
                                                                  self.engine.token_budget, w.cached_tokens)

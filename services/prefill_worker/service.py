@@ -64,7 +64,8 @@ class PrefillWorker(WorkerService):
             queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
             token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
             step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
-            backlog=load.backlog, busy_s=load.busy_s, max_batch=self.engine.max_batch, drain=queue)
+            backlog=load.backlog, busy_s=load.busy_s, max_batch=self.engine.max_batch, drain=queue,
+            step_bias=load.step_bias)
 
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":

@@ -77,7 +77,8 @@ class Router:
         if cfg.tool_call_parser:
             self.tool_calling = ToolCalling(cfg.tool_call_parser, cfg.enable_auto_tool_choice, cfg.tokenizer,
                                             cfg.served_model_name)
-        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models, me=self.incarnation)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models,
+                                 bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
@@ -274,7 +275,8 @@ class Router:
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
-                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s))
+                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s,
+                                        model_bias=dw.bias))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]

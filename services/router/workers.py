@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from common import messages as m
 from common.engines.replay import Tail
+from common.engines.step_error import bias_factor
 from common.perf_model import PerfModel
 from common.policy.base import ClusterView, DecodeView, PrefillView
 
@@ -36,7 +37,7 @@ class WorkerEntry:
     incarnation: str
     identity: bytes
     hello: m.Hello
-    model: PerfModel
+    model: PerfModel                     # what the policy predicts it with: base_model x bias
     joined: float
     last_seen: float
     hb: m.PrefillHeartbeat | m.DecodeHeartbeat | None = None
@@ -51,6 +52,8 @@ class WorkerEntry:
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
+    base_model: PerfModel | None = None  # its own coefficients (hello, heartbeats), else the router's profile
+    bias: float = 1.0                    # the measured step bias `model` is scaled by (step_error.bias_factor)
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
     # whatever it still sends (heartbeats, tokens), until it says Hello again
     unreachable: bool = False
@@ -123,7 +126,8 @@ class WorkerEntry:
         busy_until = step_s = 0.0
         margin = 1.0
         if isinstance(hb, m.DecodeHeartbeat):
-            busy_until, step_s, margin = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0, hb.step_margin
+            # the margin is measured against the unscaled model: what is left of it beside the bias
+            busy_until, step_s, margin = self.hb_at + hb.busy_s, hb.step_ms_p50 / 1000.0, hb.step_margin / self.bias
             batch, kv, free = hb.batch, hb.kv_tokens, hb.kv_free_tokens
             resident, defl = hb.resident_prefill_tokens, hb.deflections
             slo, pending = hb.strictest_tbt_slo, hb.waiting_kv
@@ -157,11 +161,13 @@ class WorkerEntry:
 
 
 class WorkerTable:
-    def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True, me: str = "") -> None:
+    def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True, bias_correction: bool = True,
+                 me: str = "") -> None:
         self.me = me  # this router's incarnation: deflections heartbeats list under another are the other routers'
         self.workers: dict[str, WorkerEntry] = {}
         self.default_model = default_model
         self.per_worker_models = per_worker_models
+        self.bias_correction = bias_correction
 
     def register(self, hello: m.Hello, identity: bytes) -> tuple[WorkerEntry, WorkerEntry | None]:
         """Add or refresh a worker. Returns (entry, replaced entry of an older incarnation)."""
@@ -176,7 +182,7 @@ class WorkerTable:
             return old, None
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
-                            identity=identity, hello=hello, model=model, joined=now, last_seen=now)
+                            identity=identity, hello=hello, model=model, joined=now, last_seen=now, base_model=model)
         self.workers[hello.worker_id] = entry
         return entry, old
 
@@ -189,15 +195,23 @@ class WorkerTable:
         e.hb = hb
         e.heartbeats += 1
         e.last_seen = e.hb_at = time.monotonic()
+        refit = hb.coeffs is not None and self.per_worker_models
+        if refit:
+            e.base_model = PerfModel.from_coeffs(hb.coeffs)  # type: ignore[arg-type]
+        bias = bias_factor(hb.step_bias) if self.bias_correction else 1.0
+        if refit or bias != e.bias:  # a new object only when it changes: the policy caches by identity
+            base = e.base_model or e.model
+            e.bias = bias
+            e.model = base.scaled(bias) if bias != 1.0 else base
         if isinstance(hb, m.PrefillHeartbeat):
-            # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects
+            # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects;
+            # the worker replayed its queue with its own model: stretched by its measured bias
             e.backlog = tuple(hb.backlog) if hb.backlog is not None else None
-            d = hb.drain
-            e.drain = None if d is None else Tail(e.hb_at + d.start_s, tuple(d.chunks), d.used, e.hb_at + d.end_s)
+            d, b = hb.drain, e.bias
+            e.drain = None if d is None else Tail(e.hb_at + d.start_s * b, tuple(d.chunks), d.used,
+                                                  e.hb_at + d.end_s * b)
         e.draining = e.draining or hb.draining
         e.acknowledge(hb.last_dispatch)
-        if hb.coeffs is not None and self.per_worker_models:
-            e.model = PerfModel.from_coeffs(hb.coeffs)
         e.touch()
         return e
 

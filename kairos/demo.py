@@ -38,10 +38,10 @@ from rich.table import Table
 from bench.loadgen import LoadConfig, Record, Replay, plot, report, run_loop, run_with_progress
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
-from common.policy import make_policy
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
-from kairos.up import Cluster, ClusterSpec
+from kairos.up import Cluster, ClusterSpec, error_env, setup_env
 from sim.core import SimConfig, simulate
+from sim.knobs import Setup, add_error_flags, build, error_settings, shipped
 from sim.load import peak_load, prefill_load
 from sim.stats import fmt, json_safe, summarize
 
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="demo-results", help="results JSON, plot and logs go here "
                                                              "(default demo-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_error_flags(p)  # the same model error in the simulation and in the live workers
     return p
 
 
@@ -83,18 +84,24 @@ def select(args: argparse.Namespace) -> tuple[list[TraceRequest], dict[str, Any]
 
 
 def simulated(reqs: list[TraceRequest], profile: Profile, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    cfg = SimConfig(prefill=2, decode=2, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
+    cfg = SimConfig(prefill=2, decode=2, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo, **error_settings(args))
     out = {}
-    for name in POLICIES:
-        res = simulate(reqs, profile, make_policy(name, default_model=profile.model), cfg)
+    for name in POLICIES:  # as shipped, as the live cluster runs it (kairos up's defaults)
+        policy, prof = build(name, shipped(name, Setup()), profile)
+        res = simulate(reqs, prof, policy, cfg)
         out[name] = summarize(res.records, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
     return out
 
 
 def live(policy: str, reqs: list[TraceRequest], args: argparse.Namespace, out_dir: Path,
          console: Console) -> tuple[Replay, dict[str, Any]]:
+    router_env, worker_env = setup_env(policy, shipped(policy, Setup()))  # what `kairos up --policy P` runs
+    err = error_settings(args)
+    e_router, e_worker = error_env(err)
     spec = ClusterSpec.ephemeral(prefill=2, decode=2, policy=policy, profile=args.profile, monitor=False,
-                                 kv_transport=args.kv_transport, log_dir=str(out_dir / "logs" / policy))
+                                 kv_transport=args.kv_transport, log_dir=str(out_dir / "logs" / policy),
+                                 router_env=router_env | e_router, worker_env=worker_env | e_worker,
+                                 worker_speeds=err["worker_speed"])
     t0 = time.monotonic()
     with Cluster(spec):
         console.print(f"[bold]{policy}[/]: 2P2D cluster up in {time.monotonic() - t0:.1f} s at {spec.api}; "

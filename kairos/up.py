@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import structlog
@@ -40,6 +41,7 @@ from common.policy import POLICIES
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
+    Setup,
     add_engine_flags,
     add_error_flags,
     add_policy_flags,
@@ -442,17 +444,35 @@ def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
         if a.policy not in tuned:
             raise ConfigError(f"{a.tuned} holds no settings for policy {a.policy!r} (it has: {', '.join(tuned)})")
         tuned_setup = tuned[a.policy]
-    setup = shipped(a.policy, given[a.policy], tuned_setup)
-    policy_config(a.policy, setup.policy)  # unknown knob or bad value: a clear error now
+    return setup_env(a.policy, shipped(a.policy, given[a.policy], tuned_setup), a.tuned or "the flags")
+
+
+def setup_env(policy: str, setup: Setup, source: str = "the flags") -> tuple[dict[str, str], dict[str, str]]:
+    """The router's and the workers' KAIROS_* environment that runs `policy` with `setup` (its
+    knobs and engine settings), as `kairos sim` runs it."""
+    policy_config(policy, setup.policy)  # unknown knob or bad value: a clear error now
     router_fields = set(RouterConfig.__struct_fields__)
     router_env: dict[str, str] = {}
     for k, v in setup.policy.items():
         if k not in router_fields:
-            raise ConfigError(f"the router has no option for {a.policy} knob {k!r}; remove it from {a.tuned}")
+            raise ConfigError(f"the router has no option for {policy} knob {k!r}; remove it from {source}")
         text = ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else str(v).lower() if isinstance(v, bool) \
             else str(v)
         router_env[ENV_PREFIX + k.upper()] = text
     worker_env = {ENV_PREFIX + k.upper(): str(v) for k, v in msgspec.structs.asdict(setup.engine).items() if v}
+    return router_env, worker_env
+
+
+def error_env(err: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The router's and the workers' KAIROS_* environment for `error_settings` (the simulated
+    engine's injected model error, the closed loop and the bias correction); per-worker speeds go
+    through ClusterSpec.worker_speeds."""
+    worker_env = {ENV_PREFIX + name: str(err[key]) for key, name in (
+        ("step_noise", "STEP_NOISE"), ("step_scale", "STEP_SCALE"), ("slow_every_s", "SLOW_EVERY"),
+        ("slow_for_s", "SLOW_FOR"), ("slow_factor", "SLOW_FACTOR"), ("straggler_p", "STRAGGLER_P"),
+        ("straggler_factor", "STRAGGLER_FACTOR"))}
+    worker_env[ENV_PREFIX + "CLOSED_LOOP"] = str(err["closed_loop"]).lower()
+    router_env = {} if err["bias_correction"] else {ENV_PREFIX + "BIAS_CORRECTION": "false"}
     return router_env, worker_env
 
 
@@ -480,13 +500,9 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
     err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it
-    for key, name in (("step_noise", "STEP_NOISE"), ("step_scale", "STEP_SCALE"), ("slow_every_s", "SLOW_EVERY"),
-                      ("slow_for_s", "SLOW_FOR"), ("slow_factor", "SLOW_FACTOR"), ("straggler_p", "STRAGGLER_P"),
-                      ("straggler_factor", "STRAGGLER_FACTOR")):
-        worker_env[ENV_PREFIX + name] = str(err[key])
-    worker_env[ENV_PREFIX + "CLOSED_LOOP"] = str(err["closed_loop"]).lower()
-    if not err["bias_correction"]:
-        router_env[ENV_PREFIX + "BIAS_CORRECTION"] = "false"
+    e_router, e_worker = error_env(err)
+    router_env |= e_router
+    worker_env |= e_worker
     metrics_ports: dict[str, int] = {}
     if a.metrics_port:
         names = ClusterSpec(prefill=a.prefill, decode=a.decode, routers=a.routers).service_names

@@ -82,6 +82,7 @@ import zmq
 
 from common import logging as klog
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
+from common.engines.step_error import StepErrorEstimator
 from common.errors import ConfigError, KvTransferError, Overloaded
 from common.messages import Coeffs, StructuredOutputs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
@@ -218,6 +219,10 @@ class VllmEngine(Engine):
         self.samples: deque[StepSample] = deque(maxlen=4096)      # wall time: what the requests felt
         self.cpu_samples: deque[StepSample] = deque(maxlen=4096)  # engine-core CPU time (for profiling)
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        # every step's measured / predicted time (step_error.py): margin and bias in the heartbeats,
+        # predicted by the model routers are told (the profile's until a refit is accepted: predict_with)
+        self.estimator = StepErrorEstimator()
+        self._predict: PerfModel | None = profile.model if profile is not None else None
         self.iteration_details: deque[Any] = deque(maxlen=4096)
         self._details_by_index: dict[int, Any] = {}
         self._records_by_index: dict[int, StepRecord] = {}
@@ -459,6 +464,12 @@ class VllmEngine(Engine):
     def coeffs(self) -> Coeffs | None:
         return self.profile.model.to_coeffs() if self.profile is not None else None
 
+    def predict_with(self, model: PerfModel) -> None:
+        """Measure step error against `model` from now on (the worker's accepted refit, which it
+        reports to the routers): the ratios so far were against another model, so they go."""
+        self._predict = model
+        self.estimator = StepErrorEstimator()
+
     def refit(self, min_samples: int = 64) -> tuple[PerfModel, float] | None:
         """Least-squares refit of the step-time model on this engine's recent steps, or None."""
         if len(self.samples) < min_samples:
@@ -472,7 +483,8 @@ class VllmEngine(Engine):
         mx = steps[-1] if steps else 0.0
         if self.role == "prefill":
             return EngineLoad(queued_tokens=sum(h.remaining for h in held),
-                              queued_requests=len(held), step_ms_p50=p50, step_ms_max=mx, steps=self.steps)
+                              queued_requests=len(held), step_ms_p50=p50, step_ms_max=mx, steps=self.steps,
+                              step_bias=self.estimator.bias())
         decoding = [h for h in held if h.generated > 0]
         prefilling = [h for h in held if h.generated == 0 and h.in_place]
         remaining = sum(h.remaining for h in prefilling)
@@ -482,7 +494,8 @@ class VllmEngine(Engine):
             kv_free_tokens=self._kv_free(), kv_capacity_tokens=self.kv_capacity_tokens,
             resident_prefill_tokens=remaining, deflections=len(prefilling),
             strictest_tbt_slo=min((h.req.tbt_slo for h in held), default=None),
-            step_ms_p50=p50, step_ms_max=mx, steps=self.steps)
+            step_ms_p50=p50, step_ms_max=mx, steps=self.steps,
+            step_margin=self.estimator.margin(), step_bias=self.estimator.bias())
 
     # -- serving one request ----------------------------------------------------------------
     def _sampling(self, req: EngineRequest, *, max_tokens: int, extra: dict[str, Any], delta: bool) -> Any:
@@ -695,6 +708,8 @@ class VllmEngine(Engine):
         if rec.seconds > 0:
             chunks = [(chi, k) for _, chi, k in rec.chunks]
             self.samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.seconds))
+            if self._predict is not None:
+                self.estimator.observe(self._predict.step_time(rec.decodes, rec.kv_tokens, chunks), rec.seconds)
             if rec.cpu_seconds > 0:
                 self.cpu_samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.cpu_seconds))
         details = self._details_by_index.pop(rec.index, None)

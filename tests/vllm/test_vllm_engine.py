@@ -127,6 +127,25 @@ async def test_step_samples_and_load(pd: PD) -> None:
     assert not d.can_admit(d.kv_capacity_tokens, 1)
 
 
+async def test_step_error_statistics_come_from_real_step_timings(pd: PD) -> None:
+    """Issue 25: what a vLLM worker reports as its step margin and bias is measured, every step
+    timed by the engine against the model the worker tells the routers (here the CPU profile)."""
+    from common.perf_model import load_profile
+
+    d = pd.decode
+    model = load_profile("cpu-tiny-llama").model
+    d.predict_with(model)
+    assert d.estimator.steps == 0 and d.load().step_bias == 1.0 and d.load().step_margin == 1.0  # nothing seen
+    before = len(d.samples)
+    await pd.run_decode(request("timed", LONG, max_tokens=64))
+    new = list(d.samples)[before:]
+    assert d.estimator.steps == len(new) >= 32  # every step with a time, and enough to report
+    ratios = sorted(s.seconds / model.step_time(s.batch, s.kv_tokens, s.chunks) for s in new)
+    load = d.load()
+    assert load.step_bias == pytest.approx(ratios[len(ratios) // 2])  # the median of what was timed
+    assert load.step_margin >= load.step_bias and load.step_margin != 1.0
+
+
 async def test_kv_load_failure_falls_back_to_in_place_prefill(pd: PD) -> None:
     want = await alone(pd, "fail-alone", LONG)
     pre = await pd.run_prefill("fail", LONG)

@@ -114,5 +114,6 @@ class Supervisor:
                                   f"{p.crash_loop_window_s:g} s (last: {how}); stopping the cluster. "
                                   f"Its log: {where or '(none)'}")
         delay = self.backoff(len(st.exits))
-        log.warning("service_exited", **fields, restart_in_s=round(delay, 3))
+        # a clean exit (0) is routine (a drain, an upgrade); anything else is worth a look
+        (log.info if rc == 0 else log.warning)("service_exited", **fields, restart_in_s=round(delay, 3))
         st.restart_at = now + delay

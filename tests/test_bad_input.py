@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -49,6 +50,28 @@ def test_completion_errors(cluster: Cluster, body: bytes, status: int, param: st
     err = r.json()["error"]
     assert err["message"] and err["type"]
     assert err["param"] == param
+
+
+DEEP = 5000  # beyond msgspec's nesting bound (it raises RecursionError there)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1": ' + b"[" * DEEP + b"]" * DEEP + b"}}"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f", "parameters": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP
+                             + b"}}]}"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+                             b'"json_schema", "json_schema": {"name": "a", "schema": ' + b'{"items": ' * DEEP + b"{}"
+                             + b"}" * DEEP + b"}}}"),
+    ("/tokenize", b'{"messages": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+])
+def test_deeply_nested_json_is_a_400_not_a_500(cluster: Cluster, path: str, body: bytes) -> None:
+    r = post(cluster, path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    log = (cluster.services["router"].log_path or Path("/nonexistent")).read_text()
+    assert "Traceback" not in log and "RecursionError" not in log
 
 
 def test_prompt_too_long(cluster: Cluster) -> None:
@@ -121,6 +144,26 @@ def test_garbage_on_every_bus_socket_is_dropped(cluster: Cluster) -> None:
     log = (cluster.services["router"].log_path or "").read_text()  # type: ignore[union-attr]
     assert '"socket": "work"' in log and '"socket": "heartbeats"' in log and "bad_frame_dropped" in log
     cluster.check_alive()
+
+
+def test_a_junk_flood_is_counted_but_logged_once_per_interval(cluster: Cluster) -> None:
+    log_path = cluster.services["router"].log_path
+    assert log_path is not None
+    lines_before = log_path.read_text().count('"bad_frame_dropped"')
+    before = bad_frames(cluster).get("work", 0)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
+        for i in range(2000):
+            dealer.send_multipart([b"\xc1junk%d" % i])
+        wait_until(lambda: bad_frames(cluster).get("work", 0) >= before + 2000, 20, "2000 junk frames counted")
+        dealer.close()
+    finally:
+        ctx.term()
+    time.sleep(0.5)  # the router's log is line-buffered JSON: let it flush
+    assert log_path.read_text().count('"bad_frame_dropped"') - lines_before <= 3  # not one line per frame
 
 
 def test_no_worker_of_a_needed_kind_is_503(tmp_path_factory: pytest.TempPathFactory) -> None:

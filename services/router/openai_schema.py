@@ -183,6 +183,9 @@ def _check_refused(body: _Body) -> None:
         raise RequestError(f"'{name}' is not supported by Kairos: {why}", param=name, code="unsupported_parameter")
 
 
+TOO_DEEP = "the body's JSON is nested too deeply"
+
+
 def decode(raw: bytes, *, chat: bool) -> CompletionBody | ChatBody:
     """The body, decoded and checked field by field; RequestError (400) names the field at fault."""
     try:
@@ -199,6 +202,8 @@ def decode(raw: bytes, *, chat: bool) -> CompletionBody | ChatBody:
         raise RequestError(f"invalid request: {msg}", param=field) from e
     except msgspec.DecodeError as e:
         raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:  # msgspec's own bound on nesting: a client's doing, not a server error
+        raise RequestError(TOO_DEEP, code="invalid_json") from e
     _check_refused(body)
     return body
 
@@ -231,6 +236,8 @@ def _decode_as(raw: bytes, typ: type[msgspec.Struct]) -> Any:
         raise RequestError(f"invalid request: {msg}", param=field) from e
     except msgspec.DecodeError as e:
         raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:
+        raise RequestError(TOO_DEEP, code="invalid_json") from e
 
 
 def decode_tokenize(raw: bytes) -> TokenizeBody:
@@ -338,7 +345,7 @@ def _history_call(call: Any, i: int) -> dict[str, Any]:
     if isinstance(args, str) and args:
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             args = None
     if not isinstance(args, dict):
         args = {}

@@ -52,7 +52,7 @@ def _from_structured_outputs(so: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, str):
                 try:
                     msgspec.json.decode(v)
-                except msgspec.DecodeError:
+                except (msgspec.DecodeError, RecursionError):
                     raise _bad("'structured_outputs.json' must be a JSON schema (an object, or its JSON text)",
                                "structured_outputs") from None
                 out[k] = v

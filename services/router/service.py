@@ -13,6 +13,7 @@ deadline.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import uuid
@@ -51,6 +52,9 @@ from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 log = structlog.get_logger()
 
 
+DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -87,6 +91,7 @@ class Router:
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
         self.counts: Counter[str] = Counter()
+        self._dropped: dict[tuple[str, str], tuple[float, int]] = {}  # (source, event) -> (last logged, since)
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
         self.bus: RouterBus | None = None
@@ -440,11 +445,18 @@ class Router:
             self._inbox = None
 
     def drop_frame(self, source: str, event: str, **fields: object) -> None:
-        """A frame from the bus that cannot be used (`source`: its metric label): counted, logged,
-        nothing else."""
+        """A frame from the bus that cannot be used (`source`: its metric label): counted in
+        kairos_bad_frames_total, and logged at most once per DROP_LOG_S per source and kind, with
+        how many were dropped since the last line (a flood of junk must not drown the log)."""
         self.counts["bad_frames"] += 1
         metrics.observe_bad_frame(source)
-        log.warning(event, **fields)
+        now = time.monotonic()
+        last, since = self._dropped.get((source, event), (-math.inf, 0))
+        if now - last < DROP_LOG_S:
+            self._dropped[(source, event)] = (last, since + 1)
+            return
+        self._dropped[(source, event)] = (now, 0)
+        log.warning(event, **fields, suppressed_since_last=since)
 
     def _on_work_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:

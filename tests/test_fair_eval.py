@@ -63,3 +63,23 @@ def test_by_reason_counts_rejected_as_infinite() -> None:
     slack = out["no_decode_slack"]
     assert slack["requests"] == 2 and slack["missed_ttft"] == 2 and slack["prompt_p50"] == 4000
     assert slack["ttft_p95"] == float("inf") and slack["missed_pred_p50"] == 6.0
+
+
+def test_goodput_is_the_highest_rate_kept_from_the_bottom_up() -> None:
+    from sim.fair_report import goodput
+
+    def pt(x: float, k: float, b: float) -> dict[str, Any]:
+        return {"rate_scale": x, "policies": {"kairos": {"slo_attainment": k, "tbt_slo_attainment": 1.0},
+                                              "b": {"slo_attainment": b, "tbt_slo_attainment": 0.99}}}
+    w = {"sweep": [pt(0.5, 0.99, 0.95), pt(1.0, 0.95, 0.85), pt(1.5, 0.91, 0.92), pt(2.0, 0.6, 0.5)]}
+    assert goodput(w, "kairos")[0] == 1.5
+    assert goodput(w, "b")[0] == 0.5  # 1.5 is above 90 % again, but 1.0 was not: the goodput stops at 0.5
+    w["sweep"][0]["policies"]["b"]["slo_attainment"] = 0.8
+    assert goodput(w, "b") == (None, None)
+
+
+def test_splice_takes_a_condition_under_its_own_marker() -> None:
+    doc = "a\n<!-- fair-eval p1 -->\nold\n<!-- /fair-eval p1 -->\n<!-- fair-eval p1/noise -->\nold\n" \
+          "<!-- /fair-eval p1/noise -->\nb\n"
+    out = splice(doc, "p1/noise", "## p1, noise\nnew\n### w")
+    assert "<!-- fair-eval p1 -->\nold\n" in out and "<!-- fair-eval p1/noise -->\nnew\n#### w\n" in out

@@ -7,8 +7,9 @@ KAIROS_* environment variables, that docker-compose.yml runs; the operator's own
 variables and --config file reach every service that has the setting, under what kairos up sets
 itself: kairos/passthrough.py), waits until every worker has registered, prints the API address,
 and supervises them: a service that exits is started again (same command, same worker id) after
-a backoff that doubles while it keeps exiting. The cluster stops only on Ctrl-C or SIGTERM, or
-when a service crash-loops (--crash-loop-exits exits within --crash-loop-window seconds), in
+a backoff that doubles while it keeps exiting; one that crash-loops (--crash-loop-exits exits
+within --crash-loop-window seconds) is held down alone while the rest serves on
+(--on-crash-loop stop: the cluster stops instead). The cluster stops on Ctrl-C or SIGTERM, in
 order: routers first (intake stops, in-flight requests drain), then workers, then the monitor,
 leaving no process behind.
 """
@@ -290,12 +291,16 @@ class Cluster:
                 raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}; last log lines:\n{tail}")
 
     def supervise(self) -> None:
-        """One pass of the supervisor: restart services that exited (with backoff); raises
-        CrashLoop when one exits too often."""
+        """One pass of the supervisor: restart services that exited (with backoff), hold down one
+        that crash-loops; raises CrashLoop for that only with on_crash_loop="stop"."""
         if self.supervisor is None:
             self.supervisor = Supervisor(self.spec.restart, list(self.services), alive=self.returncode,
                                          start=self.spawn, log_path=lambda n: self.services[n].log_path)
         self.supervisor.step()
+
+    def supervisor_held(self) -> dict[str, tuple[float, str]]:
+        """Services held down for crash-looping: name -> (seconds to the next try, last exit)."""
+        return self.supervisor.held_down() if self.supervisor is not None else {}
 
     def returncode(self, name: str) -> int | None:
         """None while the service runs (or was never started), else how it exited."""
@@ -409,10 +414,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, metavar="S",
                    help=f"longest wait between restarts, seconds (default {d.backoff_max_s:g})")
     p.add_argument("--crash-loop-exits", type=int, default=d.crash_loop_exits, metavar="N",
-                   help=f"stop the cluster when one service exits N times within the window (default "
+                   help=f"a service that exits N times within the window is crash-looping (default "
                         f"{d.crash_loop_exits})")
     p.add_argument("--crash-loop-window", type=float, default=d.crash_loop_window_s, metavar="S",
                    help=f"the crash-loop window, seconds (default {d.crash_loop_window_s:g})")
+    p.add_argument("--on-crash-loop", choices=("hold", "stop"), default=d.on_crash_loop,
+                   help=f"a crash-looping service: hold it down (an error line, another try after {d.hold_s:g} s, "
+                        f"doubling up to {d.hold_max_s:g} s) while the rest serves on, or stop the whole cluster "
+                        f"(default {d.on_crash_loop})")
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="kairos up's own log lines (service exits and restarts): json, console, or auto "
                         "(json unless stdout is a terminal)")
@@ -489,7 +498,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     try:
         restart = RestartPolicy(backoff_s=a.restart_backoff, backoff_max_s=a.restart_backoff_max,
-                                crash_loop_exits=a.crash_loop_exits, crash_loop_window_s=a.crash_loop_window)
+                                crash_loop_exits=a.crash_loop_exits, crash_loop_window_s=a.crash_loop_window,
+                                on_crash_loop=a.on_crash_loop)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     router_env, worker_env = knob_env(a)

@@ -56,9 +56,38 @@ def test_an_exit_is_restarted_after_a_backoff_that_doubles_then_resets() -> None
     assert s.state["decode-0"].restart_at == pytest.approx(p.now + 0.5)
 
 
+def test_a_crash_loop_is_held_down_alone_and_tried_again_later() -> None:
+    p = FakeProcs()
+    s = supervisor(p, backoff_s=0.0, crash_loop_exits=3, crash_loop_window_s=10, hold_s=30, hold_max_s=50)
+
+    def loop() -> None:
+        for _ in range(3):
+            p.rc["decode-0"] = 1
+            s.step()
+            s.step()
+
+    loop()  # the third exit is a crash loop: held down, no exception, the others untouched
+    assert set(s.held_down()) == {"decode-0"} and s.held_down()["decode-0"] == (30, "exit code 1")
+    n = len(p.started)
+    p.now += 29
+    s.step()
+    assert len(p.started) == n  # still held
+    p.now += 1
+    s.step()
+    assert p.started[-1] == ("decode-0", 30.0) and s.held_down() == {}
+    loop()  # crash-looping again at once: held twice as long, capped
+    assert s.held_down()["decode-0"][0] == 50
+    assert s.state["router"].restarts == 0
+    p.now += 50
+    s.step()
+    p.now += 11  # it ran a whole window: the next crash loop starts over at 30 s
+    loop()
+    assert s.held_down()["decode-0"][0] == 30
+
+
 def test_a_crash_loop_stops_with_one_line_naming_the_service_and_its_log() -> None:
     p = FakeProcs()
-    s = supervisor(p, backoff_s=0.0, crash_loop_exits=3, crash_loop_window_s=10)
+    s = supervisor(p, backoff_s=0.0, crash_loop_exits=3, crash_loop_window_s=10, on_crash_loop="stop")
     for i in range(2):
         p.rc["router"] = 2
         s.step()
@@ -98,7 +127,7 @@ def test_cluster_restarts_a_real_process_and_gives_up_on_a_crash_loop(tmp_path: 
     """Real processes: one that dies at once every time, under the Cluster's supervisor."""
     spec = up.ClusterSpec.ephemeral(log_dir=str(tmp_path), prefill=0, decode=1, monitor=False,
                                     restart=RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, crash_loop_exits=3,
-                                                          crash_loop_window_s=30))
+                                                          crash_loop_window_s=30, on_crash_loop="stop"))
     c = up.Cluster(spec)
     c.services = {"flaky": up.Service("flaky", [sys.executable, "-c", "import sys; print('boom'); sys.exit(7)"], {})}
     c.spawn("flaky")
@@ -118,7 +147,8 @@ def test_cluster_restarts_a_real_process_and_gives_up_on_a_crash_loop(tmp_path: 
 def test_help_lists_the_restart_flags() -> None:
     out = subprocess.run([sys.executable, "-m", "kairos.cli", "up", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for flag in ("--restart-backoff", "--restart-backoff-max", "--crash-loop-exits", "--crash-loop-window"):
+    for flag in ("--restart-backoff", "--restart-backoff-max", "--crash-loop-exits", "--crash-loop-window",
+                 "--on-crash-loop"):
         assert flag in out
 
 
@@ -158,3 +188,33 @@ def test_an_ephemeral_cluster_gets_distinct_ports(monkeypatch: pytest.MonkeyPatc
     ports = [spec.http_port, spec.work_port, spec.heartbeat_port, spec.telemetry_port, spec.monitor_port,
              *(p for trio in spec.replica_ports for p in trio)]
     assert len(ports) == 11 and len(set(ports)) == 11, ports
+
+
+def test_a_crash_looping_decode_worker_is_held_down_and_the_others_serve(tmp_path: Path) -> None:
+    """Issue 28: one decode worker that keeps dying must not take the cluster down."""
+    import httpx
+
+    from tests.conftest import start_cluster
+
+    c = start_cluster(tmp_path, prefill=1, decode=2, profile="fast", policy="kairos",
+                      restart=RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, crash_loop_exits=3,
+                                            crash_loop_window_s=30, hold_s=60))
+    try:
+        # from now on decode-1 dies as soon as it starts (a broken host, a bad driver)
+        c.services["decode-1"].command = [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"]
+        c.signal("decode-1", signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and c.supervisor_held() == {}:
+            c.supervise()  # no CrashLoop: held down instead
+            time.sleep(0.02)
+        assert set(c.supervisor_held()) == {"decode-1"}
+        ok = 0
+        for i in range(20):
+            c.supervise()
+            r = httpx.post(c.spec.api + "/v1/completions", json={"prompt": f"still serving {i}", "max_tokens": 4},
+                           timeout=30)
+            ok += r.status_code == 200
+        assert ok == 20
+        assert c.returncode("decode-0") is None and c.returncode("prefill-0") is None and c.returncode("router") is None
+    finally:
+        c.stop(10)

@@ -151,7 +151,9 @@ def goodput_table(res: dict[str, Any]) -> list[str]:
             return "< lowest" if x is None or s is None else f"{x:g} ({_pct(s['tbt_slo_attainment'])})"
 
         verdict = "-"
-        if "kairos" in got and len(got) > 1:
+        if all(g[0] is None for g in got.values()):
+            verdict = "none reaches it"
+        elif "kairos" in got and len(got) > 1:
             k = got["kairos"][0] or 0.0
             verdict = "yes" if all(k >= (g[0] or 0.0) for p, g in got.items() if p != "kairos") else "**no**"
         rows.append([name, "/".join(f"{pt['rate_scale']:g}" for pt in w["sweep"]), *[text(got[p]) for p in pols],

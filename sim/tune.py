@@ -76,14 +76,15 @@ OFF = {"prefill_busy_threshold": 1000.0, "eff_isl_threshold": 0, "overlap_weight
 
 
 def edges(grid: dict[str, tuple[Any, ...]], chosen: dict[str, Any]) -> list[str]:
-    """The searched numeric knobs whose tuned value is the smallest or largest of their grid (the
-    optimum may lie beyond it: widen that grid)."""
+    """The searched numeric knobs whose tuned value is the smallest or largest of their grid, or
+    outside it (the starting value kept): the optimum may lie beyond, so widen that grid."""
     out = []
     for knob, vals in grid.items():
         nums = sorted(v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
                       and v != OFF.get(knob))
         v = chosen.get(knob)
-        if len(nums) >= 3 and v in (nums[0], nums[-1]):
+        if len(nums) >= 3 and isinstance(v, (int, float)) and not isinstance(v, bool) and v != OFF.get(knob) \
+                and (v <= nums[0] or v >= nums[-1]):  # on an edge, or beyond (a start value the grid lacks)
             out.append(knob)
     return out
 
@@ -323,7 +324,7 @@ def _knobs_text(name: str, entry: dict[str, Any], grid: dict[str, tuple[Any, ...
         if isinstance(v, (list, tuple)):
             return "/".join(str(x) for x in v)
         return str(v)
-    on_edge = set(entry.get("edges", ()))
+    on_edge = set(entry.get("edges", ())) | set(edges(grid, vals))  # by today's rule, for older results too
     return ", ".join(f"{SHORT.get(k, k)} {text(vals.get(k))}{' (grid edge)' if k in on_edge else ''}" for k in grid)
 
 

@@ -285,6 +285,7 @@ def test_tuned_knobs_on_a_grid_edge_are_named() -> None:
     # off is not an edge, but the largest real threshold is
     assert tune.edges(grid, {"a": 2, "b": 0.5, "flag": False, "prefill_busy_threshold": 4.0}) == [
         "b", "prefill_busy_threshold"]
+    assert tune.edges(grid, {"a": 8, "b": 1.0, "flag": True, "prefill_busy_threshold": 2.0}) == ["a"]  # beyond
     text = tune._knobs_text("x", {"engine": {}, "policy": {"a": 4, "b": 1.0}, "edges": ["a"]}, {"a": (), "b": ()})
     assert text == "a 4 (grid edge), b 1"
 

@@ -41,13 +41,17 @@ def test_metrics_under_a_mixed_load(monitored_cluster: Cluster, capsys: pytest.C
         by_route[dict(labels)["route"]] = by_route.get(dict(labels)["route"], 0) + n
         assert dict(labels)["reason"]
     assert by_route.get("deflect", 0) > 0 and by_route.get("disagg", 0) > 0, decisions
-    assert sum(by_route.values()) == len(routes)
+    # one decision per dispatch: a deflection a decode worker's admission refused (more likely with
+    # late binding, which releases held requests together) or a re-dispatch is decided again
+    counts = httpx.get(c.spec.api + "/v1/kairos/stats", timeout=5.0).json()["counts"]
+    again = counts.get("deflect_rejected", 0) + counts.get("redispatched", 0)
+    assert len(routes) <= sum(by_route.values()) <= len(routes) + again, (by_route, counts)
     for route in ("deflect", "disagg"):
         assert (value(s, "kairos_time_to_first_token_seconds_count", route=route) or 0) > 0
         assert (value(s, "kairos_e2e_request_latency_seconds_count", route=route) or 0) > 0
         assert (value(s, "kairos_ttft_prediction_error_seconds_count", route=route) or 0) > 0
         assert (value(s, "kairos_requests_total", route=route, outcome="ok") or 0) > 0
-    assert (value(s, "kairos_routing_decision_seconds_count") or 0) == len(routes)
+    assert (value(s, "kairos_routing_decision_seconds_count") or 0) == sum(by_route.values())
     assert value(s, "kairos_workers", role="prefill") == 2 and value(s, "kairos_workers", role="decode") == 2
     for w in ("decode-0", "decode-1"):
         assert value(s, "kairos_worker_decode_batch", worker=w, role="decode") is not None

@@ -281,6 +281,15 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
         raise ConfigError(f"invalid configuration: {e}") from e
 
 
+def env_text(v: Any) -> str:
+    """A setting's value as a KAIROS_* variable holds it: booleans true/false, lists comma-joined."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
 def to_env(cfg: msgspec.Struct, *, skip_defaults: bool = True) -> dict[str, str]:
     """The environment that reproduces `cfg` (what `kairos up` and compose pass to services)."""
     defaults = type(cfg)()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from common.config import ENV_PREFIX, MonitorConfig, RouterConfig, WorkerConfig, _read_file
+from common.config import ENV_PREFIX, MonitorConfig, RouterConfig, WorkerConfig, _read_file, env_text
 from common.errors import ConfigError
 
 ROLES: dict[str, type[Any]] = {"router": RouterConfig, "monitor": MonitorConfig, "prefill": WorkerConfig,
@@ -27,14 +27,6 @@ ROLES: dict[str, type[Any]] = {"router": RouterConfig, "monitor": MonitorConfig,
 COMMAND = {"router": "router", "monitor": "monitor", "prefill": "prefill-worker", "decode": "decode-worker"}
 TABLES = {"router": ("router",), "monitor": ("monitor",), "worker": ("prefill", "decode"), "prefill": ("prefill",),
           "decode": ("decode",)}
-
-
-def _text(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v)
-    return str(v)
 
 
 def _roles(name: str) -> list[str]:
@@ -60,14 +52,14 @@ def passthrough(config_file: str | None, environ: Mapping[str, str]) -> tuple[di
                         raise ConfigError(f"config file {config_file}: [{key}] has no option {k!r} "
                                           f"(`kairos {COMMAND[TABLES[key][0]]} --help` lists them)")
                     for r in TABLES[key]:
-                        out[r][ENV_PREFIX + k.upper()] = _text(v)
+                        out[r][ENV_PREFIX + k.upper()] = env_text(v)
                 continue
             roles = _roles(key)
             if not roles or key == "config":
                 raise ConfigError(f"config file {config_file}: no service has an option {key!r} "
                                   "(`kairos router --help`, `kairos decode-worker --help` list them)")
             for r in roles:
-                out[r][ENV_PREFIX + key.upper()] = _text(value)
+                out[r][ENV_PREFIX + key.upper()] = env_text(value)
     for var, value in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX):
             continue

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from common.config import ENV_PREFIX, RouterConfig
+from common.config import ENV_PREFIX, RouterConfig, env_text
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES
@@ -465,9 +465,7 @@ def setup_env(policy: str, setup: Setup, source: str = "the flags") -> tuple[dic
     for k, v in setup.policy.items():
         if k not in router_fields:
             raise ConfigError(f"the router has no option for {policy} knob {k!r}; remove it from {source}")
-        text = ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else str(v).lower() if isinstance(v, bool) \
-            else str(v)
-        router_env[ENV_PREFIX + k.upper()] = text
+        router_env[ENV_PREFIX + k.upper()] = env_text(v)
     worker_env = {ENV_PREFIX + k.upper(): str(v) for k, v in msgspec.structs.asdict(setup.engine).items() if v}
     return router_env, worker_env
 

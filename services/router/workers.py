@@ -38,6 +38,7 @@ class WorkerEntry:
     identity: bytes
     hello: m.Hello
     model: PerfModel                     # what the policy predicts it with: base_model x bias
+    base_model: PerfModel                # its own coefficients (hello, heartbeats), else the router's profile
     joined: float
     last_seen: float
     hb: m.PrefillHeartbeat | m.DecodeHeartbeat | None = None
@@ -52,7 +53,6 @@ class WorkerEntry:
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
-    base_model: PerfModel | None = None  # its own coefficients (hello, heartbeats), else the router's profile
     bias: float = 1.0                    # the measured step bias `model` is scaled by (step_error.bias_factor)
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
     # whatever it still sends (heartbeats, tokens), until it says Hello again
@@ -182,7 +182,8 @@ class WorkerTable:
             return old, None
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
-                            identity=identity, hello=hello, model=model, joined=now, last_seen=now, base_model=model)
+                            identity=identity, hello=hello, model=model, base_model=model, joined=now,
+                            last_seen=now)
         self.workers[hello.worker_id] = entry
         return entry, old
 
@@ -200,9 +201,8 @@ class WorkerTable:
             e.base_model = PerfModel.from_coeffs(hb.coeffs)  # type: ignore[arg-type]
         bias = bias_factor(hb.step_bias) if self.bias_correction else 1.0
         if refit or bias != e.bias:  # a new object only when it changes: the policy caches by identity
-            base = e.base_model or e.model
             e.bias = bias
-            e.model = base.scaled(bias) if bias != 1.0 else base
+            e.model = e.base_model.scaled(bias) if bias != 1.0 else e.base_model
         if isinstance(hb, m.PrefillHeartbeat):
             # kept per heartbeat (not per view) so that the policy's replay cache sees the same objects;
             # the worker replayed its queue with its own model: stretched by its measured bias

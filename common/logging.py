@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Hashable
 from typing import Any
 
 import structlog
@@ -39,3 +41,26 @@ def configure(service: str, *, level: str = "info", fmt: str = "auto", **context
 
 def get() -> Any:
     return structlog.get_logger()
+
+
+class Throttle:
+    """At most one log line per `every_s` for each key (a peer, a kind of frame): `admit(key)`
+    is None while the key is muted, else how many were held back since its last line. Bounded:
+    past `max_keys` keys (a flood of forged identities) it forgets them all."""
+
+    def __init__(self, every_s: float, max_keys: int = 4096) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: dict[Hashable, float] = {}
+        self._held: dict[Hashable, int] = {}
+
+    def admit(self, key: Hashable) -> int | None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every_s) < self.every_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        if len(self._last) > self.max_keys:
+            self._last.clear()
+            self._held.clear()
+        self._last[key] = now
+        return self._held.pop(key, 0)

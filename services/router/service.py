@@ -13,7 +13,6 @@ deadline.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 import uuid
@@ -27,6 +26,7 @@ from common import codec
 from common import messages as m
 from common.config import RouterConfig, parse_list
 from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
+from common.logging import Throttle
 from common.perf_model import load_profile
 from common.policy import (
     ConditionalConfig,
@@ -91,7 +91,7 @@ class Router:
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
         self.counts: Counter[str] = Counter()
-        self._dropped: dict[tuple[str, str], tuple[float, int]] = {}  # (source, event) -> (last logged, since)
+        self._dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
         self.bus: RouterBus | None = None
@@ -450,13 +450,9 @@ class Router:
         how many were dropped since the last line (a flood of junk must not drown the log)."""
         self.counts["bad_frames"] += 1
         metrics.observe_bad_frame(source)
-        now = time.monotonic()
-        last, since = self._dropped.get((source, event), (-math.inf, 0))
-        if now - last < DROP_LOG_S:
-            self._dropped[(source, event)] = (last, since + 1)
-            return
-        self._dropped[(source, event)] = (now, 0)
-        log.warning(event, **fields, suppressed_since_last=since)
+        held = self._dropped.admit((source, event))
+        if held is not None:
+            log.warning(event, **fields, suppressed_since_last=held)
 
     def _on_work_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:

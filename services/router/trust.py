@@ -10,12 +10,12 @@ registration with the reason, which the worker logs.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import structlog
 
 from common import messages as m
+from common.logging import Throttle
 from services.router import metrics
 from services.router.workers import WorkerTable
 
@@ -30,25 +30,18 @@ class Gate:
     def __init__(self, counts: Counter[str]) -> None:
         self.counts = counts
         self.dropped: Counter[str] = Counter()
-        self._last_warned: dict[tuple[bytes, str], float] = {}
-        self._suppressed: Counter[tuple[bytes, str]] = Counter()
+        self._warn = Throttle(WARN_EVERY_S)  # a line per peer and reason per second at most
 
     def drop(self, peer: bytes, reason: str, msg: m.Msg, request_id: str = "") -> None:
         self.dropped[reason] += 1
         self.counts["dropped_messages"] += 1
         metrics.observe_dropped(reason)
-        key = (peer, reason)
-        now = time.monotonic()
-        if now - self._last_warned.get(key, -WARN_EVERY_S) < WARN_EVERY_S:
-            self._suppressed[key] += 1
+        held = self._warn.admit((peer, reason))
+        if held is None:
             return
-        if len(self._last_warned) > 4096:  # bounded: a peer per forged identity must not grow this forever
-            self._last_warned.clear()
-            self._suppressed.clear()
-        self._last_warned[key] = now
         log.warning("message_dropped", reason=reason, peer=peer.decode(errors="replace")[:64],
                     message=type(msg).__name__, request_id=request_id or getattr(msg, "request_id", None),
-                    suppressed_since_last=self._suppressed.pop(key, 0))
+                    suppressed_since_last=held)
 
 
 def refusal(identity: bytes, h: m.Hello, table: WorkerTable, *, served_model: str) -> str:

@@ -123,3 +123,31 @@ def test_without_a_grace_a_draining_router_closes_each_connection_it_answers(tmp
         assert c.wait_exit("router", 40) == 0
     finally:
         c.stop(10)
+
+
+def test_a_response_started_after_sigterm_closes_its_connection_even_if_its_request_came_before() -> None:
+    """The close decision is taken when the response starts: a request read before SIGTERM and
+    refused after it (503, shutting down) must still close its kept-alive connection (CI saw the
+    503 go out without `connection: close` when the request raced the signal)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.router.http import _closing
+
+    router = SimpleNamespace(leaving=False)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def go() -> None:
+        wrapped = _closing(send, router)  # type: ignore[arg-type]
+        await wrapped({"type": "http.response.start", "status": 200, "headers": []})
+        router.leaving = True  # SIGTERM arrives between this connection's requests
+        await wrapped({"type": "http.response.start", "status": 503, "headers": []})
+        await wrapped({"type": "http.response.body", "body": b"{}"})
+
+    asyncio.run(go())
+    assert (b"connection", b"close") not in sent[0]["headers"]
+    assert (b"connection", b"close") in sent[1]["headers"]
+    assert sent[2] == {"type": "http.response.body", "body": b"{}"}

@@ -73,11 +73,13 @@ class HttpError(Exception):
                                        "code": self.code}})
 
 
-def _closing(send: Send) -> Send:
-    """`send` with `connection: close` on the response: the client's next request opens a new
-    connection, which a balancer gives to another router."""
+def _closing(send: Send, router: Router) -> Send:
+    """`send` that adds `connection: close` to a response started while the router is leaving: the
+    client's next request opens a new connection, which a balancer gives to another router. Decided
+    when the response starts, not when the request arrived: a request read before SIGTERM can be
+    answered (503, shutting down) after it."""
     async def wrapped(message: Any) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and router.leaving:
             message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
         await send(message)
     return wrapped
@@ -92,8 +94,7 @@ class App:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if self.router.leaving:  # stopping: this connection's next request goes elsewhere (or retries)
-            send = _closing(send)
+        send = _closing(send, self.router)  # once stopping, this connection's next request goes elsewhere
         try:
             await self._route(scope, receive, send)
         except HttpError as e:

@@ -91,6 +91,18 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                       "seconds")] = 5.0
     api_key: Annotated[str, doc("if set, clients must send 'Authorization: Bearer <key>'")] = ""
     max_body_bytes: Annotated[int, doc("largest HTTP request body accepted")] = 4 << 20
+    http_header_timeout_s: Annotated[float, doc(
+        "a connection must send a request's headers within this many seconds of opening (or of its last "
+        "response), however slowly it trickles them, or it is closed")] = 10.0
+    http_body_timeout_s: Annotated[float, doc(
+        "a request's body must arrive within this many seconds of its headers, or the client gets a 408")] = 30.0
+    http_max_connections: Annotated[int, doc(
+        "open HTTP connections; past it a new one closes the longest-idle one (never one being served), and "
+        "is refused with a 503 only when every connection is busy")] = 8192
+    http_max_connections_per_client: Annotated[int, doc(
+        "open HTTP connections from one address; past it that address's longest-idle one is closed, or the new "
+        "one refused (429) when all are busy. Behind a gateway or balancer that funnels every client through "
+        "one address, raise it to http_max_connections")] = 4096
     enable_prompt_tokens_details: Annotated[bool, doc(
         "report usage.prompt_tokens_details (cached_tokens: prompt tokens the engine found in its prefix "
         "cache), as vLLM's server flag of the same name; off by default there too")] = False

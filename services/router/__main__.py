@@ -13,6 +13,7 @@ from common import config, logging
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
 from common.service import HttpServer, install_signals, run
+from services.router.edge import EdgeLimits, edge_protocol
 from services.router.http import App
 from services.router.service import Router
 
@@ -36,18 +37,44 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_fd_limit(want: int) -> int:
+    """Lift this process's open-file limit (soft) towards `want`, up to the hard limit: each HTTP
+    connection is a file descriptor, and the usual soft default (1024) is below the connection
+    limits. Returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None) -> int:
     logging.configure("router", level=cfg.log_level, fmt=cfg.log_format)
     log = structlog.get_logger()
+    files = raise_fd_limit(cfg.http_max_connections + 1024)  # the bus, the log, the workers' sockets
+    if files < cfg.http_max_connections + 256:
+        log.warning("fd_limit_low", open_files=files, http_max_connections=cfg.http_max_connections,
+                    hint="raise the open-file limit (ulimit -n, compose ulimits.nofile) or lower "
+                         "--http-max-connections: past the limit new connections fail to be accepted")
     sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
     router = Router(cfg)
     router.open()
     stop_metrics = serve_metrics(cfg.http_host, cfg.metrics_port)
     stop = router.stop
     install_signals(stop)
+    # the edge's own limits replace uvicorn's limit_concurrency, which counts idle connections (edge.py)
+    edge = edge_protocol(EdgeLimits(header_timeout_s=cfg.http_header_timeout_s, body_timeout_s=cfg.http_body_timeout_s,
+                                    max_connections=cfg.http_max_connections,
+                                    max_per_client=cfg.http_max_connections_per_client))
     server = HttpServer(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
-                                           access_log=False, log_level="warning", http="httptools",
-                                           timeout_graceful_shutdown=5, limit_concurrency=cfg.max_in_flight + 256))
+                                       access_log=False, log_level="warning", http=edge,
+                                       timeout_graceful_shutdown=5, backlog=4096))
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(c, name=n) for n, c in router.loops()]

@@ -1,0 +1,179 @@
+"""The router's HTTP edge: connection limits and timeouts that uvicorn does not have.
+
+uvicorn's own limits protect the wrong thing for a public front door. Its `limit_concurrency`
+counts idle connections, so a few thousand sockets that never send a byte make every new
+request (and `/ready`) get a 503; its keep-alive timeout starts only after a response and is
+reset by every byte, so a connection that never sends a request, or sends its headers one byte
+every few seconds (slowloris), is held forever. `edge_protocol` returns uvicorn's httptools
+protocol with these instead:
+
+- header timeout: a connection must finish a request's headers within `header_timeout_s` of
+  opening (or of its previous response), however it trickles them; else it is closed;
+- body timeout: a request's body must arrive within `body_timeout_s` of its headers; else the
+  client gets a 408 (OpenAI error shape) and the connection is closed;
+- connection limit: past `max_connections`, a new connection closes the connection that has
+  been idle longest (no request in progress: never one being served); only when every
+  connection is busy is the new one refused (503, `connection: close`);
+- per-client limit: past `max_per_client` connections from one address, that address's oldest
+  idle connection is closed, or, when all of them are busy, the new one is refused (429).
+
+Closed connections are counted in `kairos_router_http_connections_closed{reason}`; nothing a
+client sends is logged above debug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from prometheus_client import Counter
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = structlog.get_logger()
+
+CLOSED = Counter("kairos_router_http_connections_closed", "HTTP connections the router closed or refused at its "
+                 "edge: header_timeout, body_timeout, idle_evicted (the connection limit neared), "
+                 "client_evicted (its address at its limit), refused_full, refused_client.", ["reason"])
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 8192
+    max_per_client: int = 4096
+
+
+@dataclass(slots=True)
+class _Edge:
+    """What the connections of one server share."""
+    limits: EdgeLimits
+    idle: dict[Any, None] = field(default_factory=dict)  # idle connections, longest idle first
+    by_client: dict[str, dict[Any, None]] = field(default_factory=dict)  # every connection, per address
+
+
+def _refusal(status: int, reason: str, message: str) -> bytes:
+    kind = {503: "service_unavailable", 429: "rate_limit_error", 408: "invalid_request_error"}[status]
+    body = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": reason}})
+    head = {503: "Service Unavailable", 429: "Too Many Requests", 408: "Request Timeout"}[status]
+    return (f"HTTP/1.1 {status} {head}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol class with `limits` (pass it as uvicorn.Config's `http`)."""
+    edge = _Edge(limits)
+
+    class EdgeProtocol(HttpToolsProtocol):
+        _timer: asyncio.TimerHandle | None = None
+        _serving = False  # from a request's complete headers to its complete response
+        _host = ""
+        _registered = False  # counted in the edge's tables (not a refused connection)
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            lim = edge.limits
+            self._host = self.client[0] if self.client else ""
+            if len(self.connections) > lim.max_connections and not self._evict(edge.idle, "idle_evicted"):
+                self._refuse(503, "refused_full", "the router is at its connection limit and every connection is "
+                             "busy: retry shortly")
+                return
+            mine = edge.by_client.setdefault(self._host, {})
+            if len(mine) >= lim.max_per_client and not self._evict(
+                    (c for c in mine if c in edge.idle), "client_evicted"):
+                self._refuse(429, "refused_client", f"too many connections from {self._host} "
+                             f"({lim.max_per_client}, every one busy): reuse connections or retry shortly")
+                return
+            mine[self] = None
+            self._registered = True
+            self._idle()
+
+        @staticmethod
+        def _evict(candidates: Any, reason: str) -> bool:
+            for victim in candidates:
+                victim._close(reason)
+                return True
+            return False
+
+        def _refuse(self, status: int, reason: str, message: str) -> None:
+            CLOSED.labels(reason).inc()
+            log.debug("http_connection_refused", reason=reason, client=self._host)
+            self.transport.write(_refusal(status, reason, message))
+            self.transport.close()
+
+        def _close(self, reason: str) -> None:
+            CLOSED.labels(reason).inc()
+            log.debug("http_connection_closed", reason=reason, client=self._host)
+            self._forget()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _forget(self) -> None:
+            self._arm(None)
+            if not self._registered:
+                return
+            self._registered = False
+            edge.idle.pop(self, None)
+            mine = edge.by_client.get(self._host)
+            if mine is not None:
+                mine.pop(self, None)
+                if not mine:
+                    del edge.by_client[self._host]
+
+        def _arm(self, delay: float | None, fire: Callable[[], None] | None = None) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if delay is not None and fire is not None:
+                self._timer = self.loop.call_later(delay, fire)
+
+        def _idle(self) -> None:
+            """No request in progress: idle (longest-idle order), and the next request's headers timed."""
+            self._serving = False
+            edge.idle.pop(self, None)
+            edge.idle[self] = None
+            self._arm(edge.limits.header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            self._timer = None
+            if not self._serving:
+                self._close("header_timeout")
+
+        def _body_timeout(self) -> None:
+            self._timer = None
+            cycle = self.cycle
+            if cycle is None or not cycle.more_body or cycle.response_started:
+                return
+            if not self.transport.is_closing():
+                self.transport.write(_refusal(408, "body_timeout", f"the request body did not arrive within "
+                                              f"{edge.limits.body_timeout_s:g} s of its headers"))
+            self._close("body_timeout")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            edge.idle.pop(self, None)  # a request is coming: no longer a candidate for eviction
+
+        def on_headers_complete(self) -> None:
+            self._serving = True
+            self._arm(edge.limits.body_timeout_s, self._body_timeout)
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._arm(None)
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle
+            if self._registered and not self.transport.is_closing() and (cycle is None or cycle.response_complete):
+                self._idle()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._forget()
+            super().connection_lost(exc)
+
+    return EdgeProtocol

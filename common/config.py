@@ -80,9 +80,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     drain_grace_s: Annotated[float, doc(
         "on SIGTERM, keep serving this many seconds with /ready answering 503 and every response closing "
-        "its connection, before refusing new requests and draining: behind a load balancer, set it above "
-        "the time its health check takes to take a router out (HAProxy: fall x inter); 0: refuse at once "
-        "(responses still close their connections while it drains)")] = 0.0
+        "its connection, before it stops listening and drains: behind a load balancer, set it above the "
+        "time its health check takes to take a router out (HAProxy: fall x inter); 0: stop listening at once "
+        "(other routers on the port get the new connections; open ones are still served)")] = 0.0
     max_attempts: Annotated[int, doc("dispatch attempts per request when workers die before its first token")] = 3
     max_migrations: Annotated[int, doc("times a request whose tokens are streaming is resumed on another decode worker when its own dies or freezes (0: fail it with worker_lost_midstream)")] = 2
     park_timeout: Annotated[float, doc("seconds a request whose worker died waits for a worker to (re)register when no other can take it, before it fails")] = 10.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import time
+from typing import Any
 
 import structlog
 import uvicorn
@@ -54,6 +56,44 @@ def raise_fd_limit(want: int) -> int:
     return soft
 
 
+def migrate_req() -> str | None:
+    """Linux's net.ipv4.tcp_migrate_req ("1": when one of several SO_REUSEPORT listeners closes,
+    the connections queued on it go to another instead of being reset); None where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_migrate_req") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+async def leave(router: Router, server: HttpServer, cfg: config.RouterConfig, log: Any) -> None:
+    """SIGTERM: hand the front door to the other routers, answer what is here, then go.
+
+    From now on /ready says 503 and every response closes its connection, so that a client's
+    next request opens a new connection. After `drain_grace_s` (time for a balancer's health
+    check to take this router out; it serves everything meanwhile) it stops listening: with
+    SO_REUSEPORT the kernel gives new connections to the other routers on the port (alone, a
+    new connection is refused, which a client can retry). Requests on connections it already
+    has are still served; once none is in flight and its idle connections have had uvicorn's
+    keep-alive timeout to close (or 30 s have passed), intake stops and what is left fails."""
+    router.leaving = True
+    if cfg.drain_grace_s > 0:
+        log.info("router_leaving", grace_s=cfg.drain_grace_s, in_flight=len(router.requests))
+        await asyncio.sleep(cfg.drain_grace_s)
+    for listener in server.servers:
+        listener.close()
+    conns = server.server_state.connections
+    log.info("router_stopped_listening", in_flight=len(router.requests), connections=len(conns))
+    t0 = time.monotonic()
+    idle_by = t0 + server.config.timeout_keep_alive + 0.5
+    while (router.requests or conns) and time.monotonic() - t0 < 30.0:
+        if not router.requests and time.monotonic() > idle_by:
+            break  # what is still open never sent a request; uvicorn closes it on exit
+        await asyncio.sleep(0.05)
+    log.info("router_stopping", in_flight=len(router.requests), connections=len(conns))
+    await router.drain(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
+
+
 async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None) -> int:
     logging.configure("router", level=cfg.log_level, fmt=cfg.log_format)
     log = structlog.get_logger()
@@ -65,6 +105,10 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
     sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
     router = Router(cfg)
     router.open()
+    if cfg.http_reuse_port and migrate_req() == "0":
+        log.warning("reuse_port_without_migration",
+                    hint="when this router drains, connections the kernel queued on it are reset: set sysctl "
+                         "net.ipv4.tcp_migrate_req=1 (compose: sysctls) so they go to the other routers")
     stop_metrics = serve_metrics(cfg.http_host, cfg.metrics_port)
     stop = router.stop
     install_signals(stop)
@@ -92,18 +136,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 if ready is not None:
                     ready.set()
             await stop.wait()
-            # from now on each response closes its connection, so that a client's next request
-            # opens a new one (to another router behind a balancer, or a refused connect it can
-            # retry) instead of going out on a kept-alive connection the server closes when it
-            # exits (the client then sees the connection drop with its request unanswered)
-            router.leaving = True
-            if cfg.drain_grace_s > 0:
-                # a balancer sees /ready fail and stops sending new connections; meanwhile what
-                # still arrives is served
-                log.info("router_leaving", grace_s=cfg.drain_grace_s, in_flight=len(router.requests))
-                await asyncio.sleep(cfg.drain_grace_s)
-            log.info("router_stopping", in_flight=len(router.requests))
-            await router.drain(timeout=30.0)
+            await leave(router, server, cfg, log)
             server.should_exit = True
             await http
             for t in tasks:

@@ -186,6 +186,8 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     prefix_cache: Annotated[bool, doc("keep a prefix cache (finished requests' KV blocks stay until room is "
                                       "needed; vllm: its automatic prefix caching) and report it to the router")] = True
     prefix_block_tokens: Annotated[int, doc("sim engine: tokens per prefix-cache block")] = 16
+    sim_max_model_len: Annotated[int, doc("sim engine: its context window, prompt plus output tokens, as a "
+                                          "model's max_model_len (0: none)")] = 0
     deflect_admission: Annotated[bool, doc("decode workers: check every deflection's chunk schedule against the "
                                            "running decodes and the deflections already accepted (from any "
                                            "router) and reject what would break the TBT budget")] = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -84,3 +85,32 @@ def test_long_prompt_goes_down_its_path(cluster: Cluster) -> None:
     if expected_route(cluster) == "disagg":
         assert body["kairos"]["prefill_worker"] == "prefill-0"
     assert body["kairos"]["decode_worker"] == "decode-0"
+
+
+def test_vllm_limits_and_utility_routes_answer_as_vllm_does(tmp_path: Path) -> None:
+    """Workers with max_model_len 64 (a CPU vLLM's is 2048): a max_tokens the context cannot hold
+    beside the prompt is a 400 (vLLM's message), not a reply cut at the context; without
+    max_tokens the default is served. /v1/models and /tokenize report the workers' limit, with
+    vLLM's root/parent/permission; /ping and /load answer."""
+    c = start_cluster(tmp_path, prefill=1, decode=1, profile="fast", policy="kairos",
+                      worker_env={"KAIROS_SIM_MAX_MODEL_LEN": "64"})
+    try:
+        with httpx.Client(base_url=c.spec.api, timeout=20) as client:
+            r = client.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 100})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+            assert "maximum context length is 64 tokens" in err["message"], err
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 64})
+            assert r.status_code == 400 and "in the messages" in r.json()["error"]["message"]
+            assert client.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 8}).status_code == 200
+            assert client.post("/v1/completions", json={"prompt": "one two three"}).status_code == 200
+            model = client.get("/v1/models").json()["data"][0]
+            assert model["max_model_len"] == 64 and model["parent"] is None and model["root"]
+            assert model["permission"][0]["object"] == "model_permission"
+            assert client.post("/tokenize", json={"prompt": "a b"}).json()["max_model_len"] == 64
+            assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
+            assert client.get("/load").json() == {"server_load": 0}
+    finally:
+        c.stop(15)

@@ -38,7 +38,8 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
         return SimEngine(role, engine_settings(cfg).apply(load_profile(cfg.profile)), time_scale=cfg.time_scale,
                          max_queue_requests=cfg.max_queue_requests,
                          prefix_block_tokens=cfg.prefix_block_tokens if cfg.prefix_cache else 0,
-                         step_error=error, closed_loop=cfg.closed_loop, seed=cfg.worker_id)
+                         step_error=error, closed_loop=cfg.closed_loop, seed=cfg.worker_id,
+                         max_model_len=cfg.sim_max_model_len)
     if cfg.engine == "vllm":
         try:
             import vllm  # noqa: F401

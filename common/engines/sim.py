@@ -70,9 +70,10 @@ class SimEngine(Engine):
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
-                 closed_loop: bool = True, seed: str = "") -> None:
+                 closed_loop: bool = True, seed: str = "", max_model_len: int = 0) -> None:
         super().__init__()
         self.role = role
+        self.max_model_len = max_model_len  # prompt + output, as a model's context window (0: none)
         self.profile = profile
         self.model = profile.model
         self.time_scale = time_scale
@@ -113,8 +114,11 @@ class SimEngine(Engine):
             computed = prompt_len
         elif req.cached_tokens:
             computed = min(req.cached_tokens, prompt_len - 1)
+        max_tokens = req.sampling.max_tokens if self.role == "decode" else 1
+        if self.max_model_len:  # generation stops at the end of the context, as an engine's does
+            max_tokens = max(1, min(max_tokens, self.max_model_len - prompt_len))
         seq = Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=prompt_len,
-                  max_tokens=req.sampling.max_tokens if self.role == "decode" else 1,
+                  max_tokens=max_tokens,
                   tbt_slo=req.tbt_slo, computed=computed,
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
                   deflected=req.mode == "deflect", arrived=time.monotonic(),

@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream true/false; server-sent events
 exactly as the OpenAI API streams them, ending with `data: [DONE]`), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /version (as vLLM's server has them),
-GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairos/stats
+POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /load (as vLLM's server has
+them), GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairos/stats
 (routes, reasons, workers), GET /metrics (Prometheus).
 
 Request bodies are decoded into the declared schemas of services/router/openai_schema.py (every
@@ -12,7 +12,8 @@ services/router/openai_render.py. docs/api.md has the table of what is supported
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 requests (and for what no registered worker can serve, such as a prompt over every worker's
-max_model_len: at once, never retried), 401 without the API key, 404/405 for unknown routes, 413
+max_model_len, or a max_tokens the client set that the context cannot hold beside the prompt, as
+vLLM refuses it: at once, never retried), 401 without the API key, 404/405 for unknown routes, 413
 for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the request
 `worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
 can help.
@@ -44,6 +45,7 @@ from services.router import openai_serve as serve
 from services.router.openai_render import Choice
 from services.router.requests import Event, Request
 from services.router.service import Router
+from services.router.trust import serving_limit
 
 try:
     KAIROS_VERSION = importlib.metadata.version("kairos-serving")
@@ -135,9 +137,15 @@ class App:
         if path.startswith("/v1/"):
             self._check_auth(scope)
         if path == "/v1/models":
+            name = self.router.cfg.served_model_name
             await self._json(send, 200, {"object": "list", "data": [
-                {"id": self.router.cfg.served_model_name, "object": "model", "created": self.created,
-                 "owned_by": "kairos", "max_model_len": self.router.cfg.max_prompt_tokens}]})
+                {"id": name, "object": "model", "created": self.created, "owned_by": "kairos",
+                 "root": self._root(), "parent": None, "max_model_len": self._max_model_len(),
+                 "permission": [{"id": f"modelperm-{self.router.incarnation}", "object": "model_permission",
+                                 "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                 "allow_fine_tuning": False, "organization": "*", "group": None,
+                                 "is_blocking": False}]}]})
             return
         if path == "/v1/kairos/stats":
             await self._json(send, 200, self.router.stats())
@@ -155,10 +163,30 @@ class App:
             body = await self._body(receive)
             await (self._tokenize if path == "/tokenize" else self._detokenize)(send, body)
             return
+        if path == "/ping":  # vLLM's (SageMaker's) liveness route: GET or POST, 200 while the process serves
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/load":  # vLLM's: requests in flight here
+            await self._json(send, 200, {"server_load": len(self.router.requests)})
+            return
         if path == "/version":
             await self._json(send, 200, {"version": KAIROS_VERSION})
             return
         raise HttpError(404, f"no route {method} {path}", code="not_found")
+
+    def _max_model_len(self) -> int:
+        """The longest prompt + output served: the decode workers' max_model_len where they report
+        one (what vLLM's server reports), else the router's prompt limit."""
+        limit = serving_limit(self.router.table)
+        return limit if limit else self.router.cfg.max_prompt_tokens
+
+    def _root(self) -> str:
+        """vLLM's `root`: the model the engines load (a decode worker's), else the served name."""
+        for w in self.router.table.workers.values():
+            if w.role == "decode" and w.hello.model:
+                return w.hello.model
+        return self.router.cfg.served_model_name
 
     def _check_auth(self, scope: Scope) -> None:
         if self._auth is None:
@@ -191,6 +219,16 @@ class App:
         decoded = schema.decode(raw, chat=chat)
         self._check_model(decoded.model)
         p = schema.plan(decoded, router.cfg, router.tokenizer, router.tool_calling)
+        limit = serving_limit(router.table)
+        if p.max_tokens_given and limit:  # as vLLM: a max_tokens the context cannot hold is the client's error
+            want = p.samplings[0].max_tokens
+            for prompt in p.prompts:
+                if len(prompt) + want > limit:
+                    raise HttpError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                    f"requested {len(prompt) + want} tokens ({len(prompt)} in the "
+                                    f"{'messages' if p.chat else 'prompt'}, {want} in the completion). Please "
+                                    "reduce the length of the messages or completion.", param="max_tokens",
+                                    code="context_length_exceeded")
         rid = p.request_id
         for k, v in scope["headers"]:
             if k == b"x-request-id":
@@ -276,7 +314,7 @@ class App:
             ids = tok.encode(b.prompt, add_special_tokens=b.add_special_tokens is not False)
         else:
             raise RequestError("give 'prompt' (a string) or 'messages'", param="prompt")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.router.cfg.max_prompt_tokens,
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self._max_model_len(),
                                "tokens": ids, "token_strs": tok.vocab_pieces(ids) if b.return_token_strs
                                else None}
         await self._json(send, 200, out)

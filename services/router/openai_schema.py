@@ -272,6 +272,7 @@ class Plan(msgspec.Struct, kw_only=True):
     logprobs: int | None          # completions: logprobs; chat: top_logprobs when logprobs is true
     role: str                     # chat: the answer's role
     max_tokens_zero: bool         # completions with echo and max_tokens 0: the prompt only
+    max_tokens_given: bool        # the client set max_tokens (else the router's default)
     return_token_ids: bool
     tokens_as_ids: bool
     ttft_slo: float | None
@@ -453,6 +454,7 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
             raise RequestError(f"the prompt has {len(p)} tokens; the maximum is {cfg.max_prompt_tokens}",
                                param=param, code="context_length_exceeded")
     zero = False
+    given = max_tokens is not None
     if max_tokens is None:
         max_tokens = cfg.default_max_tokens
     elif max_tokens == 0 and echo and not chat:
@@ -520,6 +522,6 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
                 include_stop=body.include_stop_str_in_output, skip_special=skip_special, echo=echo,
                 echo_text=echo_text, logprobs=logprobs,
                 role=response_role(body) if isinstance(body, ChatBody) else "assistant",
-                max_tokens_zero=zero, return_token_ids=bool(body.return_token_ids),
+                max_tokens_zero=zero, max_tokens_given=given, return_token_ids=bool(body.return_token_ids),
                 tokens_as_ids=bool(body.return_tokens_as_token_ids), ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
                 request_id=body.request_id, tool_plan=tool_plan)

@@ -223,7 +223,7 @@ class App:
         if p.max_tokens_given and limit:  # as vLLM: a max_tokens the context cannot hold is the client's error
             want = p.samplings[0].max_tokens
             for prompt in p.prompts:
-                if len(prompt) + want > limit:
+                if len(prompt) < limit < len(prompt) + want:  # a prompt too long alone: admission says so
                     raise HttpError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(prompt) + want} tokens ({len(prompt)} in the "
                                     f"{'messages' if p.chat else 'prompt'}, {want} in the completion). Please "

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100, help="requests per pass (default 100)")
     ap.add_argument("--pairs", type=int, default=3, help="alternated pairs of passes (default 3)")
     a = ap.parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     tmp = Path(tempfile.mkdtemp(prefix="kairos-edge-"))
     c = Cluster(ClusterSpec.ephemeral(log_dir=str(tmp), prefill=1, decode=1, profile="fast", monitor=False))

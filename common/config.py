@@ -38,7 +38,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     router_host: Annotated[str, doc("host of the router's bus sockets (workers and monitor connect here)")] = "127.0.0.1"
     work_port: Annotated[int, doc("router ROUTER socket: work, results, tokens")] = 5555
-    heartbeat_port: Annotated[int, doc("router SUB socket: worker heartbeats")] = 5556
+    heartbeat_port: Annotated[int, doc("unused since bus protocol 2 (heartbeats travel on the work connection, "
+                                       "bound to their sender); accepted so existing configurations still load")] = 5556
     telemetry_port: Annotated[int, doc("router PUB socket: decisions and outcomes for the monitor")] = 5557
     curve_keys_dir: Annotated[str, doc("directory made by `kairos keys`; set it to require CURVE on the bus")] = ""
     curve_key_name: Annotated[str, doc("CURVE client key name in curve_keys_dir (default: worker, or monitor)")] = ""

@@ -2,9 +2,8 @@
 
 Topology (the router binds every socket; workers and the monitor connect)::
 
-    prefill worker  DEALER ──work/results──▶ ROUTER  router   (router.work, tcp://*:5555)
-    decode worker   DEALER ──work/tokens───▶ ROUTER  router
-    workers         PUB ────heartbeats─────▶ SUB     router   (router.heartbeats, tcp://*:5556)
+    prefill worker  DEALER ──work/results/heartbeats──▶ ROUTER  router   (router.work, tcp://*:5555)
+    decode worker   DEALER ──work/tokens/heartbeats───▶ ROUTER  router
     router          PUB ────telemetry──────▶ SUB     monitor  (router.telemetry, tcp://*:5557)
     prefill worker  ──KV bytes over NIXL (WRITE + notification)──▶ decode worker
 
@@ -13,8 +12,9 @@ Frame layouts, written down once:
     PUB/SUB:      [topic, seq (8-byte big-endian), payload]
 
 Which message arrives where (each inbox has one union alias and one decoder):
-    RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye
-    HeartbeatInbox (SUB, from workers)     PrefillHeartbeat, DecodeHeartbeat
+    RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye,
+                                           PrefillHeartbeat, DecodeHeartbeat (protocol 2: heartbeats travel on the
+                                           worker's own connection, so the router knows who sent them)
     PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain
     DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
@@ -30,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: heartbeats on the work connection (1: on a separate PUB/SUB pair)
 
 Role = Literal["prefill", "decode"]
 Route = Literal["disagg", "deflect"]
@@ -496,7 +496,8 @@ class RouterStats(Msg, frozen=True):
     rejected: int
 
 
-RouterInbox = Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye
+RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye | PrefillHeartbeat
+               | DecodeHeartbeat)
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
 PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain
 DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain

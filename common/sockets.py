@@ -4,8 +4,8 @@ Frame layouts (see common/messages.py): ROUTER [identity, payload]; DEALER [payl
 PUB/SUB [topic, seq, payload]. Every socket has linger 0 (nothing is left to flush at close:
 requests are owned by futures that are resolved or failed), a bounded HWM, and a maximum
 message size. With `curve_keys_dir` set, every socket uses CURVE: the router is the server, and
-each of its sockets has its own allow-list by role (ZAP domains): the work and heartbeat sockets
-take only keys in `<dir>/allowed/worker/`, the telemetry socket only keys in
+each of its sockets has its own allow-list by role (ZAP domains): the work socket (which carries
+the heartbeats too) takes only keys in `<dir>/allowed/worker/`, the telemetry socket only keys in
 `<dir>/allowed/monitor/`; so a monitor's key cannot register as a worker, nor a worker's read
 the telemetry.
 
@@ -37,10 +37,8 @@ from common.config import BusConfig
 from common.errors import ConfigError
 
 WORK_HWM = 100_000        # work and tokens: large, but bounded (admission control is upstream)
-HEARTBEAT_HWM = 16        # heartbeats may be dropped: the next one supersedes
 TELEMETRY_HWM = 10_000    # the monitor is best effort; drop rather than slow the router
 
-HB_TOPIC = b"hb"
 TELEMETRY_TOPIC = b"t"
 
 
@@ -128,7 +126,7 @@ def endpoint(host: str, port: int) -> str:
 
 
 class RouterBus:
-    """The router's sockets: ROUTER (work), SUB (heartbeats), PUB (telemetry), all bound."""
+    """The router's sockets: ROUTER (work and heartbeats), PUB (telemetry), both bound."""
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -143,23 +141,18 @@ class RouterBus:
             # take a live worker's identity; then the old connection must first be found dead
             # (ZeroMQ heartbeats: 3 x zmq_heartbeat_s).
             self.work.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.heartbeats = self.ctx.socket(zmq.SUB)
-        _common(self.heartbeats, cfg, HEARTBEAT_HWM * 64)
-        self.heartbeats.setsockopt(zmq.SUBSCRIBE, HB_TOPIC)
         self.telemetry = self.ctx.socket(zmq.PUB)
         _common(self.telemetry, cfg, TELEMETRY_HWM)
         if cfg.curve_keys_dir:
             curve_server(self.work, cfg, WORKER_DOMAIN)
-            curve_server(self.heartbeats, cfg, WORKER_DOMAIN)
             curve_server(self.telemetry, cfg, MONITOR_DOMAIN)
         try:
             self.work.bind(endpoint(cfg.bind_host, cfg.work_port))
-            self.heartbeats.bind(endpoint(cfg.bind_host, cfg.heartbeat_port))
             self.telemetry.bind(endpoint(cfg.bind_host, cfg.telemetry_port))
         except zmq.ZMQError as e:
             self.close()
             raise ConfigError(f"cannot bind the router's bus on {cfg.bind_host} ports "
-                              f"{cfg.work_port}/{cfg.heartbeat_port}/{cfg.telemetry_port}: {e} "
+                              f"{cfg.work_port}/{cfg.telemetry_port}: {e} "
                               "(another router running? pick other ports)") from e
         self._tseq = 0
         # Each router names itself in the telemetry topic (the monitor may subscribe to several
@@ -177,7 +170,7 @@ class RouterBus:
             pass  # monitor slow or absent: telemetry is best effort
 
     def close(self) -> None:
-        for s in (self.work, self.heartbeats, self.telemetry):
+        for s in (self.work, self.telemetry):
             s.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
@@ -185,7 +178,9 @@ class RouterBus:
 
 
 class WorkerBus:
-    """A worker's sockets: DEALER (work, identity = worker id) and PUB (heartbeats), connected."""
+    """A worker's socket: DEALER (work and heartbeats, identity = worker id), connected. Heartbeats
+    travel on the connection the worker registered on, so the router takes a heartbeat for worker
+    X only from X's own connection (a peer that knows X's id and incarnation cannot speak for it)."""
 
     def __init__(self, cfg: BusConfig, worker_id: str) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -194,19 +189,15 @@ class WorkerBus:
         self.work.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.work.setsockopt(zmq.RECONNECT_IVL, 100)
         self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # a restarted router hears from us within 0.2 s
-        self.heartbeats = self.ctx.socket(zmq.PUB)
-        _common(self.heartbeats, cfg, HEARTBEAT_HWM)
-        self.heartbeats.setsockopt(zmq.CONFLATE, 0)
         if cfg.curve_keys_dir:
-            for s in (self.work, self.heartbeats):
-                curve_client(s, cfg, "worker")
+            curve_client(self.work, cfg, "worker")
         # Connection events of the work socket: a worker says Hello again as soon as it reconnects
         # (the router may have restarted), instead of waiting to be asked.
         self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._work_ep = endpoint(cfg.router_host, cfg.work_port)
         self.work.connect(self._work_ep)
-        self.heartbeats.connect(endpoint(cfg.router_host, cfg.heartbeat_port))
-        self._seq = 0
+        # a plain view of the work socket: a heartbeat is sent without waiting, or dropped
+        self._work_nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self.work.underlying)
 
     def reconnect(self) -> None:
         """Drop the work connection and dial again. A ROUTER without ROUTER_HANDOVER keeps a
@@ -221,11 +212,10 @@ class WorkerBus:
         await self.work.send(payload)
 
     def beat(self, payload: bytes) -> None:
-        self._seq += 1
         try:
-            self.heartbeats.send_multipart([HB_TOPIC, self._seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            self._work_nowait.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
-            pass  # dropped: the next heartbeat supersedes it
+            pass  # not connected, or the router is not reading: the next heartbeat supersedes it
 
     async def connection_event(self) -> int:
         """The next connection event of the work socket (zmq.EVENT_HANDSHAKE_SUCCEEDED or _DISCONNECTED)."""
@@ -237,7 +227,6 @@ class WorkerBus:
         self.work.disable_monitor()
         self.events.close(linger=0)
         self.work.close(linger=0)
-        self.heartbeats.close(linger=0)
         self.ctx.term()
 
 

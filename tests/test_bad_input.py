@@ -118,31 +118,18 @@ def test_garbage_on_every_bus_socket_is_dropped(cluster: Cluster) -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(f"tcp://127.0.0.1:{cluster.spec.heartbeat_port}")
         # a DEALER queues until connected: each of these reaches the router once, and is dropped
         for frames in ([b"\xc1\xc1"], [b"a", b"b", b"c"], [b'{"json": true}'], [b""]):
             dealer.send_multipart(frames)
         wait_until(lambda: bad_frames(cluster).get("work", 0) >= before.get("work", 0) + 4, 10,
                    "4 bad frames dropped on the work socket")
-        # a PUB drops what it sends before the router's subscription reaches it: send until counted
-        hb_garbage = ([b"hb", b"x", b"\xc1"], [b"hb"], [b"hb", b"1", b"\x81\xa4type\xa5Hello"])
-
-        def send_hb() -> None:
-            for frames in hb_garbage:
-                pub.send_multipart(frames)
-
-        wait_until(lambda: bad_frames(cluster).get("heartbeats", 0) >= before.get("heartbeats", 0) + 3, 10,
-                   "bad frames dropped on the heartbeat socket", each=send_hb)
         dealer.close()
-        pub.close()
     finally:
         ctx.term()
     r = post(cluster, "/v1/completions", json={"prompt": "still alive", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     log = (cluster.services["router"].log_path or "").read_text()  # type: ignore[union-attr]
-    assert '"socket": "work"' in log and '"socket": "heartbeats"' in log and "bad_frame_dropped" in log
+    assert '"socket": "work"' in log and "bad_frame_dropped" in log
     cluster.check_alive()
 
 

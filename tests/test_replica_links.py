@@ -2,8 +2,8 @@
 request's messages to the router that sent it, acknowledges each router's own dispatch numbers
 in the heartbeats it sends that router, and tells each router only of the requests it sent.
 
-A real decode worker (sim engine, in this process) and two fake routers (a ROUTER and a SUB
-socket each, bound by the test). Synchronised on messages, no sleeps.
+A real decode worker (sim engine, in this process) and two fake routers (a ROUTER socket each,
+bound by the test: work and heartbeats arrive on it). Synchronised on messages, no sleeps.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from common.engines.sim import SimEngine
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.router_link import Origins, RouterLink, router_addresses
-from common.sockets import HB_TOPIC
 from kairos.up import free_port
 from services.decode_worker.service import DecodeWorker
 
@@ -31,45 +30,50 @@ SAMPLING = m.Sampling(max_tokens=3, ignore_eos=True)
 
 
 class Fake:
-    """One fake router: its work socket and its heartbeat socket."""
+    """One fake router: its work socket, on which the worker's heartbeats arrive too."""
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str) -> None:
         self.name = name
         self.work = ctx.socket(zmq.ROUTER)
-        self.hb = ctx.socket(zmq.SUB)
-        for s in (self.work, self.hb):
-            s.setsockopt(zmq.LINGER, 0)
-        self.hb.setsockopt(zmq.SUBSCRIBE, HB_TOPIC)
-        self.work_port, self.hb_port = free_port(), free_port()
+        self.work.setsockopt(zmq.LINGER, 0)
+        self.work_port, self.hb_port = free_port(), free_port()  # the heartbeat port: configured, unused
         self.work.bind(f"tcp://127.0.0.1:{self.work_port}")
-        self.hb.bind(f"tcp://127.0.0.1:{self.hb_port}")
         self.got: list[m.Msg] = []
+        self._pending: list[m.Msg] = []  # work messages read while waiting for a heartbeat
 
     async def send(self, msg: m.Msg) -> None:
         await self.work.send_multipart([b"decode-r", codec.encode(msg)])
 
-    async def until(self, pred: Any, timeout: float = 10.0) -> m.Msg:
+    async def _next(self, end: float) -> m.Msg:
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        _, payload = await asyncio.wait_for(self.work.recv_multipart(), max(0.01, end - loop.time()))
+        msg: m.Msg = codec.router_inbox.decode(payload)
+        return msg
+
+    async def until(self, pred: Any, timeout: float = 10.0) -> m.Msg:
+        """The next work message (heartbeats skipped) that satisfies `pred`."""
+        end = asyncio.get_running_loop().time() + timeout
         while True:
-            _, payload = await asyncio.wait_for(self.work.recv_multipart(), max(0.01, end - loop.time()))
-            msg: m.Msg = codec.router_inbox.decode(payload)
+            msg = self._pending.pop(0) if self._pending else await self._next(end)
+            if isinstance(msg, (m.PrefillHeartbeat, m.DecodeHeartbeat)):
+                continue
             self.got.append(msg)
             if pred(msg):
                 return msg
 
     async def beat_until(self, pred: Any, timeout: float = 10.0) -> m.Msg:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        """The next heartbeat that satisfies `pred` (work messages kept for `until`)."""
+        end = asyncio.get_running_loop().time() + timeout
         while True:
-            frames = await asyncio.wait_for(self.hb.recv_multipart(), max(0.01, end - loop.time()))
-            msg: m.Msg = codec.heartbeat_inbox.decode(frames[-1])
+            msg = await self._next(end)
+            if not isinstance(msg, (m.PrefillHeartbeat, m.DecodeHeartbeat)):
+                self._pending.append(msg)
+                continue
             if pred(msg):
                 return msg
 
     def close(self) -> None:
         self.work.close(0)
-        self.hb.close(0)
 
 
 def work(rid: str, dispatch: int, max_tokens: int = 3) -> m.DecodeWork:

@@ -117,10 +117,8 @@ def _handshakes(keys: Path, key_name: str, port: int, sock_type: int) -> bool:
 def test_each_socket_admits_only_its_roles_keys(cluster: Cluster, keys: Path) -> None:
     spec = cluster.spec
     assert _handshakes(keys, "worker", spec.work_port, zmq.DEALER)
-    assert _handshakes(keys, "worker", spec.heartbeat_port, zmq.PUB)
     assert _handshakes(keys, "monitor", spec.telemetry_port, zmq.SUB)
     assert not _handshakes(keys, "monitor", spec.work_port, zmq.DEALER)      # a monitor cannot be a worker
-    assert not _handshakes(keys, "monitor", spec.heartbeat_port, zmq.PUB)
     assert not _handshakes(keys, "worker", spec.telemetry_port, zmq.SUB)     # nor a worker read the telemetry
 
 

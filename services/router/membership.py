@@ -89,14 +89,16 @@ def on_goodbye(router: Router, g: m.Goodbye, w: WorkerEntry) -> None:
     log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
 
 
-def on_heartbeat_frames(router: Router, frames: list[bytes]) -> None:
-    if len(frames) != 3:
-        router.drop_frame("heartbeats", "bad_frame_dropped", socket="heartbeats", frames=len(frames))
+def on_heartbeat(router: Router, identity: bytes, hb: m.PrefillHeartbeat | m.DecodeHeartbeat) -> None:
+    """A heartbeat, taken only from the sender's own connection: the worker it is about must be
+    the one that registered on this connection (its ZeroMQ identity, bound at Hello), so a peer
+    that learned another worker's id and incarnation (from telemetry, say) cannot speak for it."""
+    if identity != hb.worker_id.encode():
+        router.gate.drop(identity, "heartbeat_for_another_worker", hb)
         return
-    try:
-        hb = codec.heartbeat_inbox.decode(frames[2])
-    except codec.DecodeError as e:
-        router.drop_frame("heartbeats", "bad_frame_dropped", socket="heartbeats", error=str(e)[:200])
+    w = router.table.workers.get(hb.worker_id)
+    if w is not None and w.identity != identity:
+        router.gate.drop(identity, "heartbeat_from_another_connection", hb)
         return
     try:
         entry = router.table.heartbeat(hb)

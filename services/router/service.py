@@ -118,8 +118,8 @@ class Router:
             self.bus = None
 
     def loops(self) -> list[tuple[str, Any]]:
-        return [("work", self._work_loop()), ("heartbeats", self._heartbeat_loop()),
-                ("liveness", membership.liveness_loop(self)), ("telemetry", membership.telemetry_loop(self))]
+        return [("work", self._work_loop()), ("liveness", membership.liveness_loop(self)),
+                ("telemetry", membership.telemetry_loop(self))]
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""
@@ -475,6 +475,9 @@ class Router:
         if isinstance(msg, m.Hello):
             membership.on_hello(self, identity, msg)
             return
+        if isinstance(msg, (m.PrefillHeartbeat, m.DecodeHeartbeat)):
+            membership.on_heartbeat(self, identity, msg)
+            return
         w = self._trusted_sender(identity, msg)
         if w is None:
             return
@@ -661,17 +664,6 @@ class Router:
             pw = self.table.workers.get(req.prefill_worker)
             if pw is not None:
                 self._send(pw, m.Cancel(request_id=req.request_id, attempt=req.attempt, reason="kv_consumed"))
-
-    # ------------------------------------------------------------------ heartbeats and liveness
-    async def _heartbeat_loop(self) -> None:
-        # an Inbox reads every queued heartbeat per wakeup, like the work socket's: read one per
-        # loop iteration, they fell behind on a busy router and live workers were declared dead
-        assert self.bus is not None
-        inbox = Inbox(self.bus.heartbeats, lambda frames: membership.on_heartbeat_frames(self, frames))
-        try:
-            await inbox.failed
-        finally:
-            inbox.close()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

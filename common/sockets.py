@@ -196,8 +196,6 @@ class WorkerBus:
         self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._work_ep = endpoint(cfg.router_host, cfg.work_port)
         self.work.connect(self._work_ep)
-        # a plain view of the work socket: a heartbeat is sent without waiting, or dropped
-        self._work_nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self.work.underlying)
 
     def reconnect(self) -> None:
         """Drop the work connection and dial again. A ROUTER without ROUTER_HANDOVER keeps a
@@ -211,9 +209,13 @@ class WorkerBus:
     async def send(self, payload: bytes) -> None:
         await self.work.send(payload)
 
-    def beat(self, payload: bytes) -> None:
+    async def beat(self, payload: bytes) -> None:
+        """Send a heartbeat now or drop it. Through the asyncio socket, never a plain shadow of it:
+        any operation on a ZeroMQ socket may consume its file descriptor's (edge-triggered) read
+        event, and only the asyncio wrapper knows to look again, so a shadow's send could leave
+        work that arrived meanwhile unread."""
         try:
-            self._work_nowait.send(payload, flags=zmq.NOBLOCK)
+            await self.work.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # not connected, or the router is not reading: the next heartbeat supersedes it
 

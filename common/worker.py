@@ -260,11 +260,11 @@ class WorkerService(abc.ABC):
             if summary is not None:
                 hb = msgspec.structs.replace(hb, prefix=summary)
             if len(self.links) == 1:
-                self.bus.beat(codec.encode(hb))
+                await self.bus.beat(codec.encode(hb))
                 continue
             for link in self.links:  # each router's own dispatch numbers, acknowledged to it alone
                 assert link.bus is not None
-                link.bus.beat(codec.encode(msgspec.structs.replace(hb, last_dispatch=link.last_dispatch)))
+                await link.bus.beat(codec.encode(msgspec.structs.replace(hb, last_dispatch=link.last_dispatch)))
 
     def coeffs(self) -> m.Coeffs | None:
         """The step-time model the router should predict this worker with: the online refit when

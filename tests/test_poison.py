@@ -259,8 +259,10 @@ async def test_prefill_drain_waits_until_the_decode_side_has_pulled_the_kv(
     bye = await router.until(lambda x: isinstance(x, m.Goodbye))
     assert isinstance(bye, m.Goodbye) and bye.reason == "shutdown"
     # Holding nothing else, it would say Goodbye("drained") within ~50 ms; it waits for the read.
-    # (No event marks a wait that goes on: 0.5 s of silence on its only socket to us shows it.)
-    assert await router.sock.poll(500) == 0 and w.draining and "pull" in w.kv_out
+    # (No event marks a wait that goes on: 0.5 s with nothing but heartbeats on its socket shows it.)
+    with pytest.raises(TimeoutError):
+        await router.until(lambda x: not isinstance(x, (m.PrefillHeartbeat, m.DecodeHeartbeat)), timeout=0.5)
+    assert w.draining and "pull" in w.kv_out
     await router.send(m.Cancel(request_id="pull", attempt=0, reason="kv_consumed"))
     left = await router.until(lambda x: isinstance(x, m.Goodbye), timeout=5)
     assert isinstance(left, m.Goodbye) and left.reason == "drained"

@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (stream true/false; server-sent events
 exactly as the OpenAI API streams them, ending with `data: [DONE]`), GET /v1/models,
 POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /load (as vLLM's server has
-them), GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairos/stats
+them), GET /openapi.json (services/router/openapi.py), GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairos/stats
 (routes, reasons, workers), GET /metrics (Prometheus).
 
 Request bodies are decoded into the declared schemas of services/router/openai_schema.py (every
@@ -42,6 +42,7 @@ import structlog
 from common.errors import Overloaded, RequestError, Unavailable
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
+from services.router import openapi
 from services.router.openai_render import Choice
 from services.router.requests import Event, Request
 from services.router.service import Router
@@ -92,6 +93,7 @@ class App:
         self.router = router
         self.created = int(time.time())
         self._auth = f"Bearer {router.cfg.api_key}".encode() if router.cfg.api_key else None
+        self._openapi: bytes | None = None  # /openapi.json, built at the first ask
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,6 +171,12 @@ class App:
             return
         if path == "/load":  # vLLM's: requests in flight here
             await self._json(send, 200, {"server_load": len(self.router.requests)})
+            return
+        if path == "/openapi.json":
+            if self._openapi is None:
+                self._openapi = _json.encode(openapi.document(KAIROS_VERSION))
+            await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
+            await send({"type": "http.response.body", "body": self._openapi})
             return
         if path == "/version":
             await self._json(send, 200, {"version": KAIROS_VERSION})

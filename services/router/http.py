@@ -3,8 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (stream true/false; server-sent events
 exactly as the OpenAI API streams them, ending with `data: [DONE]`), GET /v1/models,
 POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /load (as vLLM's server has
-them), GET /openapi.json (services/router/openapi.py), GET /health (process up), GET /ready (at least one decode worker), GET /v1/kairos/stats
-(routes, reasons, workers), GET /metrics (Prometheus).
+them), GET /openapi.json (services/router/openapi.py), GET /health (process up), GET /ready (at
+least one decode worker), GET /v1/kairos/stats (routes, reasons, workers), GET /metrics (Prometheus).
 
 Request bodies are decoded into the declared schemas of services/router/openai_schema.py (every
 field of vLLM's server: honoured, or refused with a 400 naming it); responses are rendered by

@@ -42,7 +42,7 @@ TELEMETRY_HWM = 10_000    # the monitor is best effort; drop rather than slow th
 TELEMETRY_TOPIC = b"t"
 
 
-WORKER_DOMAIN = "worker"    # ZAP domain of the work and heartbeat sockets: workers' keys only
+WORKER_DOMAIN = "worker"    # ZAP domain of the work socket (heartbeats too): workers' keys only
 MONITOR_DOMAIN = "monitor"  # ZAP domain of the telemetry socket: the monitor's keys only
 ROLES = (WORKER_DOMAIN, MONITOR_DOMAIN)
 

@@ -4,7 +4,7 @@ Writes DIR/router.key (public) and DIR/router.key_secret for the router, one pai
 key (default: `worker` for the workers, `monitor` for the monitor; each key file records its
 role), and copies each client's public key into the allow-list of its role:
 
-    DIR/allowed/worker/   keys allowed on the router's work and heartbeat sockets
+    DIR/allowed/worker/   keys allowed on the router's work socket (heartbeats travel on it)
     DIR/allowed/monitor/  keys allowed on the router's telemetry socket
 
 so a monitor's key cannot register as a worker, nor a worker's read the telemetry. Point every

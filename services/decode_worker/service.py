@@ -2,7 +2,7 @@
 
 Inbox (DEALER from the router): DecodeWork, KvReady, Cancel, Drain (+ Welcome, Reregister).
 Outbox: TokenBatch / RequestFailed / KvTarget to the router; DecodeHeartbeat (TBT slack) on the
-heartbeat PUB, every interval and at once when a request is admitted or finishes prefill.
+work connection, every interval and at once when a request is admitted or finishes prefill.
 
 A deflection that carries a step budget is admitted only if its chunk schedule fits the live
 state (the running decodes and every deflection accepted and not yet prefilled, from any

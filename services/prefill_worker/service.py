@@ -1,7 +1,7 @@
 """Prefill worker: prefills prompts, then hands the KV cache to the decode worker the router chose.
 
 Inbox (DEALER from the router): PrefillWork, KvTarget, Cancel, Drain (+ Welcome, Reregister).
-Outbox: PrefillDone / RequestFailed to the router; PrefillHeartbeat on the heartbeat PUB.
+Outbox: PrefillDone / RequestFailed to the router; PrefillHeartbeat on the same connection.
 KV transport "modeled": the transfer takes the profile's T_xfer(L) and moves no bytes (the
 simulator's assumption); "nixl": the KV blocks are written into the decode worker's memory.
 """

@@ -6,8 +6,9 @@ Hashes are computed from the prompt's token ids with each worker's block size, a
 computes them (common/prefix_hash.py). A worker is known to the index from its first summary
 (its block size); it is forgotten when it is lost or departs, and starts empty when it comes back
 as a new incarnation. Heartbeats are not delivered reliably (a worker drops one its socket cannot
-take at once): a gap in a worker's heartbeat sequence may have lost evictions, so its entries are forgotten then too (the next
-dispatches and summaries rebuild them; a stale entry would only cost a mispriced request).
+take at once): a gap in a worker's heartbeat sequence may have lost evictions, so its entries are
+forgotten then too (the next dispatches and summaries rebuild them; a stale entry would only cost a
+mispriced request).
 """
 
 from __future__ import annotations

@@ -213,6 +213,9 @@ class MonitorConfig(BusConfig, frozen=True, kw_only=True):
     http_port: Annotated[int, doc("port of /metrics and the dashboard")] = 9100
     api_key: Annotated[str, doc("if set, every route but /health needs 'Authorization: Bearer <key>' (the "
                                 "router's key)")] = ""
+    services_status: Annotated[str, doc("the services file `kairos up` keeps (services.json in its log "
+                                        "directory): the dashboard and `kairos top` then name the services held "
+                                        "down for crash-looping; empty: none")] = ""
 
 
 # -------------------------------------------------------------------- loading

@@ -168,6 +168,7 @@ class Cluster:
         self.log_events = log_events  # structlog lines for service starts (kairos up; library users stay quiet)
         self.services: dict[str, Service] = {}
         self.supervisor: Supervisor | None = None
+        self._status: dict[str, dict[str, Any]] | None = None  # services.json as last written
         s = spec
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
@@ -187,6 +188,7 @@ class Cluster:
                              **s.router_env}, "router")
         if s.monitor:  # every router's telemetry
             self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port),
+                                  "KAIROS_SERVICES_STATUS": str(self.status_path()),
                                   **({"KAIROS_TELEMETRY": ",".join(f"127.0.0.1:{t}" for _, _, t in s.router_bus())}
                                      if s.routers > 1 else {})})
         wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
@@ -297,6 +299,35 @@ class Cluster:
             self.supervisor = Supervisor(self.spec.restart, list(self.services), alive=self.returncode,
                                          start=self.spawn, log_path=lambda n: self.services[n].log_path)
         self.supervisor.step()
+        self._write_status()
+
+    def status_path(self) -> Path:
+        """Where the supervisor's view of the services is kept for the monitor (and `kairos top`,
+        the dashboard): `services.json` in the log directory."""
+        return Path(self.spec.log_dir).resolve() / "services.json"
+
+    def _write_status(self) -> None:
+        """Write services.json when a service's state changes: running, restarting (after an exit),
+        or held down for crash-looping (until when, on the wall clock, and how it last exited)."""
+        assert self.supervisor is not None
+        now_m, now_w = time.monotonic(), time.time()
+        out: dict[str, dict[str, Any]] = {}
+        for name, st in self.supervisor.state.items():
+            if st.held_until is not None:
+                state, until = "held_down", round(now_w + st.held_until - now_m, 1)
+            else:
+                state, until = ("restarting" if st.restart_at is not None else "running"), None
+            out[name] = {"state": state, "restarts": st.restarts, "last_exit": st.last_exit, "held_until": until}
+        if out == self._status:
+            return
+        self._status = out
+        path = self.status_path()
+        tmp = path.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(json.dumps({"written_at": now_w, "services": out}))
+            os.replace(tmp, path)  # readers never see half a file
+        except OSError as e:
+            log.warning("services_status_not_written", path=str(path), error=str(e))
 
     def supervisor_held(self) -> dict[str, tuple[float, str]]:
         """Services held down for crash-looping: name -> (seconds to the next try, last exit)."""

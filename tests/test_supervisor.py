@@ -196,7 +196,7 @@ def test_a_crash_looping_decode_worker_is_held_down_and_the_others_serve(tmp_pat
 
     from tests.conftest import start_cluster
 
-    c = start_cluster(tmp_path, prefill=1, decode=2, profile="fast", policy="kairos",
+    c = start_cluster(tmp_path, prefill=1, decode=2, profile="fast", policy="kairos", monitor=True,
                       restart=RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, crash_loop_exits=3,
                                             crash_loop_window_s=30, hold_s=60))
     try:
@@ -216,5 +216,17 @@ def test_a_crash_looping_decode_worker_is_held_down_and_the_others_serve(tmp_pat
             ok += r.status_code == 200
         assert ok == 20
         assert c.returncode("decode-0") is None and c.returncode("prefill-0") is None and c.returncode("router") is None
+        # the monitor (its /api/state, the dashboard, kairos top) names the service held down, and why
+        from rich.console import Console
+
+        from services.monitor.top import render
+
+        state = httpx.get(f"http://127.0.0.1:{c.spec.monitor_port}/api/state", timeout=10).json()
+        assert [(d["service"], d["state"], d["last_exit"]) for d in state["services_down"]] == \
+            [("decode-1", "held_down", "exit code 3")], state["services_down"]
+        assert 0 < state["services_down"][0]["next_try_s"] <= 60
+        console = Console(width=200, record=True)
+        console.print(render(state, "http://monitor"))
+        assert "decode-1 HELD DOWN: crash-looping (exit code 3), next try in" in console.export_text()
     finally:
         c.stop(10)

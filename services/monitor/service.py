@@ -10,6 +10,7 @@ router's PUB socket drops telemetry (counted here from sequence gaps) rather tha
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,7 @@ class Monitor:
         self.feed = Feed()
         self.app = App(snapshot=self.snapshot, metrics=self.metrics.render, health=self.health, feed=self.feed,
                        stop=self.stop, api_key=cfg.api_key)
+        self._services: tuple[float, dict[str, Any]] = (-1.0, {})  # services.json: (mtime, content)
 
     # ------------------------------------------------------------------ intake
     def on_message(self, msg: m.TelemetryInbox, router: str = "") -> None:
@@ -90,7 +92,33 @@ class Monitor:
 
     # ------------------------------------------------------------------ what HTTP serves
     def snapshot(self) -> dict[str, Any]:
-        return self.state.snapshot(self.clock())
+        now = self.clock()
+        out = self.state.snapshot(now)
+        out["services_down"] = self.services_down(now)
+        return out
+
+    def services_down(self, now: float) -> list[dict[str, Any]]:
+        """The services `kairos up` holds down for crash-looping, or is restarting after an exit
+        (from its services.json, re-read when it changes): whom to look at, and why."""
+        path = self.cfg.services_status
+        if not path:
+            return []
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime != self._services[0]:
+                with open(path, "rb") as f:
+                    self._services = (mtime, msgspec.json.decode(f.read()))
+        except (OSError, msgspec.DecodeError):
+            return []  # not written yet, or kairos up is gone
+        out = []
+        for name, st in sorted(dict(self._services[1].get("services") or {}).items()):
+            if not isinstance(st, dict) or st.get("state") not in ("held_down", "restarting"):
+                continue
+            until = st.get("held_until")
+            out.append({"service": name, "state": st["state"], "last_exit": st.get("last_exit") or "",
+                        "restarts": st.get("restarts", 0),
+                        "next_try_s": round(max(0.0, until - now), 1) if isinstance(until, (int, float)) else None})
+        return out
 
     def health(self) -> dict[str, Any]:
         st = self.state

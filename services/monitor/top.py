@@ -54,6 +54,14 @@ def spark(values: Sequence[float | None], width: int = 30) -> str:
     return "".join(" " if v is None else BLOCKS[min(7, int(7 * v / top + 0.5))] for v in vals)
 
 
+def down_line(d: dict[str, Any]) -> str:
+    """One service `kairos up` holds down or is restarting, for the operator."""
+    if d["state"] == "held_down":
+        nxt = "" if d.get("next_try_s") is None else f", next try in {d['next_try_s']:.0f} s"
+        return f"{d['service']} HELD DOWN: crash-looping ({d['last_exit'] or '?'}){nxt}"
+    return f"{d['service']} restarting after {d['last_exit'] or 'an exit'}"
+
+
 def render(s: dict[str, Any], url: str) -> Group:
     w = s["window"]
     r = s["router"]
@@ -73,6 +81,10 @@ def render(s: dict[str, Any], url: str) -> Group:
     live = s["live_workers"]
     head = Text.assemble(("Kairos ", "bold"), (f"policy {s['policy'] or '?'}  ", "dim"), router,
                          (f"   {live['prefill']} prefill · {live['decode']} decode workers   ", ""), (url, "dim"))
+    down = s.get("services_down") or []
+    top: Text | Group = head
+    if down:
+        top = Group(head, Text("  ".join(down_line(d) for d in down), style="bold red"))
     series = s["series"]
     kpis = Table.grid(padding=(0, 3))
     for _ in range(4):
@@ -121,7 +133,7 @@ def render(s: dict[str, Any], url: str) -> Group:
                        d["reason"], (f"{d['prefill_worker']} → " if d["prefill_worker"] else "") + d["decode_worker"],
                        str(d["prompt_tokens"]), f"{fmt_s(d['ttft_prefill_pred'])} / {fmt_s(d['ttft_decode_pred'])}",
                        fmt_s(d["ttft_s"]), Text(d["outcome"] or "running", style="bold red" if bad else ""))
-    return Group(Panel(Group(head, kpis)), workers, recent)
+    return Group(Panel(Group(top, kpis)), workers, recent)
 
 
 def fetch(client: httpx.Client, url: str) -> dict[str, Any]:

@@ -110,8 +110,13 @@ function renderWorkers(s) {
   });
   tbody.replaceChildren(...(rows.length ? rows : [el("tr", { class: "empty" },
     el("td", { colspan: 8 }, "no workers reported yet"))]));
-  $("lost").replaceChildren(...s.lost.map((l) =>
-    el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)));
+  $("lost").replaceChildren(
+    ...(s.services_down || []).map((d) => el("li", { class: "down" }, d.state === "held_down"
+      ? `${d.service} held down by kairos up: crash-looping (${d.last_exit || "?"})`
+        + (d.next_try_s == null ? "" : `, next try in ${Math.round(d.next_try_s)} s`)
+      : `${d.service} restarting after ${d.last_exit || "an exit"}`)),
+    ...s.lost.map((l) =>
+      el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)));
 }
 
 function renderRecent(s) {

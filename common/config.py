@@ -108,6 +108,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "report usage.prompt_tokens_details (cached_tokens: prompt tokens the engine found in its prefix "
         "cache), as vLLM's server flag of the same name; off by default there too")] = False
     ledger: Annotated[bool, doc("fold work dispatched since a worker's last heartbeat into its load view")] = True
+    prepare_interval_ms: Annotated[float, doc(
+        "the policy prepares the workers' changed views (between requests) at most this often, milliseconds: "
+        "heartbeats from a large fleet then cost one preparation per interval, not one each; a request "
+        "that comes first prepares what changed itself (0: after every change)")] = 5.0
     alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.6
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"

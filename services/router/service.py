@@ -90,6 +90,7 @@ class Router:
         # the policy's view work, done when views change rather than in the next decision (`prepare_soon`)
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
+        self._prepared_at = -1.0  # monotonic time of the last `prepare`
         self.counts: Counter[str] = Counter()
         self._dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.routes: Counter[str] = Counter()
@@ -220,16 +221,25 @@ class Router:
     def prepare_soon(self) -> None:
         """A worker's view changed (a heartbeat, a dispatch): have the policy prepare the new
         view once the loop is free (`Kairos.prepare`), so that the next request's decision does
-        only its own part. Coalesced; a decision that comes first does the work itself."""
+        only its own part. Coalesced, and at most once per `prepare_interval_ms`: a large fleet's
+        heartbeats arrive spread out (2,560 a second from 256 workers), and preparing after each
+        one costs the whole fleet's views each time; a decision that comes first does the work
+        for what changed since itself."""
         if self._prepare is None or self._prepare_queued:
             return
         self._prepare_queued = True
-        asyncio.get_running_loop().call_soon(self._prepare_now)
+        wait = self._prepared_at + self.cfg.prepare_interval_ms / 1000.0 - time.monotonic()
+        loop = asyncio.get_running_loop()
+        if wait > 0:
+            loop.call_later(wait, self._prepare_now)
+        else:
+            loop.call_soon(self._prepare_now)
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False
         if self._prepare is not None:
-            self._prepare(self.table.view(use_ledger=self.cfg.ledger), time.monotonic(), self.cfg.tbt_slo)
+            now = self._prepared_at = time.monotonic()
+            self._prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
 
     def _retry_kv_waiting(self) -> None:
         """Decide the waiting requests again (services/router/waiting.py): called on heartbeats,

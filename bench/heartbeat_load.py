@@ -1,0 +1,127 @@
+"""`python -m bench.heartbeat_load`: the router's CPU with a large fleet heartbeating and no requests.
+
+Starts one router (no workers of its own), then registers N prefill + N decode fake workers on
+its bus from this process (real DEALER connections, real Hello and heartbeat messages, with
+varying load so every heartbeat changes the worker's view), each heartbeating every 100 ms,
+staggered evenly. Measures the router process's CPU (user + system, all threads, from /proc)
+over a window, and prints one JSON object: cores used, heartbeats per second, and CPU per
+heartbeat. With `--env K=V` (repeatable) the router gets extra settings, so two variants can be
+run alternately in one invocation with `--compare K=V`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from common import codec
+from common import messages as m
+from kairos.up import free_ports
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1) -> dict[str, float]:
+    http, work, hb, tel = free_ports(4)
+    env = {**os.environ, "KAIROS_HTTP_PORT": str(http), "KAIROS_WORK_PORT": str(work),
+           "KAIROS_HEARTBEAT_PORT": str(hb), "KAIROS_TELEMETRY_PORT": str(tel), "KAIROS_LOG_LEVEL": "warning",
+           "KAIROS_LIVENESS": "50", **env_extra}
+    log = Path(tempfile.mkdtemp(prefix="kairos-hb-")) / "router.log"
+    with open(log, "w") as out:
+        router = subprocess.Popen([sys.executable, "-m", "kairos.cli", "router"], env=env, stdout=out, stderr=out)
+    ctx = zmq.Context()
+    socks: list[tuple[zmq.Socket[bytes], str, str]] = []
+    try:
+        time.sleep(1.5)
+        rng = random.Random(0)
+        for i in range(2 * n):
+            role: m.Role = "prefill" if i < n else "decode"
+            wid = f"{role}-{i % n}"
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, wid.encode())
+            s.connect(f"tcp://127.0.0.1:{work}")
+            inc = f"{i:012x}"
+            s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=wid, role=role, incarnation=inc,
+                                        engine="sim", model="kairos-sim", token_budget=8192,
+                                        kv_capacity_tokens=0 if role == "prefill" else 10**6,
+                                        kv_transport="nixl")))
+            socks.append((s, wid, inc))
+        time.sleep(1.0)
+        seq = 0
+        sent = 0
+        t_start = time.monotonic()
+        c0 = w0 = None
+        slot = interval / len(socks)
+        nxt = time.monotonic()
+        while True:
+            seq += 1
+            for s, wid, inc in socks:
+                q = rng.randint(0, 20000)
+                if wid.startswith("prefill"):
+                    msg: m.Msg = m.PrefillHeartbeat(worker_id=wid, incarnation=inc, seq=seq, queued_tokens=q,
+                                                    queued_requests=q // 1000, token_budget=8192)
+                else:
+                    msg = m.DecodeHeartbeat(worker_id=wid, incarnation=inc, seq=seq, batch=q // 500, kv_tokens=q * 10,
+                                            kv_free_tokens=10**6 - q * 10, kv_capacity_tokens=10**6,
+                                            resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+                                            token_budget=8192)
+                try:
+                    s.send(codec.encode(msg), zmq.NOBLOCK)
+                    sent += c0 is not None
+                except zmq.Again:
+                    pass
+                nxt += slot
+                delay = nxt - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            now = time.monotonic()
+            if c0 is None and now - t_start > 2.0:  # warmed up: start the window
+                c0, w0 = _cpu_s(router.pid), now
+            elif c0 is not None and w0 is not None and now - w0 >= seconds:
+                used = _cpu_s(router.pid) - c0
+                return {"workers": 2 * n, "window_s": round(now - w0, 2), "router_cores": round(used / (now - w0), 4),
+                        "heartbeats_per_s": round(sent / (now - w0), 1),
+                        "router_us_per_heartbeat": round(used / max(sent, 1) * 1e6, 1)}
+    finally:
+        for s, _, _ in socks:
+            s.close(0)
+        ctx.term()
+        router.terminate()
+        router.wait(20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.heartbeat_load", description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=128, help="prefill workers, and as many decode workers")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
+    ap.add_argument("--env", action="append", default=[], help="K=V for the router (A)")
+    ap.add_argument("--compare", action="append", default=[], help="K=V for the router (B): A and B alternate")
+    ap.add_argument("--pairs", type=int, default=1, help="A/B pairs (with --compare)")
+    a = ap.parse_args(argv)
+    env_a = dict(kv.split("=", 1) for kv in a.env)
+    out: dict[str, object] = {"A": {"env": env_a, "runs": []}}
+    if a.compare:
+        out["B"] = {"env": {**env_a, **dict(kv.split("=", 1) for kv in a.compare)}, "runs": []}
+    for _ in range(a.pairs if a.compare else 1):
+        for k in out:
+            out[k]["runs"].append(run(a.workers, a.seconds, out[k]["env"]))  # type: ignore[index]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,6 +63,9 @@ COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_
 PASSTHROUGH = {"UCX_TLS", "UCX_NET_DEVICES"}
 # `kairos up` passes these to every worker; they only mean something to the simulated engine.
 SIM_ONLY = {"KAIROS_KV_TRANSPORT", "KAIROS_TIME_SCALE"}
+# kairos up's own supervision: the file it keeps of its services (services.json) for the monitor. Under
+# compose, Docker restarts the services and `docker compose ps` is that view; there is no such file.
+SUPERVISOR_ONLY = {"KAIROS_SERVICES_STATUS"}
 
 
 # ------------------------------------------------------------------------- reading compose
@@ -154,7 +157,7 @@ def cluster_services(spec: ClusterSpec) -> dict[str, tuple[list[str], dict[str, 
     for name, svc in Cluster(spec).services.items():
         prefix = kairos_cmd("")[:-1]  # [python, -m, kairos.cli]
         assert svc.command[: len(prefix)] == prefix
-        out[name] = (svc.command[len(prefix):], dict(svc.env))
+        out[name] = (svc.command[len(prefix):], {k: v for k, v in svc.env.items() if k not in SUPERVISOR_ONLY})
     return out
 
 

@@ -15,7 +15,7 @@ from tests.test_trust import SAMPLING, frame, hello, make_router
 
 @pytest.fixture
 def router() -> Iterator[Router]:
-    r = make_router()
+    r = make_router(prepare_interval_ms=0)  # prepare as soon as the loop is free
     yield r
     r.close()
 
@@ -43,3 +43,35 @@ async def test_the_next_decision_finds_its_view_prepared(router: Router, monkeyp
     assert len(builds) == n  # the decision used the prepared view as it was
     await asyncio.sleep(0)
     assert len(builds) == n + 1  # and its dispatch had the new one prepared, once
+
+
+async def test_prepares_are_spaced_by_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet's heartbeats each change a view; with `prepare_interval_ms` the router rebuilds at most
+    once per interval, and the change that arrives inside it is still prepared once the interval ends."""
+    r = make_router(prepare_interval_ms=40)
+    try:
+        builds: list[float] = []
+
+        class Counting(kairos._ClusterPrep):
+            def __init__(self, k: kairos.Kairos, view: kairos.ClusterView, slo: float, now: float) -> None:
+                builds.append(now)
+                super().__init__(k, view, slo, now)
+
+        monkeypatch.setattr(kairos, "_ClusterPrep", Counting)
+        frame(r, b"decode-0", hello("decode-0"))
+        frame(r, b"prefill-0", hello("prefill-0", role="prefill"))
+        r.submit([1, 2, 3] * 300, SAMPLING)
+        await asyncio.sleep(0)  # the first prepare runs as soon as the loop is free
+        n = len(builds)
+        assert n >= 1
+        r.submit([4, 5, 6] * 300, SAMPLING)  # changes the view again, inside the interval
+        await asyncio.sleep(0)
+        assert len(builds) == n  # not yet: the interval has not passed
+        for _ in range(100):
+            if len(builds) > n:
+                break
+            await asyncio.sleep(0.005)
+        assert len(builds) == n + 1  # prepared once, after the interval
+        assert builds[-1] - builds[n - 1] >= 0.040 - 1e-3
+    finally:
+        r.close()

@@ -9,20 +9,31 @@ the heartbeats too) takes only keys in `<dir>/allowed/worker/`, the telemetry so
 `<dir>/allowed/monitor/`; so a monitor's key cannot register as a worker, nor a worker's read
 the telemetry.
 
+Keys bound to workers: `kairos keys` makes one key pair per worker id and records the id in the
+key files; the router reads which id each allowed key may register (`worker_key_ids`) and its
+Inbox hands it each message's CURVE key (ZeroMQ's per-message "User-Id", the z85 public key set
+by the authenticator), so a Hello under an id another key is bound to is refused, and a message
+on a registered connection under another key than the one it registered with is dropped. A key
+without an id (the one shared `worker` key of older `kairos keys`, or `--shared-worker-key`) may
+register as any worker; the router warns about each one at start. ZAP requests carry the
+server's own routing id, not the peer's, so the binding cannot be checked at the handshake:
+it is checked at Hello and on every message.
+
 Liveness below the application: ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/TIMEOUT/TTL) and TCP
 keepalive on every bus connection, so a peer whose host died is noticed in seconds, not when
-TCP gives up. With CURVE, the router's ROUTER socket hands an identity over to the newest
-connection (ROUTER_HANDOVER), so a worker that comes back under its id is reachable at once
-(without CURVE that would let any peer take a live worker's identity, so it stays off). Without
-handover, libzmq ignores a connection under an identity still in use for good, even after the old
-one closes; so a worker whose Hello goes unanswered for a few seconds dials again
-(WorkerBus.reconnect), and is accepted once the router has dropped the old connection (ZeroMQ
-heartbeats: ~3 x zmq_heartbeat_s).
+TCP gives up. No ROUTER_HANDOVER: a second connection under an identity in use never takes it
+over (with handover, a holder of any worker key could take a live worker's connection, and its
+clients' prompts, before saying a word). libzmq then ignores that connection for good, even
+after the old one closes; so a worker whose Hello goes unanswered for a few seconds dials again
+(WorkerBus.reconnect), and is accepted once the router has dropped the old connection (at once
+when the old process died and its host closed the connection; ZeroMQ heartbeats, ~3 x
+zmq_heartbeat_s, when the host itself went away).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +43,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
 
 from common.config import BusConfig
 from common.errors import ConfigError
@@ -96,6 +108,57 @@ def curve_server(sock: zmq.asyncio.Socket, cfg: BusConfig, role: str) -> None:
     sock.zap_domain = role.encode()
 
 
+WORKER_ID_FIELD = "worker_id"  # the key file's metadata field naming the one worker id the key may register
+_META = re.compile(r"^\s+([A-Za-z0-9_-]+)\s*=\s*\"?([^\"\n]*)\"?\s*$")
+
+
+def key_metadata(path: Path) -> dict[str, str]:
+    """The metadata section of a key file `kairos keys` wrote (ZeroMQ's certificate format)."""
+    out: dict[str, str] = {}
+    section = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            section = line.strip()
+            continue
+        mt = _META.match(line)
+        if section == "metadata" and mt:
+            out[mt.group(1)] = mt.group(2)
+    return out
+
+
+def fingerprint(key: str) -> str:
+    """A short, loggable name for a z85 public key (its first 8 characters; grep allowed/ for it)."""
+    return key[:8]
+
+
+def worker_key_ids(cfg: BusConfig) -> dict[str, str | None]:
+    """Each allowed worker key (z85 public key, as ZeroMQ's User-Id gives it) -> the worker id it
+    may register (None: any, a shared key)."""
+    out: dict[str, str | None] = {}
+    for f in sorted(allow_list(_keys(cfg), WORKER_DOMAIN).glob("*.key")):
+        try:
+            pub, _ = zmq.auth.load_certificate(str(f))
+            meta = key_metadata(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the allowed worker key {f}: {e}") from e
+        out[pub.decode("ascii")] = meta.get(WORKER_ID_FIELD) or None
+    return out
+
+
+def worker_key_name(cfg: BusConfig, worker_id: str) -> str:
+    """The key a worker connects with: KAIROS_CURVE_KEY_NAME if set, else the key made for its id,
+    else the shared `worker` key of an older `kairos keys`."""
+    if cfg.curve_key_name:
+        return cfg.curve_key_name
+    d = _keys(cfg)
+    if (d / f"{worker_id}.key_secret").exists():
+        return worker_id
+    if (d / "worker.key_secret").exists():
+        return "worker"
+    raise ConfigError(f"no CURVE key for worker {worker_id!r} in {d} (no {worker_id}.key_secret): add one with "
+                      f"`kairos keys {d} --add --workers {worker_id}` (the router must be restarted to allow it)")
+
+
 def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str) -> None:
     d = _keys(cfg)
     name = cfg.curve_key_name or default_name
@@ -109,12 +172,33 @@ def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str) ->
     sock.curve_secretkey = sec
 
 
-def start_authenticator(ctx: zmq.asyncio.Context, cfg: BusConfig) -> AsyncioAuthenticator | None:
+KeyRefused = Callable[[str, str, str], None]  # (domain, z85 key, peer address)
+
+
+class _Authenticator(AsyncioAuthenticator):
+    """pyzmq's ZAP handler, telling its owner about every CURVE key it refuses (an unknown key, or
+    one of another role): pyzmq itself only logs those at debug level."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, on_refused: KeyRefused | None) -> None:
+        super().__init__(ctx)
+        self._on_refused = on_refused
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if self._on_refused is not None and len(msg) == 7 and msg[5] == b"CURVE" and len(msg[6]) == 32:
+            domain = msg[2].decode("utf-8", "replace")
+            key = z85.encode(msg[6])
+            if key not in self.certs.get(domain, {}):
+                self._on_refused(domain, key.decode("ascii"), msg[3].decode("utf-8", "replace"))
+        await super().handle_zap_message(msg)
+
+
+def start_authenticator(ctx: zmq.asyncio.Context, cfg: BusConfig,
+                        on_refused: KeyRefused | None = None) -> AsyncioAuthenticator | None:
     if not cfg.curve_keys_dir:
         return None
     d = _keys(cfg)
     lists = {role: allow_list(d, role) for role in ROLES}
-    auth = AsyncioAuthenticator(ctx)
+    auth = _Authenticator(ctx, on_refused)
     auth.start()
     for role, allowed in lists.items():  # one allow-list per ZAP domain; no "*": nothing falls through
         auth.configure_curve(domain=role, location=str(allowed))
@@ -128,19 +212,16 @@ def endpoint(host: str, port: int) -> str:
 class RouterBus:
     """The router's sockets: ROUTER (work and heartbeats), PUB (telemetry), both bound."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, on_key_refused: KeyRefused | None = None) -> None:
         self.cfg = cfg
+        # each allowed worker key -> the worker id it may register (None: any); empty without CURVE
+        self.key_ids: dict[str, str | None] = worker_key_ids(cfg) if cfg.curve_keys_dir else {}
         self.ctx = zmq.asyncio.Context()
-        self.auth = start_authenticator(self.ctx, cfg)
+        self.auth = start_authenticator(self.ctx, cfg, on_key_refused)
         self.work = self.ctx.socket(zmq.ROUTER)
         _common(self.work, cfg, WORK_HWM)
         self.work.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise instead of vanishing
-        if cfg.curve_keys_dir:
-            # A worker back under its id (restarted on a host whose old connection is not yet seen
-            # dead) takes the identity over at once. Only with CURVE: without it any peer could
-            # take a live worker's identity; then the old connection must first be found dead
-            # (ZeroMQ heartbeats: 3 x zmq_heartbeat_s).
-            self.work.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER (module docstring): an identity in use is never handed to a newer connection.
         self.telemetry = self.ctx.socket(zmq.PUB)
         _common(self.telemetry, cfg, TELEMETRY_HWM)
         if cfg.curve_keys_dir:
@@ -190,7 +271,7 @@ class WorkerBus:
         self.work.setsockopt(zmq.RECONNECT_IVL, 100)
         self.work.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # a restarted router hears from us within 0.2 s
         if cfg.curve_keys_dir:
-            curve_client(self.work, cfg, "worker")
+            curve_client(self.work, cfg, worker_key_name(cfg, worker_id))
         # Connection events of the work socket: a worker says Hello again as soon as it reconnects
         # (the router may have restarted), instead of waiting to be asked.
         self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -302,11 +383,13 @@ class Inbox:
     `on_frames` fails `failed`, which the owner awaits (so it ends the process, as a loop would).
     """
 
-    def __init__(self, sock: zmq.asyncio.Socket, on_frames: Callable[[list[bytes]], None], *,
-                 batch: int = 256) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, on_frames: Callable[..., None], *,
+                 batch: int = 256, keyed: bool = False) -> None:
         self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._on_frames = on_frames
+        # keyed (CURVE sockets only): on_frames(frames, key), key the sender's z85 public key
+        self._keyed = keyed
         self._batch = batch
         self._loop = asyncio.get_running_loop()
         self.failed: asyncio.Future[None] = self._loop.create_future()
@@ -337,6 +420,13 @@ class Inbox:
         sock, on_frames = self._sock, self._on_frames
         try:
             for _ in range(self._batch):
+                if self._keyed:
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        return
+                    on_frames([p.bytes for p in parts], parts[-1].get("User-Id"))
+                    continue
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

@@ -106,6 +106,7 @@ class ClusterSpec:
     log_level: str = "info"
     monitor: bool = True
     curve_keys_dir: str = ""
+    make_keys: bool = False  # make the CURVE keys curve_keys_dir lacks (one per worker id) before starting
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -237,6 +238,8 @@ class Cluster:
         """Router, then every other service, until all workers are registered. A start that fails
         (a service exits, or `timeout` passes) stops what it started before it raises."""
         try:
+            if self.spec.curve_keys_dir and self.spec.make_keys:
+                self.make_keys()
             for name in self.spec.router_names:
                 self.spawn(name)
             self.wait_http("/health", timeout)
@@ -247,6 +250,16 @@ class Cluster:
         except BaseException:
             self.stop(5)
             raise
+
+    def make_keys(self) -> None:
+        """The bus's CURVE keys: made on the first start (router, one per worker id, the monitor's),
+        kept afterwards; a worker id new since (a larger --decode) gets its key added."""
+        from kairos.keys import write_keys  # here: only kairos up's own start needs it
+        s = self.spec
+        workers = [n for n in s.service_names if n.startswith(("prefill-", "decode-"))]
+        made = write_keys(Path(s.curve_keys_dir), {"worker": workers, "monitor": ["monitor"]})
+        if made and self.log_events:
+            log.info("bus_keys_made", dir=s.curve_keys_dir, keys=made)
 
     def get(self, path: str, timeout: float = 2.0) -> tuple[int, dict[str, object]]:
         try:
@@ -437,7 +450,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
-    p.add_argument("--curve-keys-dir", default="", help="require CURVE on the bus with keys from `kairos keys DIR`")
+    p.add_argument("--curve-keys-dir", default="", metavar="DIR",
+                   help="the bus's CURVE keys (authenticated, encrypted; one key per worker id). Default: "
+                        "LOG_DIR/keys, made on the first start and kept; or keys from `kairos keys DIR`")
+    p.add_argument("--insecure", action="store_true",
+                   help="no CURVE on the bus: anyone who reaches the bus ports can register as a worker and read "
+                        "the telemetry (the router warns; for a machine no one else can reach)")
     d = RestartPolicy()
     p.add_argument("--restart-backoff", type=float, default=d.backoff_s, metavar="S",
                    help=f"seconds before restarting a service that exited; doubles with each exit in the "
@@ -519,6 +537,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     if a.routers < 1:
         raise ConfigError("--routers must be 1 or more")
     operator_env, notes = passthrough(a.config, os.environ)
+    if a.insecure and a.curve_keys_dir:
+        raise ConfigError("--insecure turns CURVE off; --curve-keys-dir turns it on: give one of them")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
     if a.engine == "vllm" and not a.model:
@@ -552,7 +572,9 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
-                       curve_keys_dir=a.curve_keys_dir, router_env=router_env, worker_env=worker_env,
+                       curve_keys_dir="" if a.insecure else str(Path(a.curve_keys_dir or
+                                                                      Path(a.log_dir) / "keys").resolve()),
+                       make_keys=not a.insecure, router_env=router_env, worker_env=worker_env,
                        restart=restart, routers=a.routers, worker_speeds=err["worker_speed"],
                        metrics_ports=metrics_ports, operator_env=operator_env, operator_notes=notes,
                        replica_ports=[(a.bus_port + 3 * i, a.bus_port + 3 * i + 1, a.bus_port + 3 * i + 2)
@@ -568,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)
+    if a.insecure:
+        log.warning("bus_insecure", detail="--insecure: no CURVE on the bus; anyone who reaches ports "
+                    f"{a.bus_port}-{a.bus_port + 3 * a.routers - 1} can register as a worker and serve clients' "
+                    "prompts")
     for note in spec.operator_notes:
         log.warning("setting_ignored", detail=note)
     for var, service in sorted(cluster.overridden.items()):
@@ -593,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{Path(a.model).name if a.model else 'kairos-sim'})\n"
               f"  dashboard:   http://127.0.0.1:{spec.monitor_port}/   metrics: http://127.0.0.1:{spec.monitor_port}/metrics\n"
               f"  stats:       {spec.api}/v1/kairos/stats\n"
+              f"  bus:         {('CURVE keys in ' + spec.curve_keys_dir) if spec.curve_keys_dir else 'INSECURE'}\n"
               + (f"  /metrics:    {', '.join(f'{n} :{p}' for n, p in spec.metrics_ports.items())}\n"
                  if spec.metrics_ports else "") +
               f"  try:  curl -s {spec.api}/v1/completions -H 'content-type: application/json' "

@@ -17,7 +17,7 @@
 # 6. docker-compose.replicas.yml (two routers behind HAProxy, CURVE bus; the haproxy image, or a
 #    stand-in built from Debian's package when it cannot be pulled: docker/Dockerfile.haproxy):
 #    health through the balancer, the monitor showing both routers, every worker restarted under
-#    load (no request may fail), each router restarted under load (reported), logs, down
+#    load (no request may fail), each router restarted under load (none may fail either), logs, down
 # Exit 0 passed, 1 failed, 3 cannot run here (no daemon and cannot start one). Figures are
 # appended to $KAIROS_DOCKER_REPORT (default: docker-tier-report.jsonl, git-ignored).
 set -euo pipefail
@@ -115,7 +115,7 @@ $replicas up -d --no-build >/dev/null 2>&1 || { $replicas up -d --no-build; exit
 say "docker-compose.replicas.yml up, API (HAProxy) on 127.0.0.1:$KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
 "$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$replicas" \
     --monitor-url "http://127.0.0.1:$KAIROS_MONITOR_PORT" --routers 2 \
-    --restart prefill-0 prefill-1 decode-0 decode-1 --router-restart router-a router-b --report "$REPORT" \
+    --restart prefill-0 prefill-1 decode-0 decode-1 --router-restart router-a router-b --routers-hold --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $replicas logs --no-color >docker-tier-logs/replicas.log 2>&1
        say "FAIL (replicas stack): every service's log is in docker-tier-logs/replicas.log"; exit 1; }
 $replicas down -v -t 10 >/dev/null 2>&1

@@ -8,7 +8,8 @@ Waits until the router lists every worker, sends requests with the official `ope
 then, under load from 4 concurrent clients, restarts each named service one at a time
 (`docker-compose restart`, then waits until it is healthy again) and counts failed requests:
 any failure while workers and the monitor restart fails the tier. The routers' restarts are run
-last and only reported (a router's own clients see its restart). With `--monitor-url`, the
+last and only reported (a router's own clients see its restart), except with --routers-hold
+(replicas behind one address, where none may fail). With `--monitor-url`, the
 monitor must show `--routers` replicas, each reporting (router replicas: one monitor reads every
 router). Finally it parses `docker-compose logs` as JSON lines and fails on any line that is not
 one.
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart", nargs="*", default=[], help="services to restart one at a time under load")
     ap.add_argument("--router-restart", nargs="*", default=None, metavar="SVC",
                     help="then restart these router services one at a time (default: router; reported only)")
+    ap.add_argument("--routers-hold", action="store_true",
+                    help="router replicas behind one address: every request during their restarts must succeed "
+                         "(the restarting router drains; the others take its clients)")
     ap.add_argument("--monitor-url", default="", help="the monitor's URL: check it sees --routers replicas")
     ap.add_argument("--routers", type=int, default=1, help="router replicas the monitor must show")
     ap.add_argument("--ready-timeout", type=float, default=120.0)
@@ -235,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"rolling restart of {len(args.restart)} services: {load.ok} requests, none failed")
 
     if args.router_restart is not None:
+        failed = 0
         for svc in routers:
             with Load(args.url) as load:
                 t0 = time.monotonic()
@@ -248,8 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                 kinds[f.split(":", 1)[0]] = kinds.get(f.split(":", 1)[0], 0) + 1
             report.setdefault("router_restart", {})[svc] = {
                 "ok": load.ok, "failed": len(load.failed), "recovered_s": round(recovered, 1), "failures": kinds}
-            say(f"{svc} restart (reported, not asserted): {len(load.failed)} of {load.ok + len(load.failed)} "
-                f"requests failed, healthy and serving {recovered:.1f}s after the restart began {kinds}")
+            failed += len(load.failed)
+            say(f"{svc} restart ({'asserted' if args.routers_hold else 'reported, not asserted'}): "
+                f"{len(load.failed)} of {load.ok + len(load.failed)} requests failed, healthy and serving "
+                f"{recovered:.1f}s after the restart began {kinds}"
+                + (f" e.g. {load.failed[:3]}" if load.failed else ""))
+        if args.routers_hold and failed:
+            say(f"FAIL: {failed} requests failed while the router replicas restarted one after the other")
+            print(json.dumps(report))
+            return 1
 
     per = check_logs(args.compose)
     report["log_lines"] = per

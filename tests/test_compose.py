@@ -198,7 +198,7 @@ def test_observability_profile(compose_file: Path) -> None:
 def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None:
     svcs = services(compose_file)
     keys = svcs[KEYS]
-    assert keys["command"] == ["keys", KEYS_DIR, "--if-missing"] and keys["restart"] == "no"
+    assert keys["command"] == ["keys", KEYS_DIR, "--add"] and keys["restart"] == "no"
     assert keys["volumes"] == [f"kairos-keys:{KEYS_DIR}"]
     for name in SERVICES:
         svc = svcs[name]

@@ -328,8 +328,10 @@ def materialize(docs: list[dict[str, Any]], kind: str, owner: str, data: dict[st
 def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) -> None:
     docs = render("sim")
     first = run_job_script(job_script(docs), tmp_path / "w1", tmp_path / "none")
-    assert {"router.key", "router.key_secret", "worker.key", "worker.key_secret", "monitor.key",
-            "monitor.key_secret"} <= set(first)
+    ids = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    assert {"router.key", "router.key_secret", "monitor.key", "monitor.key_secret",
+            *(f"{i}.key" for i in ids), *(f"{i}.key_secret" for i in ids)} <= set(first)
+    assert "worker.key" not in first  # no shared worker key
     existing = tmp_path / "existing"  # the Secret as the Job's pod sees it the second time
     existing.mkdir()
     for k, v in first.items():
@@ -346,12 +348,20 @@ def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) 
             cfg = cls(curve_keys_dir=str(d))
             sock = ctx.socket(zmq.DEALER)
             try:
-                if role is None:  # the router: its key pair and both allow-lists
+                if role is None:  # the router: its key pair and both allow-lists, each worker key bound to its id
                     sockets.curve_server(sock, cfg, sockets.WORKER_DOMAIN)  # type: ignore[arg-type]
-                    for r in sockets.ROLES:
-                        assert [p.name for p in sockets.allow_list(d, r).iterdir()] == [f"{r}.key"]
-                else:
+                    assert sorted(p.name for p in sockets.allow_list(d, sockets.MONITOR_DOMAIN).iterdir()) == [
+                        "monitor.key"]
+                    assert sorted(v or "" for v in sockets.worker_key_ids(cfg).values()) == sorted(ids)  # type: ignore[arg-type]
+                elif role == sockets.MONITOR_DOMAIN:
                     sockets.curve_client(sock, cfg, role)  # type: ignore[arg-type]
+                else:  # a pool's pods: each finds the key named after its pod (its worker id)
+                    for i in ids:
+                        if i.startswith(name):
+                            assert sockets.worker_key_name(cfg, i) == i  # type: ignore[arg-type]
+                            sockets.curve_client(sock, cfg, i)  # type: ignore[arg-type]
+                    assert not any((d / f"{i}.key_secret").exists() for i in ids if not i.startswith(name))
+                if role is not None:
                     assert not (d / "router.key_secret").exists()  # clients never get the router's secret
             finally:
                 sock.close(0)

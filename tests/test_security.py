@@ -24,9 +24,11 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("keys") / "curve"
     rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(d)], capture_output=True, text=True)
     assert rc.returncode == 0, rc.stderr
-    assert (d / "allowed" / "worker" / "worker.key").exists() and (d / "router.key_secret").exists()
-    assert sorted(p.name for p in (d / "allowed").rglob("*.key")) == ["monitor.key", "worker.key"]
-    assert not (d / "allowed" / "worker" / "monitor.key").exists()
+    assert (d / "router.key_secret").exists()
+    assert sorted(p.name for p in (d / "allowed" / "worker").glob("*.key")) == [
+        "decode-0.key", "decode-1.key", "prefill-0.key", "prefill-1.key"]  # one key per worker id
+    assert [p.name for p in (d / "allowed" / "monitor").glob("*.key")] == ["monitor.key"]
+    assert not (d / "worker.key").exists()  # no shared worker key unless asked for
     return d
 
 
@@ -116,10 +118,12 @@ def _handshakes(keys: Path, key_name: str, port: int, sock_type: int) -> bool:
 
 def test_each_socket_admits_only_its_roles_keys(cluster: Cluster, keys: Path) -> None:
     spec = cluster.spec
-    assert _handshakes(keys, "worker", spec.work_port, zmq.DEALER)
+    assert _handshakes(keys, "decode-1", spec.work_port, zmq.DEALER)
     assert _handshakes(keys, "monitor", spec.telemetry_port, zmq.SUB)
     assert not _handshakes(keys, "monitor", spec.work_port, zmq.DEALER)      # a monitor cannot be a worker
-    assert not _handshakes(keys, "worker", spec.telemetry_port, zmq.SUB)     # nor a worker read the telemetry
+    assert not _handshakes(keys, "decode-1", spec.telemetry_port, zmq.SUB)   # nor a worker read the telemetry
+    log = (Path(spec.log_dir) / "router.log").read_text()
+    assert '"bus_key_refused"' in log  # refused keys are logged, with the key's fingerprint
 
 
 def test_keys_if_missing_keeps_existing_keys(keys: Path) -> None:
@@ -128,36 +132,76 @@ def test_keys_if_missing_keeps_existing_keys(keys: Path) -> None:
                         capture_output=True, text=True)
     assert rc.returncode == 0 and (keys / "router.key").read_bytes() == before
     rc = subprocess.run([sys.executable, "-m", "kairos.cli", "keys", str(keys)], capture_output=True, text=True)
-    assert rc.returncode == 1 and "--force" in rc.stderr
+    assert rc.returncode == 1 and "--force" in rc.stderr and "--add" in rc.stderr
 
 
-def test_a_worker_back_under_its_id_is_accepted_at_once(cluster: Cluster, keys: Path) -> None:
-    """ROUTER_HANDOVER (CURVE only): a worker restarted on a host whose old connection the router
-    has not yet seen die (here: still open) gets its id, and its Welcome, straight away."""
-    ctx = zmq.Context()
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], keys: Path, key_name: str, identity: str,
+            port: int) -> zmq.Socket[bytes]:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, identity.encode())
+    pub, sec = zmq.auth.load_certificate(str(keys / f"{key_name}.key_secret"))
+    server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+    s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+    s.connect(f"tcp://127.0.0.1:{port}")
+    return s
+
+
+def test_a_key_registers_only_its_own_worker(cluster: Cluster, keys: Path) -> None:
+    """decode-1's key (a worker not running here) cannot register as any other id: refused with the reason."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        def connect() -> zmq.Socket[bytes]:
-            s = ctx.socket(zmq.DEALER)
+        s = _dealer(ctx, keys, "decode-1", "decode-7", cluster.spec.work_port)
+        s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="decode-7", role="decode", incarnation="x",
+                                    engine="sim", model="kairos-sim", token_budget=64, kv_capacity_tokens=10**6,
+                                    kv_transport="nixl", max_model_len=0)))
+        assert s.poll(5000), "no answer to Hello"
+        answer = codec.decode_inbox.decode(s.recv())
+        assert isinstance(answer, m.Refused) and answer.reason.startswith("key:") and "'decode-1'" in answer.reason
+        assert "decode-7" not in _registered(cluster)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("key_name", ["decode-1", "decode-0"])
+def test_no_connection_takes_over_a_live_worker(cluster: Cluster, keys: Path, key_name: str) -> None:
+    """A peer that connects under a live worker's id, with another worker's key or even with that
+    worker's own, gets nothing: the id is never handed to a newer connection, so the clients'
+    prompts keep going to the worker that registered, and every request is served."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        thief = _dealer(ctx, keys, key_name, "decode-0", cluster.spec.work_port)
+        time.sleep(0.5)  # its handshake is done
+        thief.send(codec.encode(m.Goodbye(worker_id="decode-0", incarnation="whatever", reason="drained")))
+        for i in range(10):
+            r = httpx.post(cluster.spec.api + "/v1/completions", headers={"authorization": "Bearer s3cret"},
+                           json={"prompt": f"take {i} " * 40, "max_tokens": 4}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert thief.poll(200) == 0, "the router sent work to the peer that took the id"
+        assert _registered(cluster) == {"prefill-0", "decode-0"}
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("key_name", ["", "decode-1"])
+def test_telemetry_gives_nothing_without_the_monitor_key(cluster: Cluster, keys: Path, key_name: str) -> None:
+    """The router publishes telemetry every second (worker ids, incarnations, counters): a
+    subscriber without a key, or with a worker's, reads none of it; the monitor's key does."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        def sub(name: str) -> zmq.Socket[bytes]:
+            s = ctx.socket(zmq.SUB)
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IDENTITY, b"back-1")
-            pub, sec = zmq.auth.load_certificate(str(keys / "worker.key_secret"))
-            server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
-            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
-            s.connect(f"tcp://127.0.0.1:{cluster.spec.work_port}")
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            if name:
+                pub, sec = zmq.auth.load_certificate(str(keys / f"{name}.key_secret"))
+                server_pub, _ = zmq.auth.load_certificate(str(keys / "router.key"))
+                s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, server_pub
+            s.connect(f"tcp://127.0.0.1:{cluster.spec.telemetry_port}")
             return s
 
-        def register(s: zmq.Socket[bytes], incarnation: str) -> m.Msg:
-            s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="back-1", role="decode",
-                                        incarnation=incarnation, engine="sim", model="kairos-sim", token_budget=64,
-                                        kv_capacity_tokens=10**6, kv_transport="nixl", max_model_len=0)))
-            assert s.poll(5000), "no answer to Hello"
-            msg: m.Msg = codec.decode_inbox.decode(s.recv())
-            return msg
-
-        old = connect()
-        assert isinstance(register(old, "first"), m.Welcome)
-        new = connect()  # the old connection is still up
-        assert isinstance(register(new, "second"), m.Welcome)
-        new.send(codec.encode(m.Goodbye(worker_id="back-1", incarnation="second", reason="drained")))
+        sniffer, monitor = sub(key_name), sub("monitor")
+        assert monitor.poll(5000), "the monitor's key reads no telemetry"
+        assert sniffer.poll(2500) == 0, "telemetry reached a subscriber without the monitor's key"
     finally:
         ctx.destroy(linger=0)

@@ -19,6 +19,7 @@ import structlog
 
 from common import codec
 from common import messages as m
+from common.sockets import fingerprint
 from services.router import metrics, migrate, waiting
 from services.router.trust import refusal
 from services.router.workers import WorkerEntry
@@ -37,6 +38,7 @@ def on_hello(router: Router, identity: bytes, h: m.Hello) -> None:
     known = router.table.workers.get(h.worker_id)
     is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
     entry, old = router.table.register(h, identity)
+    entry.key = router.gate.key  # under CURVE: the key it registered with, the only one it may speak with
     if old is not None:
         log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
                     incarnation=h.incarnation)
@@ -59,7 +61,8 @@ def refuse(router: Router, identity: bytes, h: m.Hello, reason: str) -> None:
     router.counts["workers_refused"] += 1
     metrics.observe_refused(reason.split(":", 1)[0])
     log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
-              kv_transport=h.kv_transport, reason=reason)
+              kv_transport=h.kv_transport, reason=reason,
+              **({"key": fingerprint(router.gate.key)} if router.gate.key else {}))
     router._work_send([identity, codec.encode(m.Refused(router_incarnation=router.incarnation, reason=reason))])
 
 

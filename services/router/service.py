@@ -40,7 +40,7 @@ from common.policy import (
 )
 from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
-from common.sockets import Inbox, RouterBus, send_nowait
+from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import membership, metrics, migrate, vllm_metrics, waiting
 from services.router.openai_tools import ToolCalling
@@ -101,6 +101,7 @@ class Router:
         self.leaving = False  # after SIGTERM: /ready says 503, each response closes its connection (see __main__)
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
         self._inbox: Inbox | None = None
+        self._opened_at = time.monotonic()
         self.gate = Gate(self.counts)
         self._workers_joined = asyncio.Event()  # set (and replaced) whenever a worker registers
         self.asked_hello: dict[str, float] = {}  # worker id -> when it was last asked to Hello again
@@ -108,10 +109,29 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
-        self.bus = RouterBus(self.cfg)
-        log.info("router_bus_bound", work=self.cfg.work_port, heartbeats=self.cfg.heartbeat_port,
-                 telemetry=self.cfg.telemetry_port, policy=self.policy.name, incarnation=self.incarnation,
-                 curve=bool(self.cfg.curve_keys_dir))
+        self.bus = RouterBus(self.cfg, on_key_refused=self._on_key_refused)
+        self._opened_at = time.monotonic()
+        log.info("router_bus_bound", work=self.cfg.work_port, telemetry=self.cfg.telemetry_port,
+                 policy=self.policy.name, incarnation=self.incarnation, curve=bool(self.cfg.curve_keys_dir),
+                 worker_keys=len(self.bus.key_ids))
+        if not self.cfg.curve_keys_dir:
+            log.warning("bus_insecure", detail="CURVE is off: anyone who reaches the work port can register as a "
+                        "worker and serve clients' prompts, and anyone who reaches the telemetry port reads it; "
+                        "set KAIROS_CURVE_KEYS_DIR (kairos keys DIR) on every service")
+        shared = sorted(fingerprint(k) for k, wid in self.bus.key_ids.items() if wid is None)
+        if shared:
+            log.warning("shared_worker_key", keys=shared, detail="these allowed worker keys are bound to no "
+                        "worker id: a holder of one may register as any worker; make one key per worker with "
+                        "`kairos keys DIR --add --workers ID,...` and delete the shared one from allowed/worker/")
+
+    def _on_key_refused(self, domain: str, key: str, address: str) -> None:
+        """The bus refused a CURVE key at the handshake (unknown, or another role's)."""
+        self.counts["keys_refused"] += 1
+        metrics.observe_dropped(f"{domain}_key_refused")
+        held = self._dropped.admit(("key_refused", domain, key))
+        if held is not None:
+            log.warning("bus_key_refused", socket=domain, key=fingerprint(key), address=address,
+                        detail=f"a CURVE key not in allowed/{domain}/ tried to connect", suppressed_since_last=held)
 
     def close(self) -> None:
         if self.bus is not None:
@@ -447,7 +467,7 @@ class Router:
 
     async def _work_loop(self) -> None:
         assert self.bus is not None
-        self._inbox = Inbox(self.bus.work, self._on_work_frames)
+        self._inbox = Inbox(self.bus.work, self._on_work_frames, keyed=bool(self.cfg.curve_keys_dir))
         try:
             await self._inbox.failed  # the reader callback does the work; this ends only on a bug
         finally:
@@ -464,7 +484,8 @@ class Router:
         if held is not None:
             log.warning(event, **fields, suppressed_since_last=held)
 
-    def _on_work_frames(self, frames: list[bytes]) -> None:
+    def _on_work_frames(self, frames: list[bytes], key: str | None = None) -> None:
+        """A message from the work socket; `key`: the sender's CURVE public key (None without CURVE)."""
         if len(frames) != 2:
             self.drop_frame("work", "bad_frame_dropped", socket="work", frames=len(frames))
             return
@@ -474,12 +495,33 @@ class Router:
         except codec.DecodeError as e:
             self.drop_frame("work", "bad_frame_dropped", socket="work", error=str(e)[:200], bytes=len(payload))
             return
+        self.gate.key = key
+        if key is not None and not self._key_may_speak(identity, key, msg):
+            return
         try:
             self._on_work_message(identity, msg)
         except ProtocolError as e:
             log.warning("protocol_error", error=str(e))
         except Exception as e:  # one bad message must not take the router down
             self._on_handler_error(identity, msg, e)
+
+    def _key_may_speak(self, identity: bytes, key: str, msg: m.RouterInbox) -> bool:
+        """Under CURVE: a Hello only under the id its key is bound to (or any, for a shared key);
+        any other message only under the key its connection registered with."""
+        assert self.bus is not None
+        if isinstance(msg, m.Hello):
+            bound = self.bus.key_ids.get(key)
+            if bound is not None and bound != msg.worker_id:
+                membership.refuse(self, identity, msg, f"key: the key this worker connected with ({fingerprint(key)}) "
+                                  f"is bound to worker {bound!r}, not {msg.worker_id!r}: give each worker its own key "
+                                  "(kairos keys) or set KAIROS_CURVE_KEY_NAME")
+                return False
+            return True
+        w = self.table.workers.get(identity.decode(errors="replace"))
+        if w is not None and w.key is not None and w.key != key:
+            self.gate.drop(identity, "message_from_another_key", msg)
+            return False
+        return True
 
     def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
         if isinstance(msg, m.Hello):
@@ -507,12 +549,23 @@ class Router:
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on the work socket")
 
+    def _returning(self, worker_id: str) -> bool:
+        """Whether a message from an unregistered `worker_id` is an ordinary recovery, not a stray
+        peer: a worker this router saw leave or lose (its last messages, before it says Hello again),
+        any worker in this router's first two liveness windows (a restarted router: the workers'
+        in-flight messages), or, under CURVE, one whose key is bound to that very id."""
+        if worker_id in self.table.former or time.monotonic() - self._opened_at < 2 * self.liveness_s:
+            return True
+        key = self.gate.key
+        return key is not None and self.bus is not None and self.bus.key_ids.get(key) == worker_id
+
     # -- trust: who may send what (every message but Hello comes from a registered worker, bound to
     # the ZeroMQ identity it registered with, and concerns only requests assigned to it)
     def _trusted_sender(self, identity: bytes, msg: m.Msg) -> WorkerEntry | None:
-        w = self.table.workers.get(identity.decode(errors="replace"))
+        wid = identity.decode(errors="replace")
+        w = self.table.workers.get(wid)
         if w is None or w.identity != identity:
-            self.gate.drop(identity, "unregistered_peer", msg)
+            self.gate.drop(identity, "unregistered_peer", msg, routine=self._returning(wid))
             return None
         claimed = getattr(msg, "worker_id", None)
         if claimed is not None and claimed != w.worker_id:

@@ -16,6 +16,7 @@ import structlog
 
 from common import messages as m
 from common.logging import Throttle
+from common.sockets import fingerprint
 from services.router import metrics
 from services.router.workers import WorkerTable
 
@@ -31,17 +32,20 @@ class Gate:
         self.counts = counts
         self.dropped: Counter[str] = Counter()
         self._warn = Throttle(WARN_EVERY_S)  # a line per peer and reason per second at most
+        self.key: str | None = None  # the CURVE key of the message being handled (None without CURVE)
 
-    def drop(self, peer: bytes, reason: str, msg: m.Msg, request_id: str = "") -> None:
+    def drop(self, peer: bytes, reason: str, msg: m.Msg, request_id: str = "", *, routine: bool = False) -> None:
+        """Count and log a dropped message: at warning, or at info when `routine` (a worker's late
+        messages while it recovers, which it re-sends or the router re-dispatches anyway)."""
         self.dropped[reason] += 1
         self.counts["dropped_messages"] += 1
         metrics.observe_dropped(reason)
         held = self._warn.admit((peer, reason))
         if held is None:
             return
-        log.warning("message_dropped", reason=reason, peer=peer.decode(errors="replace")[:64],
+        (log.info if routine else log.warning)("message_dropped", routine=routine, reason=reason, peer=peer.decode(errors="replace")[:64],
                     message=type(msg).__name__, request_id=request_id or getattr(msg, "request_id", None),
-                    suppressed_since_last=held)
+                    suppressed_since_last=held, **({"key": fingerprint(self.key)} if self.key else {}))
 
 
 def refusal(identity: bytes, h: m.Hello, table: WorkerTable, *, served_model: str) -> str:

@@ -57,6 +57,7 @@ class WorkerEntry:
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
     # whatever it still sends (heartbeats, tokens), until it says Hello again
     unreachable: bool = False
+    key: str | None = None               # under CURVE: the key it registered with (z85), the only one it may use
     # the policy's view of it, kept until something it is built from changes (`touch`): the
     # policy keeps per-view work by identity, so an unchanged worker must keep its view object
     _view: PrefillView | DecodeView | None = None
@@ -165,6 +166,7 @@ class WorkerTable:
                  me: str = "") -> None:
         self.me = me  # this router's incarnation: deflections heartbeats list under another are the other routers'
         self.workers: dict[str, WorkerEntry] = {}
+        self.former: set[str] = set()  # ids of workers that left or were lost: their late messages are routine
         self.default_model = default_model
         self.per_worker_models = per_worker_models
         self.bias_correction = bias_correction
@@ -216,6 +218,7 @@ class WorkerTable:
         return e
 
     def remove(self, worker_id: str) -> WorkerEntry | None:
+        self.former.add(worker_id)
         return self.workers.pop(worker_id, None)
 
     def expired(self, timeout_s: float) -> list[WorkerEntry]:

@@ -1,0 +1,123 @@
+"""Worker keys bound to worker ids: `kairos keys` records the id in each key, the router reads the
+bindings, refuses a Hello under another id, and drops a message on a registered connection that
+is signed with another key than the one it registered with (router-only: frames are handed to the
+work-socket callback with the key ZeroMQ would report, as in tests/test_trust.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import structlog
+import zmq.auth
+
+from common import codec, config
+from common import messages as m
+from common.errors import ConfigError
+from common.sockets import key_metadata, worker_key_ids, worker_key_name
+from kairos import keys as kkeys
+from tests.test_trust import hello, make_router
+
+
+def _key(d: Path, name: str) -> str:
+    return zmq.auth.load_certificate(str(d / f"{name}.key"))[0].decode()
+
+
+def _hb(worker: str, seq: int, **kw: object) -> m.DecodeHeartbeat:
+    return m.DecodeHeartbeat(worker_id=worker, incarnation="i1", seq=seq, batch=0, kv_tokens=0,
+                             kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
+                             deflections=0, strictest_tbt_slo=None, token_budget=2048, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def keydir(tmp_path: Path) -> Path:
+    d = tmp_path / "keys"
+    assert kkeys.main([str(d), "--workers", "decode-0,decode-1"]) == 0
+    return d
+
+
+def test_keys_are_bound_to_their_worker_ids(keydir: Path) -> None:
+    bus = config.load(config.BusConfig, env={}, overrides={"curve_keys_dir": str(keydir)})
+    ids = worker_key_ids(bus)
+    assert sorted(v for v in ids.values() if v) == ["decode-0", "decode-1"] and len(ids) == 2
+    assert ids[_key(keydir, "decode-1")] == "decode-1"
+    assert key_metadata(keydir / "allowed" / "worker" / "decode-0.key") == {"role": "worker", "worker_id": "decode-0"}
+    assert worker_key_name(bus, "decode-1") == "decode-1"  # a worker takes the key named after its id
+    with pytest.raises(ConfigError, match="--add --workers decode-5"):
+        worker_key_name(bus, "decode-5")
+
+
+def test_add_keeps_existing_keys_and_shared_keys_are_unbound(keydir: Path) -> None:
+    before = _key(keydir, "decode-0")
+    assert kkeys.main([str(keydir), "--add", "--workers", "decode-2", "--shared-worker-key"]) == 0
+    assert _key(keydir, "decode-0") == before
+    bus = config.load(config.BusConfig, env={}, overrides={"curve_keys_dir": str(keydir)})
+    ids = worker_key_ids(bus)
+    assert ids[_key(keydir, "decode-2")] == "decode-2" and ids[_key(keydir, "worker")] is None
+    assert worker_key_name(bus, "decode-9") == "worker"  # no key of its own: the shared one
+    assert kkeys.main([str(keydir), "--workers", "a,a"]) == 2
+
+
+async def test_a_hello_under_another_workers_id_is_refused(keydir: Path) -> None:
+    r = make_router(curve_keys_dir=str(keydir))
+    sent: list[list[bytes]] = []
+    r._work_send = lambda frames: sent.append(frames) or True  # type: ignore[method-assign,func-returns-value]
+    try:
+        r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], _key(keydir, "decode-1"))
+        assert "decode-0" not in r.table.workers
+        answer = codec.decode_inbox.decode(sent[-1][1])
+        assert isinstance(answer, m.Refused) and answer.reason.startswith("key:")
+        r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], _key(keydir, "decode-0"))
+        assert r.table.workers["decode-0"].key == _key(keydir, "decode-0")
+    finally:
+        r.close()
+
+
+async def test_a_registered_connection_takes_nothing_signed_with_another_key(keydir: Path) -> None:
+    r = make_router(curve_keys_dir=str(keydir))
+    try:
+        own, other = _key(keydir, "decode-0"), _key(keydir, "decode-1")
+        r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], own)
+        r._on_work_frames([b"decode-0", codec.encode(_hb("decode-0", 1, draining=True))], other)
+        assert r.gate.dropped["message_from_another_key"] == 1
+        assert not r.table.workers["decode-0"].draining and r.table.workers["decode-0"].heartbeats == 0
+        r._on_work_frames([b"decode-0", codec.encode(_hb("decode-0", 2))], own)
+        assert r.table.workers["decode-0"].heartbeats == 1
+    finally:
+        r.close()
+
+
+async def test_the_router_warns_about_shared_keys_and_an_open_bus(tmp_path: Path) -> None:
+    d = tmp_path / "keys"
+    assert kkeys.main([str(d), "--workers", "decode-0", "--shared-worker-key"]) == 0
+    with structlog.testing.capture_logs() as logs:
+        r = make_router(curve_keys_dir=str(d))
+        r.close()
+        r = make_router()
+        r.close()
+    events = {e["event"]: e for e in logs}
+    assert events["shared_worker_key"]["keys"] == [_key(d, "worker")[:8]]
+    assert "bus_insecure" in events
+
+
+def test_late_messages_of_a_recovering_worker_are_routine_and_a_strangers_are_not() -> None:
+    """A TokenBatch from an unregistered peer is dropped either way; it is logged at warning only
+    when the peer is not a worker recovering (one this router saw leave, or any in a restarted
+    router's first liveness windows)."""
+    r = make_router()
+    try:
+        def tokens(worker: str) -> bytes:
+            return codec.encode(m.TokenBatch(worker_id=worker, items=[]))
+
+        with structlog.testing.capture_logs() as logs:
+            r._on_work_frames([b"decode-0", tokens("decode-0")])  # just started: workers are coming back
+            r._opened_at -= 100.0  # later on
+            r._on_work_frames([b"stranger", tokens("stranger")])
+            r.table.register(hello("decode-3"), b"decode-3")
+            r.table.remove("decode-3")  # lost
+            r._on_work_frames([b"decode-3", tokens("decode-3")])
+        drops = [(e["peer"], e["log_level"]) for e in logs if e["event"] == "message_dropped"]
+        assert drops == [("decode-0", "info"), ("stranger", "warning"), ("decode-3", "info")]
+        assert r.gate.dropped["unregistered_peer"] == 3
+    finally:
+        r.close()

@@ -42,7 +42,12 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
                                        "bound to their sender); accepted so existing configurations still load")] = 5556
     telemetry_port: Annotated[int, doc("router PUB socket: decisions and outcomes for the monitor")] = 5557
     curve_keys_dir: Annotated[str, doc("directory made by `kairos keys`; set it to require CURVE on the bus")] = ""
-    curve_key_name: Annotated[str, doc("CURVE client key name in curve_keys_dir (default: a worker uses the key named after its worker_id, else the shared `worker` key of older releases; the monitor uses `monitor`)")] = ""
+    curve_key_name: Annotated[str, doc("this service's own CURVE key pair in curve_keys_dir (default: a router "
+                                       "`router`; a worker the key named after its worker_id, else the shared "
+                                       "`worker` key of older releases; the monitor `monitor`)")] = ""
+    curve_server_key: Annotated[str, doc("the router's public key (in curve_keys_dir) a worker or monitor checks the "
+                                         "router against (default `router`; replicated routers with keys of "
+                                         "their own: name each in `routers` / `telemetry` instead)")] = ""
     max_message_bytes: Annotated[int, doc("largest bus message accepted, bytes")] = 64 << 20
     zmq_heartbeat_s: Annotated[float, doc("ZeroMQ connection heartbeat, seconds: a peer silent 3x this is "
                                           "disconnected and reconnected (0: off)")] = 1.0

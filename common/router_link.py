@@ -27,18 +27,21 @@ ORIGIN_CAP = 1 << 16
 
 def router_addresses(cfg: WorkerConfig) -> list[BusConfig]:
     """The bus address of every router the worker serves: WorkerConfig.routers, a comma list of
-    host:work_port:heartbeat_port, or the one router at router_host/work_port/heartbeat_port."""
+    host:work_port:heartbeat_port[:router_key] (router_key: the name of that router's public key
+    under CURVE, when each router has its own), or the one router at router_host/work_port."""
     text = cfg.routers.strip()
     if not text:
         return [cfg]
     out: list[BusConfig] = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ConfigError(f"routers: {item.strip()!r} is not host:work_port:heartbeat_port "
-                              "(example: 10.0.0.5:5555:5556)")
+        if (len(parts) not in (3, 4) or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit()
+                or (len(parts) == 4 and not parts[3])):
+            raise ConfigError(f"routers: {item.strip()!r} is not host:work_port:heartbeat_port[:router_key] "
+                              "(example: 10.0.0.5:5555:5556, or 10.0.0.5:5555:5556:router-a)")
         out.append(msgspec.structs.replace(cfg, router_host=parts[0], work_port=int(parts[1]),
-                                           heartbeat_port=int(parts[2])))
+                                           heartbeat_port=int(parts[2]),
+                                           curve_server_key=parts[3] if len(parts) == 4 else cfg.curve_server_key))
     return out
 
 

@@ -81,9 +81,17 @@ def _common(sock: zmq.asyncio.Socket, cfg: BusConfig, hwm: int) -> None:
 
 def _keys(cfg: BusConfig) -> Path:
     d = Path(cfg.curve_keys_dir)
-    if not (d / "router.key").exists():
-        raise ConfigError(f"curve_keys_dir {d} has no router.key: create keys with `kairos keys {d}`")
+    if not d.is_dir():
+        raise ConfigError(f"curve_keys_dir {d} does not exist: create keys with `kairos keys {d}`")
     return d
+
+
+def _load(d: Path, file: str, what: str) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(str(d / file))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {what} {d / file}: {e} (create keys with `kairos keys {d}`, or "
+                          f"`kairos keys {d} --add ...` for a name it lacks)") from e
 
 
 def allow_list(d: Path, role: str) -> Path:
@@ -98,10 +106,8 @@ def allow_list(d: Path, role: str) -> Path:
 def curve_server(sock: zmq.asyncio.Socket, cfg: BusConfig, role: str) -> None:
     """Make `sock` a CURVE server that admits only the keys allowed for `role`."""
     d = _keys(cfg)
-    try:
-        pub, sec = zmq.auth.load_certificate(str(d / "router.key_secret"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the router's secret key in {d}: {e}") from e
+    name = cfg.curve_key_name or "router"
+    pub, sec = _load(d, f"{name}.key_secret", "the router's secret key")
     sock.curve_publickey = pub
     sock.curve_secretkey = sec
     sock.curve_server = True
@@ -159,15 +165,19 @@ def worker_key_name(cfg: BusConfig, worker_id: str) -> str:
                       f"`kairos keys {d} --add --workers {worker_id}` (the router must be restarted to allow it)")
 
 
-def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str) -> None:
+def server_key(cfg: BusConfig, name: str = "") -> bytes:
+    """The public key of the router a client connects to: `name`, else cfg.curve_server_key, else `router`."""
+    server = name or cfg.curve_server_key or "router"
+    return _load(_keys(cfg), f"{server}.key", f"the router's public key {server!r}")[0]
+
+
+def curve_client(sock: zmq.asyncio.Socket, cfg: BusConfig, default_name: str, server: str = "") -> None:
+    """Make `sock` a CURVE client with its own key (`default_name` unless curve_key_name names
+    another) that accepts only the router whose public key is `server` (server_key's default)."""
     d = _keys(cfg)
     name = cfg.curve_key_name or default_name
-    try:
-        server_pub, _ = zmq.auth.load_certificate(str(d / "router.key"))
-        pub, sec = zmq.auth.load_certificate(str(d / f"{name}.key_secret"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read CURVE keys {name!r} in {d}: {e}") from e
-    sock.curve_serverkey = server_pub
+    pub, sec = _load(d, f"{name}.key_secret", f"this service's key {name!r}")
+    sock.curve_serverkey = server_key(cfg, server)
     sock.curve_publickey = pub
     sock.curve_secretkey = sec
 
@@ -313,18 +323,19 @@ class WorkerBus:
         self.ctx.term()
 
 
-def telemetry_endpoints(cfg: Any) -> list[tuple[str, int]]:
-    """Every router the monitor reads: `telemetry` (host:port, comma separated), else the one router."""
+def telemetry_endpoints(cfg: Any) -> list[tuple[str, int, str]]:
+    """Every router the monitor reads, with the name of its public key ("" for the default):
+    `telemetry` (host:port[:key], comma separated), else the one router."""
     spec = getattr(cfg, "telemetry", "")
     if not spec:
-        return [(cfg.router_host, cfg.telemetry_port)]
+        return [(cfg.router_host, cfg.telemetry_port, "")]
     out = []
     for item in spec.split(","):
-        host, sep, port = item.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"telemetry: {item.strip()!r} is not host:port (give every router's telemetry "
-                              "endpoint, comma separated, e.g. 10.0.0.5:5557,10.0.0.6:5557)")
-        out.append((host, int(port)))
+        parts = item.strip().split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1].isdigit() or (len(parts) == 3 and not parts[2]):
+            raise ConfigError(f"telemetry: {item.strip()!r} is not host:port or host:port:router_key (give every "
+                              "router's telemetry endpoint, comma separated, e.g. 10.0.0.5:5557,10.0.0.6:5557)")
+        out.append((parts[0], int(parts[1]), parts[2] if len(parts) == 3 else ""))
     return out
 
 
@@ -336,9 +347,12 @@ class MonitorBus:
         self.telemetry = self.ctx.socket(zmq.SUB)
         _common(self.telemetry, cfg, TELEMETRY_HWM)
         self.telemetry.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
+        routers = telemetry_endpoints(cfg)
         if cfg.curve_keys_dir:
-            curve_client(self.telemetry, cfg, "monitor")
-        for host, port in telemetry_endpoints(cfg):
+            curve_client(self.telemetry, cfg, "monitor", routers[0][2])
+        for host, port, key in routers:
+            if cfg.curve_keys_dir:  # each router's own public key: ZeroMQ takes it at connect
+                self.telemetry.curve_serverkey = server_key(cfg, key)
             self.telemetry.connect(endpoint(host, port))
 
     def close(self) -> None:

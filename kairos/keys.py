@@ -1,8 +1,10 @@
 """`kairos keys DIR`: CURVE key pairs for an authenticated, encrypted bus, one per worker id.
 
-Writes DIR/router.key (public) and DIR/router.key_secret for the routers, one pair per worker id
-(default: the default cluster's prefill-0, prefill-1, decode-0, decode-1) and per monitor name
-(default: monitor), and copies each client's public key into the allow-list of its role:
+Writes DIR/router.key (public) and DIR/router.key_secret for the router (replicated routers: one
+pair each with --routers router-a,router-b, so one router's secret key cannot pass for another),
+one pair per worker id (default: the default cluster's prefill-0, prefill-1, decode-0, decode-1)
+and per monitor name (default: monitor), and copies each client's public key into the allow-list
+of its role:
 
     DIR/allowed/worker/   keys allowed on the router's work socket (heartbeats travel on it)
     DIR/allowed/monitor/  keys allowed on the router's telemetry socket
@@ -17,7 +19,10 @@ first 8 characters): it can neither send nor receive.
 
 Point every service at the same DIR with KAIROS_CURVE_KEYS_DIR. On other hosts, a worker needs
 router.key and its own <id>.key_secret, a monitor router.key and its own; keep allowed/ and
-router.key_secret on the router hosts only. A pool that grows: `kairos keys DIR --add --workers
+router.key_secret on the router hosts only. With routers of their own keys, each router takes
+its pair with KAIROS_CURVE_KEY_NAME=<name>, and the workers and the monitor name each router's
+public key in their router list (KAIROS_ROUTERS=host:5555:5556:router-a,...;
+KAIROS_TELEMETRY=host:5557:router-a,...). A pool that grows: `kairos keys DIR --add --workers
 decode-2`, then restart the routers (they read allowed/ at start).
 """
 
@@ -55,15 +60,16 @@ def _write_pair(d: Path, name: str, metadata: dict[str, str]) -> None:
     sec.chmod(0o600)
 
 
-def write_keys(d: Path, roles: dict[str, list[str]], *, shared_worker_key: bool = False) -> list[str]:
-    """Create the router's key pair if DIR has none, a pair for each client name DIR does not have
-    yet (worker keys bound to their name as worker id), and the allow-lists by role. Returns the
-    names made."""
+def write_keys(d: Path, roles: dict[str, list[str]], *, routers: tuple[str, ...] = ("router",),
+               shared_worker_key: bool = False) -> list[str]:
+    """Create a key pair for each router and client name DIR does not have yet (worker keys bound
+    to their name as worker id), and the allow-lists by role. Returns the names made."""
     d.mkdir(parents=True, exist_ok=True)
     made = []
-    if not (d / "router.key").exists():
-        _write_pair(d, "router", {"role": "router"})
-        made.append("router")
+    for name in routers:
+        if not (d / f"{name}.key_secret").exists():
+            _write_pair(d, name, {"role": "router"})
+            made.append(name)
     wanted = [(role, name, {"role": role, **({WORKER_ID_FIELD: name} if role == WORKER_DOMAIN else {})})
               for role, names in roles.items() for name in names]
     if shared_worker_key:
@@ -86,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default=DEFAULT_WORKERS,
                    help=f"comma-separated worker ids, one key each, bound to that id (default: {DEFAULT_WORKERS})")
     p.add_argument("--monitors", default="monitor", help="comma-separated key names for monitors (default: monitor)")
+    p.add_argument("--routers", default="router",
+                   help="comma-separated key names for routers (default: router, one pair for the router or shared "
+                        "by replicas; router-a,router-b: one each)")
     p.add_argument("--shared-worker-key", action="store_true",
                    help=f"also make one key {SHARED!r} that may register as ANY worker (fleets whose ids are not "
                         "known in advance; a holder of it can take any free id: the router warns at start)")
@@ -99,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     d = Path(a.dir)
     roles = {WORKER_DOMAIN: _names(a.workers), MONITOR_DOMAIN: _names(a.monitors)}
-    names = roles[WORKER_DOMAIN] + roles[MONITOR_DOMAIN] + ([SHARED] if a.shared_worker_key else [])
-    clash = sorted({n for n in names if names.count(n) > 1} | ({"router"} & set(names)))
-    if clash:
-        print(f"error: a key name has one role and one key: {clash} given twice (or named 'router')", file=sys.stderr)
+    routers = tuple(_names(a.routers))
+    names = [*routers, *roles[WORKER_DOMAIN], *roles[MONITOR_DOMAIN], *([SHARED] if a.shared_worker_key else [])]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash or not routers:
+        print(f"error: a key name has one role and one key: {clash or 'no router'} given twice", file=sys.stderr)
         return 2
-    if (d / "router.key").exists() and not (a.force or a.add):
+    had = any(d.glob("*.key_secret"))
+    if had and not (a.force or a.add):
         if a.if_missing:
             print(f"{d} already has keys; left as they are")
             return 0
@@ -116,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             f.unlink()
         if (d / "allowed").exists():
             shutil.rmtree(d / "allowed")  # the old allow-lists must not outlive their keys
-    made = write_keys(d, roles, shared_worker_key=a.shared_worker_key)
+    made = write_keys(d, roles, routers=routers, shared_worker_key=a.shared_worker_key)
     summary = "; ".join(f"{role}: {', '.join(n)}" for role, n in roles.items() if n)
     if a.add:
         print(f"added CURVE keys to {d}: {', '.join(made) or 'none (all there already)'}; restart the routers "
               "to allow them")
     else:
-        print(f"wrote CURVE keys to {d}: router + {summary}{' + shared worker key' if a.shared_worker_key else ''}; "
+        print(f"wrote CURVE keys to {d}: {', '.join(routers)} + {summary}"
+              f"{' + shared worker key' if a.shared_worker_key else ''}; "
               f"allow-lists in {d / 'allowed'}/<role>/")
     print(f"use them with: KAIROS_CURVE_KEYS_DIR={d} (each worker takes the key named after its KAIROS_WORKER_ID)")
     return 0

@@ -178,8 +178,18 @@ class Cluster:
         self.bus_env = bus
         if s.routers > 1 and len(s.router_bus()) < s.routers:
             raise ConfigError(f"{s.routers} routers need {s.routers - 1} replica_ports entries")
+        # replicated routers under CURVE: a key pair each (when kairos up makes the keys, or the
+        # directory has them), named after the router, so one router's secret cannot pass for another
+        keyed = bool(s.curve_keys_dir) and s.routers > 1 and (
+            s.make_keys or all((Path(s.curve_keys_dir) / f"{n}.key_secret").exists() for n in s.router_names))
+        self.router_keys = tuple(s.router_names) if keyed else ("router",)
+
+        def key_of(name: str) -> str:
+            return f":{name}" if keyed else ""
+
         for name, (work, hb, tel) in zip(s.router_names, s.router_bus(), strict=True):
             self._add(name, {**bus, "KAIROS_WORK_PORT": str(work), "KAIROS_HEARTBEAT_PORT": str(hb),
+                             **({"KAIROS_CURVE_KEY_NAME": name} if keyed else {}),
                              "KAIROS_TELEMETRY_PORT": str(tel),
                              "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
                              "KAIROS_PROFILE": s.profile,
@@ -190,12 +200,14 @@ class Cluster:
         if s.monitor:  # every router's telemetry
             self._add("monitor", {**bus, "KAIROS_HTTP_PORT": str(s.monitor_port),
                                   "KAIROS_SERVICES_STATUS": str(self.status_path()),
-                                  **({"KAIROS_TELEMETRY": ",".join(f"127.0.0.1:{t}" for _, _, t in s.router_bus())}
+                                  **({"KAIROS_TELEMETRY": ",".join(f"127.0.0.1:{t}{key_of(n)}" for n, (_, _, t)
+                                                                   in zip(s.router_names, s.router_bus(), strict=True))}
                                      if s.routers > 1 else {})})
         wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
                 "KAIROS_TIME_SCALE": str(s.time_scale),
                 **({"KAIROS_MODEL": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name} if s.model else {}),
-                **({"KAIROS_ROUTERS": ",".join(f"127.0.0.1:{w}:{h}" for w, h, _ in s.router_bus())}
+                **({"KAIROS_ROUTERS": ",".join(f"127.0.0.1:{w}:{h}{key_of(n)}" for n, (w, h, _)
+                                               in zip(s.router_names, s.router_bus(), strict=True))}
                    if s.routers > 1 else {}),
                 **s.worker_env}
         def speed(i: int) -> dict[str, str]:
@@ -257,7 +269,7 @@ class Cluster:
         from kairos.keys import write_keys  # here: only kairos up's own start needs it
         s = self.spec
         workers = [n for n in s.service_names if n.startswith(("prefill-", "decode-"))]
-        made = write_keys(Path(s.curve_keys_dir), {"worker": workers, "monitor": ["monitor"]})
+        made = write_keys(Path(s.curve_keys_dir), {"worker": workers, "monitor": ["monitor"]}, routers=self.router_keys)
         if made and self.log_events:
             log.info("bus_keys_made", dir=s.curve_keys_dir, keys=made)
 

@@ -5,10 +5,12 @@ work-socket callback with the key ZeroMQ would report, as in tests/test_trust.py
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import structlog
+import zmq
 import zmq.auth
 
 from common import codec, config
@@ -120,4 +122,40 @@ def test_late_messages_of_a_recovering_worker_are_routine_and_a_strangers_are_no
         assert drops == [("decode-0", "info"), ("stranger", "warning"), ("decode-3", "info")]
         assert r.gate.dropped["unregistered_peer"] == 3
     finally:
+        r.close()
+
+
+async def test_each_router_replica_has_its_own_key(tmp_path: Path) -> None:
+    """`kairos keys --routers router-a,router-b`: a router serves with its own pair, and a worker
+    that expects router-a's key does not take router-b for it (nor the reverse)."""
+    d = tmp_path / "keys"
+    assert kkeys.main([str(d), "--routers", "router-a,router-b", "--workers", "decode-0"]) == 0
+    assert not (d / "router.key").exists()
+    r = make_router(curve_keys_dir=str(d), curve_key_name="router-b")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        async def handshakes(expect: str) -> bool:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"decode-0")
+            pub, sec = zmq.auth.load_certificate(str(d / "decode-0.key_secret"))
+            s.curve_publickey, s.curve_secretkey = pub, sec
+            s.curve_serverkey = zmq.auth.load_certificate(str(d / f"{expect}.key"))[0]
+            mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            s.connect(f"tcp://127.0.0.1:{r.cfg.work_port}")
+            ok = False
+            for _ in range(30):  # the router's authenticator runs on this event loop: let it
+                await asyncio.sleep(0.05)
+                if mon.poll(0):
+                    ok = True
+                    break
+            s.disable_monitor()
+            mon.close(0)
+            s.close(0)
+            return ok
+
+        assert await handshakes("router-b")
+        assert not await handshakes("router-a")
+    finally:
+        ctx.destroy(linger=0)
         r.close()

@@ -52,7 +52,9 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
 # by its own (compose: one router, or one host at 127.0.0.1); the router sits behind a Service.
 ADDRESSES = {"router_host", "routers", "telemetry", "bind_host", "http_host",
              "vllm_side_channel_host", "vllm_side_channel_bind", "vllm_side_channel_port"}
-ROUTER_ONLY = {"drain_grace_s"}
+# drain_grace_s: the replicas' grace behind a Service; curve_key_name: each router replica's own
+# key pair, named after its pod (compose's one router uses the default, `router`)
+ROUTER_ONLY = {"drain_grace_s", "curve_key_name"}
 # Ports that differ by design: compose runs every worker on one host (9201, 9202, ...), each pod
 # has its own address (9200 on all); on in one means on in the other.
 PORTS = {"metrics_port"}
@@ -329,8 +331,9 @@ def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) 
     docs = render("sim")
     first = run_job_script(job_script(docs), tmp_path / "w1", tmp_path / "none")
     ids = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
-    assert {"router.key", "router.key_secret", "monitor.key", "monitor.key_secret",
-            *(f"{i}.key" for i in ids), *(f"{i}.key_secret" for i in ids)} <= set(first)
+    routers = ["router-0", "router-1"]  # the StatefulSet's pods, a key pair each
+    assert {"monitor.key", "monitor.key_secret", *(f"{i}.key" for i in ids + routers),
+            *(f"{i}.key_secret" for i in ids + routers)} <= set(first)
     assert "worker.key" not in first  # no shared worker key
     existing = tmp_path / "existing"  # the Secret as the Job's pod sees it the second time
     existing.mkdir()
@@ -349,20 +352,23 @@ def test_keys_job_makes_keys_once_and_each_role_loads_its_files(tmp_path: Path) 
             sock = ctx.socket(zmq.DEALER)
             try:
                 if role is None:  # the router: its key pair and both allow-lists, each worker key bound to its id
-                    sockets.curve_server(sock, cfg, sockets.WORKER_DOMAIN)  # type: ignore[arg-type]
+                    for r in routers:  # each pod serves with the pair named after it
+                        sockets.curve_server(sock, cls(curve_keys_dir=str(d), curve_key_name=r),  # type: ignore[arg-type]
+                                             sockets.WORKER_DOMAIN)
                     assert sorted(p.name for p in sockets.allow_list(d, sockets.MONITOR_DOMAIN).iterdir()) == [
                         "monitor.key"]
                     assert sorted(v or "" for v in sockets.worker_key_ids(cfg).values()) == sorted(ids)  # type: ignore[arg-type]
                 elif role == sockets.MONITOR_DOMAIN:
-                    sockets.curve_client(sock, cfg, role)  # type: ignore[arg-type]
+                    sockets.curve_client(sock, cfg, role, routers[0])  # type: ignore[arg-type]
                 else:  # a pool's pods: each finds the key named after its pod (its worker id)
                     for i in ids:
                         if i.startswith(name):
                             assert sockets.worker_key_name(cfg, i) == i  # type: ignore[arg-type]
-                            sockets.curve_client(sock, cfg, i)  # type: ignore[arg-type]
+                            sockets.curve_client(sock, cfg, i, routers[1])  # type: ignore[arg-type]
                     assert not any((d / f"{i}.key_secret").exists() for i in ids if not i.startswith(name))
-                if role is not None:
-                    assert not (d / "router.key_secret").exists()  # clients never get the router's secret
+                if role is not None:  # clients check each router's own key, and never get a router's secret
+                    assert all(sockets.server_key(cfg, r) for r in routers)  # type: ignore[arg-type]
+                    assert not list(d.glob("router*.key_secret"))
             finally:
                 sock.close(0)
     finally:
@@ -386,16 +392,18 @@ def test_sim_pods_run_as_processes_and_pass_their_probes(tmp_path: Path) -> None
         "router": {"KAIROS_BIND_HOST": "127.0.0.1", "KAIROS_HTTP_HOST": "127.0.0.1",
                    "KAIROS_HTTP_PORT": str(spec.http_port)},
         "monitor": {"KAIROS_HTTP_HOST": "127.0.0.1", "KAIROS_HTTP_PORT": str(spec.monitor_port),
-                    "KAIROS_TELEMETRY": f"127.0.0.1:{spec.telemetry_port}"},
-        "worker": {"KAIROS_ROUTERS": f"127.0.0.1:{spec.work_port}:{spec.heartbeat_port}"}}
+                    "KAIROS_TELEMETRY": f"127.0.0.1:{spec.telemetry_port}:router-0"},
+        "worker": {"KAIROS_ROUTERS": f"127.0.0.1:{spec.work_port}:{spec.heartbeat_port}:router-0"}}
     cluster = Cluster(spec)
     cluster.services = {}
     containers = {}
-    for name, kind, owner in [("router", "StatefulSet", "router"), ("monitor", "Deployment", "monitor"),
-                              ("prefill-0", "StatefulSet", "prefill"), ("decode-0", "StatefulSet", "decode")]:
+    for name, pod, kind, owner in [("router", "router-0", "StatefulSet", "router"),
+                                   ("monitor", "monitor", "Deployment", "monitor"),
+                                   ("prefill-0", "prefill-0", "StatefulSet", "prefill"),
+                                   ("decode-0", "decode-0", "StatefulSet", "decode")]:
         (c,) = pod_spec(docs, kind, owner)["containers"]
         d = materialize(docs, kind, owner, keys, tmp_path / f"keys-{name}")
-        env = {**pod_env(c, name, cm, tmp_path), **bus, **loopback.get(name, loopback["worker"]),
+        env = {**pod_env(c, pod, cm, tmp_path), **bus, **loopback.get(name, loopback["worker"]),
                "KAIROS_CURVE_KEYS_DIR": str(d)}
         assert c["args"][0] in CONFIG_OF and len(c["args"]) == 1
         cluster.services[name] = Service(name, kairos_cmd(c["args"][0]), env)

@@ -23,6 +23,7 @@ from common.engines.sim import SimEngine
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.router_link import Origins, RouterLink, router_addresses
+from common.sockets import telemetry_endpoints
 from kairos.up import free_port
 from services.decode_worker.service import DecodeWorker
 
@@ -191,6 +192,15 @@ def test_kairos_up_routers_flag() -> None:
     wcfg = config.load(config.WorkerConfig, env=c.services["decode-0"].env)
     assert [(a.work_port, a.heartbeat_port) for a in router_addresses(wcfg)] == [(7000, 7001), (7003, 7004),
                                                                                  (7006, 7007)]
+    # CURVE (kairos up's default): a key pair per router, each named in the workers' and the monitor's lists
+    assert c.router_keys == ("router", "router-1", "router-2")
+    assert [c.services[n].env["KAIROS_CURVE_KEY_NAME"] for n in spec.router_names] == spec.router_names
+    assert [a.curve_server_key for a in router_addresses(wcfg)] == spec.router_names
+    mcfg = config.load(config.MonitorConfig, env=c.services["monitor"].env)
+    assert [k for _, _, k in telemetry_endpoints(mcfg)] == spec.router_names
+    insecure = Cluster(spec_from_args(parser().parse_args(["--routers", "2", "--insecure"])))
+    assert insecure.router_keys == ("router",) and "KAIROS_CURVE_KEY_NAME" not in insecure.services["router-1"].env
+    assert "KAIROS_CURVE_KEYS_DIR" not in insecure.services["decode-0"].env
     one = Cluster(spec_from_args(parser().parse_args(["--kv-transport", "modeled"])))
     assert "KAIROS_ROUTERS" not in one.services["decode-0"].env
     assert "KAIROS_HTTP_REUSE_PORT" not in one.services["router"].env and "router-1" not in one.services

@@ -157,7 +157,7 @@ class Monitor:
                               hint="is the port in use? pick another with --http-port")
                     self.stop.set()
                 else:
-                    log.info("monitor_started", routers=[f"{h}:{p}" for h, p in telemetry_endpoints(cfg)],
+                    log.info("monitor_started", routers=[f"{h}:{p}" for h, p, _ in telemetry_endpoints(cfg)],
                              dashboard=f"http://{cfg.http_host}:{cfg.http_port}/")
                 await self.stop.wait()
                 self.feed.publish(self.feed.data)  # wake the event streams so they see `stop` and end

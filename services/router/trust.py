@@ -43,9 +43,10 @@ class Gate:
         held = self._warn.admit((peer, reason))
         if held is None:
             return
-        (log.info if routine else log.warning)("message_dropped", routine=routine, reason=reason, peer=peer.decode(errors="replace")[:64],
-                    message=type(msg).__name__, request_id=request_id or getattr(msg, "request_id", None),
-                    suppressed_since_last=held, **({"key": fingerprint(self.key)} if self.key else {}))
+        emit = log.info if routine else log.warning
+        emit("message_dropped", routine=routine, reason=reason, peer=peer.decode(errors="replace")[:64],
+             message=type(msg).__name__, request_id=request_id or getattr(msg, "request_id", None),
+             suppressed_since_last=held, **({"key": fingerprint(self.key)} if self.key else {}))
 
 
 def refusal(identity: bytes, h: m.Hello, table: WorkerTable, *, served_model: str) -> str:

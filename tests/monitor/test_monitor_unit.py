@@ -263,8 +263,9 @@ def test_telemetry_endpoints_are_checked() -> None:
     from common.errors import ConfigError
     from common.sockets import telemetry_endpoints
 
-    assert telemetry_endpoints(MonitorConfig(router_host="10.0.0.5", telemetry_port=6000)) == [("10.0.0.5", 6000)]
-    assert telemetry_endpoints(MonitorConfig(telemetry="a:1, b:2")) == [("a", 1), ("b", 2)]
+    assert telemetry_endpoints(MonitorConfig(router_host="10.0.0.5", telemetry_port=6000)) == [("10.0.0.5", 6000, "")]
+    assert telemetry_endpoints(MonitorConfig(telemetry="a:1, b:2")) == [("a", 1, ""), ("b", 2, "")]
+    assert telemetry_endpoints(MonitorConfig(telemetry="a:1:router-a,b:2")) == [("a", 1, "router-a"), ("b", 2, "")]
     with pytest.raises(ConfigError, match="not host:port"):
         telemetry_endpoints(MonitorConfig(telemetry="a:1,b"))
 

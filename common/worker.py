@@ -46,6 +46,15 @@ from common.sockets import WorkerBus, send_nowait
 REFUSED_RETRY_S = 5.0
 REDIAL_AFTER = 3  # unanswered Hellos (1 s apart) before the work connection is dropped and dialled again
 
+# what to do about a refusal, by the reason's first word (services/router/trust.py, service.py)
+_REFUSAL_FIX = {
+    "": "make this worker's engine, model and KV transport match the cluster's",
+    "key": "give this worker the key named after its id (kairos keys DIR --add --workers ID, then restart the "
+           "routers), or unset KAIROS_CURVE_KEY_NAME",
+    "protocol": "run the same Kairos release on the router and every worker",
+    "identity": "leave KAIROS_WORKER_ID as the connection's identity (do not set a ZeroMQ identity of your own)",
+}
+
 class WorkerService(abc.ABC):
     role: m.Role
 
@@ -332,7 +341,7 @@ class WorkerService(abc.ABC):
                 if msg.reason != link.refused:
                     self.log.error("registration_refused", reason=msg.reason, retry_in_s=REFUSED_RETRY_S,
                                    router=link.address,
-                                   fix="make this worker's engine, model and KV transport match the cluster's")
+                                   fix=_REFUSAL_FIX.get(msg.reason.split(":", 1)[0], _REFUSAL_FIX[""]))
                 link.refused = msg.reason
                 link.welcomed.clear()
                 link.answered.set()

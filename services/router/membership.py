@@ -60,9 +60,11 @@ def on_hello(router: Router, identity: bytes, h: m.Hello) -> None:
 def refuse(router: Router, identity: bytes, h: m.Hello, reason: str) -> None:
     router.counts["workers_refused"] += 1
     metrics.observe_refused(reason.split(":", 1)[0])
-    log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
-              kv_transport=h.kv_transport, reason=reason,
-              **({"key": fingerprint(router.gate.key)} if router.gate.key else {}))
+    held = router._dropped.admit(("worker_refused", h.worker_id, reason))  # a worker asks again and again
+    if held is not None:
+        log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
+                  kv_transport=h.kv_transport, reason=reason, suppressed_since_last=held,
+                  **({"key": fingerprint(router.gate.key)} if router.gate.key else {}))
     router._work_send([identity, codec.encode(m.Refused(router_incarnation=router.incarnation, reason=reason))])
 
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -75,6 +76,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -823,7 +825,23 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (for the NIXL side channel)."""
+    """A TCP port free right now on `host` for the NIXL side channel, which vLLM binds only once the
+    model is loaded (seconds later). Picked below the kernel's ephemeral range where possible: a
+    port from that range can meanwhile become any outgoing connection's source port, and vLLM's
+    listener thread then dies with "Address already in use" while the worker waits for it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(50 if low > 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

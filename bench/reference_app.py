@@ -32,6 +32,19 @@ _LAST = b'data: {"object":"text_completion","choices":[{"index":0,"text":"x","fi
 _DONE = b"data: [DONE]\n\n"
 
 
+# What a router in front of it asks a backend before sending it work (bench/peers.py: sglang-router
+# and vllm-router check /health, and may read the model's name).
+_MODEL = "/tmp/tok"
+_INFO = {
+    "/health": b"{}",
+    "/health_generate": b"{}",
+    "/v1/models": msgspec.json.encode({"object": "list", "data": [{"id": _MODEL, "object": "model"}]}),
+    "/get_model_info": msgspec.json.encode({"model_path": _MODEL, "is_generation": True}),
+    "/get_server_info": msgspec.json.encode({"model_path": _MODEL}),
+}
+_INFO["/model_info"], _INFO["/server_info"] = _INFO["/get_model_info"], _INFO["/get_server_info"]
+
+
 class _Body(msgspec.Struct):
     max_tokens: int = 16
 
@@ -48,6 +61,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         body += msg.get("body", b"")
         if not msg.get("more_body"):
             break
+    if scope["method"] == "GET" and scope["path"] in _INFO:  # a peer router's health and discovery probes
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": _INFO[scope["path"]]})
+        return
     if scope["method"] != "POST" or scope["path"] != "/v1/completions":
         await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})

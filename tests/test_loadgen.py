@@ -311,7 +311,8 @@ async def test_rawclient_streams_chunked_sse_over_keep_alive() -> None:
 
 
 def test_bench_router_helpers() -> None:
-    from bench.router_throughput import modeled_ttft, parse_cpus, summarize_stacks, sustained
+    from bench.router_throughput import modeled_ttft, summarize_stacks
+    from bench.steps import parse_cpus, sustained
     from common.perf_model import load_profile
 
     assert parse_cpus("0,2-4, 7") == {0, 2, 3, 4, 7}

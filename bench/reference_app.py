@@ -33,16 +33,17 @@ _DONE = b"data: [DONE]\n\n"
 
 
 # What a router in front of it asks a backend before sending it work (bench/peers.py: sglang-router
-# and vllm-router check /health, and may read the model's name).
-_MODEL = "/tmp/tok"
-_INFO = {
-    "/health": b"{}",
-    "/health_generate": b"{}",
-    "/v1/models": msgspec.json.encode({"object": "list", "data": [{"id": _MODEL, "object": "model"}]}),
-    "/get_model_info": msgspec.json.encode({"model_path": _MODEL, "is_generation": True}),
-    "/get_server_info": msgspec.json.encode({"model_path": _MODEL}),
-}
-_INFO["/model_info"], _INFO["/server_info"] = _INFO["/get_model_info"], _INFO["/get_server_info"]
+# and vllm-router check /health and read the model's path, where they load its tokenizer from:
+# `--model-path`, a local directory, so nothing is fetched from anywhere).
+_INFO: dict[str, bytes] = {}
+
+
+def set_model(path: str) -> None:
+    info = {"model_path": path, "tokenizer_path": path, "is_generation": True}
+    _INFO.update({"/health": b"{}", "/health_generate": b"{}",
+                  "/v1/models": msgspec.json.encode({"object": "list", "data": [{"id": path, "object": "model"}]}),
+                  "/get_model_info": msgspec.json.encode(info), "/model_info": msgspec.json.encode(info),
+                  "/get_server_info": msgspec.json.encode(info), "/server_info": msgspec.json.encode(info)})
 
 
 class _Body(msgspec.Struct):
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reference_app", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model-path", default="", help="the local directory a peer router loads a tokenizer from")
     args = p.parse_args(argv)
+    set_model(args.model_path or "reference")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=False,
                                            log_level="warning", http="httptools"))
     asyncio.run(server.serve())

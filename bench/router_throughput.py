@@ -229,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--native", action="store_true", help="py-spy: include native frames (libzmq, uvloop)")
     p.add_argument("--log-level", default="info",
                    help="services' log level (default info, as deployed: one JSON line per request)")
+    p.add_argument("--peers", default="", metavar="NAMES",
+                   help="also measure these routers in the same run, e.g. sglang-router,vllm-router (installed by "
+                        "you, on PATH: bench/peers.py says how; a missing one is skipped with a line)")
+    p.add_argument("--peer-policy", default="round_robin",
+                   help="the peers' routing policy (default round_robin, their cheapest)")
     p.add_argument("--log-dir", default="", help="cluster logs (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write results JSON here")
     return p
@@ -369,7 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError) as e:
             console.print(f"[red]kairos bench-router: reference app: {e}[/]")
             return 1
+    if args.peers:
+        from bench.peers import peers_phase, print_summary
+
+        results["peers"] = peers_phase(console, args, [n.strip() for n in args.peers.split(",") if n.strip()],
+                                       results, n_clients=n_clients, router_cpus=router_cpus, other_cpus=other_cpus)
     _print_summary(console, results)
+    if args.peers:
+        print_summary(console, results["peers"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results: {args.out}")

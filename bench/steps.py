@@ -76,13 +76,14 @@ class Step:
 
 
 def _client_main(index: int, host: str, port: int, connections: int, cpus: list[int], seed: int,
-                 conn: Connection) -> None:
+                 conn: Connection, model: str = "") -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    run_loop(_client_loop(index, host, port, connections, seed, conn))
+    run_loop(_client_loop(index, host, port, connections, seed, conn, model))
 
 
-async def _client_loop(index: int, host: str, port: int, connections: int, seed: int, conn: Connection) -> None:
+async def _client_loop(index: int, host: str, port: int, connections: int, seed: int, conn: Connection,
+                       model: str = "") -> None:
     pool = Pool(host, port, connections)
     rng = random.Random(seed * 1000 + index)
     loop = asyncio.get_running_loop()
@@ -92,17 +93,20 @@ async def _client_loop(index: int, host: str, port: int, connections: int, seed:
             if msg is None:
                 return
             step: Step = msg
-            conn.send(await _client_step(index, pool, rng, step, host, port))
+            conn.send(await _client_step(index, pool, rng, step, host, port, model))
     finally:
         pool.close()
 
 
-async def _client_step(index: int, pool: Pool, rng: random.Random, step: Step, host: str, port: int
-                       ) -> dict[str, Any]:
+async def _client_step(index: int, pool: Pool, rng: random.Random, step: Step, host: str, port: int,
+                       model: str = "") -> dict[str, Any]:
     bodies = []
     for k in range(16):
         ids = [1000 + (k * 131 + j * 7 + index) % 1000 for j in range(step.prompt_tokens)]
-        bodies.append(msgspec.json.encode({"prompt": ids, "max_tokens": step.max_tokens, "stream": True,
+        # a peer router takes text only (sglang-router refuses token ids): as many words as ids
+        prompt: list[int] | str = " ".join(f"w{i}" for i in ids) if model else ids
+        bodies.append(msgspec.json.encode({**({"model": model} if model else {}), "prompt": prompt,
+                                           "max_tokens": step.max_tokens, "stream": True,
                                            "ignore_eos": True, "min_tokens": step.max_tokens}))
     results: list[Result] = []
     sent_at: list[float] = []
@@ -151,13 +155,16 @@ async def _client_step(index: int, pool: Pool, rng: random.Random, step: Step, h
 class Clients:
     """N load generator processes, each with its own event loop and connection pool."""
 
-    def __init__(self, n: int, host: str, port: int, connections: int, cpus: Sequence[int], seed: int = 0) -> None:
+    def __init__(self, n: int, host: str, port: int, connections: int, cpus: Sequence[int], seed: int = 0,
+                 model: str = "") -> None:
+        """`model`: named in every body, whose prompt is then text (a peer router needs both); without
+        it, prompts are token ids and the router's default model is used."""
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_main, args=(i, host, port, connections, list(cpus), seed, child),
+            p = ctx.Process(target=_client_main, args=(i, host, port, connections, list(cpus), seed, child, model),
                             daemon=True, name=f"bench-client-{i}")
             p.start()
             self.procs.append(p)

@@ -1,0 +1,239 @@
+"""The routers users would pick instead, measured like Kairos's: `kairos bench-router --peers ...`.
+
+Each peer (sglang-router, vllm-router: Rust routers with a Python launcher) runs pinned to the
+router's CPUs in front of two mock OpenAI backends (bench/reference_app.py, on the other CPUs:
+they answer every completion with a fixed SSE stream at once), and the same load generator
+processes drive it with the same request-rate and token-rate steps as Kairos's router in the
+same run. Measured per peer: its process's CPU per request and per streamed token (all threads,
+/proc, its idle use subtracted), the carried rate, and TTFT p50 at the latency phase's rate;
+the same TTFT straight to one backend is the floor both are compared against.
+
+What differs, and is said with every figure: a peer parses the body's JSON, picks a backend and
+relays its bytes; Kairos's router validates the request field by field, decides the route with
+the policy, talks to its workers over the bus and renders every SSE chunk itself. Prompts: Kairos
+gets token ids (the bench's usual bodies: no tokenizing), the peers the same number of words as
+text (sglang-router takes no token ids), which they do not tokenize in this mode either.
+
+Nothing is installed at run time. Install the peers into any environment and put their
+commands on PATH (or in this Python's bin directory), e.g.:
+
+    python -m venv /opt/peers && /opt/peers/bin/pip install sglang-router==0.3.2 vllm-router==0.1.17
+    PATH=$PATH:/opt/peers/bin kairos bench-router --peers sglang-router,vllm-router
+
+A peer that is not found is skipped with a line saying so. The peers load a tokenizer for the
+backends' model at start; the backends name a local directory holding a stub tokenizer written
+here, so nothing is fetched from any network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.steps import Bench, Clients, fmt, request_steps, sustained, wait_port
+from kairos.up import free_ports
+
+INSTALL = ("python -m venv /opt/peers && /opt/peers/bin/pip install sglang-router==0.3.2 vllm-router==0.1.17; "
+           "then put /opt/peers/bin on PATH")
+MODEL = "reference"  # what the load generator names in its bodies (sglang-router requires a model)
+
+
+def _sglang(exe: str, port: int, prom: int, backends: list[str], policy: str) -> list[str]:
+    return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
+            "--policy", policy, "--log-level", "warn", "--prometheus-port", str(prom)]
+
+
+def _vllm(exe: str, port: int, prom: int, backends: list[str], policy: str) -> list[str]:
+    return [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
+            "--policy", policy, "--log-level", "warning", "--prometheus-port", str(prom)]
+
+
+PEERS: dict[str, Callable[[str, int, int, list[str], str], list[str]]] = {
+    "sglang-router": _sglang, "vllm-router": _vllm}
+
+
+def find(name: str) -> str | None:
+    """The peer's command: on PATH, or beside this Python (a venv's bin directory)."""
+    here = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(here) if here.exists() else None)
+
+
+def write_stub_tokenizer(d: Path) -> None:
+    """A word-level tokenizer in Hugging Face's tokenizer.json format: the peers load one for the
+    backends' model at start, and would look one up online for a name that is not a directory."""
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("x hi hello world the a of to and in".split())}}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": None}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+
+def _pinned(cmd: list[str], cpus: Sequence[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cpus)), *cmd] if cpus else cmd
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def _token_steps(bench: Bench, console: Console, args: argparse.Namespace, rates: Sequence[float],
+                 label: str) -> list[dict[str, Any]]:
+    steps = []
+    for r in rates:
+        s = bench.step(r, args.step, max_tokens=args.stream_tokens, prompt_tokens=args.prompt_tokens)
+        s.pop("_rows")
+        steps.append(s)
+        console.print(f"  {label} tokens {r:,.0f} req/s: {s['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
+                      f"{fmt(s['ttft_p50'], 1e3, 2)} ms, CPU {s['router_cpu']:.2f}")
+    return steps
+
+
+def measure(console: Console, args: argparse.Namespace, target: str | None, *, rates: Sequence[float],
+            token_rates: Sequence[float], n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int],
+            log_dir: Path) -> dict[str, Any]:
+    """One peer (`target`: its name), or with None the backend alone (the TTFT floor): the
+    latency step, the request-rate and token-rate steps; the measured process's CPU."""
+    ports = free_ports(4)
+    model_dir = log_dir / "stub-model"
+    write_stub_tokenizer(model_dir)
+    backends = [_pinned([sys.executable, "-m", "bench.reference_app", "--port", str(p), "--model-path",
+                         str(model_dir)], other_cpus) for p in ports[:2]]
+    procs: list[subprocess.Popen[bytes]] = []
+    clients: Clients | None = None
+    try:
+        for cmd in backends:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p, port in zip(procs, ports[:2], strict=True):
+            wait_port(port, p)
+        if target is None:
+            port, pid = ports[0], procs[0].pid
+        else:
+            exe = find(target)
+            assert exe is not None
+            cmd = PEERS[target](exe, ports[2], ports[3], [f"http://127.0.0.1:{p}" for p in ports[:2]],
+                                args.peer_policy)
+            with open(log_dir / f"{target}.log", "wb") as logf:
+                peer = subprocess.Popen(_pinned(cmd, router_cpus), stdout=logf, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            procs.append(peer)
+            wait_port(ports[2], peer, timeout=60)
+            port, pid = ports[2], peer.pid
+        label = target or "backend"
+        clients = Clients(n_clients, "127.0.0.1", port, args.connections, other_cpus, model=MODEL)
+        bench = Bench(None, clients, console, pid=pid)
+        for _ in range(20):  # a peer routes once it has seen its backends healthy
+            s = bench.step(20, 0.5, max_tokens=2, prompt_tokens=args.prompt_tokens)
+            if s["completed"] and not s["errors"]:
+                break
+        idle = bench.measure_idle(2.0)
+        lat = bench.step(args.moderate_rate, max(args.step, 5.0), max_tokens=16, prompt_tokens=128)
+        lat.pop("_rows")
+        console.print(f"  {label}: TTFT p50 {fmt(lat['ttft_p50'], 1e3, 2)} ms at {args.moderate_rate:g} req/s")
+        out: dict[str, Any] = {"idle_cpu": idle, "latency": lat}
+        if target is not None:
+            out["requests"] = {"steps": request_steps(bench, console, args, rates, label, "CPU",
+                                                      stop_past_saturation=False)}
+            out["requests"]["sustained"] = sustained(out["requests"]["steps"])
+            out["tokens"] = {"steps": _token_steps(bench, console, args, token_rates, label)}
+            out["tokens"]["sustained"] = sustained(out["tokens"]["steps"])
+        return out
+    finally:
+        if clients is not None:
+            clients.close()
+        _stop(procs)
+
+
+def _at(steps: list[dict[str, Any]], rate: float, key: str) -> float | None:
+    s = next((x for x in steps if x["offered_rate"] == rate), None)
+    v = s.get(key) if s else None
+    return float(v) if v else None
+
+
+def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
+                n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int]) -> dict[str, Any]:
+    """Every peer in `names` (skipped where not installed), measured at Kairos's offered rates, and
+    Kairos's ratio to each: CPU per request and per token at each rate both ran, TTFT p50 over the
+    backend floor at the latency rate."""
+    rates = [s["offered_rate"] for s in kairos.get("requests", {}).get("steps", [])]
+    token_rates = [s["offered_rate"] for s in kairos.get("tokens", {}).get("steps", [])]
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kairos-bench-peers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"policy": args.peer_policy, "peers": {}}
+    console.print("backend alone (the floor a router adds to):")
+    floor = measure(console, args, None, rates=rates, token_rates=token_rates, n_clients=n_clients,
+                    router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir)
+    out["backend"] = floor
+    floor_ttft = floor["latency"]["ttft_p50"]
+    # Kairos's: client TTFT over the engines' modeled time, per request (the latency phase's added_p50)
+    out["kairos_added_ttft_p50_s"] = (kairos.get("latency") or {}).get("added_p50")
+    for name in names:
+        if name not in PEERS:
+            console.print(f"[yellow]peer {name}: unknown (known: {', '.join(PEERS)}); skipped[/]")
+            out["peers"][name] = {"skipped": "unknown peer"}
+            continue
+        if find(name) is None:
+            console.print(f"[yellow]peer {name}: not installed, skipped. To include it: {INSTALL}[/]")
+            out["peers"][name] = {"skipped": "not installed"}
+            continue
+        console.print(f"peer {name} (policy {args.peer_policy}) on CPUs {list(router_cpus) or 'any'}:")
+        try:
+            m = measure(console, args, name, rates=rates, token_rates=token_rates, n_clients=n_clients,
+                        router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir)
+        except (RuntimeError, TimeoutError) as e:
+            console.print(f"[red]peer {name}: {e} (its log: {log_dir / (name + '.log')})[/]")
+            out["peers"][name] = {"skipped": f"failed: {e}"}
+            continue
+        ratios = []
+        for r in rates:
+            a = _at(kairos["requests"]["steps"], r, "router_us_per_request")
+            b = _at(m["requests"]["steps"], r, "router_us_per_request")
+            ratios.append({"offered_rate": r, "kairos_us_per_request": a, "peer_us_per_request": b,
+                           "ratio": a / b if a and b else None})
+        tratios = []
+        for r in token_rates:
+            a = _at(kairos["tokens"]["steps"], r, "router_us_per_token")
+            b = _at(m["tokens"]["steps"], r, "router_us_per_token")
+            tratios.append({"offered_rate": r, "kairos_us_per_token": a, "peer_us_per_token": b,
+                            "ratio": a / b if a and b else None})
+        p_ttft = m["latency"]["ttft_p50"]
+        m["added_ttft_p50_s"] = p_ttft - floor_ttft if p_ttft is not None and floor_ttft is not None else None
+        m["kairos_over_peer_per_request"] = ratios
+        m["kairos_over_peer_per_token"] = tratios
+        out["peers"][name] = m
+    return out
+
+
+def print_summary(console: Console, peers: dict[str, Any]) -> None:
+    console.print(f"Kairos's added TTFT p50 (client TTFT over the engines' modeled time): "
+                  f"{fmt(peers.get('kairos_added_ttft_p50_s'), 1e3, 2)} ms")
+    for name, m in peers["peers"].items():
+        if "skipped" in m:
+            console.print(f"peer {name}: skipped ({m['skipped']})")
+            continue
+        req = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                        for x in m["kairos_over_peer_per_request"])
+        tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                        for x in m["kairos_over_peer_per_token"])
+        console.print(f"peer {name}: added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} ms (over the backend "
+                      f"alone); Kairos's CPU per request over its: {req}; per streamed token: {tok}")

@@ -1,0 +1,59 @@
+"""`kairos bench-router --peers`: a peer that is not installed is skipped with the line that says
+how to install it, the stub tokenizer is a local directory the peers can load (so they fetch
+nothing), and the backend the peers sit in front of answers their health and discovery probes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from bench import peers
+from bench.steps import wait_port
+from kairos.up import free_port
+
+
+def _args(tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(log_dir=str(tmp_path), peer_policy="round_robin", step=0.5, moderate_rate=10.0,
+                              prompt_tokens=8, stream_tokens=4, connections=4)
+
+
+def test_a_missing_peer_is_skipped_with_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers, "find", lambda name: None)
+    console = Console(record=True, width=300)
+    kairos = {"requests": {"steps": [{"offered_rate": 20.0, "router_us_per_request": 900.0}]},
+              "tokens": {"steps": []}, "latency": {"added_p50": 0.003}}
+    out = peers.peers_phase(console, _args(tmp_path), ["sglang-router", "nope"], kairos, n_clients=1,
+                            router_cpus=[], other_cpus=[])
+    assert out["peers"] == {"sglang-router": {"skipped": "not installed"}, "nope": {"skipped": "unknown peer"}}
+    text = console.export_text()
+    assert "sglang-router: not installed, skipped" in text and "pip install sglang-router" in text
+    floor = out["backend"]["latency"]  # the backend alone was still measured: the floor
+    assert floor["completed"] > 0 and not floor["errors"] and out["kairos_added_ttft_p50_s"] == 0.003
+
+
+def test_the_backend_answers_a_peers_probes_with_a_local_model(tmp_path: Path) -> None:
+    model = tmp_path / "stub"
+    peers.write_stub_tokenizer(model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    assert tok["model"]["type"] == "WordLevel" and tok["model"]["vocab"]["[UNK]"] == 0
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.reference_app", "--port", str(port), "--model-path",
+                             str(model)])
+    try:
+        wait_port(port, proc)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health").status_code == 200
+        for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+            assert httpx.get(base + path).json()["model_path"] == str(model)  # a directory: nothing fetched
+        r = httpx.post(base + "/v1/completions", json={"model": "reference", "prompt": "w1 w2", "max_tokens": 3})
+        assert r.text.count("data: ") == 4 and r.text.endswith("data: [DONE]\n\n")
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -114,3 +114,10 @@ def test_vllm_limits_and_utility_routes_answer_as_vllm_does(tmp_path: Path) -> N
             assert client.get("/load").json() == {"server_load": 0}
     finally:
         c.stop(15)
+
+
+def test_unknown_routes_and_methods_answer_as_vllms_server(cluster: Cluster) -> None:
+    r = httpx.get(cluster.spec.api + "/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    r = httpx.get(cluster.spec.api + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"} and r.headers["allow"] == "POST"

@@ -13,10 +13,10 @@ services/router/openai_render.py. docs/api.md has the table of what is supported
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 requests (and for what no registered worker can serve, such as a prompt over every worker's
 max_model_len, or a max_tokens the client set that the context cannot hold beside the prompt, as
-vLLM refuses it: at once, never retried), 401 without the API key, 404/405 for unknown routes, 413
-for oversized bodies, 429 (overloaded) and 503 (no worker even after holding the request
-`worker_wait` seconds, shutting down) with a Retry-After header: Retry-After only where a retry
-can help.
+vLLM refuses it: at once, never retried), 401 without the API key, 413 for oversized bodies, 429
+(overloaded) and 503 (no worker even after holding the request `worker_wait` seconds, shutting
+down) with a Retry-After header: Retry-After only where a retry can help. Unknown routes and
+methods get vLLM's (FastAPI's) 404/405 `{"detail": ...}`.
 Kairos extensions accepted in the body: `ttft_slo` and `tbt_slo` (seconds);
 the response carries headers `x-kairos-route`, `x-kairos-reason`, `x-kairos-decode-worker`,
 `x-kairos-cached-tokens` (prompt tokens the router's prefix index found cached where the prompt is
@@ -154,14 +154,16 @@ class App:
             return
         if path in ("/v1/completions", "/v1/chat/completions"):
             if method != "POST":
-                raise HttpError(405, f"{path} takes POST", code="method_not_allowed")
+                await self._json(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])  # as vLLM's
+                return
             body = await self._body(receive)
             await self._completion(scope, receive, send, body, chat=path.endswith("chat/completions"))
             return
         if path in ("/tokenize", "/detokenize"):
             self._check_auth(scope)
             if method != "POST":
-                raise HttpError(405, f"{path} takes POST", code="method_not_allowed")
+                await self._json(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])  # as vLLM's
+                return
             body = await self._body(receive)
             await (self._tokenize if path == "/tokenize" else self._detokenize)(send, body)
             return
@@ -181,7 +183,7 @@ class App:
         if path == "/version":
             await self._json(send, 200, {"version": KAIROS_VERSION})
             return
-        raise HttpError(404, f"no route {method} {path}", code="not_found")
+        await self._json(send, 404, {"detail": "Not Found"})  # what vLLM's server (FastAPI) answers
 
     def _max_model_len(self) -> int:
         """The longest prompt + output served: the decode workers' max_model_len where they report

@@ -40,7 +40,7 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.steps import Bench, Clients, fmt, request_steps, sustained, wait_port
+from bench.steps import Bench, Clients, fmt, request_steps, sustained, token_steps, wait_port
 from kairos.up import free_ports
 
 INSTALL = ("python -m venv /opt/peers && /opt/peers/bin/pip install sglang-router==0.3.2 vllm-router==0.1.17; "
@@ -97,18 +97,6 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(5)
 
 
-def _token_steps(bench: Bench, console: Console, args: argparse.Namespace, rates: Sequence[float],
-                 label: str) -> list[dict[str, Any]]:
-    steps = []
-    for r in rates:
-        s = bench.step(r, args.step, max_tokens=args.stream_tokens, prompt_tokens=args.prompt_tokens)
-        s.pop("_rows")
-        steps.append(s)
-        console.print(f"  {label} tokens {r:,.0f} req/s: {s['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
-                      f"{fmt(s['ttft_p50'], 1e3, 2)} ms, CPU {s['router_cpu']:.2f}")
-    return steps
-
-
 def measure(console: Console, args: argparse.Namespace, target: str | None, *, rates: Sequence[float],
             token_rates: Sequence[float], n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int],
             log_dir: Path) -> dict[str, Any]:
@@ -155,7 +143,8 @@ def measure(console: Console, args: argparse.Namespace, target: str | None, *, r
             out["requests"] = {"steps": request_steps(bench, console, args, rates, label, "CPU",
                                                       stop_past_saturation=False)}
             out["requests"]["sustained"] = sustained(out["requests"]["steps"])
-            out["tokens"] = {"steps": _token_steps(bench, console, args, token_rates, label)}
+            out["tokens"] = {"steps": token_steps(bench, console, args, token_rates, f"{label} tokens", "CPU",
+                                                  stop_past_saturation=False)}
             out["tokens"]["sustained"] = sustained(out["tokens"]["steps"])
         return out
     finally:
@@ -168,6 +157,18 @@ def _at(steps: list[dict[str, Any]], rate: float, key: str) -> float | None:
     s = next((x for x in steps if x["offered_rate"] == rate), None)
     v = s.get(key) if s else None
     return float(v) if v else None
+
+
+def _ratios(kairos: dict[str, Any], peer: dict[str, Any], phase: str, per: str,
+            rates: Sequence[float]) -> list[dict[str, Any]]:
+    """Kairos's CPU per request (or token) over the peer's, at each offered rate both ran."""
+    out = []
+    for r in rates:
+        a = _at(kairos[phase]["steps"], r, f"router_us_per_{per}")
+        b = _at(peer[phase]["steps"], r, f"router_us_per_{per}")
+        out.append({"offered_rate": r, f"kairos_us_per_{per}": a, f"peer_us_per_{per}": b,
+                    "ratio": a / b if a and b else None})
+    return out
 
 
 def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
@@ -204,22 +205,10 @@ def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str]
             console.print(f"[red]peer {name}: {e} (its log: {log_dir / (name + '.log')})[/]")
             out["peers"][name] = {"skipped": f"failed: {e}"}
             continue
-        ratios = []
-        for r in rates:
-            a = _at(kairos["requests"]["steps"], r, "router_us_per_request")
-            b = _at(m["requests"]["steps"], r, "router_us_per_request")
-            ratios.append({"offered_rate": r, "kairos_us_per_request": a, "peer_us_per_request": b,
-                           "ratio": a / b if a and b else None})
-        tratios = []
-        for r in token_rates:
-            a = _at(kairos["tokens"]["steps"], r, "router_us_per_token")
-            b = _at(m["tokens"]["steps"], r, "router_us_per_token")
-            tratios.append({"offered_rate": r, "kairos_us_per_token": a, "peer_us_per_token": b,
-                            "ratio": a / b if a and b else None})
         p_ttft = m["latency"]["ttft_p50"]
         m["added_ttft_p50_s"] = p_ttft - floor_ttft if p_ttft is not None and floor_ttft is not None else None
-        m["kairos_over_peer_per_request"] = ratios
-        m["kairos_over_peer_per_token"] = tratios
+        m["kairos_over_peer_per_request"] = _ratios(kairos, m, "requests", "request", rates)
+        m["kairos_over_peer_per_token"] = _ratios(kairos, m, "tokens", "token", token_rates)
         out["peers"][name] = m
     return out
 

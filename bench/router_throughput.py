@@ -56,7 +56,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.steps import Bench, Clients, parse_cpus, request_steps, sustained, wait_port
+from bench.steps import Bench, Clients, parse_cpus, request_steps, sustained, token_steps, wait_port
 from bench.steps import fmt as _fmt
 from common.errors import ConfigError
 from common.perf_model import PerfModel, load_profile
@@ -330,15 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(step_table("request rate (1 output token per request)", steps))
             ref_rates = [s["offered_rate"] for s in steps]
         if "tokens" in phases:
-            steps = []
-            for r in token_rates:
-                s = bench.step(r, args.step, max_tokens=args.stream_tokens, prompt_tokens=args.prompt_tokens)
-                s.pop("_rows")
-                steps.append(s)
-                console.print(f"  tokens {r:,.0f} req/s: {s['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
-                              f"{_fmt(s['ttft_p50'], 1e3, 2)} ms, router CPU {s['router_cpu']:.2f}")
-                if s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0:
-                    break
+            steps = token_steps(bench, console, args, token_rates, "tokens", "router CPU",
+                                stop_past_saturation=True)
             best = sustained(steps)
             results["tokens"] = {"steps": steps, "sustained": best}
             console.print(step_table(f"streamed tokens ({args.stream_tokens} per request)", steps))

@@ -330,3 +330,18 @@ def request_steps(bench: Bench, console: Console, args: argparse.Namespace, rate
         if stop_past_saturation and (s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0):
             break  # far past saturation: stop before queues explode
     return steps
+
+
+def token_steps(bench: Bench, console: Console, args: argparse.Namespace, rates: Sequence[float], label: str,
+                cpu_label: str, *, stop_past_saturation: bool) -> list[dict[str, Any]]:
+    """One step of requests of --stream-tokens tokens each per offered rate (the tokens phase)."""
+    steps = []
+    for r in rates:
+        s = bench.step(r, args.step, max_tokens=args.stream_tokens, prompt_tokens=args.prompt_tokens)
+        s.pop("_rows")
+        steps.append(s)
+        console.print(f"  {label} {r:,.0f} req/s: {s['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
+                      f"{fmt(s['ttft_p50'], 1e3, 2)} ms, {cpu_label} {s['router_cpu']:.2f}")
+        if stop_past_saturation and (s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0):
+            break  # far past saturation
+    return steps

@@ -20,12 +20,18 @@ from tests.vllm.helpers import VLLM_MISSING
 def test_sim_sweep_recovers_the_timing_model(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     samples = tmp_path / "samples.json"
-    # time_scale 1: steps of 14-50 ms, long enough that timer and scheduling jitter stay small
-    rc = main(["--engine", "sim", "--sim-profile", "a100-dsv2-lite", "--out", str(out),
-               "--contexts", "32,512", "--batches", "0,1,4", "--chunks", "32,128,256", "--chunks-per-prompt", "3",
-               "--decode-steps", "4", "--samples-out", str(samples), "--quiet"])
-    assert rc == 0
-    prof = load_profile(str(out))
+    # time_scale 1: steps of 14-50 ms, long enough that timer and scheduling jitter stay small.
+    # On an idle machine the fit's error is 2.5-4 %; a CI run once measured 31 %, when another
+    # process held the CPU for part of the 4-second sweep: a second sweep is taken then (a broken
+    # fit fails both).
+    for _attempt in range(2):
+        rc = main(["--engine", "sim", "--sim-profile", "a100-dsv2-lite", "--out", str(out),
+                   "--contexts", "32,512", "--batches", "0,1,4", "--chunks", "32,128,256", "--chunks-per-prompt", "3",
+                   "--decode-steps", "4", "--samples-out", str(samples), "--quiet"])
+        assert rc == 0
+        prof = load_profile(str(out))
+        if prof.fit_mape["all"] < 0.3:
+            break
     truth = load_profile("a100-dsv2-lite").model
     assert prof.name == "sim" and "a100-dsv2-lite" in prof.derivation
     assert {"all", "decode_only", "prefill_only", "mixed", "mixed_chunk_32", "mixed_chunk_256",

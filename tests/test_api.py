@@ -99,7 +99,8 @@ def test_vllm_limits_and_utility_routes_answer_as_vllm_does(tmp_path: Path) -> N
             r = client.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 100})
             assert r.status_code == 400, r.text
             err = r.json()["error"]
-            assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+            assert err["param"] == "max_tokens" and err["code"] == 400 and err["type"] == "BadRequestError"
+            assert r.headers["x-kairos-error"] == "context_length_exceeded"
             assert "maximum context length is 64 tokens" in err["message"], err
             r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 64})
@@ -121,3 +122,45 @@ def test_unknown_routes_and_methods_answer_as_vllms_server(cluster: Cluster) -> 
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     r = httpx.get(cluster.spec.api + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"} and r.headers["allow"] == "POST"
+
+
+def test_responses_api_with_the_openai_client(cluster: Cluster) -> None:
+    """POST /v1/responses as the official client uses it: a unary answer, a stream of typed events
+    the client parses, and vLLM's answers for what it does not keep or support."""
+    c = client(cluster)
+    r = c.responses.with_raw_response.create(model="kairos-sim", input="the quick brown fox", max_output_tokens=6,
+                                             instructions="be brief")
+    assert r.headers["x-kairos-route"] == expected_route(cluster)
+    out = r.parse()
+    assert out.object == "response" and out.status == "incomplete" and out.id.startswith("resp_")
+    assert out.incomplete_details is not None and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage is not None and out.usage.output_tokens == 6 and out.usage.input_tokens > 4
+    assert len(out.output_text.split()) == 6 and out.instructions == "be brief" and out.max_output_tokens == 6
+    msgs = [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+            {"role": "user", "content": "again"}]
+    events = list(c.responses.create(model="kairos-sim", input=msgs, max_output_tokens=5, stream=True))  # type: ignore[arg-type]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"], kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == text and len(text.split()) == 5
+    assert final.output[0].id == events[2].item.id  # type: ignore[union-attr]
+    api = cluster.spec.api
+    for body, status, param in (
+            ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
+            ({"input": "x", "background": True}, 400, "background"),
+            ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+            ({"input": "x", "nonsense": 1}, 400, "nonsense"),
+            ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input"),
+            ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools")):
+        r2 = httpx.post(api + "/v1/responses", json={"model": "kairos-sim", **body}, timeout=10)
+        assert r2.status_code == status, (body, r2.text)
+        err = r2.json()["error"]
+        assert err["code"] == status and err["param"] == param, (body, err)
+    assert httpx.get(api + "/v1/responses/resp_nope", timeout=10).status_code == 404
+    assert httpx.get(api + "/v1/responses", timeout=10).status_code == 405

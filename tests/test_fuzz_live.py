@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kairos.up import Cluster
 from services.router import openai_schema as schema
+from services.router.openai_responses import ResponsesBody
 from tests.conftest import start_cluster
 from tests.test_fuzz import INBOXES, _members, message, values
 
@@ -37,7 +38,12 @@ ROUTES = {  # route -> the body's fields
     "/v1/chat/completions": sorted(schema.ChatBody.__struct_fields__),
     "/tokenize": sorted(schema.TokenizeBody.__struct_fields__),
     "/detokenize": ["model", "tokens"],
+    "/v1/responses": sorted(ResponsesBody.__struct_fields__),
 }
+INPUT_ITEM = st.one_of(message, st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output",
+                                                                               "reasoning", "message"])}, optional={
+    "call_id": values, "name": values, "arguments": values, "output": values, "role": values, "content": values,
+    "status": values}))
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +68,8 @@ def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
         body.setdefault("messages", draw(st.lists(message, max_size=3)))
     elif route == "/v1/completions":
         body.setdefault("prompt", draw(st.text(max_size=30)))
+    elif route == "/v1/responses":
+        body.setdefault("input", draw(st.one_of(st.text(max_size=30), st.lists(INPUT_ITEM, max_size=3))))
     return route, json.dumps(body).encode()
 
 

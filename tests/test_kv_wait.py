@@ -63,7 +63,8 @@ def test_a_request_that_can_never_fit_gets_a_clear_400_at_once(cluster: Cluster)
     r = httpx.post(cluster.spec.api + "/v1/completions", json=body(200, 200), timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert err["code"] == 400 and r.headers["x-kairos-error"] == "context_length_exceeded"
+    assert err["param"] == "max_tokens"
     assert "400 tokens of KV" in err["message"] and str(CAPACITY) in err["message"]
     assert "retry-after" not in r.headers
     assert "kv_wait_timeouts" not in json.dumps(stats(cluster)["counts"])  # it never waited

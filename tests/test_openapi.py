@@ -27,6 +27,8 @@ def test_openapi_document_is_valid_and_matches_the_decoders(cluster: Cluster) ->
     assert completion["additionalProperties"] is False  # unknown fields are refused, and say so
     assert {"prompt", "max_tokens", "stream", "ttft_slo"} <= set(completion["properties"])
     assert "messages" in comps["ChatBody"]["properties"]
+    assert {"input", "instructions", "max_output_tokens"} <= set(comps["ResponsesBody"]["properties"])
+    assert comps["_ErrorDetail"]["properties"]["code"]["type"] == "integer"  # vLLM's: the status
     post = doc["paths"]["/v1/chat/completions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatBody"}
     assert "text/event-stream" in post["responses"]["200"]["content"]

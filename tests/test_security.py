@@ -43,7 +43,8 @@ def cluster(keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cl
 def test_authenticated_cluster_serves_and_checks_the_api_key(cluster: Cluster) -> None:
     url = cluster.spec.api + "/v1/completions"
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, timeout=10)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert r.headers["x-kairos-error"] == "invalid_api_key"
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, headers={"authorization": "Bearer wrong"}, timeout=10)
     assert r.status_code == 401
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, headers={"authorization": "Bearer s3cret"},

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 from prometheus_client import Counter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.router.errors import error_json
 
 log = structlog.get_logger()
 
@@ -57,11 +58,10 @@ class _Edge:
 
 
 def _refusal(status: int, reason: str, message: str) -> bytes:
-    kind = {503: "service_unavailable", 429: "rate_limit_error", 408: "invalid_request_error"}[status]
-    body = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": reason}})
+    body = error_json(status, message)
     head = {503: "Service Unavailable", 429: "Too Many Requests", 408: "Request Timeout"}[status]
     return (f"HTTP/1.1 {status} {head}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"connection: close\r\n\r\n").encode() + body
+            f"x-kairos-error: {reason}\r\nconnection: close\r\n\r\n").encode() + body
 
 
 def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:

@@ -10,7 +10,8 @@ Request bodies are decoded into the declared schemas of services/router/openai_s
 field of vLLM's server: honoured, or refused with a 400 naming it); responses are rendered by
 services/router/openai_render.py. docs/api.md has the table of what is supported.
 
-Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+Errors are vLLM's bodies `{"error": {"message", "type", "param", "code"}}` (`code` the status,
+`type` vLLM's name for it; Kairos's reason in the `x-kairos-error` header): 400 for bad
 requests (and for what no registered worker can serve, such as a prompt over every worker's
 max_model_len, or a max_tokens the client set that the context cannot hold beside the prompt, as
 vLLM refuses it: at once, never retried), 401 without the API key, 413 for oversized bodies, 429
@@ -29,6 +30,7 @@ headers go out says `x-kairos-route: held` and nothing of a route (the log line 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import importlib.metadata
 import time
@@ -40,9 +42,11 @@ import msgspec
 import structlog
 
 from common.errors import Overloaded, RequestError, Unavailable
+from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router import openapi
+from services.router.errors import error_object
 from services.router.openai_render import Choice
 from services.router.requests import Event, Request
 from services.router.service import Router
@@ -66,14 +70,15 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None) -> None:
+    """An error answer: vLLM's body (services/router/errors.py), Kairos's reason in `x-kairos-error`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None, type_: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.type, self.param, self.code, self.retry_after = status, type_, param, code, retry_after
+        self.status, self.param, self.code, self.retry_after, self.type = status, param, code, retry_after, type_
 
     def body(self) -> bytes:
-        return _json.encode({"error": {"message": str(self), "type": self.type, "param": self.param,
-                                       "code": self.code}})
+        return _json.encode(error_object(self.status, str(self), self.param, self.type))
 
 
 def _closing(send: Send, router: Router) -> Send:
@@ -94,6 +99,7 @@ class App:
         self.created = int(time.time())
         self._auth = f"Bearer {router.cfg.api_key}".encode() if router.cfg.api_key else None
         self._openapi: bytes | None = None  # /openapi.json, built at the first ask
+        self._fp: tuple[str, str] | None = None  # (model root, system_fingerprint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,10 +110,13 @@ class App:
         except HttpError as e:
             await self._error(send, e)
         except RequestError as e:
-            await self._error(send, HttpError(400, str(e), param=e.param, code=e.code))
+            await self._error(send, HttpError(400, str(e), param=e.param, code=e.code,
+                                              type_="Bad Request" if e.validation else None))
 
     async def _error(self, send: Send, e: HttpError) -> None:
         headers = list(JSON_HEADERS)
+        if e.code:
+            headers.append((b"x-kairos-error", e.code.encode()))
         if e.retry_after is not None:
             headers.append((b"retry-after", str(max(1, round(e.retry_after))).encode()))
         await send({"type": "http.response.start", "status": e.status, "headers": headers})
@@ -149,6 +158,16 @@ class App:
                                  "allow_fine_tuning": False, "organization": "*", "group": None,
                                  "is_blocking": False}]}]})
             return
+        if path == "/v1/responses":
+            if method != "POST":
+                await self._json(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+                return
+            await self._responses(scope, receive, send, await self._body(receive))
+            return
+        if path.startswith("/v1/responses/") and method in ("GET", "DELETE", "POST"):
+            rid = path.removeprefix("/v1/responses/").removesuffix("/cancel")  # nothing is kept (vLLM's default)
+            raise HttpError(404, str(responses.not_found(rid)), param="response_id", code="not_found",
+                            type_="invalid_request_error")
         if path == "/v1/kairos/stats":
             await self._json(send, 200, self.router.stats())
             return
@@ -191,6 +210,15 @@ class App:
         limit = serving_limit(self.router.table)
         return limit if limit else self.router.cfg.max_prompt_tokens
 
+    def _fingerprint(self) -> str:
+        """`system_fingerprint`, in the form of vLLM's (`vllm-<version>-<hash8>`): Kairos's version
+        and a hash of what decides the output (the model the engines load, the served name)."""
+        root = self._root()
+        if self._fp is None or self._fp[0] != root:
+            digest = hashlib.sha256(f"{root}\0{self.router.cfg.served_model_name}".encode()).hexdigest()[:8]
+            self._fp = (root, f"kairos-{KAIROS_VERSION}-{digest}")
+        return self._fp[1]
+
     def _root(self) -> str:
         """vLLM's `root`: the model the engines load (a decode worker's), else the served name."""
         for w in self.router.table.workers.values():
@@ -204,8 +232,7 @@ class App:
         for k, v in scope["headers"]:
             if k == b"authorization" and hmac.compare_digest(v, self._auth):  # constant time
                 return
-        raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        type_="authentication_error", code="invalid_api_key")
+        raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     async def _body(self, receive: Receive) -> bytes:
         limit = self.router.cfg.max_body_bytes
@@ -229,6 +256,63 @@ class App:
         decoded = schema.decode(raw, chat=chat)
         self._check_model(decoded.model)
         p = schema.plan(decoded, router.cfg, router.tokenizer, router.tool_calling)
+        subs = await self._admit(scope, p)
+        req = subs[0]
+        choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
+        watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
+        try:
+            if p.stream:
+                await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint())
+            else:
+                status, body = await serve.unary(router, p, choices, self._fingerprint())
+                if status != 200:
+                    raise HttpError(status, body["message"], code=body["code"], retry_after=body["retry_after"])
+                await self._json(send, 200, body, self._headers(req))  # decided by now, held or not
+        except OSError:  # the client went away mid-response (uvicorn's ClientDisconnected)
+            pass
+        finally:
+            watcher.cancel()
+            for r in subs:
+                if not r.done:
+                    router.abort(r)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
+        """POST /v1/responses (services/router/openai_responses.py)."""
+        router = self.router
+        try:
+            body = responses.decode(raw)
+            self._check_model(body.model)
+            chat = responses.to_chat(body, router.tool_calling is not None)
+        except RequestError as e:  # vLLM's answers about the response store it does not keep
+            if e.code in ("not_found", "no_response_store"):
+                raise HttpError(404 if e.code == "not_found" else 400, str(e), param=e.param, code=e.code,
+                                type_="invalid_request_error") from e
+            raise
+        p = schema.plan(chat, router.cfg, router.tokenizer, router.tool_calling)
+        req = (await self._admit(scope, p, param="input"))[0]
+        c = Choice(0, 0, req, p, router.tokenizer)
+        s = p.samplings[0]
+        answer = responses.Answer(body, p.model, s.max_tokens, s.temperature, s.top_p, s.presence_penalty,
+                                  s.frequency_penalty)
+        watcher = asyncio.create_task(self._watch_disconnect(receive, [req]))
+        try:
+            if p.stream:
+                await responses.stream(router, send, p, c, answer, self._headers(req))
+            else:
+                status, out = await responses.unary(router, p, c, answer)
+                if status != 200:
+                    raise HttpError(status, out["message"], code=out["code"], retry_after=out["retry_after"])
+                await self._json(send, 200, out, self._headers(req))
+        except OSError:
+            pass
+        finally:
+            watcher.cancel()
+            if not req.done:
+                router.abort(req)
+
+    async def _admit(self, scope: Scope, p: schema.Plan, param: str | None = None) -> list[Request]:
+        """One router request per prompt and choice, all or none; the refusals as HTTP errors."""
+        router = self.router
         limit = serving_limit(router.table)
         if p.max_tokens_given and limit:  # as vLLM: a max_tokens the context cannot hold is the client's error
             want = p.samplings[0].max_tokens
@@ -254,44 +338,23 @@ class App:
             for r in subs:
                 router.abort(r, "sibling_refused")
             if isinstance(e, RequestError):  # nothing registered can serve it: a client error, not worth a retry
-                raise HttpError(400, str(e), param="messages" if p.chat and e.param == "prompt" else e.param,
-                                code=e.code) from e
+                where = param or ("messages" if p.chat else "prompt")
+                raise HttpError(400, str(e), param=where if e.param == "prompt" else e.param, code=e.code) from e
             if isinstance(e, Overloaded):
-                raise HttpError(429, str(e), type_="rate_limit_error", code="overloaded",
-                                retry_after=e.retry_after_s) from e
-            raise HttpError(503, str(e), type_="service_unavailable", code="unavailable",
-                            retry_after=e.retry_after_s) from e
-        req = subs[0]
+                raise HttpError(429, str(e), code="overloaded", retry_after=e.retry_after_s) from e
+            raise HttpError(503, str(e), code="unavailable", retry_after=e.retry_after_s) from e
+        return subs
 
-        def headers() -> list[tuple[bytes, bytes]]:
-            d = req.decision
-            out = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
-                   (b"x-kairos-request-id", req.request_id.encode()),
-                   (b"x-kairos-router", router.incarnation.encode())]
-            if d is None:  # a stream's headers go out at once: late binding may still be holding it
-                return [*out, (b"x-kairos-route", b"held")]
-            return [*out, (b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
-                    (b"x-kairos-decode-worker", d.decode_worker.encode()),
-                    (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
-
-        choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
-        watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
-        try:
-            if p.stream:
-                await serve.stream(router, send, p, choices, headers())
-            else:
-                status, body = await serve.unary(router, p, choices)
-                if status != 200:
-                    raise HttpError(status, body["message"], code=body["code"], retry_after=body["retry_after"],
-                                    type_="invalid_request_error" if status == 400 else "server_error")
-                await self._json(send, 200, body, headers())  # decided by now, held or not
-        except OSError:  # the client went away mid-response (uvicorn's ClientDisconnected)
-            pass
-        finally:
-            watcher.cancel()
-            for r in subs:
-                if not r.done:
-                    router.abort(r)
+    def _headers(self, req: Request) -> list[tuple[bytes, bytes]]:
+        d = req.decision
+        out = [(b"x-request-id", (req.client_request_id or req.request_id).encode()),
+               (b"x-kairos-request-id", req.request_id.encode()),
+               (b"x-kairos-router", self.router.incarnation.encode())]
+        if d is None:  # a stream's headers go out at once: late binding may still be holding it
+            return [*out, (b"x-kairos-route", b"held")]
+        return [*out, (b"x-kairos-route", d.route.encode()), (b"x-kairos-reason", d.reason.encode()),
+                (b"x-kairos-decode-worker", d.decode_worker.encode()),
+                (b"x-kairos-cached-tokens", str(d.cached_tokens).encode())]
 
     def _check_model(self, model: str | None) -> None:
         name = self.router.cfg.served_model_name
@@ -333,9 +396,11 @@ class App:
         tok = self.router.tokenizer
         b = schema.decode_detokenize(raw)
         self._check_model(b.model)
-        if any(t < 0 or t >= tok.vocab_size for t in b.tokens):
-            raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
-        await self._json(send, 200, {"prompt": tok.decode(b.tokens, skip_special_tokens=False)})
+        if any(t < 0 for t in b.tokens):
+            raise RequestError("token ids must not be negative", param="tokens", validation=True)
+        # ids past the vocabulary decode to nothing, as vLLM's server (its tokenizer) answers them
+        ids = [t for t in b.tokens if t < tok.vocab_size]
+        await self._json(send, 200, {"prompt": tok.decode(ids, skip_special_tokens=False)})
 
 
 def new_request_id() -> str:

@@ -188,8 +188,15 @@ TOO_DEEP = "the body's JSON is nested too deeply"
 
 def decode(raw: bytes, *, chat: bool) -> CompletionBody | ChatBody:
     """The body, decoded and checked field by field; RequestError (400) names the field at fault."""
+    body: CompletionBody | ChatBody = decode_as_checked(raw, ChatBody if chat else CompletionBody)
+    _check_refused(body)
+    return body
+
+
+def decode_as_checked(raw: bytes, typ: type[Any]) -> Any:
+    """`raw` decoded as `typ`; a field nobody declared, a wrong type or bad JSON is a 400 naming it."""
     try:
-        body: CompletionBody | ChatBody = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
+        return msgspec.json.decode(raw, type=typ)
     except msgspec.ValidationError as e:
         msg = str(e)
         field = None
@@ -197,15 +204,14 @@ def decode(raw: bytes, *, chat: bool) -> CompletionBody | ChatBody:
             field = msg.split("unknown field `", 1)[1].split("`", 1)[0]
             raise RequestError(f"unknown field '{field}': vLLM's OpenAI server does not define it, and Kairos "
                                "refuses what it would ignore", param=field, code="unknown_parameter") from e
-        if "at `$." in msg:
-            field = msg.rsplit("at `$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
-        raise RequestError(f"invalid request: {msg}", param=field) from e
+        if "at `$." in msg:  # vLLM's schema validation names the place as pydantic does: body.a.0.b
+            path = msg.rsplit("at `$.", 1)[1].split("`", 1)[0]
+            field = "body." + path.replace("[", ".").replace("]", "")
+        raise RequestError(f"invalid request: {msg}", param=field, validation=True) from e
     except msgspec.DecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json") from e
+        raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json", validation=True) from e
     except RecursionError as e:  # msgspec's own bound on nesting: a client's doing, not a server error
-        raise RequestError(TOO_DEEP, code="invalid_json") from e
-    _check_refused(body)
-    return body
+        raise RequestError(TOO_DEEP, code="invalid_json", validation=True) from e
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -227,26 +233,13 @@ class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[int]
 
 
-def _decode_as(raw: bytes, typ: type[msgspec.Struct]) -> Any:
-    try:
-        return msgspec.json.decode(raw, type=typ)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        field = msg.split("unknown field `", 1)[1].split("`", 1)[0] if "unknown field `" in msg else None
-        raise RequestError(f"invalid request: {msg}", param=field) from e
-    except msgspec.DecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e}", code="invalid_json") from e
-    except RecursionError as e:
-        raise RequestError(TOO_DEEP, code="invalid_json") from e
-
-
 def decode_tokenize(raw: bytes) -> TokenizeBody:
-    b: TokenizeBody = _decode_as(raw, TokenizeBody)
+    b: TokenizeBody = decode_as_checked(raw, TokenizeBody)
     return b
 
 
 def decode_detokenize(raw: bytes) -> DetokenizeBody:
-    b: DetokenizeBody = _decode_as(raw, DetokenizeBody)
+    b: DetokenizeBody = decode_as_checked(raw, DetokenizeBody)
     return b
 
 
@@ -404,7 +397,8 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
         items = [list(x) for x in p]
     else:
         raise RequestError("'prompt' must be a string, an array of strings, an array of token ids, or an array "
-                           "of arrays of token ids", param="prompt")
+                           "of arrays of token ids", param="prompt",
+                           validation=True)
     prompts, texts = [], []
     for x in items:
         if isinstance(x, str):

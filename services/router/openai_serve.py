@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from services.router.errors import error_object
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
 from services.router.openai_tools import ToolStream
@@ -26,7 +27,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
                (b"x-accel-buffering", b"no")]
 
 
-def _error_status(code: str) -> tuple[int, float | None]:
+def error_status(code: str) -> tuple[int, float | None]:
     """HTTP status and Retry-After (only where a retry can help) of a request that failed after
     admission."""
     if code == "invalid_request":  # a worker found the request itself at fault: retrying cannot help
@@ -40,19 +41,20 @@ def _error_status(code: str) -> tuple[int, float | None]:
     return 500, None
 
 
-def _feed(router: Router, c: Choice, events: list[Event]) -> None:
+def feed(router: Router, c: Choice, events: list[Event]) -> None:
     c.push(events)
     if c.stop_early:
         c.stop_early = False
         router.stop_early(c.req)
 
 
-async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, dict[str, Any]]:
+async def unary(router: Router, p: Plan, choices: list[Choice], fingerprint: str | None = None) \
+        -> tuple[int, dict[str, Any]]:
     for c in choices:
         while not c.done:
-            _feed(router, c, await c.req.events.take())
+            feed(router, c, await c.req.events.take())
         if c.error is not None:
-            status, retry_after = _error_status(c.error.error_code)
+            status, retry_after = error_status(c.error.error_code)
             return status, {"message": c.error.error, "code": c.error.error_code, "retry_after": retry_after}
     req = choices[0].req
     d = req.decision
@@ -60,7 +62,7 @@ async def unary(router: Router, p: Plan, choices: list[Choice]) -> tuple[int, di
         "id": ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id),
         "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
         "model": p.model, "choices": [unary_choice(c) for c in choices], "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": fingerprint,
         "usage": usage(p, choices, details=router.cfg.enable_prompt_tokens_details)}
     if p.chat:
         c0 = choices[0]
@@ -100,8 +102,20 @@ class _Merge:
             t.cancel()
 
 
+def _role_usage(p: Plan, c: Choice) -> dict[str, Any]:
+    """continuous_usage_stats: the role chunk counts the prompt and no output yet (vLLM)."""
+    if not p.continuous_usage:
+        return {}
+    pt = len(p.prompts[c.prompt_index])
+    return {"usage": {"prompt_tokens": pt, "completion_tokens": 0, "total_tokens": pt}}
+
+
 async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
-                 headers: list[tuple[bytes, bytes]]) -> None:
+                 headers: list[tuple[bytes, bytes]], fingerprint: str | None = None) -> None:
+    """The SSE chunks, as vLLM's server writes them: chat opens with a role chunk per choice (with
+    `prompt_token_ids` when return_token_ids is asked); a completion choice's first chunk carries
+    its `prompt_token_ids` then; the final chunk of each choice (or the usage chunk, when usage is
+    asked) carries the `system_fingerprint`."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     req = choices[0].req
     cid = ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id)
@@ -109,8 +123,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     created = int(time.time())
     head = {"id": cid, "object": obj, "created": created, "model": p.model}
 
-    def chunk(choice: dict[str, Any], c: Choice | None = None) -> bytes:
-        body = {**head, "choices": [choice]}
+    def chunk(choice: dict[str, Any], c: Choice | None = None, **top: Any) -> bytes:
+        body = {**head, "choices": [choice], **top}
         if c is not None and p.continuous_usage:
             pt = len(p.prompts[c.prompt_index])
             body["usage"] = {"prompt_tokens": pt, "completion_tokens": len(c.ids), "total_tokens": pt + len(c.ids)}
@@ -120,7 +134,9 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     if p.chat:
         for c in choices:
             first.append(chunk({"index": c.index, "delta": {"role": p.role, "content": ""}, "logprobs": None,
-                                "finish_reason": None}))
+                                "finish_reason": None},
+                               prompt_token_ids=p.prompts[c.prompt_index] if p.return_token_ids else None,
+                               prompt_text=None, **_role_usage(p, c)))
         if p.echo and p.echo_text:
             for c in choices:
                 first.append(chunk({"index": c.index, "delta": {"content": p.echo_text}, "logprobs": None,
@@ -128,6 +144,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     if first:
         await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
     echoed = [False] * len(choices)
+    ids_sent = [False] * len(choices)  # completions: the prompt's token ids went out (return_token_ids)
     offsets = [0] * len(choices)
     tool_streams = [ToolStream(p.tool_plan, p.prompts[c.prompt_index]) for c in choices] \
         if p.tool_plan is not None else []
@@ -136,10 +153,10 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
         while not all(c.done for c in choices):
             i, evs = await merge.next()
             c = choices[i]
-            _feed(router, c, evs)
+            feed(router, c, evs)
             if c.error is not None:
-                err = {"error": {"message": c.error.error, "type": "server_error", "param": None,
-                                 "code": c.error.error_code}}
+                status, _ = error_status(c.error.error_code)
+                err = {**error_object(status, c.error.error or ""), "kairos_error": c.error.error_code}
                 await send({"type": "http.response.body", "body": b"data: " + _json.encode(err) + b"\n\n"
                             b"data: [DONE]\n\n", "more_body": False})
                 return
@@ -150,7 +167,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 continue
             fin = c.finish if c.done else None
             if p.chat:
-                delta: dict[str, Any] | None = {"content": text} if text or not fin else {}
+                delta: dict[str, Any] | None = {"content": text} if text else {}  # held text: {} (vLLM)
                 lp = c.chat_logprobs(ids, lps, strs) if p.logprobs is not None else None
                 if tool_streams:  # vLLM's tool-call parser makes the delta (services/router/openai_tools.py)
                     delta = tool_streams[i].delta(text, ids, fin is not None)
@@ -162,8 +179,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 out: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
                 if fin is not None:
                     out["stop_reason"] = c.stop_reason
-                if p.return_token_ids:
-                    out["token_ids"] = ids
+                out["token_ids"] = ids if p.return_token_ids else None
             else:
                 if p.echo and not echoed[i]:
                     echoed[i] = True
@@ -177,15 +193,21 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                     lp = c.completion_logprobs(ids, lps, strs, offsets[i])
                     if lp["tokens"]:
                         offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                prompt_ids = None
+                if p.return_token_ids and not ids_sent[i]:
+                    ids_sent[i] = True
+                    prompt_ids = p.prompts[c.prompt_index]
                 out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": fin,
-                       "stop_reason": c.stop_reason if fin is not None else None, "prompt_token_ids": None,
+                       "stop_reason": c.stop_reason if fin is not None else None, "prompt_token_ids": prompt_ids,
                        "token_ids": ids if p.return_token_ids else None}
-            await send({"type": "http.response.body", "body": chunk(out, c), "more_body": True})
+            top = {"system_fingerprint": fingerprint} if fin is not None and not p.include_usage else {}
+            await send({"type": "http.response.body", "body": chunk(out, c, **top), "more_body": True})
         tail = b""
         if p.include_usage:
             u = usage(p, choices, details=router.cfg.enable_prompt_tokens_details, stream=True)
             u = {k: v for k, v in u.items() if v is not None}
-            tail = b"data: " + _json.encode({**head, "choices": [], "usage": u}) + b"\n\n"
+            final = {**head, "choices": [], "usage": u, "system_fingerprint": fingerprint}
+            tail = b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
         merge.close()

@@ -12,14 +12,16 @@ from typing import Any
 
 import msgspec
 
+from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 
 
 class _ErrorDetail(msgspec.Struct):
+    """vLLM's: `code` is the HTTP status; Kairos's reason is in the x-kairos-error header."""
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: int
 
 
 class ErrorResponse(msgspec.Struct):
@@ -65,9 +67,9 @@ def _get(summary: str, description: str = "OK", media: str = "application/json")
 def document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of this router's HTTP API."""
     refs, components = msgspec.json.schema_components(
-        [schema.CompletionBody, schema.ChatBody, schema.TokenizeBody, schema.DetokenizeBody, ErrorResponse],
-        ref_template=_REF)
-    completion, chat, tokenize, detokenize, _ = (r["$ref"] for r in refs)
+        [schema.CompletionBody, schema.ChatBody, schema.TokenizeBody, schema.DetokenizeBody,
+         responses.ResponsesBody, ErrorResponse], ref_template=_REF)
+    completion, chat, tokenize, detokenize, resp, _ = (r["$ref"] for r in refs)
     ready = _get("at least one decode worker and accepting requests (503 otherwise)")
     ready["get"]["responses"]["503"] = _json("not ready: no decode worker, or draining")
     return {
@@ -78,6 +80,7 @@ def document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": _post(completion, "text completion", stream=True),
             "/v1/chat/completions": _post(chat, "chat completion", stream=True),
+            "/v1/responses": _post(resp, "the Responses API (vLLM's semantics; nothing is stored)", stream=True),
             "/tokenize": _post(tokenize, "tokenize a prompt or messages"),
             "/detokenize": _post(detokenize, "token ids to text"),
             "/v1/models": _get("the served model"),

@@ -156,7 +156,7 @@ async def _read(r: httpx.Response, tally: Tally, max_tokens: int, *, check_text:
         ev = json.loads(data)
         if "error" in ev:
             tally.failed += 1
-            tally.errors[ev["error"].get("code") or "stream_error"] += 1
+            tally.errors[ev.get("kairos_error") or ev["error"].get("code") or "stream_error"] += 1
             return
         rid = ev["id"].removeprefix("cmpl-")
         ch = ev["choices"][0]

@@ -2,23 +2,22 @@
 worker) on the same tiny model, the same request shapes, on both of Kairos' routes.
 
 Every shape is sent to both servers; the responses must be equal field by field apart from ids,
-timestamps, fingerprints and Kairos' own `kairos` extension. Streams are compared as what a
-client assembles from them: per choice the concatenated text (or content), the concatenated
-logprobs, the finish and stop reasons, and the usage chunk (how tokens are grouped into chunks
-differs: Kairos sends every token of an engine step at once, as does vLLM, but the router may
-batch two steps when it is behind). Logprobs are compared to 1e-3: the two engines batch
-and chunk the same prompt differently (Kairos runs its chunk schedule), which moves float32
-sums in the last digits. Sampled shapes (temperature > 0) carry a seed: vLLM's per-request
+timestamps, fingerprints and Kairos' own `kairos` extension. Streams are compared as what a client
+assembles from them, and by the fields each kind of chunk carries: per choice the concatenated text
+(or content), the concatenated logprobs, the finish and stop reasons, and the usage chunk (how
+tokens are grouped into chunks differs: Kairos sends every token of an engine step at once, as does
+vLLM, but the router may batch two steps when it is behind). Logprobs are compared to 1e-3: the two
+engines batch and chunk the same prompt differently (Kairos runs its chunk schedule), which moves
+float32 sums in the last digits. Sampled shapes (temperature > 0) carry a seed: vLLM's per-request
 generator makes them reproducible across servers.
 
-Skipped shapes, and why: none of the shapes below is skipped. Streamed tool calls are compared as
-a client assembles them too: per tool-call index, the type, the name and the concatenated
-arguments (tool-call ids are random on both servers); vLLM's streaming tool parser depends on how
-tokens are grouped into chunks, which is timing-dependent on both servers: the arguments of a call
-cut short by max_tokens may stream as "" from one and "{}" from the other, the one difference
-allowed (see test_same_response for why).
-Not compared at all: `/version` (each server reports its own version), and the fields Kairos
-refuses (tests/test_api_params.py checks each refusal names its field).
+Skipped shapes, and why: none of the shapes below is skipped. Streamed tool calls are compared as a
+client assembles them too: per tool-call index, the type, the name and the concatenated arguments
+(tool-call ids are random on both servers); vLLM's streaming tool parser depends on how tokens are
+grouped into chunks, which is timing-dependent on both servers: the arguments of a call cut short by
+max_tokens may stream as "" from one and "{}" from the other, the one difference allowed (see
+test_same_response for why). Not compared at all: `/version` (each server reports its own version),
+and the fields Kairos refuses (tests/test_api_params.py checks each refusal names its field).
 """
 
 from __future__ import annotations
@@ -266,7 +265,13 @@ def _assemble(events: list[dict[str, Any]]) -> dict[str, Any]:
     """What a client makes of a stream: per choice, everything concatenated."""
     choices: dict[int, dict[str, Any]] = {}
     usage = None
+    # the fields each kind of chunk has. How many chunks there are, and whether a step's text was
+    # held back (a delta without content), depends on how tokens fell into chunks: not compared
+    shapes = set()
     for ev in events:
+        for ch in ev["choices"] or [{}]:
+            delta = sorted(set(ch.get("delta") or {}) - {"content"})
+            shapes.add(" ".join([*sorted(ev), "|", *sorted(ch), "|", *delta]))
         assert "error" not in ev, ev
         if ev.get("usage") is not None and not ev["choices"]:
             usage = ev["usage"]
@@ -299,7 +304,7 @@ def _assemble(events: list[dict[str, Any]]) -> dict[str, Any]:
     for c in choices.values():  # continuous usage: the last count is what matters
         c["usages"] = c["usages"][-1:] if c["usages"] else []
     return {"choices": [choices[i] for i in sorted(choices)], "usage": usage,
-            "object": events[0]["object"], "model": events[0]["model"]}
+            "object": events[0]["object"], "model": events[0]["model"], "chunk_fields": sorted(shapes)}
 
 
 def _diff(a: Any, b: Any, path: str = "$") -> list[str]:
@@ -329,8 +334,10 @@ def test_same_response(name: str, endpoint: str, body: dict[str, Any], kairos: t
     req = _fill(body, stops, tiny_model.name)
     s1, want, _ = _post(f"{vllm_server}/{endpoint}", req)
     s2, got, headers = _post(f"{url}/{endpoint}", req)
-    if name.endswith("_refused"):  # vLLM refuses these bodies; so must Kairos, naming the same field
+    if name.endswith("_refused"):  # vLLM refuses these bodies; so must Kairos, with vLLM's error body
         assert s1 == 400 and s2 == 400, (want, got)
+        assert {k: got["error"][k] for k in ("type", "code")} == {k: want["error"][k] for k in ("type", "code")}, \
+            (want, got)
         return
     assert s1 == 200, want
     assert s2 == 200, f"{got}\n{_diagnose(route)}"
@@ -366,4 +373,77 @@ def test_tokenize_and_detokenize(kairos: tuple[str, str], vllm_server: str, tiny
         want = httpx.post(base + "/detokenize", json={"model": tiny_model.name, "tokens": want["tokens"]}).json()
         got = httpx.post(kbase + "/detokenize", json={"model": tiny_model.name, "tokens": got["tokens"]}).json()
         assert want == got
+    oov = {"model": tiny_model.name, "tokens": [5, 6, 10**6, 7]}  # past the vocabulary: decoded to nothing
+    want = httpx.post(base + "/detokenize", json=oov, timeout=30)
+    got = httpx.post(kbase + "/detokenize", json=oov, timeout=30)
+    assert want.status_code == got.status_code == 200 and want.json() == got.json(), (want.text, got.text)
     assert httpx.get(kbase + "/version").json()["version"]
+
+
+# ---------------------------------------------------------------------------- the Responses API
+RESPONSES: list[tuple[str, dict[str, Any]]] = [
+    ("text", {**GREEDY, "input": "the lazy dog", "max_output_tokens": 8}),
+    ("instructions", {**GREEDY, "input": "the lazy dog", "instructions": "be brief", "max_output_tokens": 6}),
+    ("items", {**GREEDY, "max_output_tokens": 6, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi there"}]},
+        {"role": "user", "content": "the lazy dog"}]}),
+    ("function_call_history", {**GREEDY, "max_output_tokens": 6, "input": [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 12 C"}]}),
+    ("seeded", {"input": "the lazy dog", "max_output_tokens": 8, **SEEDED}),
+    ("json_schema", {**GREEDY, "input": "the lazy dog", "max_output_tokens": 40, "text": {"format": {
+        "type": "json_schema", "name": "thing", "schema": SCHEMA}}}),
+    ("tools_auto", {**GREEDY, "input": "weather in Oslo?", "max_output_tokens": 12,
+                    "tools": [{"type": "function", **TOOLS[0]["function"]}]}),
+    ("stream", {**GREEDY, "input": "the lazy dog", "max_output_tokens": 8, "stream": True}),
+    ("stream_items", {**GREEDY, "max_output_tokens": 6, "stream": True, "input": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}]}),
+    ("previous_response_refused", {"input": "x", "previous_response_id": "resp_0123"}),
+    ("background_refused", {"input": "x", "background": True}),
+]
+RESPONSE_IGNORED = {"id", "created_at", "call_id", "item_id"}
+
+
+def _post_responses(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """A unary answer as it is; a stream as (the event types, the text its deltas add up to, the
+    final response)."""
+    r = httpx.post(url, json=body, timeout=120)
+    if not body.get("stream") or r.status_code != 200:
+        return r.status_code, r.json()
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    kinds = [ln[7:] for ln in r.text.splitlines() if ln.startswith("event: ")]
+    assert kinds == [e["type"] for e in events] and [e["sequence_number"] for e in events] == list(
+        range(len(events))), r.text[:2000]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    # how many deltas there are depends on how tokens fell into chunks (timing, on both servers)
+    kinds = [k for i, k in enumerate(kinds) if not (k == "response.output_text.delta" and kinds[i - 1] == k)]
+    return 200, {"kinds": kinds, "text": text, "response": events[-1]["response"]}
+
+
+def _strip(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in RESPONSE_IGNORED}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize("name,body", RESPONSES, ids=[s[0] for s in RESPONSES])
+def test_same_responses_answer(name: str, body: dict[str, Any], kairos: tuple[str, str], vllm_server: str,
+                               tiny_model: Path) -> None:
+    """/v1/responses, unary and streamed, field by field against vLLM's server (ids and times aside)."""
+    url, route = kairos
+    req = {"model": tiny_model.name, **body}
+    s1, want = _post_responses(f"{vllm_server}/responses", req)
+    s2, got = _post_responses(f"{url}/responses", req)
+    if name.endswith("_refused"):
+        assert s1 == s2 and s1 in (400, 404), (want, got)
+        assert {k: got["error"][k] for k in ("type", "code", "param")} == \
+            {k: want["error"][k] for k in ("type", "code", "param")}, (want, got)
+        return
+    assert s1 == 200, want
+    assert s2 == 200, f"{got}\n{_diagnose(route)}"
+    diffs = _diff(_strip(want), _strip(got))
+    assert not diffs, f"{name} on the {route} route:\n" + "\n".join(diffs[:20])

@@ -67,7 +67,7 @@ def timed_trace(out: Path, rows: int, max_input: int = 1500, max_output: int = 4
 
 
 def bench_serve(base: str, model: Path, out: Path, *args: str) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "tests.vllm.bench_serve", "--backend", "openai", "--base-url", base,
+    cmd = [sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai", "--base-url", base,
            "--endpoint", "/v1/completions", "--model", model.name, "--tokenizer", str(model), "--seed", "1",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *args]
     rc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

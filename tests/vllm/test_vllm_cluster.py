@@ -80,7 +80,8 @@ def test_prompt_over_max_model_len_is_400_at_once(cluster: Cluster) -> None:
     r = httpx.post(cluster.spec.api + "/v1/completions", json={"prompt": [5] * 2100, "max_tokens": 4}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
+    assert err["code"] == 400 and r.headers["x-kairos-error"] == "context_length_exceeded"
+    assert "2048" in err["message"]
     assert "retry-after" not in r.headers
     counts = httpx.get(cluster.spec.api + "/v1/kairos/stats", timeout=10).json()["counts"]
     assert "redispatched" not in counts

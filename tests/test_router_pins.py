@@ -103,14 +103,11 @@ class Bench:
         membership.worker_gone(self.r, w, "heartbeat timeout")
 
     def tick(self, later_s: float = 0.0) -> None:
-        """What one liveness tick does for requests, `later_s` from now: parked requests are tried
-        again, waiting ones past their wait timeout and any past its deadline fail."""
+        """What one liveness tick does for waiting requests, `later_s` from now: parked ones are
+        tried again, those waiting for KV room past their wait timeout fail (membership.liveness_loop)."""
         migrate.retry_parked(self.r)
-        now = time.monotonic() + later_s
         if self.r.kv_waiting:
-            waiting.expire(self.r, now)
-        for req in [q for q in self.r.requests.values() if now > q.deadline]:
-            self.r._fail(req, "deadline exceeded", code="deadline_exceeded")
+            waiting.expire(self.r, time.monotonic() + later_s)
 
     def submit(self, prompt: list[int] = PROMPT, sampling: m.Sampling = SAMPLING, **kw: Any) -> Request:
         return self.r.submit(prompt, sampling, **kw)
@@ -522,3 +519,17 @@ async def test_a_rejected_deflection_with_no_kv_room_waits_first_in_line() -> No
     # that rejected it (the wait queue forgets which workers rejected it)
     assert work(sent) == [("decode-0", "deflect", 0)] and decode_work(sent, a).attempt == 0
     assert not w.done
+
+
+async def test_a_deflection_rejected_by_a_draining_worker_with_no_other_is_parked_until_one_registers() -> None:
+    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", BIG)])
+    a = b.submit()
+    b.take()
+    b.hear("decode-0", m.Goodbye(worker_id="decode-0", incarnation="i1"))  # draining: no new work
+    b.hear("decode-0", m.RequestFailed(request_id=a.request_id, attempt=0, worker_id="decode-0", reason="no room",
+                                       code=REJECTED_REASON, retryable=True))
+    waiting_untouched(b, a)
+    assert b.stats()["kv_waiting"] == 0
+    b.join("decode-1")
+    b.tick()
+    assert work(b.take(), a) == [("decode-1", "deflect", 0)]  # the same attempt: it never ran anywhere

@@ -28,7 +28,7 @@ import msgspec
 
 from common.errors import RequestError
 from services.router.openai_render import Choice
-from services.router.openai_schema import ChatBody, Plan, decode_as_checked
+from services.router.openai_schema import ChatBody, Plan, check_refused, decode_as_checked
 from services.router.openai_serve import SSE_HEADERS, Send, error_status, feed
 from services.router.service import Router
 
@@ -136,16 +136,11 @@ _REFUSED = (
     ("ec_transfer_params", "encoder-cache transfer is not supported"),
     ("vllm_xargs", "vLLM's extra arguments are not passed through the router"),
 )
-_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ResponsesBody)}
 
 
 def decode(raw: bytes) -> ResponsesBody:
     body: ResponsesBody = decode_as_checked(raw, ResponsesBody)
-    for name, why in _REFUSED:
-        v = getattr(body, name)
-        if v is not None and v != _DEFAULTS[name] and not (name == "top_logprobs" and v == 0):
-            raise RequestError(f"'{name}' is not supported by Kairos: {why}", param=name,
-                               code="unsupported_parameter")
+    check_refused(body, _REFUSED)
     if body.input is None:
         raise RequestError("Field required: 'input'", param="input")
     if body.store and body.background:

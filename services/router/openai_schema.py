@@ -165,18 +165,23 @@ _OFF: dict[str, tuple[Any, ...]] = {
 }
 
 
+_REFUSED_ITEMS = tuple(REFUSED.items())
+
+
 @functools.cache
-def _refusable(typ: type[msgspec.Struct]) -> tuple[tuple[str, str, Any, tuple[Any, ...]], ...]:
+def _refusable(typ: type[msgspec.Struct], refused: tuple[tuple[str, str], ...]) \
+        -> tuple[tuple[str, str, Any, tuple[Any, ...]], ...]:
     """The refused fields a body type has, each with its default and its 'off' values: read once
     per type. (`msgspec.structs.fields` re-reads the type's annotations on every call: about
     0.8 ms for the 57-field chat body, more than the rest of a request's router work.)"""
     defaults = {f.name: f.default for f in msgspec.structs.fields(typ)}
-    return tuple((name, why, defaults[name], _OFF.get(name, ())) for name, why in REFUSED.items()
-                 if name in defaults)
+    return tuple((name, why, defaults[name], _OFF.get(name, ())) for name, why in refused if name in defaults)
 
 
-def _check_refused(body: _Body) -> None:
-    for name, why, default, off in _refusable(type(body)):
+def check_refused(body: msgspec.Struct, refused: tuple[tuple[str, str], ...] = _REFUSED_ITEMS) -> None:
+    """A 400 naming the first field of `refused` ((name, reason) pairs) set to other than its
+    default or an 'off' value."""
+    for name, why, default, off in _refusable(type(body), refused):
         v = getattr(body, name)
         if v is None or v == default or v in off:
             continue
@@ -189,7 +194,7 @@ TOO_DEEP = "the body's JSON is nested too deeply"
 def decode(raw: bytes, *, chat: bool) -> CompletionBody | ChatBody:
     """The body, decoded and checked field by field; RequestError (400) names the field at fault."""
     body: CompletionBody | ChatBody = decode_as_checked(raw, ChatBody if chat else CompletionBody)
-    _check_refused(body)
+    check_refused(body)
     return body
 
 

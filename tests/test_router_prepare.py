@@ -8,9 +8,30 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.policy import kairos
+from common.policy import kairos, prepared
 from services.router.service import Router
 from tests.test_trust import SAMPLING, frame, hello, make_router
+
+
+def count_preparations(monkeypatch: pytest.MonkeyPatch, builds: list[float], what: str = "decode") -> None:
+    """Append to `builds` each time the policy prepares a new view: built afresh, or updated for
+    the workers whose views changed (`ClusterPrep.update` on a different view)."""
+
+    class Counting(prepared.ClusterPrep):
+        def __init__(self, k: kairos.Kairos, view: kairos.ClusterView, slo: float, now: float,
+                     incremental: bool = True) -> None:
+            builds.append(len(view.decode) if what == "decode" else now)
+            super().__init__(k, view, slo, now, incremental)
+
+        def update(self, view: kairos.ClusterView, now: float) -> bool:
+            if view.prefill is self.prefill and view.decode is self.decode:
+                return True
+            ok = super().update(view, now)
+            if ok:
+                builds.append(len(view.decode) if what == "decode" else now)
+            return ok
+
+    monkeypatch.setattr(kairos, "ClusterPrep", Counting)
 
 
 @pytest.fixture
@@ -21,14 +42,8 @@ def router() -> Iterator[Router]:
 
 
 async def test_the_next_decision_finds_its_view_prepared(router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
-    builds: list[int] = []
-
-    class Counting(kairos._ClusterPrep):
-        def __init__(self, k: kairos.Kairos, view: kairos.ClusterView, slo: float, now: float) -> None:
-            builds.append(len(view.decode))
-            super().__init__(k, view, slo, now)
-
-    monkeypatch.setattr(kairos, "_ClusterPrep", Counting)
+    builds: list[float] = []
+    count_preparations(monkeypatch, builds)
     frame(router, b"decode-0", hello("decode-0"))
     frame(router, b"decode-1", hello("decode-1"))
     frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
@@ -51,13 +66,7 @@ async def test_prepares_are_spaced_by_the_interval(monkeypatch: pytest.MonkeyPat
     r = make_router(prepare_interval_ms=40)
     try:
         builds: list[float] = []
-
-        class Counting(kairos._ClusterPrep):
-            def __init__(self, k: kairos.Kairos, view: kairos.ClusterView, slo: float, now: float) -> None:
-                builds.append(now)
-                super().__init__(k, view, slo, now)
-
-        monkeypatch.setattr(kairos, "_ClusterPrep", Counting)
+        count_preparations(monkeypatch, builds, "now")
         frame(r, b"decode-0", hello("decode-0"))
         frame(r, b"prefill-0", hello("prefill-0", role="prefill"))
         r.submit([1, 2, 3] * 300, SAMPLING)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from operator import is_, itemgetter
+from operator import itemgetter
 from typing import Literal
 
 import msgspec
@@ -61,6 +61,7 @@ from common.policy.base import (
     least_loaded_decode,
 )
 from common.policy.predict import ReplayCache
+from common.policy.prepared import ClusterPrep
 from common.policy.schedule import (
     INFEASIBLE,
     OK,
@@ -118,7 +119,11 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _INF = float("inf")
-_RATE_TAU_S = 1.0  # time constant of the dispatch rate behind `share_expect`
+_RATE_TAU_S = 1.0
+# from this many workers (prefill + decode) on, the prepared view is updated one changed worker
+# at a time (common/policy/prepared.py); below, rebuilding it on a change costs less
+# (`kairos bench-decision`, BENCHMARKS.md)
+_INCREMENTAL_MIN = 32  # time constant of the dispatch rate behind `share_expect`
 # `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
 # token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
 # the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
@@ -154,65 +159,6 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
-class _ClusterPrep:
-    """What `Kairos.decide` needs of a cluster view that does not depend on the request (beyond
-    its TBT SLO, which idle decode workers take as theirs) or the clock: the prefill workers in
-    increasing end of their replayed queues (the prefill path's search stops at the first whose
-    queue alone outlasts the best so far), the decode workers in the handoff's order
-    (`least_loaded_decode`), and those that may take a deflection: below `max_deflections`
-    (`dec`), of those the ones where a token fits in a step (`alive`), and of those, for a prompt
-    of at least the smallest candidate, the ones not stuck (`live`; `_prep`: even the smallest
-    chunk would break their TBT budget at the first step)."""
-
-    __slots__ = ("alive", "dec", "decode", "defl_full", "live", "ll", "monotone", "pre", "prefill", "slo")
-
-    def __init__(self, k: Kairos, view: ClusterView, slo: float, now: float) -> None:
-        self.prefill, self.decode, self.slo = view.prefill, view.decode, slo
-        cfg = k.cfg
-        dflt = None if cfg.per_worker_models else k.default_model
-        pre: list[tuple[float, int, PrefillView, PerfModel, _TailEntry | None]] = []
-        models = set()
-        if k._replay_p:
-            tails, entry = k._last_tail, k._tail_entry
-            for i, p in enumerate(view.prefill):
-                m = p.model if dflt is None else dflt
-                e = tails.get(p.worker_id)
-                if e is None or e[0] is not p or e[1] is not m:
-                    e = entry(p, m, now)
-                pre.append((e[2].end, i, p, m, e))
-                models.add(id(m))
-            pre.sort()  # by (end, position): positions are unique, so the rest is never compared
-        else:  # Equation 1 reads no queue: view order, no early stop
-            pre = [(-_INF, i, p, p.model if dflt is None else dflt, None) for i, p in enumerate(view.prefill)]
-        self.pre = pre
-        # the queue ends bound the prefill path's TTFT from below in increasing order only when
-        # every worker pays the same transfer and steps cost more with more tokens
-        m0 = pre[0][3] if pre else None
-        self.monotone = k._replay_p and len(models) == 1 and m0 is not None and min(
-            m0.a0, m0.a1, m0.a2, m0.a3, m0.a4, m0.a5, m0.a6, m0.a7) >= 0.0
-        preps, prep_of = k._dprep, k._prep
-        max_defl = cfg.max_deflections
-        dec, alive, live, ll = [], [], [], []
-        full = False
-        for d in view.decode:
-            s = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else slo
-            prep = preps.get(d.worker_id)
-            if prep is None or prep[0] is not d or prep[1] != s:
-                prep = prep_of(d, s)
-            ll.append((prep[11], prep))
-            if d.deflections >= max_defl:
-                full = True
-                continue
-            dec.append(prep)
-            if prep[12] > 1.0:
-                alive.append(prep)
-                if not prep[10]:
-                    live.append(prep)
-        ll.sort()  # by key, which ends in the unique worker id
-        self.ll = [prep for _, prep in ll]
-        self.dec, self.alive, self.live, self.defl_full = dec, alive, live, full
-
-
 class Kairos:
     name = "kairos"
 
@@ -228,8 +174,9 @@ class Kairos:
         self._bases: dict[str, tuple[tuple[tuple[int, int], ...], float, PerfModel, Tail]] = {}
         self._rates: dict[str, tuple[float, float]] = {}  # prefill worker -> (when, tokens/s sent to it)
         self._dprep: dict[str, _Prep] = {}  # decode worker -> `_prep` of its last view
-        self._cp: _ClusterPrep | None = None  # `_cluster` of the last view
+        self._cp: ClusterPrep | None = None  # `_cluster` of the last view
         self._min_cand = min(self.cfg.candidates)
+        self.incremental_min = _INCREMENTAL_MIN  # fleet size from which `_cluster` updates in place
 
     def _model(self, m: PerfModel) -> PerfModel:
         if self.cfg.per_worker_models or self.default_model is None:
@@ -388,16 +335,18 @@ class Kairos:
         does whatever is not done yet. The bench times it apart (`kairos bench-decision`)."""
         self._cluster(view, tbt_slo, now)
 
-    def _cluster(self, view: ClusterView, slo: float, now: float) -> _ClusterPrep:
-        """`view`'s prepared form (`_ClusterPrep`), kept until a worker's view changes: views are
-        frozen and an unchanged worker keeps its view object, so identity tells what changed."""
+    def _cluster(self, view: ClusterView, slo: float, now: float) -> ClusterPrep:
+        """`view`'s prepared form (`ClusterPrep`), brought up to date for the workers whose view
+        changed since the last call: views are frozen and an unchanged worker keeps its view
+        object, so identity tells what changed (common/policy/prepared.py)."""
         cp = self._cp
         if cp is not None and cp.slo == slo:
-            pre, dec = view.prefill, view.decode
-            if (cp.prefill is pre or (len(pre) == len(cp.prefill) and all(map(is_, pre, cp.prefill)))) and \
-                    (cp.decode is dec or (len(dec) == len(cp.decode) and all(map(is_, dec, cp.decode)))):
+            if cp.prefill is view.prefill and cp.decode is view.decode:
                 return cp
-        cp = self._cp = _ClusterPrep(self, view, slo, now)
+            if cp.update(view, now):
+                return cp
+        n = len(view.prefill) + len(view.decode)
+        cp = self._cp = ClusterPrep(self, view, slo, now, incremental=n >= self.incremental_min)
         return cp
 
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
@@ -564,7 +513,7 @@ class Kairos:
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
 
-        `preps`: the decode workers `decide` looked at, in view order (`_ClusterPrep`); `status`:
+        `preps`: the decode workers `decide` looked at, in view order (`ClusterPrep`); `status`:
         what the limited search found per worker. One found infeasible stays so without the
         limit (the same steps fail), as does one `_prep` rules out, so only the others are
         searched again."""

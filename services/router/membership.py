@@ -91,6 +91,7 @@ def on_goodbye(router: Router, g: m.Goodbye, w: WorkerEntry) -> None:
         requeue_held(router, w, "departed")
         return
     w.draining = True
+    w.touch()
     log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
 
 

@@ -354,6 +354,7 @@ class Router:
             # then asks it to register again.
             log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
             w.unreachable = True
+            w.touch()
 
     def _publish(self, msg: m.Msg) -> None:
         if self.bus is not None:

@@ -62,10 +62,14 @@ class WorkerEntry:
     # policy keeps per-view work by identity, so an unchanged worker must keep its view object
     _view: PrefillView | DecodeView | None = None
     _view_key: tuple[bool, str] = (False, "")
+    _dirty: set[WorkerEntry] | None = None  # its table's set of entries touched since the last view
 
     def touch(self) -> None:
-        """Its heartbeat, ledger, deflections or model changed: the next view is built afresh."""
+        """Its heartbeat, ledger, deflections, model or routability (draining, unreachable)
+        changed: the next view is built afresh, and the table's next view takes it."""
         self._view = None
+        if self._dirty is not None:
+            self._dirty.add(self)
 
     def view(self, use_ledger: bool, me: str) -> PrefillView | DecodeView:
         if self._view is None or self._view_key != (use_ledger, me):
@@ -170,6 +174,12 @@ class WorkerTable:
         self.default_model = default_model
         self.per_worker_models = per_worker_models
         self.bias_correction = bias_correction
+        # the last full view (`view` with nothing excluded), kept and patched where workers were
+        # touched: a heartbeat costs its own worker's view, not the whole fleet's
+        self._cv: ClusterView | None = None
+        self._cv_ledger = False
+        self._at: dict[str, tuple[bool, int]] = {}  # worker id -> (decode?, position) in `_cv`
+        self._dirty: set[WorkerEntry] = set()
 
     def register(self, hello: m.Hello, identity: bytes) -> tuple[WorkerEntry, WorkerEntry | None]:
         """Add or refresh a worker. Returns (entry, replaced entry of an older incarnation)."""
@@ -182,10 +192,11 @@ class WorkerTable:
             old.unreachable = False
             old.touch()
             return old, None
+        self._cv = None  # a new worker: the next view is rebuilt
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
                             identity=identity, hello=hello, model=model, base_model=model, joined=now,
-                            last_seen=now)
+                            last_seen=now, _dirty=self._dirty)
         self.workers[hello.worker_id] = entry
         return entry, old
 
@@ -219,6 +230,7 @@ class WorkerTable:
 
     def remove(self, worker_id: str) -> WorkerEntry | None:
         self.former.add(worker_id)
+        self._cv = None
         return self.workers.pop(worker_id, None)
 
     def expired(self, timeout_s: float) -> list[WorkerEntry]:
@@ -226,7 +238,48 @@ class WorkerTable:
         return [e for e in self.workers.values() if e.unreachable or now - e.last_seen > timeout_s]
 
     def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:
-        """Every routable worker's view; an unchanged worker's is the same object as last time."""
+        """Every routable worker's view, in registration order; an unchanged worker's is the same
+        object as last time. Without `exclude`, only the workers touched since the last call are
+        looked at (their views replaced in place), unless one joined or left the routable set."""
+        if exclude:
+            return self._build(use_ledger, exclude)
+        cv = self._cv
+        if cv is None or self._cv_ledger != use_ledger:
+            return self._rebuild(use_ledger)
+        if not self._dirty:
+            return cv
+        pre: list[PrefillView] | None = None
+        dec: list[DecodeView] | None = None
+        for e in self._dirty:
+            at = self._at.get(e.worker_id)
+            routable = not (e.draining or e.unreachable) and self.workers.get(e.worker_id) is e
+            if routable != (at is not None):
+                return self._rebuild(use_ledger)  # it became (un)routable: positions move
+            if at is None:
+                continue
+            v = e.view(use_ledger, self.me)
+            if at[0]:
+                if dec is None:
+                    dec = list(cv.decode)
+                dec[at[1]] = v  # type: ignore[assignment]
+            else:
+                if pre is None:
+                    pre = list(cv.prefill)
+                pre[at[1]] = v  # type: ignore[assignment]
+        self._dirty.clear()
+        cv = self._cv = ClusterView(prefill=cv.prefill if pre is None else tuple(pre),
+                                    decode=cv.decode if dec is None else tuple(dec))
+        return cv
+
+    def _rebuild(self, use_ledger: bool) -> ClusterView:
+        cv = self._cv = self._build(use_ledger, frozenset())
+        self._cv_ledger = use_ledger
+        self._dirty.clear()
+        self._at = {v.worker_id: (False, i) for i, v in enumerate(cv.prefill)}
+        self._at.update((v.worker_id, (True, i)) for i, v in enumerate(cv.decode))
+        return cv
+
+    def _build(self, use_ledger: bool, exclude: frozenset[str]) -> ClusterView:
         p: list[PrefillView] = []
         d: list[DecodeView] = []
         for e in self.workers.values():

@@ -34,22 +34,37 @@ def _cpu_s(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1) -> dict[str, float]:
+def parse_workers(text: str) -> tuple[int, int]:
+    """'128' (as many of each) or '128+64' (prefill + decode)."""
+    p, _, d = text.partition("+")
+    n_p, n_d = int(p), int(d or p)
+    if n_p < 0 or n_d < 0 or n_p + n_d == 0:
+        raise ValueError(f"--workers: expected N or P+D, got {text!r}")
+    return n_p, n_d
+
+
+def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1, *, decode: int | None = None,
+        cpus: str = "") -> dict[str, float]:
+    """`n` prefill and `decode` (default `n`) decode workers heartbeating every `interval` s; the
+    router pinned to `cpus` (a taskset list) when given."""
+    n_d = n if decode is None else decode
     http, work, hb, tel = free_ports(4)
     env = {**os.environ, "KAIROS_HTTP_PORT": str(http), "KAIROS_WORK_PORT": str(work),
            "KAIROS_HEARTBEAT_PORT": str(hb), "KAIROS_TELEMETRY_PORT": str(tel), "KAIROS_LOG_LEVEL": "warning",
            "KAIROS_LIVENESS": "50", **env_extra}
     log = Path(tempfile.mkdtemp(prefix="kairos-hb-")) / "router.log"
     with open(log, "w") as out:
-        router = subprocess.Popen([sys.executable, "-m", "kairos.cli", "router"], env=env, stdout=out, stderr=out)
+        pin = ["taskset", "-c", cpus] if cpus else []
+        router = subprocess.Popen([*pin, sys.executable, "-m", "kairos.cli", "router"], env=env, stdout=out,
+                                  stderr=out)
     ctx = zmq.Context()
     socks: list[tuple[zmq.Socket[bytes], str, str]] = []
     try:
         time.sleep(1.5)
         rng = random.Random(0)
-        for i in range(2 * n):
+        for i in range(n + n_d):
             role: m.Role = "prefill" if i < n else "decode"
-            wid = f"{role}-{i % n}"
+            wid = f"{role}-{i if i < n else i - n}"
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IDENTITY, wid.encode())
@@ -93,7 +108,8 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
                 c0, w0 = _cpu_s(router.pid), now
             elif c0 is not None and w0 is not None and now - w0 >= seconds:
                 used = _cpu_s(router.pid) - c0
-                return {"workers": 2 * n, "window_s": round(now - w0, 2), "router_cores": round(used / (now - w0), 4),
+                return {"workers": n + n_d, "prefill": n, "decode": n_d, "interval_s": interval,
+                        "window_s": round(now - w0, 2), "router_cores": round(used / (now - w0), 4),
                         "heartbeats_per_s": round(sent / (now - w0), 1),
                         "router_us_per_heartbeat": round(used / max(sent, 1) * 1e6, 1)}
     finally:
@@ -106,19 +122,20 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.heartbeat_load", description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, default=128, help="prefill workers, and as many decode workers")
+    ap.add_argument("--workers", default="128", help="N (N prefill and N decode workers) or P+D (default 128)")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     ap.add_argument("--env", action="append", default=[], help="K=V for the router (A)")
     ap.add_argument("--compare", action="append", default=[], help="K=V for the router (B): A and B alternate")
     ap.add_argument("--pairs", type=int, default=1, help="A/B pairs (with --compare)")
     a = ap.parse_args(argv)
+    n_p, n_d = parse_workers(a.workers)
     env_a = dict(kv.split("=", 1) for kv in a.env)
     out: dict[str, object] = {"A": {"env": env_a, "runs": []}}
     if a.compare:
         out["B"] = {"env": {**env_a, **dict(kv.split("=", 1) for kv in a.compare)}, "runs": []}
     for _ in range(a.pairs if a.compare else 1):
         for k in out:
-            out[k]["runs"].append(run(a.workers, a.seconds, out[k]["env"]))  # type: ignore[index]
+            out[k]["runs"].append(run(n_p, a.seconds, out[k]["env"], decode=n_d))  # type: ignore[index]
     print(json.dumps(out, indent=1))
     return 0
 

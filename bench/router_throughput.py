@@ -32,6 +32,11 @@ and reports where the router's time goes (self and inclusive, by function).
    router CPU per request / the reference's at the same offered rate: absolute microseconds
    move between machines and days (a rerun on 2026-12-01 found about 930 us against 400-520 us
    earlier), the ratio to a reference measured in the same run compares.
+5. heartbeats (only when asked: `--phases heartbeats --workers 128+128`): no cluster; one router
+   pinned like the others, and --workers P+D fake workers registered from this process over real
+   bus connections (bench/heartbeat_load.py), each heartbeating every --heartbeat-interval with a
+   new load, so every heartbeat changes a view; no requests. Reports the router's cores, the
+   heartbeats per second it took and its CPU per heartbeat.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench.heartbeat_load import parse_workers
+from bench.heartbeat_load import run as heartbeat_run
 from bench.steps import Bench, Clients, parse_cpus, request_steps, sustained, token_steps, wait_port
 from bench.steps import fmt as _fmt
 from common.errors import ConfigError
@@ -218,7 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token-rate steps, requests/s of --stream-tokens tokens each")
     p.add_argument("--stream-tokens", type=int, default=100, help="output tokens per request in the token phase")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in the rate phases (default 16)")
-    p.add_argument("--phases", default="latency,requests,tokens", help="which phases to run")
+    p.add_argument("--phases", default="latency,requests,tokens",
+                   help="which phases to run: latency, requests, tokens (a local cluster) and heartbeats (a router "
+                        "alone, with --workers P+D fake workers registered over real bus connections, each "
+                        "heartbeating every --heartbeat-interval with a new load, no requests: the router's CPU)")
+    p.add_argument("--workers", default="128+128", metavar="P+D",
+                   help="heartbeats phase: prefill + decode workers (default 128+128)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.1, metavar="S",
+                   help="heartbeats phase: seconds between one worker's heartbeats (default 0.1)")
     p.add_argument("--py-spy", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a request step at RATE req/s")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
@@ -261,6 +275,19 @@ def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
     return tab
 
 
+def heartbeat_phase(console: Console, args: argparse.Namespace, workers: tuple[int, int],
+                    router_cpus: list[int]) -> dict[str, Any]:
+    """A router alone with `workers` (prefill, decode) heartbeating and no requests: its CPU."""
+    n_p, n_d = workers
+    console.print(f"heartbeats: one router on CPUs {router_cpus or 'any'}, {n_p}+{n_d} workers every "
+                  f"{args.heartbeat_interval:g} s, {max(args.step, 5.0):g} s window")
+    got = heartbeat_run(n_p, max(args.step, 5.0), {"KAIROS_POLICY": args.policy, "KAIROS_PROFILE": args.profile},
+                        args.heartbeat_interval, decode=n_d, cpus=",".join(map(str, router_cpus)))
+    console.print(f"heartbeats: {got['heartbeats_per_s']:.0f}/s, router {got['router_cores']:.3f} cores, "
+                  f"{got['router_us_per_heartbeat']:.1f} µs per heartbeat")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -270,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         rates, token_rates = _floats(args.rates), _floats(args.token_rates)
         phases = {p.strip() for p in args.phases.split(",") if p.strip()}
-        if not phases <= {"latency", "requests", "tokens"}:
+        if not phases <= {"latency", "requests", "tokens", "heartbeats"}:
             raise ConfigError(f"unknown phase in {args.phases!r}")
+        hb_workers = parse_workers(args.workers)
         all_cpus = sorted(os.sched_getaffinity(0))
         router_cpus = sorted(parse_cpus(args.router_cpus)) if args.router_cpus else []
         other_cpus = sorted(parse_cpus(args.other_cpus)) if args.other_cpus else \
@@ -279,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         console.print(f"[red]kairos bench-router: {e}[/]")
         return 2
+    if "heartbeats" in phases:
+        results_hb = heartbeat_phase(console, args, hb_workers, router_cpus)
+        if phases == {"heartbeats"}:
+            if args.out:
+                Path(args.out).write_text(json.dumps({"heartbeats": results_hb}, indent=2) + "\n")
+                console.print(f"results: {args.out}")
+            return 0
     n_clients = args.clients or max(1, min(8, len(other_cpus)))
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kairos-bench-router-")
     spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
@@ -303,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         "router_cpus": router_cpus, "other_cpus": other_cpus, "step_s": args.step,
         "prompt_tokens": args.prompt_tokens, "stream_tokens": args.stream_tokens,
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {len(all_cpus)} CPUs"}}
+    if "heartbeats" in phases:
+        results["heartbeats"] = results_hb
     clients: Clients | None = None
     tele: Telemetry | None = None
     try:

@@ -61,7 +61,7 @@ from common.policy.base import (
     least_loaded_decode,
 )
 from common.policy.predict import ReplayCache
-from common.policy.prepared import ClusterPrep
+from common.policy.prepared import ClusterPrep, _Prep, _TailEntry
 from common.policy.schedule import (
     INFEASIBLE,
     OK,
@@ -124,16 +124,6 @@ _RATE_TAU_S = 1.0
 # at a time (common/policy/prepared.py); below, rebuilding it on a change costs less
 # (`kairos bench-decision`, BENCHMARKS.md)
 _INCREMENTAL_MIN = 32  # time constant of the dispatch rate behind `share_expect`
-# `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
-# token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
-# the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
-# no schedule exists, the terms of `decode_time(batch + 1, ...)` for a handoff: a0 + a1*(batch + 1),
-# a2, and the GEMM terms)
-_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], BoundTerms, float, bool,
-              tuple[int, int, str], float, tuple[float, float, float]]
-# `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
-# attention sum (`last_step_sums`))
-_TailEntry = tuple[PrefillView, PerfModel, Tail, int, float]
 _by_bound = itemgetter(0, 1)  # (lower bound incl. the wait, worker id): the search order of `decide`
 
 

@@ -15,13 +15,39 @@ from __future__ import annotations
 from bisect import bisect_left
 from itertools import compress
 from operator import is_not, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from common.engines.replay import Tail
 from common.perf_model import PerfModel
 from common.policy.base import ClusterView, DecodeView, PrefillView
+from common.policy.schedule import BoundTerms
 
-if TYPE_CHECKING:
-    from common.policy.kairos import Kairos, _Prep, _TailEntry
+# `Kairos._prep` of one decode view: (view, TBT SLO, model, step budget, busy_until, stale wait,
+# token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
+# the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
+# no schedule exists, the terms of `decode_time(batch + 1, ...)` for a handoff: a0 + a1*(batch + 1),
+# a2, and the GEMM terms)
+_Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], BoundTerms, float, bool,
+              tuple[int, int, str], float, tuple[float, float, float]]
+# `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
+# attention sum (`last_step_sums`))
+_TailEntry = tuple[PrefillView, PerfModel, Tail, int, float]
+
+
+class _Policy(Protocol):
+    """What `ClusterPrep` uses of `Kairos` (common/policy/kairos.py): its settings and its
+    per-worker caches."""
+
+    cfg: Any
+    default_model: PerfModel | None
+    _replay_p: bool
+    _last_tail: dict[str, _TailEntry]
+    _dprep: dict[str, _Prep]
+
+    def _tail_entry(self, p: PrefillView, m: PerfModel, now: float) -> _TailEntry: ...
+
+    def _prep(self, d: DecodeView, slo: float) -> _Prep: ...
+
 
 _INF = float("inf")
 _key0 = itemgetter(0)
@@ -50,7 +76,7 @@ class ClusterPrep:
     __slots__ = ("_at", "_dflag", "_dprep", "_inc", "_k", "_llk", "_models", "_nfull", "_pentry", "_prek",
                  "alive", "dec", "decode", "defl_full", "live", "ll", "monotone", "pre", "prefill", "slo")
 
-    def __init__(self, k: Kairos, view: ClusterView, slo: float, now: float, incremental: bool = True) -> None:
+    def __init__(self, k: _Policy, view: ClusterView, slo: float, now: float, incremental: bool = True) -> None:
         self.prefill, self.decode, self.slo = view.prefill, view.decode, slo
         self._k = k
         self._inc = incremental

@@ -46,7 +46,7 @@ the router did place but that finds the worker's KV full queues on that worker u
 Late binding (Kairos's `late_binding`): a request the policy holds (`Hold`: the prefill queues are
 deep, no decode worker can take it in place) waits in the same queue. Held requests do not block
 the queue: a later arrival is still decided at once, and a retry walks the waiting requests in
-arrival order (up to `LATE_SCAN` of them), stopping at one that waits for KV room. Retries also
+arrival order (up to `wait_queue.SCAN` of them), stopping at one that waits for KV room. Retries also
 run when a prefill worker's shorter queue becomes visible (its next heartbeat) and when a
 deflection's first token frees its slot (the ledger: at once).
 """
@@ -77,6 +77,7 @@ from common.policy.prefix_index import PrefixIndex
 from common.policy.schedule import reserved_step_cost
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
+from common.wait_queue import Outcome, WaitQueue
 from sim.state import DecodeWorker, Level, PrefillWorker, Req, Worker
 from sim.stats import RequestTiming
 
@@ -127,7 +128,6 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
                          straggler_p=self.straggler_p, straggler_factor=self.straggler_factor)
 
 
-LATE_SCAN = 64  # waiting requests one retry decides again at most (late binding; as the router)
 
 
 _STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP, _BEAT = 0, 1, 2, 3, 4, 5
@@ -199,7 +199,8 @@ class Simulation:
         self._error = {w.wid: error.source(i, self._rng) for i, w in enumerate((*self.prefill, *self.decode))}
         self.steps = 0
         self.decision_ns: list[int] = []
-        self._waiting: deque[Req] = deque()  # the router's FIFO of requests waiting for KV room or held
+        # the router's FIFO of requests waiting for KV room or held: the router's own class
+        self._waiting: WaitQueue[Req] = WaitQueue(self.cfg.kv_wait_max)
         self._waiting_kv = 0  # of which waiting for KV room
         self._holding = 0     # of which held by the policy (late binding)
         self._late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
@@ -488,7 +489,7 @@ class Simulation:
         # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
         # not block the queue, so a new arrival is decided at once unless one waits for KV
         if self._waiting_kv or not self._dispatch(r, now):
-            if len(self._waiting) >= self.cfg.kv_wait_max:
+            if self._waiting.full():
                 self._reject(r, f"rejected: {len(self._waiting)} requests already waiting for a worker")
                 return
             self._waiting.append(r)
@@ -503,27 +504,28 @@ class Simulation:
             self._waiting_kv += delta
 
     def _retry(self, now: float) -> None:
-        """Decide the waiting requests again: the first LATE_SCAN, in the policy's `retry_order`
-        (arrival order but with late binding), past the held ones, stopping at the first that
-        still waits for KV room."""
-        q = self._waiting
-        head = list(itertools.islice(q, LATE_SCAN))
+        """Decide the waiting requests again (common/wait_queue.py, as the router): the first
+        `SCAN`, in the policy's `retry_order` (arrival order but with late binding), past the held
+        ones, stopping at the first that still waits for KV room."""
         slo = self.cfg.ttft_slo
         pm, pb = self.model, self.profile.prefill_token_budget
-        for r in head:
-            if self._late is not None and math.isnan(r.latest):
-                r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
-        for i in retry_order(self._late, [r.latest for r in head], now):
-            r = head[i]
+
+        def order(head: list[Req]) -> list[int]:
+            for r in head:
+                if self._late is not None and math.isnan(r.latest):
+                    r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
+            return retry_order(self._late, [r.latest for r in head], now)
+
+        def place(r: Req) -> Outcome:
             self._count_wait(r, -1)
             if self._dispatch(r, now):
-                q.remove(r)
                 r.waited = now - r.arrival
                 self._q_wait.add(now, -1)
-                continue
+                return Outcome.PLACED
             self._count_wait(r, 1)
-            if not r.held:
-                return
+            return Outcome.HELD if r.held else Outcome.NO_ROOM
+
+        self._waiting.retry(order, place)
 
     def _give_up(self, r: Req, now: float) -> bool:
         if r.route is not None or r.rejected:

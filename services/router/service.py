@@ -16,7 +16,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -42,6 +42,7 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
+from common.wait_queue import WaitQueue
 from services.router import membership, metrics, migrate, vllm_metrics, waiting
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
@@ -86,7 +87,8 @@ class Router:
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
-        self.kv_waiting: deque[Request] = deque()  # FIFO of requests waiting for KV room on a decode worker
+        # FIFO of requests waiting for KV room on a decode worker, or held by late binding
+        self.kv_waiting: WaitQueue[Request] = WaitQueue(self.cfg.kv_wait_max)
         # the policy's view work, done when views change rather than in the next decision (`prepare_soon`)
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
@@ -177,7 +179,7 @@ class Router:
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
             self._dispatch(req)
         except NoKvRoom as e:
-            if len(self.kv_waiting) >= self.cfg.kv_wait_max or self.cfg.kv_wait_timeout <= 0:
+            if self.kv_waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 metrics.observe_rejected("no_kv_room")
                 raise Unavailable(f"cannot serve now: {e}, and {len(self.kv_waiting)} requests already wait "

@@ -8,24 +8,22 @@ opened (any worker's heartbeat, a deflection's first token, a request's end): th
 `SCAN` waiting requests, in the policy's `retry_order` (Kairos late binding: first those that can
 still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
 KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the reason in
-the message). The simulator (sim/core.py) runs the same rules.
+the message). The queue and its retry are common/wait_queue.py's, which the simulator
+(sim/core.py) runs too; what is the router's here is how a request is tried and failed.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING
 
 from common.policy import Hold, Kairos, KairosConfig, NoKvRoom, NoWorkers
 from common.policy.kairos import latest_start, retry_order
+from common.wait_queue import Outcome
 
 if TYPE_CHECKING:
     from services.router.requests import Request
     from services.router.service import Router
-
-SCAN = 64  # waiting requests one retry decides again at most (as sim.core.LATE_SCAN)
-
 
 def late_config(router: Router) -> KairosConfig | None:
     p = router.policy
@@ -59,31 +57,34 @@ def retry(router: Router) -> None:
         q.popleft()
     if not q:
         return
-    head = list(itertools.islice(q, SCAN))
     now = time.monotonic()
     late = late_config(router)
-    latest = [latest_start(r.arrival, r.ttft_slo, alone_s(router, len(r.prompt_token_ids))) for r in head] \
-        if late is not None else [0.0] * len(head)
-    for i in retry_order(late, latest, now):
-        req = head[i]
+
+    def order(head: list[Request]) -> list[int]:
+        latest = [latest_start(r.arrival, r.ttft_slo, alone_s(router, len(r.prompt_token_ids))) for r in head] \
+            if late is not None else [0.0] * len(head)
+        return retry_order(late, latest, now)
+
+    def place(req: Request) -> Outcome:
         if req.done:
-            q.remove(req)
-            continue
+            return Outcome.GONE
         try:
             router._dispatch(req)
         except Hold as e:
             req.held, req.wait_reason = True, str(e)
-            continue
+            return Outcome.HELD
         except NoKvRoom as e:
             req.held, req.wait_reason = False, str(e)
-            return
+            return Outcome.NO_ROOM
         except NoWorkers as e:
             q.remove(req)
             router._fail(req, f"no worker can serve it: {e}", code="unavailable")
-            continue
-        q.remove(req)
+            return Outcome.REMOVED
         req.kv_wait_until = 0.0
         req.held = False
+        return Outcome.PLACED
+
+    q.retry(order, place)
 
 
 def expire(router: Router, now: float) -> None:

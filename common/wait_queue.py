@@ -1,0 +1,66 @@
+"""The wait queue of requests that could not be placed yet, as the router runs it and the simulator
+runs it too (services/router/waiting.py, sim/core.py): one class, so the two cannot drift apart.
+
+Two kinds of request wait in it, in arrival order: one that found no decode worker with KV room
+(`held` False), and one the policy holds back (Kairos's late binding, `held` True: the prefill
+queues are deep and no decode worker can prefill it in place now). A request waiting for KV room
+blocks the queue: a new arrival queues behind it (FIFO, nobody overtakes). Held requests do not
+block it. When room may have opened, `retry` decides again the first `scan` waiting requests, in
+the order the caller gives (the policy's `retry_order`), going past held ones and stopping at the
+first that still finds no room. The queue holds at most `limit` requests; what happens to one that
+waits too long is the owner's (the router fails it, the simulator rejects it).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
+
+SCAN = 64  # waiting requests one retry decides again at most
+
+
+class Waiter(Protocol):
+    held: bool  # held by the policy (late binding), not waiting for KV room
+
+
+W = TypeVar("W", bound=Waiter)
+
+
+class Outcome(enum.Enum):
+    """What deciding one waiting request again came to (`WaitQueue.retry`'s `place`)."""
+
+    PLACED = "placed"    # dispatched: out of the queue
+    HELD = "held"        # held again: stays, and the retry goes on past it
+    NO_ROOM = "no_room"  # still no KV room: stays, and the retry stops (nobody overtakes it)
+    GONE = "gone"        # ended meanwhile (aborted, failed): out of the queue
+    REMOVED = "removed"  # `place` took it out of the queue itself: the retry goes on
+
+
+class WaitQueue(deque[W]):
+    """A FIFO deque of waiting requests with the rules above."""
+
+    def __init__(self, limit: int, scan: int = SCAN) -> None:
+        super().__init__()
+        self.limit = limit
+        self.scan = scan
+
+    def full(self) -> bool:
+        """A new request that cannot be placed must be refused: `limit` already wait."""
+        return len(self) >= self.limit
+
+    def retry(self, order: Callable[[list[W]], Iterable[int]], place: Callable[[W], Outcome]) -> None:
+        """Decide the first `scan` waiting requests again: `order(head)` gives the indices into
+        `head` (the requests in queue order) to try, in that order; `place(request)` tries one."""
+        head = list(itertools.islice(self, self.scan))
+        if not head:
+            return
+        for i in order(head):
+            req = head[i]
+            got = place(req)
+            if got is Outcome.PLACED or got is Outcome.GONE:
+                self.remove(req)
+            elif got is Outcome.NO_ROOM:
+                return

@@ -28,7 +28,7 @@ from common import config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
 from common.policy.admission import REJECTED_REASON
-from services.router import membership, migrate, waiting
+from services.router import membership, migrate
 from services.router.requests import Request
 from services.router.service import Router
 
@@ -107,7 +107,7 @@ class Bench:
         tried again, those waiting for KV room past their wait timeout fail (membership.liveness_loop)."""
         migrate.retry_parked(self.r)
         if self.r.kv_waiting:
-            waiting.expire(self.r, time.monotonic() + later_s)
+            self.r.waiting.expire(time.monotonic() + later_s)
 
     def submit(self, prompt: list[int] = PROMPT, sampling: m.Sampling = SAMPLING, **kw: Any) -> Request:
         return self.r.submit(prompt, sampling, **kw)

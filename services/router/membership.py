@@ -20,7 +20,7 @@ import structlog
 from common import codec
 from common import messages as m
 from common.sockets import fingerprint
-from services.router import metrics, migrate, waiting
+from services.router import metrics, migrate
 from services.router.trust import refusal
 from services.router.workers import WorkerEntry
 
@@ -163,7 +163,7 @@ async def liveness_loop(router: Router) -> None:
         migrate.retry_parked(router)
         now = time.monotonic()
         if router.kv_waiting:
-            waiting.expire(router, now)
+            router.waiting.expire(now)
         for req in [r for r in router.requests.values() if now > r.deadline]:
             router._fail(req, f"deadline of {router.cfg.request_timeout:.0f}s exceeded", code="deadline_exceeded")
 

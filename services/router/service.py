@@ -42,12 +42,12 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
-from common.wait_queue import WaitQueue
-from services.router import membership, metrics, migrate, vllm_metrics, waiting
+from services.router import membership, metrics, migrate, vllm_metrics
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
 from services.router.trust import Gate, kv_limit, serving_limit, too_small
+from services.router.waiting import Waiting
 from services.router.workers import LedgerEntry, WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
@@ -87,13 +87,16 @@ class Router:
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
-        # FIFO of requests waiting for KV room on a decode worker, or held by late binding
-        self.kv_waiting: WaitQueue[Request] = WaitQueue(self.cfg.kv_wait_max)
         # the policy's view work, done when views change rather than in the next decision (`prepare_soon`)
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
         self._prepared_at = -1.0  # monotonic time of the last `prepare`
         self.counts: Counter[str] = Counter()
+        # the wait queue (services/router/waiting.py): requests waiting for KV room on a decode
+        # worker, or held by late binding; `kv_waiting` is its FIFO
+        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=lambda req: self._dispatch(req),
+                               fail=lambda req, message, code: self._fail(req, message, code=code))
+        self.kv_waiting = self.waiting.queue
         self._dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -175,7 +178,7 @@ class Router:
         while self.kv_waiting and self.kv_waiting[0].done:  # aborted while waiting
             self.kv_waiting.popleft()
         try:
-            if self.kv_waiting and waiting.blocked(self):
+            if self.kv_waiting and self.waiting.blocked():
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
             self._dispatch(req)
         except NoKvRoom as e:
@@ -184,7 +187,7 @@ class Router:
                 metrics.observe_rejected("no_kv_room")
                 raise Unavailable(f"cannot serve now: {e}, and {len(self.kv_waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
-            waiting.enqueue(self, req, e, now)
+            self.waiting.enqueue(req, e, now)
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
@@ -266,7 +269,7 @@ class Router:
     def _retry_kv_waiting(self) -> None:
         """Decide the waiting requests again (services/router/waiting.py): called on heartbeats,
         a deflection's first token and a request's end, i.e. when room may have opened."""
-        waiting.retry(self)
+        self.waiting.retry()
 
     def _dispatch(self, req: Request, *, rejected: bool = False) -> None:
         """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection

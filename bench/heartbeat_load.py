@@ -2,7 +2,8 @@
 
 Starts one router (no workers of its own), then registers N prefill + N decode fake workers on
 its bus from this process (real DEALER connections, real Hello and heartbeat messages, with
-varying load so every heartbeat changes the worker's view), each heartbeating every 100 ms,
+varying load so every heartbeat changes the worker's view; prefill heartbeats carry the queue's
+backlog and the worker's replay of it, as real ones do), each heartbeating every 100 ms,
 staggered evenly. Measures the router process's CPU (user + system, all threads, from /proc)
 over a window, and prints one JSON object: cores used, heartbeats per second, and CPU per
 heartbeat. With `--env K=V` (repeatable) the router gets extra settings, so two variants can be
@@ -87,8 +88,15 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
             for s, wid, inc in socks:
                 q = rng.randint(0, 20000)
                 if wid.startswith("prefill"):
+                    # as a real prefill worker reports its queue: the backlog and its own replay of it
+                    # (so the router extends that replay instead of replaying the queue itself)
+                    backlog = [(1000, 0)] * (q // 1000) + ([(q % 1000, 0)] if q % 1000 else [])
+                    first = min(q, 8192)
+                    drain = m.QueueDrain(start_s=0.0, chunks=[(first, 0)] if q else [], used=first,
+                                         end_s=0.05 * q / 8192) if q else None
                     msg: m.Msg = m.PrefillHeartbeat(worker_id=wid, incarnation=inc, seq=seq, queued_tokens=q,
-                                                    queued_requests=q // 1000, token_budget=8192)
+                                                    queued_requests=len(backlog), token_budget=8192,
+                                                    backlog=backlog, drain=drain)
                 else:
                     msg = m.DecodeHeartbeat(worker_id=wid, incarnation=inc, seq=seq, batch=q // 500, kv_tokens=q * 10,
                                             kv_free_tokens=10**6 - q * 10, kv_capacity_tokens=10**6,

@@ -17,7 +17,7 @@ from common import messages as m
 from common.engines.base import EngineRequest
 from common.engines.sim import SimEngine, synthetic_token
 from common.perf_model import load_profile
-from services.router import membership, migrate
+from services.router import membership
 from services.router.requests import Event, Request
 from services.router.service import Router
 
@@ -158,7 +158,7 @@ async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bo
     lose(r, "decode-0")
     assert rid in r.parked and not req.done and not drain(req)[int(streamed):]
     membership.on_hello(r, b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
-    migrate.retry_parked(r)
+    r.migration.retry_parked()
     w, work = work_for(sent, rid, 1)
     assert w == "decode-0" and work.resume_tokens == int(streamed) and rid not in r.parked
     assert not req.done
@@ -173,7 +173,7 @@ async def test_parked_too_long_fails_clearly(streamed: bool) -> None:
     if streamed:
         r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
     lose(r, "decode-0")
-    migrate.retry_parked(r)
+    r.migration.retry_parked()
     errors = [ev for ev in drain(req) if ev.error]
     assert len(errors) == 1 and req.done and rid not in r.parked
     assert errors[0].error_code == ("worker_lost_midstream" if streamed else "unavailable")

@@ -28,7 +28,7 @@ from common import config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
 from common.policy.admission import REJECTED_REASON
-from services.router import membership, migrate
+from services.router import membership
 from services.router.requests import Request
 from services.router.service import Router
 
@@ -105,7 +105,7 @@ class Bench:
     def tick(self, later_s: float = 0.0) -> None:
         """What one liveness tick does for waiting requests, `later_s` from now: parked ones are
         tried again, those waiting for KV room past their wait timeout fail (membership.liveness_loop)."""
-        migrate.retry_parked(self.r)
+        self.r.migration.retry_parked()
         if self.r.kv_waiting:
             self.r.waiting.expire(time.monotonic() + later_s)
 

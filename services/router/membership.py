@@ -20,7 +20,7 @@ import structlog
 from common import codec
 from common import messages as m
 from common.sockets import fingerprint
-from services.router import metrics, migrate
+from services.router import metrics
 from services.router.trust import refusal
 from services.router.workers import WorkerEntry
 
@@ -160,7 +160,7 @@ async def liveness_loop(router: Router) -> None:
             log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
                         silent_s=round(time.monotonic() - w.last_seen, 3), holding=len(w.holding))
             worker_gone(router, w, why)
-        migrate.retry_parked(router)
+        router.migration.retry_parked()
         now = time.monotonic()
         if router.kv_waiting:
             router.waiting.expire(now)

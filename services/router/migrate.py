@@ -24,95 +24,108 @@ Parking: when a request loses its worker (streaming or not) and no live worker c
 only other one was lost too, or is restarting under `kairos up`), it waits in `Router.parked`
 for up to `park_timeout` seconds and is dispatched as soon as a worker can take it (checked
 every liveness tick), instead of failing at once.
+
+`Migration` owns the parked requests and reaches the rest of the router only through the
+callbacks it is given (dispatch, finish, fail, cancel on workers, release its reservations).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Callable
 
 import structlog
 
+from common.config import RouterConfig
 from common.policy import NoWorkers
 from services.router import metrics
 from services.router.requests import Request
 
-if TYPE_CHECKING:
-    from services.router.service import Router
-
 log = structlog.get_logger()
 
 
-def resume(router: Router, req: Request, why: str, bad_worker: str | None) -> None:
-    """Settle a request that streamed tokens and lost its decode worker: resume it elsewhere,
-    or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`."""
-    limit = router.cfg.max_migrations
-    lost = f"worker failed after streaming {req.n_out} tokens ({why})"
-    if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
-        router._finish(req, "length")
-        return
-    if req.migrations >= limit:
-        metrics.observe_migration("limit")
-        router._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
-                          f"{limit}); the output is incomplete", code="worker_lost_midstream")
-        return
-    router._cancel_on_workers(req, "migrated")
-    router._release(req)
-    if bad_worker:
-        req.exclude.add(bad_worker)
-    req.attempt += 1
-    req.migrations += 1
-    req.resume_from = req.n_out
-    router.counts["migrated"] += 1
-    try:
+class Migration:
+    """Resuming requests that lost their decode worker, and parking those no worker can take."""
+
+    def __init__(self, cfg: RouterConfig, counts: Counter[str], *, dispatch: Callable[[Request], None],
+                 finish: Callable[[Request, str], None], fail: Callable[[Request, str, str], None],
+                 cancel_on_workers: Callable[[Request, str], None], release: Callable[[Request], None]) -> None:
+        self.cfg, self.counts = cfg, counts
+        self._dispatch, self._finish, self._fail = dispatch, finish, fail
+        self._cancel_on_workers, self._release = cancel_on_workers, release
+        self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
+
+    def resume(self, req: Request, why: str, bad_worker: str | None) -> None:
+        """Settle a request that streamed tokens and lost its decode worker: resume it elsewhere,
+        or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`."""
+        limit = self.cfg.max_migrations
+        lost = f"worker failed after streaming {req.n_out} tokens ({why})"
+        if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
+            self._finish(req, "length")
+            return
+        if req.migrations >= limit:
+            metrics.observe_migration("limit")
+            self._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
+                            f"{limit}); the output is incomplete", "worker_lost_midstream")
+            return
+        self._cancel_on_workers(req, "migrated")
+        self._release(req)
+        if bad_worker:
+            req.exclude.add(bad_worker)
+        req.attempt += 1
+        req.migrations += 1
+        req.resume_from = req.n_out
+        self.counts["migrated"] += 1
         try:
-            router._dispatch(req)
-        except NoWorkers:
-            req.exclude.clear()
-            router._dispatch(req)
-    except NoWorkers as e:
-        metrics.observe_migration("parked")
-        park(router, req, str(e))
-        return
-    metrics.observe_migration("resumed")
-    log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
-                sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
-                route=req.decision.route if req.decision else None)
-
-
-def park(router: Router, req: Request, why: str) -> None:
-    """No live worker can take this (already re-attempted) request now: hold it briefly."""
-    req.parked_until = min(req.deadline, time.monotonic() + router.cfg.park_timeout)
-    router.parked[req.request_id] = req
-    router.counts["parked"] += 1
-    log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out, why=why,
-                timeout_s=router.cfg.park_timeout)
-
-
-def retry_parked(router: Router) -> None:
-    """Dispatch parked requests a worker can take now; fail those parked too long."""
-    if not router.parked:
-        return
-    now = time.monotonic()
-    for rid, req in list(router.parked.items()):
-        if req.done:
-            del router.parked[rid]
-            continue
-        req.exclude.clear()
-        try:
-            router._dispatch(req)
+            try:
+                self._dispatch(req)
+            except NoWorkers:
+                req.exclude.clear()
+                self._dispatch(req)
         except NoWorkers as e:
-            if now < req.parked_until:
+            metrics.observe_migration("parked")
+            self.park(req, str(e))
+            return
+        metrics.observe_migration("resumed")
+        log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
+                    sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
+                    route=req.decision.route if req.decision else None)
+
+    def park(self, req: Request, why: str) -> None:
+        """No live worker can take this (already re-attempted) request now: hold it briefly."""
+        req.parked_until = min(req.deadline, time.monotonic() + self.cfg.park_timeout)
+        self.parked[req.request_id] = req
+        self.counts["parked"] += 1
+        log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out,
+                    why=why, timeout_s=self.cfg.park_timeout)
+
+    def retry_parked(self) -> None:
+        """Dispatch parked requests a worker can take now; fail those parked too long."""
+        parked = self.parked
+        if not parked:
+            return
+        now = time.monotonic()
+        for rid, req in list(parked.items()):
+            if req.done:
+                del parked[rid]
                 continue
-            del router.parked[rid]
-            if req.streamed:
-                metrics.observe_migration("no_worker")
-                router._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
-                                  f"within {router.cfg.park_timeout:g} s ({e}); the output is incomplete",
-                             code="worker_lost_midstream")
-            else:
-                router._fail(req, f"no worker left to retry on within {router.cfg.park_timeout:g} s: {e}",
-                             code="unavailable")
-            continue
-        del router.parked[rid]
-        log.info("request_unparked", request_id=req.request_id, attempt=req.attempt, decode_worker=req.decode_worker)
+            req.exclude.clear()
+            try:
+                self._dispatch(req)
+            except NoWorkers as e:
+                if now < req.parked_until:
+                    continue
+                del parked[rid]
+                if req.streamed:
+                    metrics.observe_migration("no_worker")
+                    self._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
+                                    f"within {self.cfg.park_timeout:g} s ({e}); the output is incomplete",
+                               "worker_lost_midstream")
+                else:
+                    self._fail(req, f"no worker left to retry on within {self.cfg.park_timeout:g} s: {e}",
+                               "unavailable")
+                continue
+            del parked[rid]
+            log.info("request_unparked", request_id=req.request_id, attempt=req.attempt,
+                     decode_worker=req.decode_worker)

@@ -42,7 +42,8 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import membership, metrics, migrate, vllm_metrics
+from services.router import membership, metrics, vllm_metrics
+from services.router.migrate import Migration
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
 from services.router.requests import Event, Request
@@ -86,7 +87,6 @@ class Router:
                                  bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
-        self.parked: dict[str, Request] = {}  # lost their worker with none left to go to (services.router.migrate)
         # the policy's view work, done when views change rather than in the next decision (`prepare_soon`)
         self._prepare = getattr(self.policy, "prepare", None)
         self._prepare_queued = False
@@ -97,6 +97,14 @@ class Router:
         self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=lambda req: self._dispatch(req),
                                fail=lambda req, message, code: self._fail(req, message, code=code))
         self.kv_waiting = self.waiting.queue
+        # mid-stream migration and parking (services/router/migrate.py); `parked`: requests that
+        # lost their worker with none left to go to
+        self.migration = Migration(cfg, self.counts, dispatch=lambda req: self._dispatch(req),
+                                   finish=lambda req, reason: self._finish(req, reason),
+                                   fail=lambda req, message, code: self._fail(req, message, code=code),
+                                   cancel_on_workers=lambda req, why: self._cancel_on_workers(req, why),
+                                   release=lambda req: self._release(req))
+        self.parked = self.migration.parked
         self._dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -435,7 +443,7 @@ class Router:
         if req.done:
             return
         if req.streamed:
-            migrate.resume(self, req, why, bad_worker)  # on another decode worker, or a clear failure
+            self.migration.resume(req, why, bad_worker)  # on another decode worker, or a clear failure
             return
         if req.attempt + 1 >= self.cfg.max_attempts:
             self._fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", code="retries_exhausted")
@@ -462,7 +470,7 @@ class Router:
                 self.kv_waiting.appendleft(req)
                 self.counts["kv_waited"] += 1
             except NoWorkers as e:
-                migrate.park(self, req, str(e))  # until a worker (re)registers, or a clear failure
+                self.migration.park(req, str(e))  # until a worker (re)registers, or a clear failure
 
     # ------------------------------------------------------------------ inbox: work socket
     def _work_send(self, frames: list[bytes]) -> bool:
@@ -723,7 +731,7 @@ class Router:
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1
         except NoWorkers as e:
-            migrate.park(self, req, str(e))
+            self.migration.park(req, str(e))
 
     def _kv_consumed(self, req: Request) -> None:
         """A handed-off request's first token: the decode side has the KV (or gave up on it), so a

@@ -17,7 +17,6 @@ from common import messages as m
 from common.engines.base import EngineRequest
 from common.engines.sim import SimEngine, synthetic_token
 from common.perf_model import load_profile
-from services.router import membership
 from services.router.requests import Event, Request
 from services.router.service import Router
 
@@ -34,7 +33,7 @@ def make_router(policy: str, **overrides: Any) -> tuple[Router, list[tuple[str, 
     sent: list[tuple[str, m.Msg]] = []
     r._send = lambda w, msg: sent.append((w.worker_id, msg))  # type: ignore[method-assign]
     for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
-        membership.on_hello(r, wid.encode(), hello(wid, role))  # type: ignore[arg-type]
+        r.membership.on_hello(wid.encode(), hello(wid, role))  # type: ignore[arg-type]
     sent.clear()  # the Welcomes
     return r, sent
 
@@ -54,7 +53,7 @@ def lose(r: Router, worker: str) -> None:
     """What the liveness loop does when a worker goes silent."""
     w = r.table.remove(worker)
     assert w is not None
-    membership.worker_gone(r, w, "heartbeat timeout")
+    r.membership.worker_gone(w, "heartbeat timeout")
 
 
 def drain(req: Request) -> list[Event]:
@@ -157,7 +156,7 @@ async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bo
     sent.clear()
     lose(r, "decode-0")
     assert rid in r.parked and not req.done and not drain(req)[int(streamed):]
-    membership.on_hello(r, b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
+    r.membership.on_hello(b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
     r.migration.retry_parked()
     w, work = work_for(sent, rid, 1)
     assert w == "decode-0" and work.resume_tokens == int(streamed) and rid not in r.parked

@@ -28,7 +28,6 @@ from common import config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
 from common.policy.admission import REJECTED_REASON
-from services.router import membership
 from services.router.requests import Request
 from services.router.service import Router
 
@@ -100,7 +99,7 @@ class Bench:
         """The liveness loop finds `wid` silent past the liveness window."""
         w = self.r.table.remove(wid)
         assert w is not None
-        membership.worker_gone(self.r, w, "heartbeat timeout")
+        self.r.membership.worker_gone(w, "heartbeat timeout")
 
     def tick(self, later_s: float = 0.0) -> None:
         """What one liveness tick does for waiting requests, `later_s` from now: parked ones are

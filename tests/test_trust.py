@@ -18,7 +18,7 @@ from common import codec, config
 from common import messages as m
 from common.errors import RequestError
 from kairos.up import free_port
-from services.router import membership, metrics
+from services.router import metrics
 from services.router.requests import Request
 from services.router.service import Router
 
@@ -232,7 +232,7 @@ async def test_a_worker_the_router_cannot_reach_is_lost_until_it_says_hello_agai
     assert not router.table.view(use_ledger=True).decode
     reachable.add(b"decode-1")
     frame(router, b"decode-1", hello("decode-1"))
-    loop = asyncio.create_task(membership.liveness_loop(router))
+    loop = asyncio.create_task(router.membership.liveness_loop())
     try:
         for seq in range(1, 30):  # it keeps beating, and is still declared lost
             hb = m.DecodeHeartbeat(worker_id=bad, incarnation="i1", seq=seq, batch=0, kv_tokens=0,

@@ -48,7 +48,7 @@ def test_held_ones_are_passed_over_and_stay_in_place() -> None:
 
 
 def test_gone_leave_and_removed_are_not_removed_twice() -> None:
-    q, rs = queue("a", "b", "c")
+    q, _ = queue("a", "b", "c")
 
     def place(r: R) -> Outcome:
         if r.name == "b":

@@ -38,8 +38,8 @@ def test_patched_view_equals_a_fresh_one() -> None:
             q = rng.randint(0, 20000)
             if e.role == "prefill":
                 hb: m.PrefillHeartbeat | m.DecodeHeartbeat = m.PrefillHeartbeat(
-                    worker_id=e.worker_id, incarnation=e.incarnation, seq=seq, queued_tokens=q, queued_requests=q // 900,
-                    token_budget=2048, last_dispatch=rng.randint(0, e.dispatch_no))
+                    worker_id=e.worker_id, incarnation=e.incarnation, seq=seq, queued_tokens=q,
+                    queued_requests=q // 900, token_budget=2048, last_dispatch=rng.randint(0, e.dispatch_no))
             else:
                 hb = m.DecodeHeartbeat(worker_id=e.worker_id, incarnation=e.incarnation, seq=seq, batch=q // 500,
                                        kv_tokens=q, kv_free_tokens=10**6 - q, kv_capacity_tokens=10**6,

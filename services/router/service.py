@@ -42,7 +42,8 @@ from common.policy.admission import REJECTED_REASON, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
-from services.router import membership, metrics, vllm_metrics
+from services.router import metrics, vllm_metrics
+from services.router.membership import Membership
 from services.router.migrate import Migration
 from services.router.openai_tools import ToolCalling
 from services.router.prefix import RouterPrefix
@@ -116,8 +117,15 @@ class Router:
         self._inbox: Inbox | None = None
         self._opened_at = time.monotonic()
         self.gate = Gate(self.counts)
-        self._workers_joined = asyncio.Event()  # set (and replaced) whenever a worker registers
-        self.asked_hello: dict[str, float] = {}  # worker id -> when it was last asked to Hello again
+        # Hello, Goodbye, heartbeats, liveness and telemetry (services/router/membership.py)
+        self.membership = Membership(
+            cfg=cfg, incarnation=self.incarnation, table=self.table, prefix=self.prefix, gate=self.gate,
+            counts=self.counts, requests=self.requests, waiting=self.waiting, migration=self.migration,
+            dropped=self._dropped, send=lambda w, msg: self._send(w, msg), work_send=lambda f: self._work_send(f),
+            publish=lambda msg: self._publish(msg), fail=lambda req, message, code: self._fail(req, message, code=code),
+            redispatch=lambda req, why, bad: self._redispatch(req, why, bad),
+            retry_waiting=lambda: self._retry_kv_waiting(), prepare_soon=lambda: self.prepare_soon(),
+            drop_frame=lambda *a, **kw: self.drop_frame(*a, **kw), liveness_s=self.liveness_s)
         vllm_metrics.attach(self)  # vLLM's gauges on /metrics read this router
 
     # ------------------------------------------------------------------ lifecycle
@@ -152,8 +160,8 @@ class Router:
             self.bus = None
 
     def loops(self) -> list[tuple[str, Any]]:
-        return [("work", self._work_loop()), ("liveness", membership.liveness_loop(self)),
-                ("telemetry", membership.telemetry_loop(self))]
+        return [("work", self._work_loop()), ("liveness", self.membership.liveness_loop()),
+                ("telemetry", self.membership.telemetry_loop())]
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""
@@ -223,7 +231,7 @@ class Router:
                         metrics.observe_held("timeout")
                     raise
                 held = True
-                joined = self._workers_joined
+                joined = self.membership.workers_joined
                 try:
                     await asyncio.wait_for(joined.wait(), timeout=left)
                 except TimeoutError:
@@ -526,7 +534,7 @@ class Router:
         if isinstance(msg, m.Hello):
             bound = self.bus.key_ids.get(key)
             if bound is not None and bound != msg.worker_id:
-                membership.refuse(self, identity, msg, f"key: the key this worker connected with ({fingerprint(key)}) "
+                self.membership.refuse(identity, msg, f"key: the key this worker connected with ({fingerprint(key)}) "
                                   f"is bound to worker {bound!r}, not {msg.worker_id!r}: give each worker its own key "
                                   "(kairos keys) or set KAIROS_CURVE_KEY_NAME")
                 return False
@@ -539,10 +547,10 @@ class Router:
 
     def _on_work_message(self, identity: bytes, msg: m.RouterInbox) -> None:
         if isinstance(msg, m.Hello):
-            membership.on_hello(self, identity, msg)
+            self.membership.on_hello(identity, msg)
             return
         if isinstance(msg, (m.PrefillHeartbeat, m.DecodeHeartbeat)):
-            membership.on_heartbeat(self, identity, msg)
+            self.membership.on_heartbeat(identity, msg)
             return
         w = self._trusted_sender(identity, msg)
         if w is None:
@@ -559,7 +567,7 @@ class Router:
             case m.KvWant():
                 self._relay(msg, w, to="decode")
             case m.Goodbye():
-                membership.on_goodbye(self, msg, w)
+                self.membership.on_goodbye(msg, w)
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on the work socket")
 

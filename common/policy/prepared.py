@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import compress
-from operator import is_not, itemgetter
+from operator import is_, is_not, itemgetter
 from typing import Any, Protocol
 
 from common.engines.replay import Tail
@@ -103,18 +103,37 @@ class ClusterPrep:
         self._filter()
 
     def _lean(self, view: ClusterView, now: float) -> None:
-        """The same lists without what `update` needs (one pass, fewer allocations)."""
-        pre = [self._pre_entry(i, p, now) for i, p in enumerate(view.prefill)]
-        if self._k._replay_p:
-            pre.sort(key=_key0_1)
+        """The same lists without what `update` needs: one pass with everything in locals (this
+        runs on every change in a small fleet, where a method call per worker shows)."""
+        k = self._k
+        cfg = k.cfg
+        dflt = None if cfg.per_worker_models else k.default_model
+        replay_p = k._replay_p
+        pre: list[tuple[float, int, PrefillView, PerfModel, _TailEntry | None]] = []
+        models = set()
+        if replay_p:
+            tails, entry = k._last_tail, k._tail_entry
+            for i, p in enumerate(view.prefill):
+                m = p.model if dflt is None else dflt
+                e = tails.get(p.worker_id)
+                if e is None or e[0] is not p or e[1] is not m:
+                    e = entry(p, m, now)
+                pre.append((e[2].end, i, p, m, e))
+                models.add(id(m))
+            pre.sort()  # by (end, position): positions are unique, so the rest is never compared
+        else:
+            pre = [(-_INF, i, p, p.model if dflt is None else dflt, None) for i, p in enumerate(view.prefill)]
         self.pre = pre
-        models = {id(e[3]) for e in pre}
-        self.monotone = bool(self._k._replay_p and len(models) == 1 and _nonneg(pre[0][3]))
-        max_defl = self._k.cfg.max_deflections
+        self.monotone = bool(replay_p and len(models) == 1 and _nonneg(pre[0][3]))
+        preps, prep_of, slo = k._dprep, k._prep, self.slo
+        max_defl = cfg.max_deflections
         dec, alive, live, ll = [], [], [], []
         full = False
         for d in view.decode:
-            prep = self._decode_prep(d)
+            s = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else slo
+            prep = preps.get(d.worker_id)
+            if prep is None or prep[0] is not d or prep[1] != s:
+                prep = prep_of(d, s)
             ll.append((prep[11], prep))
             if d.deflections >= max_defl:
                 full = True
@@ -124,7 +143,7 @@ class ClusterPrep:
                 alive.append(prep)
                 if not prep[10]:
                     live.append(prep)
-        ll.sort(key=_key0)  # keys end in the unique worker id
+        ll.sort()  # by key, which ends in the unique worker id
         self.ll = [prep for _, prep in ll]
         self.dec, self.alive, self.live, self.defl_full = dec, alive, live, full
 
@@ -186,13 +205,16 @@ class ClusterPrep:
         pre, dec = view.prefill, view.decode
         if len(pre) != len(self.prefill) or len(dec) != len(self.decode):
             return False
+        if not self._inc:  # only the same views in new tuples
+            if all(map(is_, pre, self.prefill)) and all(map(is_, dec, self.decode)):
+                self.prefill, self.decode = pre, dec
+                return True
+            return False
         cp_ = list(compress(range(len(pre)), map(is_not, pre, self.prefill)))
         cd_ = list(compress(range(len(dec)), map(is_not, dec, self.decode)))
         if not (cp_ or cd_):  # the same views in new tuples
             self.prefill, self.decode = pre, dec
             return True
-        if not self._inc:
-            return False
         old_p, old_d = self.prefill, self.decode
         if any(pre[i].worker_id != old_p[i].worker_id for i in cp_) or \
                 any(dec[i].worker_id != old_d[i].worker_id for i in cd_):

@@ -5,6 +5,7 @@ when a deflection is rejected, and the simulator's routers (round-robin, own led
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -288,7 +289,7 @@ def test_router_view_adds_the_deflections_other_routers_sent() -> None:
         router.table.heartbeat(m.DecodeHeartbeat(
             worker_id="decode-0", incarnation="i1", seq=1, batch=0, kv_tokens=0, kv_free_tokens=10**6,
             kv_capacity_tokens=10**6, resident_prefill_tokens=0, deflections=2, strictest_tbt_slo=0.1,
-            token_budget=2048, held=held))
+            token_budget=2048, held=held), time.monotonic())
         e.add_deflection("mine", 0.005, 256, 0.0)  # this router's own record of the second one
         (d,) = router.table.view(use_ledger=True).decode
         assert d.deflections == 2 and d.reserved_step_s == pytest.approx(0.008) and d.reserved_tokens == 768
@@ -438,7 +439,7 @@ def test_router_keeps_a_workers_view_until_it_changes() -> None:
             router.table.heartbeat(m.DecodeHeartbeat(
                 worker_id="decode-0", incarnation="i1", seq=seq, batch=batch, kv_tokens=0, kv_free_tokens=10**6,
                 kv_capacity_tokens=10**6, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
-                token_budget=2048, last_dispatch=seq - 1))
+                token_budget=2048, last_dispatch=seq - 1), time.monotonic())
 
         beat(1, 3)
         v = view()

@@ -6,6 +6,7 @@ work-socket callback with the key ZeroMQ would report, as in tests/test_trust.py
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_late_messages_of_a_recovering_worker_are_routine_and_a_strangers_are_no
             r._on_work_frames([b"decode-0", tokens("decode-0")])  # just started: workers are coming back
             r._opened_at -= 100.0  # later on
             r._on_work_frames([b"stranger", tokens("stranger")])
-            r.table.register(hello("decode-3"), b"decode-3")
+            r.table.register(hello("decode-3"), b"decode-3", time.monotonic())
             r.table.remove("decode-3")  # lost
             r._on_work_frames([b"decode-3", tokens("decode-3")])
         drops = [(e["peer"], e["log_level"]) for e in logs if e["event"] == "message_dropped"]

@@ -284,14 +284,14 @@ def test_router_view_carries_the_workers_drain_on_its_clock() -> None:
     table = WorkerTable(M)
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="prefill-0", role="prefill", incarnation="i",
                        engine="sim", model="x", token_budget=2048, coeffs=M.to_coeffs())
-    entry, _ = table.register(hello, b"id")
+    entry, _ = table.register(hello, b"id", 0.0)
     backlog = [(5000, 1000), (3000, 0)]
     t = drain(M, 2048, 256, 0.05, backlog)
     hb = wire.PrefillHeartbeat(worker_id="prefill-0", incarnation="i", seq=1, queued_tokens=7000, queued_requests=2,
                                token_budget=2048, backlog=backlog, busy_s=0.05, max_batch=256,
                                drain=wire.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end))
     hb = codec_roundtrip(hb)
-    table.heartbeat(hb)
+    table.heartbeat(hb, 0.0)
     entry.next_dispatch(LedgerEntry("r1", 700, 0, deflect=False, at=entry.hb_at + 0.01))
     v1 = table.view(use_ledger=True).prefill[0]
     v2 = table.view(use_ledger=True).prefill[0]

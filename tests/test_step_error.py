@@ -165,18 +165,18 @@ def test_the_router_predicts_each_worker_with_its_measured_bias(correct: bool) -
     from services.router.workers import WorkerTable
 
     table = WorkerTable(MODEL, bias_correction=correct)
-    table.register(_hello("prefill", "prefill-0"), b"p")
-    table.register(_hello("decode", "decode-0"), b"d")
+    table.register(_hello("prefill", "prefill-0"), b"p", 0.0)
+    table.register(_hello("decode", "decode-0"), b"d", 0.0)
 
     def beat(seq: int, bias: float) -> None:
         table.heartbeat(wire.PrefillHeartbeat(worker_id="prefill-0", incarnation="i", seq=seq, queued_tokens=4096,
                                               queued_requests=1, token_budget=2048, step_bias=bias,
                                               drain=wire.QueueDrain(start_s=0.1, chunks=[(2048, 2048)], used=2048,
-                                                                    end_s=0.3)))
+                                                                    end_s=0.3)), float(seq))
         table.heartbeat(wire.DecodeHeartbeat(worker_id="decode-0", incarnation="i", seq=seq, batch=8, kv_tokens=8000,
                                              kv_free_tokens=10**6, kv_capacity_tokens=10**6,
                                              resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=SLO,
-                                             token_budget=2048, step_margin=1.3, step_bias=bias))
+                                             token_budget=2048, step_margin=1.3, step_bias=bias), float(seq))
 
     beat(1, 1.2)
     view = table.view(use_ledger=True)

@@ -10,6 +10,7 @@ capture `_work_send`), only its state and its clients' events.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -238,7 +239,7 @@ async def test_a_worker_the_router_cannot_reach_is_lost_until_it_says_hello_agai
             hb = m.DecodeHeartbeat(worker_id=bad, incarnation="i1", seq=seq, batch=0, kv_tokens=0,
                                    kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
                                    deflections=0, strictest_tbt_slo=None, token_budget=2048)
-            router.table.heartbeat(hb)
+            router.table.heartbeat(hb, time.monotonic())
             await asyncio.sleep(0.02)
             if bad not in router.table.workers:
                 break

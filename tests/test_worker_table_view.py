@@ -31,7 +31,7 @@ def test_patched_view_equals_a_fresh_one() -> None:
             wid = rng.choice([f"{r}-{i}" for r in ("prefill", "decode") for i in range(6)])
             incs[wid] = incs.get(wid, 0) + (rng.random() < 0.5)
             t.register(hello(wid, role="prefill" if wid.startswith("prefill") else "decode",
-                             incarnation=f"i{incs[wid]}"), wid.encode())
+                             incarnation=f"i{incs[wid]}"), wid.encode(), float(step))
         elif act < 0.6:  # a heartbeat
             e = t.workers[rng.choice(ids)]
             seq += 1
@@ -46,7 +46,7 @@ def test_patched_view_equals_a_fresh_one() -> None:
                                        resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
                                        token_budget=2048, last_dispatch=rng.randint(0, e.dispatch_no),
                                        draining=rng.random() < 0.02)
-            t.heartbeat(hb)
+            t.heartbeat(hb, float(step))
         elif act < 0.8:  # a dispatch, maybe a deflection
             e = t.workers[rng.choice(ids)]
             defl = e.role == "decode" and rng.random() < 0.5

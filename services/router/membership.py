@@ -72,7 +72,7 @@ class Membership:
             return
         known = self.table.workers.get(h.worker_id)
         is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
-        entry, old = self.table.register(h, identity)
+        entry, old = self.table.register(h, identity, time.monotonic())
         entry.key = self.gate.key  # under CURVE: the key it registered with, the only one it may speak with
         if old is not None:
             log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
@@ -137,7 +137,7 @@ class Membership:
             self.gate.drop(identity, "heartbeat_from_another_connection", hb)
             return
         try:
-            entry = self.table.heartbeat(hb)
+            entry = self.table.heartbeat(hb, time.monotonic())
         except Exception as e:  # e.g. coefficients no model can be built from
             self.drop_frame("heartbeats", "bad_heartbeat_dropped", worker=hb.worker_id,
                             error=f"{type(e).__name__}: {e}"[:200])
@@ -173,7 +173,7 @@ class Membership:
                 # of that time may still be unread, so judge no worker before reading them
                 log.warning("router_stalled", late_s=round(late, 3))
                 continue
-            for w in self.table.expired(self.liveness_s):
+            for w in self.table.expired(self.liveness_s, now):
                 self.table.remove(w.worker_id)
                 self.prefix.forget(w.worker_id)
                 if w.draining and not w.holding:  # said Goodbye, then went quiet: it left

@@ -1,4 +1,5 @@
 """The router's table of live workers: latest heartbeat + the ledger of work dispatched since.
+It reads no clock: the router passes `now` (its monotonic clock) to what depends on time.
 
 Heartbeats are timed on the router's own monotonic clock. A worker's view for the policy is its
 last heartbeat plus every dispatch the worker had not yet acknowledged in it (heartbeats carry
@@ -11,7 +12,6 @@ sent it, and the view adds the other routers' ones to this router's exact record
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from common import messages as m
@@ -181,9 +181,9 @@ class WorkerTable:
         self._at: dict[str, tuple[bool, int]] = {}  # worker id -> (decode?, position) in `_cv`
         self._dirty: set[WorkerEntry] = set()
 
-    def register(self, hello: m.Hello, identity: bytes) -> tuple[WorkerEntry, WorkerEntry | None]:
-        """Add or refresh a worker. Returns (entry, replaced entry of an older incarnation)."""
-        now = time.monotonic()
+    def register(self, hello: m.Hello, identity: bytes, now: float) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """Add or refresh a worker, `now` on the router's monotonic clock. Returns (entry, replaced
+        entry of an older incarnation)."""
         old = self.workers.get(hello.worker_id)
         if old is not None and old.incarnation == hello.incarnation and old.role == hello.role:
             old.last_seen = now
@@ -200,7 +200,7 @@ class WorkerTable:
         self.workers[hello.worker_id] = entry
         return entry, old
 
-    def heartbeat(self, hb: m.PrefillHeartbeat | m.DecodeHeartbeat) -> WorkerEntry | None:
+    def heartbeat(self, hb: m.PrefillHeartbeat | m.DecodeHeartbeat, now: float) -> WorkerEntry | None:
         e = self.workers.get(hb.worker_id)
         if e is None or e.incarnation != hb.incarnation:
             return None
@@ -208,7 +208,7 @@ class WorkerTable:
             return e  # reordered or duplicate: keep the newer one
         e.hb = hb
         e.heartbeats += 1
-        e.last_seen = e.hb_at = time.monotonic()
+        e.last_seen = e.hb_at = now
         refit = hb.coeffs is not None and self.per_worker_models
         if refit:
             e.base_model = PerfModel.from_coeffs(hb.coeffs)  # type: ignore[arg-type]
@@ -233,8 +233,7 @@ class WorkerTable:
         self._cv = None
         return self.workers.pop(worker_id, None)
 
-    def expired(self, timeout_s: float) -> list[WorkerEntry]:
-        now = time.monotonic()
+    def expired(self, timeout_s: float, now: float) -> list[WorkerEntry]:
         return [e for e in self.workers.values() if e.unreachable or now - e.last_seen > timeout_s]
 
     def view(self, *, use_ledger: bool, exclude: frozenset[str] = frozenset()) -> ClusterView:

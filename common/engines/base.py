@@ -9,7 +9,8 @@ What an engine may or may not do is declared here, with defaults that mean "not 
 the worker calls it plainly: `on_failed` and `on_kv_fallback` (callbacks an engine that never
 fails a request or never loads KV itself simply never calls), `max_model_len` and `block_size`
 (0: no limit, not known), `waiting_kv()` (0), `can_refit` with `refit()` and `predict_with()`
-(no online refit of the step-time model).
+(no online refit of the step-time model), `moves_kv` (False: the worker moves the KV, over the
+configured kv_transport).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Engine(abc.ABC):
     max_model_len: int = 0  # the longest prompt + output it takes (a model's context window); 0: no limit
     block_size: int = 0     # its KV block size in tokens, for the router (Hello.kv_block_tokens); 0: not said
     can_refit: ClassVar[bool] = False  # refit() may return a model: the worker runs its refit loop
+    # the engine hands KV between roles itself (vllm's connector): the worker opens no KV sender or
+    # receiver of its own, and a KvHandle's transport is the engine's name, not cfg.kv_transport
+    moves_kv: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None

@@ -166,10 +166,12 @@ class VllmEngine(Engine):
     docstring. Of the Engine interface's optional parts it calls `on_kv_fallback(request_id, reason)`
     and `on_failed(request_id, attempt, reason, retryable=True)` (a request that cannot complete here;
     retryable=False when vLLM refused the request itself, a ValueError), reports `waiting_kv()`,
-    `max_model_len` and `block_size`, and refits its step-time model (`refit`, `predict_with`)."""
+    `max_model_len` and `block_size`, refits its step-time model (`refit`, `predict_with`) and moves
+    KV between roles itself (`moves_kv`)."""
 
     name = "vllm"
     can_refit = True
+    moves_kv = True
 
     def __init__(self, role: Literal["prefill", "decode"], *, model: str, max_model_len: int = 2048,
                  kv_cache_mib: int = 256, token_budget: int = 512, max_batch: int = 64, default_chunk: int = 0,

@@ -88,7 +88,7 @@ class DecodeWorker(WorkerService):
         return [("kv-deadlines", self._deadline_loop())]
 
     async def setup(self) -> None:
-        if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
+        if self.cfg.kv_transport == "nixl" and not self.engine.moves_kv:
             model = self.engine.coeffs()
             self.rx = receiver_from_config(self.cfg, name=self.worker_id,
                                            profile_bytes_per_token=model.kv_bytes_per_token if model else 1024)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import cast
 
-from bench.loadgen import SSEParser, classify
+from kairos.loadgen import SSEParser, classify
 
 
 @dataclass(slots=True)

@@ -23,8 +23,8 @@ import msgspec
 import numpy as np
 from rich.console import Console
 
-from bench.loadgen import run_loop
 from bench.rawclient import Pool, Result, post
+from kairos.loadgen import run_loop
 from kairos.up import Cluster
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")

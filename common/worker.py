@@ -81,8 +81,7 @@ class WorkerService(abc.ABC):
         self.bus: WorkerBus                # the first router's sockets
         self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0, "refused": 0}
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
-        if hasattr(engine, "on_failed"):  # engines that can fail a request (vllm)
-            engine.on_failed = self._on_engine_failed
+        engine.on_failed = self._on_engine_failed  # called only by engines that fail requests (vllm)
 
     @property
     def refused(self) -> str:
@@ -126,7 +125,7 @@ class WorkerService(abc.ABC):
 
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) this worker's engine takes; 0: no limit."""
-        return int(getattr(self.engine, "max_model_len", 0) or 0)
+        return self.engine.max_model_len
 
     decoder: codec.Decoder[Any]
 
@@ -208,7 +207,7 @@ class WorkerService(abc.ABC):
                        kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
                        coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport,
                        held=held, max_model_len=self.max_model_len(),
-                       **{"kv_block_tokens": int(getattr(self.engine, "block_size", 0) or 0), **self.extra_hello()})
+                       **{"kv_block_tokens": self.engine.block_size, **self.extra_hello()})
 
     async def _hello_loop(self, link: RouterLink) -> None:
         assert link.bus is not None
@@ -281,12 +280,11 @@ class WorkerService(abc.ABC):
         return self.fitted or self.engine.coeffs()
 
     async def _refit_loop(self) -> None:
-        refit = getattr(self.engine, "refit", None)
-        if refit is None or self.cfg.refit_interval <= 0:
+        if not self.engine.can_refit or self.cfg.refit_interval <= 0:
             return
         while True:
             await asyncio.sleep(self.cfg.refit_interval)
-            result = refit()
+            result = self.engine.refit()
             if result is None:
                 continue
             model, mape = result
@@ -295,9 +293,7 @@ class WorkerService(abc.ABC):
                           a2=model.a2, a3=model.a3, a4=model.a4, a5=model.a5)
             if accepted:
                 self.fitted = model.to_coeffs()
-                predict_with = getattr(self.engine, "predict_with", None)
-                if predict_with is not None:  # its step error is measured against what the routers are told
-                    predict_with(model)
+                self.engine.predict_with(model)  # its step error is measured against what the routers are told
 
     def beat_now(self) -> None:
         self._beat_now.set()

@@ -35,10 +35,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.loadgen import LoadConfig, Record, Replay, plot, report, run_loop, run_with_progress
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
+from kairos.loadgen import LoadConfig, Record, Replay, plot, report, run_loop, run_with_progress
 from kairos.up import Cluster, ClusterSpec, error_env, setup_env
 from sim.core import SimConfig, simulate
 from sim.knobs import Setup, add_error_flags, build, error_settings, shipped

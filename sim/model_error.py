@@ -58,7 +58,7 @@ BASELINES = ("chunked-prefill 0P4D 512/512", "conditional-disagg 512")
 
 def command(traffic: str, condition: str, policy: str, out: Path) -> list[str]:
     args = f"{TRAFFIC[traffic]} {CONDITIONS[condition]} {POLICIES[policy]} --out {out} --quiet"
-    return [sys.executable, "-m", "kairos.cli", "sim", *args.split()]
+    return [sys.executable, "-m", "sim.cli", *args.split()]  # `kairos sim`
 
 
 def run(cmd: list[str]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`kairos bench` (bench/loadgen.py): SSE parsing, arrival scheduling, a plain OpenAI server
+"""`kairos bench` (kairos/loadgen.py): SSE parsing, arrival scheduling, a plain OpenAI server
 without Kairos extras (in process), and a short replay end to end against a real local cluster."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.loadgen import LoadConfig, Replay, SSEParser, classify, dispatch, main, report
 from common.traces import TraceRequest
+from kairos.loadgen import LoadConfig, Replay, SSEParser, classify, dispatch, main, report
 from kairos.up import Cluster
 from sim.stats import summarize
 
@@ -209,7 +209,7 @@ async def test_concurrency_bound_is_counted() -> None:
 def test_text_mode_and_chat_need_text() -> None:
     with pytest.raises(Exception, match="chat endpoint takes text"):
         LoadConfig(url="http://x/v1", endpoint="chat")
-    from bench.loadgen import build_body
+    from kairos.loadgen import build_body
 
     body = json.loads(build_body(LoadConfig(url="http://x/v1", prompt_mode="text", endpoint="chat"),
                                  TraceRequest(0.0, 12, 3), 0, None))

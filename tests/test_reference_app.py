@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.loadgen import SSEParser, classify
 from bench.reference_app import app
+from kairos.loadgen import SSEParser, classify
 
 
 async def _call(method: str, path: str, body: bytes) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Online refits: a worker whose engine measures its steps reports the refitted model.
 
-The engine's refit hook returns a scripted sequence of fits; each call records what the
+The engine (the sim engine, declared able to refit) returns a scripted sequence of fits; each call records what the
 heartbeat carried at that moment, which is the outcome of the previous fit (the refit loop
 handles a result before it asks for the next one). So every fit's effect is checked, not only
 the final state.
@@ -21,10 +21,14 @@ GOOD = (PerfModel(a0=0.02, a3=2e-5), 0.05)
 BETTER = (PerfModel(a0=0.03, a3=3e-5), 0.10)
 
 
+class RefittingSim(SimEngine):
+    can_refit = True  # refit() is scripted per test
+
+
 async def heartbeats_after_each(fits: list[tuple[PerfModel, float]]) -> tuple[m.Coeffs | None, list[m.Coeffs | None]]:
     """Run the refit loop over `fits`; the heartbeat's coeffs before any fit and after each one."""
     cfg = config.load(config.WorkerConfig, env={}, overrides={"refit_interval": 0.001, "kv_transport": "modeled"})
-    engine = SimEngine("decode", load_profile("fast"))
+    engine = RefittingSim("decode", load_profile("fast"))
     w = DecodeWorker(cfg, engine)
     seen: list[m.Coeffs | None] = []
     done = asyncio.Event()
@@ -37,7 +41,7 @@ async def heartbeats_after_each(fits: list[tuple[PerfModel, float]]) -> tuple[m.
             return None
         return queue.pop(0)
 
-    engine.refit = refit  # type: ignore[attr-defined]
+    engine.refit = refit  # type: ignore[method-assign]
     before = w.heartbeat().coeffs
     task = asyncio.create_task(w._refit_loop())
     try:
@@ -57,6 +61,20 @@ async def test_a_bad_refit_is_not_used_and_a_good_one_reaches_the_heartbeat() ->
     assert before == engine_coeffs
     assert after[0] == engine_coeffs            # the bad fit changed nothing
     assert after[1] == coeffs_of(GOOD)          # the good one is what the router now sees
+
+
+async def test_an_engine_that_cannot_refit_gets_no_refit_loop() -> None:
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"refit_interval": 0.001, "kv_transport": "modeled"})
+    engine = SimEngine("decode", load_profile("fast"))
+    calls: list[int] = []
+
+    def refit() -> None:
+        calls.append(1)
+
+    engine.refit = refit  # type: ignore[method-assign]
+    w = DecodeWorker(cfg, engine)
+    await asyncio.wait_for(w._refit_loop(), 1)  # returns at once
+    assert calls == []
 
 
 async def test_a_bad_refit_does_not_replace_a_good_one() -> None:

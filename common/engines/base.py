@@ -4,17 +4,27 @@ A worker service owns the sockets; the engine owns the batch. The service calls 
 `abort` and `load`; the engine calls back `on_tokens` (decode role: new tokens of one step)
 and `on_prefilled` (prefill role: a prompt's KV is complete). `run()` is the step loop, a
 task in the service's TaskGroup; it returns when cancelled.
+
+What an engine may or may not do is declared here, with defaults that mean "not supported", and
+the worker calls it plainly: `on_failed` and `on_kv_fallback` (callbacks an engine that never
+fails a request or never loads KV itself simply never calls), `max_model_len` and `block_size`
+(0: no limit, not known), `waiting_kv()` (0), `can_refit` with `refit()` and `predict_with()`
+(no online refit of the step-time model), `moves_kv` (False: the worker moves the KV, over the
+configured kv_transport).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import msgspec
 
 from common.messages import Coeffs, KvHandle, Sampling, TokenItem, TokenLogprobs
+
+if TYPE_CHECKING:
+    from common.perf_model import PerfModel
 
 Mode = Literal["prefill", "handoff", "deflect"]
 
@@ -77,6 +87,8 @@ class PrefixEvents(msgspec.Struct, kw_only=True):
 
 TokensCallback = Callable[[list[TokenItem], float], None]
 PrefilledCallback = Callable[[Prefilled], None]
+KvFallbackCallback = Callable[[str, str], None]  # (request_id, reason)
+FailedCallback = Callable[..., None]             # (request_id, attempt, reason, retryable=True)
 
 
 class Engine(abc.ABC):
@@ -85,10 +97,22 @@ class Engine(abc.ABC):
     token_budget: int
     max_batch: int
     kv_capacity_tokens: int
+    max_model_len: int = 0  # the longest prompt + output it takes (a model's context window); 0: no limit
+    block_size: int = 0     # its KV block size in tokens, for the router (Hello.kv_block_tokens); 0: not said
+    can_refit: ClassVar[bool] = False  # refit() may return a model: the worker runs its refit loop
+    # the engine hands KV between roles itself (vllm's connector): the worker opens no KV sender or
+    # receiver of its own, and a KvHandle's transport is the engine's name, not cfg.kv_transport
+    moves_kv: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None
         self.on_prefilled: PrefilledCallback = lambda p: None
+        # a request that cannot complete here (retryable=False: the request itself is at fault);
+        # never called by an engine that does not fail requests on its own (sim)
+        self.on_failed: FailedCallback = lambda request_id, attempt, reason, retryable=True: None
+        # decode role, an engine that loads a handed-off request's KV itself (vllm): the KV did not
+        # come and the engine prefills the request in place instead
+        self.on_kv_fallback: KvFallbackCallback = lambda request_id, reason: None
 
     async def start(self) -> None:
         """Load weights, allocate caches (may take long; the worker registers only after)."""
@@ -119,6 +143,20 @@ class Engine(abc.ABC):
     def held(self) -> list[str]:
         """Request ids currently held (for drain and hand-back)."""
         return []
+
+    def waiting_kv(self) -> int:
+        """Decode role: handed-off requests the engine holds whose KV has not landed yet (it loads
+        KV itself; DecodeHeartbeat.waiting_kv adds the worker's own). 0 for an engine that does not."""
+        return 0
+
+    def refit(self) -> tuple[PerfModel, float] | None:
+        """Least-squares refit of the step-time model on this engine's recent measured steps: the
+        model and its error on them (MAPE), or None (too few steps, or `can_refit` is False)."""
+        return None
+
+    def predict_with(self, model: PerfModel) -> None:
+        """Measure step error against `model` from now on (a refit the worker accepted and now
+        reports to the routers). Nothing to do for an engine that does not refit."""
 
     def take_prefix_events(self) -> PrefixEvents | None:
         """The prefix cache's changes since the last call, for the worker to summarise to the

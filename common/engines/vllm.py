@@ -74,7 +74,6 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -131,9 +130,6 @@ PROGRESS_THREAD_KEY = "kairos_progress_thread"  # in kv_connector_extra_config, 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide; one engine is created at a time
 _log = klog.get()
 
-KvFallbackCallback = Callable[[str, str], None]
-FailedCallback = Callable[..., None]  # (request_id, attempt, reason, retryable=True)
-
 
 @dataclass(eq=False)
 class _Held:
@@ -167,11 +163,15 @@ class _Held:
 
 class VllmEngine(Engine):
     """AsyncLLM for one role. Construct, `await start()`, run `run()` as a task; see the module
-    docstring. Extra callbacks beyond the Engine interface: `on_kv_fallback(request_id, reason)`
+    docstring. Of the Engine interface's optional parts it calls `on_kv_fallback(request_id, reason)`
     and `on_failed(request_id, attempt, reason, retryable=True)` (a request that cannot complete here;
-    retryable=False when vLLM refused the request itself, a ValueError)."""
+    retryable=False when vLLM refused the request itself, a ValueError), reports `waiting_kv()`,
+    `max_model_len` and `block_size`, refits its step-time model (`refit`, `predict_with`) and moves
+    KV between roles itself (`moves_kv`)."""
 
     name = "vllm"
+    can_refit = True
+    moves_kv = True
 
     def __init__(self, role: Literal["prefill", "decode"], *, model: str, max_model_len: int = 2048,
                  kv_cache_mib: int = 256, token_budget: int = 512, max_batch: int = 64, default_chunk: int = 0,
@@ -207,9 +207,6 @@ class VllmEngine(Engine):
         self.engine_id = engine_id
         self.kv_capacity_tokens = 0  # known after start()
         self.block_size = 0
-
-        self.on_kv_fallback: KvFallbackCallback = lambda request_id, reason: None
-        self.on_failed: FailedCallback = lambda request_id, attempt, reason, retryable=True: None
 
         self._llm: Any = None
         self._held: dict[str, _Held] = {}        # by request_id

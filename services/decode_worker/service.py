@@ -58,8 +58,7 @@ class DecodeWorker(WorkerService):
         self.rx: KvReceiver | None = None
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self.engine.on_tokens = self._on_tokens
-        if hasattr(self.engine, "on_kv_fallback"):  # engines that load KV themselves (vllm)
-            self.engine.on_kv_fallback = self._on_engine_kv_fallback
+        self.engine.on_kv_fallback = self._on_engine_kv_fallback  # engines that load KV themselves call it (vllm)
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0)
 
     # -- heartbeats --------------------------------------------------------------------------
@@ -74,7 +73,7 @@ class DecodeWorker(WorkerService):
             kv_tokens=load.kv_tokens, kv_free_tokens=max(0, load.kv_free_tokens - self._reserved()),
             kv_capacity_tokens=load.kv_capacity_tokens, resident_prefill_tokens=load.resident_prefill_tokens,
             deflections=load.deflections, strictest_tbt_slo=slo, token_budget=self.engine.token_budget,
-            waiting_kv=len(self.pending) + (self.engine.waiting_kv() if hasattr(self.engine, "waiting_kv") else 0),
+            waiting_kv=len(self.pending) + self.engine.waiting_kv(),
             last_dispatch=self.last_dispatch, step_ms_p50=load.step_ms_p50,
             step_ms_max=load.step_ms_max,
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
@@ -89,7 +88,7 @@ class DecodeWorker(WorkerService):
         return [("kv-deadlines", self._deadline_loop())]
 
     async def setup(self) -> None:
-        if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
+        if self.cfg.kv_transport == "nixl" and not self.engine.moves_kv:
             model = self.engine.coeffs()
             self.rx = receiver_from_config(self.cfg, name=self.worker_id,
                                            profile_bytes_per_token=model.kv_bytes_per_token if model else 1024)

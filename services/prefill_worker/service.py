@@ -68,7 +68,7 @@ class PrefillWorker(WorkerService):
             step_bias=load.step_bias)
 
     async def setup(self) -> None:
-        if self.cfg.kv_transport == "nixl" and self.engine.name == "sim":
+        if self.cfg.kv_transport == "nixl" and not self.engine.moves_kv:
             self.tx = sender_from_config(self.cfg, name=self.worker_id)
             # staging for the block size decode workers with this configuration use, before
             # registering: made at the first push instead, it stalled this worker's loop past the
@@ -230,7 +230,7 @@ class PrefillWorker(WorkerService):
             return  # cancelled or re-dispatched meanwhile
         self.work.pop(w.request_id, None)
         self.counters["kv_failures" if error else "kv_transfers"] += 1
-        kv = m.KvHandle(transport=self.cfg.kv_transport if self.engine.name == "sim" else self.engine.name,
+        kv = m.KvHandle(transport=self.engine.name if self.engine.moves_kv else self.cfg.kv_transport,
                         source_worker=self.worker_id, tokens=tokens, nbytes=nbytes,
                         transfer_s=time.monotonic() - t0, params=p.kv_params)
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,

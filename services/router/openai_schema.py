@@ -366,7 +366,7 @@ def chat_prompt(body: ChatBody, tok: Tokenizer, parser: bool = False) -> tuple[l
     if body.continue_final_message and body.add_generation_prompt:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false",
                            param="continue_final_message")
-    tools = template_tools(body, parser)
+    tools = template_tools(body.tools, body.tool_choice, parser)
     kwargs = body.chat_template_kwargs if tools is None else {**(body.chat_template_kwargs or {}), "tools": tools}
     try:
         text = tok.render_chat(flat, add_generation_prompt=body.add_generation_prompt,
@@ -420,12 +420,13 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
 def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, tools: ToolCalling | None = None) -> Plan:
     chat = isinstance(body, ChatBody)
     echo_text = ""
-    grammar = structured(body)
+    grammar = structured(body.structured_outputs, body.response_format)
     tool_plan = None
     skip_special = body.skip_special_tokens
     if isinstance(body, ChatBody):
         ids, text, echo_text = chat_prompt(body, tok, tools is not None)
-        if tools is not None and calls_tools(body):  # vLLM's parser sets the grammar (it keeps response_format's)
+        # vLLM's parser sets the grammar (it keeps response_format's)
+        if tools is not None and calls_tools(body.tools, body.tool_choice):
             tool_plan, grammar, skip_special = tools.plan(msgspec.to_builtins(body))
         prompts, texts = [ids], [text]
         if body.top_logprobs and not body.logprobs:

@@ -1,30 +1,29 @@
 """Structured outputs and tools of an OpenAI request body, as vLLM 0.32.0's server reads them.
 
-- `structured(body)`: `response_format` (`json_object`, `json_schema`) and vLLM's
+- `structured(structured_outputs, response_format)`: `response_format` (`json_object`, `json_schema`) and vLLM's
   `structured_outputs` (json, regex, choice, grammar, json_object, and the whitespace /
   additional-properties options) become the wire's `StructuredOutputs`, which the engine that
   samples applies (the decode worker on both routes: it samples every output token, the first
   included, so the grammar covers the whole output). `response_format` overrides the matching
   constraint of `structured_outputs`, as in vLLM; more than one constraint, or none, is a 400.
   Structural tags are refused by name.
-- `template_tools(body)`: the chat template's `tools`, in the shape vLLM's server passes them
+- `template_tools(tools, tool_choice)`: the chat template's `tools`, in the shape vLLM's server passes them
   (each tool as its pydantic model dumps it). Kairos has no tool-call parser, so, exactly as vLLM's
   server started without `--tool-call-parser`, `tool_choice` "auto" (the default when tools are
   given), "required" and a named function are refused with a 400; "none" renders the tools and
   returns plain content.
+
+It reads only the fields it is given, not the request bodies of openai_schema (which calls it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from common import messages as m
 from common.errors import RequestError
-
-if TYPE_CHECKING:
-    from services.router.openai_schema import ChatBody, CompletionBody
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
@@ -105,21 +104,23 @@ def _from_response_format(rf: dict[str, Any]) -> dict[str, Any]:
     return {"json": _json.encode(schema).decode()}
 
 
-def structured(body: CompletionBody | ChatBody) -> m.StructuredOutputs | None:
-    """The grammar this request's output must follow, or None. RequestError (400) names the field."""
+def structured(structured_outputs: dict[str, Any] | None,
+               response_format: dict[str, Any] | None) -> m.StructuredOutputs | None:
+    """The grammar a request's output must follow (its body's `structured_outputs` and
+    `response_format`), or None. RequestError (400) names the field."""
     fields: dict[str, Any] = {}
-    if body.structured_outputs is not None:
-        fields = _from_structured_outputs(body.structured_outputs)
-    if body.response_format is not None:
-        override = _from_response_format(body.response_format)
+    if structured_outputs is not None:
+        fields = _from_structured_outputs(structured_outputs)
+    if response_format is not None:
+        override = _from_response_format(response_format)
         if override:
             fields.update(override)
-    elif body.structured_outputs is None:
+    elif structured_outputs is None:
         return None
-    if body.structured_outputs is None and not fields:
+    if structured_outputs is None and not fields:
         return None  # response_format text
     count = sum(fields.get(k) is not None for k in _CONSTRAINTS)
-    param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    param = "structured_outputs" if structured_outputs is not None else "response_format"
     if count > 1:
         raise _bad("You can only use one kind of structured outputs constraint but several are set "
                    f"({', '.join(k for k in _CONSTRAINTS if fields.get(k) is not None)})", param)
@@ -132,16 +133,19 @@ _TOOL_PARSER = ("Kairos has no tool-call parser (as vLLM's server without --tool
                 "send tool_choice \"none\" to render the tools and get plain content")
 
 
-def calls_tools(body: ChatBody) -> bool:
-    """Whether the request lets the model call its tools (tool_choice auto, required or named)."""
-    choice = body.tool_choice if body.tool_choice is not None or not body.tools else "auto"
+def calls_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
+    """Whether a chat request's `tools` and `tool_choice` let the model call its tools (tool_choice
+    auto, required or named)."""
+    choice = tool_choice if tool_choice is not None or not tools else "auto"
     return choice is not None and choice != "none"
 
 
-def template_tools(body: ChatBody, parser: bool = False) -> list[dict[str, Any]] | None:
-    """The tools for the chat template (vLLM's shapes), after vLLM's checks of tools/tool_choice.
-    `parser`: the router has a tool-call parser (else tool_choice must be "none")."""
-    tools, choice = body.tools, body.tool_choice
+def template_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
+                   parser: bool = False) -> list[dict[str, Any]] | None:
+    """The tools for the chat template (vLLM's shapes), after vLLM's checks of a chat request's
+    `tools` and `tool_choice`. `parser`: the router has a tool-call parser (else tool_choice must be
+    "none")."""
+    choice = tool_choice
     if tools is not None and not tools:
         raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit the field "
                    "entirely.", "tools")

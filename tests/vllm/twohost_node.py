@@ -52,7 +52,7 @@ async def _main(role: str, model: str) -> None:
                 if not fut.done():
                     fut.set_result(it.finish_reason)
 
-    def on_failed(rid: str, attempt: int, why: str) -> None:
+    def on_failed(rid: str, attempt: int, why: str, retryable: bool = True) -> None:
         if role == "prefill":
             prefilled.put_nowait({"id": rid, "error": why})
 

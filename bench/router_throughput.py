@@ -157,7 +157,7 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
         return {"error": "py-spy not installed (pip install py-spy)"}
     raw = out_dir / "router-pyspy.txt"
     cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "200",
-           "--format", "raw", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
+           "--format", "raw", "--gil", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
     if cpus:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
@@ -249,7 +249,7 @@ def _floats(text: str) -> list[float]:
 def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
     tab = Table(title=title, title_justify="left")
     for col in ("offered/s", "done/s", "tokens/s", "TTFT p50 ms", "p99 ms", "errors", "router CPU",
-                "workers CPU", "clients CPU", "machine CPU", "router us/req", "us/token"):
+                "workers CPU", "clients CPU", "machine CPU", "router us/req", "us/event", "us/out token"):
         tab.add_column(col, justify="right")
     for s in steps:
         tab.add_row(_fmt(s["offered_rate"], digits=0), _fmt(s["completed_rate"], digits=0),
@@ -257,7 +257,7 @@ def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
                     ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0",
                     _fmt(s["router_cpu"], 1, 2), _fmt(s["workers_cpu"], 1, 2), _fmt(s["clients_cpu"], 1, 2),
                     _fmt(s["machine_cpu"], 1, 2), _fmt(s["router_us_per_request"], digits=0),
-                    _fmt(s["router_us_per_token"], digits=1))
+                    _fmt(s["router_us_per_token"], digits=1), _fmt(s.get("router_us_per_output_token"), digits=1))
     return tab
 
 

@@ -228,4 +228,5 @@ def print_summary(console: Console, peers: dict[str, Any]) -> None:
         out_tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
                             for x in m["kairos_over_peer_per_output_token"])
         console.print(f"peer {name}: added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} ms (over the backend "
-                      f"alone); Kairos's CPU per request over its: {req}; per SSE event: {tok}; per output token: {out_tok}")
+                      f"alone); Kairos's CPU per request over its: {req}; per SSE event: {tok}; "
+                      f"per output token: {out_tok}")

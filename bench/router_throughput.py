@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
     p.add_argument("--native", action="store_true", help="py-spy: include native frames (libzmq, uvloop)")
+    p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more environment variable for the router(s), e.g. KAIROS_LOG_REQUESTS=1 (repeatable)")
     p.add_argument("--log-level", default="info",
                    help="services' log level (default info, as deployed: one JSON line per request)")
     p.add_argument("--peers", default="", metavar="NAMES",
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
                                  time_scale=args.time_scale, kv_transport=args.kv_transport, monitor=False,
                                  log_dir=log_dir, log_level=args.log_level,
-                                 router_env={"KAIROS_LIVENESS": str(args.liveness)}, routers=max(1, args.routers))
+                                 router_env={"KAIROS_LIVENESS": str(args.liveness),
+                                             **dict(kv.split("=", 1) for kv in args.router_env)},
+                                 routers=max(1, args.routers))
     cluster = Cluster(spec)
     for name, svc in cluster.services.items():
         cpus = router_cpus if name in spec.router_names else other_cpus

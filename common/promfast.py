@@ -14,7 +14,9 @@ prometheus_client without the attributes it reads gets the plain loop.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 _children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -34,17 +36,12 @@ def observe_many(h: Any, values: Sequence[float]) -> None:
     try:
         bounds, buckets, total = h._upper_bounds, h._buckets, h._sum
     except AttributeError:
+        bounds = None
+    s = sum(values)
+    if bounds is None or s != s:  # NaN among them: observe() counts it in no bucket, bisection would
         for v in values:
             h.observe(v)
         return
-    counts: dict[int, int] = {}
-    s = 0.0
-    last = len(bounds)
-    for v in values:
-        i = bisect_left(bounds, v)
-        if i < last and v == v:  # NaN: observe() counts it in no bucket, only the sum
-            counts[i] = counts.get(i, 0) + 1
-        s += v
     total.inc(s)
-    for i, n in counts.items():
+    for i, n in Counter(map(partial(bisect_left, bounds), values)).items():
         buckets[i].inc(n)

@@ -16,7 +16,9 @@ everything else (workers, load generator processes) to the others, then:
 2. requests: open-loop Poisson request rates (--rates), 1 output token each, so every request
    is a full router round trip with the least streaming.
 3. tokens: rates of requests with --stream-tokens output tokens each (--token-rates), which
-   measures the streamed-token path (TokenBatch in, one SSE event per token out).
+   measures the streamed-token path (TokenBatch in, SSE events out: every token ready for a stream
+   goes out in one event, so `router_us_per_token` is per event and `router_us_per_output_token`
+   per token; a peer relaying the reference app writes one event per token).
 At every step: offered and completed rate, client TTFT p50/p99, and the CPU seconds each
 process used during the step (from /proc, all threads), so a step where the router's CPU is
 pegged is told apart from one where the load generator or the workers ran out of CPU. The sustained

@@ -209,6 +209,7 @@ def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str]
         m["added_ttft_p50_s"] = p_ttft - floor_ttft if p_ttft is not None and floor_ttft is not None else None
         m["kairos_over_peer_per_request"] = _ratios(kairos, m, "requests", "request", rates)
         m["kairos_over_peer_per_token"] = _ratios(kairos, m, "tokens", "token", token_rates)
+        m["kairos_over_peer_per_output_token"] = _ratios(kairos, m, "tokens", "output_token", token_rates)
         out["peers"][name] = m
     return out
 
@@ -224,5 +225,8 @@ def print_summary(console: Console, peers: dict[str, Any]) -> None:
                         for x in m["kairos_over_peer_per_request"])
         tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
                         for x in m["kairos_over_peer_per_token"])
+        out_tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                            for x in m["kairos_over_peer_per_output_token"])
         console.print(f"peer {name}: added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} ms (over the backend "
-                      f"alone); Kairos's CPU per request over its: {req}; per streamed token: {tok}")
+                      f"alone); Kairos's CPU per request over its: {req}; per SSE event: {tok}; "
+                      f"per output token: {out_tok}")

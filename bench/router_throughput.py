@@ -16,7 +16,9 @@ everything else (workers, load generator processes) to the others, then:
 2. requests: open-loop Poisson request rates (--rates), 1 output token each, so every request
    is a full router round trip with the least streaming.
 3. tokens: rates of requests with --stream-tokens output tokens each (--token-rates), which
-   measures the streamed-token path (TokenBatch in, one SSE event per token out).
+   measures the streamed-token path (TokenBatch in, SSE events out: every token ready for a stream
+   goes out in one event, so `router_us_per_token` is per event and `router_us_per_output_token`
+   per token; a peer relaying the reference app writes one event per token).
 At every step: offered and completed rate, client TTFT p50/p99, and the CPU seconds each
 process used during the step (from /proc, all threads), so a step where the router's CPU is
 pegged is told apart from one where the load generator or the workers ran out of CPU. The sustained
@@ -164,7 +166,7 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
         return {"error": "py-spy not installed (pip install py-spy)"}
     raw = out_dir / "router-pyspy.txt"
     cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "200",
-           "--format", "raw", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
+           "--format", "raw", "--gil", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
     if cpus:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
@@ -241,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
     p.add_argument("--native", action="store_true", help="py-spy: include native frames (libzmq, uvloop)")
+    p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more environment variable for the router(s), e.g. KAIROS_LOG_REQUESTS=1 (repeatable)")
     p.add_argument("--log-level", default="info",
                    help="services' log level (default info, as deployed: one JSON line per request)")
     p.add_argument("--peers", default="", metavar="NAMES",
@@ -263,7 +267,7 @@ def _floats(text: str) -> list[float]:
 def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
     tab = Table(title=title, title_justify="left")
     for col in ("offered/s", "done/s", "tokens/s", "TTFT p50 ms", "p99 ms", "errors", "router CPU",
-                "workers CPU", "clients CPU", "machine CPU", "router us/req", "us/token"):
+                "workers CPU", "clients CPU", "machine CPU", "router us/req", "us/event", "us/out token"):
         tab.add_column(col, justify="right")
     for s in steps:
         tab.add_row(_fmt(s["offered_rate"], digits=0), _fmt(s["completed_rate"], digits=0),
@@ -271,7 +275,7 @@ def step_table(title: str, steps: list[dict[str, Any]]) -> Table:
                     ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0",
                     _fmt(s["router_cpu"], 1, 2), _fmt(s["workers_cpu"], 1, 2), _fmt(s["clients_cpu"], 1, 2),
                     _fmt(s["machine_cpu"], 1, 2), _fmt(s["router_us_per_request"], digits=0),
-                    _fmt(s["router_us_per_token"], digits=1))
+                    _fmt(s["router_us_per_token"], digits=1), _fmt(s.get("router_us_per_output_token"), digits=1))
     return tab
 
 
@@ -319,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec.ephemeral(prefill=args.prefill, decode=args.decode, policy=args.policy, profile=args.profile,
                                  time_scale=args.time_scale, kv_transport=args.kv_transport, monitor=False,
                                  log_dir=log_dir, log_level=args.log_level,
-                                 router_env={"KAIROS_LIVENESS": str(args.liveness)}, routers=max(1, args.routers))
+                                 router_env={"KAIROS_LIVENESS": str(args.liveness),
+                                             **dict(kv.split("=", 1) for kv in args.router_env)},
+                                 routers=max(1, args.routers))
     cluster = Cluster(spec)
     for name, svc in cluster.services.items():
         cpus = router_cpus if name in spec.router_names else other_cpus

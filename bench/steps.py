@@ -281,6 +281,12 @@ class Bench:
             "router_idle_cpu": self.idle_cpu,
             "router_us_per_request": 1e6 * busy_cpu / len(ok) if ok else None,
             "router_us_per_token": 1e6 * busy_cpu / tokens if tokens else None,
+            # `tokens` counts SSE events with text, which is tokens only where every event holds one
+            # (the reference app and a peer relaying it); Kairos's router puts every token ready
+            # for a stream in one event, so per output token (each completed request streams
+            # max_tokens: ignore_eos and min_tokens) is the figure that compares with a peer's
+            "output_tokens": len(ok) * max_tokens,
+            "router_us_per_output_token": 1e6 * busy_cpu / (len(ok) * max_tokens) if ok else None,
             "pool_waits": sum(o["pool_waits"] for o in outs), "send_lag_max": max(o["lag_max"] for o in outs),
             "_rows": rows,
         }

@@ -80,6 +80,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    log_requests: Annotated[bool, doc("write the request_done line (route, workers, TTFT, outcome of each "
+                                      "request) at info level; off, only with --log-level debug (the line "
+                                      "is a few percent of the router's CPU per request)")] = False
     kv_wait_timeout: Annotated[float, doc("seconds a request that finds no decode worker with KV room waits for "
                                           "some before HTTP 503 (0: 503 at once)")] = 30.0
     kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from common import messages as m
+from common.promfast import child, observe_many
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -73,7 +74,7 @@ HELD = Counter("kairos_router_held_requests", "Requests held at admission becaus
 
 
 def observe_decision(rec: m.DecisionRecord) -> None:
-    DECISIONS.labels(rec.route, rec.reason).inc()
+    child(DECISIONS, rec.route, rec.reason).inc()
     DECISION_TIME.observe(max(0.0, rec.decision_us) / 1e6)
 
 
@@ -84,15 +85,13 @@ def observe_migration(outcome: str) -> None:
 def observe_request(rec: m.RequestRecord, gaps: Sequence[float] = ()) -> None:
     """A request's end (any outcome); `gaps` are its inter-token gaps in seconds (Request.gaps)."""
     route = rec.route or "none"
-    REQUESTS.labels(route, rec.outcome or "unknown").inc()
+    child(REQUESTS, route, rec.outcome or "unknown").inc()
     if rec.ttft_s is not None:
-        TTFT.labels(route).observe(rec.ttft_s)
+        child(TTFT, route).observe(rec.ttft_s)
     if rec.outcome == "ok":
-        E2E.labels(route).observe(rec.e2e_s)
+        child(E2E, route).observe(rec.e2e_s)
     if gaps:
-        itl = ITL.labels(route)
-        for g in gaps[:MAX_GAPS_OBSERVED]:
-            itl.observe(g)
+        observe_many(child(ITL, route), gaps[:MAX_GAPS_OBSERVED])
 
 
 def kv_reason(error: str) -> str:

@@ -61,6 +61,9 @@ DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of drop
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        # the request_done line: at info level when asked (--log-requests), else at debug level
+        # (written only under --log-level debug; its fields are not even computed otherwise)
+        self._request_line = "info" if cfg.log_requests else "debug" if cfg.log_level.lower() == "debug" else ""
         self.incarnation = uuid.uuid4().hex[:12]
         self.profile = load_profile(cfg.profile)
         try:
@@ -436,15 +439,18 @@ class Router:
         metrics.observe_request(rec, req.gaps)
         vllm_metrics.observe_finished(self.cfg.served_model_name, req, finished_reason)
         metrics.set_in_flight(len(self.requests))
-        log.info("request_done", request_id=req.request_id, client_request_id=req.client_request_id or None,
-                 route=rec.route, reason=rec.reason,
-                 prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
-                 prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
-                 ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,
-                 ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
-                 tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
-                 tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
-                 outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
+        if not self._request_line:
+            return
+        write = log.info if self._request_line == "info" else log.debug
+        write("request_done", request_id=req.request_id, client_request_id=req.client_request_id or None,
+              route=rec.route, reason=rec.reason,
+              prefill_worker=rec.prefill_worker, decode_worker=rec.decode_worker,
+              prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
+              ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,
+              ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
+              tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
+              tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
+              outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
 
     def _redispatch(self, req: Request, why: str, bad_worker: str | None) -> None:
         """Retry a request no token of which reached the client; else fail it clearly."""

@@ -33,6 +33,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from common import messages as m
+from common.promfast import child, observe_many
 
 # The router (services.router.service.Router) and its requests (services.router.requests.Request)
 # are read duck-typed: importing them here would close an import cycle through the service.
@@ -146,31 +147,29 @@ def observe_finished(model: str, req: Request, finished_reason: str | None) -> N
     if finished_reason is None:
         return
     lv = (model, ENGINE)
-    SUCCESS.labels(*lv, finished_reason).inc()
+    child(SUCCESS, *lv, finished_reason).inc()
     n_prompt, n_out = len(req.prompt_token_ids), req.n_out
-    PROMPT_TOKENS.labels(*lv).inc(n_prompt)
-    GEN_TOKENS.labels(*lv).inc(n_out)
-    PROMPT_LEN.labels(*lv).observe(n_prompt)
-    GEN_LEN.labels(*lv).observe(n_out)
-    MAX_GEN.labels(*lv).observe(n_out)
-    MAX_TOKENS.labels(*lv).observe(req.sampling.max_tokens)
+    child(PROMPT_TOKENS, *lv).inc(n_prompt)
+    child(GEN_TOKENS, *lv).inc(n_out)
+    child(PROMPT_LEN, *lv).observe(n_prompt)
+    child(GEN_LEN, *lv).observe(n_out)
+    child(MAX_GEN, *lv).observe(n_out)
+    child(MAX_TOKENS, *lv).observe(req.sampling.max_tokens)
     end = req.last_token_at if req.n_out else 0.0
-    E2E.labels(*lv).observe(max(0.0, time.monotonic() - req.arrival))
+    child(E2E, *lv).observe(max(0.0, time.monotonic() - req.arrival))
     queue = max(0.0, req.decided_at - req.arrival) if req.decided_at else 0.0
     if req.prefill is not None:
         queue += max(0.0, req.prefill.queue_s)
-    QUEUE.labels(*lv).observe(queue)
+    child(QUEUE, *lv).observe(queue)
     if req.first_token_at is None:
         return
     ttft = req.first_token_at - req.arrival
-    TTFT.labels(*lv).observe(max(0.0, ttft))
+    child(TTFT, *lv).observe(max(0.0, ttft))
     prefill = max(0.0, ttft - queue)
     decode = max(0.0, end - req.first_token_at)
-    PREFILL.labels(*lv).observe(prefill)
-    DECODE.labels(*lv).observe(decode)
-    INFERENCE.labels(*lv).observe(prefill + decode)
+    child(PREFILL, *lv).observe(prefill)
+    child(DECODE, *lv).observe(decode)
+    child(INFERENCE, *lv).observe(prefill + decode)
     if n_out > 1:
-        TPOT.labels(*lv).observe(decode / (n_out - 1))
-    itl = ITL.labels(*lv)
-    for g in req.gaps[:MAX_GAPS_OBSERVED]:
-        itl.observe(g)
+        child(TPOT, *lv).observe(decode / (n_out - 1))
+    observe_many(child(ITL, *lv), req.gaps[:MAX_GAPS_OBSERVED])

@@ -1,0 +1,73 @@
+"""What the router's per-request bookkeeping was made cheaper with (issue 26) still does what it did:
+the one-pass histogram observation gives prometheus_client's own counts, cached label children
+are the metric's children, and the request_done line is written when asked and only then."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from prometheus_client import CollectorRegistry, Histogram
+from structlog.testing import capture_logs
+
+from common.promfast import child, observe_many
+from tests.test_router_pins import Bench
+
+
+def _series(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for mf in reg.collect() for s in mf.samples
+            if not s.name.endswith("_created")}
+
+
+def test_observe_many_counts_as_observe_does() -> None:
+    rng = random.Random(7)
+    bounds = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
+    values = [rng.choice([0.0, 0.001, 0.0025, 1.0, 5.0, -1.0, rng.random() * 0.02, rng.expovariate(100)])
+              for _ in range(3000)] + [math.nan]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("gap", "gaps", ["route"], buckets=bounds, registry=one)
+    h2 = Histogram("gap", "gaps", ["route"], buckets=bounds, registry=many)
+    for v in values:
+        h1.labels("deflect").observe(v)
+    observe_many(child(h2, "deflect"), values[:1000])
+    observe_many(child(h2, "deflect"), values[1000:])
+    observe_many(child(h2, "deflect"), [])
+    a, b = _series(one), _series(many)
+    assert a.keys() == b.keys()
+    for k in a:
+        if k[0] == "gap_sum":  # NaN in both (the loop observes NaN; so does observe_many then)
+            assert math.isnan(a[k]) and math.isnan(b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def test_child_is_the_metrics_own() -> None:
+    h = Histogram("x", "x", ["a", "b"], registry=CollectorRegistry())
+    assert child(h, "1", "2") is h.labels("1", "2")
+    assert child(h, "1", "2") is child(h, "1", "2")
+
+
+def _finish_one(b: Bench) -> str:
+    req = b.submit()
+    b.tokens("decode-0", req, [5, 6])
+    b.tokens("decode-0", req, [7], finish="length")
+    return req.request_id
+
+
+def test_request_done_only_when_asked() -> None:
+    quiet = Bench("deflect-all", [("decode-0", 10**6)])
+    with capture_logs() as logs:
+        _finish_one(quiet)
+    assert not [e for e in logs if e["event"] == "request_done"]
+
+    asked = Bench("deflect-all", [("decode-0", 10**6)], log_requests=True)
+    with capture_logs() as logs:
+        rid = _finish_one(asked)
+    done = [e for e in logs if e["event"] == "request_done"]
+    assert len(done) == 1 and done[0]["log_level"] == "info"
+    assert done[0]["request_id"] == rid and done[0]["output_tokens"] == 3 and done[0]["outcome"] == "ok"
+
+    debug = Bench("deflect-all", [("decode-0", 10**6)], log_level="debug")
+    with capture_logs() as logs:
+        _finish_one(debug)
+    assert [e["log_level"] for e in logs if e["event"] == "request_done"] == ["debug"]

@@ -87,7 +87,13 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         def all_up() -> bool:
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
-            active = httpx.get(url + "/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
+            try:
+                r = httpx.get(url + "/api/v1/targets", timeout=2)
+            except httpx.TransportError:  # not listening yet
+                return False
+            if r.status_code != 200:  # starting: "Service Unavailable" until its storage is ready
+                return False
+            active = r.json()["data"]["activeTargets"]
             return len(active) == len(targets) and all(t["health"] == "up" for t in active)
         wait_until(all_up, 30, "Prometheus to scrape every router, worker and the monitor")
         yield url

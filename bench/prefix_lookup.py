@@ -1,5 +1,5 @@
 """The router's per-request prefix-index cost: hashing a prompt's token ids into blocks and
-finding, per worker, the longest cached prefix (`services/router/prefix.py`, `RouterPrefix.lookup`).
+finding, per worker, the longest cached prefix (`common/router_core/prefix.py`, `RouterPrefix.lookup`).
 
     python -m bench.prefix_lookup [--blocks 16] [--workers 4] [--prompts 50]
 
@@ -17,7 +17,7 @@ import time
 
 from common import messages as m
 from common.prefix_hash import block_hashes
-from services.router.prefix import RouterPrefix
+from common.router_core.prefix import RouterPrefix
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ from common.sockets import WorkerBus, send_nowait
 REFUSED_RETRY_S = 5.0
 REDIAL_AFTER = 3  # unanswered Hellos (1 s apart) before the work connection is dropped and dialled again
 
-# what to do about a refusal, by the reason's first word (services/router/trust.py, service.py)
+# what to do about a refusal, by the reason's first word (common/router_core/trust.py, service.py)
 _REFUSAL_FIX = {
     "": "make this worker's engine, model and KV transport match the cluster's",
     "key": "give this worker the key named after its id (kairos keys DIR --add --workers ID, then restart the "

@@ -18,12 +18,12 @@ from common.perf_model import PerfModel, load_profile, save_profile
 from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
 from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, decide_without
 from common.policy.schedule import reserved_step_cost
+from common.router_core.workers import LedgerEntry
 from common.traces import TraceRequest
 from kairos.up import Cluster
 from services.decode_worker.service import DecodeWorker
 from services.router import metrics
 from services.router.service import Router
-from services.router.workers import LedgerEntry
 from sim.core import SimConfig, simulate
 from sim.stats import summarize
 from tests.conftest import start_cluster
@@ -256,7 +256,7 @@ async def test_router_sends_a_rejected_deflection_down_the_disaggregated_path(
     frame(router, b"decode-0", m.TokenBatch(worker_id="decode-0", items=[m.TokenItem(req.request_id, 0, [5, 6],
                                                                                       "length")]))
     assert req.done and req.outcome == "ok"
-    assert req.record().reason == REJECTED_REASON
+    assert req.record(0.0).reason == REJECTED_REASON
 
 
 async def test_router_tries_another_decode_worker_before_the_disaggregated_path(

@@ -21,11 +21,11 @@ import pytest
 
 from common import messages as m
 from common.config import RouterConfig
+from common.router_core.requests import Event, Request
 from common.tokenizer import SimpleTokenizer
 from kairos.up import Cluster
 from services.router import openai_schema as schema
 from services.router.openai_render import Choice
-from services.router.requests import Event, Request
 from tests.conftest import start_cluster
 
 MSGS = [{"role": "user", "content": "hello there"}]

@@ -114,7 +114,7 @@ def test_late_messages_of_a_recovering_worker_are_routine_and_a_strangers_are_no
 
         with structlog.testing.capture_logs() as logs:
             r._on_work_frames([b"decode-0", tokens("decode-0")])  # just started: workers are coming back
-            r._opened_at -= 100.0  # later on
+            r.core.opened_at -= 100.0  # later on
             r._on_work_frames([b"stranger", tokens("stranger")])
             r.table.register(hello("decode-3"), b"decode-3", time.monotonic())
             r.table.remove("decode-3")  # lost

@@ -1,8 +1,9 @@
 """Mid-stream migration at the router: a request whose decode worker dies after streaming
 tokens continues on another one, and the client's stream has every token once, in order.
 
-The router runs without sockets (its sends are captured); the second decode worker's engine is
-a real SimEngine fed the router's DecodeWork, so the continuation is the engine's own.
+The router core runs without sockets or clock (its sends are captured, time is passed in); the
+second decode worker's engine is a real SimEngine fed the router's DecodeWork, so the
+continuation is the engine's own.
 """
 
 from __future__ import annotations
@@ -12,30 +13,23 @@ from typing import Any
 
 import pytest
 
-from common import config
 from common import messages as m
 from common.engines.base import EngineRequest
 from common.engines.sim import SimEngine, synthetic_token
 from common.perf_model import load_profile
-from services.router.requests import Event, Request
-from services.router.service import Router
+from common.router_core.core import RouterCore
+from common.router_core.requests import Event, Request
+from tests.router_fakes import hello, make_core
+
+NOW = 1000.0  # the router core's time in these tests (it reads no clock)
 
 
-def hello(worker_id: str, role: m.Role) -> m.Hello:
-    return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=worker_id, role=role, incarnation=f"inc-{worker_id}",
-                   engine="sim", model="kairos-sim", token_budget=2048, kv_capacity_tokens=100_000,
-                   max_batch=64)
-
-
-def make_router(policy: str, **overrides: Any) -> tuple[Router, list[tuple[str, m.Msg]]]:
-    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": policy, "profile": "fast", **overrides})
-    r = Router(cfg)
-    sent: list[tuple[str, m.Msg]] = []
-    r._send = lambda w, msg: sent.append((w.worker_id, msg))  # type: ignore[method-assign]
+def make_router(policy: str, **overrides: Any) -> tuple[RouterCore, list[tuple[str, m.Msg]]]:
+    r, box = make_core(policy, **overrides)
     for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
-        r.membership.on_hello(wid.encode(), hello(wid, role))  # type: ignore[arg-type]
-    sent.clear()  # the Welcomes
-    return r, sent
+        r.on_message(wid.encode(), hello(wid, role), NOW)  # type: ignore[arg-type]
+    box.sent.clear()  # the Welcomes
+    return r, box.sent
 
 
 def work_for(sent: list[tuple[str, m.Msg]], rid: str, attempt: int) -> tuple[str, m.DecodeWork]:
@@ -49,11 +43,11 @@ def tokens(worker: str, rid: str, attempt: int, ids: list[int], finish: str | No
     return m.TokenBatch(worker_id=worker, items=[m.TokenItem(rid, attempt, ids, finish)])
 
 
-def lose(r: Router, worker: str) -> None:
-    """What the liveness loop does when a worker goes silent."""
+def lose(r: RouterCore, worker: str) -> None:
+    """What the liveness tick does when a worker goes silent."""
     w = r.table.remove(worker)
     assert w is not None
-    r.membership.worker_gone(w, "heartbeat timeout")
+    r.membership.worker_gone(w, "heartbeat timeout", NOW)
 
 
 def drain(req: Request) -> list[Event]:
@@ -90,12 +84,12 @@ async def decode_on_sim(work: m.DecodeWork) -> list[m.TokenItem]:
 async def test_a_dead_decode_worker_mid_stream_costs_the_client_nothing(policy: str) -> None:
     r, sent = make_router(policy)
     prompt = list(range(100, 140))
-    req = r.submit(prompt, m.Sampling(max_tokens=10))
+    req = r.submit(prompt, m.Sampling(max_tokens=10), NOW)
     rid = req.request_id
     first, _ = work_for(sent, rid, 0)
     want = [synthetic_token(rid, i) for i in range(10)]
-    r._on_work_message(first.encode(), tokens(first, rid, 0, want[:3]))
-    r._on_work_message(first.encode(), tokens(first, rid, 0, want[3:4]))
+    r.on_message(first.encode(), tokens(first, rid, 0, want[:3]), NOW)
+    r.on_message(first.encode(), tokens(first, rid, 0, want[3:4]), NOW)
     sent.clear()
 
     lose(r, first)
@@ -111,9 +105,9 @@ async def test_a_dead_decode_worker_mid_stream_costs_the_client_nothing(policy: 
     else:
         assert work1.mode == "deflect"
     # the dead worker's late tokens (old attempt) never reach the client
-    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 4)]))
+    r.on_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 4)]), NOW)
     for item in await decode_on_sim(work1):
-        r._on_work_message(second.encode(), m.TokenBatch(worker_id=second, items=[item]))
+        r.on_message(second.encode(), m.TokenBatch(worker_id=second, items=[item]), NOW)
 
     events = drain(req)
     got = [t for ev in events for t in (ev.token_ids or [])]
@@ -121,20 +115,20 @@ async def test_a_dead_decode_worker_mid_stream_costs_the_client_nothing(policy: 
     assert [ev.finish_reason for ev in events if ev.finish_reason] == ["length"]
     assert not [ev for ev in events if ev.error]
     assert req.done and req.outcome == "ok" and req.n_out == 10 and req.migrations == 1
-    rec = req.record()
+    rec = req.record(NOW)
     assert rec.output_tokens == 10 and rec.migrations == 1 and rec.prompt_tokens == len(prompt)
     assert r.counts["migrated"] == 1 and r.counts["completed"] == 1 and not r.counts["failed"]
 
 
 async def test_the_migration_limit_fails_the_request_clearly() -> None:
     r, sent = make_router("deflect-all", max_migrations=1)
-    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8), NOW)
     rid = req.request_id
     first, _ = work_for(sent, rid, 0)
-    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0)]))
+    r.on_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0)]), NOW)
     lose(r, first)
     second, _ = work_for(sent, rid, 1)
-    r._on_work_message(second.encode(), tokens(second, rid, 1, [synthetic_token(rid, 1)]))
+    r.on_message(second.encode(), tokens(second, rid, 1, [synthetic_token(rid, 1)]), NOW)
     lose(r, second)  # a second loss: over the limit of one
     events = drain(req)
     errors = [ev for ev in events if ev.error]
@@ -149,15 +143,15 @@ async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bo
     failed, and goes to the first decode worker that registers."""
     r, sent = make_router("deflect-all")
     lose(r, "decode-1")
-    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8), NOW)
     rid = req.request_id
     if streamed:
-        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+        r.on_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]), NOW)
     sent.clear()
     lose(r, "decode-0")
     assert rid in r.parked and not req.done and not drain(req)[int(streamed):]
-    r.membership.on_hello(b"decode-0", hello("decode-0", "decode"))  # back (a new process under the same id)
-    r.migration.retry_parked()
+    r.on_message(b"decode-0", hello("decode-0", "decode"), NOW)  # back (a new process under the same id)
+    r.tick(NOW)
     w, work = work_for(sent, rid, 1)
     assert w == "decode-0" and work.resume_tokens == int(streamed) and rid not in r.parked
     assert not req.done
@@ -167,12 +161,12 @@ async def test_with_no_decode_worker_left_the_request_waits_for_one(streamed: bo
 async def test_parked_too_long_fails_clearly(streamed: bool) -> None:
     r, _ = make_router("deflect-all", park_timeout=0.0)
     lose(r, "decode-1")
-    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8), NOW)
     rid = req.request_id
     if streamed:
-        r._on_work_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]))
+        r.on_message(b"decode-0", tokens("decode-0", rid, 0, [synthetic_token(rid, 0)]), NOW)
     lose(r, "decode-0")
-    r.migration.retry_parked()
+    r.tick(NOW)
     errors = [ev for ev in drain(req) if ev.error]
     assert len(errors) == 1 and req.done and rid not in r.parked
     assert errors[0].error_code == ("worker_lost_midstream" if streamed else "unavailable")
@@ -181,7 +175,7 @@ async def test_parked_too_long_fails_clearly(streamed: bool) -> None:
 
 async def test_before_the_first_token_it_is_a_plain_redispatch() -> None:
     r, sent = make_router("deflect-all")
-    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8))
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8), NOW)
     first, _ = work_for(sent, req.request_id, 0)
     lose(r, first)
     _, work1 = work_for(sent, req.request_id, 1)
@@ -194,10 +188,10 @@ async def test_a_request_with_a_grammar_is_resumed_with_its_grammar() -> None:
     tokens are output the grammar has to accept first (the vLLM engine's side: tests/vllm)."""
     r, sent = make_router("deflect-all")
     grammar = m.StructuredOutputs(json_object=True)
-    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8, structured=grammar))
+    req = r.submit(list(range(100, 120)), m.Sampling(max_tokens=8, structured=grammar), NOW)
     rid = req.request_id
     first, _ = work_for(sent, rid, 0)
-    r._on_work_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0), synthetic_token(rid, 1)]))
+    r.on_message(first.encode(), tokens(first, rid, 0, [synthetic_token(rid, 0), synthetic_token(rid, 1)]), NOW)
     lose(r, first)
     assert not [ev for ev in drain(req) if ev.error]
     _, work1 = work_for(sent, rid, 1)

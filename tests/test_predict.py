@@ -279,7 +279,7 @@ def test_router_view_carries_the_workers_drain_on_its_clock() -> None:
     reach the policy on the router's clock, as the same objects until the next heartbeat (so the
     replay cache extends them by the ledger instead of starting over)."""
     from common import messages as wire
-    from services.router.workers import LedgerEntry, WorkerTable
+    from common.router_core.workers import LedgerEntry, WorkerTable
 
     table = WorkerTable(M)
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="prefill-0", role="prefill", incarnation="i",

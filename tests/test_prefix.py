@@ -313,7 +313,7 @@ def _hb(worker: str, inc: str, seq: int, stored: list[int] | None = None, remove
 
 
 def test_router_index_follows_heartbeats_and_forgets() -> None:
-    from services.router.prefix import RouterPrefix
+    from common.router_core.prefix import RouterPrefix
 
     rp = RouterPrefix()
     prompt = list(range(20))

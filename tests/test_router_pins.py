@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
-from common import config
+from common import codec, config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
 from common.policy.admission import REJECTED_REASON
-from services.router.requests import Request
+from common.router_core.requests import Request
 from services.router.service import Router
+from tests.router_fakes import Clock, FakeOutbox, hello, make_core
 
 CAP = 300  # KV tokens of a small decode worker: one request of 100 + 100 fits, a second does not
 BIG = 10**6
@@ -41,24 +42,34 @@ BUDGET = 2048  # every worker's token budget (Hello)
 # ------------------------------------------------------------------ the adapter
 
 
+class _Outbox(FakeOutbox):
+    """Also keeps the highest dispatch number sent to each worker (what its heartbeats acknowledge)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dispatched: Counter[str] = Counter()
+
+    def send(self, identity: bytes, msg: m.Msg) -> bool:
+        ok = super().send(identity, msg)
+        if ok and isinstance(msg, m.DecodeWork | m.PrefillWork):
+            wid = identity.decode()
+            self.dispatched[wid] = max(self.dispatched[wid], msg.dispatch)
+        return ok
+
+
 class Bench:
-    """One router, no sockets: its sends to workers are captured; workers are driven by hand."""
+    """One router core, no sockets and no clock: what it sends to workers is captured, workers are
+    driven by hand, and time is `clock.now`, moved by `tick`. The liveness window is long (no
+    worker is declared lost unless a test says so with `lose`)."""
 
     def __init__(self, policy: str, workers: list[tuple[str, int]], **overrides: Any) -> None:
-        cfg = config.load(config.RouterConfig, env={}, overrides={"policy": policy, "profile": "fast", **overrides})
-        self.r = Router(cfg)
-        self.sent: list[tuple[str, m.Msg]] = []
-        self.dispatched: Counter[str] = Counter()  # the highest dispatch number sent to each worker
+        overrides.setdefault("liveness", 10_000)
+        self.out = _Outbox()
+        self.core, _ = make_core(policy, self.out, **overrides)
+        self.clock = Clock()
         self.seq: Counter[str] = Counter()
         self.caps: dict[str, int] = {}
         self.incarnations: dict[str, str] = {}
-
-        def capture(w: Any, msg: m.Msg) -> None:
-            self.sent.append((w.worker_id, msg))
-            if isinstance(msg, m.DecodeWork | m.PrefillWork):
-                self.dispatched[w.worker_id] = max(self.dispatched[w.worker_id], msg.dispatch)
-
-        self.r._send = capture  # type: ignore[method-assign]
         for wid, cap in workers:
             self.join(wid, cap)
         self.take()  # the Welcomes
@@ -74,12 +85,12 @@ class Bench:
 
     def hear(self, wid: str, msg: m.Msg) -> None:
         """A message from worker `wid`, as its connection hands it over."""
-        self.r._on_work_message(wid.encode(), msg)  # type: ignore[arg-type]
+        self.core.on_message(wid.encode(), msg, self.clock.now)  # type: ignore[arg-type]
 
     def beat(self, wid: str, *, kv_used: int = 0, queued_tokens: int = 0) -> None:
         """A heartbeat that acknowledges every dispatch sent to it; idle unless told otherwise."""
         self.seq[wid] += 1
-        inc, ack = self.incarnations[wid], self.dispatched[wid]
+        inc, ack = self.incarnations[wid], self.out.dispatched[wid]
         if wid.startswith("prefill"):
             self.hear(wid, m.PrefillHeartbeat(worker_id=wid, incarnation=inc, seq=self.seq[wid],
                                               queued_tokens=queued_tokens, queued_requests=int(queued_tokens > 0),
@@ -97,27 +108,24 @@ class Bench:
 
     def lose(self, wid: str) -> None:
         """The liveness loop finds `wid` silent past the liveness window."""
-        w = self.r.table.remove(wid)
+        w = self.core.table.remove(wid)
         assert w is not None
-        self.r.membership.worker_gone(w, "heartbeat timeout")
+        self.core.membership.worker_gone(w, "heartbeat timeout", self.clock.now)
 
     def tick(self, later_s: float = 0.0) -> None:
-        """What one liveness tick does for waiting requests, `later_s` from now: parked ones are
-        tried again, those waiting for KV room past their wait timeout fail (membership.liveness_loop)."""
-        self.r.migration.retry_parked()
-        if self.r.kv_waiting:
-            self.r.waiting.expire(time.monotonic() + later_s)
+        """`later_s` pass, then one liveness tick: parked requests are tried again, those waiting
+        past their wait timeout fail."""
+        self.core.tick(self.clock.advance(later_s))
 
     def submit(self, prompt: list[int] = PROMPT, sampling: m.Sampling = SAMPLING, **kw: Any) -> Request:
-        return self.r.submit(prompt, sampling, **kw)
+        return self.core.submit(prompt, sampling, self.clock.now, **kw)
 
     def take(self) -> list[tuple[str, m.Msg]]:
         """What the router sent since the last call."""
-        out, self.sent = self.sent, []
-        return out
+        return self.out.take()
 
     def stats(self) -> dict[str, Any]:
-        return self.r.stats()
+        return self.core.stats()
 
 
 def work(sent: list[tuple[str, m.Msg]], req: Request | None = None) -> list[tuple[str, str, int]]:
@@ -155,24 +163,33 @@ def waiting_untouched(b: Bench, req: Request) -> None:
 # ------------------------------------------------------------------ no worker
 
 
+def shell(**overrides: Any) -> tuple[Router, list[tuple[str, m.Msg]]]:
+    """The router's shell (admission's wait for a worker is the shell's), its socket replaced by a list."""
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "deflect-all", "profile": "fast", **overrides})
+    r = Router(cfg)
+    sent: list[tuple[str, m.Msg]] = []
+    r._work_send = lambda frames: sent.append((frames[0].decode(), codec.decode_inbox.decode(frames[1]))) or True  # type: ignore[method-assign,func-returns-value]
+    return r, sent
+
+
 async def test_with_no_worker_submit_says_no_worker_yet_and_admit_waits_for_a_hello() -> None:
-    b = Bench("deflect-all", [], worker_wait=5.0)
+    r, sent = shell(worker_wait=5.0)
     with pytest.raises(NoWorkerYet) as e:
-        b.submit()
-    assert e.value.retry_after_s == 1.0 and b.stats()["in_flight"] == 0
-    task = asyncio.create_task(b.r.admit(PROMPT, SAMPLING))
+        r.submit(PROMPT, SAMPLING)
+    assert e.value.retry_after_s == 1.0 and r.stats()["in_flight"] == 0
+    task = asyncio.create_task(r.admit(PROMPT, SAMPLING))
     await asyncio.sleep(0)
     assert not task.done()
-    b.join("decode-0")
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), time.monotonic())
     req = await asyncio.wait_for(task, 2)
-    assert work(b.take(), req) == [("decode-0", "deflect", 0)]
+    assert work(sent, req) == [("decode-0", "deflect", 0)]
 
 
 async def test_with_no_worker_admit_gives_up_after_worker_wait() -> None:
-    b = Bench("deflect-all", [], worker_wait=0.01)
+    r, sent = shell(worker_wait=0.01)
     with pytest.raises(NoWorkerYet):
-        await asyncio.wait_for(b.r.admit(PROMPT, SAMPLING), 2)
-    assert b.stats()["in_flight"] == 0 and not b.take()
+        await asyncio.wait_for(r.admit(PROMPT, SAMPLING), 2)
+    assert r.stats()["in_flight"] == 0 and not sent
 
 
 # ------------------------------------------------------------------ no KV room
@@ -311,7 +328,7 @@ async def test_lost_before_the_first_token_it_is_sent_again_elsewhere_as_a_new_a
     assert second != first and (mode, attempt) == ("deflect", 1)
     assert dw.prompt_token_ids == PROMPT and dw.sampling.max_tokens == 100 and dw.resume_tokens == 0
     b.tokens(second, req, [5, 6], "length")
-    assert client(req) == ([5, 6], ["length"], []) and req.done and req.record().attempts == 2
+    assert client(req) == ([5, 6], ["length"], []) and req.done and req.record(b.clock.now).attempts == 2
 
 
 async def test_a_prefill_worker_lost_before_its_prefill_is_done_sends_both_halves_again() -> None:
@@ -335,7 +352,7 @@ async def test_a_prefill_worker_lost_after_its_prefill_is_done_changes_nothing()
     b.lose("prefill-0")
     assert not b.take()
     b.tokens("decode-0", req, [5], "length")
-    assert client(req) == ([5], ["length"], []) and req.record().attempts == 1
+    assert client(req) == ([5], ["length"], []) and req.record(b.clock.now).attempts == 1
 
 
 async def test_lost_before_the_first_token_with_no_kv_room_elsewhere_it_waits_first_in_line() -> None:
@@ -432,7 +449,7 @@ async def test_lost_mid_stream_it_resumes_elsewhere_and_the_client_sees_one_stre
     assert second is not None
     b.tokens(second, req, [13, 14, 15], "length")
     assert client(req) == ([11, 12, 13, 14, 15], ["length"], [])
-    assert req.done and req.record().migrations == 1 and req.record().output_tokens == 5
+    assert req.done and req.record(b.clock.now).migrations == 1 and req.record(b.clock.now).output_tokens == 5
 
 
 async def test_a_worker_restart_mid_stream_is_a_loss_and_the_old_attempts_tokens_are_cancelled() -> None:

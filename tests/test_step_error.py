@@ -162,7 +162,7 @@ def _hello(role: str, wid: str):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("correct", [True, False])
 def test_the_router_predicts_each_worker_with_its_measured_bias(correct: bool) -> None:
     from common import messages as wire
-    from services.router.workers import WorkerTable
+    from common.router_core.workers import WorkerTable
 
     table = WorkerTable(MODEL, bias_correction=correct)
     table.register(_hello("prefill", "prefill-0"), b"p", 0.0)

@@ -18,10 +18,11 @@ import pytest
 from common import codec, config
 from common import messages as m
 from common.errors import RequestError
+from common.router_core.requests import Request
 from kairos.up import free_port
 from services.router import metrics
-from services.router.requests import Request
 from services.router.service import Router
+from tests.router_fakes import Clock, make_core
 
 SAMPLING = m.Sampling(max_tokens=4, ignore_eos=True)
 
@@ -177,10 +178,10 @@ async def test_a_handler_error_fails_one_request_not_the_router(router: Router, 
     bad = router.submit([1, 2], SAMPLING)
     good = router.submit([3, 4], SAMPLING)
 
-    def boom(p: m.PrefillDone, w: object) -> None:
+    def boom(p: m.PrefillDone, w: object, now: float) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(router, "_on_prefill_done", boom)
+    monkeypatch.setattr(router.core.inbound, "_on_prefill_done", boom)
     kv = m.KvHandle(transport="modeled", source_worker="decode-0", tokens=2)
     frame(router, b"decode-0", m.PrefillDone(request_id=bad.request_id, attempt=0, worker_id="decode-0", kv=kv,
                                              queue_s=0, prefill_s=0))
@@ -215,42 +216,33 @@ async def test_welcome_names_the_requests_the_router_does_not_track(router: Rout
     assert len(welcome) == 1 and welcome[0].drop == ["from-a-router-before-a-restart"]
 
 
-async def test_a_worker_the_router_cannot_reach_is_lost_until_it_says_hello_again() -> None:
+def test_a_worker_the_router_cannot_reach_is_lost_until_it_says_hello_again() -> None:
     """A send that fails (ZeroMQ: unroutable; e.g. the worker reconnected while its old
     connection lingered) takes the worker out of the view at once; its heartbeats, which still
-    arrive on their own socket, do not keep it alive; the liveness loop declares it lost and
-    re-dispatches its request; a Hello brings it back."""
-    import asyncio
-
-    router = make_router(heartbeat_interval=0.02, liveness=10)  # lost after 0.2 s
-    reachable = {b"decode-0"}
-    router._work_send = lambda frames: frames[0] in reachable  # type: ignore[method-assign]
-    frame(router, b"decode-0", hello("decode-0"))
-    reachable.clear()  # its connection is gone (a new one, if any, is ignored as a duplicate)
-    req = router.submit([1, 2, 3], SAMPLING)
+    arrive on their own socket, do not keep it alive; the liveness tick declares it lost and
+    re-dispatches its request; a Hello brings it back. (The router core, driven with explicit time.)"""
+    core, box = make_core("kairos", heartbeat_interval=0.02, liveness=10)  # lost after 0.2 s
+    clock = Clock()
+    core.on_message(b"decode-0", hello("decode-0"), clock.now)
+    box.unreachable.add("decode-0")  # its connection is gone (a new one, if any, is ignored as a duplicate)
+    req = core.submit([1, 2, 3], SAMPLING, clock.now)
     bad = "decode-0"
-    assert req.decode_worker == bad and router.table.workers[bad].unreachable
-    assert not router.table.view(use_ledger=True).decode
-    reachable.add(b"decode-1")
-    frame(router, b"decode-1", hello("decode-1"))
-    loop = asyncio.create_task(router.membership.liveness_loop())
-    try:
-        for seq in range(1, 30):  # it keeps beating, and is still declared lost
-            hb = m.DecodeHeartbeat(worker_id=bad, incarnation="i1", seq=seq, batch=0, kv_tokens=0,
-                                   kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
-                                   deflections=0, strictest_tbt_slo=None, token_budget=2048)
-            router.table.heartbeat(hb, time.monotonic())
-            await asyncio.sleep(0.02)
-            if bad not in router.table.workers:
-                break
-        assert bad not in router.table.workers
-        assert req.decode_worker == "decode-1" and not req.done  # re-dispatched to the reachable one
-        reachable.add(bad.encode())
-        frame(router, bad.encode(), hello(bad))
-        assert bad in {d.worker_id for d in router.table.view(use_ledger=True).decode}
-    finally:
-        loop.cancel()
-        router.close()
+    assert req.decode_worker == bad and core.table.workers[bad].unreachable
+    assert not core.table.view(use_ledger=True).decode
+    core.on_message(b"decode-1", hello("decode-1"), clock.now)
+    for seq in range(1, 30):  # it keeps beating, and is still declared lost
+        hb = m.DecodeHeartbeat(worker_id=bad, incarnation="i1", seq=seq, batch=0, kv_tokens=0,
+                               kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
+                               deflections=0, strictest_tbt_slo=None, token_budget=2048)
+        core.on_message(bad.encode(), hb, clock.now)
+        core.tick(clock.advance(0.02))
+        if bad not in core.table.workers:
+            break
+    assert bad not in core.table.workers
+    assert req.decode_worker == "decode-1" and not req.done  # re-dispatched to the reachable one
+    box.unreachable.clear()
+    core.on_message(bad.encode(), hello(bad), clock.now)
+    assert bad in {d.worker_id for d in core.table.view(use_ledger=True).decode}
 
 
 async def test_held_request_is_served_when_a_worker_registers(router: Router) -> None:
@@ -305,7 +297,6 @@ def test_forged_token_batch_from_an_unregistered_peer_never_reaches_a_client(
     """End to end: a stream is running; a peer that never registered sends tokens (and an end)
     for it, under the decode worker's name; the client gets exactly its own tokens."""
     import json
-    import time
 
     import httpx
     import zmq
@@ -362,7 +353,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 
 def test_a_drained_worker_is_logged_as_a_departure(live: object) -> None:
-    import time
 
     from kairos.up import Cluster
 

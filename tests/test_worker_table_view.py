@@ -8,7 +8,7 @@ import random
 
 from common import messages as m
 from common.perf_model import load_profile
-from services.router.workers import LedgerEntry, WorkerTable
+from common.router_core.workers import LedgerEntry, WorkerTable
 from tests.test_trust import hello
 
 MODEL = load_profile("fast").model

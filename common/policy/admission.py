@@ -21,7 +21,7 @@ deflections (`decide_without`): another decode worker's deflection (checked ther
 the disaggregated path. The live decode worker (services/decode_worker) and the simulator
 (sim/core.py) call the same functions. Decode heartbeats also list the deflections a worker
 holds and which router sent each, so that a router's view counts the other routers' ones too
-(services/router/workers.py); admission covers what a heartbeat has not shown yet.
+(common/router_core/workers.py); admission covers what a heartbeat has not shown yet.
 
 A deflection that carries no budget (0: an older router, or a policy that plans none, such as
 deflect-all) is admitted unchecked, as before.

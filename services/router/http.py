@@ -42,15 +42,15 @@ import msgspec
 import structlog
 
 from common.errors import Overloaded, RequestError, Unavailable
+from common.router_core.requests import Event, Request
+from common.router_core.trust import serving_limit
 from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router import openapi
 from services.router.errors import error_object
 from services.router.openai_render import Choice
-from services.router.requests import Event, Request
 from services.router.service import Router
-from services.router.trust import serving_limit
 
 try:
     KAIROS_VERSION = importlib.metadata.version("kairos-serving")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from common import messages as m
+from common.router_core.requests import Event, Request
 from common.tokenizer import Tokenizer
 from services.router.openai_schema import Plan
-from services.router.requests import Event, Request
 
 _FLOOR = -9999.0  # vLLM clamps -inf logprobs to this for JSON
 

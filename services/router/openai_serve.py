@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 
+from common.router_core.requests import Event
 from services.router.errors import error_object
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
 from services.router.openai_tools import ToolStream
-from services.router.requests import Event
 from services.router.service import Router
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]

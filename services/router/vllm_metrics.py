@@ -35,7 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from common import messages as m
 from common.promfast import child, observe_many
 
-# The router (services.router.service.Router) and its requests (services.router.requests.Request)
+# The router (services.router.service.Router) and its requests (common.router_core.requests.Request)
 # are read duck-typed: importing them here would close an import cycle through the service.
 Router = Any
 Request = Any

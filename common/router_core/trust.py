@@ -16,9 +16,9 @@ import structlog
 
 from common import messages as m
 from common.logging import Throttle
+from common.router_core.ports import NULL_METRICS, Metrics
+from common.router_core.workers import WorkerTable
 from common.sockets import fingerprint
-from services.router import metrics
-from services.router.workers import WorkerTable
 
 log = structlog.get_logger()
 
@@ -28,8 +28,9 @@ WARN_EVERY_S = 1.0
 class Gate:
     """Counts and logs dropped messages."""
 
-    def __init__(self, counts: Counter[str]) -> None:
+    def __init__(self, counts: Counter[str], metrics: Metrics = NULL_METRICS) -> None:
         self.counts = counts
+        self.metrics = metrics
         self.dropped: Counter[str] = Counter()
         self._warn = Throttle(WARN_EVERY_S)  # a line per peer and reason per second at most
         self.key: str | None = None  # the CURVE key of the message being handled (None without CURVE)
@@ -39,7 +40,7 @@ class Gate:
         messages while it recovers, which it re-sends or the router re-dispatches anyway)."""
         self.dropped[reason] += 1
         self.counts["dropped_messages"] += 1
-        metrics.observe_dropped(reason)
+        self.metrics.observe_dropped(reason)
         held = self._warn.admit((peer, reason))
         if held is None:
             return

@@ -31,7 +31,6 @@ callbacks it is given (dispatch, finish, fail, cancel on workers, release its re
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -39,8 +38,8 @@ import structlog
 
 from common.config import RouterConfig
 from common.policy import NoWorkers
-from services.router import metrics
-from services.router.requests import Request
+from common.router_core.ports import NULL_METRICS, Metrics
+from common.router_core.requests import Request
 
 log = structlog.get_logger()
 
@@ -48,26 +47,27 @@ log = structlog.get_logger()
 class Migration:
     """Resuming requests that lost their decode worker, and parking those no worker can take."""
 
-    def __init__(self, cfg: RouterConfig, counts: Counter[str], *, dispatch: Callable[[Request], None],
-                 finish: Callable[[Request, str], None], fail: Callable[[Request, str, str], None],
-                 cancel_on_workers: Callable[[Request, str], None], release: Callable[[Request], None]) -> None:
-        self.cfg, self.counts = cfg, counts
+    def __init__(self, cfg: RouterConfig, counts: Counter[str], *, dispatch: Callable[[Request, float], None],
+                 finish: Callable[[Request, str, float], None], fail: Callable[[Request, str, str, float], None],
+                 cancel_on_workers: Callable[[Request, str], None], release: Callable[[Request], None],
+                 metrics: Metrics = NULL_METRICS) -> None:
+        self.cfg, self.counts, self.metrics = cfg, counts, metrics
         self._dispatch, self._finish, self._fail = dispatch, finish, fail
         self._cancel_on_workers, self._release = cancel_on_workers, release
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
 
-    def resume(self, req: Request, why: str, bad_worker: str | None) -> None:
+    def resume(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
         """Settle a request that streamed tokens and lost its decode worker: resume it elsewhere,
         or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`."""
         limit = self.cfg.max_migrations
         lost = f"worker failed after streaming {req.n_out} tokens ({why})"
         if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
-            self._finish(req, "length")
+            self._finish(req, "length", now)
             return
         if req.migrations >= limit:
-            metrics.observe_migration("limit")
+            self.metrics.observe_migration("limit")
             self._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
-                            f"{limit}); the output is incomplete", "worker_lost_midstream")
+                            f"{limit}); the output is incomplete", "worker_lost_midstream", now)
             return
         self._cancel_on_workers(req, "migrated")
         self._release(req)
@@ -79,52 +79,51 @@ class Migration:
         self.counts["migrated"] += 1
         try:
             try:
-                self._dispatch(req)
+                self._dispatch(req, now)
             except NoWorkers:
                 req.exclude.clear()
-                self._dispatch(req)
+                self._dispatch(req, now)
         except NoWorkers as e:
-            metrics.observe_migration("parked")
-            self.park(req, str(e))
+            self.metrics.observe_migration("parked")
+            self.park(req, str(e), now)
             return
-        metrics.observe_migration("resumed")
+        self.metrics.observe_migration("resumed")
         log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
                     sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
                     route=req.decision.route if req.decision else None)
 
-    def park(self, req: Request, why: str) -> None:
+    def park(self, req: Request, why: str, now: float) -> None:
         """No live worker can take this (already re-attempted) request now: hold it briefly."""
-        req.parked_until = min(req.deadline, time.monotonic() + self.cfg.park_timeout)
+        req.parked_until = min(req.deadline, now + self.cfg.park_timeout)
         self.parked[req.request_id] = req
         self.counts["parked"] += 1
         log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out,
                     why=why, timeout_s=self.cfg.park_timeout)
 
-    def retry_parked(self) -> None:
+    def retry_parked(self, now: float) -> None:
         """Dispatch parked requests a worker can take now; fail those parked too long."""
         parked = self.parked
         if not parked:
             return
-        now = time.monotonic()
         for rid, req in list(parked.items()):
             if req.done:
                 del parked[rid]
                 continue
             req.exclude.clear()
             try:
-                self._dispatch(req)
+                self._dispatch(req, now)
             except NoWorkers as e:
                 if now < req.parked_until:
                     continue
                 del parked[rid]
                 if req.streamed:
-                    metrics.observe_migration("no_worker")
+                    self.metrics.observe_migration("no_worker")
                     self._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
                                     f"within {self.cfg.park_timeout:g} s ({e}); the output is incomplete",
-                               "worker_lost_midstream")
+                               "worker_lost_midstream", now)
                 else:
                     self._fail(req, f"no worker left to retry on within {self.cfg.park_timeout:g} s: {e}",
-                               "unavailable")
+                               "unavailable", now)
                 continue
             del parked[rid]
             log.info("request_unparked", request_id=req.request_id, attempt=req.attempt,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from msgspec.structs import replace as msgspec_replace
@@ -77,8 +76,8 @@ class Request:
     n_out: int = 0
     out_ids: list[int] = field(default_factory=list)  # every token id sent to the client, in order
     resume_from: int = 0   # tokens already sent when this attempt was dispatched (a migrated request)
-    migrations: int = 0    # times resumed on another decode worker after streaming (services.router.migrate)
-    parked_until: float = 0.0  # parked (no worker could take it) until then (services.router.migrate)
+    migrations: int = 0    # times resumed on another decode worker after streaming (common.router_core.migrate)
+    parked_until: float = 0.0  # parked (no worker could take it) until then (common.router_core.migrate)
     done: bool = False
     outcome: str = ""
     kv_fallback: bool = False
@@ -105,7 +104,8 @@ class Request:
         return (self.prompt_token_ids + self.out_ids[:self.resume_from],
                 msgspec_replace(self.sampling, max_tokens=self.sampling.max_tokens - self.resume_from))
 
-    def record(self) -> m.RequestRecord:
+    def record(self, now: float, wall_offset: float = 0.0) -> m.RequestRecord:
+        """Its record at its end, `now` (the router's monotonic clock; wall time = now + wall_offset)."""
         d = self.decision
         gaps = sorted(self.gaps)
 
@@ -119,8 +119,8 @@ class Request:
             ttft_s=(self.first_token_at - self.arrival) if self.first_token_at else None,
             ttft_pred_s=(d.ttft_decode_pred if d.route == "deflect" else d.ttft_prefill_pred) if d else None,
             tbt_p50_s=pct(0.5), tbt_p99_s=pct(0.99), tbt_max_s=gaps[-1] if gaps else None,
-            e2e_s=time.monotonic() - self.arrival, outcome=self.outcome, attempts=self.attempt + 1,
-            kv_fallback=self.kv_fallback, migrations=self.migrations, at=time.time(), tbt_gaps_s=self.gaps[:4096],
+            e2e_s=now - self.arrival, outcome=self.outcome, attempts=self.attempt + 1,
+            kv_fallback=self.kv_fallback, migrations=self.migrations, at=now + wall_offset, tbt_gaps_s=self.gaps[:4096],
             kv_bytes=self.prefill.kv.nbytes if self.prefill else 0,
             kv_transfer_s=self.prefill.kv.transfer_s if self.prefill else None, kv_error=self.kv_error,
             prefill_queue_s=self.prefill.queue_s if self.prefill else None,

@@ -14,26 +14,26 @@ the message). The queue and its retry are common/wait_queue.py's, which the simu
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 
 from common.config import RouterConfig
 from common.policy import Hold, Kairos, KairosConfig, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start, retry_order
+from common.router_core.requests import Request
+from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
-from services.router.requests import Request
-from services.router.workers import WorkerTable
 
 
 class Waiting:
     """The router's wait queue with its rules. It owns the queue (`queue`) and reaches the rest of
     the router only through what it is given: the settings, the policy and the worker table (read
-    only), the router's counters, and two callbacks, `dispatch` (decide and send; raises the
-    policy's NoKvRoom/Hold/NoWorkers when it cannot) and `fail` (end a request with an error)."""
+    only), the router's counters, and two callbacks, `dispatch` (decide and send at `now`; raises
+    the policy's NoKvRoom/Hold/NoWorkers when it cannot) and `fail` (end a request with an error)."""
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str], *,
-                 dispatch: Callable[[Request], None], fail: Callable[[Request, str, str], None]) -> None:
+                 dispatch: Callable[[Request, float], None],
+                 fail: Callable[[Request, str, str, float], None]) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
         self._dispatch, self._fail = dispatch, fail
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
@@ -59,14 +59,13 @@ class Waiting:
         self.queue.append(req)
         self.counts["late_held" if req.held else "kv_waited"] += 1
 
-    def retry(self) -> None:
+    def retry(self, now: float) -> None:
         """Decide the waiting requests again (see the module docstring)."""
         q = self.queue
         while q and q[0].done:  # aborted or past its deadline meanwhile
             q.popleft()
         if not q:
             return
-        now = time.monotonic()
         late = self.late_config()
 
         def order(head: list[Request]) -> list[int]:
@@ -78,7 +77,7 @@ class Waiting:
             if req.done:
                 return Outcome.GONE
             try:
-                self._dispatch(req)
+                self._dispatch(req, now)
             except Hold as e:
                 req.held, req.wait_reason = True, str(e)
                 return Outcome.HELD
@@ -87,7 +86,7 @@ class Waiting:
                 return Outcome.NO_ROOM
             except NoWorkers as e:
                 q.remove(req)
-                self._fail(req, f"no worker can serve it: {e}", "unavailable")
+                self._fail(req, f"no worker can serve it: {e}", "unavailable", now)
                 return Outcome.REMOVED
             req.kv_wait_until = 0.0
             req.held = False
@@ -107,7 +106,7 @@ class Waiting:
             if req.held:
                 self._fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout; late binding held it: "
                                 f"{req.wait_reason}); retry later, or add prefill or decode workers",
-                           "kv_wait_timeout")
+                           "kv_wait_timeout", now)
             else:
                 self._fail(req, f"no decode worker had KV room for it within {t:g} s (kv_wait_timeout); retry "
-                                "later, or add decode workers", "kv_wait_timeout")
+                                "later, or add decode workers", "kv_wait_timeout", now)

@@ -1,0 +1,338 @@
+"""The router core: every rule of the router, with no socket and no clock.
+
+It owns the requests in flight and their lifecycle, the worker table with its ledgers, the
+prefix index, the wait queue (waiting.py), parking and migration (migrate.py), membership
+(membership.py), dispatch (dispatch.py) and the trust rules (trust.py). Its entry points take
+the time (`now`, the caller's monotonic clock in seconds):
+
+- `submit(prompt_ids, sampling, now, ...)`: admit a request (or raise the error the client gets);
+- `on_message(identity, msg, now)`: a decoded message from a worker on the work socket;
+- `tick(now)`: liveness, parked and waiting requests, deadlines (every heartbeat interval);
+- `telemetry(now)`: worker states and counters to the monitor (once a second);
+- `abort` / `stop_early` / `fail`: the HTTP layer or the shell ends a request;
+- `prepare(now)`: let the policy prepare the current view ahead of the next decision.
+
+What it sends goes through the `Outbox` it is given, what it counts through `Metrics`, and what
+the shell must do (a request ended, views changed, a worker joined) through `Hooks`
+(ports.py). services/router/service.py is the shell around it: sockets, HTTP, loops, clock,
+signals. Tests drive it with a list for an outbox and explicit times (tests/router_fakes.py).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+from typing import Any
+
+import structlog
+
+from common import messages as m
+from common.config import RouterConfig, parse_list
+from common.errors import ConfigError, NoWorkerYet, Overloaded, ProtocolError, RequestError, Unavailable
+from common.logging import Throttle
+from common.perf_model import Profile, load_profile
+from common.policy import (
+    ConditionalConfig,
+    Hold,
+    KairosConfig,
+    KvAwareConfig,
+    NoKvRoom,
+    NoWorkers,
+    Policy,
+    make_policy,
+)
+from common.router_core.dispatch import Dispatcher
+from common.router_core.inbound import Inbound
+from common.router_core.membership import Membership
+from common.router_core.migrate import Migration
+from common.router_core.ports import NULL_METRICS, Hooks, Metrics, Outbox
+from common.router_core.prefix import RouterPrefix
+from common.router_core.requests import Event, Request
+from common.router_core.trust import Gate, kv_limit, serving_limit
+from common.router_core.waiting import Waiting
+from common.router_core.workers import WorkerEntry, WorkerTable
+
+log = structlog.get_logger()
+
+NO_HOOKS = Hooks()
+DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
+
+
+def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
+    """The routing policy the settings name, with their knobs (ConfigError if they do not fit)."""
+    try:
+        kcfg = KairosConfig(candidates=parse_list(cfg.candidates), alpha=cfg.alpha, beta=cfg.beta,
+                            transfer_term=cfg.transfer_term, max_deflections=cfg.max_deflections,
+                            per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
+                            predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
+                            share_expect=cfg.share_expect, late_binding=cfg.late_binding,
+                            late_depth=cfg.late_depth, late_order=cfg.late_order)  # type: ignore[arg-type]
+        ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
+                                 eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
+                                 prefill_busy_threshold=cfg.prefill_busy_threshold,
+                                 decode_busy_threshold=cfg.decode_busy_threshold)
+        return make_policy(cfg.policy, kairos=kcfg, conditional=ccfg, default_model=profile.model,
+                           kv_aware=KvAwareConfig(overlap_weight=cfg.overlap_weight))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+class RouterCore:
+    """See the module docstring."""
+
+    def __init__(self, cfg: RouterConfig, outbox: Outbox, *, metrics: Metrics = NULL_METRICS,
+                 hooks: Hooks = NO_HOOKS, incarnation: str | None = None, wall_offset: float = 0.0,
+                 opened_at: float = 0.0) -> None:
+        self.cfg = cfg
+        self.outbox, self.metrics, self.hooks = outbox, metrics, hooks
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.wall_offset = wall_offset  # wall-clock time = now + wall_offset
+        self.opened_at = opened_at      # when the bus opened (a restarted router expects returning workers)
+        self.key_ids: dict[str, str | None] = {}  # under CURVE: allowed worker key -> the worker id it is bound to
+        self.profile = load_profile(cfg.profile)
+        self.policy = build_policy(cfg, self.profile)
+        self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models,
+                                 bias_correction=cfg.bias_correction, me=self.incarnation)
+        self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
+        self.requests: dict[str, Request] = {}
+        self.counts: Counter[str] = Counter()
+        self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
+        self.liveness_s = cfg.liveness * cfg.heartbeat_interval
+        self.gate = Gate(self.counts, metrics)
+        self.dispatcher = Dispatcher(cfg, self.policy, self.table, self.prefix, outbox=outbox, metrics=metrics,
+                                     send=self.send, views_changed=hooks.views_changed, wall_offset=wall_offset)
+        self.dispatch = self.dispatcher.dispatch
+        self.routes, self.reasons = self.dispatcher.routes, self.dispatcher.reasons
+        # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
+        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=self.dispatch, fail=self.fail)
+        self.kv_waiting = self.waiting.queue
+        # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
+        self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, finish=self.finish, fail=self.fail,
+                                   cancel_on_workers=self.cancel_on_workers, release=self.release, metrics=metrics)
+        self.parked = self.migration.parked
+        self.membership = Membership(
+            cfg=cfg, incarnation=self.incarnation, table=self.table, prefix=self.prefix, gate=self.gate,
+            counts=self.counts, requests=self.requests, waiting=self.waiting, migration=self.migration,
+            dropped=self.dropped, outbox=outbox, metrics=metrics, send=self.send, redispatch=self.redispatch,
+            retry_waiting=self.waiting.retry, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
+            drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset)
+        self.inbound = Inbound(self)
+        self._prepare = getattr(self.policy, "prepare", None)
+
+    # ------------------------------------------------------------------ admission
+    def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
+               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+        """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded, Unavailable
+        (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve)."""
+        if len(self.requests) >= self.cfg.max_in_flight:
+            self.counts["rejected"] += 1
+            self.metrics.observe_rejected("overloaded")
+            raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
+        self.check_limits(prompt_ids, sampling)
+        # The bus key of a request: 96 random bits, so no peer can guess another's (about 0.6 us;
+        # a counter is 0.3 us). The client's own id is kept as a label only.
+        rid = os.urandom(12).hex()
+        req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
+                      ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
+                      arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
+                      client_request_id=request_id or "")
+        waiting = self.kv_waiting
+        while waiting and waiting[0].done:  # aborted while waiting
+            waiting.popleft()
+        try:
+            if waiting and self.waiting.blocked():
+                raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
+            self.dispatch(req, now)
+        except NoKvRoom as e:
+            if waiting.full() or self.cfg.kv_wait_timeout <= 0:
+                self.counts["unavailable"] += 1
+                self.metrics.observe_rejected("no_kv_room")
+                raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
+                                  f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
+            self.waiting.enqueue(req, e, now)
+        except NoWorkers as e:
+            raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
+        self.requests[rid] = req
+        self.metrics.set_in_flight(len(self.requests))
+        self.counts["accepted"] += 1
+        return req
+
+    def check_limits(self, prompt_ids: list[int], sampling: m.Sampling) -> None:
+        """HTTP 400 now for what no live worker can ever serve (retrying would not help)."""
+        limit = serving_limit(self.table)
+        if limit and len(prompt_ids) >= limit:
+            self.counts["rejected_too_long"] += 1
+            self.metrics.observe_rejected("too_long")
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the workers' max_model_len is {limit} "
+                               f"(prompt plus at least one output token): shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
+        kv = kv_limit(self.table)
+        need = len(prompt_ids) + sampling.max_tokens
+        if kv and need > kv:
+            self.counts["rejected_too_long"] += 1
+            self.metrics.observe_rejected("too_long")
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) needs "
+                               f"{need} tokens of KV cache; the largest decode worker holds {kv}: shorten the prompt "
+                               "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+
+    def prepare(self, now: float) -> None:
+        """Let the policy prepare the current view (`Kairos.prepare`), so that the next decision
+        does only its own part; the shell calls it when its loop is free after `views_changed`."""
+        if self._prepare is not None:
+            self._prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
+
+    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
+        if not self.outbox.send(w.identity, msg):
+            # unroutable (gone, or reconnected under its id while the old connection lingered) or
+            # its queue is full: nothing was queued. The next tick declares it lost, whatever it
+            # still sends, and re-dispatches what it held; its next heartbeat then asks it to
+            # register again.
+            log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
+            w.unreachable = True
+            w.touch()
+
+    # ------------------------------------------------------------------ request end states
+    def release(self, req: Request) -> None:
+        for wid in (req.prefill_worker, req.decode_worker):
+            w = self.table.workers.get(wid) if wid else None
+            if w is not None:
+                w.holding.discard(req.request_id)
+                w.end_deflection(req.request_id)
+
+    def _end(self, req: Request, outcome: str, counter: str, now: float, *, cancel: bool) -> bool:
+        """The bookkeeping every end of a request shares; False if it had already ended."""
+        if req.done:
+            return False
+        req.done = True
+        req.outcome = outcome
+        if cancel:
+            self.cancel_on_workers(req, outcome)
+        self.release(req)
+        self.requests.pop(req.request_id, None)
+        self.counts[counter] += 1
+        if self.kv_waiting and req.kv_wait_until == 0.0:
+            self.waiting.retry(now)  # its KV may have freed (seen for sure at the next heartbeat)
+        return True
+
+    def finish(self, req: Request, finish_reason: str, now: float) -> None:
+        if self._end(req, "ok", "completed", now, cancel=False):
+            req.events.put_nowait(Event(finish_reason=finish_reason))
+            self._done(req, finish_reason, now)
+
+    def fail(self, req: Request, message: str, code: str, now: float) -> None:
+        if self._end(req, code, "failed", now, cancel=True):
+            req.events.put_nowait(Event(error=message, error_code=code))
+            self._done(req, None, now)
+
+    def stop_early(self, req: Request, now: float) -> None:
+        """The HTTP layer found a stop string: the request is complete; stop its work."""
+        if self._end(req, "ok", "completed", now, cancel=True):
+            self._done(req, "stop", now)
+
+    def abort(self, req: Request, now: float, reason: str = "client_disconnected") -> None:
+        """The client went away: stop the work on the workers."""
+        if self._end(req, reason, "aborted", now, cancel=True):
+            self._done(req, "abort", now)
+
+    def cancel_on_workers(self, req: Request, reason: str) -> None:
+        for wid in {req.prefill_worker, req.decode_worker}:
+            w = self.table.workers.get(wid) if wid else None
+            if w is not None:
+                self.send(w, m.Cancel(request_id=req.request_id, attempt=req.attempt, reason=reason))
+
+    def _done(self, req: Request, finished_reason: str | None, now: float) -> None:
+        rec = req.record(now, self.wall_offset)
+        self.outbox.publish(rec)
+        self.metrics.observe_request(rec, req.gaps)
+        self.metrics.set_in_flight(len(self.requests))
+        self.hooks.request_done(req, finished_reason, rec)
+
+    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
+        """Retry a request no token of which reached the client; else fail it clearly."""
+        if req.done:
+            return
+        if req.streamed:
+            self.migration.resume(req, why, bad_worker, now)  # on another decode worker, or a clear failure
+            return
+        if req.attempt + 1 >= self.cfg.max_attempts:
+            self.fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", "retries_exhausted", now)
+            return
+        self.cancel_on_workers(req, "redispatched")
+        self.release(req)
+        if bad_worker:
+            req.exclude.add(bad_worker)
+        req.attempt += 1
+        self.counts["redispatched"] += 1
+        self.metrics.observe_redispatch()
+        log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
+                    bad_worker=bad_worker)
+        try:
+            self.dispatch(req, now)
+        except NoWorkers:
+            req.exclude.clear()
+            try:
+                self.dispatch(req, now)
+            except NoKvRoom as e:
+                # e.g. a decode worker refused it for KV room the views did not show: wait for room, first in line
+                self.wait_first(req, e, now)
+            except NoWorkers as e:
+                self.migration.park(req, str(e), now)  # until a worker (re)registers, or a clear failure
+
+    def wait_first(self, req: Request, e: NoKvRoom, now: float) -> None:
+        """A request that was already dispatched once and now finds no room: it waits at the head
+        of the queue (it came first)."""
+        req.held, req.wait_reason = isinstance(e, Hold), str(e)
+        req.kv_wait_until = now + self.cfg.kv_wait_timeout
+        self.kv_waiting.appendleft(req)
+        self.counts["kv_waited"] += 1
+
+    # ------------------------------------------------------------------ messages and time
+    def on_message(self, identity: bytes, msg: m.RouterInbox, now: float) -> None:
+        """A decoded message from the work socket, from the peer with this bus identity. One bad
+        message never takes the router down: what it concerns fails, the rest goes on."""
+        try:
+            self.inbound.handle(identity, msg, now)
+        except ProtocolError as e:
+            log.warning("protocol_error", error=str(e))
+        except Exception as e:
+            self.inbound.handler_error(identity, msg, e, now)
+
+    def drop_frame(self, source: str, event: str, **fields: object) -> None:
+        """A frame from the bus that cannot be used (`source`: its metric label): counted in
+        kairos_bad_frames_total, and logged at most once per DROP_LOG_S per source and kind, with
+        how many were dropped since the last line (a flood of junk must not drown the log)."""
+        self.counts["bad_frames"] += 1
+        self.metrics.observe_bad_frame(source)
+        held = self.dropped.admit((source, event))
+        if held is not None:
+            log.warning(event, **fields, suppressed_since_last=held)
+
+    def tick(self, now: float) -> None:
+        """Liveness (silent workers removed, what they held re-dispatched), parked requests
+        retried, waiting requests past their wait timeout and requests past their deadline failed."""
+        self.membership.expire(now)
+        self.migration.retry_parked(now)
+        if self.kv_waiting:
+            self.waiting.expire(now)
+        for req in [r for r in self.requests.values() if now > r.deadline]:
+            self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
+
+    def telemetry(self, now: float) -> None:
+        self.membership.telemetry(now)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "router": self.incarnation,
+            "in_flight": len(self.requests),
+            "kv_waiting": len(self.kv_waiting),
+            "held": sum(r.held for r in self.kv_waiting),  # of which held by late binding
+            "counts": dict(self.counts),
+            "routes": dict(self.routes),
+            "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
+            "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
+                                      "holding": len(w.holding)} for w in self.table.workers.values()},
+            "prefix": self.prefix.stats(),
+        }

@@ -1,0 +1,126 @@
+"""Deciding and sending one request: the policy's decision and the bookkeeping that follows it.
+
+`Dispatcher.dispatch(req, now)` builds the request's view of the cluster (the worker table's
+views with the router's ledger, minus the workers it must avoid), asks the policy, records the
+work in the ledger of the worker(s) chosen, sends DecodeWork (and PrefillWork on the
+disaggregated path), publishes the DecisionRecord and counts it. It raises the policy's
+`NoWorkers` / `NoKvRoom` / `Hold` when the request cannot be placed now; what to do then is the
+caller's (common/router_core/core.py, waiting.py, migrate.py).
+
+The policy's decision is timed with the process's performance counter: that is a measurement of
+the router's own cost, not its clock; the rules read only `now`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+import structlog
+
+from common import messages as m
+from common.config import RouterConfig
+from common.policy import Policy, RequestSpec
+from common.policy.admission import decide_without
+from common.policy.schedule import reserved_step_cost
+from common.router_core.ports import Metrics, Outbox
+from common.router_core.prefix import RouterPrefix
+from common.router_core.requests import Request
+from common.router_core.trust import too_small
+from common.router_core.workers import LedgerEntry, WorkerEntry, WorkerTable
+
+log = structlog.get_logger()
+
+
+class Dispatcher:
+    """Decides and sends (see the module docstring). It reads the worker table and the prefix
+    index and writes their ledgers; it sends through `send` and publishes through the outbox."""
+
+    def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, prefix: RouterPrefix, *,
+                 outbox: Outbox, metrics: Metrics, send: Callable[[WorkerEntry, m.Msg], None],
+                 views_changed: Callable[[], None], wall_offset: float = 0.0) -> None:
+        self.cfg, self.policy, self.table, self.prefix = cfg, policy, table, prefix
+        self.outbox, self.metrics, self._send, self._views_changed = outbox, metrics, send, views_changed
+        self.wall_offset = wall_offset
+        self.routes: Counter[str] = Counter()
+        self.reasons: Counter[tuple[str, str]] = Counter()
+
+    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
+        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
+        away, so decide again with those closed to deflections (common/policy/admission.py),
+        or, with no prefill worker live, deflect again without the admission check."""
+        t0 = time.perf_counter()
+        prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
+        exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
+        view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
+        cached, hashes = self.prefix.lookup(prompt)
+        spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
+                           max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+                           cached_tokens=req.cached_tokens, cached=cached)
+        if not rejected:
+            decision = self.policy.decide(spec, view, now)
+        elif view.prefill:
+            decision = decide_without(self.policy, spec, view, now, frozenset(req.rejected_by))
+        else:
+            decision = msgspec.structs.replace(self.policy.decide(spec, view, now), step_budget_s=0.0)
+        decision_us = (time.perf_counter() - t0) * 1e6
+        req.decision = decision
+        req.decided_at = now
+        req.decode_worker = decision.decode_worker
+        req.prefill_worker = decision.prefill_worker
+        req.prefill_done = decision.route == "deflect"
+        remaining = max(0.1, req.deadline - now)
+        dw = self.table.workers[decision.decode_worker]
+        tokens = len(prompt)
+        reserve = tokens + sampling.max_tokens
+        work = tokens - decision.cached_tokens  # what the prefilling worker computes, as the index knows
+        if self.prefix.enabled:
+            self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w], hashes,
+                                   tokens, decision.cached_tokens)
+        if decision.route == "deflect":
+            no = dw.next_dispatch(LedgerEntry(req.request_id, work, reserve, deflect=True))
+            dw.add_deflection(req.request_id,
+                              reserved_step_cost(dw.model, decision.chunk_schedule, dw.hello.token_budget,
+                                                 decision.cached_tokens),
+                              max(decision.chunk_schedule, default=0), now + (decision.ttft_decode_pred or 0.0))
+            dw.holding.add(req.request_id)
+            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
+                                        prompt_token_ids=prompt, sampling=sampling,
+                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s,
+                                        model_bias=dw.bias))
+        else:
+            assert decision.prefill_worker is not None
+            pw = self.table.workers[decision.prefill_worker]
+            pno = pw.next_dispatch(LedgerEntry(req.request_id, work, 0, deflect=False, at=now))
+            dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
+            pw.holding.add(req.request_id)
+            dw.holding.add(req.request_id)
+            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=dno, mode="handoff",
+                                        prompt_token_ids=prompt, sampling=sampling,
+                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
+                                        resume_tokens=req.resume_from))
+            self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
+                                         prompt_token_ids=prompt, sampling=sampling,
+                                         decode_worker=dw.worker_id, deadline_s=remaining,
+                                         cached_tokens=req.cached_tokens))
+        self.routes[decision.route] += 1
+        self.reasons[(decision.route, decision.reason)] += 1
+        rec = m.DecisionRecord(request_id=req.request_id, policy=self.policy.name, route=decision.route,
+                               prefill_worker=decision.prefill_worker, decode_worker=decision.decode_worker,
+                               reason=decision.reason, prompt_tokens=tokens,
+                               ttft_prefill_pred=decision.ttft_prefill_pred,
+                               ttft_decode_pred=decision.ttft_decode_pred, chunk_schedule=decision.chunk_schedule,
+                               decision_us=decision_us, at=now + self.wall_offset, attempt=req.attempt,
+                               client_request_id=req.client_request_id)
+        self.outbox.publish(rec)
+        self.metrics.observe_decision(rec)
+        log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
+                  decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
+                  ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
+                  schedule=list(decision.chunk_schedule), decision_us=round(decision_us, 1), attempt=req.attempt)
+        self._views_changed()

@@ -1,0 +1,213 @@
+"""Worker membership on the router: who is registered, who is alive, who left.
+
+Hello (refused with a reason, or welcomed and told which held requests to drop), Goodbye (a
+drain begins; "drained": it leaves), heartbeats (each refreshes the worker's view; one from a
+worker the router does not know, or an old incarnation of it, gets a Reregister), liveness (a
+worker silent past the liveness window is removed and what it held is re-dispatched or migrated:
+`expire`, called by the core's `tick`) and telemetry (worker state and router counters to the
+monitor: `telemetry`, called once a second by the shell).
+
+`Membership` owns who was asked to say Hello again; it changes the worker table and reaches the
+rest of the router only through the objects and callbacks it is given (common/router_core/core.py
+builds it). It reads no clock: every entry takes `now`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from common import messages as m
+from common.config import RouterConfig
+from common.logging import Throttle
+from common.router_core.migrate import Migration
+from common.router_core.ports import Metrics, Outbox
+from common.router_core.prefix import RouterPrefix
+from common.router_core.requests import Request
+from common.router_core.trust import Gate, refusal
+from common.router_core.waiting import Waiting
+from common.router_core.workers import WorkerEntry, WorkerTable
+from common.sockets import fingerprint
+
+log = structlog.get_logger()
+
+
+@dataclass(eq=False)
+class Membership:
+    """Worker membership (see the module docstring)."""
+
+    cfg: RouterConfig
+    incarnation: str
+    table: WorkerTable
+    prefix: RouterPrefix
+    gate: Gate
+    counts: Counter[str]
+    requests: dict[str, Request]   # in flight, by the router's request id (read only here)
+    waiting: Waiting
+    migration: Migration
+    dropped: Throttle              # rate limit of repeated log lines
+    outbox: Outbox                 # to any bus peer (registered or not) and to the monitor
+    metrics: Metrics
+    send: Callable[[WorkerEntry, m.Msg], None]  # to a registered worker (marked unreachable if it fails)
+    redispatch: Callable[[Request, str, str | None, float], None]
+    retry_waiting: Callable[[float], None]
+    views_changed: Callable[[], None]
+    worker_joined: Callable[[], None]
+    drop_frame: Callable[..., None]
+    liveness_s: float = 0.0
+    wall_offset: float = 0.0       # wall-clock time = now + wall_offset
+    asked_hello: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked to Hello again
+
+    def on_hello(self, identity: bytes, h: m.Hello, now: float) -> None:
+        reason = refusal(identity, h, self.table, served_model=self.cfg.served_model_name)
+        if reason:
+            self.refuse(identity, h, reason)
+            return
+        known = self.table.workers.get(h.worker_id)
+        is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
+        entry, old = self.table.register(h, identity, now)
+        entry.key = self.gate.key  # under CURVE: the key it registered with, the only one it may speak with
+        if old is not None:
+            log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
+                        incarnation=h.incarnation)
+            self.worker_gone(old, "restarted", now)
+        if is_new:
+            log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
+                     token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
+                     kv_transport=h.kv_transport)
+        # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
+        drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
+        if drop:
+            log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
+        self.send(entry, m.Welcome(router_incarnation=self.incarnation,
+                                   heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
+        if not entry.draining:
+            self.worker_joined()  # requests held at admission try again
+
+    def refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
+        self.counts["workers_refused"] += 1
+        self.metrics.observe_refused(reason.split(":", 1)[0])
+        held = self.dropped.admit(("worker_refused", h.worker_id, reason))  # a worker asks again and again
+        if held is not None:
+            log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
+                      kv_transport=h.kv_transport, reason=reason, suppressed_since_last=held,
+                      **({"key": fingerprint(self.gate.key)} if self.gate.key else {}))
+        self.outbox.send(identity, m.Refused(router_incarnation=self.incarnation, reason=reason))
+
+    def _tracks(self, request_id: str, worker_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and worker_id in (req.prefill_worker, req.decode_worker)
+
+    def on_goodbye(self, g: m.Goodbye, w: WorkerEntry, now: float) -> None:
+        if w.incarnation != g.incarnation:
+            return
+        if g.reason == "drained":  # the drain is over and it is leaving: a departure, not a loss
+            self.table.remove(w.worker_id)
+            self.prefix.forget(w.worker_id)
+            self.metrics.observe_departed(w.role)
+            log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
+            self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
+                                             at=now + self.wall_offset))
+            self.requeue_held(w, "departed", now)
+            return
+        w.draining = True
+        w.touch()
+        log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
+
+    def on_heartbeat(self, identity: bytes, hb: m.PrefillHeartbeat | m.DecodeHeartbeat, now: float) -> None:
+        """A heartbeat, taken only from the sender's own connection: the worker it is about must be
+        the one that registered on this connection (its ZeroMQ identity, bound at Hello), so a peer
+        that learned another worker's id and incarnation (from telemetry, say) cannot speak for it."""
+        if identity != hb.worker_id.encode():
+            self.gate.drop(identity, "heartbeat_for_another_worker", hb)
+            return
+        w = self.table.workers.get(hb.worker_id)
+        if w is not None and w.identity != identity:
+            self.gate.drop(identity, "heartbeat_from_another_connection", hb)
+            return
+        try:
+            entry = self.table.heartbeat(hb, now)
+        except Exception as e:  # e.g. coefficients no model can be built from
+            self.drop_frame("heartbeats", "bad_heartbeat_dropped", worker=hb.worker_id,
+                            error=f"{type(e).__name__}: {e}"[:200])
+            return
+        if entry is None:
+            # unknown worker or old incarnation: the router restarted, or declared it dead
+            w = self.table.workers.get(hb.worker_id)
+            if w is None or w.incarnation != hb.incarnation:
+                self.ask_hello(hb.worker_id, now)
+            return
+        self.prefix.on_heartbeat(hb)
+        if self.waiting.queue:
+            self.retry_waiting(now)  # its view may show room now (KV, a shorter prefill queue)
+        self.views_changed()
+
+    def ask_hello(self, worker_id: str, now: float) -> None:
+        last = self.asked_hello
+        if now - last.get(worker_id, 0.0) < 0.5:
+            return
+        if self.outbox.send(worker_id.encode(), m.Reregister(router_incarnation=self.incarnation,
+                                                                 reason="unknown worker")):
+            last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
+
+    def expire(self, now: float) -> None:
+        """Remove the workers silent past the liveness window; what they held is re-dispatched or
+        migrated (a worker that said Goodbye and went quiet holding nothing has left)."""
+        for w in self.table.expired(self.liveness_s, now):
+            self.table.remove(w.worker_id)
+            self.prefix.forget(w.worker_id)
+            if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
+                self.metrics.observe_departed(w.role)
+                log.info("worker_departed", worker=w.worker_id, role=w.role, silent_s=round(now - w.last_seen, 3))
+                self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
+                                                 at=now + self.wall_offset))
+                continue
+            why = "unreachable" if w.unreachable else "heartbeat timeout"
+            log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
+                        silent_s=round(now - w.last_seen, 3), holding=len(w.holding))
+            self.worker_gone(w, why, now)
+
+    def worker_gone(self, w: WorkerEntry, why: str, now: float) -> None:
+        self.metrics.observe_worker_lost(w.role)
+        self.prefix.forget(w.worker_id)
+        self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=now + self.wall_offset))
+        self.requeue_held(w, why, now)
+
+    def requeue_held(self, w: WorkerEntry, why: str, now: float) -> None:
+        """Re-dispatch (or fail, if already streaming) what a worker that left was holding."""
+        for rid in list(w.holding):
+            req = self.requests.get(rid)
+            if req is None or req.done:
+                continue
+            if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id):
+                continue
+            self.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
+
+    def telemetry(self, now: float) -> None:
+        """Each worker's state and the router's counters, to the monitor."""
+        at = now + self.wall_offset
+        for w in self.table.workers.values():
+            hb = w.hb
+            state: dict[str, float] = {}
+            if isinstance(hb, m.PrefillHeartbeat):
+                state = {"queued_tokens": hb.queued_tokens, "queued_requests": hb.queued_requests,
+                         "step_ms_p50": hb.step_ms_p50}
+            elif isinstance(hb, m.DecodeHeartbeat):
+                state = {"batch": hb.batch, "kv_tokens": hb.kv_tokens,
+                         "kv_used": 1.0 - hb.kv_free_tokens / max(hb.kv_capacity_tokens, 1),
+                         "deflections": hb.deflections, "step_ms_p50": hb.step_ms_p50,
+                         "step_ms_max": hb.step_ms_max,
+                         "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0,
+                         "waiting_kv": hb.waiting_kv, "resident_prefill_tokens": hb.resident_prefill_tokens}
+            state["draining"] = float(w.draining)
+            state["holding"] = len(w.holding)
+            self.outbox.publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
+                                             engine=w.hello.engine, state=state, at=at))
+        self.metrics.set_in_flight(len(self.requests))
+        self.metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
+        self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.requests), accepted=self.counts["accepted"],
+                                          completed=self.counts["completed"], failed=self.counts["failed"],
+                                          rejected=self.counts["rejected"]))

@@ -1,0 +1,88 @@
+"""What the router core is given to act on the world: it opens no socket and reads no clock.
+
+- `Outbox`: messages to one worker (by its bus identity) and to the monitor. The live router's
+  shell encodes them onto its ZeroMQ sockets (services/router/service.py); a test passes a list
+  that collects them (tests/router_fakes.py).
+- `Metrics`: the counters and histograms the core feeds. The live router passes
+  services/router/metrics.py, whose functions have these names; `NULL_METRICS` counts nothing.
+- `Hooks`: what the shell does when the core says so: a request ended (the client's last event
+  is already queued; the shell writes its metrics and log line), the views changed (the shell
+  prepares the policy's view when its loop is free), a worker registered (requests waiting for a
+  worker wake up).
+
+Time comes in with every call (`now`, the shell's monotonic clock in seconds); wall-clock
+stamps on records are `now + wall_offset`, the offset the shell measured once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from common import messages as m
+
+if TYPE_CHECKING:
+    from common.router_core.requests import Request
+
+
+class Outbox(Protocol):
+    def send(self, identity: bytes, msg: m.Msg) -> bool:
+        """Queue `msg` for the peer with this bus identity; False if it could not be queued
+        (unroutable, or its queue is full)."""
+        ...
+
+    def publish(self, msg: m.Msg) -> None:
+        """Send `msg` to the monitor (telemetry)."""
+        ...
+
+
+class Metrics(Protocol):
+    def observe_decision(self, rec: m.DecisionRecord) -> None: ...
+    def observe_migration(self, outcome: str) -> None: ...
+    def observe_request(self, rec: m.RequestRecord, gaps: Sequence[float] = ...) -> None: ...
+    def observe_prefill_done(self, p: m.PrefillDone) -> None: ...
+    def observe_rejected(self, reason: str) -> None: ...
+    def observe_redispatch(self) -> None: ...
+    def observe_deflect_rejected(self) -> None: ...
+    def observe_kv_fallback(self) -> None: ...
+    def observe_worker_lost(self, role: str) -> None: ...
+    def observe_bad_frame(self, socket: str) -> None: ...
+    def observe_dropped(self, reason: str) -> None: ...
+    def observe_refused(self, reason: str) -> None: ...
+    def observe_departed(self, role: str) -> None: ...
+    def set_in_flight(self, n: int) -> None: ...
+    def set_workers(self, prefill: int, decode: int) -> None: ...
+
+
+class _NullMetrics:
+    """Counts nothing (tests, the simulator)."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith(("observe_", "set_")):
+            return _nothing
+        raise AttributeError(name)
+
+
+def _nothing(*args: object, **kwargs: object) -> None:
+    return None
+
+
+NULL_METRICS: Metrics = _NullMetrics()  # type: ignore[assignment]
+
+
+def _no_done(req: Request, finished_reason: str | None, rec: m.RequestRecord) -> None:
+    return None
+
+
+def _no_event() -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    # a request ended: `finished_reason` "stop"/"length"/"abort" for one that completed or was
+    # aborted, None for one that failed; `rec` is its record (already published to the monitor)
+    request_done: Callable[[Request, str | None, m.RequestRecord], None] = _no_done
+    views_changed: Callable[[], None] = _no_event  # a worker's view changed: prepare the policy's view soon
+    worker_joined: Callable[[], None] = _no_event  # a worker registered (not draining)

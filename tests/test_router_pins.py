@@ -254,17 +254,24 @@ async def test_waiting_too_long_for_kv_room_fails_with_kv_wait_timeout() -> None
     assert b.stats()["kv_waiting"] == 0 and b.stats()["in_flight"] == 1
 
 
-async def test_a_waiting_request_fails_as_unavailable_once_no_decode_worker_is_left() -> None:
-    b = Bench("deflect-all", [("decode-0", CAP), ("prefill-0", 0)])
+async def test_a_waiting_request_is_parked_like_the_others_once_no_decode_worker_is_left() -> None:
+    """One rule for every request that cannot be placed (RouterCore.unplaced): with no decode worker
+    left, the one that was waiting for room is parked like the one that lost its worker, and both
+    fail as unavailable only after park_timeout (until 2026-12-04 the waiting one failed at once)."""
+    b = Bench("deflect-all", [("decode-0", CAP), ("prefill-0", 0)], park_timeout=10.0)
     a = b.submit()
     w = b.submit()
     b.take()
     b.lose("decode-0")
     assert not a.done and not w.done and not b.take()  # a: no worker to go to (parked); w: still waiting
     b.beat("prefill-0")  # any heartbeat decides the waiting ones again
-    ((code, message),) = errors(w)
-    assert w.done and code == "unavailable" and "no worker can serve it" in message
-    assert not a.done and client(a) == ([], [], [])
+    assert not w.done and client(w) == ([], [], []) and b.stats()["kv_waiting"] == 0  # parked now
+    b.tick(5.0)
+    assert not a.done and not w.done
+    b.tick(6.0)
+    for req in (a, w):
+        ((code, message),) = errors(req)
+        assert req.done and code == "unavailable" and "no worker left to retry on" in message
 
 
 # ------------------------------------------------------------------ late binding (Kairos holds it)
@@ -484,24 +491,26 @@ async def test_lost_mid_stream_with_no_kv_room_elsewhere_it_is_parked_and_resume
     b.take()
     b.lose("decode-0")
     assert client(a) == ([11, 12], [], []) and not a.done and not work(b.take(), a)
-    # today: parked (not in the KV wait queue, unlike a request that had not streamed), so only a
-    # liveness tick tries it again, and its timeout is park_timeout
-    assert b.stats()["kv_waiting"] == 0
+    # it waits for room first in line, as a request that had not streamed does (RouterCore.unplaced;
+    # until 2026-12-04 it was parked, tried again only at liveness ticks, within park_timeout)
+    assert b.stats()["kv_waiting"] == 1
     b.tokens("decode-1", other, [5], "length")
-    b.beat("decode-1")
-    b.tick()
+    b.beat("decode-1")  # the heartbeat that shows the room sends it: no tick needed
     sent = b.take()
     assert work(sent, a) == [("decode-1", "deflect", 1)] and decode_work(sent, a).resume_tokens == 2
 
 
 async def test_lost_mid_stream_with_no_kv_room_elsewhere_for_too_long_fails_worker_lost_midstream() -> None:
-    b = Bench("deflect-all", [("decode-0", CAP), ("decode-1", CAP)], park_timeout=0.0)
+    b = Bench("deflect-all", [("decode-0", CAP), ("decode-1", CAP)], kv_wait_timeout=5.0)
     a = b.submit()
     b.submit()
     b.tokens("decode-0", a, [11])
     b.lose("decode-0")
-    b.tick()
-    assert client(a) == ([11], [], ["worker_lost_midstream"]) and a.done
+    b.tick(4.0)
+    assert not a.done
+    b.tick(2.0)
+    ((code, message),) = errors(a)
+    assert a.done and code == "worker_lost_midstream" and "no decode worker had KV room to resume it" in message
 
 
 async def test_lost_mid_stream_with_no_worker_left_it_is_parked_until_one_registers() -> None:

@@ -105,10 +105,12 @@ class RouterCore:
         self.dispatch = self.dispatcher.dispatch
         self.routes, self.reasons = self.dispatcher.routes, self.dispatcher.reasons
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
-        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=self.dispatch, fail=self.fail)
+        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=self.dispatch, fail=self.fail,
+                               unplaced=self.unplaced)
         self.kv_waiting = self.waiting.queue
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
-        self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, finish=self.finish, fail=self.fail,
+        self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, dispatch_again=self.dispatch_again,
+                                   unplaced=self.unplaced, finish=self.finish, fail=self.fail,
                                    cancel_on_workers=self.cancel_on_workers, release=self.release, metrics=metrics)
         self.parked = self.migration.parked
         self.membership = Membership(
@@ -267,25 +269,40 @@ class RouterCore:
         self.metrics.observe_redispatch()
         log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
                     bad_worker=bad_worker)
+        self.dispatch_again(req, now)
+
+    def dispatch_again(self, req: Request, now: float) -> bool:
+        """Dispatch a request's next attempt (a re-dispatch, a migration): away from the workers it
+        failed on if another can take it, else anywhere. False if it cannot be placed now; then
+        `unplaced` has put it where it waits."""
         try:
-            self.dispatch(req, now)
-        except NoWorkers:
-            req.exclude.clear()
             try:
                 self.dispatch(req, now)
-            except NoKvRoom as e:
-                # e.g. a decode worker refused it for KV room the views did not show: wait for room, first in line
-                self.wait_first(req, e, now)
-            except NoWorkers as e:
-                self.migration.park(req, str(e), now)  # until a worker (re)registers, or a clear failure
+            except NoWorkers:
+                req.exclude.clear()
+                self.dispatch(req, now)
+        except NoWorkers as e:
+            self.unplaced(req, e, now)
+            return False
+        return True
 
-    def wait_first(self, req: Request, e: NoKvRoom, now: float) -> None:
-        """A request that was already dispatched once and now finds no room: it waits at the head
-        of the queue (it came first)."""
-        req.held, req.wait_reason = isinstance(e, Hold), str(e)
-        req.kv_wait_until = now + self.cfg.kv_wait_timeout
-        self.kv_waiting.appendleft(req)
-        self.counts["kv_waited"] += 1
+    def unplaced(self, req: Request, e: NoWorkers, now: float) -> None:
+        """The one rule for an accepted request that cannot be placed now, whatever brought it here
+        (a lost worker, streaming or not; a worker's failure; a rejected deflection; a retry of the
+        wait queue). The policy says why, by the exception's type:
+          - `NoKvRoom` (no decode worker has room) or its kind `Hold` (late binding holds it): it
+            waits in the wait queue, first in line (it came before the requests waiting there),
+            decided again whenever room may have opened, up to `kv_wait_timeout`;
+          - `NoWorkers` (no live worker can take it at all): it is parked (migrate.py) until a
+            worker (re)registers, up to `park_timeout`.
+        A request arriving with no worker registered is the shell's to hold (`Router.admit`)."""
+        if isinstance(e, NoKvRoom):
+            req.held, req.wait_reason = isinstance(e, Hold), str(e)
+            req.kv_wait_until = now + self.cfg.kv_wait_timeout
+            self.kv_waiting.appendleft(req)
+            self.counts["kv_waited"] += 1
+        else:
+            self.migration.park(req, str(e), now)
 
     # ------------------------------------------------------------------ messages and time
     def on_message(self, identity: bytes, msg: m.RouterInbox, now: float) -> None:

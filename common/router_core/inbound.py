@@ -22,7 +22,7 @@ import structlog
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import ProtocolError
-from common.policy import NoKvRoom, NoWorkers
+from common.policy import NoWorkers
 from common.policy.admission import REJECTED_REASON
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
@@ -57,7 +57,7 @@ class Core(Protocol):
     def fail(self, req: Request, message: str, code: str, now: float) -> None: ...
     def release(self, req: Request) -> None: ...
     def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None: ...
-    def wait_first(self, req: Request, e: NoKvRoom, now: float) -> None: ...
+    def unplaced(self, req: Request, e: NoWorkers, now: float) -> None: ...
 
 
 class Inbound:
@@ -256,10 +256,8 @@ class Inbound:
         self.core.release(req)
         try:
             self.core.dispatch(req, now, rejected=True)
-        except NoKvRoom as e:
-            self.core.wait_first(req, e, now)
         except NoWorkers as e:
-            self.core.migration.park(req, str(e), now)
+            self.core.unplaced(req, e, now)
 
     def _kv_consumed(self, req: Request) -> None:
         """A handed-off request's first token: the decode side has the KV (or gave up on it), so a

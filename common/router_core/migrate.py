@@ -20,10 +20,13 @@ continues the structure instead of starting it over. Each request is resumed at 
 Counted in `counts["migrated"]`, the `kairos_router_migrations` metric and the `migrations`
 field of the request's log line.
 
-Parking: when a request loses its worker (streaming or not) and no live worker can take it (the
-only other one was lost too, or is restarting under `kairos up`), it waits in `Router.parked`
-for up to `park_timeout` seconds and is dispatched as soon as a worker can take it (checked
-every liveness tick), instead of failing at once.
+When it cannot be placed now, the router's one rule applies (`RouterCore.unplaced`, core.py),
+as for a request that had not streamed: no decode worker with KV room -> it waits first in the
+wait queue (waiting.py; past `kv_wait_timeout` it fails with `worker_lost_midstream`); no
+worker at all that could take it (the only other one was lost too, or is restarting under
+`kairos up`) -> parked: it waits in `Migration.parked` for up to `park_timeout` seconds and is
+dispatched as soon as a worker can take it (checked every liveness tick), or moves to the wait
+queue if the workers that came back have no room.
 
 `Migration` owns the parked requests and reaches the rest of the router only through the
 callbacks it is given (dispatch, finish, fail, cancel on workers, release its reservations).
@@ -37,7 +40,7 @@ from collections.abc import Callable
 import structlog
 
 from common.config import RouterConfig
-from common.policy import NoWorkers
+from common.policy import NoKvRoom, NoWorkers
 from common.router_core.ports import NULL_METRICS, Metrics
 from common.router_core.requests import Request
 
@@ -48,11 +51,14 @@ class Migration:
     """Resuming requests that lost their decode worker, and parking those no worker can take."""
 
     def __init__(self, cfg: RouterConfig, counts: Counter[str], *, dispatch: Callable[[Request, float], None],
+                 dispatch_again: Callable[[Request, float], bool],
+                 unplaced: Callable[[Request, NoWorkers, float], None],
                  finish: Callable[[Request, str, float], None], fail: Callable[[Request, str, str, float], None],
                  cancel_on_workers: Callable[[Request, str], None], release: Callable[[Request], None],
                  metrics: Metrics = NULL_METRICS) -> None:
         self.cfg, self.counts, self.metrics = cfg, counts, metrics
         self._dispatch, self._finish, self._fail = dispatch, finish, fail
+        self._dispatch_again, self._unplaced = dispatch_again, unplaced
         self._cancel_on_workers, self._release = cancel_on_workers, release
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
 
@@ -77,15 +83,8 @@ class Migration:
         req.migrations += 1
         req.resume_from = req.n_out
         self.counts["migrated"] += 1
-        try:
-            try:
-                self._dispatch(req, now)
-            except NoWorkers:
-                req.exclude.clear()
-                self._dispatch(req, now)
-        except NoWorkers as e:
-            self.metrics.observe_migration("parked")
-            self.park(req, str(e), now)
+        if not self._dispatch_again(req, now):  # it waits for KV room or is parked (RouterCore.unplaced)
+            self.metrics.observe_migration("parked" if req.request_id in self.parked else "waiting")
             return
         self.metrics.observe_migration("resumed")
         log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
@@ -112,6 +111,10 @@ class Migration:
             req.exclude.clear()
             try:
                 self._dispatch(req, now)
+            except NoKvRoom as e:  # workers again, but none with room: it waits for room, first in line
+                del parked[rid]
+                self._unplaced(req, e, now)
+                continue
             except NoWorkers as e:
                 if now < req.parked_until:
                     continue

@@ -33,9 +33,10 @@ class Waiting:
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str], *,
                  dispatch: Callable[[Request, float], None],
-                 fail: Callable[[Request, str, str, float], None]) -> None:
+                 fail: Callable[[Request, str, str, float], None],
+                 unplaced: Callable[[Request, NoWorkers, float], None]) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
-        self._dispatch, self._fail = dispatch, fail
+        self._dispatch, self._fail, self._unplaced = dispatch, fail, unplaced
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
     def late_config(self) -> KairosConfig | None:
@@ -84,9 +85,9 @@ class Waiting:
             except NoKvRoom as e:
                 req.held, req.wait_reason = False, str(e)
                 return Outcome.NO_ROOM
-            except NoWorkers as e:
+            except NoWorkers as e:  # no worker left that could take it: parked (RouterCore.unplaced)
                 q.remove(req)
-                self._fail(req, f"no worker can serve it: {e}", "unavailable", now)
+                self._unplaced(req, e, now)
                 return Outcome.REMOVED
             req.kv_wait_until = 0.0
             req.held = False
@@ -103,7 +104,11 @@ class Waiting:
                 continue
             self.counts["kv_wait_timeouts"] += 1
             t = self.cfg.kv_wait_timeout
-            if req.held:
+            if req.streamed:  # it lost its decode worker mid-stream and found no room to resume on
+                self._fail(req, f"worker failed after streaming {req.n_out} tokens; no decode worker had KV room to "
+                                f"resume it on within {t:g} s (kv_wait_timeout); the output is incomplete",
+                           "worker_lost_midstream", now)
+            elif req.held:
                 self._fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout; late binding held it: "
                                 f"{req.wait_reason}); retry later, or add prefill or decode workers",
                            "kv_wait_timeout", now)

@@ -526,6 +526,19 @@ async def test_lost_mid_stream_with_no_worker_left_it_is_parked_until_one_regist
     assert work(sent, req) == [("decode-1", "deflect", 1)] and decode_work(sent, req).resume_tokens == 1
 
 
+async def test_a_parked_request_whose_workers_come_back_full_waits_for_room_first_in_line() -> None:
+    b = Bench("deflect-all", [("decode-0", CAP)])
+    a = b.submit()
+    b.take()
+    b.lose("decode-0")  # no worker left: parked
+    b.join("decode-1", CAP)
+    b.beat("decode-1", kv_used=250)  # back, but with no room for it
+    b.tick()
+    assert not a.done and b.stats()["kv_waiting"] == 1 and not work(b.take(), a)
+    b.beat("decode-1")  # room
+    assert work(b.take(), a) == [("decode-1", "deflect", 1)]
+
+
 # ------------------------------------------------------------------ a rejected deflection
 
 

@@ -8,8 +8,11 @@ opened (any worker's heartbeat, a deflection's first token, a request's end): th
 `SCAN` waiting requests, in the policy's `retry_order` (Kairos late binding: first those that can
 still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
 KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the reason in
-the message). The queue and its retry are common/wait_queue.py's, which the simulator
-(sim/core.py) runs too; what is the router's here is how a request is tried and failed.
+the message; `worker_lost_midstream` for one that had streamed tokens before it lost its worker).
+A waiting request that no live worker could take at all any more is parked instead
+(`RouterCore.unplaced`, the one rule for requests that cannot be placed). The queue and its
+retry are common/wait_queue.py's, which the simulator (sim/core.py) runs too; what is the
+router's here is how a request is tried and failed.
 """
 
 from __future__ import annotations

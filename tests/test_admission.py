@@ -12,7 +12,6 @@ import httpx
 import msgspec
 import pytest
 
-from common import codec
 from common import messages as m
 from common.perf_model import PerfModel, load_profile, save_profile
 from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
@@ -28,7 +27,7 @@ from sim.core import SimConfig, simulate
 from sim.stats import summarize
 from tests.conftest import start_cluster
 from tests.test_poison import FakeRouter, _start
-from tests.test_trust import frame, hello, make_router
+from tests.test_trust import frame, hello, make_router, sent
 
 FAST = load_profile("fast").model  # step = 0.5 ms + 0.2 us per token of the step
 SAMPLING = m.Sampling(max_tokens=4, ignore_eos=True)
@@ -209,17 +208,9 @@ async def test_a_cancelled_deflection_frees_its_reservation(decode: tuple[Decode
 
 
 @pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Router, list[tuple[bytes, m.Msg]]]]:
+def captured() -> Iterator[tuple[Router, list[tuple[str, m.Msg]]]]:
     router = make_router()
-    sent: list[tuple[bytes, m.Msg]] = []
-
-    def capture(frames: list[bytes]) -> bool:
-        dec = codec.prefill_inbox if frames[0].startswith(b"prefill") else codec.decode_inbox
-        sent.append((frames[0], dec.decode(frames[1])))
-        return True
-
-    monkeypatch.setattr(router, "_work_send", capture)
-    yield router, sent
+    yield router, sent(router)
     router.close()
 
 
@@ -228,14 +219,14 @@ def _rejected() -> float:
 
 
 async def test_router_sends_a_rejected_deflection_down_the_disaggregated_path(
-        captured: tuple[Router, list[tuple[bytes, m.Msg]]]) -> None:
+        captured: tuple[Router, list[tuple[str, m.Msg]]]) -> None:
     router, sent = captured
     frame(router, b"decode-0", hello("decode-0"))
     frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
     sent.clear()  # the Welcomes
     req = router.submit([1] * 300, SAMPLING)
     (peer, work), = sent
-    assert peer == b"decode-0" and isinstance(work, m.DecodeWork) and work.mode == "deflect"
+    assert peer == "decode-0" and isinstance(work, m.DecodeWork) and work.mode == "deflect"
     assert work.step_budget_s == pytest.approx(router.cfg.beta * req.tbt_slo)
     sent.clear()
     before = _rejected()
@@ -243,7 +234,7 @@ async def test_router_sends_a_rejected_deflection_down_the_disaggregated_path(
                                                reason="step 1 of 1 would take 1 ms > 0.5 ms budget",
                                                code=REJECTED_REASON))
     kinds = sorted((peer, type(msg).__name__, getattr(msg, "mode", "")) for peer, msg in sent)
-    assert kinds == [(b"decode-0", "DecodeWork", "handoff"), (b"prefill-0", "PrefillWork", "")]
+    assert kinds == [("decode-0", "DecodeWork", "handoff"), ("prefill-0", "PrefillWork", "")]
     assert req.decision is not None and req.decision.reason == REJECTED_REASON
     assert (req.prefill_worker, req.attempt, req.done) == ("prefill-0", 0, False)
     assert router.counts["deflect_rejected"] == 1 and _rejected() == before + 1
@@ -260,7 +251,7 @@ async def test_router_sends_a_rejected_deflection_down_the_disaggregated_path(
 
 
 async def test_router_tries_another_decode_worker_before_the_disaggregated_path(
-        captured: tuple[Router, list[tuple[bytes, m.Msg]]]) -> None:
+        captured: tuple[Router, list[tuple[str, m.Msg]]]) -> None:
     router, sent = captured
     for wid in ("decode-0", "decode-1"):
         frame(router, wid.encode(), hello(wid))
@@ -300,7 +291,7 @@ def test_router_view_adds_the_deflections_other_routers_sent() -> None:
 
 
 async def test_router_without_a_prefill_worker_deflects_again_unchecked(
-        captured: tuple[Router, list[tuple[bytes, m.Msg]]]) -> None:
+        captured: tuple[Router, list[tuple[str, m.Msg]]]) -> None:
     router, sent = captured
     frame(router, b"decode-0", hello("decode-0"))
     sent.clear()

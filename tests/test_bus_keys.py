@@ -19,7 +19,7 @@ from common import messages as m
 from common.errors import ConfigError
 from common.sockets import key_metadata, worker_key_ids, worker_key_name
 from kairos import keys as kkeys
-from tests.test_trust import hello, make_router
+from tests.test_trust import hello, make_router, sent
 
 
 def _key(d: Path, name: str) -> str:
@@ -62,13 +62,11 @@ def test_add_keeps_existing_keys_and_shared_keys_are_unbound(keydir: Path) -> No
 
 
 async def test_a_hello_under_another_workers_id_is_refused(keydir: Path) -> None:
-    r = make_router(curve_keys_dir=str(keydir))
-    sent: list[list[bytes]] = []
-    r._work_send = lambda frames: sent.append(frames) or True  # type: ignore[method-assign,func-returns-value]
+    r = make_router(curve_keys_dir=str(keydir), open_bus=True)
     try:
         r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], _key(keydir, "decode-1"))
         assert "decode-0" not in r.table.workers
-        answer = codec.decode_inbox.decode(sent[-1][1])
+        answer = sent(r)[-1][1]
         assert isinstance(answer, m.Refused) and answer.reason.startswith("key:")
         r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], _key(keydir, "decode-0"))
         assert r.table.workers["decode-0"].key == _key(keydir, "decode-0")
@@ -77,7 +75,7 @@ async def test_a_hello_under_another_workers_id_is_refused(keydir: Path) -> None
 
 
 async def test_a_registered_connection_takes_nothing_signed_with_another_key(keydir: Path) -> None:
-    r = make_router(curve_keys_dir=str(keydir))
+    r = make_router(curve_keys_dir=str(keydir), open_bus=True)
     try:
         own, other = _key(keydir, "decode-0"), _key(keydir, "decode-1")
         r._on_work_frames([b"decode-0", codec.encode(hello("decode-0"))], own)
@@ -94,9 +92,9 @@ async def test_the_router_warns_about_shared_keys_and_an_open_bus(tmp_path: Path
     d = tmp_path / "keys"
     assert kkeys.main([str(d), "--workers", "decode-0", "--shared-worker-key"]) == 0
     with structlog.testing.capture_logs() as logs:
-        r = make_router(curve_keys_dir=str(d))
+        r = make_router(curve_keys_dir=str(d), open_bus=True)
         r.close()
-        r = make_router()
+        r = make_router(open_bus=True)
         r.close()
     events = {e["event"]: e for e in logs}
     assert events["shared_worker_key"]["keys"] == [_key(d, "worker")[:8]]
@@ -132,7 +130,7 @@ async def test_each_router_replica_has_its_own_key(tmp_path: Path) -> None:
     d = tmp_path / "keys"
     assert kkeys.main([str(d), "--routers", "router-a,router-b", "--workers", "decode-0"]) == 0
     assert not (d / "router.key").exists()
-    r = make_router(curve_keys_dir=str(d), curve_key_name="router-b")
+    r = make_router(curve_keys_dir=str(d), curve_key_name="router-b", open_bus=True)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         async def handshakes(expect: str) -> bool:

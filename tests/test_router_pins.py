@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from common import codec, config
+from common import config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
 from common.policy.admission import REJECTED_REASON
@@ -164,12 +164,10 @@ def waiting_untouched(b: Bench, req: Request) -> None:
 
 
 def shell(**overrides: Any) -> tuple[Router, list[tuple[str, m.Msg]]]:
-    """The router's shell (admission's wait for a worker is the shell's), its socket replaced by a list."""
+    """The router's shell (admission's wait for a worker is the shell's), its core sending to a list."""
     cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "deflect-all", "profile": "fast", **overrides})
-    r = Router(cfg)
-    sent: list[tuple[str, m.Msg]] = []
-    r._work_send = lambda frames: sent.append((frames[0].decode(), codec.decode_inbox.decode(frames[1]))) or True  # type: ignore[method-assign,func-returns-value]
-    return r, sent
+    box = FakeOutbox()
+    return Router(cfg, outbox=box), box.sent
 
 
 async def test_with_no_worker_submit_says_no_worker_yet_and_admit_waits_for_a_hello() -> None:

@@ -2,10 +2,10 @@
 assigned to the sender (bound to its ZeroMQ identity at Hello), refuses incompatible workers,
 rejects at once what no worker can serve, and survives a message it fails to handle.
 
-Router-only: the router runs in this process with its bus bound on free ports, and frames are
-handed to its work-socket callback as the socket would hand them (identity, payload); what it
-sends back is accepted as if every worker were connected, and not read (tests that look at it
-capture `_work_send`), only its state and its clients' events.
+Router-only, without sockets: frames are handed to the router shell's work-socket callback as
+the socket would hand them (identity, payload), and what the core sends goes to a FakeOutbox
+(tests/router_fakes.py) that takes everything, as if every worker were connected; tests read it
+there (`sent(router)`), with the router's state and its clients' events.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from common.router_core.requests import Request
 from kairos.up import free_port
 from services.router import metrics
 from services.router.service import Router
-from tests.router_fakes import Clock, make_core
+from tests.router_fakes import Clock, FakeOutbox, make_core
 
 SAMPLING = m.Sampling(max_tokens=4, ignore_eos=True)
 
@@ -35,14 +35,23 @@ def hello(worker_id: str, role: m.Role = "decode", **kw: object) -> m.Hello:
     return m.Hello(**base)  # type: ignore[arg-type]
 
 
-def make_router(policy: str = "kairos", **overrides: object) -> Router:
+def make_router(policy: str = "kairos", *, open_bus: bool = False, **overrides: object) -> Router:
+    """A router whose core sends to a FakeOutbox; `open_bus`: also bind its sockets on free ports
+    (what the CURVE key checks read)."""
     cfg = config.load(config.RouterConfig, env={}, overrides={
         "work_port": free_port(), "heartbeat_port": free_port(), "telemetry_port": free_port(),
         "policy": policy, "profile": "fast", **overrides})
-    r = Router(cfg)
-    r.open()
-    r._work_send = lambda frames: True  # type: ignore[method-assign]  # as if every worker were connected
+    r = Router(cfg, outbox=FakeOutbox())
+    if open_bus:
+        r.open()
     return r
+
+
+def sent(r: Router) -> list[tuple[str, m.Msg]]:
+    """What the router's core sent, (worker id, message), since the list was last cleared."""
+    box = r.core.outbox
+    assert isinstance(box, FakeOutbox)
+    return box.sent
 
 
 @pytest.fixture
@@ -102,20 +111,16 @@ async def test_forged_token_batch_never_reaches_the_client(router: Router) -> No
     assert req.done and req.outcome == "ok"
 
 
-async def test_tokens_for_a_request_moved_elsewhere_are_dropped_and_cancelled_there(
-        router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
-    sent: list[tuple[bytes, m.Msg]] = []
-    monkeypatch.setattr(router, "_work_send",
-                        lambda frames: sent.append((frames[0], codec.decode_inbox.decode(frames[1]))) or True)
+async def test_tokens_for_a_request_moved_elsewhere_are_dropped_and_cancelled_there(router: Router) -> None:
     frame(router, b"decode-0", hello("decode-0"))
     frame(router, b"decode-1", hello("decode-1"))
     frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
     req = router.submit([1, 2, 3], SAMPLING)
     other = "decode-1" if req.decode_worker == "decode-0" else "decode-0"
-    sent.clear()
+    sent(router).clear()
     frame(router, other.encode(), m.TokenBatch(worker_id=other, items=[m.TokenItem(req.request_id, 0, [1])]))
     assert events(req) == []
-    assert sent == [(other.encode(), m.Cancel(request_id=req.request_id, attempt=0, reason="not_assigned"))]
+    assert sent(router) == [(other, m.Cancel(request_id=req.request_id, attempt=0, reason="not_assigned"))]
 
 
 async def test_request_ids_are_random_and_client_ids_only_labels(router: Router) -> None:
@@ -203,16 +208,12 @@ async def test_goodbye_drained_is_a_departure(router: Router) -> None:
     assert metrics.WORKERS_LOST.labels("decode")._value.get() == lost
 
 
-async def test_welcome_names_the_requests_the_router_does_not_track(router: Router,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    sent: list[tuple[bytes, m.Msg]] = []
-    monkeypatch.setattr(router, "_work_send",
-                        lambda frames: sent.append((frames[0], codec.decode_inbox.decode(frames[1]))) or True)
+async def test_welcome_names_the_requests_the_router_does_not_track(router: Router) -> None:
     frame(router, b"decode-0", hello("decode-0"))
     req = router.submit([1, 2], SAMPLING)
-    sent.clear()
+    sent(router).clear()
     frame(router, b"decode-0", hello("decode-0", held=[req.request_id, "from-a-router-before-a-restart"]))
-    welcome = [msg for _, msg in sent if isinstance(msg, m.Welcome)]
+    welcome = [msg for _, msg in sent(router) if isinstance(msg, m.Welcome)]
     assert len(welcome) == 1 and welcome[0].drop == ["from-a-router-before-a-restart"]
 
 
@@ -256,17 +257,9 @@ async def test_held_request_is_served_when_a_worker_registers(router: Router) ->
     assert req.decode_worker == "decode-0"
 
 
-async def test_first_token_releases_the_kv_a_prefill_worker_holds_for_a_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_first_token_releases_the_kv_a_prefill_worker_holds_for_a_pull() -> None:
     router = make_router("disagg-least-loaded")
     try:
-        sent: list[tuple[bytes, m.Msg]] = []
-
-        def capture(frames: list[bytes]) -> bool:
-            dec = codec.prefill_inbox if frames[0].startswith(b"prefill") else codec.decode_inbox
-            sent.append((frames[0], dec.decode(frames[1])))
-            return True
-
-        monkeypatch.setattr(router, "_work_send", capture)
         frame(router, b"decode-0", hello("decode-0"))
         frame(router, b"prefill-0", hello("prefill-0", role="prefill"))
         req = router.submit([1, 2, 3], SAMPLING)
@@ -274,10 +267,9 @@ async def test_first_token_releases_the_kv_a_prefill_worker_holds_for_a_pull(mon
         kv = m.KvHandle(transport="vllm", source_worker="prefill-0", tokens=3, params={"remote_block_ids": [1]})
         frame(router, b"prefill-0", m.PrefillDone(request_id=req.request_id, attempt=0, worker_id="prefill-0", kv=kv,
                                                   queue_s=0, prefill_s=0))
-        sent.clear()
+        sent(router).clear()
         frame(router, b"decode-0", m.TokenBatch(worker_id="decode-0", items=[m.TokenItem(req.request_id, 0, [5])]))
-        assert [(peer, msg) for peer, msg in sent] == [
-            (b"prefill-0", m.Cancel(request_id=req.request_id, attempt=0, reason="kv_consumed"))]
+        assert sent(router) == [("prefill-0", m.Cancel(request_id=req.request_id, attempt=0, reason="kv_consumed"))]
     finally:
         router.close()
 

@@ -22,7 +22,7 @@ from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
 from common.router_core.core import RouterCore
-from common.router_core.ports import Hooks
+from common.router_core.ports import Hooks, Outbox
 from common.router_core.requests import Request
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
 from common.tokenizer import make_tokenizer
@@ -33,7 +33,9 @@ log = structlog.get_logger()
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, *, outbox: Outbox | None = None) -> None:
+        """`outbox`: where the core's messages go instead of the bus (tests of the shell pass
+        tests/router_fakes.py's FakeOutbox); by default this router's own sockets."""
         self.cfg = cfg
         # the request_done line: at info level when asked (--log-requests), else at debug level
         # (written only under --log-level debug; its fields are not even computed otherwise)
@@ -45,7 +47,7 @@ class Router:
         self._prepare_queued = False
         self._prepared_at = -1.0  # monotonic time of the last `prepare`
         self.core = core = RouterCore(
-            cfg, self, metrics=metrics,  # the module has the Metrics functions
+            cfg, outbox if outbox is not None else self, metrics=metrics,  # the module has the Metrics functions
             hooks=Hooks(request_done=self._request_done, views_changed=self.prepare_soon,
                         worker_joined=self._wake_held),
             wall_offset=time.time() - time.monotonic(), opened_at=time.monotonic())

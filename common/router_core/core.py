@@ -111,7 +111,7 @@ class RouterCore:
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, dispatch_again=self.dispatch_again,
                                    unplaced=self.unplaced, finish=self.finish, fail=self.fail,
-                                   cancel_on_workers=self.cancel_on_workers, release=self.release, metrics=metrics)
+                                   next_attempt=self.next_attempt, metrics=metrics)
         self.parked = self.migration.parked
         self.membership = Membership(
             cfg=cfg, incarnation=self.incarnation, table=self.table, prefix=self.prefix, gate=self.gate,
@@ -260,16 +260,22 @@ class RouterCore:
         if req.attempt + 1 >= self.cfg.max_attempts:
             self.fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", "retries_exhausted", now)
             return
-        self.cancel_on_workers(req, "redispatched")
-        self.release(req)
-        if bad_worker:
-            req.exclude.add(bad_worker)
-        req.attempt += 1
+        self.next_attempt(req, "redispatched", bad_worker)
         self.counts["redispatched"] += 1
         self.metrics.observe_redispatch()
         log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
                     bad_worker=bad_worker)
         self.dispatch_again(req, now)
+
+    def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
+        """What every new attempt of a request starts with (a re-dispatch, a migration): its work
+        stopped where it ran (Cancel with `reason`), its reservations there released, the worker it
+        failed on avoided, its attempt number raised (later messages of the old attempt are dropped)."""
+        self.cancel_on_workers(req, reason)
+        self.release(req)
+        if bad_worker:
+            req.exclude.add(bad_worker)
+        req.attempt += 1
 
     def dispatch_again(self, req: Request, now: float) -> bool:
         """Dispatch a request's next attempt (a re-dispatch, a migration): away from the workers it

@@ -29,7 +29,7 @@ dispatched as soon as a worker can take it (checked every liveness tick), or mov
 queue if the workers that came back have no room.
 
 `Migration` owns the parked requests and reaches the rest of the router only through the
-callbacks it is given (dispatch, finish, fail, cancel on workers, release its reservations).
+callbacks it is given (dispatch, finish, fail, start a next attempt).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class Migration:
                  dispatch_again: Callable[[Request, float], bool],
                  unplaced: Callable[[Request, NoWorkers, float], None],
                  finish: Callable[[Request, str, float], None], fail: Callable[[Request, str, str, float], None],
-                 cancel_on_workers: Callable[[Request, str], None], release: Callable[[Request], None],
+                 next_attempt: Callable[[Request, str, str | None], None],
                  metrics: Metrics = NULL_METRICS) -> None:
         self.cfg, self.counts, self.metrics = cfg, counts, metrics
         self._dispatch, self._finish, self._fail = dispatch, finish, fail
         self._dispatch_again, self._unplaced = dispatch_again, unplaced
-        self._cancel_on_workers, self._release = cancel_on_workers, release
+        self._next_attempt = next_attempt
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
 
     def resume(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
@@ -75,11 +75,7 @@ class Migration:
             self._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
                             f"{limit}); the output is incomplete", "worker_lost_midstream", now)
             return
-        self._cancel_on_workers(req, "migrated")
-        self._release(req)
-        if bad_worker:
-            req.exclude.add(bad_worker)
-        req.attempt += 1
+        self._next_attempt(req, "migrated", bad_worker)
         req.migrations += 1
         req.resume_from = req.n_out
         self.counts["migrated"] += 1

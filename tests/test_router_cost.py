@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import math
 import random
+import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from structlog.testing import capture_logs
 
+from common import messages as m
 from common.promfast import child, observe_many
-from tests.test_router_pins import Bench
+from tests.router_fakes import hello
+from tests.test_router_pins import PROMPT, SAMPLING, shell
 
 
 def _series(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -47,27 +51,29 @@ def test_child_is_the_metrics_own() -> None:
     assert child(h, "1", "2") is child(h, "1", "2")
 
 
-def _finish_one(b: Bench) -> str:
-    req = b.submit()
-    b.tokens("decode-0", req, [5, 6])
-    b.tokens("decode-0", req, [7], finish="length")
+def _finish_one(**overrides: Any) -> str:
+    """One request through the router's shell (the request_done line is the shell's), to the end."""
+    r, _ = shell(**overrides)
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), time.monotonic())
+    req = r.submit(PROMPT, SAMPLING)
+    for ids, finish in (([5, 6], None), ([7], "length")):
+        batch = m.TokenBatch(worker_id="decode-0", items=[m.TokenItem(req.request_id, 0, ids, finish)])
+        r.core.on_message(b"decode-0", batch, time.monotonic())
+    assert req.done
     return req.request_id
 
 
-def test_request_done_only_when_asked() -> None:
-    quiet = Bench("deflect-all", [("decode-0", 10**6)])
+async def test_request_done_only_when_asked() -> None:
     with capture_logs() as logs:
-        _finish_one(quiet)
+        _finish_one()
     assert not [e for e in logs if e["event"] == "request_done"]
 
-    asked = Bench("deflect-all", [("decode-0", 10**6)], log_requests=True)
     with capture_logs() as logs:
-        rid = _finish_one(asked)
+        rid = _finish_one(log_requests=True)
     done = [e for e in logs if e["event"] == "request_done"]
     assert len(done) == 1 and done[0]["log_level"] == "info"
     assert done[0]["request_id"] == rid and done[0]["output_tokens"] == 3 and done[0]["outcome"] == "ok"
 
-    debug = Bench("deflect-all", [("decode-0", 10**6)], log_level="debug")
     with capture_logs() as logs:
-        _finish_one(debug)
+        _finish_one(log_level="debug")
     assert [e["log_level"] for e in logs if e["event"] == "request_done"] == ["debug"]

@@ -315,6 +315,13 @@ def _diff(a: Any, b: Any, path: str = "$") -> list[str]:
                 continue
             if k not in a or k not in b:
                 out.append(f"{path}.{k}: only in {'vllm' if k in a else 'kairos'}")
+            elif k == "chunk_fields":
+                # the kinds of chunk in a stream (`_assemble`): Kairos's must be kinds vLLM sends, but
+                # it may send fewer, since it puts every token ready in one event and a loaded host
+                # merges what vLLM sends apart (e.g. the last tokens and the finish)
+                extra = sorted(set(b[k]) - set(a[k]))
+                if extra:
+                    out.append(f"{path}.{k}: kairos sends chunk kinds vllm does not: {extra} (vllm: {a[k]})")
             else:
                 out += _diff(a[k], b[k], f"{path}.{k}")
         return out

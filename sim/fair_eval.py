@@ -55,7 +55,7 @@ PROBE_POLICY = "disagg-least-loaded"
 REGIME_TTFT = 0.95   # the baseline meets the TTFT SLO for at most this fraction: prefill queues hurt
 REGIME_TBT = 0.99    # ... while at least this fraction keep every gap within the TBT SLO
 SWEEP = (0.5, 1.0, 1.5, 2.0)  # report rates, multiples of the regime rate scale
-# Model error the engine has and the policies do not know (sim/core.py SimConfig; the sizes are
+# Model error the engine has and the policies do not know (sim/state.py SimConfig; the sizes are
 # assumptions, not measurements: docs/cost-model.md, "Model error"). Every policy is tuned and
 # judged under the same one.
 CONDITIONS: dict[str, dict[str, Any]] = {

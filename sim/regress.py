@@ -13,7 +13,7 @@ comparable on one machine and one set of installed packages (numpy's generators,
 summation order): record them before the change and check after it, on the same machine; they
 are not golden values for tests.
 
-The set (about 15 s on 2 cores) covers what a refactor of sim/core.py could break: stale
+The set (about 15 s on 2 cores) covers what a refactor of the simulator could break: stale
 heartbeats and the ledger, several routers and the held list, late binding on and off (the wait
 queue's retry order), prefix caching on multi-turn sessions, decode-side admission, model error,
 KV-wait rejections, and the baselines without a deflection schedule (conditional-disagg,

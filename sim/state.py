@@ -1,19 +1,71 @@
-"""The simulator's state of each request and worker (sim/core.py runs the events on them):
-what a request went through, each worker's engine (the real batching class) and step in flight,
-and each router's ledger of what it dispatched to a worker since that worker's last heartbeat."""
+"""The simulator's settings (`SimConfig`) and its state of each request and worker (sim/core.py
+runs the events on them, sim/router.py the router side): what a request went through, each
+worker's engine (the real batching class), step in flight and last heartbeat, and a router's
+ledger of what it dispatched to a worker since that worker's last heartbeat."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from common.engines.batcher import Batcher, Seq, StepPlan
-from common.engines.step_error import StepErrorEstimator
+from common.engines.replay import Tail, drain
+from common.engines.step_error import StepError, StepErrorEstimator
 from common.perf_model import PerfModel
 from common.policy.admission import Accepted
+from sim.stats import RequestTiming
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    prefill: int = 2
+    decode: int = 2
+    ttft_slo: float = 2.0
+    tbt_slo: float = 0.1
+    heartbeat_interval: float = 0.1
+    ledger: bool = True
+    step_noise: float = 0.0   # sigma of a mean-1 lognormal factor on every executed step time
+    step_scale: float = 1.0   # every executed step takes this times the model's time (the engine slower or faster)
+    worker_speed: tuple[float, ...] = ()  # per-worker factors (prefill workers first, then decode; cycled)
+    slow_every_s: float = 0.0  # mean seconds between a worker's slow periods (0: none; common/engines/step_error.py)
+    slow_for_s: float = 1.0    # mean length of a slow period
+    slow_factor: float = 1.5   # step time factor in a slow period
+    straggler_p: float = 0.0   # fraction of steps that straggle
+    straggler_factor: float = 3.0  # step time factor of a straggler
+    closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
+    bias_correction: bool = True  # routers scale each worker's model by its measured step bias (heartbeats)
+    seed: int = 0
+    kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
+    kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
+    prefix_cache: bool = True      # per-worker prefix caches and the router's prefix index (traces with hash_ids)
+    hash_block_tokens: int = 512   # prompt tokens per trace hash_ids entry: the cache's block size
+    routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
+    admission: bool = True         # decode workers check every deflection against their live state
+    held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
+    prompt_beat: float = 0.002  # a worker also heartbeats this long after its state changes (live: 2 ms); < 0: never
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("need at least one decode worker and a non-negative number of prefill workers")
+        if self.heartbeat_interval < 0 or self.step_noise < 0:
+            raise ValueError("heartbeat_interval and step_noise must be >= 0")
+        if self.kv_wait_timeout < 0 or self.kv_wait_max < 0:
+            raise ValueError("kv_wait_timeout and kv_wait_max must be >= 0")
+        if self.hash_block_tokens < 1:
+            raise ValueError("hash_block_tokens must be >= 1")
+        if self.routers < 1:
+            raise ValueError("need at least one router")
+        self.step_error()  # validates
+
+    def step_error(self) -> StepError:
+        return StepError(noise=self.step_noise, scale=self.step_scale, speeds=self.worker_speed,
+                         slow_every_s=self.slow_every_s, slow_for_s=self.slow_for_s, slow_factor=self.slow_factor,
+                         straggler_p=self.straggler_p, straggler_factor=self.straggler_factor)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +95,20 @@ class Req:
     cached: int = 0                  # prompt tokens its prefill skipped (prefix-cache hit)
     gaps: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
 
+    def timing(self) -> RequestTiming:
+        """What the run reports of it."""
+        r = self
+        if r.route is None or r.first < 0:
+            return RequestTiming(ttft=None, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
+                                 rejected=r.rejected, wait_s=r.waited if r.waited >= 0 else None)
+        return RequestTiming(
+            ttft=r.first - r.arrival, tbt_gaps=r.gaps, route=r.route, reason=r.reason, prompt_tokens=r.prompt,
+            output_tokens=r.ntok, e2e=r.done - r.arrival,
+            queue_s=r.prefill_started - r.arrival if r.prefill_started >= 0 else None,
+            prefill_s=r.prefilled - r.prefill_started if r.prefill_started >= 0 and r.prefilled >= 0 else None,
+            xfer_s=r.xfer - r.prefilled if r.xfer >= 0 else None, ttft_pred=r.ttft_pred,
+            wait_s=r.waited if r.waited >= 0 else None)
+
 
 class PrefillLedger:
     """One router's ledger of a prefill worker: what it dispatched there since the last heartbeat."""
@@ -67,9 +133,9 @@ class DecodeLedger:
 
 class Worker:
     __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "model", "next_hb", "phase",
-                 "plan", "retry_at", "until", "view_model", "views", "wid")
+                 "plan", "until", "view_model", "wid")
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
         self.batcher = batcher
         self.model = model
@@ -77,39 +143,83 @@ class Worker:
         self.busy_s = 0.0
         self.phase = phase
         self.next_hb = phase
-        self.hb: tuple[Any, ...] = ()
-        self.views: list[Any] = [None] * routers  # each router's view of it (None: to rebuild)
+        self.hb: tuple[Any, ...] = ()  # its last heartbeat, as every router has it (sim/core.py _snapshot)
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
-        self.retry_at = -1.0  # the heartbeat at which a retry of the wait queue is already due
         self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
         self.estimator: StepErrorEstimator | None = None  # its measured step error (None: not measured)
         self.bias = 1.0              # the bias its last heartbeat reported, as routers take it (bias_factor)
         self.view_model = model      # what routers predict it with: model x bias
 
+    def busy_until(self) -> float:
+        """When the step in flight ends, as the worker predicts it (its model, without noise)."""
+        return self.until if self.busy else 0.0
+
+    def heartbeat(self, now: float) -> tuple[Any, ...]:
+        """What its heartbeat at `now` reports (`hb`; sim/router.py builds the views from it)."""
+        raise NotImplementedError
+
 
 class PrefillWorker(Worker):
-    __slots__ = ("led", "queued_reqs", "queued_tokens")
+    __slots__ = ("queued_reqs", "queued_tokens")
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
-        super().__init__(wid, batcher, model, phase, routers)
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+        super().__init__(wid, batcher, model, phase)
         self.queued_tokens = 0
         self.queued_reqs = 0
-        self.led = [PrefillLedger() for _ in range(routers)]
+
+    def backlog(self) -> tuple[tuple[int, int], ...]:
+        """What a prefill heartbeat reports for the replay predictor: each held request's
+        (prompt tokens, tokens done) in FIFO order once the step in flight ends (at
+        `busy_until`; the worker also replays it: `drain`)."""
+        b = self.batcher
+        inflight = {id(seq): chi for seq, chi, _ in self.plan.chunks} if self.busy and self.plan else {}
+        q = []
+        for seq in itertools.chain(b.running, b.waiting):
+            done = seq.computed + inflight.get(id(seq), 0)
+            if done < seq.prompt_len:
+                q.append((seq.prompt_len, done))
+        return tuple(q)
+
+    def heartbeat(self, now: float) -> tuple[Any, ...]:
+        backlog, busy = self.backlog(), self.busy_until()
+        b = self.batcher
+        tail = drain(self.model, b.token_budget, b.max_batch, busy, backlog)  # the worker's replay, its model
+        f = self.bias
+        if f != 1.0:  # routers stretch it by its measured bias, from the heartbeat on (as live)
+            tail = Tail(now + (tail.start - now) * f, tail.chunks, tail.used, now + (tail.end - now) * f)
+        return (self.queued_tokens, self.queued_reqs, backlog, busy, tail)
 
 
 class DecodeWorker(Worker):
-    __slots__ = ("accepted", "accepted_from", "admit_wait", "led", "step_s", "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("accepted", "accepted_from", "admit_wait", "step_s", "waiting_kv", "waiting_kv_tokens")
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, routers: int) -> None:
-        super().__init__(wid, batcher, model, phase, routers)
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+        super().__init__(wid, batcher, model, phase)
         self.waiting_kv = 0
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
-        self.led = [DecodeLedger() for _ in range(routers)]
         self.accepted: dict[str, Accepted] = {}  # worker side: deflections admitted, not yet prefilled
         self.accepted_from: dict[str, tuple[int, int]] = {}  # ... their router and largest chunk (heartbeats)
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
+
+    def heartbeat(self, now: float) -> tuple[Any, ...]:
+        batch = kv = res = defl = 0
+        slo = math.inf
+        for s in self.batcher.running:
+            if s.computed < s.prompt_len:
+                res += s.prompt_len - s.computed
+                defl += 1
+            else:
+                batch += 1
+                kv += s.computed + s.generated
+            if s.tbt_slo < slo:
+                slo = s.tbt_slo
+        pending = self.waiting_kv + len(self.admit_wait)
+        free = self.batcher.kv_free() - self.waiting_kv_tokens - sum(s.kv_reserve for s in self.admit_wait)
+        guard = self.batcher.guard
+        return (batch, kv, free, res, defl, slo, pending, self.busy_until(), self.step_s,
+                (guard.estimator.margin() if guard is not None else 1.0) / self.bias)
 
 
 class Level:

@@ -59,7 +59,8 @@ def test_kairos_runs_its_schedule_and_predicts_ttft() -> None:
     (r,) = run([TraceRequest(0.0, 3000, 2)], "kairos")
     assert r.route == "deflect" and r.reason == "decode_faster"
     spec = RequestSpec(request_id="x", prompt_tokens=3000, max_tokens=2, ttft_slo=2.0, tbt_slo=0.1)
-    found = make_policy("kairos").decide(spec, Simulation(PROF, make_policy("kairos"), SimConfig())._view(0.0), 0.0)
+    view = Simulation(PROF, make_policy("kairos"), SimConfig()).routers.replicas[0].view(0.0)
+    found = make_policy("kairos").decide(spec, view, 0.0)
     actual = 0.0
     done = 0
     for chi in found.chunk_schedule:

@@ -55,7 +55,7 @@ def test_tuned_knobs_reach_the_policy_and_the_batchers(tmp_path: Path) -> None:
     assert (k.policy.cfg.alpha, k.policy.cfg.beta, k.policy.cfg.max_deflections) == (2.0, 0.8, 4)
     assert {w.batcher.token_budget for w in k.prefill} == {1024}
     assert {w.batcher.token_budget for w in k.decode} == {640}
-    assert k._view(0.0).decode[0].token_budget == 640  # and what the policy sees
+    assert k.routers.replicas[0].view(0.0).decode[0].token_budget == 640  # and what the policy sees
     c = sims["conditional-disagg"]
     assert isinstance(c.policy, ConditionalDisagg)
     assert (c.policy.cfg.eff_isl_threshold, c.policy.cfg.prefill_busy_threshold) == (512, 8.0)

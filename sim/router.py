@@ -1,0 +1,386 @@
+"""The router side of the simulator: what the live router core owns (common/router_core/), run on the
+simulator's clock. sim/core.py runs the engines (steps, KV transfers, heartbeats) and calls in
+here; this module never touches an engine's state except through the `Engines` interface below,
+which is the seam where the live router's core is to be plugged in later.
+
+`SimRouter` is one router replica: its policy object (policies keep per-router state: caches,
+counters, rates), its views of the workers built from their last heartbeat plus its ledger of
+the work it dispatched to each since that heartbeat (unless `ledger` is off), its exact record of
+the deflections it sent that have not produced their first token, and dispatch: deciding, the
+decode worker's admission check (and deciding again without that worker, as the live router
+does on a rejection), the ledger entries and the prefix index's updates. `Routers` holds the
+replicas, the requests arrive round-robin at them (`Req.router`), and what the simulator keeps
+once for all of them: the wait queue (common/wait_queue.py) with its retry, give-up and reject
+rules, and the prefix index. (A live replica has its own wait queue and its own index; sharing
+them here is the simulator's model, kept as it was before this module was split out.)
+
+What the policy sees is what the live router sees: views built from heartbeats that each worker
+publishes every `heartbeat_interval` seconds (plus its prompt beats, see sim/core.py), so they
+are stale in between, plus the replica's ledger. Every heartbeat reaches every replica; with
+`held_list`, a decode worker's heartbeats also list the deflections it holds and which router
+sent each, and each replica adds the others' ones to its view (the worker heartbeats at once
+when that list changes, so the replicas see it at once).
+
+Overload, as engines behave: a request the policy cannot place (no decode worker has KV room in
+the router's view) waits in the router's FIFO queue, and the queue is retried whenever a decode
+worker's finished requests become visible (at its next heartbeat; at once without heartbeats).
+A request that has waited `kv_wait_timeout` seconds, or finds `kv_wait_max` requests already
+waiting, is rejected: it produces no token and `summarize` counts it (see sim/stats.py).
+
+Late binding (Kairos's `late_binding`): a request the policy holds (`Hold`: the prefill queues are
+deep, no decode worker can take it in place) waits in the same queue. Held requests do not block
+the queue: a later arrival is still decided at once, and a retry walks the waiting requests in
+arrival order (up to `wait_queue.SCAN` of them), stopping at one that waits for KV room. Retries also
+run when a prefill worker's shorter queue becomes visible (its next heartbeat) and when a
+deflection's first token frees its slot (the ledger: at once).
+
+The interface, router to engines (`Engines`, implemented by sim/core.py's `Simulation`):
+    deliver(w, now)          W's heartbeats due by `now` reach the routers (the engines take them
+                             lazily; a router asks before it reads or records anything about W)
+    deliver_all(now)         every worker's, for a view (heartbeat_interval 0: the live state)
+    check_deflection(w, d)   decode worker W's admission check of deflection `d` ('' = it fits)
+    admit_deflection(w, r, d, now)  W takes deflection `d` of request `r` (prefills it in place)
+    queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for decode worker W
+    next_heartbeat(w, now)   when W's next heartbeat (periodic or prompt) reaches the routers
+    retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
+and what a router reads of a worker: its id, its settings (token budget, batch and KV sizes: its
+Hello), its last heartbeat (`hb`, and `view_model`: its model scaled by the bias it reported) and
+a decode worker's held list (`accepted_from`, `accepted`).
+Engines to routers (`Routers`): heartbeat(w, stored, removed) (a heartbeat, with the prefix
+cache's changes), held_changed(w, router), first_token(w, r, now) (a deflection's first token),
+kv_freed(w, now) (requests finished on decode worker W), prefill_done(w, now).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from common.perf_model import Profile
+from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
+from common.policy.admission import decide_without
+from common.policy.kairos import Kairos, latest_start, retry_order
+from common.policy.prefix_index import PrefixIndex
+from common.policy.schedule import reserved_step_cost
+from common.wait_queue import Outcome, WaitQueue
+from sim.state import DecodeLedger, DecodeWorker, Level, PrefillLedger, PrefillWorker, Req, SimConfig, Worker
+
+
+class Engines(Protocol):
+    """What the router side may ask of the simulated engines (see the module docstring)."""
+
+    def deliver(self, w: Worker, now: float) -> None: ...
+    def deliver_all(self, now: float) -> None: ...
+    def check_deflection(self, w: DecodeWorker, d: Decision) -> str: ...
+    def admit_deflection(self, w: DecodeWorker, r: Req, d: Decision, now: float) -> None: ...
+    def queue_prefill(self, p: PrefillWorker, w: DecodeWorker, r: Req, now: float) -> None: ...
+    def next_heartbeat(self, w: Worker, now: float) -> float: ...
+    def retry_at(self, t: float) -> None: ...
+    def give_up_at(self, t: float, r: Req) -> None: ...
+
+
+class SimRouter:
+    """One router replica: its policy, its views and ledger, its dispatch."""
+
+    def __init__(self, i: int, policy: Policy, cfg: SimConfig, engines: Engines, index: PrefixIndex,
+                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker], tier: Routers) -> None:
+        self.i = i
+        self.policy = policy
+        self.cfg = cfg
+        self.engines = engines
+        self.index = index
+        self.tier = tier
+        self.prefill = prefill
+        self.decode = decode
+        self._p_by_id = {w.wid: w for w in prefill}
+        self._d_by_id = {w.wid: w for w in decode}
+        self.pled = {w.wid: PrefillLedger() for w in prefill}
+        self.dled = {w.wid: DecodeLedger() for w in decode}
+        self.views: dict[str, PrefillView | DecodeView | None] = {w.wid: None for w in (*prefill, *decode)}
+        self.cluster: ClusterView | None = None
+        self.decision_ns: list[int] = []
+        self.admission_rejected = 0
+
+    # -- views ----------------------------------------------------------------------------
+    def heartbeat(self, w: Worker) -> None:
+        """A heartbeat of `w` arrived: the ledger's entries for it are in it now."""
+        if isinstance(w, PrefillWorker):
+            pl = self.pled[w.wid]
+            pl.tokens = pl.reqs = 0
+            pl.q = []
+        else:
+            dl = self.dled[w.wid]
+            dl.res = dl.kv = dl.pending = 0
+        self.views[w.wid] = None
+        self.cluster = None
+
+    def changed(self, w: Worker) -> None:
+        """Its view of `w` is to be rebuilt (the ledger or the held list changed)."""
+        self.views[w.wid] = None
+        self.cluster = None
+
+    def _prefill_view(self, w: PrefillWorker) -> PrefillView:
+        q, n, backlog, busy, tail = w.hb
+        led = self.pled[w.wid]
+        return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
+                           token_budget=w.batcher.token_budget, model=w.view_model, backlog=backlog, busy_until=busy,
+                           drain=tail, ledger=tuple(led.q), max_batch=w.batcher.max_batch)
+
+    def _decode_view(self, w: DecodeWorker) -> DecodeView:
+        """As common/router_core/workers.py builds it: with the ledger, the deflection count and the
+        reserved step cost come from the router's own exact record of deflections in flight (with
+        several routers, of the ones it sent itself, plus the others' from the held list)."""
+        batch, kv, free, res, defl, slo, pending, busy, step_s, margin = w.hb
+        led = self.dled[w.wid]
+        reserved = 0.0
+        reserved_tokens = 0
+        inflight: tuple[tuple[float, float, int], ...] = ()
+        if self.cfg.ledger:
+            defl = len(led.deflecting)
+            for cost, tokens, _ in led.deflecting.values():
+                reserved += cost
+                reserved_tokens += tokens
+            inflight = tuple((end, cost, tokens) for cost, tokens, end in led.deflecting.values())
+            for rid, (rt, tokens) in w.accepted_from.items():  # the other routers' deflections (held list)
+                if rt != self.i and self.cfg.held_list:
+                    defl += 1
+                    reserved += w.accepted[rid].reserved_s
+                    reserved_tokens += tokens
+        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
+                          kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + led.res,
+                          deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
+                          token_budget=w.batcher.token_budget, model=w.view_model, reserved_step_s=reserved,
+                          pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
+                          inflight=inflight, step_s=step_s, step_margin=margin)
+
+    def view(self, now: float) -> ClusterView:
+        """What the policy sees now (rebuilt only where a heartbeat or the ledger changed it)."""
+        self.engines.deliver_all(now)
+        cluster = self.cluster
+        if cluster is None:
+            views = self.views
+            for w in self.prefill:
+                if views[w.wid] is None:
+                    views[w.wid] = self._prefill_view(w)
+            for d in self.decode:
+                if views[d.wid] is None:
+                    views[d.wid] = self._decode_view(d)
+            cluster = self.cluster = ClusterView(tuple(views[w.wid] for w in self.prefill),  # type: ignore[misc]
+                                                 tuple(views[d.wid] for d in self.decode))  # type: ignore[misc]
+        return cluster
+
+    def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
+        """Deflection `r` on `w` produced its first token: its slot is free in the ledger."""
+        self.dled[w.wid].deflecting.pop(r.rid, None)
+        if self.cfg.ledger:
+            self.changed(w)
+            if self.tier.holding:
+                self.engines.retry_at(now)  # a deflection slot freed, seen at once
+
+    # -- dispatch -------------------------------------------------------------------------
+    def dispatch(self, r: Req, now: float) -> bool:
+        """Ask the policy and send the request on its way; False (and why in `r.reason`) if it
+        cannot be placed now."""
+        cfg = self.cfg
+        eng = self.engines
+        cached: tuple[tuple[str, int], ...] = ()
+        if r.hashes:
+            bt = cfg.hash_block_tokens
+            cached = tuple((w, n * bt) for w, n in self.index.hits(r.hashes).items())
+        spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
+                           ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo, cached=cached)
+        view = self.view(now)
+        policy = self.policy
+        t0 = time.perf_counter_ns()
+        try:
+            d = policy.decide(spec, view, now)
+        except NoWorkers as e:
+            r.reason = str(e)
+            r.held = isinstance(e, Hold)
+            r.was_held = r.was_held or r.held
+            return False
+        finally:
+            self.decision_ns.append(time.perf_counter_ns() - t0)
+        dw = self._d_by_id[d.decode_worker]
+        eng.deliver(dw, now)
+        closed: frozenset[str] = frozenset()
+        while d.route == "deflect" and cfg.admission and eng.check_deflection(dw, d):
+            closed = closed | {d.decode_worker}
+            try:
+                d2 = decide_without(policy, spec, view, now, closed)  # the worker said no at once
+            except NoWorkers:
+                break  # no prefill worker to fall back to: the deflection goes ahead (as the live router)
+            self.admission_rejected += 1
+            d = d2
+            dw = self._d_by_id[d.decode_worker]
+            eng.deliver(dw, now)
+        r.route = d.route
+        r.reason = d.reason
+        r.decode_worker = d.decode_worker
+        led = self.dled[dw.wid]
+        need = r.prompt + r.output
+        uncached = r.prompt - d.cached_tokens  # as the router expects it
+        if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
+            self.index.stored(dw.wid, r.hashes)
+            if d.prefill_worker is not None:
+                self.index.stored(d.prefill_worker, r.hashes)
+        if d.route == "deflect":
+            r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
+            led.deflecting[r.rid] = (reserved_step_cost(dw.view_model, d.chunk_schedule, dw.batcher.token_budget,
+                                                        d.cached_tokens),
+                                     max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
+            if cfg.ledger:
+                led.res += uncached
+                led.kv += need
+                self.changed(dw)
+            eng.admit_deflection(dw, r, d, now)
+            return True
+        assert d.prefill_worker is not None
+        r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
+        pw = self._p_by_id[d.prefill_worker]
+        eng.deliver(pw, now)
+        if cfg.ledger:
+            pled = self.pled[pw.wid]
+            pled.tokens += uncached
+            pled.reqs += 1
+            pled.q.append((uncached, now))
+            led.pending += 1
+            led.kv += need
+            self.changed(pw)
+            self.changed(dw)
+        eng.queue_prefill(pw, dw, r, now)
+        return True
+
+
+class Routers:
+    """The router replicas, and the wait queue and prefix index the simulator keeps once for all."""
+
+    def __init__(self, profile: Profile, policy: Policy, cfg: SimConfig, engines: Engines,
+                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker]) -> None:
+        self.cfg = cfg
+        self.engines = engines
+        self.profile = profile
+        self.index = PrefixIndex()  # fed by heartbeats' summaries and by dispatches
+        if cfg.prefix_cache:
+            for w in (*prefill, *decode):
+                self.index.join(w.wid, cfg.hash_block_tokens)
+        # one policy object per router (they keep per-router state: caches, counters, rates)
+        policies = [policy, *(copy.deepcopy(policy) for _ in range(cfg.routers - 1))]
+        self.replicas = [SimRouter(i, p, cfg, engines, self.index, prefill, decode, self)
+                         for i, p in enumerate(policies)]
+        # the FIFO of requests waiting for KV room or held: the live router's own class
+        self.waiting: WaitQueue[Req] = WaitQueue(cfg.kv_wait_max)
+        self.waiting_kv = 0  # of which waiting for KV room
+        self.holding = 0     # of which held by the policy (late binding)
+        self.late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
+        self.q_wait = Level()
+        self._retry_at: dict[str, float] = {}  # per worker: the heartbeat at which a retry is already due
+
+    @property
+    def admission_rejected(self) -> int:
+        return sum(rt.admission_rejected for rt in self.replicas)
+
+    def decision_ns(self) -> list[int]:
+        return [ns for rt in self.replicas for ns in rt.decision_ns]
+
+    # -- from the engines -----------------------------------------------------------------
+    def heartbeat(self, w: Worker, stored: Sequence[int], removed: Sequence[int]) -> None:
+        if removed:
+            self.index.removed(w.wid, removed)
+        if stored:
+            self.index.stored(w.wid, stored)
+        for rt in self.replicas:
+            rt.heartbeat(w)
+
+    def held_changed(self, w: DecodeWorker, router: int) -> None:
+        """A deflection sent by `router` started or finished its prefill on `w`: the other
+        routers see it at once, as the live worker heartbeats at once on both (its heartbeats
+        list the deflections it holds and who sent them). Their ledgers never hold it."""
+        if self.cfg.ledger and self.cfg.held_list:
+            for rt in self.replicas:
+                if rt.i != router:
+                    rt.changed(w)
+
+    def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
+        self.replicas[r.router].first_token(w, r, now)
+
+    def kv_freed(self, w: DecodeWorker, now: float) -> None:
+        if self.waiting:  # the router sees the freed KV at this worker's next heartbeat
+            self._retry_at_heartbeat(w, now)
+
+    def prefill_done(self, w: PrefillWorker, now: float) -> None:
+        if self.holding:
+            self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
+
+    def _retry_at_heartbeat(self, w: Worker, now: float) -> None:
+        t = self.engines.next_heartbeat(w, now)
+        if t != self._retry_at.get(w.wid, -1.0):
+            self._retry_at[w.wid] = t
+            self.engines.retry_at(t)
+
+    # -- arrivals and the wait queue ------------------------------------------------------
+    def arrive(self, r: Req, now: float) -> None:
+        # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
+        # not block the queue, so a new arrival is decided at once unless one waits for KV
+        if self.waiting_kv or not self.replicas[r.router].dispatch(r, now):
+            if self.waiting.full():
+                _reject(r, f"rejected: {len(self.waiting)} requests already waiting for a worker")
+                return
+            self.waiting.append(r)
+            self._count_wait(r, 1)
+            self.q_wait.add(now, 1)
+            self.engines.give_up_at(now + self.cfg.kv_wait_timeout, r)
+
+    def _count_wait(self, r: Req, delta: int) -> None:
+        if r.held:
+            self.holding += delta
+        else:
+            self.waiting_kv += delta
+
+    def retry(self, now: float) -> None:
+        """Decide the waiting requests again (common/wait_queue.py, as the router): the first
+        `SCAN`, in the policy's `retry_order` (arrival order but with late binding), past the held
+        ones, stopping at the first that still waits for KV room."""
+        slo = self.cfg.ttft_slo
+        pm, pb = self.profile.model, self.profile.prefill_token_budget
+
+        def order(head: list[Req]) -> list[int]:
+            for r in head:
+                if self.late is not None and math.isnan(r.latest):
+                    r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
+            return retry_order(self.late, [r.latest for r in head], now)
+
+        def place(r: Req) -> Outcome:
+            self._count_wait(r, -1)
+            if self.replicas[r.router].dispatch(r, now):
+                r.waited = now - r.arrival
+                self.q_wait.add(now, -1)
+                return Outcome.PLACED
+            self._count_wait(r, 1)
+            return Outcome.HELD if r.held else Outcome.NO_ROOM
+
+        self.waiting.retry(order, place)
+
+    def give_up(self, r: Req, now: float) -> bool:
+        if r.route is not None or r.rejected:
+            return False  # placed in time
+        self.waiting.remove(r)
+        self._count_wait(r, -1)
+        self.q_wait.add(now, -1)
+        r.waited = now - r.arrival
+        what = "a worker to take it" if r.held else "KV room"
+        _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({r.reason})")
+        return True
+
+
+def _reject(r: Req, reason: str) -> None:
+    r.rejected = True
+    r.reason = reason
+
+
+def _from_arrival(pred: float | None, r: Req, now: float) -> float | None:
+    """A TTFT predicted at dispatch, from the request's arrival (it may have waited at the router)."""
+    return None if pred is None else pred + (now - r.arrival)

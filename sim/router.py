@@ -35,17 +35,18 @@ run when a prefill worker's shorter queue becomes visible (its next heartbeat) a
 deflection's first token frees its slot (the ledger: at once).
 
 The interface, router to engines (`Engines`, implemented by sim/core.py's `Simulation`):
-    deliver(w, now)          W's heartbeats due by `now` reach the routers (the engines take them
-                             lazily; a router asks before it reads or records anything about W)
-    deliver_all(now)         every worker's, for a view (heartbeat_interval 0: the live state)
-    check_deflection(w, d)   decode worker W's admission check of deflection `d` ('' = it fits)
+    deliver(w, now)                 W's heartbeats due by `now` reach the routers (the engines take
+                                    them lazily; a router asks before it reads or records anything
+                                    about W)
+    deliver_all(now)                every worker's, for a view (heartbeat_interval 0: the live state)
+    check_deflection(w, d)          decode worker W's admission check of deflection `d` ('' = fits)
     admit_deflection(w, r, d, now)  W takes deflection `d` of request `r` (prefills it in place)
-    queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for decode worker W
-    next_heartbeat(w, now)   when W's next heartbeat (periodic or prompt) reaches the routers
+    queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for W
+    next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
-and what a router reads of a worker: its id, its settings (token budget, batch and KV sizes: its
-Hello), its last heartbeat (`hb`, and `view_model`: its model scaled by the bias it reported) and
-a decode worker's held list (`accepted_from`, `accepted`).
+and what a router reads of a worker: its id, its settings (`token_budget`, `max_batch`,
+`kv_capacity`: its Hello), its last heartbeat (`hb`, and `view_model`: its model scaled by the
+bias it reported) and a decode worker's held list (`accepted_from`, `accepted`).
 Engines to routers (`Routers`): heartbeat(w, stored, removed) (a heartbeat, with the prefix
 cache's changes), held_changed(w, router), first_token(w, r, now) (a deflection's first token),
 kv_freed(w, now) (requests finished on decode worker W), prefill_done(w, now).
@@ -126,8 +127,8 @@ class SimRouter:
         q, n, backlog, busy, tail = w.hb
         led = self.pled[w.wid]
         return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
-                           token_budget=w.batcher.token_budget, model=w.view_model, backlog=backlog, busy_until=busy,
-                           drain=tail, ledger=tuple(led.q), max_batch=w.batcher.max_batch)
+                           token_budget=w.token_budget, model=w.view_model, backlog=backlog, busy_until=busy,
+                           drain=tail, ledger=tuple(led.q), max_batch=w.max_batch)
 
     def _decode_view(self, w: DecodeWorker) -> DecodeView:
         """As common/router_core/workers.py builds it: with the ledger, the deflection count and the
@@ -150,9 +151,9 @@ class SimRouter:
                     reserved += w.accepted[rid].reserved_s
                     reserved_tokens += tokens
         return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
-                          kv_capacity_tokens=w.batcher.kv_capacity, resident_prefill_tokens=res + led.res,
+                          kv_capacity_tokens=w.kv_capacity, resident_prefill_tokens=res + led.res,
                           deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
-                          token_budget=w.batcher.token_budget, model=w.view_model, reserved_step_s=reserved,
+                          token_budget=w.token_budget, model=w.view_model, reserved_step_s=reserved,
                           pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
                           inflight=inflight, step_s=step_s, step_margin=margin)
 
@@ -229,7 +230,7 @@ class SimRouter:
                 self.index.stored(d.prefill_worker, r.hashes)
         if d.route == "deflect":
             r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
-            led.deflecting[r.rid] = (reserved_step_cost(dw.view_model, d.chunk_schedule, dw.batcher.token_budget,
+            led.deflecting[r.rid] = (reserved_step_cost(dw.view_model, d.chunk_schedule, dw.token_budget,
                                                         d.cached_tokens),
                                      max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             if cfg.ledger:

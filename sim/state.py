@@ -132,13 +132,17 @@ class DecodeLedger:
 
 
 class Worker:
-    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "model", "next_hb", "phase",
-                 "plan", "until", "view_model", "wid")
+    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "kv_capacity", "max_batch", "model",
+                 "next_hb", "phase", "plan", "token_budget", "until", "view_model", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
         self.batcher = batcher
         self.model = model
+        # what its Hello tells the routers (its engine's settings; the router side reads these, not the engine)
+        self.token_budget = batcher.token_budget
+        self.max_batch = batcher.max_batch
+        self.kv_capacity = batcher.kv_capacity
         self.busy = False
         self.busy_s = 0.0
         self.phase = phase

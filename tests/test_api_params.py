@@ -1,7 +1,7 @@
 """Every request-body field of vLLM's OpenAI server, sent to Kairos: honoured, or refused with a 400
 naming it. None may be accepted and ignored.
 
-The field list is the declared schemas of services/router/openai_schema.py;
+The field list is the declared schemas of services/router/openai_bodies.py;
 tests/vllm/test_openai_fields.py checks those equal vLLM 0.32's own pydantic request models.
 Each case sends one field with a non-default value to a simulated cluster and checks the effect in
 the response (sampling parameters, whose effect the simulated engine's synthetic tokens do not

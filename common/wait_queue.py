@@ -1,5 +1,5 @@
 """The wait queue of requests that could not be placed yet, as the router runs it and the simulator
-runs it too (common/router_core/waiting.py, sim/core.py): one class, so the two cannot drift apart.
+runs it too (common/router_core/waiting.py, sim/router.py): one class, so the two cannot drift apart.
 
 Two kinds of request wait in it, in arrival order: one that found no decode worker with KV room
 (`held` False), and one the policy holds back (Kairos's late binding, `held` True: the prefill

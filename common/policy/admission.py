@@ -19,7 +19,7 @@ those of the deflections already accepted, and beta x the worker's strictest res
 is rejected at once with the reason; the router then decides again with that worker closed to
 deflections (`decide_without`): another decode worker's deflection (checked there in turn), or
 the disaggregated path. The live decode worker (services/decode_worker) and the simulator
-(sim/core.py) call the same functions. Decode heartbeats also list the deflections a worker
+(sim/router.py) call the same functions. Decode heartbeats also list the deflections a worker
 holds and which router sent each, so that a router's view counts the other routers' ones too
 (common/router_core/workers.py); admission covers what a heartbeat has not shown yet.
 

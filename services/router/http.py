@@ -6,7 +6,7 @@ POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /load (as vL
 them), GET /openapi.json (services/router/openapi.py), GET /health (process up), GET /ready (at
 least one decode worker), GET /v1/kairos/stats (routes, reasons, workers), GET /metrics (Prometheus).
 
-Request bodies are decoded into the declared schemas of services/router/openai_schema.py (every
+Request bodies are decoded into the declared schemas of services/router/openai_bodies.py (every
 field of vLLM's server: honoured, or refused with a 400 naming it); responses are rendered by
 services/router/openai_render.py. docs/api.md has the table of what is supported.
 

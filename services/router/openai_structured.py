@@ -13,7 +13,7 @@
   given), "required" and a named function are refused with a 400; "none" renders the tools and
   returns plain content.
 
-It reads only the fields it is given, not the request bodies of openai_schema (which calls it).
+It reads only the fields it is given, not the request bodies of openai_bodies.py (openai_schema.py calls it).
 """
 
 from __future__ import annotations

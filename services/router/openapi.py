@@ -1,7 +1,7 @@
 """`GET /openapi.json`: the router's API described for tools (client generators, schemathesis).
 
 The request bodies' schemas are generated from the very msgspec types the router decodes them
-with (services/router/openai_schema.py), so the document cannot drift from what is accepted:
+with (services/router/openai_bodies.py), so the document cannot drift from what is accepted:
 unknown fields are refused there, and `additionalProperties: false` says so here. Response
 bodies are described by their media type only (they are vLLM's shapes, docs/api.md).
 """

@@ -127,6 +127,8 @@ class Simulation:
         # each worker's injected error (one shared generator: with noise alone, the same draws as before)
         self._error = {w.wid: error.source(i, self._rng) for i, w in enumerate((*self.prefill, *self.decode))}
         self.steps = 0
+        self.decode_steps = 0   # decode steps that carried running decodes
+        self.over_slo = [0, 0]  # ... of which took longer than the TBT SLO: [decode only, with a prefill chunk]
         self._q_prefill, self._q_admit = Level(), Level()
         # the router side: its replicas, their views and ledgers, the wait queue (sim/router.py)
         self.routers = Routers(profile, policy, cfg, self, self.prefill, self.decode)
@@ -197,6 +199,10 @@ class Simulation:
         self.steps += 1
         if isinstance(w, DecodeWorker):
             w.step_s += 0.1 * (dt - w.step_s)
+            if plan.decodes:  # a step that delays running decodes: over the SLO, with or without a prefill chunk
+                self.decode_steps += 1
+                if dt > self.cfg.tbt_slo:
+                    self.over_slo[bool(plan.chunks)] += 1
         if w.estimator is not None:  # measured when the step ends, before the next plan: the same
             w.estimator.observe(pred, dt)
         self._push(now + dt, _STEP_P if isinstance(w, PrefillWorker) else _STEP_D, w, plan)
@@ -395,6 +401,9 @@ class Simulation:
         stats: dict[str, Any] = {
             "events": events,
             "steps": self.steps,
+            # where TBT misses come from: decode steps over the SLO, alone or beside a prefill chunk
+            "decode_steps_over_tbt_slo": {"decode_steps": self.decode_steps, "decode_only": self.over_slo[0],
+                                          "with_prefill_chunk": self.over_slo[1]},
             "makespan_s": end,
             "wall_s": time.perf_counter() - wall0,
             "decision_us_p50": dec[len(dec) // 2] / 1e3 if dec else None,

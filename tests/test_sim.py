@@ -244,6 +244,22 @@ def test_concurrent_deflections_keep_the_tbt_budget() -> None:
     assert four["deflection_rate"] > one["deflection_rate"]
 
 
+def test_decode_steps_over_the_slo_are_counted_by_their_cause() -> None:
+    """`decode_steps_over_tbt_slo` (sim stats): the exact model keeps every Kairos step within the
+    SLO; with 30 % step noise some steps overrun, and the count matches the TBT misses' cause."""
+    full = load_trace(trace_path("code"))
+    trace = load_trace(trace_path("code"), start=find_bursty_window(full, 60.0), duration=60.0)
+    policy = make_policy("kairos", default_model=PROF.model)
+    exact = simulate(trace, PROF, policy, SimConfig()).stats["decode_steps_over_tbt_slo"]
+    assert exact["decode_steps"] > 100 and exact["decode_only"] == exact["with_prefill_chunk"] == 0
+    res = simulate(trace, PROF, make_policy("kairos", default_model=PROF.model), SimConfig(step_noise=0.3))
+    noisy = res.stats["decode_steps_over_tbt_slo"]
+    over = noisy["decode_only"] + noisy["with_prefill_chunk"]
+    assert over > 0
+    missed = [r for r in res.records if r.tbt_gaps and max(r.tbt_gaps) > 0.1]
+    assert missed  # a step over the SLO is a gap over it for every decode in its batch
+
+
 # ------------------------------------------------------------------ summary statistics
 
 

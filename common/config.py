@@ -174,6 +174,10 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     straggler_factor: Annotated[float, doc("sim: step time factor of a straggling step")] = 3.0
     closed_loop: Annotated[bool, doc("decode workers: measure each step against the model and cut in-place "
                                      "prefill chunks so gaps stay within the TBT SLO at the measured error")] = True
+    overrun_target: Annotated[float, doc("decode workers: the chance a step beside an in-place prefill chunk may take "
+                                         "longer than the TBT SLO, read off the measured step error; the SLO holds "
+                                         "per request, and a request meets many such steps: 0.01 / 30 plans for about "
+                                         "1 % of requests over 30 such steps")] = 0.01
     model: Annotated[str, doc("vllm: model directory")] = ""
     served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
     metrics_host: Annotated[str, doc("address the worker's /metrics (its engine's metrics) listens on")] = "127.0.0.1"

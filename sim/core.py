@@ -111,7 +111,8 @@ class Simulation:
             DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
                                  default_chunk=profile.decode_default_chunk, prefix_cache=cache(),
-                                 guard=ChunkGuard(model, StepErrorEstimator()) if cfg.closed_loop else None), model,
+                                 guard=ChunkGuard(model, StepErrorEstimator(target=cfg.overrun_target))
+                                 if cfg.closed_loop else None), model,
                     phase(cfg.prefill + i))
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
         for w in (*self.prefill, *self.decode):  # measured step error: the guard's estimator, where there is one

@@ -146,6 +146,10 @@ def add_error_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--closed-loop", choices=("on", "off"), default="on",
                    help="decode workers measure their step error and cut in-place chunks to keep gaps within the "
                         "TBT SLO (default on; off: the router's plan alone, as before)")
+    e.add_argument("--overrun-target", type=float, default=0.01, metavar="P",
+                   help="decode workers plan each step beside an in-place prefill chunk for this chance of taking "
+                        "longer than the TBT SLO (default 0.01; the SLO holds per request, which meets many such "
+                        "steps: e.g. 0.00033 for about 1 %% of requests over 30 of them)")
     e.add_argument("--bias-correction", choices=("on", "off"), default="on",
                    help="routers scale each worker's model by the median step error its heartbeats report, so "
                         "TTFT predictions and chunk costs follow what the engine really does (default on)")
@@ -166,7 +170,10 @@ def error_settings(args: argparse.Namespace) -> dict[str, Any]:
                   straggler_p=out["straggler_p"], straggler_factor=out["straggler_factor"])
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if not 0.0 < args.overrun_target < 0.5:
+        raise ConfigError(f"--overrun-target must be in (0, 0.5), got {args.overrun_target}")
     out["closed_loop"] = args.closed_loop == "on"
+    out["overrun_target"] = args.overrun_target
     out["bias_correction"] = args.bias_correction == "on"
     return out
 

@@ -38,6 +38,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     straggler_p: float = 0.0   # fraction of steps that straggle
     straggler_factor: float = 3.0  # step time factor of a straggler
     closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
+    overrun_target: float = 0.01  # ... planning each step beside a chunk for this chance of overrunning the SLO
     bias_correction: bool = True  # routers scale each worker's model by its measured step bias (heartbeats)
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
@@ -60,6 +61,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("hash_block_tokens must be >= 1")
         if self.routers < 1:
             raise ValueError("need at least one router")
+        if not 0.0 < self.overrun_target < 0.5:
+            raise ValueError("overrun_target must be in (0, 0.5)")
         self.step_error()  # validates
 
     def step_error(self) -> StepError:

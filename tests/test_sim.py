@@ -330,6 +330,7 @@ def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
     ["--trace", "nope.csv"],
     ["--trace", "synthetic", "--duration", "5", "--rate-scale", "0"],
     ["--trace", "synthetic", "--duration", "5", "--candidates", "a,b"],
+    ["--trace", "synthetic", "--duration", "5", "--overrun-target", "0"],
 ])
 def test_cli_rejects_bad_options(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--quiet"]) == 2

@@ -49,6 +49,32 @@ def test_estimator_margin_is_the_measured_quantile() -> None:
     assert est.bias() == pytest.approx(math.exp(-0.005), rel=0.02)
 
 
+def test_a_target_smaller_than_the_window_shows_uses_a_fitted_lognormal() -> None:
+    """1 %/30 per step (a request meets about 30 steps beside chunks): the window of 512 ratios
+    holds too few beyond that quantile, so the margin is a lognormal's fitted to the window."""
+    target = 0.01 / 30
+    src = StepError(noise=0.1).source(0, random.Random(5))
+    est = StepErrorEstimator(target=target)
+    for _ in range(2000):
+        est.observe(0.05, 0.05 * src.factor(0.0))
+    z = 3.40  # the standard normal's 1 - 1/3000 quantile
+    assert est.margin() == pytest.approx(math.exp(-0.005 + z * 0.1), rel=0.03)
+    exact = StepErrorEstimator(target=target)
+    slow = StepErrorEstimator(target=target)
+    for _ in range(600):
+        exact.observe(0.05, 0.05)
+        slow.observe(0.05, 0.05 * 1.15)
+    assert exact.margin() == 1.0  # an exact model: no margin, whatever the target
+    assert slow.margin() == pytest.approx(1.15)  # a uniform bias: the bias itself
+
+
+def test_a_smaller_overrun_target_makes_overruns_rarer() -> None:
+    error = StepError(noise=0.1)
+    per_step = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01)), error, steps=20_000)
+    per_request = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01 / 30)), error, steps=20_000)
+    assert per_request < per_step / 4, (per_request, per_step)
+
+
 def test_a_slower_engine_is_measured_as_bias_and_margin() -> None:
     est = StepErrorEstimator()
     src = StepError(scale=1.15).source(0, random.Random(0))
@@ -234,3 +260,25 @@ def test_the_decode_worker_admits_against_the_model_the_router_planned_with() ->
 
     assert worker._check_deflection(work(0.85)) == ""
     assert "budget" in worker._check_deflection(work(1.0))  # the unscaled model: too big
+
+
+def test_the_overrun_target_reaches_live_workers_from_kairos_up() -> None:
+    """`kairos up --overrun-target P` -> KAIROS_OVERRUN_TARGET on every worker -> its engine's estimator."""
+    import argparse
+
+    from common import config
+    from common.engines import make_engine
+    from common.errors import ConfigError
+    from kairos.up import error_env
+    from sim.knobs import add_error_flags, error_settings
+
+    p = argparse.ArgumentParser()
+    add_error_flags(p)
+    _, worker_env = error_env(error_settings(p.parse_args(["--overrun-target", "0.0005"])))
+    assert worker_env["KAIROS_OVERRUN_TARGET"] == "0.0005"
+    cfg = config.load(config.WorkerConfig, env=worker_env, overrides={"engine": "sim", "profile": "fast"})
+    engine = make_engine(cfg, "decode")
+    assert engine.estimator.target == 0.0005  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError):
+        make_engine(config.load(config.WorkerConfig, env={"KAIROS_OVERRUN_TARGET": "0.7"},
+                                overrides={"engine": "sim", "profile": "fast"}), "decode")

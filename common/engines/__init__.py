@@ -35,10 +35,13 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
                               straggler_p=cfg.straggler_p, straggler_factor=cfg.straggler_factor)
         except ValueError as e:
             raise ConfigError(f"model error settings: {e}") from e
+        if not 0.0 < cfg.overrun_target < 0.5:
+            raise ConfigError(f"overrun_target must be in (0, 0.5), got {cfg.overrun_target}")
         return SimEngine(role, engine_settings(cfg).apply(load_profile(cfg.profile)), time_scale=cfg.time_scale,
                          max_queue_requests=cfg.max_queue_requests,
                          prefix_block_tokens=cfg.prefix_block_tokens if cfg.prefix_cache else 0,
-                         step_error=error, closed_loop=cfg.closed_loop, seed=cfg.worker_id,
+                         step_error=error, closed_loop=cfg.closed_loop, overrun_target=cfg.overrun_target,
+                         seed=cfg.worker_id,
                          max_model_len=cfg.sim_max_model_len)
     if cfg.engine == "vllm":
         try:

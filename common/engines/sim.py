@@ -70,7 +70,8 @@ class SimEngine(Engine):
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
-                 closed_loop: bool = True, seed: str = "", max_model_len: int = 0) -> None:
+                 closed_loop: bool = True, overrun_target: float = 0.01, seed: str = "",
+                 max_model_len: int = 0) -> None:
         super().__init__()
         self.role = role
         self.max_model_len = max_model_len  # prompt + output, as a model's context window (0: none)
@@ -88,7 +89,7 @@ class SimEngine(Engine):
         # (every step against its prediction: the decode role's chunk guard plans with it)
         self.error = (step_error or StepError()).source(0, random.Random(zlib.crc32(seed.encode())))
         self.exact = step_error is None or step_error.exact
-        self.estimator = StepErrorEstimator()
+        self.estimator = StepErrorEstimator(target=overrun_target)
         planned = self.model.scaled(time_scale) if time_scale != 1.0 else self.model
         self.guard = ChunkGuard(planned, self.estimator) if role == "decode" and closed_loop else None
         self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,

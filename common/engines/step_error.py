@@ -17,7 +17,11 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
 - `StepErrorEstimator`: what a decode worker *measures*: for every executed step, measured /
   predicted. It keeps the last `window` ratios and gives their bias (median) and the margin the
   worker plans with: the (1 - target) quantile of the ratio, so that a step planned to take at
-  most SLO / margin by the model exceeds the SLO with probability about `target`. After an
+  most SLO / margin by the model exceeds the SLO with probability about `target` (the worker's
+  `overrun_target`, 1 % by default). The quantile is read off the window while it holds at least
+  `TAIL_SAMPLES` ratios beyond it; for a smaller target (say 1 %/30: the TBT SLO is per request,
+  and a request lives through many steps beside prefill chunks) it is that of a lognormal fitted
+  to the window's ratios. After an
   overrun (a step whose ratio exceeds the margin) the margin is at least that step's ratio until
   a step comes back within the quantile: correlated slowness is answered at the next step, on
   the worker, without waiting for the window or the router. Until `min_samples` steps have been
@@ -40,6 +44,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
+from statistics import NormalDist
 
 import msgspec
 
@@ -113,7 +118,8 @@ def parse_speeds(text: str) -> tuple[float, ...]:
         raise ValueError(f"--worker-speed takes numbers separated by commas (got {text!r})") from e
 
 
-TARGET = 0.01      # the chance of a gap over the SLO a chunk is planned for
+TARGET = 0.01      # the chance of a gap over the SLO a chunk is planned for (a worker's overrun_target)
+TAIL_SAMPLES = 5   # ratios beyond the target quantile the window must hold to read it off directly
 WINDOW = 512       # steps the estimator remembers
 MIN_SAMPLES = 32   # steps before the measured margin replaces 1.0
 
@@ -145,6 +151,9 @@ class StepErrorEstimator:
         self._stale = True
         self._quantile = 1.0
         self._bias = 1.0
+        # a smaller target than the window can show: a lognormal fitted to it (sums of log ratios)
+        self._z = NormalDist().inv_cdf(1.0 - target) if target * window < TAIL_SAMPLES else 0.0
+        self._log_sum = self._log_sq = 0.0
         self._hold = 0.0       # after an overrun: plan as if steps run this slow, until one does not
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
@@ -152,6 +161,14 @@ class StepErrorEstimator:
             return
         r = measured_s / predicted_s
         margin = self.margin()
+        if self._z:
+            if len(self.ratios) == self.ratios.maxlen:
+                old = math.log(self.ratios[0])
+                self._log_sum -= old
+                self._log_sq -= old * old
+            lr = math.log(r)
+            self._log_sum += lr
+            self._log_sq += lr * lr
         self.ratios.append(r)
         self.steps += 1
         self._stale = True
@@ -168,6 +185,10 @@ class StepErrorEstimator:
             s = sorted(self.ratios)
             n = len(s)
             self._quantile = s[min(n - 1, math.ceil((1.0 - self.target) * n) - 1)] if n else 1.0
+            if self._z and n:
+                mu = self._log_sum / n
+                sd = math.sqrt(max(0.0, self._log_sq / n - mu * mu))
+                self._quantile = math.exp(mu + self._z * sd) if sd > 1e-6 else s[-1]
             self._bias = s[n // 2] if n else 1.0
             self._stale = False
         return self._quantile

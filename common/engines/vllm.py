@@ -177,6 +177,7 @@ class VllmEngine(Engine):
                  kv_cache_mib: int = 256, token_budget: int = 512, max_batch: int = 64, default_chunk: int = 0,
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 5600, kv_timeout: float = 10.0,
                  max_queue_requests: int = 1024, profile: Profile | None = None, prefix_caching: bool = True,
+                 overrun_target: float = 0.01,
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
                  kv_buffer_device: str = "", side_channel_bind: str = "") -> None:
@@ -220,7 +221,8 @@ class VllmEngine(Engine):
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         # every step's measured / predicted time (step_error.py): margin and bias in the heartbeats,
         # predicted by the model routers are told (the profile's until a refit is accepted: predict_with)
-        self.estimator = StepErrorEstimator()
+        self.overrun_target = overrun_target
+        self.estimator = StepErrorEstimator(target=overrun_target)
         self._predict: PerfModel | None = profile.model if profile is not None else None
         self.iteration_details: deque[Any] = deque(maxlen=4096)
         self._details_by_index: dict[int, Any] = {}
@@ -467,7 +469,7 @@ class VllmEngine(Engine):
         """Measure step error against `model` from now on (the worker's accepted refit, which it
         reports to the routers): the ratios so far were against another model, so they go."""
         self._predict = model
-        self.estimator = StepErrorEstimator()
+        self.estimator = StepErrorEstimator(target=self.overrun_target)
 
     def refit(self, min_samples: int = 64) -> tuple[PerfModel, float] | None:
         """Least-squares refit of the step-time model on this engine's recent steps, or None."""
@@ -814,6 +816,7 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       kv_cache_mib=cfg.vllm_kv_cache_mib, token_budget=budget,
                       default_chunk=cfg.decode_chunk if role == "decode" else 0,
                       kv_timeout=cfg.kv_timeout, max_queue_requests=cfg.max_queue_requests,
+                      overrun_target=cfg.overrun_target,
                       side_channel_host=cfg.vllm_side_channel_host,
                       side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
                       side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,

@@ -26,6 +26,7 @@ import zmq
 
 from common import codec
 from common import messages as m
+from common.perf_model import load_profile
 from kairos.up import free_ports
 
 
@@ -63,6 +64,7 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
     try:
         time.sleep(1.5)
         rng = random.Random(0)
+        coeffs = load_profile("h100-llama2-70b-tp4").model.to_coeffs()  # sent as real workers send it: every beat
         for i in range(n + n_d):
             role: m.Role = "prefill" if i < n else "decode"
             wid = f"{role}-{i if i < n else i - n}"
@@ -74,7 +76,7 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
             s.send(codec.encode(m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=wid, role=role, incarnation=inc,
                                         engine="sim", model="kairos-sim", token_budget=8192,
                                         kv_capacity_tokens=0 if role == "prefill" else 10**6,
-                                        kv_transport="nixl")))
+                                        kv_transport="nixl", coeffs=coeffs)))
             socks.append((s, wid, inc))
         time.sleep(1.0)
         seq = 0
@@ -96,12 +98,12 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
                                          end_s=0.05 * q / 8192) if q else None
                     msg: m.Msg = m.PrefillHeartbeat(worker_id=wid, incarnation=inc, seq=seq, queued_tokens=q,
                                                     queued_requests=len(backlog), token_budget=8192,
-                                                    backlog=backlog, drain=drain)
+                                                    backlog=backlog, drain=drain, coeffs=coeffs)
                 else:
                     msg = m.DecodeHeartbeat(worker_id=wid, incarnation=inc, seq=seq, batch=q // 500, kv_tokens=q * 10,
                                             kv_free_tokens=10**6 - q * 10, kv_capacity_tokens=10**6,
                                             resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
-                                            token_budget=8192)
+                                            token_budget=8192, coeffs=coeffs)
                 try:
                     s.send(codec.encode(msg), zmq.NOBLOCK)
                     sent += c0 is not None

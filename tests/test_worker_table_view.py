@@ -76,3 +76,25 @@ def test_patched_view_equals_a_fresh_one() -> None:
             assert [id(v) for v in got.decode] == [id(v) for v in want.decode]
             patched += before is not None and got is not before and t._cv is got
     assert patched > 300  # the patching path is what ran
+
+
+def test_the_same_coefficients_in_every_heartbeat_keep_the_same_model_object() -> None:
+    """Workers resend their coefficients in every heartbeat; the policy caches by the model
+    object's identity, so only a change of coefficients may build a new one."""
+    from tests.test_messages import COEFFS
+
+    t = WorkerTable(MODEL, me="r1")
+    e, _ = t.register(hello("decode-0", coeffs=COEFFS), b"decode-0", 0.0)
+    first = e.model
+
+    def beat(seq: int, coeffs: m.Coeffs) -> None:
+        t.heartbeat(m.DecodeHeartbeat(worker_id="decode-0", incarnation="i1", seq=seq, batch=0, kv_tokens=0,
+                                      kv_free_tokens=1000, kv_capacity_tokens=1000, resident_prefill_tokens=0,
+                                      deflections=0, strictest_tbt_slo=None, token_budget=2048, coeffs=coeffs),
+                    float(seq))
+
+    beat(1, COEFFS)
+    beat(2, COEFFS)
+    assert e.model is first
+    beat(3, m.Coeffs(**{**{f: getattr(COEFFS, f) for f in COEFFS.__struct_fields__}, "a0": 0.02}))
+    assert e.model is not first and e.model.step_time(1, 0, []) != first.step_time(1, 0, [])

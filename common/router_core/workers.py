@@ -54,6 +54,7 @@ class WorkerEntry:
     draining: bool = False
     heartbeats: int = 0
     bias: float = 1.0                    # the measured step bias `model` is scaled by (step_error.bias_factor)
+    coeffs: m.Coeffs | None = None       # the coefficients base_model was built from (heartbeats resend them)
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
     # whatever it still sends (heartbeats, tokens), until it says Hello again
     unreachable: bool = False
@@ -196,7 +197,8 @@ class WorkerTable:
         model = PerfModel.from_coeffs(hello.coeffs) if (hello.coeffs and self.per_worker_models) else self.default_model
         entry = WorkerEntry(worker_id=hello.worker_id, role=hello.role, incarnation=hello.incarnation,
                             identity=identity, hello=hello, model=model, base_model=model, joined=now,
-                            last_seen=now, _dirty=self._dirty)
+                            last_seen=now, coeffs=hello.coeffs if model is not self.default_model else None,
+                            _dirty=self._dirty)
         self.workers[hello.worker_id] = entry
         return entry, old
 
@@ -209,8 +211,10 @@ class WorkerTable:
         e.hb = hb
         e.heartbeats += 1
         e.last_seen = e.hb_at = now
-        refit = hb.coeffs is not None and self.per_worker_models
+        # workers send their coefficients in every heartbeat: a new model object only when they change
+        refit = hb.coeffs is not None and self.per_worker_models and hb.coeffs != e.coeffs
         if refit:
+            e.coeffs = hb.coeffs
             e.base_model = PerfModel.from_coeffs(hb.coeffs)  # type: ignore[arg-type]
         bias = bias_factor(hb.step_bias) if self.bias_correction else 1.0
         if refit or bias != e.bias:  # a new object only when it changes: the policy caches by identity

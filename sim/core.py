@@ -26,14 +26,16 @@ heartbeats `prompt_beat` seconds after its state changes, as live workers do (co
 admits a request (a deflection, or a handoff whose KV landed), when a prefill ends, when a
 request finishes. So every router sees every dispatch within 2 ms, and the router's wait queue
 is retried then. `prompt_beat` < 0: only the periodic heartbeats (the simulator's behaviour
-before 2026-12-01); 0: at once. A decode worker also heartbeats at once when the list of the
-deflections it holds changes (`held_list`). With `admission`, a decode worker checks each
+before 2026-12-01); 0: at once. A decode worker's heartbeats list the deflections it holds
+(`held_list`): a change in that list reaches the other routers with its next heartbeat (the
+prompt beat), as live. With `admission`, a decode worker checks each
 deflection against its live state before it starts it (common/policy/admission.py) and the
 router decides again without that worker.
 A heartbeat is the worker's state at the heartbeat instant; since state only changes at
 events, it is captured lazily (just before the first event at or after the instant touches the
-worker, or before a router reads or records anything about it: `deliver`), which is exact and
-costs nothing while a worker is idle. `heartbeat_interval = 0` gives the policy perfect,
+worker, or before a router reads or records anything about it: `deliver`), made and received at
+the instant (its `busy_s` and the routers' `hb_at` reckoned from it), which is exact and costs
+nothing while a worker is idle. `heartbeat_interval = 0` gives the policy perfect,
 instantaneous views.
 
 Work the router did place but that finds the worker's KV full queues on that worker until KV
@@ -53,6 +55,7 @@ from typing import Any
 
 import msgspec
 
+from common import messages as m
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_factor
@@ -63,7 +66,7 @@ from common.policy.admission import check_deflection as admission_check
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
 from sim.router import Routers
-from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker
+from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
 from sim.stats import RequestTiming
 
 # SimConfig lives in sim/state.py (sim/router.py reads it too); importing it from here goes on working
@@ -115,6 +118,8 @@ class Simulation:
                                  if cfg.closed_loop else None), model,
                     phase(cfg.prefill + i))
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
+        for d in self.decode:
+            d.lists_held = cfg.held_list
         for w in (*self.prefill, *self.decode):  # measured step error: the guard's estimator, where there is one
             guard = w.batcher.guard
             w.estimator = guard.estimator if guard is not None else (
@@ -141,8 +146,9 @@ class Simulation:
         """Capture the heartbeat(s) due by `now` before `w` changes (see the module docstring)."""
         if now >= w.next_hb:
             h = self.cfg.heartbeat_interval
-            w.next_hb = w.phase + (math.floor((now - w.phase) / h) + 1) * h
-            self._snapshot(w, now)
+            k = math.floor((now - w.phase) / h)
+            w.next_hb = w.phase + (k + 1) * h
+            self._snapshot(w, min(now, w.phase + k * h))  # made at the last heartbeat instant, as it was then
 
     def _snapshot(self, w: Worker, now: float) -> None:
         cache = w.batcher.cache
@@ -156,7 +162,7 @@ class Simulation:
             w.bias = bias
             w.view_model = w.model.scaled(bias) if bias != 1.0 else w.model
         w.hb = w.heartbeat(now)
-        self.routers.heartbeat(w, stored, removed)  # every router has it now
+        self.routers.heartbeat(w, stored, removed, now)  # every router has it now
 
     def _soon(self, w: Worker, now: float) -> None:
         """`w`'s state changed: it heartbeats `prompt_beat` later (one beat for every change
@@ -243,8 +249,7 @@ class Simulation:
                     r.prefilled = now
                     r.cached = seq.cached
                     w.accepted.pop(r.rid, None)
-                    if w.accepted_from.pop(r.rid, None) is not None:
-                        self.routers.held_changed(w, r.router)  # its held list changed: it heartbeats at once
+                    w.held.pop(r.rid, None)  # its next heartbeat lists it no more
                     self._soon(w, now)
                     self.routers.first_token(w, r, now)
             r.last = now
@@ -313,10 +318,10 @@ class Simulation:
         seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=self.cfg.tbt_slo,
                   schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
                   arrived=now, user=r, hashes=r.hashes)
-        w.accepted[r.rid] = accepted_entry(w.view_model, d.chunk_schedule, d.step_budget_s,
-                                           w.batcher.token_budget, d.cached_tokens)
-        w.accepted_from[r.rid] = (r.router, max(d.chunk_schedule, default=0))
-        self.routers.held_changed(w, r.router)  # its held list changed: it heartbeats at once
+        a = w.accepted[r.rid] = accepted_entry(w.view_model, d.chunk_schedule, d.step_budget_s,
+                                               w.batcher.token_budget, d.cached_tokens)
+        w.held[r.rid] = m.HeldDeflection(router=router_name(r.router), reserved_s=a.reserved_s,
+                                         largest_chunk=max(d.chunk_schedule, default=0))  # its next heartbeat lists it
         self._admit(w, seq, now)
         self._soon(w, now)
 

@@ -4,11 +4,13 @@ here; this module never touches an engine's state except through the `Engines` i
 which is the seam where the live router's core is to be plugged in later.
 
 `SimRouter` is one router replica: its policy object (policies keep per-router state: caches,
-counters, rates), its views of the workers built from their last heartbeat plus its ledger of
-the work it dispatched to each since that heartbeat (unless `ledger` is off), its exact record of
-the deflections it sent that have not produced their first token, and dispatch: deciding, the
-decode worker's admission check (and deciding again without that worker, as the live router
-does on a rejection), the ledger entries and the prefix index's updates. `Routers` holds the
+counters, rates), its worker table (the live router's `WorkerTable`, common/router_core/workers.py:
+each worker's Hello and last heartbeat, the ledger of what this replica dispatched to it that the
+heartbeat did not acknowledge yet, its exact record of the deflections it sent that have not
+produced their first token, and the views built from them, the ledger left out when `ledger` is
+off), and dispatch: deciding, the decode worker's admission check (and deciding again without that
+worker, as the live router does on a rejection), the ledger entries and deflection records (as
+common/router_core/dispatch.py makes them) and the prefix index's updates. `Routers` holds the
 replicas, the requests arrive round-robin at them (`Req.router`), and what the simulator keeps
 once for all of them: the wait queue (common/wait_queue.py) with its retry, give-up and reject
 rules, and the prefix index. (A live replica has its own wait queue and its own index; sharing
@@ -18,8 +20,8 @@ What the policy sees is what the live router sees: views built from heartbeats t
 publishes every `heartbeat_interval` seconds (plus its prompt beats, see sim/core.py), so they
 are stale in between, plus the replica's ledger. Every heartbeat reaches every replica; with
 `held_list`, a decode worker's heartbeats also list the deflections it holds and which router
-sent each, and each replica adds the others' ones to its view (the worker heartbeats at once
-when that list changes, so the replicas see it at once).
+sent each, and each replica adds the others' ones to its view (a change in that list reaches
+them with the worker's next heartbeat: its prompt beat, 2 ms later, as live).
 
 Overload, as engines behave: a request the policy cannot place (no decode worker has KV room in
 the router's view) waits in the router's FIFO queue, and the queue is retried whenever a decode
@@ -44,11 +46,11 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
     queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for W
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
-and what a router reads of a worker: its id, its settings (`token_budget`, `max_batch`,
-`kv_capacity`: its Hello), its last heartbeat (`hb`, and `view_model`: its model scaled by the
-bias it reported) and a decode worker's held list (`accepted_from`, `accepted`).
-Engines to routers (`Routers`): heartbeat(w, stored, removed) (a heartbeat, with the prefix
-cache's changes), held_changed(w, router), first_token(w, r, now) (a deflection's first token),
+and what a router reads of a worker: its id, its Hello (`hello()`: its settings) and its last
+heartbeat (`hb`: a `PrefillHeartbeat` / `DecodeHeartbeat` as the live worker fills it, the held
+list in it; each router sets `last_dispatch` to the dispatches it sent before it was made).
+Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
+the prefix cache's changes), first_token(w, r, now) (a deflection's first token),
 kv_freed(w, now) (requests finished on decode worker W), prefill_done(w, now).
 """
 
@@ -60,14 +62,17 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from common.perf_model import Profile
-from common.policy import ClusterView, Decision, DecodeView, Hold, NoWorkers, Policy, PrefillView, RequestSpec
+import msgspec
+
+from common.perf_model import PerfModel, Profile
+from common.policy import ClusterView, Decision, Hold, NoWorkers, Policy, RequestSpec
 from common.policy.admission import decide_without
 from common.policy.kairos import Kairos, latest_start, retry_order
 from common.policy.prefix_index import PrefixIndex
 from common.policy.schedule import reserved_step_cost
+from common.router_core.workers import LedgerEntry, WorkerTable
 from common.wait_queue import Outcome, WaitQueue
-from sim.state import DecodeLedger, DecodeWorker, Level, PrefillLedger, PrefillWorker, Req, SimConfig, Worker
+from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
 
 
 class Engines(Protocol):
@@ -84,102 +89,46 @@ class Engines(Protocol):
 
 
 class SimRouter:
-    """One router replica: its policy, its views and ledger, its dispatch."""
+    """One router replica: its policy, its worker table (the live router's: heartbeats, ledger,
+    deflections, views), its dispatch."""
 
     def __init__(self, i: int, policy: Policy, cfg: SimConfig, engines: Engines, index: PrefixIndex,
-                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker], tier: Routers) -> None:
+                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker], tier: Routers,
+                 model: PerfModel) -> None:
         self.i = i
         self.policy = policy
         self.cfg = cfg
         self.engines = engines
         self.index = index
         self.tier = tier
-        self.prefill = prefill
-        self.decode = decode
         self._p_by_id = {w.wid: w for w in prefill}
         self._d_by_id = {w.wid: w for w in decode}
-        self.pled = {w.wid: PrefillLedger() for w in prefill}
-        self.dled = {w.wid: DecodeLedger() for w in decode}
-        self.views: dict[str, PrefillView | DecodeView | None] = {w.wid: None for w in (*prefill, *decode)}
-        self.cluster: ClusterView | None = None
+        self.table = WorkerTable(model, bias_correction=cfg.bias_correction, me=router_name(i))
+        for w in (*prefill, *decode):
+            self.table.register(w.hello(), b"", 0.0)
         self.decision_ns: list[int] = []
         self.admission_rejected = 0
 
     # -- views ----------------------------------------------------------------------------
-    def heartbeat(self, w: Worker) -> None:
-        """A heartbeat of `w` arrived: the ledger's entries for it are in it now."""
-        if isinstance(w, PrefillWorker):
-            pl = self.pled[w.wid]
-            pl.tokens = pl.reqs = 0
-            pl.q = []
-        else:
-            dl = self.dled[w.wid]
-            dl.res = dl.kv = dl.pending = 0
-        self.views[w.wid] = None
-        self.cluster = None
-
-    def changed(self, w: Worker) -> None:
-        """Its view of `w` is to be rebuilt (the ledger or the held list changed)."""
-        self.views[w.wid] = None
-        self.cluster = None
-
-    def _prefill_view(self, w: PrefillWorker) -> PrefillView:
-        q, n, backlog, busy, tail = w.hb
-        led = self.pled[w.wid]
-        return PrefillView(worker_id=w.wid, queued_tokens=q + led.tokens, queued_requests=n + led.reqs,
-                           token_budget=w.token_budget, model=w.view_model, backlog=backlog, busy_until=busy,
-                           drain=tail, ledger=tuple(led.q), max_batch=w.max_batch)
-
-    def _decode_view(self, w: DecodeWorker) -> DecodeView:
-        """As common/router_core/workers.py builds it: with the ledger, the deflection count and the
-        reserved step cost come from the router's own exact record of deflections in flight (with
-        several routers, of the ones it sent itself, plus the others' from the held list)."""
-        batch, kv, free, res, defl, slo, pending, busy, step_s, margin = w.hb
-        led = self.dled[w.wid]
-        reserved = 0.0
-        reserved_tokens = 0
-        inflight: tuple[tuple[float, float, int], ...] = ()
-        if self.cfg.ledger:
-            defl = len(led.deflecting)
-            for cost, tokens, _ in led.deflecting.values():
-                reserved += cost
-                reserved_tokens += tokens
-            inflight = tuple((end, cost, tokens) for cost, tokens, end in led.deflecting.values())
-            for rid, (rt, tokens) in w.accepted_from.items():  # the other routers' deflections (held list)
-                if rt != self.i and self.cfg.held_list:
-                    defl += 1
-                    reserved += w.accepted[rid].reserved_s
-                    reserved_tokens += tokens
-        return DecodeView(worker_id=w.wid, batch=batch, kv_tokens=kv, kv_free_tokens=max(free - led.kv, 0),
-                          kv_capacity_tokens=w.kv_capacity, resident_prefill_tokens=res + led.res,
-                          deflections=defl, strictest_tbt_slo=None if slo == math.inf else slo,
-                          token_budget=w.token_budget, model=w.view_model, reserved_step_s=reserved,
-                          pending=pending + led.pending, reserved_tokens=reserved_tokens, busy_until=busy,
-                          inflight=inflight, step_s=step_s, step_margin=margin)
+    def heartbeat(self, w: Worker, now: float) -> None:
+        """`w`'s heartbeat (`w.hb`) arrived, acknowledging every dispatch this router sent it before."""
+        hb = w.hb
+        assert hb is not None
+        e = self.table.workers[w.wid]
+        if e.dispatch_no:
+            hb = msgspec.structs.replace(hb, last_dispatch=e.dispatch_no)
+        self.table.heartbeat(hb, now)
 
     def view(self, now: float) -> ClusterView:
-        """What the policy sees now (rebuilt only where a heartbeat or the ledger changed it)."""
+        """What the policy sees now (the table rebuilds only what a heartbeat or the ledger changed)."""
         self.engines.deliver_all(now)
-        cluster = self.cluster
-        if cluster is None:
-            views = self.views
-            for w in self.prefill:
-                if views[w.wid] is None:
-                    views[w.wid] = self._prefill_view(w)
-            for d in self.decode:
-                if views[d.wid] is None:
-                    views[d.wid] = self._decode_view(d)
-            cluster = self.cluster = ClusterView(tuple(views[w.wid] for w in self.prefill),  # type: ignore[misc]
-                                                 tuple(views[d.wid] for d in self.decode))  # type: ignore[misc]
-        return cluster
+        return self.table.view(use_ledger=self.cfg.ledger)
 
     def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
         """Deflection `r` on `w` produced its first token: its slot is free in the ledger."""
-        self.dled[w.wid].deflecting.pop(r.rid, None)
-        if self.cfg.ledger:
-            self.changed(w)
-            if self.tier.holding:
-                self.engines.retry_at(now)  # a deflection slot freed, seen at once
+        self.table.workers[w.wid].end_deflection(r.rid)
+        if self.cfg.ledger and self.tier.holding:
+            self.engines.retry_at(now)  # a deflection slot freed, seen at once
 
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, r: Req, now: float) -> bool:
@@ -221,37 +170,27 @@ class SimRouter:
         r.route = d.route
         r.reason = d.reason
         r.decode_worker = d.decode_worker
-        led = self.dled[dw.wid]
+        de = self.table.workers[dw.wid]
         need = r.prompt + r.output
         uncached = r.prompt - d.cached_tokens  # as the router expects it
         if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
             self.index.stored(dw.wid, r.hashes)
             if d.prefill_worker is not None:
                 self.index.stored(d.prefill_worker, r.hashes)
-        if d.route == "deflect":
+        if d.route == "deflect":  # the ledger and the deflection record, as common/router_core/dispatch.py
             r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
-            led.deflecting[r.rid] = (reserved_step_cost(dw.view_model, d.chunk_schedule, dw.token_budget,
+            de.next_dispatch(LedgerEntry(r.rid, uncached, need, deflect=True))
+            de.add_deflection(r.rid, reserved_step_cost(de.model, d.chunk_schedule, de.hello.token_budget,
                                                         d.cached_tokens),
-                                     max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
-            if cfg.ledger:
-                led.res += uncached
-                led.kv += need
-                self.changed(dw)
+                              max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             eng.admit_deflection(dw, r, d, now)
             return True
         assert d.prefill_worker is not None
         r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
         pw = self._p_by_id[d.prefill_worker]
         eng.deliver(pw, now)
-        if cfg.ledger:
-            pled = self.pled[pw.wid]
-            pled.tokens += uncached
-            pled.reqs += 1
-            pled.q.append((uncached, now))
-            led.pending += 1
-            led.kv += need
-            self.changed(pw)
-            self.changed(dw)
+        self.table.workers[pw.wid].next_dispatch(LedgerEntry(r.rid, uncached, 0, deflect=False, at=now))
+        de.next_dispatch(LedgerEntry(r.rid, r.prompt, need, deflect=False))
         eng.queue_prefill(pw, dw, r, now)
         return True
 
@@ -270,7 +209,7 @@ class Routers:
                 self.index.join(w.wid, cfg.hash_block_tokens)
         # one policy object per router (they keep per-router state: caches, counters, rates)
         policies = [policy, *(copy.deepcopy(policy) for _ in range(cfg.routers - 1))]
-        self.replicas = [SimRouter(i, p, cfg, engines, self.index, prefill, decode, self)
+        self.replicas = [SimRouter(i, p, cfg, engines, self.index, prefill, decode, self, profile.model)
                          for i, p in enumerate(policies)]
         # the FIFO of requests waiting for KV room or held: the live router's own class
         self.waiting: WaitQueue[Req] = WaitQueue(cfg.kv_wait_max)
@@ -288,22 +227,13 @@ class Routers:
         return [ns for rt in self.replicas for ns in rt.decision_ns]
 
     # -- from the engines -----------------------------------------------------------------
-    def heartbeat(self, w: Worker, stored: Sequence[int], removed: Sequence[int]) -> None:
+    def heartbeat(self, w: Worker, stored: Sequence[int], removed: Sequence[int], now: float) -> None:
         if removed:
             self.index.removed(w.wid, removed)
         if stored:
             self.index.stored(w.wid, stored)
         for rt in self.replicas:
-            rt.heartbeat(w)
-
-    def held_changed(self, w: DecodeWorker, router: int) -> None:
-        """A deflection sent by `router` started or finished its prefill on `w`: the other
-        routers see it at once, as the live worker heartbeats at once on both (its heartbeats
-        list the deflections it holds and who sent them). Their ledgers never hold it."""
-        if self.cfg.ledger and self.cfg.held_list:
-            for rt in self.replicas:
-                if rt.i != router:
-                    rt.changed(w)
+            rt.heartbeat(w, now)
 
     def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
         self.replicas[r.router].first_token(w, r, now)

@@ -1,7 +1,8 @@
 """The simulator's settings (`SimConfig`) and its state of each request and worker (sim/core.py
 runs the events on them, sim/router.py the router side): what a request went through, each
-worker's engine (the real batching class), step in flight and last heartbeat, and a router's
-ledger of what it dispatched to a worker since that worker's last heartbeat."""
+worker's engine (the real batching class), step in flight, and the Hello and heartbeats it sends
+the routers (common/messages.py, filled as a live worker fills them; each router keeps them in the
+live router's own worker table, common/router_core/workers.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
+from common import messages as m
 from common.engines.batcher import Batcher, Seq, StepPlan
-from common.engines.replay import Tail, drain
+from common.engines.replay import drain
 from common.engines.step_error import StepError, StepErrorEstimator
 from common.perf_model import PerfModel
 from common.policy.admission import Accepted
@@ -113,30 +114,17 @@ class Req:
             wait_s=r.waited if r.waited >= 0 else None)
 
 
-class PrefillLedger:
-    """One router's ledger of a prefill worker: what it dispatched there since the last heartbeat."""
-
-    __slots__ = ("q", "reqs", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = self.reqs = 0
-        self.q: list[tuple[int, float]] = []  # (prompt tokens, dispatch time) since the heartbeat
+INCARNATION = "sim"  # every simulated worker's incarnation: none restarts
 
 
-class DecodeLedger:
-    """One router's ledger of a decode worker, and its exact record of the deflections it sent."""
-
-    __slots__ = ("deflecting", "kv", "pending", "res")
-
-    def __init__(self) -> None:
-        self.res = self.kv = self.pending = 0
-        self.deflecting: dict[str, tuple[float, int, float]] = {}  # deflection -> (step cost s, largest chunk,
-        # predicted end)
+def router_name(i: int) -> str:
+    """Router replica `i`'s incarnation, as decode workers' held lists name it."""
+    return f"router-{i}"
 
 
 class Worker:
-    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "kv_capacity", "max_batch", "model",
-                 "next_hb", "phase", "plan", "token_budget", "until", "view_model", "wid")
+    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "hb_seq", "kv_capacity",
+                 "max_batch", "model", "next_hb", "phase", "plan", "token_budget", "until", "view_model", "wid")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
@@ -150,20 +138,37 @@ class Worker:
         self.busy_s = 0.0
         self.phase = phase
         self.next_hb = phase
-        self.hb: tuple[Any, ...] = ()  # its last heartbeat, as every router has it (sim/core.py _snapshot)
+        self.hb: m.PrefillHeartbeat | m.DecodeHeartbeat | None = None  # its last (sim/core.py _snapshot), each
+        # router acknowledging its own dispatches in it (`last_dispatch`, sim/router.py)
+        self.hb_seq = 0
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
         self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
         self.estimator: StepErrorEstimator | None = None  # its measured step error (None: not measured)
-        self.bias = 1.0              # the bias its last heartbeat reported, as routers take it (bias_factor)
-        self.view_model = model      # what routers predict it with: model x bias
+        # the bias its last heartbeat reported, as routers take it (bias_factor), and its model scaled by
+        # it: what a deflection's DecodeWork carries (`model_bias`), the worker's admission check plans with
+        self.bias = 1.0
+        self.view_model = model
 
-    def busy_until(self) -> float:
-        """When the step in flight ends, as the worker predicts it (its model, without noise)."""
-        return self.until if self.busy else 0.0
+    def hello(self) -> m.Hello:
+        """What it registers with: its settings. No coefficients: routers predict it with the profile."""
+        return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.wid, role=self.role, incarnation=INCARNATION,
+                       engine="sim", model="sim", token_budget=self.token_budget,
+                       kv_capacity_tokens=self.kv_capacity, max_batch=self.max_batch)
 
-    def heartbeat(self, now: float) -> tuple[Any, ...]:
-        """What its heartbeat at `now` reports (`hb`; sim/router.py builds the views from it)."""
+    @property
+    def role(self) -> m.Role:
+        raise NotImplementedError
+
+    def busy_for(self, now: float) -> float:
+        """Until the step in flight ends, as heartbeats report it (0 when idle)."""
+        return max(0.0, self.until - now) if self.busy else 0.0
+
+    def step_bias(self) -> float:
+        return self.estimator.bias() if self.estimator is not None else 1.0
+
+    def heartbeat(self, now: float) -> m.PrefillHeartbeat | m.DecodeHeartbeat:
+        """Its heartbeat at `now` (`last_dispatch` is each router's, set as it reaches it)."""
         raise NotImplementedError
 
 
@@ -188,18 +193,25 @@ class PrefillWorker(Worker):
                 q.append((seq.prompt_len, done))
         return tuple(q)
 
-    def heartbeat(self, now: float) -> tuple[Any, ...]:
-        backlog, busy = self.backlog(), self.busy_until()
-        b = self.batcher
-        tail = drain(self.model, b.token_budget, b.max_batch, busy, backlog)  # the worker's replay, its model
-        f = self.bias
-        if f != 1.0:  # routers stretch it by its measured bias, from the heartbeat on (as live)
-            tail = Tail(now + (tail.start - now) * f, tail.chunks, tail.used, now + (tail.end - now) * f)
-        return (self.queued_tokens, self.queued_reqs, backlog, busy, tail)
+    @property
+    def role(self) -> m.Role:
+        return "prefill"
+
+    def heartbeat(self, now: float) -> m.PrefillHeartbeat:
+        """As services/prefill_worker/service.py: its queue, and its own replay of it (its model)."""
+        self.hb_seq += 1
+        backlog, busy = self.backlog(), self.busy_for(now)
+        t = drain(self.model, self.token_budget, self.max_batch, busy, backlog)
+        return m.PrefillHeartbeat(worker_id=self.wid, incarnation=INCARNATION, seq=self.hb_seq,
+                                  queued_tokens=self.queued_tokens, queued_requests=self.queued_reqs,
+                                  token_budget=self.token_budget, steps=self.batcher.steps, backlog=list(backlog),
+                                  busy_s=busy, max_batch=self.max_batch,
+                                  drain=m.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end),
+                                  step_bias=self.step_bias())
 
 
 class DecodeWorker(Worker):
-    __slots__ = ("accepted", "accepted_from", "admit_wait", "step_s", "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("accepted", "admit_wait", "held", "lists_held", "step_s", "waiting_kv", "waiting_kv_tokens")
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
@@ -207,26 +219,31 @@ class DecodeWorker(Worker):
         self.waiting_kv_tokens = 0
         self.admit_wait: deque[Seq] = deque()
         self.accepted: dict[str, Accepted] = {}  # worker side: deflections admitted, not yet prefilled
-        self.accepted_from: dict[str, tuple[int, int]] = {}  # ... their router and largest chunk (heartbeats)
+        self.held: dict[str, m.HeldDeflection] = {}  # the same, as heartbeats list them (with who sent each)
+        self.lists_held = True  # its heartbeats list them (SimConfig.held_list)
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
-    def heartbeat(self, now: float) -> tuple[Any, ...]:
-        batch = kv = res = defl = 0
-        slo = math.inf
-        for s in self.batcher.running:
-            if s.computed < s.prompt_len:
-                res += s.prompt_len - s.computed
-                defl += 1
-            else:
-                batch += 1
-                kv += s.computed + s.generated
-            if s.tbt_slo < slo:
-                slo = s.tbt_slo
-        pending = self.waiting_kv + len(self.admit_wait)
-        free = self.batcher.kv_free() - self.waiting_kv_tokens - sum(s.kv_reserve for s in self.admit_wait)
-        guard = self.batcher.guard
-        return (batch, kv, free, res, defl, slo, pending, self.busy_until(), self.step_s,
-                (guard.estimator.margin() if guard is not None else 1.0) / self.bias)
+    @property
+    def role(self) -> m.Role:
+        return "decode"
+
+    def heartbeat(self, now: float) -> m.DecodeHeartbeat:
+        """As services/decode_worker/service.py: its batch, KV free beside what it keeps for the
+        requests whose KV has not landed (or waits for room), the deflections it holds."""
+        self.hb_seq += 1
+        b = self.batcher
+        free = b.kv_free() - self.waiting_kv_tokens - sum(s.kv_reserve for s in self.admit_wait)
+        guard = b.guard
+        return m.DecodeHeartbeat(
+            worker_id=self.wid, incarnation=INCARNATION, seq=self.hb_seq, batch=b.decode_batch(),
+            kv_tokens=b.kv_tokens(), kv_free_tokens=max(0, free), kv_capacity_tokens=self.kv_capacity,
+            resident_prefill_tokens=b.resident_prefill_tokens(), deflections=b.deflections(),
+            strictest_tbt_slo=b.strictest_tbt_slo(), token_budget=self.token_budget,
+            # its recent step time: a moving average here, the median of its last steps live
+            waiting_kv=self.waiting_kv + len(self.admit_wait), step_ms_p50=self.step_s * 1000.0, steps=b.steps,
+            busy_s=self.busy_for(now), held=list(self.held.values()) if self.lists_held else [],
+            # without the closed loop (no chunk guard) it plans with no margin, and says so
+            step_margin=guard.estimator.margin() if guard is not None else 1.0, step_bias=self.step_bias())
 
 
 class Level:

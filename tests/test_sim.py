@@ -137,6 +137,31 @@ def test_stale_heartbeats_herd_without_the_ledger() -> None:
     assert max(spread) == pytest.approx(min(spread), rel=0.05)
 
 
+def test_each_router_keeps_the_live_worker_table() -> None:
+    """The simulator's routers keep their workers in the live router's WorkerTable, fed with the
+    workers' heartbeats: each acknowledges every dispatch its router sent before it (what the
+    ledger still holds came after), every deflection's record ends at its first token, and each
+    decode worker's dispatches are counted once, by the router that sent them."""
+    from common.router_core.workers import WorkerTable
+    from sim import state
+
+    assert not [name for name in vars(state) if "Ledger" in name]
+    trace = [TraceRequest(0.004 * i, 1500 + 700 * (i % 5), 20) for i in range(60)]
+    sim = Simulation(PROF, make_policy("kairos", default_model=M), SimConfig(routers=2, heartbeat_interval=0.05))
+    records = sim.run(trace).records
+    assert all(r.output_tokens == 20 for r in records)
+    placed = 0
+    for rt in sim.routers.replicas:
+        assert isinstance(rt.table, WorkerTable)
+        for e in rt.table.workers.values():
+            assert e.hb is not None and all(k > e.hb.last_dispatch for k in e.ledger)
+            assert not e.deflecting
+            if e.role == "decode":
+                placed += e.dispatch_no
+    assert placed == len(trace)
+    assert {r.route for r in records} == {"deflect", "disagg"}
+
+
 def test_stale_views_let_kairos_stack_deflections() -> None:
     """Without the ledger (and without decode-side admission), a stale heartbeat shows no
     deflection in flight, so Kairos puts several on one decode worker and the stacked chunks

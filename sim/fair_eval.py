@@ -192,7 +192,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
     tuned = dict(zip(policies, pmap(timed_tune, jobs, args.jobs), strict=True))
     log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
     setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
-    scales = sorted({round(regime * m, 4) for m in SWEEP})
+    scales = sorted({round(regime * m, 4) for m in (w.sweep or SWEEP)})
     runs = [Run(w, w.report, x, p, setups[p], profile, sim) for x in scales for p in policies]
     outs = pmap(execute, runs, args.jobs)
     sweep: list[dict[str, Any]] = []
@@ -210,7 +210,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
             "regime_why": w.regime_why if chosen_by == "fixed" else "",
             "tuned": tuned, "settings": {p: {"engine": tuned[p]["engine"], "policy": knob_values(p, setups[p])}
                                          for p in policies},
-            "sweep": sweep, "must_show": must_show(at_regime),
+            "sweep_multiples": w.sweep or SWEEP, "sweep": sweep, "must_show": must_show(at_regime),
             "wall_s": time.monotonic() - t0}
 
 

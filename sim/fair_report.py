@@ -193,7 +193,7 @@ def markdown(res: dict[str, Any]) -> str:
            "TBT attainment):", ""]
     out += headline(res)
     out += [f"SLO goodput, report slice: the highest swept rate at which each policy keeps {GOODPUT_AT:.0%} both-SLO "
-            "attainment (at that rate and every lower one swept; four rates per workload, so a coarse reading), "
+            "attainment (at that rate and every lower one swept; four to six rates per workload, so a coarse reading), "
             "with its TBT attainment of served requests there:", ""]
     out += goodput_table(res)
     for name, w in res["workloads"].items():

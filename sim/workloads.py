@@ -43,11 +43,15 @@ class Workload:
     # not fit the workload; None: the probe's rule
     regime: float | None = None
     regime_why: str = ""
+    # the report rates, multiples of the regime (fair_eval's SWEEP unless set; 1 must be among them)
+    sweep: tuple[float, ...] | None = None
 
 
 def _session(kind: str, rate: float, probe: tuple[float, ...], regime: float, title: str) -> Workload:
     return Workload(kind, title, "sessions", probe, {"kind": kind, "rate": rate, "duration": 900.0, "seed": 0},
                     tune=(200.0, 450.0), report=(450.0, 700.0), policies=SESSION_POLICIES, regime=regime,
+                    # finer than SWEEP: these workloads go from served to overloaded within x1.5 the regime
+                    sweep=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
                     regime_why="section 5's rate: the highest tried there at which no policy rejected a request with "
                                "its default settings; the probe's rule counts whole prompts, not the cache hits")
 

@@ -127,7 +127,7 @@ def test_session_workload_end_to_end() -> None:
     r = evaluate_workload(w, load_profile("h100-llama2-70b-tp4"), sim, args, lambda _msg: None)
     assert r["regime"] == 0.75 and r["regime_chosen_by"] == "fixed" and r["regime_why"]
     assert list(r["tuned"]) == list(SESSION_POLICIES)
-    assert [pt["rate_scale"] for pt in r["sweep"]] == [0.375, 0.75, 1.125, 1.5]
+    assert [pt["rate_scale"] for pt in r["sweep"]] == [0.375, 0.5625, 0.75, 0.9375, 1.125, 1.5]
     at = next(pt for pt in r["sweep"] if pt["rate_scale"] == 0.75)["policies"]
     assert set(at) == set(SESSION_POLICIES) and at["kv-aware"]["requests"] > 20
     assert all((s["sim"]["prefix_hit_rate"] or 0) > 0.2 for s in at.values())

@@ -2,14 +2,17 @@
 
     python -m sim.fair_eval --profile h100-llama2-70b-tp4 --out results/fair-eval
 
-For each workload (the Azure code and conv traces, a long-context synthetic one with prompts of
-4k to 32k tokens, and a bursty on/off synthetic one) it
+For each workload (sim/workloads.py: the Azure code and conv traces, a long-context synthetic one
+with prompts of 4k to 32k tokens, a bursty on/off synthetic one, and multi-turn chat sessions and
+agentic loops with shared prefixes, prefix caching on) it
   1. probes the load: replays the tune slice with `disagg-least-loaded` (stock disaggregation, the
      profile's settings) at several rate scales and picks the regime load: the lowest probed scale
      at which bursts saturate the prefill pool (that baseline meets the TTFT SLO for at most 95 %
      of requests, its busiest 10 s offer the prefill pool at least its capacity) while the decode
      pool still holds its TBT SLO (at least 99 % of requests keep every gap within it);
-     --regime NAME=X overrides the choice;
+     --regime NAME=X overrides the choice; chat and agent have a regime fixed in advance
+     (x0.75, x0.25: docs/results.md section 5's rates), since the rule counts whole prompts
+     while their caches skip most prefill work, and on chat it lands past the cliff;
   2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py),
      the objective averaged over the slice at that load and at twice it (--stress 1,2: the tune
      slices hold smaller bursts than the report slices, so a policy tuned on them alone is tuned
@@ -20,7 +23,8 @@ For each workload (the Azure code and conv traces, a long-context synthetic one 
      and the markdown tables of docs/results.md.
 Shape: 2P2D (conv: 1P3D, see WORKLOADS), chunked-prefill on the same GPUs as decode workers.
 The slices: trace-time windows [0, 600) s (tune) and [600, 1200) s (report) of the Azure traces;
-seeds 0 (tune) and 1 (report), 600 s each, of the synthetic ones.
+seeds 0 (tune) and 1 (report), 600 s each, of the synthetic ones; [200, 450) s (tune) and
+[450, 700) s (report) of the session traces. Policies: POLICIES; chat and agent add kv-aware.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +47,14 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
-from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
+from common.traces import TraceRequest
 from sim.core import SimConfig, simulate
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
 from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one
+from sim.workloads import POLICIES, SESSION_POLICIES, WORKLOADS, Workload, load
 
-POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
 PROBE_POLICY = "disagg-least-loaded"
 REGIME_TTFT = 0.95   # the baseline meets the TTFT SLO for at most this fraction: prefill queues hurt
 REGIME_TBT = 0.99    # ... while at least this fraction keep every gap within the TBT SLO
@@ -66,51 +70,12 @@ CONDITIONS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    title: str
-    trace: str                       # code, conv or synthetic
-    probe: tuple[float, ...]         # rate scales probed for the regime
-    synth: dict[str, Any] = field(default_factory=dict)  # synthetic: rate, arrival, cv, lengths
-    tune: tuple[float, float] | int = (0.0, 600.0)
-    report: tuple[float, float] | int = (600.0, 1200.0)
-    prefill: int = 2                 # the disaggregated shape; chunked-prefill gets prefill + decode
-    decode: int = 2
-
-
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("code", "Azure code trace (bursty)", "code", (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0)),
-    # conv's outputs (median 150 tokens) load the decode pool: on 2P2D it reaches its TBT limit at
-    # the load where the prefill pool saturates (x3), so the regime is on 1P3D; 2P2D is kept
-    Workload("conv", "Azure conv trace (near-Poisson), 1P3D", "conv", (1.0, 1.5, 2.0, 2.5, 3.0), prefill=1, decode=3),
-    Workload("conv-2p2d", "Azure conv trace (near-Poisson), 2P2D", "conv", (1.0, 2.0, 2.5, 2.75, 3.0, 4.0)),
-    Workload("long", "long-context synthetic (prompts 4k-32k, Poisson, 0.5 req/s at x1)", "synthetic",
-             (0.25, 0.5, 0.75, 1.0, 1.5, 2.0), {"rate": 0.5, "arrival": "poisson", "cv": 1.0, "lengths": "long"},
-             tune=0, report=1),
-    Workload("bursty", "bursty synthetic (on/off MMPP, code lengths, 2.57 req/s at x1)", "synthetic",
-             (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0), {"rate": 2.57, "arrival": "onoff", "cv": 2.2, "lengths": "code"},
-             tune=0, report=1),
-)}
-SYNTH_DURATION = 600.0
-
-
-def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[TraceRequest]:
-    if isinstance(which, int):
-        base = synthetic(rate=w.synth["rate"], duration=SYNTH_DURATION, arrival=w.synth["arrival"],
-                         cv=w.synth["cv"], seed=which, **LENGTHS[w.synth["lengths"]])  # type: ignore[arg-type]
-        return [TraceRequest(t=r.t / scale, input_length=r.input_length, output_length=r.output_length)
-                for r in base]
-    start, end = which
-    return load_trace(trace_path(w.trace), start=start, duration=end - start, rate_scale=scale)
-
-
 # ------------------------------------------------------------------------------ one simulation
 
 
 @dataclass(frozen=True)
 class Run:
-    workload: str
+    workload: Workload
     which: tuple[float, float] | int
     scale: float
     policy: str
@@ -161,7 +126,7 @@ def by_reason(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest], tt
 
 
 def execute(run: Run) -> dict[str, Any]:
-    w = WORKLOADS[run.workload]
+    w = run.workload
     reqs = load(w, run.which, run.scale)
     policy, prof = build(run.policy, run.setup, run.profile)
     n_p, n_d = shape(run.policy, run.sim.prefill, run.sim.decode)
@@ -206,7 +171,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                       log: Callable[[str], None]) -> dict[str, Any]:
     t0 = time.monotonic()
     sim = msgspec.structs.replace(sim, prefill=w.prefill, decode=w.decode)
-    probes = pmap(execute, [Run(w.name, w.tune, x, PROBE_POLICY, Setup(), profile, sim) for x in w.probe], args.jobs)
+    probes = pmap(execute, [Run(w, w.tune, x, PROBE_POLICY, Setup(), profile, sim) for x in w.probe], args.jobs)
     probe = []
     for x, s in zip(w.probe, probes, strict=True):
         ok = ((s["ttft_slo_attainment"] or 0) <= REGIME_TTFT and (s["tbt_slo_attainment"] or 0) >= REGIME_TBT
@@ -217,16 +182,19 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                       "tbt_p99": s["tbt_p99"], "decode_busy": s["sim"]["decode_busy"],
                       "prefill_busy": s["sim"]["prefill_busy"],
                       "in_regime": ok})
-    regime = round(args.regime.get(w.name) or choose_regime(probe), 4)
-    log(f"{w.name}: regime x{regime:g} ({time.monotonic() - t0:.0f} s); tuning {', '.join(args.policy)}")
+    fixed = w.fixed_regime(profile.name)
+    chosen_by = "flag" if w.name in args.regime else "fixed" if fixed is not None else "rule"
+    regime = round(args.regime.get(w.name) or fixed or choose_regime(probe), 4)
+    policies = workload_policies(w, args.policy)
+    log(f"{w.name}: regime x{regime:g} ({chosen_by}; {time.monotonic() - t0:.0f} s); tuning {', '.join(policies)}")
     tune_trace, report_trace = load(w, w.tune, regime), load(w, w.report, regime)
     jobs = [Job(policy=p, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[p], passes=args.passes, stress=args.stress) for p in args.policy]
-    tuned = dict(zip(args.policy, pmap(timed_tune, jobs, args.jobs), strict=True))
+                grid=GRIDS[p], passes=args.passes, stress=args.stress) for p in policies]
+    tuned = dict(zip(policies, pmap(timed_tune, jobs, args.jobs), strict=True))
     log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
     setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
-    scales = sorted({round(regime * m, 4) for m in SWEEP})
-    runs = [Run(w.name, w.report, x, p, setups[p], profile, sim) for x in scales for p in args.policy]
+    scales = sorted({round(regime * m, 4) for m in (w.sweep or SWEEP)})
+    runs = [Run(w, w.report, x, p, setups[p], profile, sim) for x in scales for p in policies]
     outs = pmap(execute, runs, args.jobs)
     sweep: list[dict[str, Any]] = []
     for x in scales:
@@ -239,11 +207,17 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
     return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None, "cluster": f"{w.prefill}P{w.decode}D",
             "slices": {"tune": w.tune, "report": w.report,
                        "unit": "seed (600 s)" if isinstance(w.tune, int) else "seconds of trace time, [start, end)"},
-            "probe": probe, "regime": regime, "regime_chosen_by": "flag" if w.name in args.regime else "rule",
+            "probe": probe, "regime": regime, "regime_chosen_by": chosen_by,
+            "regime_why": w.regime_why if chosen_by == "fixed" else "",
             "tuned": tuned, "settings": {p: {"engine": tuned[p]["engine"], "policy": knob_values(p, setups[p])}
-                                         for p in args.policy},
-            "sweep": sweep, "must_show": must_show(at_regime),
+                                         for p in policies},
+            "sweep_multiples": w.sweep or SWEEP, "sweep": sweep, "must_show": must_show(at_regime),
             "wall_s": time.monotonic() - t0}
+
+
+def workload_policies(w: Workload, given: list[str] | None) -> list[str]:
+    """The policies compared on `w`: its own list, or those of --policy it has (Kairos first)."""
+    return list(w.policies) if not given else [p for p in given if p in w.policies]
 
 
 def must_show(pols: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
@@ -279,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="performance profile; repeat for several (default h100-llama2-70b-tp4)")
     p.add_argument("--workload", action="append", choices=tuple(WORKLOADS), default=None,
                    help=f"repeat for several (default: all of {', '.join(WORKLOADS)})")
-    p.add_argument("--policy", action="append", choices=POLICIES, default=None,
-                   help=f"repeat for several (default: all of {', '.join(POLICIES)})")
+    p.add_argument("--policy", action="append", choices=SESSION_POLICIES, default=None,
+                   help=f"repeat for several (default: each workload's: {', '.join(POLICIES)}; the session "
+                        "workloads chat and agent add kv-aware)")
     p.add_argument("--regime", action="append", default=[], metavar="WORKLOAD=X",
                    help="use rate scale X as WORKLOAD's regime load instead of the probe's choice")
     p.add_argument("--condition", choices=tuple(CONDITIONS), default="exact",
@@ -306,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--regime {item!r}: unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
             regime[name] = float(x)
         args.regime = regime
-        args.policy = list(dict.fromkeys(args.policy or POLICIES))
+        args.policy = list(dict.fromkeys(args.policy)) if args.policy else None
+        for name in args.workload or WORKLOADS:
+            if not workload_policies(WORKLOADS[name], args.policy):
+                raise ConfigError(f"workload {name} compares none of the policies given "
+                                  f"(its policies: {', '.join(WORKLOADS[name].policies)})")
         args.stress = parse_stress(args.stress)
         profiles = [load_profile(p) for p in dict.fromkeys(args.profile or ["h100-llama2-70b-tp4"])]
     except (ConfigError, ValueError) as e:

@@ -36,16 +36,28 @@ def _mape(s: dict[str, Any], route: str) -> str:
     return "-" if r is None else _pct(r["ttft_pred_mape"])
 
 
+def policies(res: dict[str, Any]) -> list[str]:
+    """Every policy of any workload, in order of first appearance (workloads compare different
+    sets: the session workloads add kv-aware)."""
+    return list(dict.fromkeys(p for w in res["workloads"].values() for p in w["settings"]))
+
+
+def _cell(pols: dict[str, Any], p: str) -> str:
+    if p not in pols:
+        return "-"
+    s = pols[p]
+    return f"{_pct(s['slo_attainment'])} / {fmt(s['ttft_p95'])} / {_pct(s['tbt_slo_attainment'])}"
+
+
 def headline(res: dict[str, Any]) -> list[str]:
-    pols = list(next(iter(res["workloads"].values()))["settings"])
+    pols = policies(res)
     head = ["workload", "GPUs", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols], "must-show"]
     rows = []
     for name, w in res["workloads"].items():
         pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
         ms = w["must_show"]
         rows.append([name, w.get("cluster", "2P2D"), f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
-                     *[f"{_pct(pt['policies'][p]['slo_attainment'])} / {fmt(pt['policies'][p]['ttft_p95'])} / "
-                       f"{_pct(pt['policies'][p]['tbt_slo_attainment'])}" for p in pols],
+                     *[_cell(pt["policies"], p) for p in pols],
                      "-" if ms is None else ("holds" if ms["holds"] else "**fails**")])
     return _table(head, rows)
 
@@ -53,8 +65,9 @@ def headline(res: dict[str, Any]) -> list[str]:
 def workload(name: str, w: dict[str, Any]) -> list[str]:
     out = [f"### {name}: {w['title']}", ""]
     sl = w["slices"]
+    why = f": {w['regime_why']}" if w.get("regime_why") else ""
     out += [f"Tune slice {sl['tune']}, report slice {sl['report']} ({sl['unit']}). Regime load: "
-            f"x{w['regime']:g} (chosen by {w['regime_chosen_by']}). Wall time {w['wall_s']:.0f} s.", ""]
+            f"x{w['regime']:g} (chosen by {w['regime_chosen_by']}{why}). Wall time {w['wall_s']:.0f} s.", ""]
     out += ["Load probe (tune slice, disagg-least-loaded with the profile's settings):", ""]
     out += _table(["rate x", "requests", "prefill load", "peak 10 s", "TTFT SLO", "TTFT p95 s", "TBT SLO (max gap)",
                    "TBT p99 ms", "decode busy", "in regime"],
@@ -81,6 +94,10 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
                     _pct(s["ttft_slo_attainment"]), _pct(s["tbt_slo_attainment"]), _pct(s["tbt_p99_slo_attainment"]),
                     fmt(s["ttft_p50"]), fmt(s["ttft_p95"]), fmt(s["ttft_p99"]), _pct(s["deflection_rate"]),
                     str(s["rejected"]), _mape(s, "disagg"), _mape(s, "deflect")] for p, s in pt["policies"].items()])
+    hits = {p: s.get("sim", {}).get("prefix_hit_rate") for p, s in pt["policies"].items()}
+    if any(h is not None for h in hits.values()):  # prefix-cache hits: prompt tokens whose prefill a hit skipped
+        out += ["Prefix-cache hits at the regime load (prompt tokens whose prefill a cache hit skipped): "
+                + ", ".join(f"{p} {_pct(h)}" for p, h in hits.items()) + ".", ""]
     ms = w["must_show"]
     if ms is not None:
         parts = []
@@ -140,13 +157,15 @@ def goodput(w: dict[str, Any], policy: str) -> tuple[float | None, dict[str, Any
 
 
 def goodput_table(res: dict[str, Any]) -> list[str]:
-    pols = list(next(iter(res["workloads"].values()))["settings"])
+    pols = policies(res)
     head = ["workload", "swept rates x", *[f"{p}: goodput x (TBT there)" for p in pols], "Kairos >= best baseline"]
     rows = []
     for name, w in res["workloads"].items():
-        got = {p: goodput(w, p) for p in pols}
+        got = {p: goodput(w, p) for p in pols if p in w["settings"]}
 
-        def text(g: tuple[float | None, dict[str, Any] | None]) -> str:
+        def text(g: tuple[float | None, dict[str, Any] | None] | None) -> str:
+            if g is None:
+                return "-"
             x, s = g
             return "< lowest" if x is None or s is None else f"{x:g} ({_pct(s['tbt_slo_attainment'])})"
 
@@ -156,7 +175,7 @@ def goodput_table(res: dict[str, Any]) -> list[str]:
         elif "kairos" in got and len(got) > 1:
             k = got["kairos"][0] or 0.0
             verdict = "yes" if all(k >= (g[0] or 0.0) for p, g in got.items() if p != "kairos") else "**no**"
-        rows.append([name, "/".join(f"{pt['rate_scale']:g}" for pt in w["sweep"]), *[text(got[p]) for p in pols],
+        rows.append([name, "/".join(f"{pt['rate_scale']:g}" for pt in w["sweep"]), *[text(got.get(p)) for p in pols],
                      verdict])
     return _table(head, rows)
 
@@ -174,7 +193,7 @@ def markdown(res: dict[str, Any]) -> str:
            "TBT attainment):", ""]
     out += headline(res)
     out += [f"SLO goodput, report slice: the highest swept rate at which each policy keeps {GOODPUT_AT:.0%} both-SLO "
-            "attainment (at that rate and every lower one swept; four rates per workload, so a coarse reading), "
+            "attainment (at that rate and every lower one swept; four to six rates per workload, so a coarse reading), "
             "with its TBT attainment of served requests there:", ""]
     out += goodput_table(res)
     for name, w in res["workloads"].items():

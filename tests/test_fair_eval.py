@@ -83,3 +83,69 @@ def test_splice_takes_a_condition_under_its_own_marker() -> None:
           "<!-- /fair-eval p1/noise -->\nb\n"
     out = splice(doc, "p1/noise", "## p1, noise\nnew\n### w")
     assert "<!-- fair-eval p1 -->\nold\n" in out and "<!-- fair-eval p1/noise -->\nnew\n#### w\n" in out
+
+
+def test_session_workloads_replay_kairos_sessions_files(tmp_path: Any) -> None:
+    """chat and agent are `kairos sessions`'s traces (section 5's settings), sliced by trace time
+    into disjoint tune and report windows, with their prefix structure."""
+    from common.sessions import sessions, write_jsonl
+    from common.traces import load_trace
+    from sim.workloads import WORKLOADS, load
+
+    for name, rate in (("chat", 2.0), ("agent", 0.5)):
+        w = WORKLOADS[name]
+        assert w.trace == "sessions" and w.synth == {"kind": name, "rate": rate, "duration": 900.0, "seed": 0}
+        assert "kv-aware" in w.policies and w.policies[0] == "kairos"
+        assert isinstance(w.tune, tuple) and isinstance(w.report, tuple) and w.tune[1] <= w.report[0]
+        path = tmp_path / f"{name}.jsonl"
+        write_jsonl(sessions(name, rate=rate, duration=900.0, seed=0), path)
+        for which in (w.tune, w.report):
+            assert isinstance(which, tuple)
+            got = load(w, which, 0.5)
+            want = load_trace(path, start=which[0], duration=which[1] - which[0], rate_scale=0.5)
+            assert got == want and len(got) > 100
+            assert all(r.hash_ids for r in got) and max(r.t for r in got) < (which[1] - which[0]) / 0.5
+    assert WORKLOADS["chat"].regime == 0.75 and WORKLOADS["agent"].regime == 0.25
+
+
+def test_session_workload_end_to_end() -> None:
+    """A few seconds of chat through the whole procedure (probe, tune, sweep), prefix caching on:
+    every session policy is tuned and swept, kv-aware among them, and the caches are hit."""
+    import argparse
+    import dataclasses
+
+    from common.perf_model import load_profile
+    from sim.core import SimConfig
+    from sim.fair_eval import evaluate_workload
+    from sim.fair_report import goodput_table, headline
+    from sim.workloads import SESSION_POLICIES, WORKLOADS
+
+    w = dataclasses.replace(WORKLOADS["chat"], synth={**WORKLOADS["chat"].synth, "duration": 40.0},
+                            tune=(20.0, 40.0), report=(40.0, 60.0), probe=(0.75,))
+    args = argparse.Namespace(regime={}, policy=None, passes=1, stress=(1.0,), jobs=1)
+    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1)
+    r = evaluate_workload(w, load_profile("h100-llama2-70b-tp4"), sim, args, lambda _msg: None)
+    assert r["regime"] == 0.75 and r["regime_chosen_by"] == "fixed" and r["regime_why"]
+    assert list(r["tuned"]) == list(SESSION_POLICIES)
+    assert [pt["rate_scale"] for pt in r["sweep"]] == [0.375, 0.5625, 0.75, 0.9375, 1.125, 1.5]
+    at = next(pt for pt in r["sweep"] if pt["rate_scale"] == 0.75)["policies"]
+    assert set(at) == set(SESSION_POLICIES) and at["kv-aware"]["requests"] > 20
+    assert all((s["sim"]["prefix_hit_rate"] or 0) > 0.2 for s in at.values())
+    assert r["must_show"] is not None and set(r["must_show"]["baselines"]) == set(SESSION_POLICIES) - {"kairos"}
+    # a result mixing workloads of different policy sets: every policy gets a column, '-' where absent
+    two = ("kairos", "chunked-prefill")
+    code = {**r, "settings": {p: {} for p in two},
+            "sweep": [{**pt, "policies": {p: pt["policies"][p] for p in two}} for pt in r["sweep"]]}
+    res = {"workloads": {"code": code, "chat": r}}
+    head = headline(res)
+    assert "kv-aware: both / P95 s / TBT" in head[0] and head[2].count(" - ") >= 3
+    assert "kv-aware: goodput x" in goodput_table(res)[0]
+
+
+def test_session_regimes_are_fixed_per_profile() -> None:
+    """The A100's steps are slower: its session regimes are its own, not the H100's."""
+    from sim.workloads import WORKLOADS
+
+    chat, agent, code = WORKLOADS["chat"], WORKLOADS["agent"], WORKLOADS["code"]
+    assert chat.fixed_regime("h100-llama2-70b-tp4") == 0.75 and chat.fixed_regime("a100-llama2-70b-tp4") == 0.25
+    assert agent.fixed_regime("a100-llama2-70b-tp4") == 0.08 and code.fixed_regime("a100-llama2-70b-tp4") is None

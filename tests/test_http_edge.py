@@ -159,19 +159,24 @@ def test_one_address_over_its_limit_loses_its_idle_connections_then_is_refused_w
         # three long streams keep three connections busy
         body = {"prompt": "busy", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         started = threading.Barrier(4)
+        checked = threading.Event()
 
         def stream() -> None:
             with httpx.stream("POST", c.spec.api + "/v1/completions", json=body, timeout=60) as r:
-                for i, _ in enumerate(r.iter_lines()):
-                    if i == 0:
-                        started.wait(10)
-                    if i > 200:  # long enough for the check below
-                        break
+                for _ in r.iter_lines():
+                    # the first event is in: hold the request open (unread, so the stream cannot
+                    # finish) until the check below is done, however slowly this host runs it
+                    started.wait(10)
+                    checked.wait(30)
+                    break
         threads = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
         for t in threads:
             t.start()
         started.wait(10)
-        r = httpx.post(c.spec.api + "/v1/completions", json=REQ, timeout=10)
+        try:
+            r = httpx.post(c.spec.api + "/v1/completions", json=REQ, timeout=10)
+        finally:
+            checked.set()
         assert r.status_code == 429 and r.headers["x-kairos-error"] == "refused_client", r.text
         for t in threads:
             t.join(30)

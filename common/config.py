@@ -176,8 +176,9 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                      "prefill chunks so gaps stay within the TBT SLO at the measured error")] = True
     overrun_target: Annotated[float, doc("decode workers: the chance a step beside an in-place prefill chunk may take "
                                          "longer than the TBT SLO, read off the measured step error; the SLO holds "
-                                         "per request, and a request meets many such steps: 0.01 / 30 plans for about "
-                                         "1 % of requests over 30 such steps")] = 0.01
+                                         "per request, and a request meets many such steps: the default, 0.00033 "
+                                         "(common/engines/step_error.py TARGET), plans for about 1 % of requests "
+                                         "over 30 such steps")] = 0.00033
     model: Annotated[str, doc("vllm: model directory")] = ""
     served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
     metrics_host: Annotated[str, doc("address the worker's /metrics (its engine's metrics) listens on")] = "127.0.0.1"

@@ -36,6 +36,7 @@ import msgspec
 import structlog
 
 from common.config import ENV_PREFIX, RouterConfig, env_text
+from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES
@@ -540,7 +541,7 @@ def error_env(err: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
         ("slow_for_s", "SLOW_FOR"), ("slow_factor", "SLOW_FACTOR"), ("straggler_p", "STRAGGLER_P"),
         ("straggler_factor", "STRAGGLER_FACTOR"))}
     worker_env[ENV_PREFIX + "CLOSED_LOOP"] = str(err["closed_loop"]).lower()
-    worker_env[ENV_PREFIX + "OVERRUN_TARGET"] = str(err.get("overrun_target", 0.01))
+    worker_env[ENV_PREFIX + "OVERRUN_TARGET"] = str(err.get("overrun_target", TARGET))
     router_env = {} if err["bias_correction"] else {ENV_PREFIX + "BIAS_CORRECTION": "false"}
     return router_env, worker_env
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from common.engines.settings import EngineSettings
+from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.perf_model import PerfModel, Profile
 from common.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, KvAwareConfig, Policy, make_policy
@@ -146,10 +147,10 @@ def add_error_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--closed-loop", choices=("on", "off"), default="on",
                    help="decode workers measure their step error and cut in-place chunks to keep gaps within the "
                         "TBT SLO (default on; off: the router's plan alone, as before)")
-    e.add_argument("--overrun-target", type=float, default=0.01, metavar="P",
+    e.add_argument("--overrun-target", type=float, default=TARGET, metavar="P",
                    help="decode workers plan each step beside an in-place prefill chunk for this chance of taking "
-                        "longer than the TBT SLO (default 0.01; the SLO holds per request, which meets many such "
-                        "steps: e.g. 0.00033 for about 1 %% of requests over 30 of them)")
+                        "longer than the TBT SLO (default %(default)g: the SLO holds per request, which meets many "
+                        "such steps; this is about 1 %% of requests over 30 of them; 0.01 was the default before)")
     e.add_argument("--bias-correction", choices=("on", "off"), default="on",
                    help="routers scale each worker's model by the median step error its heartbeats report, so "
                         "TTFT predictions and chunk costs follow what the engine really does (default on)")

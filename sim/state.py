@@ -17,7 +17,7 @@ import msgspec
 from common import messages as m
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.replay import drain
-from common.engines.step_error import StepError, StepErrorEstimator
+from common.engines.step_error import TARGET, StepError, StepErrorEstimator
 from common.perf_model import PerfModel
 from common.policy.admission import Accepted
 from sim.stats import RequestTiming
@@ -39,7 +39,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     straggler_p: float = 0.0   # fraction of steps that straggle
     straggler_factor: float = 3.0  # step time factor of a straggler
     closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
-    overrun_target: float = 0.01  # ... planning each step beside a chunk for this chance of overrunning the SLO
+    overrun_target: float = TARGET  # ... planning each step beside a chunk for this chance of overrunning the SLO
     bias_correction: bool = True  # routers scale each worker's model by its measured step bias (heartbeats)
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected

@@ -31,7 +31,7 @@ from typing import Literal
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
 from common.engines.batcher import Batcher, Seq, StepPlan
 from common.engines.prefix_cache import PrefixCache
-from common.engines.step_error import ChunkGuard, StepError, StepErrorEstimator
+from common.engines.step_error import TARGET, ChunkGuard, StepError, StepErrorEstimator
 from common.errors import Overloaded
 from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
@@ -70,7 +70,7 @@ class SimEngine(Engine):
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
-                 closed_loop: bool = True, overrun_target: float = 0.01, seed: str = "",
+                 closed_loop: bool = True, overrun_target: float = TARGET, seed: str = "",
                  max_model_len: int = 0) -> None:
         super().__init__()
         self.role = role

@@ -18,7 +18,7 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
   predicted. It keeps the last `window` ratios and gives their bias (median) and the margin the
   worker plans with: the (1 - target) quantile of the ratio, so that a step planned to take at
   most SLO / margin by the model exceeds the SLO with probability about `target` (the worker's
-  `overrun_target`, 1 % by default). The quantile is read off the window while it holds at least
+  `overrun_target`, `TARGET` by default). The quantile is read off the window while it holds at least
   `TAIL_SAMPLES` ratios beyond it; for a smaller target (say 1 %/30: the TBT SLO is per request,
   and a request lives through many steps beside prefill chunks) it is that of a lognormal fitted
   to the window's ratios. After an
@@ -118,7 +118,9 @@ def parse_speeds(text: str) -> tuple[float, ...]:
         raise ValueError(f"--worker-speed takes numbers separated by commas (got {text!r})") from e
 
 
-TARGET = 0.01      # the chance of a gap over the SLO a chunk is planned for (a worker's overrun_target)
+# the chance of a gap over the SLO a step beside a chunk is planned for (a worker's overrun_target, by
+# default): about 1 % of requests over the ~30 such steps a request lives through (docs/cost-model.md)
+TARGET = 0.00033
 TAIL_SAMPLES = 5   # ratios beyond the target quantile the window must hold to read it off directly
 WINDOW = 512       # steps the estimator remembers
 MIN_SAMPLES = 32   # steps before the measured margin replaces 1.0

@@ -83,7 +83,7 @@ import zmq
 
 from common import logging as klog
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
-from common.engines.step_error import StepErrorEstimator
+from common.engines.step_error import TARGET, StepErrorEstimator
 from common.errors import ConfigError, KvTransferError, Overloaded
 from common.messages import Coeffs, StructuredOutputs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
@@ -177,7 +177,7 @@ class VllmEngine(Engine):
                  kv_cache_mib: int = 256, token_budget: int = 512, max_batch: int = 64, default_chunk: int = 0,
                  side_channel_host: str = "127.0.0.1", side_channel_port: int = 5600, kv_timeout: float = 10.0,
                  max_queue_requests: int = 1024, profile: Profile | None = None, prefix_caching: bool = True,
-                 overrun_target: float = 0.01,
+                 overrun_target: float = TARGET,
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
                  kv_buffer_device: str = "", side_channel_bind: str = "") -> None:

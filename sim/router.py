@@ -69,8 +69,7 @@ from common.policy import ClusterView, Decision, Hold, NoWorkers, Policy, Reques
 from common.policy.admission import decide_without
 from common.policy.kairos import Kairos, latest_start, retry_order
 from common.policy.prefix_index import PrefixIndex
-from common.policy.schedule import reserved_step_cost
-from common.router_core.workers import LedgerEntry, WorkerTable
+from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
 from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
 
@@ -170,27 +169,20 @@ class SimRouter:
         r.route = d.route
         r.reason = d.reason
         r.decode_worker = d.decode_worker
-        de = self.table.workers[dw.wid]
-        need = r.prompt + r.output
-        uncached = r.prompt - d.cached_tokens  # as the router expects it
+        pw = self._p_by_id[d.prefill_worker] if d.prefill_worker is not None else None
+        if pw is not None:
+            eng.deliver(pw, now)  # its heartbeats due by now first: they acknowledge only earlier dispatches
+        self.table.record_dispatch(d, r.rid, r.prompt, r.prompt + r.output, now)  # the ledger, as live
         if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
             self.index.stored(dw.wid, r.hashes)
             if d.prefill_worker is not None:
                 self.index.stored(d.prefill_worker, r.hashes)
-        if d.route == "deflect":  # the ledger and the deflection record, as common/router_core/dispatch.py
+        if d.route == "deflect":
             r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
-            de.next_dispatch(LedgerEntry(r.rid, uncached, need, deflect=True))
-            de.add_deflection(r.rid, reserved_step_cost(de.model, d.chunk_schedule, de.hello.token_budget,
-                                                        d.cached_tokens),
-                              max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             eng.admit_deflection(dw, r, d, now)
             return True
-        assert d.prefill_worker is not None
+        assert pw is not None
         r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
-        pw = self._p_by_id[d.prefill_worker]
-        eng.deliver(pw, now)
-        self.table.workers[pw.wid].next_dispatch(LedgerEntry(r.rid, uncached, 0, deflect=False, at=now))
-        de.next_dispatch(LedgerEntry(r.rid, r.prompt, need, deflect=False))
         eng.queue_prefill(pw, dw, r, now)
         return True
 

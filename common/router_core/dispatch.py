@@ -24,12 +24,11 @@ from common import messages as m
 from common.config import RouterConfig
 from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
-from common.policy.schedule import reserved_step_cost
 from common.router_core.ports import Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
 from common.router_core.trust import too_small
-from common.router_core.workers import LedgerEntry, WorkerEntry, WorkerTable
+from common.router_core.workers import WorkerEntry, WorkerTable
 
 log = structlog.get_logger()
 
@@ -75,16 +74,11 @@ class Dispatcher:
         dw = self.table.workers[decision.decode_worker]
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
-        work = tokens - decision.cached_tokens  # what the prefilling worker computes, as the index knows
         if self.prefix.enabled:
             self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w], hashes,
                                    tokens, decision.cached_tokens)
+        no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
         if decision.route == "deflect":
-            no = dw.next_dispatch(LedgerEntry(req.request_id, work, reserve, deflect=True))
-            dw.add_deflection(req.request_id,
-                              reserved_step_cost(dw.model, decision.chunk_schedule, dw.hello.token_budget,
-                                                 decision.cached_tokens),
-                              max(decision.chunk_schedule, default=0), now + (decision.ttft_decode_pred or 0.0))
             dw.holding.add(req.request_id)
             self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
@@ -95,11 +89,9 @@ class Dispatcher:
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
-            pno = pw.next_dispatch(LedgerEntry(req.request_id, work, 0, deflect=False, at=now))
-            dno = dw.next_dispatch(LedgerEntry(req.request_id, tokens, reserve, deflect=False))
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
-            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=dno, mode="handoff",
+            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="handoff",
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,

@@ -18,7 +18,8 @@ from common import messages as m
 from common.engines.replay import Tail
 from common.engines.step_error import bias_factor
 from common.perf_model import PerfModel
-from common.policy.base import ClusterView, DecodeView, PrefillView
+from common.policy.base import ClusterView, Decision, DecodeView, PrefillView
+from common.policy.schedule import reserved_step_cost
 
 
 @dataclass(slots=True)
@@ -294,6 +295,27 @@ class WorkerTable:
             else:
                 d.append(v)
         return ClusterView(prefill=tuple(p), decode=tuple(d))
+
+    def record_dispatch(self, d: Decision, request_id: str, prompt_tokens: int, reserve_tokens: int,
+                        now: float) -> tuple[int, int]:
+        """What a dispatch leaves in the table, the one code for the live router (dispatch.py) and
+        the simulator (sim/router.py): the ledger entries of the worker(s) chosen (what the policy
+        will see of them until their heartbeats acknowledge the work) and, for a deflection, its
+        record on the decode worker (reserved step cost, largest chunk, predicted end of its
+        prefill; `WorkerEntry.end_deflection` at its first token). `prompt_tokens` is the prompt
+        as sent, `reserve_tokens` the KV it may grow to. Returns the dispatch numbers the work
+        messages carry: (decode worker's, prefill worker's or 0)."""
+        dw = self.workers[d.decode_worker]
+        work = prompt_tokens - d.cached_tokens  # what the prefilling worker computes, as the index knows
+        if d.route == "deflect":
+            no = dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=True))
+            dw.add_deflection(request_id,
+                              reserved_step_cost(dw.model, d.chunk_schedule, dw.hello.token_budget, d.cached_tokens),
+                              max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
+            return no, 0
+        assert d.prefill_worker is not None
+        pno = self.workers[d.prefill_worker].next_dispatch(LedgerEntry(request_id, work, 0, deflect=False, at=now))
+        return dw.next_dispatch(LedgerEntry(request_id, prompt_tokens, reserve_tokens, deflect=False)), pno
 
     def count(self, role: m.Role) -> int:
         return sum(1 for e in self.workers.values() if e.role == role and not e.draining and not e.unreachable)

@@ -557,6 +557,24 @@ async def test_a_rejected_deflection_with_no_kv_room_waits_first_in_line() -> No
     assert not w.done
 
 
+async def test_a_request_put_back_first_in_line_does_not_hold_back_the_timeouts_behind_it() -> None:
+    """Changed on purpose (was: only the queue's head was checked, so a request behind one put
+    back first in line, with its later deadline, waited past its own kv_wait_timeout)."""
+    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", CAP)], kv_wait_timeout=10.0)
+    a = b.submit()
+    w = b.submit()  # waits for room until t=10
+    assert work(b.take()) == [("decode-0", "deflect", 0)]
+    b.tick(6.0)
+    b.hear("decode-0", m.RequestFailed(request_id=a.request_id, attempt=0, worker_id="decode-0", reason="no room",
+                                       code=REJECTED_REASON, retryable=True))
+    waiting_untouched(b, a)  # first in line again, waiting until t=16
+    b.tick(4.5)  # t=10.5
+    assert w.done and errors(w)[0][0] == "kv_wait_timeout"
+    assert not a.done and b.stats()["kv_waiting"] == 1
+    b.tick(6.0)  # t=16.5
+    assert a.done and errors(a)[0][0] == "kv_wait_timeout"
+
+
 async def test_a_deflection_rejected_by_a_draining_worker_with_no_other_is_parked_until_one_registers() -> None:
     b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", BIG)])
     a = b.submit()

@@ -46,14 +46,12 @@ from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
-from common.router_core.ports import NULL_METRICS, Hooks, Metrics, Outbox
+from common.router_core.ports import NULL_METRICS, Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Event, Request
 from common.router_core.trust import Gate, kv_limit, serving_limit
 from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
-
-log = structlog.get_logger()
 
 NO_HOOKS = Hooks()
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
@@ -83,15 +81,19 @@ class RouterCore:
 
     def __init__(self, cfg: RouterConfig, outbox: Outbox, *, metrics: Metrics = NULL_METRICS,
                  hooks: Hooks = NO_HOOKS, incarnation: str | None = None, wall_offset: float = 0.0,
-                 opened_at: float = 0.0) -> None:
+                 opened_at: float = 0.0, policy: Policy | None = None, profile: Profile | None = None,
+                 log: Log | None = None) -> None:
+        """`policy` and `profile`: the policy object and profile to run (the simulator's); by
+        default those the settings name. `log`: see ports.py."""
         self.cfg = cfg
         self.outbox, self.metrics, self.hooks = outbox, metrics, hooks
+        self.log = log if log is not None else structlog.get_logger()
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.wall_offset = wall_offset  # wall-clock time = now + wall_offset
         self.opened_at = opened_at      # when the bus opened (a restarted router expects returning workers)
         self.key_ids: dict[str, str | None] = {}  # under CURVE: allowed worker key -> the worker id it is bound to
-        self.profile = load_profile(cfg.profile)
-        self.policy = build_policy(cfg, self.profile)
+        self.profile = profile if profile is not None else load_profile(cfg.profile)
+        self.policy = policy if policy is not None else build_policy(cfg, self.profile)
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models,
                                  bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
@@ -99,9 +101,10 @@ class RouterCore:
         self.counts: Counter[str] = Counter()
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
-        self.gate = Gate(self.counts, metrics)
+        self.gate = Gate(self.counts, metrics, log=self.log)
         self.dispatcher = Dispatcher(cfg, self.policy, self.table, self.prefix, outbox=outbox, metrics=metrics,
-                                     send=self.send, views_changed=hooks.views_changed, wall_offset=wall_offset)
+                                     send=self.send, views_changed=hooks.views_changed, wall_offset=wall_offset,
+                                     before_view=hooks.before_view, log=self.log)
         self.dispatch = self.dispatcher.dispatch
         self.routes, self.reasons = self.dispatcher.routes, self.dispatcher.reasons
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
@@ -111,14 +114,15 @@ class RouterCore:
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, dispatch_again=self.dispatch_again,
                                    unplaced=self.unplaced, finish=self.finish, fail=self.fail,
-                                   next_attempt=self.next_attempt, metrics=metrics)
+                                   next_attempt=self.next_attempt, metrics=metrics, log=self.log)
         self.parked = self.migration.parked
         self.membership = Membership(
             cfg=cfg, incarnation=self.incarnation, table=self.table, prefix=self.prefix, gate=self.gate,
             counts=self.counts, requests=self.requests, waiting=self.waiting, migration=self.migration,
             dropped=self.dropped, outbox=outbox, metrics=metrics, send=self.send, redispatch=self.redispatch,
-            retry_waiting=self.waiting.retry, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
-            drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset)
+            retry_waiting=self.retry_waiting, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
+            drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset,
+            log=self.log)
         self.inbound = Inbound(self)
         self._prepare = getattr(self.policy, "prepare", None)
 
@@ -184,13 +188,21 @@ class RouterCore:
         if self._prepare is not None:
             self._prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
 
+    def retry_waiting(self, now: float) -> None:
+        """Room may have opened for the waiting requests: decide them again, now or when the
+        `room` hook says (the simulator's timing)."""
+        if self.hooks.room is None:
+            self.waiting.retry(now)
+        else:
+            self.hooks.room(now)
+
     def send(self, w: WorkerEntry, msg: m.Msg) -> None:
         if not self.outbox.send(w.identity, msg):
             # unroutable (gone, or reconnected under its id while the old connection lingered) or
             # its queue is full: nothing was queued. The next tick declares it lost, whatever it
             # still sends, and re-dispatches what it held; its next heartbeat then asks it to
             # register again.
-            log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
+            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
             w.unreachable = True
             w.touch()
 
@@ -214,7 +226,7 @@ class RouterCore:
         self.requests.pop(req.request_id, None)
         self.counts[counter] += 1
         if self.kv_waiting and req.kv_wait_until == 0.0:
-            self.waiting.retry(now)  # its KV may have freed (seen for sure at the next heartbeat)
+            self.retry_waiting(now)  # its KV may have freed (seen for sure at the next heartbeat)
         return True
 
     def finish(self, req: Request, finish_reason: str, now: float) -> None:
@@ -263,7 +275,7 @@ class RouterCore:
         self.next_attempt(req, "redispatched", bad_worker)
         self.counts["redispatched"] += 1
         self.metrics.observe_redispatch()
-        log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
+        self.log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
                     bad_worker=bad_worker)
         self.dispatch_again(req, now)
 
@@ -317,7 +329,7 @@ class RouterCore:
         try:
             self.inbound.handle(identity, msg, now)
         except ProtocolError as e:
-            log.warning("protocol_error", error=str(e))
+            self.log.warning("protocol_error", error=str(e))
         except Exception as e:
             self.inbound.handler_error(identity, msg, e, now)
 
@@ -329,7 +341,7 @@ class RouterCore:
         self.metrics.observe_bad_frame(source)
         held = self.dropped.admit((source, event))
         if held is not None:
-            log.warning(event, **fields, suppressed_since_last=held)
+            self.log.warning(event, **fields, suppressed_since_last=held)
 
     def tick(self, now: float) -> None:
         """Liveness (silent workers removed, what they held re-dispatched), parked requests

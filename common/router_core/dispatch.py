@@ -24,13 +24,11 @@ from common import messages as m
 from common.config import RouterConfig
 from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
-from common.router_core.ports import Metrics, Outbox
+from common.router_core.ports import Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
 from common.router_core.trust import too_small
 from common.router_core.workers import WorkerEntry, WorkerTable
-
-log = structlog.get_logger()
 
 
 class Dispatcher:
@@ -39,10 +37,13 @@ class Dispatcher:
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, prefix: RouterPrefix, *,
                  outbox: Outbox, metrics: Metrics, send: Callable[[WorkerEntry, m.Msg], None],
-                 views_changed: Callable[[], None], wall_offset: float = 0.0) -> None:
+                 views_changed: Callable[[], None], wall_offset: float = 0.0,
+                 before_view: Callable[[float], None] | None = None, log: Log | None = None) -> None:
         self.cfg, self.policy, self.table, self.prefix = cfg, policy, table, prefix
         self.outbox, self.metrics, self._send, self._views_changed = outbox, metrics, send, views_changed
         self.wall_offset = wall_offset
+        self.before_view = before_view
+        self.log = log if log is not None else structlog.get_logger()
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
 
@@ -53,6 +54,8 @@ class Dispatcher:
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
+        if self.before_view is not None:
+            self.before_view(now)
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         cached, hashes = self.prefix.lookup(prompt)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
@@ -111,7 +114,7 @@ class Dispatcher:
                                client_request_id=req.client_request_id)
         self.outbox.publish(rec)
         self.metrics.observe_decision(rec)
-        log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
+        self.log.debug("decision", request_id=req.request_id, route=decision.route, reason=decision.reason,
                   decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
                   ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
                   schedule=list(decision.chunk_schedule), decision_us=round(decision_us, 1), attempt=req.attempt)

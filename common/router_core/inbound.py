@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-import structlog
-
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import ProtocolError
@@ -26,13 +24,11 @@ from common.policy import NoWorkers
 from common.policy.admission import REJECTED_REASON
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
-from common.router_core.ports import Metrics
+from common.router_core.ports import Log, Metrics
 from common.router_core.requests import Event, Request
 from common.router_core.trust import Gate
 from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
-
-log = structlog.get_logger()
 
 
 class Core(Protocol):
@@ -50,6 +46,7 @@ class Core(Protocol):
     opened_at: float
     liveness_s: float
     key_ids: dict[str, str | None]
+    log: Log
 
     def send(self, w: WorkerEntry, msg: m.Msg) -> None: ...
     def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None: ...
@@ -58,6 +55,7 @@ class Core(Protocol):
     def release(self, req: Request) -> None: ...
     def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None: ...
     def unplaced(self, req: Request, e: NoWorkers, now: float) -> None: ...
+    def retry_waiting(self, now: float) -> None: ...
 
 
 class Inbound:
@@ -65,6 +63,7 @@ class Inbound:
         self.core = core
         self.table, self.requests, self.gate = core.table, core.requests, core.gate
         self.counts, self.metrics, self.membership = core.counts, core.metrics, core.membership
+        self.log = core.log
 
     def handle(self, identity: bytes, msg: m.RouterInbox, now: float) -> None:
         if isinstance(msg, m.Hello):
@@ -132,7 +131,7 @@ class Inbound:
         self.counts["handler_errors"] += 1
         self.metrics.observe_bad_frame("work_handler")
         rid = getattr(msg, "request_id", None)
-        log.error("message_handler_failed", message=type(msg).__name__, request_id=rid,
+        self.log.error("message_handler_failed", message=type(msg).__name__, request_id=rid,
                   peer=identity.decode(errors="replace")[:64], error=f"{type(e).__name__}: {e}"[:300],
                   exc_info=True)
         req = self.requests.get(rid) if isinstance(rid, str) else None
@@ -143,7 +142,8 @@ class Inbound:
                 self.core.fail(req, f"internal error handling {type(msg).__name__} from {w.worker_id}",
                                "internal_error", now)
             except Exception as e2:  # already failing: log, never take the router down
-                log.error("fail_after_handler_error_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
+                self.log.error("fail_after_handler_error_failed", request_id=rid,
+                               error=f"{type(e2).__name__}: {e2}"[:300])
 
     def _on_tokens(self, b: m.TokenBatch, w: WorkerEntry, now: float) -> None:
         reqs = self.requests
@@ -188,7 +188,7 @@ class Inbound:
             if it.finish_reason is not None:
                 self.core.finish(req, it.finish_reason, now)
         if freed and self.core.waiting.queue:
-            self.core.waiting.retry(now)
+            self.core.retry_waiting(now)
 
     def _on_prefill_done(self, p: m.PrefillDone, pw: WorkerEntry, now: float) -> None:
         req = self.requests.get(p.request_id)
@@ -211,7 +211,7 @@ class Inbound:
             return
         if p.kv_error:
             self.counts["kv_failures"] += 1
-            log.warning("kv_transfer_failed", request_id=req.request_id, prefill_worker=p.worker_id,
+            self.log.warning("kv_transfer_failed", request_id=req.request_id, prefill_worker=p.worker_id,
                         decode_worker=dw.worker_id, reason=p.kv_error)
         self.core.send(dw, m.KvReady(request_id=req.request_id, attempt=req.attempt, kv=p.kv, error=p.kv_error))
 
@@ -236,7 +236,7 @@ class Inbound:
         if f.code == REJECTED_REASON and req.decision is not None and req.decision.route == "deflect":
             self._deflect_rejected(req, f, now)
             return
-        log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
+        self.log.warning("worker_reported_failure", request_id=f.request_id, worker=f.worker_id, reason=f.reason,
                     retryable=f.retryable)
         if f.retryable:
             self.core.redispatch(req, f.reason, f.worker_id, now)
@@ -252,7 +252,7 @@ class Inbound:
         req.rejected_by.add(f.worker_id)
         self.counts["deflect_rejected"] += 1
         self.metrics.observe_deflect_rejected()
-        log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)
+        self.log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)
         self.core.release(req)
         try:
             self.core.dispatch(req, now, rejected=True)

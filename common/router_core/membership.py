@@ -24,15 +24,13 @@ from common import messages as m
 from common.config import RouterConfig
 from common.logging import Throttle
 from common.router_core.migrate import Migration
-from common.router_core.ports import Metrics, Outbox
+from common.router_core.ports import Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
 from common.router_core.trust import Gate, refusal
 from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
 from common.sockets import fingerprint
-
-log = structlog.get_logger()
 
 
 @dataclass(eq=False)
@@ -60,6 +58,7 @@ class Membership:
     liveness_s: float = 0.0
     wall_offset: float = 0.0       # wall-clock time = now + wall_offset
     asked_hello: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked to Hello again
+    log: Log = field(default_factory=structlog.get_logger)
 
     def on_hello(self, identity: bytes, h: m.Hello, now: float) -> None:
         reason = refusal(identity, h, self.table, served_model=self.cfg.served_model_name)
@@ -71,17 +70,17 @@ class Membership:
         entry, old = self.table.register(h, identity, now)
         entry.key = self.gate.key  # under CURVE: the key it registered with, the only one it may speak with
         if old is not None:
-            log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
+            self.log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
                         incarnation=h.incarnation)
             self.worker_gone(old, "restarted", now)
         if is_new:
-            log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
+            self.log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
                      token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
                      kv_transport=h.kv_transport)
         # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
         drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
         if drop:
-            log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
+            self.log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
         self.send(entry, m.Welcome(router_incarnation=self.incarnation,
                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
         if not entry.draining:
@@ -92,7 +91,7 @@ class Membership:
         self.metrics.observe_refused(reason.split(":", 1)[0])
         held = self.dropped.admit(("worker_refused", h.worker_id, reason))  # a worker asks again and again
         if held is not None:
-            log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
+            self.log.error("worker_refused", worker=h.worker_id, role=h.role, engine=h.engine, model=h.model,
                       kv_transport=h.kv_transport, reason=reason, suppressed_since_last=held,
                       **({"key": fingerprint(self.gate.key)} if self.gate.key else {}))
         self.outbox.send(identity, m.Refused(router_incarnation=self.incarnation, reason=reason))
@@ -108,14 +107,14 @@ class Membership:
             self.table.remove(w.worker_id)
             self.prefix.forget(w.worker_id)
             self.metrics.observe_departed(w.role)
-            log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
+            self.log.info("worker_departed", worker=w.worker_id, role=w.role, holding=len(w.holding))
             self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
                                              at=now + self.wall_offset))
             self.requeue_held(w, "departed", now)
             return
         w.draining = True
         w.touch()
-        log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
+        self.log.info("worker_draining", worker=g.worker_id, holding=len(w.holding), reason=g.reason)
 
     def on_heartbeat(self, identity: bytes, hb: m.PrefillHeartbeat | m.DecodeHeartbeat, now: float) -> None:
         """A heartbeat, taken only from the sender's own connection: the worker it is about must be
@@ -161,12 +160,12 @@ class Membership:
             self.prefix.forget(w.worker_id)
             if w.draining and not w.holding:  # said Goodbye, then went quiet: it left
                 self.metrics.observe_departed(w.role)
-                log.info("worker_departed", worker=w.worker_id, role=w.role, silent_s=round(now - w.last_seen, 3))
+                self.log.info("worker_departed", worker=w.worker_id, role=w.role, silent_s=round(now - w.last_seen, 3))
                 self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason="departed",
                                                  at=now + self.wall_offset))
                 continue
             why = "unreachable" if w.unreachable else "heartbeat timeout"
-            log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
+            self.log.warning("worker_lost", worker=w.worker_id, role=w.role, reason=why,
                         silent_s=round(now - w.last_seen, 3), holding=len(w.holding))
             self.worker_gone(w, why, now)
 

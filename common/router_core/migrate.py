@@ -41,10 +41,8 @@ import structlog
 
 from common.config import RouterConfig
 from common.policy import NoKvRoom, NoWorkers
-from common.router_core.ports import NULL_METRICS, Metrics
+from common.router_core.ports import NULL_METRICS, Log, Metrics
 from common.router_core.requests import Request
-
-log = structlog.get_logger()
 
 
 class Migration:
@@ -55,8 +53,9 @@ class Migration:
                  unplaced: Callable[[Request, NoWorkers, float], None],
                  finish: Callable[[Request, str, float], None], fail: Callable[[Request, str, str, float], None],
                  next_attempt: Callable[[Request, str, str | None], None],
-                 metrics: Metrics = NULL_METRICS) -> None:
+                 metrics: Metrics = NULL_METRICS, log: Log | None = None) -> None:
         self.cfg, self.counts, self.metrics = cfg, counts, metrics
+        self.log = log if log is not None else structlog.get_logger()
         self._dispatch, self._finish, self._fail = dispatch, finish, fail
         self._dispatch_again, self._unplaced = dispatch_again, unplaced
         self._next_attempt = next_attempt
@@ -83,7 +82,7 @@ class Migration:
             self.metrics.observe_migration("parked" if req.request_id in self.parked else "waiting")
             return
         self.metrics.observe_migration("resumed")
-        log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
+        self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
                     sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
                     route=req.decision.route if req.decision else None)
 
@@ -92,7 +91,7 @@ class Migration:
         req.parked_until = min(req.deadline, now + self.cfg.park_timeout)
         self.parked[req.request_id] = req
         self.counts["parked"] += 1
-        log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out,
+        self.log.warning("request_parked", request_id=req.request_id, attempt=req.attempt, sent_tokens=req.n_out,
                     why=why, timeout_s=self.cfg.park_timeout)
 
     def retry_parked(self, now: float) -> None:
@@ -125,5 +124,5 @@ class Migration:
                                "unavailable", now)
                 continue
             del parked[rid]
-            log.info("request_unparked", request_id=req.request_id, attempt=req.attempt,
+            self.log.info("request_unparked", request_id=req.request_id, attempt=req.attempt,
                      decode_worker=req.decode_worker)

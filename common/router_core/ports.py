@@ -8,7 +8,9 @@
 - `Hooks`: what the shell does when the core says so: a request ended (the client's last event
   is already queued; the shell writes its metrics and log line), the views changed (the shell
   prepares the policy's view when its loop is free), a worker registered (requests waiting for a
-  worker wake up).
+  worker wake up); and two the simulator uses to run the core on its own clock: when room may
+  have opened for waiting requests, and before the core reads the worker table.
+- `Log`: the structlog logger the core's parts log through (`NULL_LOG` drops every line).
 
 Time comes in with every call (`now`, the shell's monotonic clock in seconds); wall-clock
 stamps on records are `now + wall_offset`, the offset the shell measured once.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common import messages as m
 
@@ -79,6 +81,21 @@ def _no_event() -> None:
     return None
 
 
+# What the core logs through: a structlog bound logger. The live router passes none and gets the
+# process's (configured by common/logging.py); the simulator passes NULL_LOG, which drops every line.
+Log = Any
+
+
+class _NullLog:
+    """Drops every line (debug ... critical, exception)."""
+
+    def __getattr__(self, name: str) -> object:
+        return _nothing
+
+
+NULL_LOG: Log = _NullLog()
+
+
 @dataclass(frozen=True, slots=True)
 class Hooks:
     # a request ended: `finished_reason` "stop"/"length"/"abort" for one that completed or was
@@ -86,3 +103,10 @@ class Hooks:
     request_done: Callable[[Request, str | None, m.RequestRecord], None] = _no_done
     views_changed: Callable[[], None] = _no_event  # a worker's view changed: prepare the policy's view soon
     worker_joined: Callable[[], None] = _no_event  # a worker registered (not draining)
+    # room may have opened for the waiting requests (a heartbeat, a deflection's first token, a
+    # request's end): None retries the wait queue at once; the simulator retries at the times its
+    # own model of heartbeats gives (sim/router.py)
+    room: Callable[[float], None] | None = None
+    # the core is about to read the worker table to decide (the simulator delivers the heartbeats
+    # due by then, which it makes lazily); None: nothing to do (the live router's table is current)
+    before_view: Callable[[float], None] | None = None

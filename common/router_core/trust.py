@@ -16,11 +16,9 @@ import structlog
 
 from common import messages as m
 from common.logging import Throttle
-from common.router_core.ports import NULL_METRICS, Metrics
+from common.router_core.ports import NULL_METRICS, Log, Metrics
 from common.router_core.workers import WorkerTable
 from common.sockets import fingerprint
-
-log = structlog.get_logger()
 
 WARN_EVERY_S = 1.0
 
@@ -28,9 +26,10 @@ WARN_EVERY_S = 1.0
 class Gate:
     """Counts and logs dropped messages."""
 
-    def __init__(self, counts: Counter[str], metrics: Metrics = NULL_METRICS) -> None:
+    def __init__(self, counts: Counter[str], metrics: Metrics = NULL_METRICS, log: Log | None = None) -> None:
         self.counts = counts
         self.metrics = metrics
+        self.log = log if log is not None else structlog.get_logger()
         self.dropped: Counter[str] = Counter()
         self._warn = Throttle(WARN_EVERY_S)  # a line per peer and reason per second at most
         self.key: str | None = None  # the CURVE key of the message being handled (None without CURVE)
@@ -44,7 +43,7 @@ class Gate:
         held = self._warn.admit((peer, reason))
         if held is None:
             return
-        emit = log.info if routine else log.warning
+        emit = self.log.info if routine else self.log.warning
         emit("message_dropped", routine=routine, reason=reason, peer=peer.decode(errors="replace")[:64],
              message=type(msg).__name__, request_id=request_id or getattr(msg, "request_id", None),
              suppressed_since_last=held, **({"key": fingerprint(self.key)} if self.key else {}))

@@ -101,8 +101,15 @@ class Waiting:
     def expire(self, now: float) -> None:
         """Fail the waiting requests past their wait timeout, each with what it waited for."""
         q = self.queue
-        while q and (q[0].done or now > q[0].kv_wait_until):
-            req = q.popleft()
+        gone = [r for r in q if r.done or now >= r.kv_wait_until]
+        if not gone:
+            return
+        # anywhere in the queue, not only at its head: a request put back first in line
+        # (`RouterCore.unplaced`) waits longer than those behind it
+        keep = [r for r in q if not (r.done or now >= r.kv_wait_until)]
+        q.clear()
+        q.extend(keep)
+        for req in gone:
             if req.done:
                 continue
             self.counts["kv_wait_timeouts"] += 1

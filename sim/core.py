@@ -256,6 +256,7 @@ class Simulation:
             r.ntok += 1
         for seq in out.finished:
             seq.user.done = now  # type: ignore[attr-defined]
+            self.routers.finished(w, seq.user, now)  # type: ignore[arg-type]
         if out.finished:
             self._soon(w, now)
             if w.admit_wait:
@@ -418,11 +419,11 @@ class Simulation:
             "admission_rejected": routers.admission_rejected,
             "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, end)),
             "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
-            "queues": {"router_kv_wait": routers.q_wait.report(end), "prefill": self._q_prefill.report(end),
+            "queues": {"router_kv_wait": routers.queue_report(end), "prefill": self._q_prefill.report(end),
                        "decode_admit": self._q_admit.report(end)},
             "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
-            "prefix_index_blocks": len(routers.index),
+            "prefix_index_blocks": routers.index_blocks(),
         }
         return SimResult(records=records, stats=stats)
 

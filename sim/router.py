@@ -1,40 +1,38 @@
-"""The router side of the simulator: what the live router core owns (common/router_core/), run on the
-simulator's clock. sim/core.py runs the engines (steps, KV transfers, heartbeats) and calls in
-here; this module never touches an engine's state except through the `Engines` interface below,
-which is the seam where the live router's core is to be plugged in later.
+"""The router side of the simulator: the live router's own core (common/router_core/,
+`RouterCore`), one per router replica, run in-process on the simulator's clock, as vLLM's
+`InprocClient` runs `EngineCore`. sim/core.py runs the engines (steps, KV transfers, heartbeats)
+and calls in here; this module reaches the engines only through the `Engines` interface below.
 
-`SimRouter` is one router replica: its policy object (policies keep per-router state: caches,
-counters, rates), its worker table (the live router's `WorkerTable`, common/router_core/workers.py:
-each worker's Hello and last heartbeat, the ledger of what this replica dispatched to it that the
-heartbeat did not acknowledge yet, its exact record of the deflections it sent that have not
-produced their first token, and the views built from them, the ledger left out when `ledger` is
-off), and dispatch: deciding, the decode worker's admission check (and deciding again without that
-worker, as the live router does on a rejection), the ledger entries and deflection records (as
-common/router_core/dispatch.py makes them) and the prefix index's updates. `Routers` holds the
-replicas, the requests arrive round-robin at them (`Req.router`), and what the simulator keeps
-once for all of them: the wait queue (common/wait_queue.py) with its retry, give-up and reject
-rules, and the prefix index. (A live replica has its own wait queue and its own index; sharing
-them here is the simulator's model, kept as it was before this module was split out.)
+What a replica runs is the live router's: its request lifecycle (`submit`), worker table and
+ledger, dispatch and its bookkeeping, the wait queue with its retry, timeout and reject rules,
+the prefix index, the held lists of other replicas' deflections, and the re-decision after a
+decode worker's admission says no. Each replica has its own wait queue and prefix index, as
+live. `SimRouter` is the shell around one core, as services/router/service.py is live:
 
-What the policy sees is what the live router sees: views built from heartbeats that each worker
-publishes every `heartbeat_interval` seconds (plus its prompt beats, see sim/core.py), so they
-are stale in between, plus the replica's ledger. Every heartbeat reaches every replica; with
-`held_list`, a decode worker's heartbeats also list the deflections it holds and which router
-sent each, and each replica adds the others' ones to its view (a change in that list reaches
-them with the worker's next heartbeat: its prompt beat, 2 ms later, as live).
+- workers register with a Hello and report with heartbeats (the `Worker.hello()` and `hb` a
+  live worker would send; each replica acknowledges its own dispatches in them, `last_dispatch`,
+  and a heartbeat carries the prefix cache's stored and evicted blocks);
+- a request arrives with `submit`: its prompt is `prompt` token ids (zeros: the simulator has no
+  text) and the trace's block hashes (`block_hashes`, so that the index and the engines' caches
+  agree without hashing token ids);
+- what the core sends goes to an outbox (`SimOutbox`); the shell hands it to the engines before
+  the core decides anything else (`Hooks.before_view`) and after each call: a deflection
+  (DecodeWork, mode deflect) goes through the decode worker's admission check, and a rejection
+  comes back to the core as the worker's RequestFailed, as live; a PrefillWork queues the
+  prefill (its KV bound for the DecodeWork's worker); the rest (Welcome, Cancel, ...) has no
+  simulated effect;
+- the engines report a deflection's first token and every request's end as TokenBatches.
 
-Overload, as engines behave: a request the policy cannot place (no decode worker has KV room in
-the router's view) waits in the router's FIFO queue, and the queue is retried whenever a decode
-worker's finished requests become visible (at its next heartbeat; at once without heartbeats).
-A request that has waited `kv_wait_timeout` seconds, or finds `kv_wait_max` requests already
-waiting, is rejected: it produces no token and `summarize` counts it (see sim/stats.py).
-
-Late binding (Kairos's `late_binding`): a request the policy holds (`Hold`: the prefill queues are
-deep, no decode worker can take it in place) waits in the same queue. Held requests do not block
-the queue: a later arrival is still decided at once, and a retry walks the waiting requests in
-arrival order (up to `wait_queue.SCAN` of them), stopping at one that waits for KV room. Retries also
-run when a prefill worker's shorter queue becomes visible (its next heartbeat) and when a
-deflection's first token frees its slot (the ledger: at once).
+What is the simulator's own is time: when heartbeats reach the routers (periodically and 2 ms
+after a change; each is made at its instant and taken when the engines or a router next look,
+see sim/core.py), and so when the wait queue is decided again. The core's `room` hook (room may
+have opened: at every heartbeat, deflection first token and request end live) is not used;
+the wait queue is retried when what frees room becomes visible: a decode worker's finished
+requests at its next heartbeat, a prefill worker's finished prefill at its next heartbeat (if
+the policy holds requests), a deflection's first token at once (its ledger slot, if held
+requests wait). A request that has waited `kv_wait_timeout` seconds is failed by the core
+(`Waiting.expire`, at its timeout) and counted as rejected, as one the queue had no room for
+(`kv_wait_max`: HTTP 503 live).
 
 The interface, router to engines (`Engines`, implemented by sim/core.py's `Simulation`):
     deliver(w, now)                 W's heartbeats due by `now` reach the routers (the engines take
@@ -46,32 +44,36 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
     queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for W
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
-and what a router reads of a worker: its id, its Hello (`hello()`: its settings) and its last
-heartbeat (`hb`: a `PrefillHeartbeat` / `DecodeHeartbeat` as the live worker fills it, the held
-list in it; each router sets `last_dispatch` to the dispatches it sent before it was made).
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
-the prefix cache's changes), first_token(w, r, now) (a deflection's first token),
-kv_freed(w, now) (requests finished on decode worker W), prefill_done(w, now).
+the prefix cache's changes), first_token(w, r, now) (a deflection's first token), finished(w, r,
+now) (a request's last token), kv_freed(w, now) (requests finished on decode worker W),
+prefill_done(w, now).
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import time
+import itertools
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
 
-from common.perf_model import PerfModel, Profile
-from common.policy import ClusterView, Decision, Hold, NoWorkers, Policy, RequestSpec
-from common.policy.admission import decide_without
-from common.policy.kairos import Kairos, latest_start, retry_order
-from common.policy.prefix_index import PrefixIndex
-from common.router_core.workers import WorkerTable
-from common.wait_queue import Outcome, WaitQueue
+from common import messages as m
+from common.config import RouterConfig
+from common.errors import NoWorkerYet, Overloaded, RequestError, Unavailable
+from common.perf_model import Profile
+from common.policy import ClusterView, Decision, Hold, Policy
+from common.policy.admission import REJECTED_REASON
+from common.router_core.core import RouterCore
+from common.router_core.ports import NULL_LOG, Hooks
+from common.router_core.requests import Request
+from common.wait_queue import SCAN
 from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
+
+MODEL = "sim"  # the served model name every simulated worker registers with (`Worker.hello`)
+_SAMPLING: dict[int, m.Sampling] = {}
 
 
 class Engines(Protocol):
@@ -87,155 +89,262 @@ class Engines(Protocol):
     def give_up_at(self, t: float, r: Req) -> None: ...
 
 
-class SimRouter:
-    """One router replica: its policy, its worker table (the live router's: heartbeats, ledger,
-    deflections, views), its dispatch."""
+def router_config(cfg: SimConfig) -> RouterConfig:
+    """The live router's settings for a simulated replica: the simulation's SLOs, ledger, wait
+    queue, prefix index and bias correction; no limit on requests in flight or their duration
+    (a run's load is the trace's), liveness never checked (simulated workers do not fail)."""
+    return RouterConfig(served_model_name=MODEL, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                        heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
+                        kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
+                        prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
+                        max_in_flight=1 << 30, request_timeout=1e12)
 
-    def __init__(self, i: int, policy: Policy, cfg: SimConfig, engines: Engines, index: PrefixIndex,
-                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker], tier: Routers,
-                 model: PerfModel) -> None:
+
+class SimOutbox:
+    """What a replica's core sends: kept in order until its shell hands it to the engines."""
+
+    def __init__(self) -> None:
+        self.sent: deque[tuple[bytes, m.Msg]] = deque()
+        self.decision_us: list[float] = []
+
+    def send(self, identity: bytes, msg: m.Msg) -> bool:
+        self.sent.append((identity, msg))
+        return True
+
+    def publish(self, msg: m.Msg) -> None:
+        if isinstance(msg, m.DecisionRecord):
+            self.decision_us.append(msg.decision_us)
+
+
+class SimRouter:
+    """One router replica: the live router's core, and the shell that runs it on the simulator's
+    clock (see the module docstring)."""
+
+    def __init__(self, i: int, policy: Policy, cfg: SimConfig, engines: Engines, profile: Profile,
+                 prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker]) -> None:
         self.i = i
-        self.policy = policy
         self.cfg = cfg
         self.engines = engines
-        self.index = index
-        self.tier = tier
+        self.out = SimOutbox()
         self._p_by_id = {w.wid: w for w in prefill}
         self._d_by_id = {w.wid: w for w in decode}
-        self.table = WorkerTable(model, bias_correction=cfg.bias_correction, me=router_name(i))
+        self.reqs: dict[str, Req] = {}  # in flight at this replica, by request id
+        self.creqs: dict[str, Request] = {}  # ... the core's request of each
+        self.q_wait = Level()
+        self.core = RouterCore(router_config(cfg), self.out, hooks=Hooks(request_done=self._done,
+                                                                          room=_no_retry,
+                                                                          before_view=self._before_view),
+                               incarnation=router_name(i), policy=policy, profile=profile, log=NULL_LOG)
         for w in (*prefill, *decode):
-            self.table.register(w.hello(), b"", 0.0)
-        self.decision_ns: list[int] = []
-        self.admission_rejected = 0
+            self.core.on_message(w.wid.encode(), w.hello(), 0.0)
+        self.out.sent.clear()  # the Welcomes
 
-    # -- views ----------------------------------------------------------------------------
-    def heartbeat(self, w: Worker, now: float) -> None:
+    @property
+    def waiting(self) -> int:
+        return len(self.core.kv_waiting)
+
+    def holding(self) -> bool:
+        """Does the policy hold a request the next retry could place (among the first SCAN)?"""
+        return any(r.held for r in itertools.islice(self.core.kv_waiting, SCAN))
+
+    def view(self, now: float) -> ClusterView:
+        """What the policy would see now."""
+        self.engines.deliver_all(now)
+        return self.core.table.view(use_ledger=self.cfg.ledger)
+
+    # -- from the engines -----------------------------------------------------------------
+    def heartbeat(self, w: Worker, summary: m.PrefixSummary | None, now: float) -> None:
         """`w`'s heartbeat (`w.hb`) arrived, acknowledging every dispatch this router sent it before."""
         hb = w.hb
         assert hb is not None
-        e = self.table.workers[w.wid]
-        if e.dispatch_no:
-            hb = msgspec.structs.replace(hb, last_dispatch=e.dispatch_no)
-        self.table.heartbeat(hb, now)
-
-    def view(self, now: float) -> ClusterView:
-        """What the policy sees now (the table rebuilds only what a heartbeat or the ledger changed)."""
-        self.engines.deliver_all(now)
-        return self.table.view(use_ledger=self.cfg.ledger)
+        e = self.core.table.workers[w.wid]
+        if e.dispatch_no or summary is not None:
+            hb = msgspec.structs.replace(hb, last_dispatch=e.dispatch_no, prefix=summary)
+        self.core.on_message(w.wid.encode(), hb, now)
 
     def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
         """Deflection `r` on `w` produced its first token: its slot is free in the ledger."""
-        self.table.workers[w.wid].end_deflection(r.rid)
-        if self.cfg.ledger and self.tier.holding:
+        creq = self.creqs[r.rid]
+        self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
+            m.TokenItem(r.rid, creq.attempt, [0])]), now)
+        if self.cfg.ledger and self.holding():
             self.engines.retry_at(now)  # a deflection slot freed, seen at once
 
-    # -- dispatch -------------------------------------------------------------------------
-    def dispatch(self, r: Req, now: float) -> bool:
-        """Ask the policy and send the request on its way; False (and why in `r.reason`) if it
-        cannot be placed now."""
-        cfg = self.cfg
-        eng = self.engines
-        cached: tuple[tuple[str, int], ...] = ()
-        if r.hashes:
-            bt = cfg.hash_block_tokens
-            cached = tuple((w, n * bt) for w, n in self.index.hits(r.hashes).items())
-        spec = RequestSpec(request_id=r.rid, prompt_tokens=r.prompt, max_tokens=r.output,
-                           ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo, cached=cached)
-        view = self.view(now)
-        policy = self.policy
-        t0 = time.perf_counter_ns()
+    def finished(self, w: DecodeWorker, r: Req, now: float) -> None:
+        creq = self.creqs.get(r.rid)
+        if creq is not None:
+            self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
+                m.TokenItem(r.rid, creq.attempt, [0], "length")]), now)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, r: Req, now: float) -> None:
+        sampling = _SAMPLING.get(r.output)
+        if sampling is None:
+            sampling = _SAMPLING[r.output] = m.Sampling(max_tokens=r.output)
+        # the trace's block hashes (none: no prefix reuse; the zeros of `prompt` must not hash alike)
+        known = (self.cfg.hash_block_tokens, r.hashes or [])
+        self.reqs[r.rid] = r
         try:
-            d = policy.decide(spec, view, now)
-        except NoWorkers as e:
-            r.reason = str(e)
-            r.held = isinstance(e, Hold)
-            r.was_held = r.was_held or r.held
+            creq = self.core.submit([0] * r.prompt, sampling, now, rid=r.rid, block_hashes=known)
+        except Unavailable as e:  # no room, and the wait queue is full
+            r.was_held = isinstance(e.__cause__, Hold)  # the policy held it (counted as held, then refused)
+            _reject(r, f"rejected: {self.waiting} requests already waiting for a worker")
+        except (RequestError, Overloaded, NoWorkerYet) as e:
+            _reject(r, f"rejected: {e}")
+        else:
+            self.creqs[r.rid] = creq
+            if creq.kv_wait_until > 0:  # not placed: it waits
+                self._waits(r, creq, now)
+        self._flush(now)
+        if r.rejected:
+            self.reqs.pop(r.rid, None)
+
+    def retry(self, now: float) -> None:
+        """Decide the waiting requests again (the core's wait queue)."""
+        self.engines.deliver_all(now)
+        self.core.waiting.retry(now)
+        self._flush(now)
+        for creq in itertools.islice(self.core.kv_waiting, SCAN):
+            if creq.held:
+                self.reqs[creq.request_id].was_held = True
+
+    def give_up(self, r: Req, now: float) -> bool:
+        """`r`'s wait timeout: False if it is not waiting any more (placed, or rejected)."""
+        creq = self.creqs.get(r.rid)
+        if creq is None or creq.done or not r.waiting:
             return False
-        finally:
-            self.decision_ns.append(time.perf_counter_ns() - t0)
-        dw = self._d_by_id[d.decode_worker]
-        eng.deliver(dw, now)
-        closed: frozenset[str] = frozenset()
-        while d.route == "deflect" and cfg.admission and eng.check_deflection(dw, d):
-            closed = closed | {d.decode_worker}
-            try:
-                d2 = decide_without(policy, spec, view, now, closed)  # the worker said no at once
-            except NoWorkers:
-                break  # no prefill worker to fall back to: the deflection goes ahead (as the live router)
-            self.admission_rejected += 1
-            d = d2
-            dw = self._d_by_id[d.decode_worker]
-            eng.deliver(dw, now)
-        r.route = d.route
-        r.reason = d.reason
-        r.decode_worker = d.decode_worker
-        pw = self._p_by_id[d.prefill_worker] if d.prefill_worker is not None else None
-        if pw is not None:
-            eng.deliver(pw, now)  # its heartbeats due by now first: they acknowledge only earlier dispatches
-        self.table.record_dispatch(d, r.rid, r.prompt, r.prompt + r.output, now)  # the ledger, as live
-        if r.hashes:  # the prompt will be cached where it goes: the router's index need not wait
-            self.index.stored(dw.wid, r.hashes)
-            if d.prefill_worker is not None:
-                self.index.stored(d.prefill_worker, r.hashes)
-        if d.route == "deflect":
-            r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
-            eng.admit_deflection(dw, r, d, now)
-            return True
-        assert pw is not None
-        r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
-        eng.queue_prefill(pw, dw, r, now)
+        if creq.kv_wait_until > now:  # it waits again since (put back first in line): its new timeout
+            self.engines.give_up_at(creq.kv_wait_until, r)
+            return False
+        self.core.waiting.expire(now)
         return True
+
+    def _waits(self, r: Req, creq: Request, now: float) -> None:
+        r.waiting = True
+        r.was_held = r.was_held or creq.held
+        self.q_wait.add(now, 1)
+        self.engines.give_up_at(creq.kv_wait_until, r)
+
+    def _done(self, creq: Request, finished_reason: str | None, rec: m.RequestRecord) -> None:
+        """The core ended a request: completed (the engines have it), or failed waiting."""
+        r = self.reqs.pop(creq.request_id)
+        self.creqs.pop(creq.request_id, None)
+        if finished_reason is None:  # waited past kv_wait_timeout
+            now = rec.at
+            r.waiting = False
+            r.waited = now - r.arrival
+            self.q_wait.add(now, -1)
+            what = "a worker to take it" if creq.held else "KV room"
+            _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({creq.wait_reason})")
+
+    # -- what the core sent, to the engines -----------------------------------------------
+    def _before_view(self, now: float) -> None:
+        self._flush(now)
+        self.engines.deliver_all(now)
+
+    def _flush(self, now: float) -> None:
+        """Hand what the core sent to the engines, in order; a rejected deflection goes back to
+        the core as the worker's RequestFailed (which may send more)."""
+        sent = self.out.sent
+        eng = self.engines
+        while sent:
+            _, msg = sent.popleft()
+            if isinstance(msg, m.DecodeWork):
+                if msg.mode != "deflect":
+                    continue  # a handoff: the decode worker waits for the KV (PrefillWork below)
+                creq = self.creqs[msg.request_id]
+                d = creq.decision
+                assert d is not None
+                dw = self._d_by_id[d.decode_worker]
+                eng.deliver(dw, now)
+                if self.cfg.admission:
+                    why = eng.check_deflection(dw, d)
+                    if why:
+                        self.core.on_message(dw.wid.encode(), m.RequestFailed(
+                            request_id=msg.request_id, attempt=msg.attempt, worker_id=dw.wid, reason=why,
+                            code=REJECTED_REASON), now)
+                        r = self.reqs[msg.request_id]
+                        if creq.kv_wait_until > 0 and not r.waiting:  # no room elsewhere: it waits again
+                            self._waits(r, creq, now)
+                        continue
+                r = self._placed(msg.request_id, d, now)
+                r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
+                eng.admit_deflection(dw, r, d, now)
+            elif isinstance(msg, m.PrefillWork):
+                creq = self.creqs[msg.request_id]
+                d = creq.decision
+                assert d is not None and d.prefill_worker is not None
+                r = self._placed(msg.request_id, d, now)
+                r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
+                eng.queue_prefill(self._p_by_id[d.prefill_worker], self._d_by_id[d.decode_worker], r, now)
+
+    def _placed(self, rid: str, d: Decision, now: float) -> Req:
+        r = self.reqs[rid]
+        r.route, r.reason, r.decode_worker = d.route, d.reason, d.decode_worker
+        if r.waiting:
+            r.waiting = False
+            r.waited = now - r.arrival
+            self.q_wait.add(now, -1)
+        return r
 
 
 class Routers:
-    """The router replicas, and the wait queue and prefix index the simulator keeps once for all."""
+    """The router replicas; requests arrive at them round-robin (`Req.router`)."""
 
     def __init__(self, profile: Profile, policy: Policy, cfg: SimConfig, engines: Engines,
                  prefill: Sequence[PrefillWorker], decode: Sequence[DecodeWorker]) -> None:
         self.cfg = cfg
         self.engines = engines
-        self.profile = profile
-        self.index = PrefixIndex()  # fed by heartbeats' summaries and by dispatches
-        if cfg.prefix_cache:
-            for w in (*prefill, *decode):
-                self.index.join(w.wid, cfg.hash_block_tokens)
         # one policy object per router (they keep per-router state: caches, counters, rates)
         policies = [policy, *(copy.deepcopy(policy) for _ in range(cfg.routers - 1))]
-        self.replicas = [SimRouter(i, p, cfg, engines, self.index, prefill, decode, self, profile.model)
-                         for i, p in enumerate(policies)]
-        # the FIFO of requests waiting for KV room or held: the live router's own class
-        self.waiting: WaitQueue[Req] = WaitQueue(cfg.kv_wait_max)
-        self.waiting_kv = 0  # of which waiting for KV room
-        self.holding = 0     # of which held by the policy (late binding)
-        self.late = policy.cfg if isinstance(policy, Kairos) and policy.cfg.late_binding else None
-        self.q_wait = Level()
+        self.replicas = [SimRouter(i, p, cfg, engines, profile, prefill, decode) for i, p in enumerate(policies)]
+        self._bt = cfg.hash_block_tokens
         self._retry_at: dict[str, float] = {}  # per worker: the heartbeat at which a retry is already due
 
     @property
     def admission_rejected(self) -> int:
-        return sum(rt.admission_rejected for rt in self.replicas)
+        return sum(rt.core.counts["deflect_rejected"] for rt in self.replicas)
+
+    @property
+    def waiting(self) -> int:
+        return sum(rt.waiting for rt in self.replicas)
+
+    def holding(self) -> bool:
+        return any(rt.holding() for rt in self.replicas)
 
     def decision_ns(self) -> list[int]:
-        return [ns for rt in self.replicas for ns in rt.decision_ns]
+        return [int(us * 1e3) for rt in self.replicas for us in rt.out.decision_us]
+
+    def queue_report(self, end: float) -> dict[str, float]:
+        """The routers' wait queues' length over the run (their sum)."""
+        if len(self.replicas) == 1:
+            return self.replicas[0].q_wait.report(end)
+        reports = [rt.q_wait.report(end) for rt in self.replicas]
+        return {"max": sum(x["max"] for x in reports), "mean": sum(x["mean"] for x in reports)}
+
+    def index_blocks(self) -> int:
+        """Blocks in the first replica's prefix index (each replica keeps its own)."""
+        return len(self.replicas[0].core.prefix.index)
 
     # -- from the engines -----------------------------------------------------------------
     def heartbeat(self, w: Worker, stored: Sequence[int], removed: Sequence[int], now: float) -> None:
-        if removed:
-            self.index.removed(w.wid, removed)
-        if stored:
-            self.index.stored(w.wid, stored)
+        summary = m.PrefixSummary(block_tokens=self._bt, stored=list(stored), removed=list(removed)) \
+            if self.cfg.prefix_cache else None
         for rt in self.replicas:
-            rt.heartbeat(w, now)
+            rt.heartbeat(w, summary, now)
 
     def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
         self.replicas[r.router].first_token(w, r, now)
+
+    def finished(self, w: DecodeWorker, r: Req, now: float) -> None:
+        self.replicas[r.router].finished(w, r, now)
 
     def kv_freed(self, w: DecodeWorker, now: float) -> None:
         if self.waiting:  # the router sees the freed KV at this worker's next heartbeat
             self._retry_at_heartbeat(w, now)
 
     def prefill_done(self, w: PrefillWorker, now: float) -> None:
-        if self.holding:
+        if self.holding():
             self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
 
     def _retry_at_heartbeat(self, w: Worker, now: float) -> None:
@@ -244,59 +353,21 @@ class Routers:
             self._retry_at[w.wid] = t
             self.engines.retry_at(t)
 
-    # -- arrivals and the wait queue ------------------------------------------------------
+    # -- arrivals and the wait queues -----------------------------------------------------
     def arrive(self, r: Req, now: float) -> None:
-        # FIFO: nobody overtakes a request waiting for KV room; held requests (late binding) do
-        # not block the queue, so a new arrival is decided at once unless one waits for KV
-        if self.waiting_kv or not self.replicas[r.router].dispatch(r, now):
-            if self.waiting.full():
-                _reject(r, f"rejected: {len(self.waiting)} requests already waiting for a worker")
-                return
-            self.waiting.append(r)
-            self._count_wait(r, 1)
-            self.q_wait.add(now, 1)
-            self.engines.give_up_at(now + self.cfg.kv_wait_timeout, r)
-
-    def _count_wait(self, r: Req, delta: int) -> None:
-        if r.held:
-            self.holding += delta
-        else:
-            self.waiting_kv += delta
+        self.replicas[r.router].submit(r, now)
 
     def retry(self, now: float) -> None:
-        """Decide the waiting requests again (common/wait_queue.py, as the router): the first
-        `SCAN`, in the policy's `retry_order` (arrival order but with late binding), past the held
-        ones, stopping at the first that still waits for KV room."""
-        slo = self.cfg.ttft_slo
-        pm, pb = self.profile.model, self.profile.prefill_token_budget
-
-        def order(head: list[Req]) -> list[int]:
-            for r in head:
-                if self.late is not None and math.isnan(r.latest):
-                    r.latest = latest_start(r.arrival, slo, pm.prefill_exec(r.prompt, pb))
-            return retry_order(self.late, [r.latest for r in head], now)
-
-        def place(r: Req) -> Outcome:
-            self._count_wait(r, -1)
-            if self.replicas[r.router].dispatch(r, now):
-                r.waited = now - r.arrival
-                self.q_wait.add(now, -1)
-                return Outcome.PLACED
-            self._count_wait(r, 1)
-            return Outcome.HELD if r.held else Outcome.NO_ROOM
-
-        self.waiting.retry(order, place)
+        for rt in self.replicas:
+            if rt.waiting:
+                rt.retry(now)
 
     def give_up(self, r: Req, now: float) -> bool:
-        if r.route is not None or r.rejected:
-            return False  # placed in time
-        self.waiting.remove(r)
-        self._count_wait(r, -1)
-        self.q_wait.add(now, -1)
-        r.waited = now - r.arrival
-        what = "a worker to take it" if r.held else "KV room"
-        _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({r.reason})")
-        return True
+        return self.replicas[r.router].give_up(r, now)
+
+
+def _no_retry(now: float) -> None:
+    """The core's `room` hook: the simulator retries at its own times (see the module docstring)."""
 
 
 def _reject(r: Req, reason: str) -> None:

@@ -7,7 +7,6 @@ live router's own worker table, common/router_core/workers.py)."""
 from __future__ import annotations
 
 import itertools
-import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -84,9 +83,8 @@ class Req:
     router: int = 0               # which router replica it arrived at
     ttft_pred: float | None = None
     waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
-    held: bool = False            # waits because the policy held it (late binding), not for KV room
-    was_held: bool = False
-    latest: float = math.nan      # latest start to meet the TTFT SLO (late binding's retry order)
+    waiting: bool = False         # in its router's wait queue now
+    was_held: bool = False        # the policy held it at the router at some point (late binding)
     rejected: bool = False
     prefill_started: float = -1.0
     prefilled: float = -1.0

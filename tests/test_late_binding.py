@@ -153,7 +153,8 @@ def test_the_switch_reaches_the_simulator_through_the_knobs() -> None:
     policy, _ = build("kairos", Setup(policy={"late_binding": True, "late_depth": 2.0, "late_order": "fifo"}), PROF)
     assert isinstance(policy, Kairos) and policy.cfg.late_binding and policy.cfg.late_depth == 2.0
     sim = Simulation(PROF, policy, SimConfig())
-    assert sim.routers.late is policy.cfg
+    core = sim.routers.replicas[0].core  # the live router's core, with this policy
+    assert core.policy is policy and core.waiting.late_config() is policy.cfg
     off, _ = build("kairos", Setup(), PROF)
     assert isinstance(off, Kairos) and not off.cfg.late_binding
 

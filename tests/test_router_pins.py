@@ -575,6 +575,29 @@ async def test_a_request_put_back_first_in_line_does_not_hold_back_the_timeouts_
     assert a.done and errors(a)[0][0] == "kv_wait_timeout"
 
 
+async def test_a_rejected_deflection_leaves_no_cached_prompt_in_the_prefix_index() -> None:
+    """Changed on purpose (found running the simulator on this core): the dispatch told the prefix
+    index that the decode worker will cache the prompt; when its admission turns the deflection
+    away, the blocks only that dispatch added are taken back (they stayed, and priced later
+    requests with the same prefix as cached on a worker that never held them)."""
+    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", BIG), ("decode-1", BIG)])
+    for wid in ("decode-0", "decode-1"):  # caches of 16-token blocks, empty
+        b.seq[wid] += 1
+        b.hear(wid, m.DecodeHeartbeat(worker_id=wid, incarnation="i1", seq=b.seq[wid], batch=0, kv_tokens=0,
+                                      kv_free_tokens=BIG, kv_capacity_tokens=BIG, resident_prefill_tokens=0,
+                                      deflections=0, strictest_tbt_slo=None, token_budget=BUDGET,
+                                      prefix=m.PrefixSummary(block_tokens=16)))
+    a = b.submit()
+    first = a.decode_worker
+    assert first is not None and dict(b.core.prefix.lookup(PROMPT)[0]) == {first: 96}
+    b.take()
+    b.hear(first, m.RequestFailed(request_id=a.request_id, attempt=0, worker_id=first, reason="no room",
+                                  code=REJECTED_REASON, retryable=True))
+    second = a.decode_worker
+    assert second not in (None, first)  # deflected to the other decode worker
+    assert dict(b.core.prefix.lookup(PROMPT)[0]) == {second: 96}
+
+
 async def test_a_deflection_rejected_by_a_draining_worker_with_no_other_is_parked_until_one_registers() -> None:
     b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", BIG)])
     a = b.submit()

@@ -142,6 +142,7 @@ def test_each_router_keeps_the_live_worker_table() -> None:
     workers' heartbeats: each acknowledges every dispatch its router sent before it (what the
     ledger still holds came after), every deflection's record ends at its first token, and each
     decode worker's dispatches are counted once, by the router that sent them."""
+    from common.router_core.core import RouterCore
     from common.router_core.workers import WorkerTable
     from sim import state
 
@@ -152,8 +153,9 @@ def test_each_router_keeps_the_live_worker_table() -> None:
     assert all(r.output_tokens == 20 for r in records)
     placed = 0
     for rt in sim.routers.replicas:
-        assert isinstance(rt.table, WorkerTable)
-        for e in rt.table.workers.values():
+        assert isinstance(rt.core, RouterCore) and isinstance(rt.core.table, WorkerTable)  # the live router's
+        assert not rt.core.requests and not rt.core.kv_waiting  # every request ended at its router
+        for e in rt.core.table.workers.values():
             assert e.hb is not None and all(k > e.hb.last_dispatch for k in e.ledger)
             assert not e.deflecting
             if e.role == "decode":
@@ -189,15 +191,22 @@ def test_a_request_without_kv_room_waits_then_completes() -> None:
     assert first.e2e is not None and second.wait_s == pytest.approx(first.e2e)
     assert second.ttft is not None and second.ttft > first.e2e and second.output_tokens == 10
     assert first.wait_s is None and not second.rejected
-    # one that can never fit waits its timeout out, then is rejected clearly
-    assert too_big.ttft is None and too_big.rejected and too_big.wait_s == pytest.approx(5.0)
-    assert too_big.reason.startswith("rejected: waited 5 s for KV room")
-    assert res.stats["queues"]["router_kv_wait"]["max"] == 2
-    assert res.stats["makespan_s"] == pytest.approx(5.0)  # the rejection is the last event
+    # one that can never fit is refused at once, as the live router answers it (HTTP 400)
+    assert too_big.ttft is None and too_big.rejected and too_big.wait_s is None
+    assert too_big.reason.startswith("rejected: the prompt (2000 tokens) plus max_tokens (1) needs 2001 tokens")
+    assert res.stats["queues"]["router_kv_wait"]["max"] == 1
     s = summarize(res.records, ttft_slo=60.0, tbt_slo=1.0)
-    assert (s["rejected"], s["failed"], s["completed"], s["waited_for_kv"]) == (1, 1, 2, 2)
+    assert (s["rejected"], s["failed"], s["completed"], s["waited_for_kv"]) == (1, 1, 2, 1)
     assert s["slo_attainment"] == pytest.approx(2 / 3)  # the rejected one misses both SLOs
     assert s["ttft_p99"] == float("inf") and s["ttft_p99_served"] == pytest.approx(second.ttft, rel=0.05)
+    # one that waits longer than kv_wait_timeout for room is rejected at its timeout, clearly
+    short = Simulation(small, make_policy("disagg-least-loaded"),
+                       SimConfig(heartbeat_interval=0.0, decode=1, kv_wait_timeout=0.01)).run(trace[:2])
+    assert not short.records[0].rejected
+    late = short.records[1]
+    assert late.rejected and late.ttft is None and late.wait_s == pytest.approx(0.01)
+    assert late.reason.startswith("rejected: waited 0.01 s for KV room")
+    assert short.stats["makespan_s"] > 0.01
     assert s["ttft_p50"] == pytest.approx(second.ttft)  # the rejected one ranks above every served one
 
 

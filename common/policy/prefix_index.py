@@ -59,20 +59,26 @@ class PrefixIndex:
             self._epoch[worker_id] = next(self._epochs)
 
     # -- updates --------------------------------------------------------------------------
-    def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
+    def stored(self, worker_id: str, hashes: Iterable[int]) -> list[int]:
+        """The worker holds these blocks; returns those it was not known to hold before."""
         epoch = self._epoch.get(worker_id)
         if epoch is None:
-            return
+            return []
         blocks = self._blocks
+        new: list[int] = []
         for h in hashes:
             holders = blocks.get(h)
             if holders is None:
                 blocks[h] = {worker_id: epoch}
+                new.append(h)
             else:
+                if holders.get(worker_id) != epoch:
+                    new.append(h)
                 holders[worker_id] = epoch
                 blocks.move_to_end(h)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
+        return new
 
     def removed(self, worker_id: str, hashes: Iterable[int]) -> None:
         blocks = self._blocks

@@ -128,9 +128,12 @@ class RouterCore:
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
-               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
+               rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None) -> Request:
         """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded, Unavailable
-        (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve)."""
+        (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve).
+        `rid`: its bus key (default: random); `block_hashes`: (block size, the prompt's block
+        hashes) when the caller has them (the simulator's traces), else computed from the prompt."""
         if len(self.requests) >= self.cfg.max_in_flight:
             self.counts["rejected"] += 1
             self.metrics.observe_rejected("overloaded")
@@ -138,11 +141,12 @@ class RouterCore:
         self.check_limits(prompt_ids, sampling)
         # The bus key of a request: 96 random bits, so no peer can guess another's (about 0.6 us;
         # a counter is 0.3 us). The client's own id is kept as a label only.
-        rid = os.urandom(12).hex()
+        if rid is None:
+            rid = os.urandom(12).hex()
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
-                      client_request_id=request_id or "")
+                      client_request_id=request_id or "", block_hashes=block_hashes)
         waiting = self.kv_waiting
         while waiting and waiting[0].done:  # aborted while waiting
             waiting.popleft()

@@ -57,7 +57,7 @@ class Dispatcher:
         if self.before_view is not None:
             self.before_view(now)
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
-        cached, hashes = self.prefix.lookup(prompt)
+        cached, hashes = self.prefix.lookup(prompt, None if req.resume_from else req.block_hashes)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens, cached=cached)
@@ -78,8 +78,8 @@ class Dispatcher:
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
         if self.prefix.enabled:
-            self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w], hashes,
-                                   tokens, decision.cached_tokens)
+            req.indexed = self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w],
+                                                 hashes, tokens, decision.cached_tokens)
         no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
         if decision.route == "deflect":
             dw.holding.add(req.request_id)

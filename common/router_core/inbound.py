@@ -25,6 +25,7 @@ from common.policy.admission import REJECTED_REASON
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
 from common.router_core.ports import Log, Metrics
+from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Event, Request
 from common.router_core.trust import Gate
 from common.router_core.waiting import Waiting
@@ -42,6 +43,7 @@ class Core(Protocol):
     metrics: Metrics
     membership: Membership
     migration: Migration
+    prefix: RouterPrefix
     waiting: Waiting
     opened_at: float
     liveness_s: float
@@ -250,6 +252,8 @@ class Inbound:
         landed since its heartbeat, left no room): another decode worker's deflection or the
         disaggregated path, same attempt."""
         req.rejected_by.add(f.worker_id)
+        if req.indexed:  # it will not cache the prompt: what the dispatch told the prefix index is not so
+            self.core.prefix.undo(f.worker_id, req.indexed.pop(f.worker_id, []))
         self.counts["deflect_rejected"] += 1
         self.metrics.observe_deflect_rejected()
         self.log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)

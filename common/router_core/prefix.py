@@ -57,8 +57,10 @@ class RouterPrefix:
         self._seq.pop(worker_id, None)
         self.index.forget(worker_id)
 
-    def lookup(self, prompt: list[int]) -> tuple[tuple[tuple[str, int], ...], dict[int, list[int]]]:
-        """(per worker: prompt tokens it holds, the prompt's hashes per block size) for a prompt."""
+    def lookup(self, prompt: list[int], known: tuple[int, list[int]] | None = None
+               ) -> tuple[tuple[tuple[str, int], ...], dict[int, list[int]]]:
+        """(per worker: prompt tokens it holds, the prompt's hashes per block size) for a prompt;
+        `known`: (block size, hashes) the caller already has (the simulator), used for that size."""
         if not self.enabled or not self.index.block_tokens:
             return (), {}
         by_bt: dict[int, list[str]] = {}
@@ -67,15 +69,17 @@ class RouterPrefix:
         hashes: dict[int, list[int]] = {}
         cached: list[tuple[str, int]] = []
         for bt, workers in by_bt.items():
-            hs = hashes[bt] = block_hashes(prompt, bt)
+            hs = hashes[bt] = known[1] if known is not None and known[0] == bt else block_hashes(prompt, bt)
             if hs:
                 cached.extend((w, n * bt) for w, n in self.index.hits(hs, among=workers).items())
         return tuple(cached), hashes
 
     def dispatched(self, worker_ids: list[str], hashes: dict[int, list[int]], prompt_tokens: int,
-                   cached_tokens: int) -> None:
+                   cached_tokens: int) -> dict[str, list[int]]:
         """The prompt goes to these workers (their caches will hold it); `cached_tokens` of it
-        were held where it is prefilled."""
+        were held where it is prefilled. Returns, per worker, the blocks the index did not know it
+        held (`undo` takes them back if the worker turns the work away)."""
+        new: dict[str, list[int]] = {}
         self.dispatches += 1
         self.hits += cached_tokens > 0
         self.prompt_tokens += prompt_tokens
@@ -84,7 +88,14 @@ class RouterPrefix:
             bt = self.index.block_tokens.get(w)
             hs = hashes.get(bt) if bt is not None else None
             if hs:
-                self.index.stored(w, hs)
+                new[w] = self.index.stored(w, hs)
+        return new
+
+    def undo(self, worker_id: str, blocks: list[int]) -> None:
+        """The worker turned a dispatch away (its admission said no): the blocks only that
+        dispatch put in the index are not in its cache."""
+        if blocks:
+            self.index.removed(worker_id, blocks)
 
     def stats(self) -> dict[str, object]:
         return {"enabled": self.enabled, "blocks": len(self.index), "workers": self.index.workers(),

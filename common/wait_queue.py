@@ -1,5 +1,5 @@
-"""The wait queue of requests that could not be placed yet, as the router runs it and the simulator
-runs it too (common/router_core/waiting.py, sim/router.py): one class, so the two cannot drift apart.
+"""The wait queue of requests that could not be placed yet, as the router core runs it
+(common/router_core/waiting.py; the simulator runs that core too, sim/router.py).
 
 Two kinds of request wait in it, in arrival order: one that found no decode worker with KV room
 (`held` False), and one the policy holds back (Kairos's late binding, `held` True: the prefill

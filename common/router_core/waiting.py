@@ -11,8 +11,9 @@ KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, t
 the message; `worker_lost_midstream` for one that had streamed tokens before it lost its worker).
 A waiting request that no live worker could take at all any more is parked instead
 (`RouterCore.unplaced`, the one rule for requests that cannot be placed). The queue and its
-retry are common/wait_queue.py's, which the simulator (sim/router.py) runs too; what is the
-router's here is how a request is tried and failed.
+retry are common/wait_queue.py's; what is the router's here is how a request is tried and
+failed. The simulator runs this class as part of the core (sim/router.py), on its own timing of
+retries.
 """
 
 from __future__ import annotations

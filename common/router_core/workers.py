@@ -298,8 +298,7 @@ class WorkerTable:
 
     def record_dispatch(self, d: Decision, request_id: str, prompt_tokens: int, reserve_tokens: int,
                         now: float) -> tuple[int, int]:
-        """What a dispatch leaves in the table, the one code for the live router (dispatch.py) and
-        the simulator (sim/router.py): the ledger entries of the worker(s) chosen (what the policy
+        """What a dispatch leaves in the table (dispatch.py): the ledger entries of the worker(s) chosen (what the policy
         will see of them until their heartbeats acknowledge the work) and, for a deflection, its
         record on the decode worker (reserved step cost, largest chunk, predicted end of its
         prefill; `WorkerEntry.end_deflection` at its first token). `prompt_tokens` is the prompt

@@ -24,6 +24,7 @@ SCAN = 64  # waiting requests one retry decides again at most
 
 class Waiter(Protocol):
     held: bool  # held by the policy (late binding), not waiting for KV room
+    done: bool  # ended while waiting (aborted, failed)
 
 
 W = TypeVar("W", bound=Waiter)
@@ -46,6 +47,11 @@ class WaitQueue(deque[W]):
         super().__init__()
         self.limit = limit
         self.scan = scan
+
+    def drop_done(self) -> None:
+        """Take off the head the requests that ended while waiting (aborted, failed)."""
+        while self and self[0].done:
+            self.popleft()
 
     def full(self) -> bool:
         """A new request that cannot be placed must be refused: `limit` already wait."""

@@ -1,5 +1,5 @@
-"""The wait queue the router and the simulator share (common/wait_queue.py): FIFO, held requests
-passed over, the retry stopping at the first still without room, the scan and the limit."""
+"""The router core's wait queue (common/wait_queue.py; the simulator runs the same core): FIFO, held
+requests passed over, the retry stopping at the first still without room, the scan and the limit."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from common.wait_queue import Outcome, WaitQueue
 class R:
     name: str
     held: bool = False
+    done: bool = False
 
 
 def queue(*names: str, limit: int = 100, scan: int = 64) -> tuple[WaitQueue[R], dict[str, R]]:
@@ -86,3 +87,10 @@ def test_full_at_the_limit_and_an_empty_queue_tries_nothing() -> None:
     assert not q.full()
     empty: WaitQueue[R] = WaitQueue(4)
     assert run(empty, {}) == []
+
+
+def test_requests_that_ended_while_waiting_leave_the_head() -> None:
+    q, rs = queue("a", "b", "c")
+    rs["a"].done = rs["c"].done = True
+    q.drop_done()
+    assert [r.name for r in q] == ["b", "c"]  # only the head: c leaves when it reaches it

@@ -148,8 +148,7 @@ class RouterCore:
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
                       client_request_id=request_id or "", block_hashes=block_hashes)
         waiting = self.kv_waiting
-        while waiting and waiting[0].done:  # aborted while waiting
-            waiting.popleft()
+        waiting.drop_done()
         try:
             if waiting and self.waiting.blocked():
                 raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes

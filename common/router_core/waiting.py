@@ -67,8 +67,7 @@ class Waiting:
     def retry(self, now: float) -> None:
         """Decide the waiting requests again (see the module docstring)."""
         q = self.queue
-        while q and q[0].done:  # aborted or past its deadline meanwhile
-            q.popleft()
+        q.drop_done()
         if not q:
             return
         late = self.late_config()

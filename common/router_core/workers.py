@@ -151,7 +151,7 @@ class WorkerEntry:
                 else:
                     pending += 1
             defl = len(self.deflecting)  # exact: the router sees every deflection start and end
-            reserved = sum(self.deflecting.values())
+            reserved = sum(self.deflecting.values(), 0.0)
             reserved_tokens = sum(t for t, _ in self.deflect_info.values())
             inflight = tuple((end, self.deflecting.get(rid, 0.0), k) for rid, (k, end) in self.deflect_info.items())
             if isinstance(hb, m.DecodeHeartbeat):
@@ -298,8 +298,8 @@ class WorkerTable:
 
     def record_dispatch(self, d: Decision, request_id: str, prompt_tokens: int, reserve_tokens: int,
                         now: float) -> tuple[int, int]:
-        """What a dispatch leaves in the table (dispatch.py): the ledger entries of the worker(s) chosen (what the policy
-        will see of them until their heartbeats acknowledge the work) and, for a deflection, its
+        """What a dispatch leaves in the table (dispatch.py): the ledger entries of the worker(s)
+        chosen (what the policy will see of them until their heartbeats acknowledge the work) and, for a deflection, its
         record on the decode worker (reserved step cost, largest chunk, predicted end of its
         prefill; `WorkerEntry.end_deflection` at its first token). `prompt_tokens` is the prompt
         as sent, `reserve_tokens` the KV it may grow to. Returns the dispatch numbers the work

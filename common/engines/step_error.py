@@ -40,6 +40,7 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import deque
@@ -157,17 +158,22 @@ class StepErrorEstimator:
         self._z = NormalDist().inv_cdf(1.0 - target) if target * window < TAIL_SAMPLES else 0.0
         self._log_sum = self._log_sq = 0.0
         self._hold = 0.0       # after an overrun: plan as if steps run this slow, until one does not
+        self._sorted: list[float] = []  # the window's ratios in order (kept so, not sorted per step)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s <= 0 or measured_s <= 0:
             return
         r = measured_s / predicted_s
         margin = self.margin()
-        if self._z:
-            if len(self.ratios) == self.ratios.maxlen:
-                old = math.log(self.ratios[0])
+        if len(self.ratios) == self.ratios.maxlen:
+            gone = self.ratios[0]
+            del self._sorted[bisect.bisect_left(self._sorted, gone)]
+            if self._z:
+                old = math.log(gone)
                 self._log_sum -= old
                 self._log_sq -= old * old
+        bisect.insort(self._sorted, r)
+        if self._z:
             lr = math.log(r)
             self._log_sum += lr
             self._log_sq += lr * lr
@@ -184,7 +190,7 @@ class StepErrorEstimator:
 
     def _q(self) -> float:
         if self._stale:
-            s = sorted(self.ratios)
+            s = self._sorted
             n = len(s)
             self._quantile = s[min(n - 1, math.ceil((1.0 - self.target) * n) - 1)] if n else 1.0
             if self._z and n:

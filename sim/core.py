@@ -399,7 +399,7 @@ class Simulation:
             else:
                 break
             events += 1
-        stuck = [r.rid for r in reqs if r.route is not None and r.done < 0]
+        stuck = [r.rid for r in reqs if not r.rejected and r.done < 0]  # placed or not: never finished
         if stuck:
             raise RuntimeError(f"simulation ended with {len(stuck)} unfinished requests (first: {stuck[0]})")
         records = [r.timing() for r in reqs]

@@ -67,7 +67,7 @@ from common.perf_model import Profile
 from common.policy import ClusterView, Decision, Hold, Policy
 from common.policy.admission import REJECTED_REASON
 from common.router_core.core import RouterCore
-from common.router_core.ports import NULL_LOG, Hooks
+from common.router_core.ports import Hooks
 from common.router_core.requests import Request
 from common.wait_queue import SCAN
 from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
@@ -98,6 +98,27 @@ def router_config(cfg: SimConfig) -> RouterConfig:
                         kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
                         prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
                         max_in_flight=1 << 30, request_timeout=1e12)
+
+
+class _StrictLog:
+    """The core's log in the simulator: info and below dropped; an error (the core caught an
+    exception of its own or of the simulator's shell, and would fail the request and go on, as
+    live) stops the run instead, so a bug cannot pass as a result."""
+
+    def error(self, event: str, **fields: object) -> None:
+        raise RuntimeError(f"the router core logged an error in the simulator: {event} {fields}")
+
+    exception = critical = error
+
+    def __getattr__(self, name: str) -> object:
+        return _drop
+
+
+def _drop(*args: object, **kwargs: object) -> None:
+    return None
+
+
+STRICT_LOG = _StrictLog()
 
 
 class SimOutbox:
@@ -134,7 +155,7 @@ class SimRouter:
         self.core = RouterCore(router_config(cfg), self.out, hooks=Hooks(request_done=self._done,
                                                                           room=_no_retry,
                                                                           before_view=self._before_view),
-                               incarnation=router_name(i), policy=policy, profile=profile, log=NULL_LOG)
+                               incarnation=router_name(i), policy=policy, profile=profile, log=STRICT_LOG)
         for w in (*prefill, *decode):
             self.core.on_message(w.wid.encode(), w.hello(), 0.0)
         self.out.sent.clear()  # the Welcomes
@@ -229,11 +250,15 @@ class SimRouter:
         """The core ended a request: completed (the engines have it), or failed waiting."""
         r = self.reqs.pop(creq.request_id)
         self.creqs.pop(creq.request_id, None)
-        if finished_reason is None:  # waited past kv_wait_timeout
+        if finished_reason is None:
+            if creq.outcome != "kv_wait_timeout":  # nothing else fails a request in the simulator
+                raise RuntimeError(f"the router core failed request {creq.request_id} in the simulator: "
+                                   f"{creq.outcome}")
             now = rec.at
-            r.waiting = False
+            if r.waiting:
+                r.waiting = False
+                self.q_wait.add(now, -1)
             r.waited = now - r.arrival
-            self.q_wait.add(now, -1)
             what = "a worker to take it" if creq.held else "KV room"
             _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({creq.wait_reason})")
 

@@ -336,3 +336,19 @@ def test_router_index_follows_heartbeats_and_forgets() -> None:
     off = RouterPrefix(enabled=False)
     off.on_heartbeat(_hb("d0", "a", 1, stored=hs))
     assert off.lookup(prompt) == ((), {})
+
+
+def test_router_index_takes_back_a_dispatch_turned_away_unless_a_heartbeat_came_between() -> None:
+    from common.router_core.prefix import RouterPrefix
+
+    prompt = list(range(20))
+    for beat_between in (False, True):
+        rp = RouterPrefix()
+        rp.on_heartbeat(_hb("d0", "a", 1, stored=[]))
+        _, by_bt = rp.lookup(prompt)
+        added = rp.dispatched(["d0"], by_bt, 20, 0)
+        assert dict(rp.lookup(prompt)[0]) == {"d0": 20}
+        if beat_between:  # it may have reported these blocks stored (another request computed them)
+            rp.on_heartbeat(_hb("d0", "a", 2, stored=[]))
+        rp.undo("d0", added["d0"])  # its admission turned the work away
+        assert dict(rp.lookup(prompt)[0]) == ({"d0": 20} if beat_between else {})

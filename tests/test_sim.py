@@ -382,3 +382,17 @@ def test_cli_synthetic(tmp_path: Path) -> None:
                  "--lengths", "conv", "--policy", "conditional-disagg", "--out", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
     assert res["config"]["arrival"] == "gamma" and res["policies"]["conditional-disagg"]["requests"] > 50
+
+
+def test_an_error_inside_the_router_core_stops_the_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live, the core logs a handler's exception and goes on; in the simulator that would hide a
+    bug in a result, so the simulator's log raises (sim/router.py STRICT_LOG)."""
+    from sim import router
+
+    def broken(self: router.SimRouter, *args: object) -> None:
+        raise ValueError("broken shell")
+
+    monkeypatch.setattr(router.SimRouter, "_done", broken)
+    with pytest.raises(RuntimeError, match="message_handler_failed") as e:
+        run([TraceRequest(0.0, 500, 3)], "kairos")
+    assert isinstance(e.value.__context__, ValueError)

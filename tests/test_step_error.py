@@ -322,3 +322,12 @@ def test_every_default_overrun_target_is_the_one_constant() -> None:
     names = [a.arg for a in init.args.kwonlyargs]
     default = init.args.kw_defaults[names.index("overrun_target")]
     assert isinstance(default, ast.Name) and default.id == "TARGET"
+
+
+def test_a_nan_or_infinite_step_time_is_ignored() -> None:
+    """A broken timing (NaN, inf) must neither enter the window nor unsort it."""
+    est = StepErrorEstimator(window=8, min_samples=2)
+    for v in (1.0, 2.0, math.nan, 3.0, math.inf, *([1.5] * 20)):
+        est.observe(1.0, v)
+    assert est.steps == 23 and list(est.ratios) == [1.5] * 8
+    assert est.margin() == pytest.approx(1.5) and est.bias() == pytest.approx(1.5)

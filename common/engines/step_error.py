@@ -161,9 +161,11 @@ class StepErrorEstimator:
         self._sorted: list[float] = []  # the window's ratios in order (kept so, not sorted per step)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
-        if predicted_s <= 0 or measured_s <= 0:
+        if not (predicted_s > 0 and measured_s > 0):  # (NaN too: it would break the sorted window)
             return
         r = measured_s / predicted_s
+        if not math.isfinite(r):
+            return
         margin = self.margin()
         if len(self.ratios) == self.ratios.maxlen:
             gone = self.ratios[0]

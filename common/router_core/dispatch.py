@@ -51,11 +51,11 @@ class Dispatcher:
         """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
         away, so decide again with those closed to deflections (common/policy/admission.py),
         or, with no prefill worker live, deflect again without the admission check."""
+        if self.before_view is not None:
+            self.before_view(now)  # (not timed: the simulator's engines, not the router's work)
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
-        if self.before_view is not None:
-            self.before_view(now)
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         cached, hashes = self.prefix.lookup(prompt, None if req.resume_from else req.block_hashes)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),

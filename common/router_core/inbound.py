@@ -253,7 +253,7 @@ class Inbound:
         disaggregated path, same attempt."""
         req.rejected_by.add(f.worker_id)
         if req.indexed:  # it will not cache the prompt: what the dispatch told the prefix index is not so
-            self.core.prefix.undo(f.worker_id, req.indexed.pop(f.worker_id, []))
+            self.core.prefix.undo(f.worker_id, req.indexed.pop(f.worker_id, (-1, [])))
         self.counts["deflect_rejected"] += 1
         self.metrics.observe_deflect_rejected()
         self.log.info("deflection_rejected", request_id=req.request_id, decode_worker=f.worker_id, reason=f.reason)

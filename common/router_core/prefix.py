@@ -75,11 +75,12 @@ class RouterPrefix:
         return tuple(cached), hashes
 
     def dispatched(self, worker_ids: list[str], hashes: dict[int, list[int]], prompt_tokens: int,
-                   cached_tokens: int) -> dict[str, list[int]]:
+                   cached_tokens: int) -> dict[str, tuple[int, list[int]]]:
         """The prompt goes to these workers (their caches will hold it); `cached_tokens` of it
-        were held where it is prefilled. Returns, per worker, the blocks the index did not know it
-        held (`undo` takes them back if the worker turns the work away)."""
-        new: dict[str, list[int]] = {}
+        were held where it is prefilled. Returns, per worker, its last heartbeat's sequence number
+        and the blocks the index did not know it held (`undo` takes them back if the worker turns
+        the work away)."""
+        new: dict[str, tuple[int, list[int]]] = {}
         self.dispatches += 1
         self.hits += cached_tokens > 0
         self.prompt_tokens += prompt_tokens
@@ -88,13 +89,15 @@ class RouterPrefix:
             bt = self.index.block_tokens.get(w)
             hs = hashes.get(bt) if bt is not None else None
             if hs:
-                new[w] = self.index.stored(w, hs)
+                new[w] = (self._seq.get(w, -1), self.index.stored(w, hs))
         return new
 
-    def undo(self, worker_id: str, blocks: list[int]) -> None:
+    def undo(self, worker_id: str, added: tuple[int, list[int]]) -> None:
         """The worker turned a dispatch away (its admission said no): the blocks only that
-        dispatch put in the index are not in its cache."""
-        if blocks:
+        dispatch put in the index (`dispatched`) are not in its cache, unless a heartbeat of its
+        came in between (it may have reported them stored, by another request: then they stay)."""
+        seq, blocks = added
+        if blocks and self._seq.get(worker_id, -1) == seq:
             self.index.removed(worker_id, blocks)
 
     def stats(self) -> dict[str, object]:

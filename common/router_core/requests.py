@@ -92,7 +92,8 @@ class Request:
     engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
     engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)
     block_hashes: tuple[int, list[int]] | None = None  # (block size, the prompt's hashes) if given at submit
-    indexed: dict[str, list[int]] | None = None  # per worker: prefix blocks its last dispatch added to the index
+    indexed: dict[str, tuple[int, list[int]]] | None = None  # per worker: (its heartbeat seq, prefix blocks) that
+    # the last dispatch added to the index (RouterPrefix.undo)
 
     @property
     def streamed(self) -> bool:

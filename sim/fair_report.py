@@ -233,12 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     target = None
     if args[:1] == ["--splice"] and len(args) >= 2:
         target, args = Path(args[1]), args[2:]
+    usage = ("usage: python -m sim.fair_report [--splice DOC.md] RESULT.json ...\n"
+             "Prints the markdown report of each RESULT.json that python -m sim.fair_eval wrote, or, with\n"
+             "--splice, replaces its section in DOC.md (between its <!-- fair-eval PROFILE[/CONDITION] --> markers).")
+    if args[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not args:
-        print("usage: python -m sim.fair_report [--splice DOC.md] RESULT.json ... (written by python -m sim.fair_eval)",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     for path in args:
-        res = json.loads(Path(path).read_text())
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"fair_report: cannot read {path}: {e}", file=sys.stderr)
+            return 2
         if target is None:
             sys.stdout.write(markdown(res))
             continue

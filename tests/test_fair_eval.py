@@ -149,3 +149,11 @@ def test_session_regimes_are_fixed_per_profile() -> None:
     chat, agent, code = WORKLOADS["chat"], WORKLOADS["agent"], WORKLOADS["code"]
     assert chat.fixed_regime("h100-llama2-70b-tp4") == 0.75 and chat.fixed_regime("a100-llama2-70b-tp4") == 0.25
     assert agent.fixed_regime("a100-llama2-70b-tp4") == 0.08 and code.fixed_regime("a100-llama2-70b-tp4") is None
+
+
+def test_fair_report_says_how_to_use_it_and_what_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.fair_report import main
+
+    assert main(["--help"]) == 0 and "--splice DOC.md" in capsys.readouterr().out
+    assert main(["/nonexistent/result.json"]) == 2
+    assert "cannot read /nonexistent/result.json" in capsys.readouterr().err

@@ -67,7 +67,7 @@ from common.perf_model import Profile
 from common.policy import ClusterView, Decision, Hold, Policy
 from common.policy.admission import REJECTED_REASON
 from common.router_core.core import RouterCore
-from common.router_core.ports import Hooks
+from common.router_core.ports import Hooks, NullLog
 from common.router_core.requests import Request
 from common.wait_queue import SCAN
 from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
@@ -100,8 +100,8 @@ def router_config(cfg: SimConfig) -> RouterConfig:
                         max_in_flight=1 << 30, request_timeout=1e12)
 
 
-class _StrictLog:
-    """The core's log in the simulator: info and below dropped; an error (the core caught an
+class _StrictLog(NullLog):
+    """The core's log in the simulator: warnings and below dropped; an error (the core caught an
     exception of its own or of the simulator's shell, and would fail the request and go on, as
     live) stops the run instead, so a bug cannot pass as a result."""
 
@@ -109,13 +109,6 @@ class _StrictLog:
         raise RuntimeError(f"the router core logged an error in the simulator: {event} {fields}")
 
     exception = critical = error
-
-    def __getattr__(self, name: str) -> object:
-        return _drop
-
-
-def _drop(*args: object, **kwargs: object) -> None:
-    return None
 
 
 STRICT_LOG = _StrictLog()

@@ -86,14 +86,14 @@ def _no_event() -> None:
 Log = Any
 
 
-class _NullLog:
+class NullLog:
     """Drops every line (debug ... critical, exception)."""
 
     def __getattr__(self, name: str) -> object:
         return _nothing
 
 
-NULL_LOG: Log = _NullLog()
+NULL_LOG: Log = NullLog()
 
 
 @dataclass(frozen=True, slots=True)

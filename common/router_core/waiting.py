@@ -101,12 +101,14 @@ class Waiting:
     def expire(self, now: float) -> None:
         """Fail the waiting requests past their wait timeout, each with what it waited for."""
         q = self.queue
-        gone = [r for r in q if r.done or now >= r.kv_wait_until]
-        if not gone:
-            return
         # anywhere in the queue, not only at its head: a request put back first in line
         # (`RouterCore.unplaced`) waits longer than those behind it
-        keep = [r for r in q if not (r.done or now >= r.kv_wait_until)]
+        gone: list[Request] = []
+        keep: list[Request] = []
+        for r in q:
+            (gone if r.done or now >= r.kv_wait_until else keep).append(r)
+        if not gone:
+            return
         q.clear()
         q.extend(keep)
         for req in gone:

@@ -198,6 +198,9 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--late-binding", choices=("on", "off"), default=None,
                    help="hold a request at the router while the prefill queues are deep and no decode worker can "
                         "take it, and dispatch it when one frees room (default on)")
+    k.add_argument("--decode-room", choices=("on", "off"), default=None,
+                   help="keep a request at the router while every decode worker's decode step, with it added, "
+                        "times the worker's measured margin would pass its residents' TBT SLO (default off)")
     k.add_argument("--late-depth", type=float, default=None, metavar="N",
                    help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
     k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
@@ -241,6 +244,7 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "share_expect": args.share_expect,
                    "late_binding": None if args.late_binding is None else args.late_binding == "on",
                    "late_depth": args.late_depth, "late_order": args.late_order,
+                   "decode_room": None if args.decode_room is None else args.decode_room == "on",
                    "prefix_aware": None if args.no_prefix_aware is None else not args.no_prefix_aware},
         "kv-aware": {"overlap_weight": args.overlap_weight},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,

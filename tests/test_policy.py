@@ -18,6 +18,7 @@ from common.policy import (
     ClusterView,
     DecodeView,
     KairosConfig,
+    NoDecodeRoom,
     NoWorkers,
     PrefillView,
     RequestSpec,
@@ -116,9 +117,11 @@ KAIROS_CASES: list[tuple[str, RequestSpec, ClusterView, dict[str, Any], str, str
     ("queued prefill: deflect", rq(2048), cluster([pv(queued=20_000)], [dv(batch=16)]), {},
      "deflect", "decode-0", "decode_faster"),
     ("no decode slack (the decode step alone exceeds beta x TBT SLO)",
-     rq(512), cluster([pv(queued=50_000)], [dv(batch=256, kv=600_000)]), {}, "disagg", "decode-0", "no_decode_slack"),
+     rq(512), cluster([pv(queued=50_000)], [dv(batch=256, kv=600_000)]), {}, "disagg", "decode-0",
+     "no_decode_slack"),
     ("the residents' strict TBT SLO leaves no room for even 128 tokens",
-     rq(512), cluster([pv(queued=50_000)], [dv(batch=40, slo=0.02)]), {}, "disagg", "decode-0", "no_decode_slack"),
+     rq(512), cluster([pv(queued=50_000)], [dv(batch=40, slo=0.02)]), {}, "disagg", "decode-0",
+     "no_decode_slack"),
     ("one decode worker already deflecting: the other takes it",
      rq(512), cluster([pv()], [dv("decode-0", defl=1, res=3000), dv("decode-1", batch=30)]), {"max_deflections": 1},
      "deflect", "decode-1", "decode_faster"),
@@ -255,7 +258,7 @@ def test_kairos_prefix_cache_counts_uncached_tokens_only() -> None:
 
 def test_kairos_best_prefill_worker_and_no_workers() -> None:
     view = cluster([pv("prefill-0", queued=30_000), pv("prefill-1", queued=2000)], [dv(batch=250, kv=900_000)])
-    d = decide("kairos", rq(512), view)
+    d = decide("kairos", rq(512), view, decode_room=False)
     assert (d.route, d.prefill_worker) == ("disagg", "prefill-1")
     with pytest.raises(NoWorkers):
         decide("kairos", rq(512), cluster([pv()], []))
@@ -289,6 +292,20 @@ def test_largest_safe_schedule_matches_algorithm1(seed: int) -> None:
             assert got[1] == pytest.approx(ref[1], rel=1e-9)
 
 
+def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
+    """KV room for the request, and decode room (`decode_room`): the decode-only step with it and
+    everything the worker holds or was sent (at the batch's mean context) times the worker's
+    margin within the residents' strictest TBT SLO (none running: any request)."""
+    if d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
+        return False
+    if not cfg.decode_room or d.strictest_tbt_slo is None:
+        return True
+    others = d.pending + d.deflections
+    kv = d.kv_tokens + others * (d.kv_tokens / d.batch if d.batch else 0) + d.resident_prefill_tokens
+    step = d.model.decode_time(d.batch + others + 1, 0) + d.model.a2 * (kv + req.prompt_tokens)
+    return step * d.step_margin <= d.strictest_tbt_slo * (1 + 1e-12)
+
+
 def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> tuple[str, str | None, str | None,
                                                                                     tuple[int, ...]]:
     """The printed rule, straight: best prefill worker by Equation 1, best decode worker by
@@ -302,7 +319,7 @@ def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> 
             ttft_p, best_p = t, p.worker_id
     best: tuple[float, str, tuple[int, ...]] | None = None
     for d in sorted(view.decode, key=lambda x: x.worker_id):
-        if d.deflections >= cfg.max_deflections or d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
+        if d.deflections >= cfg.max_deflections or not has_room(req, d, cfg):
             continue
         slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
         found = algorithm1(d.model, d, tokens, cfg.beta * slo, cfg.candidates, cfg.max_steps)
@@ -331,7 +348,8 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
         if rng.random() < 0.2:  # an exact twin under another id: a tie
             decode.append(msgspec.structs.replace(decode[0], worker_id="decode-9"))
         cfg = rng.choice([KairosConfig(), KairosConfig(alpha=1.0), KairosConfig(transfer_term=False),
-                          KairosConfig(max_deflections=2), KairosConfig(candidates=(1024, 256), beta=1.0)])
+                          KairosConfig(max_deflections=2), KairosConfig(candidates=(1024, 256), beta=1.0),
+                          KairosConfig(decode_room=True)])
         cfg = msgspec.structs.replace(cfg, predictor="paper")
         req = rq(rng.choice([rng.randint(1, 9000), 7436, 2048]), out=rng.randint(1, 400),
                  ttft_slo=rng.choice([0.3, 1.0, 2.0, 30.0]), cached=rng.choice([0, 0, 500]))
@@ -340,7 +358,7 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
         try:
             d = make_policy("kairos", kairos=cfg).decide(req, view, 0.0)
         except NoWorkers:  # no prefill worker, or no decode worker with KV room for the handoff
-            room = any(x.kv_free_tokens >= req.prompt_tokens + req.max_tokens for x in decode)
+            room = any(has_room(req, x, cfg) for x in decode)
             assert ref[0] == "disagg" and (ref[1] is None or not room)
             continue
         assert d.route == ref[0]
@@ -406,6 +424,39 @@ def test_disagg_least_loaded(name: str, prefill: list[PrefillView], decode: list
 
 NO_DECODE = [(policy, decode) for policy in POLICIES for decode in ([], [dv(free=10)])
              if not (policy == "disagg-round-robin" and decode)]  # round-robin does not look at KV room
+
+
+def test_decode_room_keeps_a_decode_worker_s_step_within_the_residents_slo() -> None:
+    """`decode_room` (off by default): a request whose decode would push a worker's decode-only
+    step (with its handoffs dispatched and deflections, times its measured margin) past its
+    residents' TBT SLO goes elsewhere, or waits (NoDecodeRoom, a NoKvRoom: the router queues
+    it). Dropping the margin from the rule fails the margin case."""
+    def room(req: RequestSpec, *decode: DecodeView) -> Any:
+        return decide("kairos", req, cluster([pv(queued=50_000)], list(decode)), decode_room=True)
+
+    full = dv("decode-0", batch=256, kv=600_000)
+    assert M.decode_time(257, 600_512) > 0.1  # the premise: this worker's next decode step is over the SLO
+    with pytest.raises(NoDecodeRoom, match="decode-0"):
+        room(rq(512), full)
+    roomy = dv("decode-1", batch=260, kv=100_000)  # more decodes, shorter contexts: fits
+    assert M.decode_time(261, 100_512) < 0.1
+    assert room(rq(512), full, roomy).decode_worker == "decode-1"
+    # the margin: fits by the model alone, not with the worker's measured 1.3 x
+    b = next(n for n in range(1, 400) if M.decode_time(n + 1, (n + 1) * 2000) * 1.3 > 0.1)
+    assert M.decode_time(b + 1, (b + 1) * 2000) < 0.1
+    plain = dv(batch=b, kv=b * 2000)
+    assert room(rq(2000), plain).decode_worker == "decode-0"
+    with pytest.raises(NoDecodeRoom):
+        room(rq(2000), msgspec.structs.replace(plain, step_margin=1.3))
+    # handoffs already dispatched count: the same worker, with as many on their way, has no room
+    half = dv(batch=b // 2, kv=(b // 2) * 2000, pending=b - b // 2)
+    assert room(rq(2000), half).decode_worker == "decode-0"
+    with pytest.raises(NoDecodeRoom):
+        room(rq(2000), msgspec.structs.replace(half, step_margin=1.3))
+    # a worker running nothing takes any request (its own SLO is the request's business)
+    assert room(rq(512, tbt_slo=0.001), dv()).decode_worker == "decode-0"
+    # off (the default): the handoff goes to the full worker
+    assert decide("kairos", rq(512), cluster([pv(queued=50_000)], [full])).decode_worker == "decode-0"
 
 
 @pytest.mark.parametrize(("policy", "decode"), NO_DECODE)

@@ -101,6 +101,11 @@ class NoKvRoom(NoWorkers):
     """Decode workers are live but none has KV room for this request now (it may wait)."""
 
 
+class NoDecodeRoom(NoKvRoom):
+    """Decode workers have KV room, but a new decode on any of them would push its decode step
+    past the TBT SLO (Kairos's `decode_room`): the request waits as for KV room."""
+
+
 class Hold(NoKvRoom):
     """Late binding: every path is busy now (the prefill queues are deep and no decode worker can
     prefill it in place), so the request waits at the router, in arrival order, and is decided

@@ -55,6 +55,7 @@ from common.policy.base import (
     Decision,
     DecodeView,
     Hold,
+    NoDecodeRoom,
     NoWorkers,
     PrefillView,
     RequestSpec,
@@ -100,6 +101,7 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     late_binding: bool = False
     late_depth: float = 1.0  # late binding: hold while the prefill worker has this many token budgets queued
     late_order: Literal["slack", "fifo"] = "slack"  # late binding: which waiting request is decided first
+    decode_room: bool = False  # no request goes to a decode worker whose decode step it would push past the TBT SLO
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -147,6 +149,29 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     if cfg is None or cfg.late_order == "fifo":
         return list(range(len(latest)))
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
+
+
+def _room(dm: PerfModel, d: DecodeView, slo: float | None) -> float:
+    """Decode room (`KairosConfig.decode_room`): the largest context (prompt tokens) a new decode
+    may bring to decode worker `d` so that its decode-only step, with every request it holds or
+    is sent decoding (the handoffs dispatched to it and its deflections, each at the batch's
+    mean context), times its measured margin, stays within `slo`, the strictest TBT SLO of the
+    requests running there. A decode step over the SLO breaks every running request's TBT at
+    once, and no chunk sizing can help, so the request waits at the router instead (its TTFT
+    pays, as for KV room). With an exact model (margin 1) only steps predicted over the SLO
+    itself are refused: beta is the chunks' planning margin, not the decodes'. It protects the
+    requests already there: a worker running none (`slo` None) takes any request, so a request
+    whose own SLO no step could meet is still served. -inf when not even an empty prompt fits."""
+    if slo is None:
+        return _INF
+    b = d.batch
+    n = b + d.pending + d.deflections + 1
+    mean_ctx = d.kv_tokens / b if b else 0.0
+    kv = d.kv_tokens + (d.pending + d.deflections) * mean_ctx + d.resident_prefill_tokens
+    left = slo / max(d.step_margin, 1e-9) - dm.decode_time(n, 0) - dm.a2 * kv
+    if left < 0.0:
+        return -_INF
+    return left / dm.a2 if dm.a2 > 0.0 else _INF
 
 
 class Kairos:
@@ -237,7 +262,8 @@ class Kairos:
             self._dprep.clear()
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
                                           stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom,
-                                          (dm.a0 + dm.a1 * (b + 1), dm.a2, dm._gemm(b + 1)))
+                                          (dm.a0 + dm.a1 * (b + 1), dm.a2, dm._gemm(b + 1)),
+                                          _room(dm, d, d.strictest_tbt_slo) if cfg.decode_room else _INF)
         return got
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
@@ -351,8 +377,9 @@ class Kairos:
         need_kv = req.prompt_tokens + req.max_tokens
         handoff0: DecodeView | None = None
         hprep: _Prep | None = None
+        prompt = req.prompt_tokens
         for x in cp.ll:
-            if x[0].kv_free_tokens >= need_kv:
+            if x[0].kv_free_tokens >= need_kv and prompt <= x[14]:
                 handoff0, hprep = x[0], x
                 break
         # the decode path's candidates, each with a lower bound on its TTFT_D (searched below,
@@ -364,8 +391,8 @@ class Kairos:
         preps = cp.dec if per_worker or tokens <= 0 else cp.alive if tokens < self._min_cand else cp.live
         todo = []
         for prep in preps:
-            d, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck, _, doom, _ = prep
-            if d.kv_free_tokens < need_kv:
+            d, _, dm, budget_s, busy_until, stale, cap, cands, terms, _, stuck, _, doom, _, room = prep
+            if d.kv_free_tokens < need_kv or prompt > room:
                 continue
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
             if td >= doom or (stuck and td >= cands[-1]):
@@ -478,7 +505,7 @@ class Kairos:
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
-            d = handoff or least_loaded_decode(view, req)
+            d = handoff0 or self._no_room(view, req, cp)
             if holds(cfg, best_p):
                 raise Hold(f"prefill worker {best_p.worker_id} holds {best_p.queued_tokens} tokens "
                            f"(late binding: waits below {cfg.late_depth:g} x {best_p.token_budget}) "
@@ -499,6 +526,15 @@ class Kairos:
                         chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
                         step_budget_s=step_budget(cfg.beta, best_d.step_margin, slo))
 
+    def _no_room(self, view: ClusterView, req: RequestSpec, cp: ClusterPrep) -> DecodeView:
+        """No decode worker can take the request's decode now: raise why (`least_loaded_decode`'s
+        NoWorkers or NoKvRoom, else NoDecodeRoom: KV room, but its decode step would pass the SLO)."""
+        least_loaded_decode(view, req)  # raises when no decode worker is live, or none has KV room
+        best = max(cp.ll, key=itemgetter(14))
+        raise NoDecodeRoom(f"every decode worker's decode step would pass its TBT SLO with this request "
+                           f"({req.prompt_tokens} prompt tokens) added; the most room is on {best[0].worker_id}, "
+                           f"{max(best[14], 0.0):.0f} tokens of context within {best[1] * 1000:g} ms")
+
     def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:
         """Explain a disaggregated decision: was there no slack, or was the decode path just slower?
@@ -513,7 +549,7 @@ class Kairos:
         todo = []
         for prep in preps:
             d = prep[0]
-            if d.kv_free_tokens < need_kv or status.get(d.worker_id) == INFEASIBLE:
+            if d.kv_free_tokens < need_kv or req.prompt_tokens > prep[14] or status.get(d.worker_id) == INFEASIBLE:
                 continue
             td = req.prompt_tokens - req.cached_on(d.worker_id) if per_worker else tokens
             if td >= prep[12] or (prep[10] and td >= prep[7][-1]):

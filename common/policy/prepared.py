@@ -26,9 +26,9 @@ from common.policy.schedule import BoundTerms
 # token cap, candidates, bound terms, reserved cost of the deflections in flight, whether even
 # the smallest candidate cannot start, its `least_loaded_decode` key, the prompt size from which
 # no schedule exists, the terms of `decode_time(batch + 1, ...)` for a handoff: a0 + a1*(batch + 1),
-# a2, and the GEMM terms)
+# a2, and the GEMM terms, and its decode room: the largest prompt a new decode may bring, `Kairos._room`)
 _Prep = tuple[DecodeView, float, PerfModel, float, float, float, int, list[int], BoundTerms, float, bool,
-              tuple[int, int, str], float, tuple[float, float, float]]
+              tuple[int, int, str], float, tuple[float, float, float], float]
 # `Kairos._tail_entry` of one prefill view: (view, model, replayed tail, its last step's tokens and
 # attention sum (`last_step_sums`))
 _TailEntry = tuple[PrefillView, PerfModel, Tail, int, float]

@@ -65,7 +65,8 @@ def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
                             per_worker_models=cfg.per_worker_models, prefix_aware=cfg.prefix_aware,
                             predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
                             share_expect=cfg.share_expect, late_binding=cfg.late_binding,
-                            late_depth=cfg.late_depth, late_order=cfg.late_order)  # type: ignore[arg-type]
+                            late_depth=cfg.late_depth, late_order=cfg.late_order,  # type: ignore[arg-type]
+                            decode_room=cfg.decode_room)
         ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                  eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                  prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -151,7 +152,8 @@ class RouterCore:
         waiting.drop_done()
         try:
             if waiting and self.waiting.blocked():
-                raise NoKvRoom("requests ahead of it are waiting for KV room")  # FIFO: nobody overtakes
+                # FIFO: nobody overtakes
+                raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
             self.dispatch(req, now)
         except NoKvRoom as e:
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:

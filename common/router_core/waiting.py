@@ -125,5 +125,5 @@ class Waiting:
                                 f"{req.wait_reason}); retry later, or add prefill or decode workers",
                            "kv_wait_timeout", now)
             else:
-                self._fail(req, f"no decode worker had KV room for it within {t:g} s (kv_wait_timeout); retry "
-                                "later, or add decode workers", "kv_wait_timeout", now)
+                self._fail(req, f"no decode worker had room for it within {t:g} s (kv_wait_timeout: "
+                                f"{req.wait_reason}); retry later, or add decode workers", "kv_wait_timeout", now)

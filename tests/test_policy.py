@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from common.engines.step_error import stricter_margin
 from common.perf_model import PerfModel, load_profile
 from common.policy import (
     POLICIES,
@@ -25,6 +26,7 @@ from common.policy import (
     make_policy,
 )
 from common.policy.baselines import ConditionalConfig
+from common.policy.kairos import step_budget
 from common.policy.schedule import largest_safe_schedule, lower_bound, reserved_step_cost
 
 M = load_profile("a100-dsv2-lite").model
@@ -39,11 +41,11 @@ def pv(wid: str = "prefill-0", queued: int = 0, reqs: int | None = None, budget:
 
 def dv(wid: str = "decode-0", batch: int = 0, kv: int | None = None, free: int = 1_000_000, cap: int = 1_000_000,
        res: int = 0, defl: int = 0, slo: float | None = 0.1, budget: int = 2304, reserved: float = 0.0,
-       pending: int = 0, model: PerfModel = M) -> DecodeView:
+       pending: int = 0, model: PerfModel = M, margin: float = 1.0) -> DecodeView:
     return DecodeView(worker_id=wid, batch=batch, kv_tokens=batch * 2000 if kv is None else kv, kv_free_tokens=free,
                       kv_capacity_tokens=cap, resident_prefill_tokens=res, deflections=defl,
                       strictest_tbt_slo=slo if batch or defl else None, token_budget=budget, model=model,
-                      reserved_step_s=reserved, pending=pending)
+                      reserved_step_s=reserved, pending=pending, step_margin=margin)
 
 
 def rq(tokens: int = 512, out: int = 16, ttft_slo: float = 2.0, tbt_slo: float = 0.1, cached: int = 0) -> RequestSpec:
@@ -295,7 +297,8 @@ def test_largest_safe_schedule_matches_algorithm1(seed: int) -> None:
 def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     """KV room for the request, and decode room (`decode_room`): the decode-only step with it and
     everything the worker holds or was sent (at the batch's mean context) times the worker's
-    margin within the residents' strictest TBT SLO (none running: any request)."""
+    margin, made stricter for decode steps, within the residents' strictest TBT SLO (none
+    running: any request)."""
     if d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
         return False
     if not cfg.decode_room or d.strictest_tbt_slo is None:
@@ -303,7 +306,7 @@ def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     others = d.pending + d.deflections
     kv = d.kv_tokens + others * (d.kv_tokens / d.batch if d.batch else 0) + d.resident_prefill_tokens
     step = d.model.decode_time(d.batch + others + 1, 0) + d.model.a2 * (kv + req.prompt_tokens)
-    return step * d.step_margin <= d.strictest_tbt_slo * (1 + 1e-12)
+    return step * stricter_margin(d.step_margin) <= d.strictest_tbt_slo * (1 + 1e-12)
 
 
 def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> tuple[str, str | None, str | None,
@@ -322,7 +325,8 @@ def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> 
         if d.deflections >= cfg.max_deflections or not has_room(req, d, cfg):
             continue
         slo = d.strictest_tbt_slo if d.strictest_tbt_slo is not None else req.tbt_slo
-        found = algorithm1(d.model, d, tokens, cfg.beta * slo, cfg.candidates, cfg.max_steps)
+        found = algorithm1(d.model, d, tokens, step_budget(cfg.beta, d.step_margin, slo), cfg.candidates,
+                           cfg.max_steps)
         if found is not None and (best is None or found[1] < best[0]):
             best = (found[1], d.worker_id, found[0])
     if best is not None and best[0] <= cfg.alpha * ttft_p and best[0] <= req.ttft_slo:
@@ -343,7 +347,7 @@ def test_kairos_matches_the_printed_rule_on_random_clusters(seed: int) -> None:
         decode = [dv(f"decode-{i}", batch=rng.randint(0, 220), kv=rng.randint(0, 400_000),
                      defl=rng.choice([0, 0, 0, 1, 2]), slo=rng.choice([0.05, 0.1, 0.2]),
                      free=rng.choice([1_000_000, 3000]), reserved=rng.choice([0.0, 0.0, 0.01]),
-                     model=rng.choice([M, slow])) for i in range(n_d)]
+                     model=rng.choice([M, slow]), margin=rng.choice([1.0, 1.0, 1.25])) for i in range(n_d)]
         rng.shuffle(decode)
         if rng.random() < 0.2:  # an exact twin under another id: a tie
             decode.append(msgspec.structs.replace(decode[0], worker_id="decode-9"))
@@ -453,6 +457,11 @@ def test_decode_room_keeps_a_decode_worker_s_step_within_the_residents_slo() -> 
     assert room(rq(2000), half).decode_worker == "decode-0"
     with pytest.raises(NoDecodeRoom):
         room(rq(2000), msgspec.structs.replace(half, step_margin=1.3))
+    # a decode step is held to a stricter margin than a chunk's (every running request takes hundreds)
+    c = next(n for n in range(1, 400) if M.decode_time(n + 1, (n + 1) * 2000) * stricter_margin(1.3) > 0.1)
+    assert M.decode_time(c + 1, (c + 1) * 2000) * 1.3 <= 0.1
+    with pytest.raises(NoDecodeRoom):
+        room(rq(2000), dv(batch=c, kv=c * 2000, margin=1.3))
     # a worker running nothing takes any request (its own SLO is the request's business)
     assert room(rq(512, tbt_slo=0.001), dv()).decode_worker == "decode-0"
     # off (the default): the handoff goes to the full worker

@@ -8,7 +8,16 @@ from collections import deque
 import pytest
 
 from common.engines.batcher import Batcher, Seq
-from common.engines.step_error import TAIL_SAMPLES, TARGET, WINDOW, ChunkGuard, StepError, StepErrorEstimator
+from common.engines.step_error import (
+    DECODE_TARGET,
+    TAIL_SAMPLES,
+    TARGET,
+    WINDOW,
+    ChunkGuard,
+    StepError,
+    StepErrorEstimator,
+    stricter_margin,
+)
 from common.perf_model import load_profile
 
 PROFILE = load_profile("h100-llama2-70b-tp4")
@@ -66,6 +75,23 @@ def test_a_target_smaller_than_the_window_shows_uses_a_fitted_lognormal() -> Non
         slow.observe(0.05, 0.05 * 1.15)
     assert exact.margin() == 1.0  # an exact model: no margin, whatever the target
     assert slow.margin() == pytest.approx(1.15)  # a uniform bias: the bias itself
+
+
+def test_the_decode_room_margin_is_the_same_lognormal_read_at_the_decode_target() -> None:
+    """`stricter_margin`: a worker's margin at TARGET, extrapolated to DECODE_TARGET, is what
+    the estimator itself reads at DECODE_TARGET from the same steps (both a fitted lognormal's
+    quantile, relative to the median); no spread stays no margin."""
+    src = StepError(noise=0.1).source(0, random.Random(11))
+    at, strict = StepErrorEstimator(target=TARGET), StepErrorEstimator(target=DECODE_TARGET)
+    for _ in range(3000):
+        f = src.factor(0.0)
+        at.observe(0.05, 0.05 * f)
+        strict.observe(0.05, 0.05 * f)
+    got = stricter_margin(at.margin() / at.bias())
+    assert got == pytest.approx(strict.margin() / strict.bias(), rel=0.01)
+    assert got > at.margin() / at.bias() * 1.05  # stricter by more than noise: about 1.50 against 1.40
+    assert stricter_margin(1.0) == 1.0 and stricter_margin(0.97) == 0.97
+    assert stricter_margin(1.3, TARGET, TARGET) == 1.3
 
 
 def test_a_smaller_overrun_target_makes_overruns_rarer() -> None:

@@ -122,6 +122,10 @@ def parse_speeds(text: str) -> tuple[float, ...]:
 # the chance of a gap over the SLO a step beside a chunk is planned for (a worker's overrun_target, by
 # default): about 1 % of requests over the ~30 such steps a request lives through (docs/cost-model.md)
 TARGET = 0.00033
+# the chance of a gap over the SLO a decode step is held to by the router's decode room (Kairos's
+# `decode_room`): a decode step holds every running request, and a request lives through hundreds
+# of them, so about 1 % of requests over 500 decode steps
+DECODE_TARGET = 0.00002
 TAIL_SAMPLES = 5   # ratios beyond the target quantile the window must hold to read it off directly
 WINDOW = 512       # steps the estimator remembers
 MIN_SAMPLES = 32   # steps before the measured margin replaces 1.0
@@ -217,6 +221,22 @@ class StepErrorEstimator:
         return self._bias
 
 
+def stricter_margin(margin: float, target: float = TARGET, to: float = DECODE_TARGET) -> float:
+    """A margin (measured / predicted step time, relative to the bias) read at overrun chance
+    `target`, extrapolated to the smaller chance `to` as the quantile of the same lognormal:
+    log margin = z(1 - target) x sigma, so the stricter one is margin ** (z(1 - to) / z(1 - target)).
+    A margin of at most 1 (no spread measured) stays as it is."""
+    if margin <= 1.0 or to >= target:
+        return margin
+    if target == TARGET and to == DECODE_TARGET:
+        return float(margin ** _DECODE_EXP)
+    nd = NormalDist()
+    return float(margin ** (nd.inv_cdf(1.0 - to) / nd.inv_cdf(1.0 - target)))
+
+
+_DECODE_EXP = NormalDist().inv_cdf(1.0 - DECODE_TARGET) / NormalDist().inv_cdf(1.0 - TARGET)
+
+
 class ChunkGuard:
     """Cuts a deflection's chunk to what fits its step beside the batch (see the module docstring)."""
 
@@ -246,5 +266,5 @@ class ChunkGuard:
         return lo
 
 
-__all__ = ["BIAS_DEADBAND", "BIAS_RANGE", "MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard", "StepError",
-           "StepErrorEstimator", "StepErrorSource", "bias_factor", "parse_speeds"]
+__all__ = ["BIAS_DEADBAND", "BIAS_RANGE", "DECODE_TARGET", "MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard",
+           "StepError", "StepErrorEstimator", "StepErrorSource", "bias_factor", "parse_speeds", "stricter_margin"]

@@ -49,6 +49,7 @@ from typing import Literal
 import msgspec
 
 from common.engines.replay import Tail, alone, drain, extend, extend_end_after, last_step_sums, shares
+from common.engines.step_error import stricter_margin
 from common.perf_model import PerfModel
 from common.policy.base import (
     ClusterView,
@@ -156,19 +157,22 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None) -> float:
     may bring to decode worker `d` so that its decode-only step, with every request it holds or
     is sent decoding (the handoffs dispatched to it and its deflections, each at the batch's
     mean context), times its measured margin, stays within `slo`, the strictest TBT SLO of the
-    requests running there. A decode step over the SLO breaks every running request's TBT at
-    once, and no chunk sizing can help, so the request waits at the router instead (its TTFT
-    pays, as for KV room). With an exact model (margin 1) only steps predicted over the SLO
-    itself are refused: beta is the chunks' planning margin, not the decodes'. It protects the
-    requests already there: a worker running none (`slo` None) takes any request, so a request
-    whose own SLO no step could meet is still served. -inf when not even an empty prompt fits."""
+    requests running there. The margin is the worker's (read at `TARGET`, the chance a step
+    beside a chunk is planned to overrun) made stricter for a decode step, which every running
+    request goes through hundreds of times (`stricter_margin`, `DECODE_TARGET`). A decode step
+    over the SLO breaks every running request's TBT at once, and no chunk sizing can help, so
+    the request waits at the router instead (its TTFT pays, as for KV room). With an exact
+    model (margin 1) only steps predicted over the SLO itself are refused: beta is the chunks'
+    planning margin, not the decodes'. It protects the requests already there: a worker running
+    none (`slo` None) takes any request, so a request whose own SLO no step could meet is still
+    served. -inf when not even an empty prompt fits."""
     if slo is None:
         return _INF
     b = d.batch
     n = b + d.pending + d.deflections + 1
     mean_ctx = d.kv_tokens / b if b else 0.0
     kv = d.kv_tokens + (d.pending + d.deflections) * mean_ctx + d.resident_prefill_tokens
-    left = slo / max(d.step_margin, 1e-9) - dm.decode_time(n, 0) - dm.a2 * kv
+    left = slo / max(stricter_margin(d.step_margin), 1e-9) - dm.decode_time(n, 0) - dm.a2 * kv
     if left < 0.0:
         return -_INF
     return left / dm.a2 if dm.a2 > 0.0 else _INF

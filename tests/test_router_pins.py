@@ -27,6 +27,7 @@ import pytest
 from common import config
 from common import messages as m
 from common.errors import NoWorkerYet, Unavailable
+from common.perf_model import load_profile
 from common.policy.admission import REJECTED_REASON
 from common.router_core.requests import Request
 from services.router.service import Router
@@ -610,3 +611,28 @@ async def test_a_deflection_rejected_by_a_draining_worker_with_no_other_is_parke
     b.join("decode-1")
     b.tick()
     assert work(b.take(), a) == [("decode-1", "deflect", 0)]  # the same attempt: it never ran anywhere
+
+
+async def test_with_decode_room_a_request_waits_while_a_decode_step_would_pass_the_slo() -> None:
+    """`decode_room`: the only decode worker reports a batch whose decode-only step, with one more,
+    would pass its residents' TBT SLO: the request waits at the router, saying so, and goes out
+    once a heartbeat shows a smaller batch."""
+    b = Bench("kairos", [("prefill-0", 0), ("decode-0", BIG)], decode_room=True, late_binding=False)
+    model = load_profile("fast").model
+    slo = 0.001  # the fast profile's steps are short: a strict SLO makes a batch of a few thousand too big
+    n = next(k for k in range(1, 100_000) if model.decode_time(k + 1, (k + 1) * 10) > slo)
+
+    def beat(batch: int) -> None:
+        b.seq["decode-0"] += 1
+        b.hear("decode-0", m.DecodeHeartbeat(
+            worker_id="decode-0", incarnation="i1", seq=b.seq["decode-0"], batch=batch, kv_tokens=batch * 10,
+            kv_free_tokens=BIG - batch * 10, kv_capacity_tokens=BIG, resident_prefill_tokens=0, deflections=0,
+            strictest_tbt_slo=slo, token_budget=BUDGET, last_dispatch=b.out.dispatched["decode-0"]))
+
+    beat(n)
+    w = b.submit(tbt_slo=slo)
+    waiting_untouched(b, w)
+    assert b.stats()["kv_waiting"] == 1 and "TBT SLO" in w.wait_reason
+    beat(n // 2)
+    assert {kind for _, kind, _ in work(b.take(), w)} & {"prefill", "deflect"}
+    assert b.stats()["kv_waiting"] == 0

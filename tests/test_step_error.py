@@ -357,3 +357,26 @@ def test_a_nan_or_infinite_step_time_is_ignored() -> None:
         est.observe(1.0, v)
     assert est.steps == 23 and list(est.ratios) == [1.5] * 8
     assert est.margin() == pytest.approx(1.5) and est.bias() == pytest.approx(1.5)
+
+
+def test_the_guard_also_cuts_a_planned_prefill_whose_schedule_ran_out_but_not_an_unplanned_one() -> None:
+    """A router-planned prefill whose schedule ran out before its prompt did (the worker's prefix
+    cache held less of it than the router's index said) goes on at the default chunk, still cut
+    to the measured margin; a prefill sent without a schedule (a baseline's) is not cut."""
+    est = StepErrorEstimator(min_samples=1)
+    est.observe(1.0, 1.3)
+    default = largest_chunk(SLO)  # fits by the model alone, not with the 1.3 x margin
+
+    def first_chunk(schedule: deque[int] | None) -> int:
+        b = Batcher(role="decode", token_budget=8192, max_batch=256, kv_capacity_tokens=10_000_000,
+                    default_chunk=default, prefix_cache=None, guard=ChunkGuard(MODEL, est))
+        for i in range(BATCH):
+            b.add(Seq(request_id=f"d{i}", attempt=0, prompt_len=1500, max_tokens=1000, computed=1500, tbt_slo=SLO))
+        b.add(Seq(request_id="x", attempt=0, prompt_len=4 * default, max_tokens=4, tbt_slo=SLO,
+                  schedule=schedule, deflected=True))
+        plan = b.plan()
+        assert plan is not None and len(plan.chunks) == 1
+        return plan.chunks[0][1]
+
+    assert first_chunk(deque()) == largest_chunk(SLO / 1.3, 0) < default  # planned, ran out: cut
+    assert first_chunk(None) == default  # never planned: the engine's default, as the baselines run

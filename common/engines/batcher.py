@@ -8,9 +8,12 @@ Decode role, each step: every running decode gets one token first; then every in
 (deflected) prefill gets its next chunk, the next entry of its schedule when it has one (the
 router sized it for the TBT budget), else up to the engine's default chunk, always within the
 remaining token budget (a scheduled chunk cut short continues next step). With a `guard`
-(common/engines/step_error.py: the closed-loop TBT protection), a scheduled chunk is also cut
-to what the step's predicted time times the worker's measured error margin allows within the
-strictest TBT SLO of the decodes in the batch. The step that runs
+(common/engines/step_error.py: the closed-loop TBT protection), every chunk of a prefill the
+router planned for the TBT SLO (one that came with a schedule) is also cut to what the step's
+predicted time times the worker's measured error margin allows within the strictest TBT SLO of
+the decodes in the batch, also once its schedule has run out (the worker's prefix cache held
+less of the prompt than the router's index said, so the rest goes at the default chunk). A
+prefill sent without a schedule (the baselines') is not cut: those systems have no such guard. The step that runs
 a prompt's last chunk also samples its first token, as vLLM does. A handed-off request (KV
 from a prefill worker) joins as a decode.
 
@@ -249,13 +252,15 @@ class Batcher:
         guard = self.guard if decodes else None
         slo = min(s.tbt_slo for s in decodes) if guard is not None else 0.0
         for seq in prefills:
-            if seq.schedule:
+            sched = seq.schedule
+            if sched:
                 # the router sized it for the budget it saw; never past the budget left now
-                chi = min(seq.schedule[0], seq.remaining_prompt, budget)
-                if guard is not None and chi > 1:  # nor past what the measured model error allows
-                    chi = guard.fit(len(decodes), kv, [(c, k) for _, c, k in chunks], chi, seq.computed, slo)
-            else:
+                chi = min(sched[0], seq.remaining_prompt, budget)
+            else:  # no schedule, or one that ran out (the cache held less of the prompt than the router thought)
                 chi = min(self.default_chunk, seq.remaining_prompt, budget)
+            if sched is not None and guard is not None and chi > 1:
+                # planned by the router for the TBT SLO: never past what the measured model error allows
+                chi = guard.fit(len(decodes), kv, [(c, k) for _, c, k in chunks], chi, seq.computed, slo)
             if chi <= 0:
                 continue
             chunks.append((seq, chi, seq.computed))

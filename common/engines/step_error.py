@@ -34,8 +34,9 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
   model decides exactly as without any of this.
 
 - `ChunkGuard`: the worker-side use of the margin. When a decode step is planned, each chunk of
-  a scheduled (router-planned) deflection is cut so that the step's predicted time x margin stays
-  within the strictest TBT SLO of the decodes in the batch; the rest of the chunk runs next step.
+  a scheduled (router-planned) deflection, also once its schedule has run out, is cut so that
+  the step's predicted time x margin stays within the strictest TBT SLO of the decodes in the
+  batch; the rest of the chunk runs next step.
 """
 
 from __future__ import annotations

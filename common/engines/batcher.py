@@ -13,8 +13,8 @@ router planned for the TBT SLO (one that came with a schedule) is also cut to wh
 predicted time times the worker's measured error margin allows within the strictest TBT SLO of
 the decodes in the batch, also once its schedule has run out (the worker's prefix cache held
 less of the prompt than the router's index said, so the rest goes at the default chunk). A
-prefill sent without a schedule (the baselines') is not cut: those systems have no such guard. The step that runs
-a prompt's last chunk also samples its first token, as vLLM does. A handed-off request (KV
+prefill sent without a schedule (the baselines') is not cut: those systems have no such guard.
+The step that runs a prompt's last chunk also samples its first token, as vLLM does. A handed-off request (KV
 from a prefill worker) joins as a decode.
 
 Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt

@@ -88,7 +88,8 @@ class Bench:
         """A message from worker `wid`, as its connection hands it over."""
         self.core.on_message(wid.encode(), msg, self.clock.now)  # type: ignore[arg-type]
 
-    def beat(self, wid: str, *, kv_used: int = 0, queued_tokens: int = 0) -> None:
+    def beat(self, wid: str, *, kv_used: int = 0, queued_tokens: int = 0, batch: int = 0,
+             strictest_tbt_slo: float | None = None) -> None:
         """A heartbeat that acknowledges every dispatch sent to it; idle unless told otherwise."""
         self.seq[wid] += 1
         inc, ack = self.incarnations[wid], self.out.dispatched[wid]
@@ -98,9 +99,10 @@ class Bench:
                                               token_budget=BUDGET, last_dispatch=ack))
         else:
             cap = self.caps[wid]
-            self.hear(wid, m.DecodeHeartbeat(worker_id=wid, incarnation=inc, seq=self.seq[wid], batch=0,
+            self.hear(wid, m.DecodeHeartbeat(worker_id=wid, incarnation=inc, seq=self.seq[wid], batch=batch,
                                              kv_tokens=kv_used, kv_free_tokens=cap - kv_used, kv_capacity_tokens=cap,
-                                             resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+                                             resident_prefill_tokens=0, deflections=0,
+                                             strictest_tbt_slo=strictest_tbt_slo,
                                              token_budget=BUDGET, last_dispatch=ack))
 
     def tokens(self, wid: str, req: Request, ids: list[int], finish: str | None = None, attempt: int = -1) -> None:
@@ -622,17 +624,10 @@ async def test_with_decode_room_a_request_waits_while_a_decode_step_would_pass_t
     slo = 0.001  # the fast profile's steps are short: a strict SLO makes a batch of a few thousand too big
     n = next(k for k in range(1, 100_000) if model.decode_time(k + 1, (k + 1) * 10) > slo)
 
-    def beat(batch: int) -> None:
-        b.seq["decode-0"] += 1
-        b.hear("decode-0", m.DecodeHeartbeat(
-            worker_id="decode-0", incarnation="i1", seq=b.seq["decode-0"], batch=batch, kv_tokens=batch * 10,
-            kv_free_tokens=BIG - batch * 10, kv_capacity_tokens=BIG, resident_prefill_tokens=0, deflections=0,
-            strictest_tbt_slo=slo, token_budget=BUDGET, last_dispatch=b.out.dispatched["decode-0"]))
-
-    beat(n)
+    b.beat("decode-0", batch=n, kv_used=n * 10, strictest_tbt_slo=slo)
     w = b.submit(tbt_slo=slo)
     waiting_untouched(b, w)
     assert b.stats()["kv_waiting"] == 1 and "TBT SLO" in w.wait_reason
-    beat(n // 2)
+    b.beat("decode-0", batch=n // 2, kv_used=n // 2 * 10, strictest_tbt_slo=slo)
     assert {kind for _, kind, _ in work(b.take(), w)} & {"prefill", "deflect"}
     assert b.stats()["kv_waiting"] == 0

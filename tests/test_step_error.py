@@ -38,13 +38,21 @@ def largest_chunk(limit: float, context: int = 0) -> int:
     return lo
 
 
-def test_estimator_trusts_the_model_until_it_has_seen_enough() -> None:
+def test_estimator_plans_with_the_worst_step_seen_until_it_has_enough_for_a_quantile() -> None:
+    """Before `min_samples` steps: the margin is the largest ratio seen (at least 1; 1 before any
+    step), and the bias the router scales by stays 1. A cold worker on a slow engine does not plan
+    its first chunks with the model alone."""
     est = StepErrorEstimator(min_samples=32)
-    for _ in range(31):
+    assert est.margin() == 1.0
+    for r in (1.2, 1.6, 1.4):
+        est.observe(0.05, 0.05 * r)
+    assert est.margin() == pytest.approx(1.6) and est.bias() == 1.0
+    for _ in range(29):
         est.observe(0.05, 0.08)
-    assert est.margin() == 1.0 and est.bias() == 1.0
-    est.observe(0.05, 0.08)
-    assert est.margin() == pytest.approx(1.6) and est.bias() == pytest.approx(1.6)
+    assert est.bias() == pytest.approx(1.6) and est.margin() > 1.6  # now a quantile of the spread seen
+    fast = StepErrorEstimator(min_samples=32)
+    fast.observe(0.05, 0.04)
+    assert fast.margin() == 1.0  # faster than the model: no margin below 1
 
 
 def test_estimator_margin_is_the_measured_quantile() -> None:

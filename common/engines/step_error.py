@@ -25,7 +25,9 @@ Two halves, both pure (no clock, no I/O; randomness passed in):
   overrun (a step whose ratio exceeds the margin) the margin is at least that step's ratio until
   a step comes back within the quantile: correlated slowness is answered at the next step, on
   the worker, without waiting for the window or the router. Until `min_samples` steps have been
-  seen the margin is 1 (trust the model).
+  seen the margin is the largest ratio seen so far, at least 1: a freshly started worker plans
+  its first steps with what it has measured, not with the model alone (with an exact model,
+  1: nothing changes).
 
 - `bias_factor`: the router-side use of the bias. Workers report their bias in heartbeats; each
   router predicts a worker with its model times `bias_factor(bias)` (TTFT on both routes, chunk
@@ -210,8 +212,8 @@ class StepErrorEstimator:
 
     def margin(self) -> float:
         """What a planned step's predicted time is multiplied by before it is held to the SLO."""
-        if len(self.ratios) < self.min_samples:
-            return 1.0
+        if len(self.ratios) < self.min_samples:  # too few for a quantile: the worst seen so far
+            return max(1.0, self._sorted[-1]) if self._sorted else 1.0
         return max(self._q(), self._hold)
 
     def bias(self) -> float:

@@ -56,23 +56,30 @@ OBJECTIVE = ("maximize both-SLO attainment (TTFT <= ttft_slo and largest TBT gap
 # cap (decode_chunk) matters only to policies that send no chunk schedule. 1000 x the budget
 # queued switches conditional-disagg's load half off, a length threshold of 0 its length half.
 GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "kairos": {"prefill_token_budget": (512, 1024, 2048, 4096), "decode_token_budget": (512, 1024, 2048, 4096),
-               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0), "beta": (0.6, 0.8, 0.9, 1.0), "max_deflections": (1, 2, 4, 8),
+    "kairos": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192),
+               "decode_token_budget": (256, 512, 1024, 2048, 4096, 8192),
+               "alpha": (1.0, 1.3, 1.6, 2.0, 3.0, 4.0), "beta": (0.4, 0.5, 0.6, 0.8, 0.9, 1.0),
+               "max_deflections": (1, 2, 4, 8, 16),
                "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64)),
-               "late_binding": (False, True), "late_depth": (0.25, 0.5, 1.0, 2.0)},
-    "conditional-disagg": {"prefill_token_budget": (1024, 2048, 4096), "decode_token_budget": (256, 512, 1024, 2048),
-                           "decode_chunk": (256, 512, 1024, 2048), "eff_isl_threshold": (0, 256, 512, 1024, 2048),
-                           "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 1000.0)},
-    "disagg-least-loaded": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192)},
-    "disagg-round-robin": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192)},
-    "chunked-prefill": {"decode_token_budget": (256, 512, 1024, 2048, 4096),
-                        "decode_chunk": (256, 512, 1024, 2048, 4096)},
-    "deflect-all": {"decode_token_budget": (256, 512, 1024, 2048, 4096), "decode_chunk": (256, 512, 1024, 2048)},
-    "kv-aware": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
-                 "overlap_weight": (0.25, 0.5, 1.0, 2.0, 4.0, 1000.0)},
+               "late_binding": (False, True), "late_depth": (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)},
+    "conditional-disagg": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
+                           "decode_token_budget": (128, 256, 512, 1024, 2048, 4096),
+                           "decode_chunk": (128, 256, 512, 1024, 2048, 4096),
+                           "eff_isl_threshold": (0, 256, 512, 1024, 2048, 4096),
+                           "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 1000.0)},
+    "disagg-least-loaded": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
+    "disagg-round-robin": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
+    "chunked-prefill": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
+                        "decode_chunk": (128, 256, 512, 1024, 2048, 4096, 8192)},
+    "deflect-all": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
+                    "decode_chunk": (128, 256, 512, 1024, 2048, 4096)},
+    "kv-aware": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384),
+                 "overlap_weight": (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 1000.0)},
 }
 # Grid values that switch a mechanism off rather than set a size: a knob there is not "on an edge".
 OFF = {"prefill_busy_threshold": 1000.0, "eff_isl_threshold": 0, "overlap_weight": 1000.0}
+# Values a knob cannot go past (the policy refuses them): a tuned value there is not "on an edge".
+BOUNDS: dict[str, tuple[float | None, float | None]] = {"alpha": (1.0, None), "beta": (None, 1.0)}
 
 
 def edges(grid: dict[str, tuple[Any, ...]], chosen: dict[str, Any]) -> list[str]:
@@ -83,8 +90,9 @@ def edges(grid: dict[str, tuple[Any, ...]], chosen: dict[str, Any]) -> list[str]
         nums = sorted(v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
                       and v != OFF.get(knob))
         v = chosen.get(knob)
+        lo, hi = BOUNDS.get(knob, (None, None))
         if len(nums) >= 3 and isinstance(v, (int, float)) and not isinstance(v, bool) and v != OFF.get(knob) \
-                and (v <= nums[0] or v >= nums[-1]):  # on an edge, or beyond (a start value the grid lacks)
+                and ((v <= nums[0] and v != lo) or (v >= nums[-1] and v != hi)):  # on an edge, or beyond
             out.append(knob)
     return out
 

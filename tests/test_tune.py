@@ -286,6 +286,10 @@ def test_tuned_knobs_on_a_grid_edge_are_named() -> None:
     assert tune.edges(grid, {"a": 2, "b": 0.5, "flag": False, "prefill_busy_threshold": 4.0}) == [
         "b", "prefill_busy_threshold"]
     assert tune.edges(grid, {"a": 8, "b": 1.0, "flag": True, "prefill_busy_threshold": 2.0}) == ["a"]  # beyond
+    # a knob at the bound the policy allows (alpha >= 1, beta <= 1) is not on an edge
+    assert tune.edges({"alpha": (1.0, 1.3, 2.0), "beta": (0.5, 0.9, 1.0)}, {"alpha": 1.0, "beta": 1.0}) == []
+    assert tune.edges({"alpha": (1.0, 1.3, 2.0), "beta": (0.5, 0.9, 1.0)}, {"alpha": 2.0, "beta": 0.5}) == [
+        "alpha", "beta"]
     text = tune._knobs_text("x", {"engine": {}, "policy": {"a": 4, "b": 1.0}, "edges": ["a"]}, {"a": (), "b": ()})
     assert text == "a 4 (grid edge), b 1"
 

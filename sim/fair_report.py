@@ -6,6 +6,12 @@
 --splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
 `<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level);
 a result under model error (`--condition noise`) goes between `<!-- fair-eval PROFILE/noise -->` and its end line.
+
+    python -m sim.fair_report --matrix --splice docs/results.md results/fair-eval/h100-*.json
+
+--matrix reads one result per condition and prints, per profile, one table of every workload under
+every condition (regime, must-show, goodput against the best baseline, TBT at Kairos's goodput);
+spliced between `<!-- fair-eval PROFILE/matrix -->` and its end line.
 """
 
 from __future__ import annotations
@@ -215,6 +221,58 @@ def brief(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+CONDITION_NAMES = {"exact": "exact model", "noise": "10 % step noise", "slow": "engine 15 % slower",
+                   "hetero": "mixed fleet (0.85-1.15)"}
+
+
+def _matrix_cell(w: dict[str, Any]) -> str:
+    """One workload under one condition: the regime, the must-show there, Kairos's goodput against
+    the best baseline's, and Kairos's TBT attainment at its goodput (bold where a promise is broken)."""
+    ms = w.get("must_show")
+    verdict = "-" if ms is None else ("holds" if ms["holds"] else "**fails**")
+    pols = [p for p in w["settings"] if p != "kairos"]
+    k, ks = goodput(w, "kairos")
+    base = {p: goodput(w, p)[0] for p in pols}
+    best = max((x for x in base.values() if x is not None), default=None)
+    if k is None and best is None:
+        gp = "none reaches 90 %"
+    else:
+        kt = "< lowest" if k is None else f"x{k:g}"
+        bt = "none" if best is None else f"x{best:g}"
+        gp = f"{kt} / {bt}" if (k or 0.0) >= (best or 0.0) else f"**{kt} / {bt}**"
+    tbt = "-"
+    if ks is not None:
+        t = ks.get("tbt_slo_attainment")
+        tbt = _pct(t) if t is None or t >= 0.99 else f"**{_pct(t)}**"
+    return f"x{w['regime']:g}: {verdict} · {gp} · {tbt}"
+
+
+def matrix(results: list[dict[str, Any]]) -> dict[str, str]:
+    """Per profile, one table: every workload under every condition given (one fair_eval result per
+    condition), read off each result's must-show and goodput. The cross-condition view of the
+    tables that --splice puts in sections 2, 4 and 7.3."""
+    tables: dict[str, str] = {}
+    for profile in dict.fromkeys(r["profile"] for r in results):
+        out: list[str] = []
+        runs: dict[str, dict[str, Any]] = {str(r.get("condition", "exact")): r for r in results
+                                           if r["profile"] == profile}
+        conds = [c for c in CONDITION_NAMES if c in runs] + [c for c in runs if c not in CONDITION_NAMES]
+        names = list(dict.fromkeys(n for c in conds for n in runs[c]["workloads"]))
+        rows = []
+        for n in names:
+            ws = [runs[c]["workloads"].get(n) for c in conds]
+            cluster = next(w.get("cluster", "2P2D") for w in ws if w is not None)
+            rows.append([f"{n} ({cluster})", *["-" if w is None else _matrix_cell(w) for w in ws]])
+        out += [f"## {profile}, every condition", "",
+                "Each cell: the regime load: the must-show there · SLO goodput, Kairos / the best baseline "
+                "(bold where Kairos's is lower) · Kairos's TBT attainment at its goodput (bold under 99 %).", ""]
+        out += _table(["workload", *[CONDITION_NAMES.get(c, c) for c in conds]], rows)
+        out += ["Runs: " + "; ".join(f"{CONDITION_NAMES.get(c, c)} {runs[c]['date']} (`{runs[c]['command']}`)"
+                                     for c in conds) + ".", ""]
+        tables[profile] = "\n".join(out)
+    return tables
+
+
 def splice(doc: str, profile: str, tables: str) -> str:
     start, end = f"<!-- fair-eval {profile} -->", f"<!-- /fair-eval {profile} -->"
     if start not in doc or end not in doc:
@@ -231,23 +289,42 @@ def splice(doc: str, profile: str, tables: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     target = None
+    as_matrix = args[:1] == ["--matrix"]
+    if as_matrix:
+        args = args[1:]
     if args[:1] == ["--splice"] and len(args) >= 2:
         target, args = Path(args[1]), args[2:]
-    usage = ("usage: python -m sim.fair_report [--splice DOC.md] RESULT.json ...\n"
+    usage = ("usage: python -m sim.fair_report [--matrix] [--splice DOC.md] RESULT.json ...\n"
              "Prints the markdown report of each RESULT.json that python -m sim.fair_eval wrote, or, with\n"
-             "--splice, replaces its section in DOC.md (between its <!-- fair-eval PROFILE[/CONDITION] --> markers).")
+             "--splice, replaces its section in DOC.md (between its <!-- fair-eval PROFILE[/CONDITION] --> markers).\n"
+             "--matrix: one table per profile, each workload under each condition of the RESULT.json files given\n"
+             "(one per condition); with --splice it goes between <!-- fair-eval PROFILE/matrix --> markers.")
     if args[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0
     if not args:
         print(usage, file=sys.stderr)
         return 2
+    results = []
     for path in args:
         try:
-            res = json.loads(Path(path).read_text())
+            results.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             print(f"fair_report: cannot read {path}: {e}", file=sys.stderr)
             return 2
+    if as_matrix:
+        tables = matrix(results)
+        if target is None:
+            sys.stdout.write("\n".join(tables.values()))
+            return 0
+        try:
+            for profile, text in tables.items():
+                target.write_text(splice(target.read_text(), f"{profile}/matrix", text))
+        except ValueError as e:
+            print(f"fair_report: {target}: {e}", file=sys.stderr)
+            return 2
+        return 0
+    for res in results:
         if target is None:
             sys.stdout.write(markdown(res))
             continue

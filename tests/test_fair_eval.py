@@ -157,3 +157,39 @@ def test_fair_report_says_how_to_use_it_and_what_it_cannot_read(capsys: pytest.C
     assert main(["--help"]) == 0 and "--splice DOC.md" in capsys.readouterr().out
     assert main(["/nonexistent/result.json"]) == 2
     assert "cannot read /nonexistent/result.json" in capsys.readouterr().err
+
+
+def test_matrix_reads_each_condition_and_marks_what_kairos_loses(tmp_path: Any) -> None:
+    """The cross-condition table: one column per condition, a bold goodput where Kairos's is below
+    the best baseline's and a bold TBT under 99 %; a workload a run lacks shows "-"."""
+    import json
+
+    from sim.fair_report import main, matrix
+
+    def w(k: tuple[float, float, float], b: tuple[float, float, float], tbt: float, holds: bool) -> dict[str, Any]:
+        sweep = [{"rate_scale": x, "policies": {"kairos": {"slo_attainment": ka, "tbt_slo_attainment": tbt},
+                                                "base": {"slo_attainment": ba, "tbt_slo_attainment": 1.0}}}
+                 for x, ka, ba in zip((0.5, 1.0, 1.5), k, b, strict=True)]
+        return {"regime": 1.0, "cluster": "2P2D", "settings": {"kairos": {}, "base": {}}, "sweep": sweep,
+                "must_show": {"holds": holds}}
+
+    exact = {"profile": "p1", "condition": "exact", "date": "d0", "command": "c0",
+             "workloads": {"code": w((0.99, 0.95, 0.91), (0.99, 0.8, 0.8), 1.0, True),
+                           "long": w((0.5, 0.4, 0.3), (0.5, 0.4, 0.3), 1.0, True)}}
+    noise = {"profile": "p1", "condition": "noise", "date": "d1", "command": "c1",
+             "workloads": {"code": w((0.99, 0.8, 0.8), (0.99, 0.95, 0.5), 0.985, False)}}
+    text = matrix([noise, exact])["p1"]  # columns in the conditions' order, not the files'
+    assert "| workload | exact model | 10 % step noise |" in text
+    assert "| code (2P2D) | x1: holds · x1.5 / x0.5 · 100.0% | x1: **fails** · **x0.5 / x1** · **98.5%** |" in text
+    assert "| long (2P2D) | x1: holds · none reaches 90 % · - | - |" in text
+    assert "exact model d0 (`c0`)" in text
+    files = []
+    for i, r in enumerate((exact, noise)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    doc = tmp_path / "doc.md"
+    doc.write_text("a\n<!-- fair-eval p1/matrix -->\nSTALE\n<!-- /fair-eval p1/matrix -->\nb\n")
+    assert main(["--matrix", "--splice", str(doc), *map(str, files)]) == 0
+    out = doc.read_text()
+    assert "STALE" not in out and "| code (2P2D) | x1: holds" in out and "every condition" not in out
+    assert out.startswith("a\n<!-- fair-eval p1/matrix -->\n") and out.endswith("<!-- /fair-eval p1/matrix -->\nb\n")

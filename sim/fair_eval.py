@@ -18,7 +18,9 @@ agentic loops with shared prefixes, prefix caching on) it
      slices hold smaller bursts than the report slices, so a policy tuned on them alone is tuned
      for calm traffic);
   3. replays the disjoint report slice at the regime load and around it (SWEEP x the regime) with
-     each policy at its tuned best, on the same GPU count;
+     each policy at its tuned best, on the same GPU count, and Kairos's tuned setting once more
+     with late binding off (nothing retuned: how much of its result is late binding's; `--ablate
+     RESULT.json` adds that to a result written before it existed);
   4. writes everything as JSON, a `kairos-tuned/1` file per workload (for `kairos sim --tuned`),
      and the markdown tables of docs/results.md.
 Shape: 2P2D (conv: 1P3D, see WORKLOADS), chunked-prefill on the same GPUs as decode workers.
@@ -49,6 +51,7 @@ from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest
 from sim.core import SimConfig, simulate
+from sim.fair_report import ABLATION, markdown
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
@@ -202,6 +205,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
         first = next(iter(pols.values()))
         sweep.append({"rate_scale": x, "prefill_load": first["prefill_load"], "peak_load": first["peak_load"],
                       "policies": pols})
+    ablate(w, profile, sim, tuned, sweep, args.jobs)
     at_regime: dict[str, dict[str, Any]] = next(pt for pt in sweep if pt["rate_scale"] == regime)["policies"]
     log(f"{w.name}: done ({time.monotonic() - t0:.0f} s)")
     return {"title": w.title, "trace": w.trace, "synthetic": w.synth or None, "cluster": f"{w.prefill}P{w.decode}D",
@@ -213,6 +217,41 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                                          for p in policies},
             "sweep_multiples": w.sweep or SWEEP, "sweep": sweep, "must_show": must_show(at_regime),
             "wall_s": time.monotonic() - t0}
+
+
+# what an ablation row keeps of a run's summary (the report's columns and the goodput)
+_ABLATION_KEPT = ("requests", "rejected", "slo_attainment", "ttft_slo_attainment", "tbt_slo_attainment",
+                  "ttft_p50", "ttft_p95", "ttft_p99", "deflection_rate")
+
+
+def ablate(w: Workload, profile: Profile, sim: SimConfig, tuned: dict[str, Any], sweep: list[dict[str, Any]],
+           jobs: int) -> None:
+    """Kairos's tuned setting with late binding switched off and nothing retuned, replayed at
+    every swept rate: each sweep point gets `ablation[ABLATION]`. When the tuner left late binding
+    off, the row would be Kairos's own, so none is added (the report says so)."""
+    k = tuned.get("kairos")
+    if k is None or not knob_values("kairos", _setup({**k["engine"], **k["policy"]})).get("late_binding"):
+        return
+    setup = _setup({**k["engine"], **k["policy"], "late_binding": False})
+    runs = [Run(w, w.report, pt["rate_scale"], "kairos", setup, profile, sim) for pt in sweep]
+    for pt, o in zip(sweep, pmap(execute, runs, jobs), strict=True):
+        pt.setdefault("ablation", {})[ABLATION] = {key: o.get(key) for key in _ABLATION_KEPT}
+
+
+def ablate_result(path: Path, jobs: int, log: Callable[[str], None]) -> None:
+    """--ablate: add the late-binding ablation to a result written without it, in place (its
+    .md beside it too), from the tuned settings it holds."""
+    res = json.loads(path.read_text())
+    profile = load_profile(res["profile"])
+    base = SimConfig(prefill=2, decode=2, ttft_slo=res["ttft_slo"], tbt_slo=res["tbt_slo"],
+                     **CONDITIONS[res.get("condition", "exact")])
+    for name, wr in res["workloads"].items():
+        w = WORKLOADS[name]
+        sim = msgspec.structs.replace(base, prefill=w.prefill, decode=w.decode)
+        ablate(w, profile, sim, wr["tuned"], wr["sweep"], jobs)
+        log(f"{path.name}: {name} ablated")
+    path.write_text(json.dumps(json_safe(res), indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown(res))
 
 
 def workload_policies(w: Workload, given: list[str] | None) -> list[str]:
@@ -268,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default="results/fair-eval",
                    help="folder for results JSON, tuned files and tables.md (default results/fair-eval)")
+    p.add_argument("--ablate", action="append", default=None, metavar="RESULT.json",
+                   help="run nothing else: add Kairos's late-binding ablation (its tuned setting with late "
+                        "binding off, at every swept rate) to a result written without it, in place; repeat "
+                        "for several")
     return p
 
 
@@ -291,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"fair_eval: {e}", file=sys.stderr)
         return 2
+    if args.ablate:
+        t_a = time.monotonic()
+        for path in args.ablate:
+            try:
+                ablate_result(Path(path), args.jobs,
+                              lambda msg: print(f"[{time.monotonic() - t_a:6.0f} s] {msg}", flush=True))
+            except (OSError, ValueError, KeyError) as e:
+                print(f"fair_eval: --ablate {path}: {e!r}", file=sys.stderr)
+                return 2
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[args.condition])
@@ -300,8 +353,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
-
-    from sim.fair_report import markdown  # here: fair_report imports this module's names
 
     cmd = "python -m sim.fair_eval " + " ".join(sys.argv[1:] if argv is None else argv)
     for profile in profiles:

@@ -24,6 +24,10 @@ from typing import Any
 from sim.stats import fmt
 from sim.tune import GRIDS, _knobs_text
 
+# Kairos's tuned setting again with late binding off, nothing retuned (sim/fair_eval.py `ablate`):
+# a row beside the policies, never one of the baselines Kairos is compared with
+ABLATION = "kairos, late binding off"
+
 
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
@@ -55,15 +59,28 @@ def _cell(pols: dict[str, Any], p: str) -> str:
     return f"{_pct(s['slo_attainment'])} / {fmt(s['ttft_p95'])} / {_pct(s['tbt_slo_attainment'])}"
 
 
+def ablated(res: dict[str, Any]) -> bool:
+    """Whether the result has the late-binding ablation (results written before it do not)."""
+    return any(ABLATION in pt.get("ablation", {}) for w in res["workloads"].values() for pt in w["sweep"])
+
+
+def _ablation_cell(w: dict[str, Any], pt: dict[str, Any]) -> str:
+    if ABLATION in pt.get("ablation", {}):
+        return _cell(pt["ablation"], ABLATION)
+    return "(tuned off)" if "kairos" in w["settings"] else "-"
+
+
 def headline(res: dict[str, Any]) -> list[str]:
     pols = policies(res)
-    head = ["workload", "GPUs", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols], "must-show"]
+    abl = ablated(res)
+    head = ["workload", "GPUs", "rate x", "peak 10 s load", *[f"{p}: both / P95 s / TBT" for p in pols],
+            *([f"{ABLATION}: both / P95 s / TBT"] if abl else []), "must-show"]
     rows = []
     for name, w in res["workloads"].items():
         pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
         ms = w["must_show"]
         rows.append([name, w.get("cluster", "2P2D"), f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
-                     *[_cell(pt["policies"], p) for p in pols],
+                     *[_cell(pt["policies"], p) for p in pols], *([_ablation_cell(w, pt)] if abl else []),
                      "-" if ms is None else ("holds" if ms["holds"] else "**fails**")])
     return _table(head, rows)
 
@@ -155,7 +172,9 @@ def goodput(w: dict[str, Any], policy: str) -> tuple[float | None, dict[str, Any
     it and at every lower swept rate, and its summary there (None: not even the lowest)."""
     best: tuple[float | None, dict[str, Any] | None] = (None, None)
     for point in sorted(w["sweep"], key=lambda pt: pt["rate_scale"]):
-        s = point["policies"][policy]
+        s = point["policies"][policy] if policy != ABLATION else point.get("ablation", {}).get(policy)
+        if s is None:
+            return (None, None)
         if (s["slo_attainment"] or 0) < GOODPUT_AT:
             break
         best = (point["rate_scale"], s)
@@ -164,10 +183,17 @@ def goodput(w: dict[str, Any], policy: str) -> tuple[float | None, dict[str, Any
 
 def goodput_table(res: dict[str, Any]) -> list[str]:
     pols = policies(res)
-    head = ["workload", "swept rates x", *[f"{p}: goodput x (TBT there)" for p in pols], "Kairos >= best baseline"]
+    abl = ablated(res)
+    head = ["workload", "swept rates x", *[f"{p}: goodput x (TBT there)" for p in pols],
+            *([f"{ABLATION}: goodput x"] if abl else []), "Kairos >= best baseline"]
     rows = []
     for name, w in res["workloads"].items():
         got = {p: goodput(w, p) for p in pols if p in w["settings"]}
+        off = []
+        if abl:
+            has = any(ABLATION in pt.get("ablation", {}) for pt in w["sweep"])
+            x = goodput(w, ABLATION)[0] if has else None
+            off = [("< lowest" if x is None else f"{x:g}") if has else _ablation_cell(w, {})]
 
         def text(g: tuple[float | None, dict[str, Any] | None] | None) -> str:
             if g is None:
@@ -182,7 +208,7 @@ def goodput_table(res: dict[str, Any]) -> list[str]:
             k = got["kairos"][0] or 0.0
             verdict = "yes" if all(k >= (g[0] or 0.0) for p, g in got.items() if p != "kairos") else "**no**"
         rows.append([name, "/".join(f"{pt['rate_scale']:g}" for pt in w["sweep"]), *[text(got.get(p)) for p in pols],
-                     verdict])
+                     *off, verdict])
     return _table(head, rows)
 
 
@@ -196,7 +222,9 @@ def markdown(res: dict[str, Any]) -> str:
            f"Run {res['date']} on {res['machine']} (load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end; "
            f"wall time {res.get('wall_s', 0):.0f} s), simulated: `{res['command']}`.", "",
            "Headline, at each workload's regime load, report slice (both = both-SLO attainment, TBT = largest-gap "
-           "TBT attainment):", ""]
+           "TBT attainment" + (f"; {ABLATION}: Kairos's tuned setting with late binding switched off, nothing "
+                               "retuned, so the difference is what late binding gives; \"(tuned off)\": the tuner "
+                               "left it off" if ablated(res) else "") + "):", ""]
     out += headline(res)
     out += [f"SLO goodput, report slice: the highest swept rate at which each policy keeps {GOODPUT_AT:.0%} both-SLO "
             "attainment (at that rate and every lower one swept; four to six rates per workload, so a coarse reading), "

@@ -142,6 +142,50 @@ def test_session_workload_end_to_end() -> None:
     assert "kv-aware: goodput x" in goodput_table(res)[0]
 
 
+def test_the_late_binding_ablation_replays_kairos_tuned_setting_with_it_off() -> None:
+    """Each sweep point gets Kairos's tuned setting once more with late binding off (nothing
+    retuned), as a row the report shows beside the policies but never compares Kairos with; when
+    the tuner left late binding off there is no row, and the report says so."""
+    import dataclasses
+
+    from common.perf_model import load_profile
+    from sim.core import SimConfig
+    from sim.fair_eval import Run, ablate, execute, must_show
+    from sim.fair_report import ABLATION, goodput_table, headline
+    from sim.tune import _setup
+    from sim.workloads import WORKLOADS
+
+    w = dataclasses.replace(WORKLOADS["bursty"], synth={**WORKLOADS["bursty"].synth, "duration": 30.0})
+    prof = load_profile("h100-llama2-70b-tp4")
+    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1)
+    knobs = {"late_binding": True, "late_depth": 0.25, "alpha": 1.6}
+    tuned = {"kairos": {"engine": {"prefill_token_budget": 512}, "policy": knobs}, "chunked-prefill":
+             {"engine": {"decode_token_budget": 512}, "policy": {}}}
+    sweep = []
+    for x in (0.7, 1.4):
+        pols = {p: execute(Run(w, w.report, x, p, _setup({**e["engine"], **e["policy"]}), prof, sim))
+                for p, e in tuned.items()}
+        sweep.append({"rate_scale": x, "prefill_load": 0.0, "peak_load": 0.0, "policies": pols})
+    ablate(w, prof, sim, tuned, sweep, jobs=1)
+    off = execute(Run(w, w.report, 1.4, "kairos", _setup({"prefill_token_budget": 512, **knobs,
+                                                          "late_binding": False}), prof, sim))
+    row = sweep[1]["ablation"][ABLATION]
+    assert row["slo_attainment"] == off["slo_attainment"] and row["ttft_p95"] == off["ttft_p95"]
+    assert row["requests"] == off["requests"] > 20
+    assert set(sweep[1]["policies"]) == {"kairos", "chunked-prefill"}  # never a baseline
+    wr = {"regime": 1.4, "cluster": "2P2D", "settings": {p: {} for p in tuned}, "sweep": sweep,
+          "must_show": must_show(sweep[1]["policies"])}
+    res = {"workloads": {"bursty": wr}}
+    assert f"{ABLATION}: both / P95 s / TBT" in headline(res)[0] and f"{ABLATION}: goodput x" in goodput_table(res)[0]
+    # tuned with late binding off: no row, and a result that has ablations elsewhere says why
+    plain = [{**pt, "ablation": {}} for pt in sweep]
+    ablate(w, prof, sim, {**tuned, "kairos": {**tuned["kairos"], "policy": {**knobs, "late_binding": False}}},
+           plain, jobs=1)
+    assert all(not pt["ablation"] for pt in plain)
+    res["workloads"]["other"] = {**wr, "sweep": plain}
+    assert "(tuned off)" in headline(res)[3]
+
+
 def test_session_regimes_are_fixed_per_profile() -> None:
     """The A100's steps are slower: its session regimes are its own, not the H100's."""
     from sim.workloads import WORKLOADS

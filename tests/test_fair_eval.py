@@ -208,7 +208,7 @@ def test_matrix_reads_each_condition_and_marks_what_kairos_loses(tmp_path: Any) 
     the best baseline's and a bold TBT under 99 %; a workload a run lacks shows "-"."""
     import json
 
-    from sim.fair_report import main, matrix
+    from sim.fair_report import ABLATION, main, matrix
 
     def w(k: tuple[float, float, float], b: tuple[float, float, float], tbt: float, holds: bool) -> dict[str, Any]:
         sweep = [{"rate_scale": x, "policies": {"kairos": {"slo_attainment": ka, "tbt_slo_attainment": tbt},
@@ -222,10 +222,13 @@ def test_matrix_reads_each_condition_and_marks_what_kairos_loses(tmp_path: Any) 
                            "long": w((0.5, 0.4, 0.3), (0.5, 0.4, 0.3), 1.0, True)}}
     noise = {"profile": "p1", "condition": "noise", "date": "d1", "command": "c1",
              "workloads": {"code": w((0.99, 0.8, 0.8), (0.99, 0.95, 0.5), 0.985, False)}}
+    for pt in exact["workloads"]["code"]["sweep"]:  # the late-binding ablation, on this run only
+        pt["ablation"] = {ABLATION: {"slo_attainment": pt["policies"]["kairos"]["slo_attainment"] - 0.042}}
     text = matrix([noise, exact])["p1"]  # columns in the conditions' order, not the files'
     assert "| workload | exact model | 10 % step noise |" in text
-    assert "| code (2P2D) | x1: holds · x1.5 / x0.5 · 100.0% | x1: **fails** · **x0.5 / x1** · **98.5%** |" in text
-    assert "| long (2P2D) | x1: holds · none reaches 90 % · - | - |" in text
+    assert ("| code (2P2D) | x1: holds · x1.5 / x0.5 · 100.0% · late binding +4.2 pt | "
+            "x1: **fails** · **x0.5 / x1** · **98.5%** |") in text
+    assert "| long (2P2D) | x1: holds · none reaches 90 % · - · late binding tuned off | - |" in text
     assert "exact model d0 (`c0`)" in text
     files = []
     for i, r in enumerate((exact, noise)):

@@ -278,7 +278,7 @@ def _matrix_cell(w: dict[str, Any], abl: bool) -> str:
     late = ""
     if ABLATION in pt.get("ablation", {}):
         d = (pt["policies"]["kairos"]["slo_attainment"] or 0) - (pt["ablation"][ABLATION]["slo_attainment"] or 0)
-        late = f" · late binding {d * 100:+.1f} pt"
+        late = f" · late binding {round(d * 100, 1) + 0.0:+.1f} pt"  # + 0.0: no "-0.0"
     elif abl:
         late = " · late binding tuned off"
     return f"x{w['regime']:g}: {verdict} · {gp} · {tbt}{late}"

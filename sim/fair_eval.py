@@ -51,7 +51,7 @@ from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest
 from sim.core import SimConfig, simulate
-from sim.fair_report import ABLATION, markdown
+from sim.fair_report import ABLATION, markdown, not_a_result
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
 from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
@@ -242,6 +242,9 @@ def ablate_result(path: Path, jobs: int, log: Callable[[str], None]) -> None:
     """--ablate: add the late-binding ablation to a result written without it, in place (its
     .md beside it too), from the tuned settings it holds."""
     res = json.loads(path.read_text())
+    missing = not_a_result(res) or next((k for k in ("ttft_slo", "tbt_slo") if k not in res), None)
+    if missing:
+        raise ValueError(f"not a result of python -m sim.fair_eval (no {missing!r})")
     profile = load_profile(res["profile"])
     base = SimConfig(prefill=2, decode=2, ttft_slo=res["ttft_slo"], tbt_slo=res["tbt_slo"],
                      **CONDITIONS[res.get("condition", "exact")])
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 ablate_result(Path(path), args.jobs,
                               lambda msg: print(f"[{time.monotonic() - t_a:6.0f} s] {msg}", flush=True))
             except (OSError, ValueError, KeyError) as e:
-                print(f"fair_eval: --ablate {path}: {e!r}", file=sys.stderr)
+                print(f"fair_eval: --ablate {path}: {e}", file=sys.stderr)
                 return 2
         return 0
     out = Path(args.out)

@@ -29,6 +29,13 @@ from sim.tune import GRIDS, _knobs_text
 ABLATION = "kairos, late binding off"
 
 
+def not_a_result(res: Any) -> str | None:
+    """The first field a `python -m sim.fair_eval` result must have that `res` lacks, if any."""
+    if not isinstance(res, dict):
+        return "profile"
+    return next((k for k in ("profile", "workloads") if k not in res), None)
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -351,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             print(f"fair_report: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+        missing = not_a_result(results[-1])
+        if missing:
+            print(f"fair_report: {path} is not a result of python -m sim.fair_eval (no {missing!r})", file=sys.stderr)
             return 2
     if as_matrix:
         tables = matrix(results)

@@ -203,6 +203,19 @@ def test_fair_report_says_how_to_use_it_and_what_it_cannot_read(capsys: pytest.C
     assert "cannot read /nonexistent/result.json" in capsys.readouterr().err
 
 
+def test_reports_refuse_a_json_file_that_is_not_a_result(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.fair_eval import main as eval_main
+    from sim.fair_report import main
+
+    bad = tmp_path / "other.json"
+    bad.write_text('{"format": "kairos-tuned/1"}')
+    for args in (["--matrix", str(bad)], [str(bad)]):
+        assert main(args) == 2
+        assert f"{bad} is not a result of python -m sim.fair_eval (no 'profile')" in capsys.readouterr().err
+    assert eval_main(["--ablate", str(bad)]) == 2
+    assert "not a result of python -m sim.fair_eval (no 'profile')" in capsys.readouterr().err
+
+
 def test_matrix_reads_each_condition_and_marks_what_kairos_loses(tmp_path: Any) -> None:
     """The cross-condition table: one column per condition, a bold goodput where Kairos's is below
     the best baseline's and a bold TBT under 99 %; a workload a run lacks shows "-"."""

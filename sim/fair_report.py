@@ -66,6 +66,11 @@ def _cell(pols: dict[str, Any], p: str) -> str:
     return f"{_pct(s['slo_attainment'])} / {fmt(s['ttft_p95'])} / {_pct(s['tbt_slo_attainment'])}"
 
 
+def at_regime(w: dict[str, Any]) -> dict[str, Any]:
+    """A workload's sweep point at its regime load (where the must-show is judged)."""
+    return next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+
+
 def ablated(res: dict[str, Any]) -> bool:
     """Whether the result has the late-binding ablation (results written before it do not)."""
     return any(ABLATION in pt.get("ablation", {}) for w in res["workloads"].values() for pt in w["sweep"])
@@ -84,7 +89,7 @@ def headline(res: dict[str, Any]) -> list[str]:
             *([f"{ABLATION}: both / P95 s / TBT"] if abl else []), "must-show"]
     rows = []
     for name, w in res["workloads"].items():
-        pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+        pt = at_regime(w)
         ms = w["must_show"]
         rows.append([name, w.get("cluster", "2P2D"), f"{w['regime']:g}", f"{pt['peak_load']:.2f}",
                      *[_cell(pt["policies"], p) for p in pols], *([_ablation_cell(w, pt)] if abl else []),
@@ -115,7 +120,7 @@ def workload(name: str, w: dict[str, Any]) -> list[str]:
                   [[p, e["cluster"], _knobs_text(p, e, GRIDS[p]), str(e["evaluated"]), f"{e['wall_s']:.0f}",
                     _pct(e["tune"]["slo_attainment"]), _pct(e["report"]["slo_attainment"]),
                     _pct(e["defaults_tune"]["slo_attainment"])] for p, e in w["tuned"].items()])
-    pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+    pt = at_regime(w)
     out += [f"At the regime load x{w['regime']:g}, report slice (prefill load {fmt(pt['prefill_load'], 'n')}, "
             f"busiest 10 s {fmt(pt['peak_load'], 'n')}):", ""]
     out += _table(["policy", "GPUs", "both SLOs", "both (p99 gap)", "TTFT SLO", "TBT max gap", "TBT p99 gap",
@@ -281,7 +286,7 @@ def _matrix_cell(w: dict[str, Any], abl: bool) -> str:
     if ks is not None:
         t = ks.get("tbt_slo_attainment")
         tbt = _pct(t) if t is None or t >= 0.99 else f"**{_pct(t)}**"
-    pt = next(p for p in w["sweep"] if p["rate_scale"] == w["regime"])
+    pt = at_regime(w)
     late = ""
     if ABLATION in pt.get("ablation", {}):
         d = (pt["policies"]["kairos"]["slo_attainment"] or 0) - (pt["ablation"][ABLATION]["slo_attainment"] or 0)
@@ -302,11 +307,12 @@ def matrix(results: list[dict[str, Any]]) -> dict[str, str]:
                                            if r["profile"] == profile}
         conds = [c for c in CONDITION_NAMES if c in runs] + [c for c in runs if c not in CONDITION_NAMES]
         names = list(dict.fromkeys(n for c in conds for n in runs[c]["workloads"]))
+        abl = {c: ablated(runs[c]) for c in conds}
         rows = []
         for n in names:
             ws = [runs[c]["workloads"].get(n) for c in conds]
             cluster = next(w.get("cluster", "2P2D") for w in ws if w is not None)
-            rows.append([f"{n} ({cluster})", *["-" if w is None else _matrix_cell(w, ablated(runs[c]))
+            rows.append([f"{n} ({cluster})", *["-" if w is None else _matrix_cell(w, abl[c])
                                                for c, w in zip(conds, ws, strict=True)]])
         out += [f"## {profile}, every condition", "",
                 "Each cell: the regime load: the must-show there · SLO goodput, Kairos / the best baseline "

@@ -4,7 +4,7 @@ Starts one router (no workers of its own), then registers N prefill + N decode f
 its bus from this process (real DEALER connections, real Hello and heartbeat messages, with
 varying load so every heartbeat changes the worker's view; prefill heartbeats carry the queue's
 backlog and the worker's replay of it, as real ones do), each heartbeating every 100 ms,
-staggered evenly. Measures the router process's CPU (user + system, all threads, from /proc)
+staggered evenly. Measures the router process's CPU (all threads, from its CPU-time clock)
 over a window, and prints one JSON object: cores used, heartbeats per second, and CPU per
 heartbeat. With `--env K=V` (repeatable) the router gets extra settings, so two variants can be
 run alternately in one invocation with `--compare K=V`.
@@ -24,16 +24,11 @@ from pathlib import Path
 
 import zmq
 
+from bench.steps import cpu_seconds as _cpu_s
 from common import codec
 from common import messages as m
 from common.perf_model import load_profile
 from kairos.up import free_ports
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_workers(text: str) -> tuple[int, int]:

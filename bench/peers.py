@@ -5,7 +5,7 @@ router's CPUs in front of two mock OpenAI backends (bench/reference_app.py, on t
 they answer every completion with a fixed SSE stream at once), and the same load generator
 processes drive it with the same request-rate and token-rate steps as Kairos's router in the
 same run. Measured per peer: its process's CPU per request and per streamed token (all threads,
-/proc, its idle use subtracted), the carried rate, and TTFT p50 at the latency phase's rate;
+CPU-time clock, its idle use subtracted), the carried rate, and TTFT p50 at the latency phase's rate;
 the same TTFT straight to one backend is the floor both are compared against.
 
 What differs, and is said with every figure: a peer parses the body's JSON, picks a backend and

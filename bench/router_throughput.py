@@ -20,7 +20,7 @@ everything else (workers, load generator processes) to the others, then:
    goes out in one event, so `router_us_per_token` is per event and `router_us_per_output_token`
    per token; a peer relaying the reference app writes one event per token).
 At every step: offered and completed rate, client TTFT p50/p99, and the CPU seconds each
-process used during the step (from /proc, all threads), so a step where the router's CPU is
+process used during the step (its CPU-time clock, all threads), so a step where the router's CPU is
 pegged is told apart from one where the load generator or the workers ran out of CPU. The sustained
 maximum is the highest step that completed >= 97% of its offered requests without errors
 and kept the TTFT p50 within 2x (+2 ms) of the lowest step's. `router_us_per_request` and

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from common import config
 from common import messages as m
@@ -485,13 +486,18 @@ async def test_lost_after_every_token_was_streamed_it_finishes_with_length() -> 
 
 
 async def test_lost_mid_stream_with_no_kv_room_elsewhere_it_is_parked_and_resumed_at_a_tick() -> None:
-    b = Bench("deflect-all", [("decode-0", CAP), ("decode-1", CAP)])
-    a = b.submit()
-    other = b.submit()
-    b.tokens("decode-0", a, [11, 12])
-    b.take()
-    b.lose("decode-0")
+    with capture_logs() as logs:
+        b = Bench("deflect-all", [("decode-0", CAP), ("decode-1", CAP)])
+        a = b.submit()
+        other = b.submit()
+        b.tokens("decode-0", a, [11, 12])
+        b.take()
+        b.lose("decode-0")
     assert client(a) == ([11, 12], [], []) and not a.done and not work(b.take(), a)
+    # the operator's log says where the request went: waiting, with why (not silence)
+    moved = [e for e in logs if e["event"] == "request_migrated" and e["request_id"] == a.request_id]
+    assert len(moved) == 1 and moved[0]["decode_worker"] is None and moved[0]["sent_tokens"] == 2
+    assert moved[0]["bad_worker"] == "decode-0" and moved[0]["waiting"]
     # it waits for room first in line, as a request that had not streamed does (RouterCore.unplaced;
     # until 2026-12-04 it was parked, tried again only at liveness ticks, within park_timeout)
     assert b.stats()["kv_waiting"] == 1

@@ -79,7 +79,12 @@ class Migration:
         req.resume_from = req.n_out
         self.counts["migrated"] += 1
         if not self._dispatch_again(req, now):  # it waits for KV room or is parked (RouterCore.unplaced)
-            self.metrics.observe_migration("parked" if req.request_id in self.parked else "waiting")
+            parked = req.request_id in self.parked
+            self.metrics.observe_migration("parked" if parked else "waiting")
+            if not parked:  # park() said so in its own line; a wait for room would leave none
+                self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt,
+                                 migrations=req.migrations, sent_tokens=req.n_out, why=why, bad_worker=bad_worker,
+                                 decode_worker=None, waiting=req.wait_reason or "for KV room")
             return
         self.metrics.observe_migration("resumed")
         self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,

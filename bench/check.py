@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(args.baseline.read_text()) if args.baseline.exists() else {}
         new = {"router_cost_ratio": round(measured["router_cost_ratio"], 2),
                "decision_total_ratio": round(measured["decision_total_ratio"], 2),
-               "tolerance": old.get("tolerance", 1.45), "measured": measured["date"],
+               "tolerance": old.get("tolerance", 1.5), "measured": measured["date"],
                "note": old.get("note", "")}
         args.baseline.write_text(json.dumps(new, indent=1) + "\n")
         print(f"bench-check: baseline written to {args.baseline}")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.steps import cpu_seconds as _cpu_s
+from bench.steps import cpu_seconds
 from common import codec
 from common import messages as m
 from common.perf_model import load_profile
@@ -110,9 +110,9 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
                     time.sleep(delay)
             now = time.monotonic()
             if c0 is None and now - t_start > 2.0:  # warmed up: start the window
-                c0, w0 = _cpu_s(router.pid), now
+                c0, w0 = cpu_seconds(router.pid), now
             elif c0 is not None and w0 is not None and now - w0 >= seconds:
-                used = _cpu_s(router.pid) - c0
+                used = cpu_seconds(router.pid) - c0
                 return {"workers": n + n_d, "prefill": n, "decode": n_d, "interval_s": interval,
                         "window_s": round(now - w0, 2), "router_cores": round(used / (now - w0), 4),
                         "heartbeats_per_s": round(sent / (now - w0), 1),

@@ -31,7 +31,7 @@ def test_median_of_the_runs_ratios_counts(monkeypatch) -> None:
     second measurement adds to the first one's runs."""
     import bench.check as bc
 
-    router = iter([(900.0, 150.0, 6.0), (400.0, 200.0, 2.0), (500.0, 100.0, 5.0)])
+    router = iter([(900.0, 150.0), (400.0, 200.0), (500.0, 100.0)])
     decision = iter([(30.0, 3.0), (20.0, 4.0), (24.0, 2.0)])
     monkeypatch.setattr(bc, "_router_run", lambda path: next(router))
     monkeypatch.setattr(bc, "_decision_run", lambda path: next(decision))
@@ -39,7 +39,7 @@ def test_median_of_the_runs_ratios_counts(monkeypatch) -> None:
     assert m["router_cost_ratio"] == 5.0
     assert m["decision_total_ratio"] == 10.0
     assert m["runs"]["router_cost_ratio"] == [6.0, 2.0, 5.0]
-    more = iter([(300.0, 100.0, 3.0)])
+    more = iter([(300.0, 100.0)])
     monkeypatch.setattr(bc, "_router_run", lambda path: next(more))
     monkeypatch.setattr(bc, "_decision_run", lambda path: (22.0, 2.0))
     m2 = bc.measure(1, prior=m)
@@ -54,13 +54,13 @@ def test_a_regression_must_show_again(monkeypatch, tmp_path, capsys) -> None:
 
     base = tmp_path / "baseline.json"
     base.write_text(json.dumps(BASE))  # limit 6.4
-    runs = iter([(800.0, 100.0, 8.0), (420.0, 100.0, 4.2)])  # one noisy run, then a normal one: median 6.1
+    runs = iter([(800.0, 100.0), (420.0, 100.0)])  # one noisy run, then a normal one: median 6.1
     monkeypatch.setattr(bc, "_router_run", lambda path: next(runs))
     monkeypatch.setattr(bc, "_decision_run", lambda path: (20.0, 2.0))
     assert bc.main(["--runs", "1", "--baseline", str(base)]) == 0
     out = capsys.readouterr().out
     assert "1 more run(s) to confirm" in out and "bench-check: ok" in out
-    monkeypatch.setattr(bc, "_router_run", lambda path: (900.0, 100.0, 9.0))  # every run costs more
+    monkeypatch.setattr(bc, "_router_run", lambda path: (900.0, 100.0))  # every run costs more
     assert bc.main(["--runs", "1", "--baseline", str(base)]) == 1
     assert "REGRESSION: router_cost_ratio 9.00" in capsys.readouterr().out
 

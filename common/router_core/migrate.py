@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -78,18 +79,17 @@ class Migration:
         req.migrations += 1
         req.resume_from = req.n_out
         self.counts["migrated"] += 1
-        if not self._dispatch_again(req, now):  # it waits for KV room or is parked (RouterCore.unplaced)
-            parked = req.request_id in self.parked
-            self.metrics.observe_migration("parked" if parked else "waiting")
-            if not parked:  # park() said so in its own line; a wait for room would leave none
-                self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt,
-                                 migrations=req.migrations, sent_tokens=req.n_out, why=why, bad_worker=bad_worker,
-                                 decode_worker=None, waiting=req.wait_reason or "for KV room")
-            return
-        self.metrics.observe_migration("resumed")
-        self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt, migrations=req.migrations,
-                    sent_tokens=req.n_out, why=why, bad_worker=bad_worker, decode_worker=req.decode_worker,
-                    route=req.decision.route if req.decision else None)
+        where: dict[str, Any]
+        if self._dispatch_again(req, now):
+            outcome = "resumed"
+            where = {"decode_worker": req.decode_worker, "route": req.decision.route if req.decision else None}
+        else:  # it waits for KV room or is parked (RouterCore.unplaced)
+            outcome = "parked" if req.request_id in self.parked else "waiting"
+            where = {"decode_worker": None, "waiting": req.wait_reason or "for KV room"}
+        self.metrics.observe_migration(outcome)
+        if outcome != "parked":  # park() says so in its own line
+            self.log.warning("request_migrated", request_id=req.request_id, attempt=req.attempt,
+                             migrations=req.migrations, sent_tokens=req.n_out, why=why, bad_worker=bad_worker, **where)
 
     def park(self, req: Request, why: str, now: float) -> None:
         """No live worker can take this (already re-attempted) request now: hold it briefly."""

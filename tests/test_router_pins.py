@@ -485,7 +485,7 @@ async def test_lost_after_every_token_was_streamed_it_finishes_with_length() -> 
     assert client(req) == ([1, 2, 3], ["length"], []) and req.done and not work(b.take(), req)
 
 
-async def test_lost_mid_stream_with_no_kv_room_elsewhere_it_is_parked_and_resumed_at_a_tick() -> None:
+async def test_lost_mid_stream_with_no_kv_room_elsewhere_it_waits_first_in_line_and_resumes_when_room_shows() -> None:
     with capture_logs() as logs:
         b = Bench("deflect-all", [("decode-0", CAP), ("decode-1", CAP)])
         a = b.submit()

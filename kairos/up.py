@@ -595,6 +595,22 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                                       for i in range(1, a.routers)])
 
 
+def banner(spec: ClusterSpec, model: str | None) -> str:
+    """What `kairos up` prints once every worker has registered: where everything is. With
+    --no-monitor there is no dashboard, and the banner says so instead of naming a dead port."""
+    monitor = (f"  dashboard:   http://127.0.0.1:{spec.monitor_port}/   metrics: http://127.0.0.1:{spec.monitor_port}/metrics\n"
+               if spec.monitor else "  dashboard:   none (--no-monitor)\n")
+    return (f"\nKairos is up.\n  OpenAI API:  {spec.api}/v1   (model: {Path(model).name if model else 'kairos-sim'})\n"
+            + monitor +
+            f"  stats:       {spec.api}/v1/kairos/stats\n"
+            f"  bus:         {('CURVE keys in ' + spec.curve_keys_dir) if spec.curve_keys_dir else 'INSECURE'}\n"
+            + (f"  /metrics:    {', '.join(f'{n} :{p}' for n, p in spec.metrics_ports.items())}\n"
+               if spec.metrics_ports else "") +
+            f"  try:  curl -s {spec.api}/v1/completions -H 'content-type: application/json' "
+            f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
+            "Ctrl-C stops everything.")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
@@ -629,16 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting {a.routers} router(s), {a.prefill} prefill + {a.decode} decode workers ({a.engine} engine, "
               f"policy {a.policy}); logs in {a.log_dir}/", flush=True)
         cluster.start(timeout=300 if a.engine == "vllm" else 60)
-        print(f"\nKairos is up.\n  OpenAI API:  {spec.api}/v1   (model: "
-              f"{Path(a.model).name if a.model else 'kairos-sim'})\n"
-              f"  dashboard:   http://127.0.0.1:{spec.monitor_port}/   metrics: http://127.0.0.1:{spec.monitor_port}/metrics\n"
-              f"  stats:       {spec.api}/v1/kairos/stats\n"
-              f"  bus:         {('CURVE keys in ' + spec.curve_keys_dir) if spec.curve_keys_dir else 'INSECURE'}\n"
-              + (f"  /metrics:    {', '.join(f'{n} :{p}' for n, p in spec.metrics_ports.items())}\n"
-                 if spec.metrics_ports else "") +
-              f"  try:  curl -s {spec.api}/v1/completions -H 'content-type: application/json' "
-              f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
-              "Ctrl-C stops everything.", flush=True)
+        print(banner(spec, a.model), flush=True)
         while True:
             cluster.supervise()
             time.sleep(0.1)

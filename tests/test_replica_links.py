@@ -206,6 +206,16 @@ def test_kairos_up_routers_flag() -> None:
     assert "KAIROS_HTTP_REUSE_PORT" not in one.services["router"].env and "router-1" not in one.services
 
 
+def test_kairos_up_banner_names_the_dashboard_only_when_a_monitor_runs() -> None:
+    from kairos.up import banner, parser, spec_from_args
+
+    on = spec_from_args(parser().parse_args(["--monitor-port", "9177", "--insecure"]))
+    assert "dashboard:   http://127.0.0.1:9177/" in banner(on, None) and "kairos-sim" in banner(on, None)
+    off = spec_from_args(parser().parse_args(["--monitor-port", "9177", "--no-monitor", "--insecure"]))
+    text = banner(off, "/models/tiny-llama")
+    assert "9177" not in text and "dashboard:   none (--no-monitor)" in text and "(model: tiny-llama)" in text
+
+
 def test_reuse_port_socket_shares_the_port_and_says_who_holds_it() -> None:
     import socket
 

@@ -74,27 +74,27 @@ cleanup() {
 }
 trap 'cleanup; [[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT
 
-# stack_down NAME COMPOSE-CMD...: take a stack down after its checks passed. Debian's docker-compose
-# (1.29) now and then fails a `down` (CI 2026-12-05, the replicas stack, after every check had
-# passed), so it is retried; if it still fails, its output is kept and shown, whatever the project
-# left (containers, networks, volumes) is removed with docker itself, and the tier goes on: the stack
-# was judged by its checks, not by its teardown.
+# stack_down PROJECT:FILE (as in `projects`): take a stack down after its checks passed. Debian's
+# docker-compose (1.29) now and then fails a `down` (CI 2026-12-05, the replicas stack, after every
+# check had passed), so it is retried; if it still fails, its output is kept and shown, whatever the
+# project left (containers, networks, volumes) is removed with docker itself, and the tier goes on:
+# the stack was judged by its checks, not by its teardown. (cleanup, at exit, is the quiet one-try
+# version for stacks a failed check left up.)
 stack_down() {
-  local name=$1 out try; shift
+  local project=${1%%:*} file=${1#*:} out try
   for try in 1 2 3; do
-    out=$("$@" down -v --remove-orphans -t 10 2>&1) && return 0
+    out=$(docker-compose -p "$project" -f "$file" down -v --remove-orphans -t 10 2>&1) && return 0
     sleep $((2 * try))
   done
   mkdir -p docker-tier-logs
-  printf '%s\n' "$out" >"docker-tier-logs/$name-down.log"
-  say "WARNING: docker-compose down of the $name stack failed 3 times; its last output (docker-tier-logs/$name-down.log):"
+  printf '%s\n' "$out" >"docker-tier-logs/$project-down.log"
+  say "WARNING: docker-compose down of $project failed 3 times; its last output (docker-tier-logs/$project-down.log):"
   printf '%s\n' "$out" | tail -n 5 | sed 's/^/    /'
-  local project
-  project=$(printf '%s\n' "$*" | sed -n 's/.*-p \([^ ]*\).*/\1/p')
-  docker ps -aq --filter "label=com.docker.compose.project=$project" 2>/dev/null | xargs -r docker rm -f -v >/dev/null 2>&1 || true
-  docker network ls -q --filter "label=com.docker.compose.project=$project" 2>/dev/null | xargs -r docker network rm >/dev/null 2>&1 || true
-  docker volume ls -q --filter "label=com.docker.compose.project=$project" 2>/dev/null | xargs -r docker volume rm >/dev/null 2>&1 || true
-  say "removed what project $project left with docker rm/network rm/volume rm; going on"
+  local label="label=com.docker.compose.project=$project"
+  docker ps -aq --filter "$label" 2>/dev/null | xargs -r docker rm -f -v >/dev/null 2>&1 || true
+  docker network ls -q --filter "$label" 2>/dev/null | xargs -r docker network rm >/dev/null 2>&1 || true
+  docker volume ls -q --filter "$label" 2>/dev/null | xargs -r docker volume rm >/dev/null 2>&1 || true
+  say "removed what $project left with docker rm/network rm/volume rm; going on"
 }
 
 # ---------------------------------------------------------------------------- 4. the sim stack
@@ -108,7 +108,7 @@ say "docker-compose.sim.yml up on port $KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
     --restart prefill-0 prefill-1 decode-0 decode-1 monitor --router-restart --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $sim logs --no-color >docker-tier-logs/sim.log 2>&1
        say "FAIL (sim stack): every service's log is in docker-tier-logs/sim.log"; exit 1; }
-stack_down sim $sim
+stack_down kairos-tier-sim:docker-compose.sim.yml
 say "docker-compose.sim.yml: passed, down ($((SECONDS - t0)) s)"
 
 # ---------------------------------------------------------------------------- 5. multi-host
@@ -121,7 +121,7 @@ say "docker-compose.multihost.yml up, API published on 127.0.0.1:$KAIROS_HTTP_PO
     --restart prefill-0 prefill-1 decode-0 decode-1 --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $multi logs --no-color >docker-tier-logs/multihost.log 2>&1
        say "FAIL (multi-host stack): every service's log is in docker-tier-logs/multihost.log"; exit 1; }
-stack_down multi-host $multi
+stack_down kairos-tier-multi:docker-compose.multihost.yml
 say "docker-compose.multihost.yml: passed, down ($((SECONDS - t0)) s)"
 # ---------------------------------------------------------------------------- 6. router replicas
 lb_image=${KAIROS_HAPROXY_IMAGE:-haproxy:2.8}
@@ -141,6 +141,6 @@ say "docker-compose.replicas.yml up, API (HAProxy) on 127.0.0.1:$KAIROS_HTTP_POR
     --restart prefill-0 prefill-1 decode-0 decode-1 --router-restart router-a router-b --routers-hold --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $replicas logs --no-color >docker-tier-logs/replicas.log 2>&1
        say "FAIL (replicas stack): every service's log is in docker-tier-logs/replicas.log"; exit 1; }
-stack_down replicas $replicas
+stack_down kairos-tier-replicas:docker-compose.replicas.yml
 say "docker-compose.replicas.yml: passed, down ($((SECONDS - t0)) s)"
 say "docker tier passed in $((SECONDS - t0)) s (figures: $REPORT)"

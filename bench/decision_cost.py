@@ -243,8 +243,8 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
         return ns[min(len(ns) - 1, int(len(ns) * f))] / 1e3
 
     rows = []
-    for name, rt, ps in zip(policy_names, routes, passes, strict=True):
-        out: dict[str, Any] = {"policy": name, "prefill_workers": n, "decode_workers": n,
+    for name, rt, ps, prep in zip(policy_names, routes, passes, preps, strict=True):
+        out: dict[str, Any] = {"policy": name, "prefill_workers": n, "decode_workers": n, "prepared": prep is not None,
                                "decisions": decisions, "repeat": repeat,
                                "deflect_share": rt.get("deflect", 0) / decisions}
         for kind, reps in ps.items():

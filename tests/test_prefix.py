@@ -352,3 +352,34 @@ def test_router_index_takes_back_a_dispatch_turned_away_unless_a_heartbeat_came_
             rp.on_heartbeat(_hb("d0", "a", 2, stored=[]))
         rp.undo("d0", added["d0"])  # its admission turned the work away
         assert dict(rp.lookup(prompt)[0]) == ({"d0": 20} if beat_between else {})
+
+
+def test_a_waiting_request_hashes_its_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request waiting at the router is decided again at every freed slot and heartbeat; its
+    prompt's block hashes are computed once, not at each try (a third of the router's CPU in a
+    burst of long prompts when they were), and again only for a new prompt after a migration."""
+    from common.router_core import prefix as router_prefix
+    from tests.router_fakes import hello, make_core
+
+    calls: list[int] = []
+
+    def counted(ids: list[int], bt: int, parent: int = 0) -> list[int]:
+        calls.append(len(ids))
+        return block_hashes(ids, bt, parent)
+
+    monkeypatch.setattr(router_prefix, "block_hashes", counted)
+    now = 1000.0
+    r, _ = make_core("deflect-all")
+    # a decode worker with a prefix cache, full for now: the request waits for KV room
+    r.on_message(b"decode-0", hello("decode-0", "decode"), now)
+    r.on_message(b"decode-0", msgspec.structs.replace(_hb("decode-0", "inc-decode-0", 1, stored=[]),
+                                                      kv_capacity_tokens=100_000, kv_free_tokens=100), now)
+    req = r.submit(list(range(400)), m.Sampling(max_tokens=4), now)
+    assert req in r.waiting.queue and calls == [400]
+    for _ in range(5):
+        now += 0.1
+        r.retry_waiting(now)
+    assert req in r.waiting.queue and calls == [400]  # tried again five times, hashed once
+    req.resume_from, req.out_ids = 2, [7, 7]  # as after a migration: the work prompt grew
+    r.retry_waiting(now + 0.1)
+    assert calls == [400, 402]

@@ -57,7 +57,9 @@ class Dispatcher:
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
-        cached, hashes = self.prefix.lookup(prompt, None if req.resume_from else req.block_hashes)
+        if req.hash_memo_from != req.resume_from:  # migrated since: another prompt
+            req.hash_memo, req.hash_memo_from = {}, req.resume_from
+        cached, hashes = self.prefix.lookup(prompt, None if req.resume_from else req.block_hashes, req.hash_memo)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens, cached=cached)

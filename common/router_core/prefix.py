@@ -57,10 +57,12 @@ class RouterPrefix:
         self._seq.pop(worker_id, None)
         self.index.forget(worker_id)
 
-    def lookup(self, prompt: list[int], known: tuple[int, list[int]] | None = None
+    def lookup(self, prompt: list[int], known: tuple[int, list[int]] | None = None,
+               memo: dict[int, list[int]] | None = None
                ) -> tuple[tuple[tuple[str, int], ...], dict[int, list[int]]]:
         """(per worker: prompt tokens it holds, the prompt's hashes per block size) for a prompt;
-        `known`: (block size, hashes) the caller already has (the simulator), used for that size."""
+        `known`: (block size, hashes) the caller already has (the simulator), used for that size;
+        `memo`: this prompt's hashes per block size from an earlier lookup, filled in here."""
         if not self.enabled or not self.index.block_tokens:
             return (), {}
         by_bt: dict[int, list[str]] = {}
@@ -69,7 +71,15 @@ class RouterPrefix:
         hashes: dict[int, list[int]] = {}
         cached: list[tuple[str, int]] = []
         for bt, workers in by_bt.items():
-            hs = hashes[bt] = known[1] if known is not None and known[0] == bt else block_hashes(prompt, bt)
+            if known is not None and known[0] == bt:
+                hs = known[1]
+            elif memo is not None and bt in memo:
+                hs = memo[bt]
+            else:
+                hs = block_hashes(prompt, bt)
+                if memo is not None:
+                    memo[bt] = hs
+            hashes[bt] = hs
             if hs:
                 cached.extend((w, n * bt) for w, n in self.index.hits(hs, among=workers).items())
         return tuple(cached), hashes

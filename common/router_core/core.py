@@ -147,7 +147,7 @@ class RouterCore:
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
-                      client_request_id=request_id or "", block_hashes=block_hashes)
+                      client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {})
         waiting = self.kv_waiting
         waiting.drop_done()
         try:

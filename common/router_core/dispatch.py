@@ -59,7 +59,7 @@ class Dispatcher:
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         if req.hash_memo_from != req.resume_from:  # migrated since: another prompt
             req.hash_memo, req.hash_memo_from = {}, req.resume_from
-        cached, hashes = self.prefix.lookup(prompt, None if req.resume_from else req.block_hashes, req.hash_memo)
+        cached, hashes = self.prefix.lookup(prompt, req.hash_memo)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
                            cached_tokens=req.cached_tokens, cached=cached)

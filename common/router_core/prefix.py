@@ -57,12 +57,11 @@ class RouterPrefix:
         self._seq.pop(worker_id, None)
         self.index.forget(worker_id)
 
-    def lookup(self, prompt: list[int], known: tuple[int, list[int]] | None = None,
-               memo: dict[int, list[int]] | None = None
+    def lookup(self, prompt: list[int], memo: dict[int, list[int]] | None = None
                ) -> tuple[tuple[tuple[str, int], ...], dict[int, list[int]]]:
         """(per worker: prompt tokens it holds, the prompt's hashes per block size) for a prompt;
-        `known`: (block size, hashes) the caller already has (the simulator), used for that size;
-        `memo`: this prompt's hashes per block size from an earlier lookup, filled in here."""
+        `memo`: the prompt's hashes per block size the caller already has (the simulator's trace,
+        an earlier lookup), used as they are; those it lacks are computed and filled in."""
         if not self.enabled or not self.index.block_tokens:
             return (), {}
         by_bt: dict[int, list[str]] = {}
@@ -71,9 +70,7 @@ class RouterPrefix:
         hashes: dict[int, list[int]] = {}
         cached: list[tuple[str, int]] = []
         for bt, workers in by_bt.items():
-            if known is not None and known[0] == bt:
-                hs = known[1]
-            elif memo is not None and bt in memo:
+            if memo is not None and bt in memo:
                 hs = memo[bt]
             else:
                 hs = block_hashes(prompt, bt)

@@ -91,10 +91,10 @@ class Request:
     wait_reason: str = ""       # why it waits, the policy's words
     engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
     engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)
-    block_hashes: tuple[int, list[int]] | None = None  # (block size, the prompt's hashes) if given at submit
-    # the work prompt's hashes per block size, computed once: a held request is decided again at
-    # every freed slot and heartbeat, and hashing a long prompt each time took a third of the
-    # router's CPU in a burst; `hash_memo_from` is the resume_from they were computed for
+    # the work prompt's hashes per block size (given at submit, or computed at its first lookup),
+    # kept: a held request is decided again at every freed slot and heartbeat, and hashing a long
+    # prompt each time took a third of the router's CPU in a burst; `hash_memo_from` is the
+    # resume_from they are for
     hash_memo: dict[int, list[int]] = field(default_factory=dict)
     hash_memo_from: int = 0
     indexed: dict[str, tuple[int, list[int]]] | None = None  # per worker: (its heartbeat seq, prefix blocks) that

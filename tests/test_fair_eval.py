@@ -253,3 +253,30 @@ def test_matrix_reads_each_condition_and_marks_what_kairos_loses(tmp_path: Any) 
     out = doc.read_text()
     assert "STALE" not in out and "| code (2P2D) | x1: holds" in out and "every condition" not in out
     assert out.startswith("a\n<!-- fair-eval p1/matrix -->\n") and out.endswith("<!-- /fair-eval p1/matrix -->\nb\n")
+
+
+def test_detail_writes_each_result_to_its_own_file_and_keeps_the_text_around_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--detail DIR: a result's full tables go to DIR/PROFILE-CONDITION.md, between the file's
+    markers when it exists (its title and notes kept), else into a new file with the markers."""
+    import json
+
+    import sim.fair_report as fr
+
+    monkeypatch.setattr(fr, "markdown", lambda res: f"## {res['profile']}\n### code\nTABLES {res['condition']}\n")
+    results = []
+    for cond in ("exact", "noise"):
+        results.append(tmp_path / f"{cond}.json")
+        results[-1].write_text(json.dumps({"profile": "p1", "condition": cond, "workloads": {}}))
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "p1-exact.md").write_text("# p1 by hand\n\nA note.\n\n<!-- fair-eval p1 -->\nSTALE\n"
+                                        "<!-- /fair-eval p1 -->\n\nAfter.\n")
+    assert fr.main(["--detail", str(folder), *map(str, results)]) == 0
+    assert (folder / "p1-exact.md").read_text() == ("# p1 by hand\n\nA note.\n\n<!-- fair-eval p1 -->\n"
+                                                    "#### code\nTABLES exact\n<!-- /fair-eval p1 -->\n\nAfter.\n")
+    new = (folder / "p1-noise.md").read_text()
+    assert new.startswith("# p1, 10 % step noise: every workload in detail\n")
+    assert "<!-- fair-eval p1/noise -->\n#### code\nTABLES noise\n<!-- /fair-eval p1/noise -->\n" in new
+    assert fr.main(["--detail", str(folder), str(results[1])]) == 0  # again: replaced, not appended
+    assert (folder / "p1-noise.md").read_text() == new

@@ -7,11 +7,12 @@
 DIR/PROFILE-CONDITION.md (docs/results/h100-llama2-70b-tp4-exact.md): between that file's
 `fair-eval` markers if it has them (the text around them is kept), else as a new file.
 
-    python -m sim.fair_report --splice docs/results.md results/fair-eval/*.json
+    python -m sim.fair_report --splice DOC.md results/fair-eval/*.json
 
---splice replaces, in that file, the text between the lines `<!-- fair-eval PROFILE -->` and
+--splice replaces, in DOC.md, the text between the lines `<!-- fair-eval PROFILE -->` and
 `<!-- /fair-eval PROFILE -->` with the tables of PROFILE's result (without its title; headings demoted one level);
-a result under model error (`--condition noise`) goes between `<!-- fair-eval PROFILE/noise -->` and its end line.
+a result under model error (`--condition noise`) goes between `<!-- fair-eval PROFILE/noise -->` and its end line,
+as its headline, goodput and tuned settings only.
 
     python -m sim.fair_report --matrix --splice docs/results.md results/fair-eval/h100-*.json
 
@@ -348,7 +349,7 @@ def splice(doc: str, profile: str, tables: str) -> str:
 def marker_key(res: dict[str, Any]) -> str:
     """The marker a result's tables go between: PROFILE, or PROFILE/CONDITION under model error."""
     cond = res.get("condition", "exact")
-    return res["profile"] + ("" if cond == "exact" else f"/{cond}")
+    return str(res["profile"]) + ("" if cond == "exact" else f"/{cond}")
 
 
 def write_detail(folder: Path, res: dict[str, Any]) -> Path:

@@ -280,3 +280,18 @@ def test_detail_writes_each_result_to_its_own_file_and_keeps_the_text_around_it(
     assert "<!-- fair-eval p1/noise -->\n#### code\nTABLES noise\n<!-- /fair-eval p1/noise -->\n" in new
     assert fr.main(["--detail", str(folder), str(results[1])]) == 0  # again: replaced, not appended
     assert (folder / "p1-noise.md").read_text() == new
+
+
+def test_the_committed_tuned_files_load_with_every_knob_known() -> None:
+    """docs/results.md and the README replay their headline from sim/tuned/: a knob renamed or
+    removed must fail here, not in a reader's first command."""
+    from pathlib import Path
+
+    from sim.knobs import load_tuned
+
+    files = sorted((Path(__file__).resolve().parent.parent / "sim" / "tuned").glob("*.json"))
+    assert files
+    for f in files:
+        tuned = load_tuned(str(f))
+        assert set(tuned) == {"kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill"}, f
+        assert tuned["kairos"].policy["late_binding"] is True, f

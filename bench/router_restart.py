@@ -121,6 +121,9 @@ async def load(cluster: Cluster, *, rate: float, duration: float, restart_at: fl
             if i:
                 await asyncio.sleep(gap)
             restarts[name] = await restart_service(cluster, name)
+            if name in cluster.spec.router_names and cluster.spec.routers > 1:
+                # replicas: the restarted one serves again (every worker back) before the next goes
+                await asyncio.to_thread(cluster.wait_ready, 60.0)
             if name == "router" and not accepting_again:
                 accepting_again.append(time.monotonic())
 
@@ -161,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=1.0, help="--rolling: seconds between one service back and the next "
                                                           "restart")
     p.add_argument("--monitor", action="store_true", help="start the monitor too (--rolling restarts it)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas on the HTTP port (SO_REUSEPORT, as docker-compose.yml runs two); 1: the "
+                        "one router on kairos up's handed-down socket")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--profile", default="a100-dsv2-lite")
     p.add_argument("--time-scale", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="write the result as JSON here")
     a = p.parse_args(argv)
-    spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, profile=a.profile, time_scale=a.time_scale,
+    spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, routers=a.routers, profile=a.profile,
+                                 time_scale=a.time_scale,
                                  monitor=a.monitor, log_dir=tempfile.mkdtemp(prefix="router-restart-"))
     cluster = Cluster(spec)
     try:

@@ -111,6 +111,14 @@ async def load(cluster: Cluster, *, rate: float, duration: float, restart_at: fl
     rng = random.Random(seed)
     url = cluster.spec.api + "/v1/completions"
     rows: list[tuple[float, asyncio.Task[str]]] = []
+    took: dict[int, float] = {}  # row -> seconds from send to the end of its response
+
+    async def timed(i: int, body: dict[str, object]) -> str:
+        t = time.monotonic()
+        try:
+            return await one(client, url, body)
+        finally:
+            took[i] = time.monotonic() - t
     accepting_again: list[float] = []
     order = services if services is not None else ["router"]
     restarts: dict[str, dict[str, float]] = {}
@@ -134,7 +142,7 @@ async def load(cluster: Cluster, *, rate: float, duration: float, restart_at: fl
         while time.monotonic() - start < duration or not rt.done():
             prompt = [1000 + rng.randrange(997) for _ in range(int(min(4000, max(16, rng.lognormvariate(6.0, 0.8)))))]
             body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-            rows.append((time.monotonic(), asyncio.create_task(one(client, url, body))))
+            rows.append((time.monotonic(), asyncio.create_task(timed(len(rows), body))))
             await asyncio.sleep(rng.expovariate(rate))
         await rt
         await asyncio.wait([t for _, t in rows], timeout=90)
@@ -146,8 +154,11 @@ async def load(cluster: Cluster, *, rate: float, duration: float, restart_at: fl
         outcomes[res] += 1
         if sent >= at:
             after[res] += 1
+    times = sorted(took.values())
     return {"sent": len(rows), "outcomes": dict(outcomes), "after_accepting": dict(after), "restarts": restarts,
-            "refused": outcomes["refused"], "failed": len(rows) - outcomes["ok"]}
+            "refused": outcomes["refused"], "failed": len(rows) - outcomes["ok"],
+            "latency_s": {"p50": round(times[len(times) // 2], 3), "p99": round(times[int(len(times) * 0.99)], 3),
+                          "max": round(times[-1], 3)} if times else {}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """`kairos up`: a whole local cluster in one command.
 
 Starts the router (or --routers R replicas sharing the HTTP port through SO_REUSEPORT, each on its
-own three bus ports, every worker registered with each), the monitor, N prefill and M decode
+own three bus ports, every worker registered with each; one router serves on a listening socket
+kairos up holds and hands to each router process it starts, so restarting it refuses no
+connection: they wait for the next router), the monitor, N prefill and M decode
 workers as separate processes (the same `kairos <service>` commands, configured by the same
 KAIROS_* environment variables, that docker-compose.yml runs; the operator's own KAIROS_*
 variables and --config file reach every service that has the setting, under what kairos up sets

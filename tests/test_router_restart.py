@@ -187,3 +187,30 @@ def test_a_response_started_after_sigterm_closes_its_connection_even_if_its_requ
     assert (b"connection", b"close") not in sent[0]["headers"]
     assert (b"connection", b"close") in sent[1]["headers"]
     assert sent[2] == {"type": "http.response.body", "body": b"{}"}
+
+
+def test_the_handed_down_socket_is_checked_and_a_taken_port_is_named(tmp_path: Path) -> None:
+    """KAIROS_HTTP_FD must be a listening TCP socket (else a ConfigError saying to unset it), and
+    kairos up, which binds the one router's port itself now, names a taken port before it starts
+    anything."""
+    import socket
+
+    from common.errors import ConfigError
+    from kairos.up import Cluster, ClusterSpec
+    from services.router.__main__ import inherited_socket
+
+    with socket.socket() as unbound:
+        with pytest.raises(ConfigError, match="not a listening TCP socket"):
+            inherited_socket(unbound.fileno())
+    with pytest.raises(ConfigError, match="not an open socket"):
+        inherited_socket(10**6)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        got = inherited_socket(listening.fileno())
+        assert got.getsockname() == listening.getsockname()
+        got.detach()  # the descriptor stays `listening`'s
+        c = Cluster(ClusterSpec.ephemeral(http_port=listening.getsockname()[1], monitor=False, log_dir=str(tmp_path)))
+        with pytest.raises(ConfigError, match=f"cannot listen on the HTTP port 127.0.0.1:{listening.getsockname()[1]}"):
+            c.start(timeout=10)
+        assert all(svc.proc is None for svc in c.services.values())  # nothing was started

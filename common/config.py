@@ -60,6 +60,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     http_port: Annotated[int, doc("port of the OpenAI-compatible HTTP API")] = 8000
     http_reuse_port: Annotated[bool, doc("replicated routers on one host: bind the HTTP port with SO_REUSEPORT so "
                                          "several routers share it and the kernel spreads connections")] = False
+    http_fd: Annotated[int, doc("serve HTTP on this already-listening TCP socket, a file descriptor inherited from "
+                                "the process that started the router (kairos up keeps it open across router "
+                                "restarts, so a connection made while no router runs waits instead of being "
+                                "refused) instead of binding http_host:http_port; -1: bind")] = -1
     metrics_port: Annotated[int, doc("also serve /metrics on this port (0: only on the HTTP port); give each "
                                      "replica its own, as replicas share the HTTP port")] = 0
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"

@@ -3,7 +3,9 @@
 Served from a daemon thread: scraping never waits on the event loop and never delays a step or
 a token. Used where one process needs its own scrape target: each router replica (replicas share
 the HTTP port, so a scrape there reaches one of them at random) and each worker (which has no
-HTTP server otherwise).
+HTTP server otherwise). It also answers GET /health (200 while the process runs): the health
+check of one router replica among several on a shared port (docker-compose.yml: `kairos health
+router --url` this port).
 
 Always Prometheus's text format 0.0.4, whatever the scraper's Accept header asks, as the router's
 HTTP /metrics does: prometheus_client's own server answers a Prometheus server with OpenMetrics,
@@ -35,6 +37,9 @@ class _Quiet(WSGIRequestHandler):
 
 
 def _app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    if environ.get("PATH_INFO") == "/health":  # this process is up: a health check that reaches it alone
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [b'{"status": "ok"}']
     if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found: try /metrics\n"]

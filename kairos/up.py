@@ -1,7 +1,9 @@
 """`kairos up`: a whole local cluster in one command.
 
 Starts the router (or --routers R replicas sharing the HTTP port through SO_REUSEPORT, each on its
-own three bus ports, every worker registered with each), the monitor, N prefill and M decode
+own three bus ports, every worker registered with each; one router serves on a listening socket
+kairos up holds and hands to each router process it starts, so restarting it refuses no
+connection: they wait for the next router), the monitor, N prefill and M decode
 workers as separate processes (the same `kairos <service>` commands, configured by the same
 KAIROS_* environment variables, that docker-compose.yml runs; the operator's own KAIROS_*
 variables and --config file reach every service that has the setting, under what kairos up sets
@@ -171,6 +173,8 @@ class Cluster:
         self.services: dict[str, Service] = {}
         self.supervisor: Supervisor | None = None
         self._status: dict[str, dict[str, Any]] | None = None  # services.json as last written
+        # one router: its HTTP listening socket is ours, handed down at every start (http_socket())
+        self._http_socket: socket.socket | None = None
         s = spec
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
@@ -240,12 +244,40 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
         env.update(svc.env)
         env["PYTHONUNBUFFERED"] = "1"
+        fds: tuple[int, ...] = ()
+        if name in self.spec.router_names and self.spec.routers == 1:
+            fds = (self.http_socket().fileno(),)
+            env["KAIROS_HTTP_FD"] = str(fds[0])
         with open(svc.log_path, "ab") as out:
             svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_die_with_parent, pass_fds=fds)
         if self.log_events:
             log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
+
+    def http_socket(self) -> socket.socket:
+        """The router's HTTP listening socket, bound and listening here, in kairos up, and handed
+        to every router process it starts (KAIROS_HTTP_FD). One router: when it stops (SIGTERM,
+        a crash, kill -9) the socket stays open in this process, so the kernel goes on completing
+        connections and queues them (up to the backlog) until the restarted router accepts them:
+        a restart delays new requests by the drain and start time and refuses none. (Replicas,
+        --routers N, each bind the port with SO_REUSEPORT instead: the others take a restarting
+        one's connections.)"""
+        if self._http_socket is None:
+            svc = self.services[self.spec.router_names[0]]
+            host = svc.env.get("KAIROS_HTTP_HOST", RouterConfig().http_host)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, self.spec.http_port))
+            except OSError as e:
+                sock.close()
+                raise ConfigError(f"cannot listen on the HTTP port {host}:{self.spec.http_port} ({e}): another "
+                                  "process holds it; stop it or pick another --port") from e
+            sock.listen(4096)
+            self._http_socket = sock
+        return self._http_socket
 
     def start(self, timeout: float = 60.0) -> None:
         """Router, then every other service, until all workers are registered. A start that fails
@@ -333,8 +365,9 @@ class Cluster:
         return Path(self.spec.log_dir).resolve() / "services.json"
 
     def _write_status(self) -> None:
-        """Write services.json when a service's state changes: running, restarting (after an exit),
-        or held down for crash-looping (until when, on the wall clock, and how it last exited)."""
+        """Write services.json when a service's state changes: running (with its pid: what an
+        operator signals, `kill -TERM`, to restart it), restarting (after an exit), or held down
+        for crash-looping (until when, on the wall clock, and how it last exited)."""
         assert self.supervisor is not None
         now_m, now_w = time.monotonic(), time.time()
         out: dict[str, dict[str, Any]] = {}
@@ -343,7 +376,9 @@ class Cluster:
                 state, until = "held_down", round(now_w + st.held_until - now_m, 1)
             else:
                 state, until = ("restarting" if st.restart_at is not None else "running"), None
-            out[name] = {"state": state, "restarts": st.restarts, "last_exit": st.last_exit, "held_until": until}
+            proc = self.services[name].proc
+            out[name] = {"state": state, "restarts": st.restarts, "last_exit": st.last_exit, "held_until": until,
+                         "pid": proc.pid if proc is not None and state == "running" else None}
         if out == self._status:
             return
         self._status = out
@@ -424,6 +459,9 @@ class Cluster:
                 self.wait_exit(n, 5)
         if "monitor" in self.services:
             self.stop_service("monitor", 10)
+        if self._http_socket is not None:
+            self._http_socket.close()
+            self._http_socket = None
 
     def __enter__(self) -> Cluster:
         self.start()

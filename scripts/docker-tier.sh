@@ -8,10 +8,14 @@
 # 2. the base image: python:3.11-slim-bookworm, or when it cannot be pulled a local Debian one
 #    (scripts/docker-base-image.sh: debootstrap + docker import; its tarball is cached)
 # 3. docker build --network host -f docker/Dockerfile.cpu -t kairos:cpu
-# 4. docker-compose.sim.yml (host networking, free ports picked here): health, requests through
-#    the openai client, every worker and the monitor restarted one at a time under load (no
-#    request may fail), the router restarted under load (reported), `docker-compose logs` all
-#    JSON lines (tests/docker_tier.py), then down
+# 4. docker-compose.sim.yml, the default stack on the simulated engine (two routers on one HTTP
+#    port, host networking, free ports picked here): health, requests through the openai client,
+#    the monitor showing both routers, every service restarted one at a time under load: each
+#    worker and the monitor, then each router, the next only once the restarted one serves again
+#    (no request may fail or be refused), `docker-compose logs` all JSON lines
+#    (tests/docker_tier.py), then down. As root it sets net.ipv4.tcp_migrate_req=1 for the run
+#    (host networking: the host's setting; restored at exit), as docs/deployment.md asks of hosts
+#    running two routers on one port
 # 5. docker-compose.multihost.yml (each service its own container and address on user-defined
 #    networks, no host networking): health, requests, every worker restarted under load, logs, down
 # 6. docker-compose.replicas.yml (two routers behind HAProxy, CURVE bus; the haproxy image, or a
@@ -72,7 +76,17 @@ cleanup() {
     docker-compose -p "${p%%:*}" -f "${p#*:}" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
   done
 }
-trap 'cleanup; [[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT
+# Two routers on one port (section 4) hand the connections queued on a stopping one to the other
+# only with tcp_migrate_req=1 (docs/operations.md, "Graceful drain"): set it for the run, as root.
+migrate_was=$(cat /proc/sys/net/ipv4/tcp_migrate_req 2>/dev/null || true)
+if [[ "$migrate_was" == 0 && $(id -u) -eq 0 ]] && sysctl -qw net.ipv4.tcp_migrate_req=1 2>/dev/null; then
+  say "set net.ipv4.tcp_migrate_req=1 for the two-router stack (restored to 0 at exit)"
+else
+  migrate_was=""
+  say "net.ipv4.tcp_migrate_req=$(cat /proc/sys/net/ipv4/tcp_migrate_req 2>/dev/null || echo '?')"
+fi
+restore_migrate() { [[ -n "$migrate_was" ]] && sysctl -qw "net.ipv4.tcp_migrate_req=$migrate_was" 2>/dev/null; true; }
+trap 'cleanup; restore_migrate; [[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT
 
 # stack_down PROJECT:FILE (as in `projects`): take a stack down after its checks passed. Debian's
 # docker-compose (1.29) now and then fails a `down` (CI 2026-12-05, the replicas stack, after every
@@ -99,13 +113,17 @@ stack_down() {
 
 # ---------------------------------------------------------------------------- 4. the sim stack
 export KAIROS_HTTP_PORT=$(free_port) KAIROS_WORK_PORT=$(free_port) KAIROS_HEARTBEAT_PORT=$(free_port) \
-       KAIROS_TELEMETRY_PORT=$(free_port) KAIROS_MONITOR_PORT=$(free_port)
+       KAIROS_TELEMETRY_PORT=$(free_port) KAIROS_MONITOR_PORT=$(free_port) \
+       KAIROS_WORK_PORT_1=$(free_port) KAIROS_HEARTBEAT_PORT_1=$(free_port) KAIROS_TELEMETRY_PORT_1=$(free_port) \
+       KAIROS_METRICS_PORT_ROUTER=$(free_port) KAIROS_METRICS_PORT_ROUTER_1=$(free_port)
 sim="docker-compose -p kairos-tier-sim -f docker-compose.sim.yml"
 projects+=("kairos-tier-sim:docker-compose.sim.yml")
 $sim up -d --no-build >/dev/null 2>&1 || { $sim up -d --no-build; exit 1; }
 say "docker-compose.sim.yml up on port $KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
 "$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$sim" \
-    --restart prefill-0 prefill-1 decode-0 decode-1 monitor --router-restart --report "$REPORT" \
+    --monitor-url "http://127.0.0.1:$KAIROS_MONITOR_PORT" --routers 2 \
+    --restart prefill-0 prefill-1 decode-0 decode-1 monitor --router-restart router router-1 --routers-hold \
+    --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $sim logs --no-color >docker-tier-logs/sim.log 2>&1
        say "FAIL (sim stack): every service's log is in docker-tier-logs/sim.log"; exit 1; }
 stack_down kairos-tier-sim:docker-compose.sim.yml

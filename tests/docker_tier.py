@@ -137,6 +137,28 @@ def worker_lost_events(cmd: str, router: str = "router") -> list[tuple[str, floa
     return out
 
 
+def router_incarnations(url: str, n: int, prefill: int, decode: int, timeout: float,
+                        new_since: set[str] | None = None) -> set[str]:
+    """Router replicas on one address (SO_REUSEPORT or a balancer): ask /ready on new connections
+    until `n` distinct routers (their incarnations) have answered ready with every worker
+    registered, and, given `new_since` (the incarnations before a router restart), one of them
+    is new: the restarted router is back and serving, not only the other. Their incarnations."""
+    t0 = time.monotonic()
+    seen: set[str] = set()
+    while time.monotonic() - t0 < timeout:
+        try:
+            body = get_json(url + "/ready")
+            if body.get("prefill_workers", 0) >= prefill and body.get("decode_workers", 0) >= decode:
+                seen.add(str(body["router"]))
+        except (OSError, ValueError, KeyError):
+            pass
+        fresh = seen - (new_since or set())
+        if len(seen) >= n and (new_since is None or fresh):
+            return seen if new_since is None else (seen & new_since) | fresh
+        time.sleep(0.05)
+    raise TimeoutError(f"{n} router replicas did not all answer ready within {timeout:.0f}s (seen: {sorted(seen)})")
+
+
 def wait_monitor_replicas(url: str, n: int, timeout: float) -> list[str]:
     """Until the monitor's /api/state lists `n` router replicas, each reported within 5 s; their names."""
     t0 = time.monotonic()
@@ -241,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.router_restart is not None:
         failed = 0
         for svc in routers:
+            # replicas on one address: know who answers now, to see the restarted one come back
+            before = router_incarnations(args.url, args.routers, args.prefill, args.decode, 120) \
+                if args.routers > 1 else None
             with Load(args.url) as load:
                 t0 = time.monotonic()
                 compose(args.compose, "restart", svc)
                 wait_healthy(args.compose, svc, 120)
                 wait_ready(args.url, args.prefill, args.decode, 120)
+                if before is not None:  # before the next router goes, this one must serve again
+                    router_incarnations(args.url, args.routers, args.prefill, args.decode, 120, new_since=before)
                 recovered = time.monotonic() - t0
                 time.sleep(2.0)
             kinds: dict[str, int] = {}

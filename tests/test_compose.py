@@ -1,11 +1,12 @@
 """The compose files run what `kairos up` runs, and only real commands and config fields.
 
 - docker-compose.sim.yml (the simulated cluster): each service's command and KAIROS_*
-  environment equal what kairos/up.py's Cluster builds for the same shape, at the defaults and
-  with every parameter changed; the services then start as plain processes and every compose
-  health check passes against them.
-- docker-compose.yml (GPU, vLLM): the same wiring as `kairos up --engine vllm`, one GPU reserved
-  per worker, nothing reserved for the router and monitor.
+  environment equal what kairos/up.py's Cluster builds for the same shape (two routers on one
+  HTTP port: `kairos up --routers 2`, so restarting one refuses no connection), at the defaults
+  and with every parameter changed; the services then start as plain processes and every compose
+  health check passes against them, each router's against that router alone.
+- docker-compose.yml (GPU, vLLM): the same wiring as `kairos up --engine vllm --routers 2`, one
+  GPU reserved per worker, nothing reserved for the routers and monitor.
 - Both: commands are `kairos` subcommands that start, KAIROS_* keys are config fields of that
   service, compose-only variables are documented, health checks parse, graceful stop periods
   cover the drain.
@@ -33,15 +34,19 @@ from common import config  # noqa: E402
 from common.router_link import router_addresses  # noqa: E402
 from kairos import health  # noqa: E402
 from kairos.cli import COMMANDS  # noqa: E402
-from kairos.up import Cluster, ClusterSpec, Service, free_port, kairos_cmd  # noqa: E402
+from kairos.up import Cluster, ClusterSpec, Service, free_ports, kairos_cmd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"
 SIM_FILE = ROOT / "docker-compose.sim.yml"
 RDMA_FILE = ROOT / "docker-compose.rdma.yml"
 MULTI_FILE = ROOT / "docker-compose.multihost.yml"
-SERVICES = {"router", "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"}
-WORKERS = SERVICES - {"router", "monitor"}
+ROUTERS = {"router", "router-1"}  # the default stacks' two routers (kairos up --routers 2)
+SERVICES = {*ROUTERS, "monitor", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+WORKERS = SERVICES - ROUTERS - {"monitor"}
+MULTI_SERVICES = SERVICES - {"router-1"}  # docker-compose.multihost.yml: one router
+ROUTER_1_BUS = {"KAIROS_WORK_PORT_1": 5558, "KAIROS_HEARTBEAT_PORT_1": 5559, "KAIROS_TELEMETRY_PORT_1": 5560}
+ROUTER_METRICS = {"router": 9199, "router-1": 9200}  # each router's /metrics and health check port
 KEYS = "keys"  # the one-shot service that makes the bus's CURVE keys (not a cluster process)
 KEYS_DIR = "/var/lib/kairos/keys"
 
@@ -58,7 +63,11 @@ COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_
                 "KAIROS_METRICS_PORT_PREFILL_0", "KAIROS_METRICS_PORT_PREFILL_1", "KAIROS_METRICS_PORT_DECODE_0",
                 "KAIROS_METRICS_PORT_DECODE_1",
                 "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1",
-                "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1"}
+                "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1",
+                "KAIROS_METRICS_PORT_ROUTER", "KAIROS_METRICS_PORT_ROUTER_1", *ROUTER_1_BUS}
+# Fields that list every router's address (workers' routers, the monitor's telemetry): made of the
+# bus variables of both routers, the one place a field is set from other fields' variables.
+ROUTER_LISTS = {"KAIROS_ROUTERS", "KAIROS_TELEMETRY"}
 # Non-KAIROS variables passed through to GPU workers (UCX reads them; Kairos config does not).
 PASSTHROUGH = {"UCX_TLS", "UCX_NET_DEVICES"}
 # `kairos up` passes these to every worker; they only mean something to the simulated engine.
@@ -192,7 +201,9 @@ def test_observability_profile(compose_file: Path) -> None:
                 assert (ROOT / host).exists(), f"{compose_file.name}: {host} is not in the repository"
     prom = yaml.safe_load((ROOT / "observability/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert {"127.0.0.1:8000", "127.0.0.1:9100"} <= targets  # the router's and the monitor's defaults
+    # each router's own metrics port (both share 8000, where a scrape reaches either) and the monitor's
+    assert {"127.0.0.1:9199", "127.0.0.1:9200", "127.0.0.1:9100"} <= targets
+    assert "127.0.0.1:8000" not in targets
 
 
 def test_curve_is_on_with_keys_from_the_keys_service(compose_file: Path) -> None:
@@ -259,7 +270,7 @@ def test_interpolated_variables_are_fields_or_documented(any_compose_file: Path)
     for name, svc in yaml.safe_load(text)["services"].items():
         for key, value in (svc.get("environment") or {}).items():
             for var in interpolated_names_in(str(value)):
-                assert var not in ALL_FIELDS or var == key, (
+                assert var not in ALL_FIELDS or var == key or key in ROUTER_LISTS, (
                     f"{compose_file.name}: {name}: {key} is set from ${{{var}}}, another field's variable")
 
 
@@ -291,10 +302,13 @@ def test_operations_settings(compose_file: Path) -> None:
             env_drain = float(kairos_env(svc).get("KAIROS_DRAIN_TIMEOUT", drain))
             assert grace >= env_drain + 10, f"{where}: stop_grace_period {grace}s leaves no time after the drain"
             assert test[3] == "worker"
-            assert svc["depends_on"]["router"]["condition"] == "service_healthy"
-        elif name == "router":
+            assert all(svc["depends_on"][r]["condition"] == "service_healthy" for r in ROUTERS), where
+        elif name in ROUTERS:
             assert grace >= 40, f"{where}: the router drains for 30 s on SIGTERM"
-            assert test[3] == "router"
+            # its own metrics port: the shared HTTP port answers from either router
+            assert test[3:] == ["router", "--url", f"http://127.0.0.1:{ROUTER_METRICS[name]}"], where
+            assert kairos_env(svc)["KAIROS_METRICS_PORT"] == str(ROUTER_METRICS[name]), where
+            assert kairos_env(svc)["KAIROS_HTTP_REUSE_PORT"] == "true", f"{where}: both routers on the HTTP port"
         else:
             assert test[3] == "monitor"
 
@@ -303,18 +317,22 @@ def test_operations_settings(compose_file: Path) -> None:
 
 
 WORKER_METRICS = {"prefill-0": 9201, "prefill-1": 9202, "decode-0": 9203, "decode-1": 9204}  # the files' defaults
+TWO_ROUTERS = {"routers": 2, "replica_ports": [(5558, 5559, 5560)]}
 SIM_SHAPES = {
-    "defaults": ({}, {"metrics_ports": WORKER_METRICS}),
+    "defaults": ({}, {"metrics_ports": {**ROUTER_METRICS, **WORKER_METRICS}, **TWO_ROUTERS}),
     "everything-changed": (
         {"KAIROS_POLICY": "disagg-least-loaded", "KAIROS_PROFILE": "fast", "KAIROS_HTTP_PORT": "18000",
          "KAIROS_WORK_PORT": "15555", "KAIROS_HEARTBEAT_PORT": "15556", "KAIROS_TELEMETRY_PORT": "15557",
          "KAIROS_MONITOR_PORT": "19100", "KAIROS_KV_TRANSPORT": "nixl", "KAIROS_TIME_SCALE": "0.5",
          "KAIROS_LOG_LEVEL": "debug", "KAIROS_METRICS_PORT_PREFILL_0": "19201", "KAIROS_METRICS_PORT_PREFILL_1": "0",
-         "KAIROS_METRICS_PORT_DECODE_0": "19203", "KAIROS_METRICS_PORT_DECODE_1": "19204"},
+         "KAIROS_METRICS_PORT_DECODE_0": "19203", "KAIROS_METRICS_PORT_DECODE_1": "19204",
+         "KAIROS_WORK_PORT_1": "15558", "KAIROS_HEARTBEAT_PORT_1": "15559", "KAIROS_TELEMETRY_PORT_1": "15560",
+         "KAIROS_METRICS_PORT_ROUTER": "19199", "KAIROS_METRICS_PORT_ROUTER_1": "19200"},
         {"policy": "disagg-least-loaded", "profile": "fast", "http_port": 18000, "work_port": 15555,
          "heartbeat_port": 15556, "telemetry_port": 15557, "monitor_port": 19100, "kv_transport": "nixl",
          "time_scale": 0.5, "log_level": "debug",
-         "metrics_ports": {"prefill-0": 19201, "prefill-1": 0, "decode-0": 19203, "decode-1": 19204}}),
+         "metrics_ports": {"router": 19199, "router-1": 19200, "prefill-0": 19201, "prefill-1": 0, "decode-0": 19203,
+                           "decode-1": 19204}, "routers": 2, "replica_ports": [(15558, 15559, 15560)]}),
 }
 
 
@@ -345,7 +363,8 @@ def test_sim_needs_no_gpu() -> None:
 
 def test_gpu_wiring_matches_kairos_up_vllm() -> None:
     model = "/models/DeepSeek-V2-Lite"  # the file's default: /models/${KAIROS_MODEL_NAME}
-    want = cluster_services(ClusterSpec(prefill=2, decode=2, engine="vllm", model=model, curve_keys_dir=KEYS_DIR))
+    want = cluster_services(ClusterSpec(prefill=2, decode=2, engine="vllm", model=model, curve_keys_dir=KEYS_DIR,
+                                        metrics_ports=dict(ROUTER_METRICS), **TWO_ROUTERS))  # type: ignore[arg-type]
     got = services(GPU_FILE)
     for name, (args, env) in want.items():
         assert got[name]["command"] == args
@@ -380,7 +399,7 @@ def test_multihost_services_are_separate_hosts() -> None:
     the workers; only the API and the dashboard are published, on loopback."""
     data = yaml.safe_load(MULTI_FILE.read_text())
     svcs = services(MULTI_FILE)
-    assert set(svcs) == SERVICES | {"keys"}
+    assert set(svcs) == MULTI_SERVICES | {"keys"}
     assert set(data["networks"]) == {"control", "kv"}
     keys = svcs.pop("keys")  # the one-shot key maker joins no network at all
     assert keys["network_mode"] == "none" and keys["restart"] == "no"
@@ -502,10 +521,10 @@ def _clean_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """docker-compose.sim.yml's services as plain processes: its commands, its environment."""
-    ports = {"KAIROS_HTTP_PORT": free_port(), "KAIROS_WORK_PORT": free_port(),
-             "KAIROS_HEARTBEAT_PORT": free_port(), "KAIROS_TELEMETRY_PORT": free_port(),
-             "KAIROS_MONITOR_PORT": free_port(), **{"KAIROS_METRICS_PORT_" + w.upper().replace("-", "_"): free_port()
-                                                     for w in WORKER_METRICS}}
+    names = ["KAIROS_HTTP_PORT", "KAIROS_WORK_PORT", "KAIROS_HEARTBEAT_PORT", "KAIROS_TELEMETRY_PORT",
+             "KAIROS_MONITOR_PORT", *ROUTER_1_BUS, "KAIROS_METRICS_PORT_ROUTER", "KAIROS_METRICS_PORT_ROUTER_1",
+             *("KAIROS_METRICS_PORT_" + w.upper().replace("-", "_") for w in WORKER_METRICS)]
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     shell = {k: str(v) for k, v in ports.items()}
     svcs = services(SIM_FILE, shell)
     keys = svcs.pop(KEYS)
@@ -513,7 +532,9 @@ def sim_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
     r = subprocess.run([sys.executable, "-m", "kairos.cli", keys["command"][0], str(keys_dir), *keys["command"][2:]],
                        capture_output=True, text=True, timeout=60, env=_clean_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    spec = ClusterSpec(prefill=2, decode=2, http_port=ports["KAIROS_HTTP_PORT"],
+    spec = ClusterSpec(prefill=2, decode=2, http_port=ports["KAIROS_HTTP_PORT"], routers=2,
+                       replica_ports=[(ports["KAIROS_WORK_PORT_1"], ports["KAIROS_HEARTBEAT_PORT_1"],
+                                       ports["KAIROS_TELEMETRY_PORT_1"])],
                        log_dir=str(tmp_path_factory.mktemp("compose-sim")))
     c = Cluster(spec)
     c.services = {name: Service(name, kairos_cmd(svc["command"][0]),
@@ -536,12 +557,29 @@ def run_healthcheck(svc: dict[str, Any], deadline_s: float = 30.0) -> subprocess
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("name", ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"])
+@pytest.mark.parametrize("name", ["router", "router-1", "prefill-0", "prefill-1", "decode-0", "decode-1"])
 def test_sim_healthchecks_pass_against_the_running_services(sim_processes: Any, name: str) -> None:
     _, svcs = sim_processes
     r = run_healthcheck(svcs[name])
     assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
     assert len(r.stdout.strip().splitlines()) == 1 and " ok" in r.stdout
+
+
+def test_sim_each_router_health_check_asks_that_router_alone(sim_processes: Any) -> None:
+    """Stopped, a router fails its own health check while the other still answers on the shared
+    HTTP port: Docker sees which router is down (a check on the HTTP port would pass for both)."""
+    c, svcs = sim_processes
+    c.stop_service("router-1", 40)  # SIGTERM: it drains and exits
+    try:
+        env = {**_clean_env(), **kairos_env(svcs["router-1"])}
+        r = subprocess.run([sys.executable, "-m", "kairos.cli", *svcs["router-1"]["healthcheck"]["test"][2:]],
+                           capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
+        assert r.returncode != 0, f"router-1 is stopped but its health check passed: {r.stdout}"
+        assert run_healthcheck(svcs["router"], deadline_s=5).returncode == 0
+        assert c.get("/health")[0] == 200  # the API port: router alone serves it now
+    finally:
+        c.restart("router-1")
+        c.wait_ready(60)
 
 
 def test_sim_monitor_healthcheck_passes(sim_processes: Any) -> None:

@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 VERSIONS = ["1.29.0", "1.37.0"]  # the oldest and newest Kubernetes the manifests are validated for
-TWIN = {"sim": ROOT / "docker-compose.multihost.yml", "vllm": ROOT / "docker-compose.yml"}
+GPU_COMPOSE = ROOT / "docker-compose.yml"
+TWIN = {"sim": ROOT / "docker-compose.multihost.yml", "vllm": GPU_COMPOSE}
 CONFIG_OF: dict[str, type[config.BusConfig]] = {
     "router": config.RouterConfig, "monitor": config.MonitorConfig,
     "prefill-worker": config.WorkerConfig, "decode-worker": config.WorkerConfig}
@@ -53,10 +55,14 @@ CONFIG_OF: dict[str, type[config.BusConfig]] = {
 ADDRESSES = {"router_host", "routers", "telemetry", "bind_host", "http_host",
              "vllm_side_channel_host", "vllm_side_channel_bind", "vllm_side_channel_port"}
 # drain_grace_s: the replicas' grace behind a Service; curve_key_name: each router replica's own
-# key pair, named after its pod (compose's one router uses the default, `router`)
-ROUTER_ONLY = {"drain_grace_s", "curve_key_name"}
+# key pair, named after its pod (compose's routers share the default, `router`); http_reuse_port:
+# compose's two routers share one host's HTTP port (SO_REUSEPORT), each pod has its own address
+# behind the Service.
+ROUTER_ONLY = {"drain_grace_s", "curve_key_name", "http_reuse_port"}
 # Ports that differ by design: compose runs every worker on one host (9201, 9202, ...), each pod
 # has its own address (9200 on all); on in one means on in the other.
+# docker-compose.yml also gives each of its two routers a metrics port of its own on the shared
+# host (its health check and scrape target); a router pod is scraped and probed on its own address.
 PORTS = {"metrics_port"}
 POD_IP = "10.1.2.3"
 
@@ -189,6 +195,14 @@ def test_probes_disruption_budgets_and_network_policies() -> None:
         assert c["readinessProbe"]["exec"]["command"][:3] == ["kairos", "health", "worker"]
         assert "livenessProbe" not in c  # a router outage must not restart every worker
         assert obj(docs, "StatefulSet", w)["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+    # A router restart (rollout, eviction) refuses no connection: two replicas behind the Service,
+    # one down at a time, and the leaving one keeps serving (drain_grace_s, after the preStop) while
+    # its endpoint is removed, before it stops listening (issue 48; docs/deployment.md)
+    assert obj(docs, "StatefulSet", "router")["spec"]["replicas"] >= 2
+    for overlay in OVERLAYS:
+        cm = next(d for d in render(overlay) if d["kind"] == "ConfigMap"
+                  and d["metadata"]["name"].startswith("kairos-config"))
+        assert tomllib.loads(cm["data"]["router.toml"])["drain_grace_s"] > 0, overlay
     for name in ("router", "prefill", "decode"):  # a drain takes one pod of a pool at a time
         pdb = obj(docs, "PodDisruptionBudget", name)["spec"]
         assert pdb["maxUnavailable"] == 1
@@ -262,7 +276,7 @@ def test_manifests_run_what_compose_runs(overlay: str, tmp_path: Path) -> None:
         got = effective_config(cls, pod_env(c, name, cm, tmp_path))
         differ = {f for f in want if want[f] != got[f]}
         assert differ <= ADDRESSES | ROUTER_ONLY | PORTS, (name, {f: (want[f], got[f]) for f in differ - ADDRESSES})
-        for f in PORTS & set(want):
+        for f in PORTS & set(want) - ({"metrics_port"} if name == "router" else set()):
             assert bool(want[f]) == bool(got[f]), (name, f, want[f], got[f])
             if got[f]:  # the pod declares it, named for the PodMonitor
                 assert {"name": "metrics", "containerPort": got[f]} in c.get("ports", []), name
@@ -281,6 +295,10 @@ def test_manifests_run_what_compose_runs(overlay: str, tmp_path: Path) -> None:
         # probes: compose's health check command and timings
         cmd, timing = compose_probe(svc)
         probe = c["readinessProbe"]
+        if name == "router" and TWIN[overlay] == GPU_COMPOSE:
+            # docker-compose.yml asks each router's own metrics port (two share the host's HTTP port)
+            assert cmd[3:5] == ["--url", f"http://127.0.0.1:{want['metrics_port']}"], cmd
+            cmd = cmd[:3]
         if name == "router":
             assert c["livenessProbe"]["exec"]["command"] == cmd
             assert probe["exec"]["command"] == [*cmd, "--ready"]

@@ -76,6 +76,10 @@ def test_port_in_use_is_a_clear_error() -> None:
             "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
         assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
         assert "vllm:kv_cache_usage_perc" in r.text and "vllm_kv_cache" not in r.text
+        # this process's own health check (one router replica among several on a shared HTTP port)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert httpx.get(f"http://127.0.0.1:{port}/nothing", timeout=5).status_code == 404
     finally:
         stop()
     assert ClusterSpec().metrics_ports == {}

@@ -39,6 +39,24 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def inherited_socket(fd: int) -> socket.socket:
+    """The HTTP listening socket a process manager handed down (kairos up: KAIROS_HTTP_FD). It
+    stays open in that process while this router stops and a new one starts, so the kernel keeps
+    completing connections and queues them for whichever router accepts next: a restart refuses
+    none. (uvicorn's own `--fd`/`Config.fd` takes a file descriptor too, but reads it as a Unix
+    socket; this one is TCP, handed to uvicorn as `sockets=`, as for SO_REUSEPORT.)"""
+    try:
+        sock = socket.socket(fileno=fd)  # family and type read from the descriptor
+    except OSError as e:
+        raise ConfigError(f"http_fd {fd} is not an open socket ({e}); KAIROS_HTTP_FD is for a process manager "
+                          "that hands the router a listening socket (kairos up): unset it to bind --http-port") from e
+    if sock.type != socket.SOCK_STREAM or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0:
+        sock.detach()
+        raise ConfigError(f"http_fd {fd} is not a listening TCP socket; unset KAIROS_HTTP_FD to bind --http-port")
+    sock.setblocking(False)
+    return sock
+
+
 def raise_fd_limit(want: int) -> int:
     """Lift this process's open-file limit (soft) towards `want`, up to the hard limit: each HTTP
     connection is a file descriptor, and the usual soft default (1024) is below the connection
@@ -72,8 +90,10 @@ async def leave(router: Router, server: HttpServer, cfg: config.RouterConfig, lo
     From now on /ready says 503 and every response closes its connection, so that a client's
     next request opens a new connection. After `drain_grace_s` (time for a balancer's health
     check to take this router out; it serves everything meanwhile) it stops listening: with
-    SO_REUSEPORT the kernel gives new connections to the other routers on the port (alone, a
-    new connection is refused, which a client can retry). Requests on connections it already
+    SO_REUSEPORT the kernel gives new connections to the other routers on the port; on a socket
+    handed down by kairos up (http_fd) they wait in the kernel's queue for the router kairos up
+    starts next; alone on a port of its own, a new connection is refused, which a client can
+    retry. Requests on connections it already
     has are still served; once none is in flight and its idle connections have had uvicorn's
     keep-alive timeout to close (or 30 s have passed), intake stops and what is left fails."""
     router.leaving = True
@@ -102,7 +122,10 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
         log.warning("fd_limit_low", open_files=files, http_max_connections=cfg.http_max_connections,
                     hint="raise the open-file limit (ulimit -n, compose ulimits.nofile) or lower "
                          "--http-max-connections: past the limit new connections fail to be accepted")
-    sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
+    if cfg.http_fd >= 0:
+        sockets: list[socket.socket] | None = [inherited_socket(cfg.http_fd)]
+    else:
+        sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
     router = Router(cfg)
     router.open()
     if cfg.http_reuse_port and migrate_req() == "0":

@@ -53,6 +53,9 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
                                           "disconnected and reconnected (0: off)")] = 1.0
     log_level: Annotated[str, doc("debug, info, warning or error")] = "info"
     log_format: Annotated[str, doc("json, console, or auto (json unless stdout is a terminal)")] = "auto"
+    otlp_traces_endpoint: Annotated[str, doc("OpenTelemetry collector to export request traces to, over OTLP/HTTP "
+                                             "(e.g. http://collector:4318/v1/traces; vLLM's flag of the same name); "
+                                             "empty: no tracing, and it costs nothing")] = ""
 
 
 class RouterConfig(BusConfig, frozen=True, kw_only=True):

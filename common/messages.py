@@ -299,6 +299,8 @@ class PrefillWork(Msg, frozen=True):
     decode_worker: str
     deadline_s: float
     cached_tokens: int = 0
+    traceparent: str = ""  # W3C trace context of the router's span for this request ("": not traced)
+    tracestate: str = ""
 
 
 class PrefillDone(Msg, frozen=True):
@@ -339,6 +341,8 @@ class DecodeWork(Msg, frozen=True):
     resume_tokens: int = 0  # the last resume_tokens prompt ids are output already streamed (a migrated request)
     step_budget_s: float = 0.0  # deflect: the step budget the schedule assumes (0: admit unchecked)
     model_bias: float = 1.0  # deflect: the router planned with this worker's model x this (its measured bias)
+    traceparent: str = ""  # W3C trace context of the router's span for this request ("": not traced)
+    tracestate: str = ""
 
 
 class KvWant(Msg, frozen=True):

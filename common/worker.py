@@ -33,7 +33,7 @@ import msgspec
 import structlog
 import zmq
 
-from common import codec
+from common import codec, tracing
 from common import messages as m
 from common.config import WorkerConfig
 from common.engines.base import Engine, EngineRequest
@@ -82,6 +82,8 @@ class WorkerService(abc.ABC):
         self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0, "refused": 0}
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         engine.on_failed = self._on_engine_failed  # called only by engines that fail requests (vllm)
+        # OpenTelemetry (common/tracing.py): None unless an OTLP endpoint is configured
+        self.tracing = tracing.from_config(cfg, f"kairos-{self.role}-worker")
 
     @property
     def refused(self) -> str:
@@ -157,6 +159,8 @@ class WorkerService(abc.ABC):
                 bus.close()
             await self.teardown()
             await self.engine.close()
+            if self.tracing is not None:
+                self.tracing.shutdown()  # export the spans still batched
         self.log.info("worker_stopped")
         return 0
 

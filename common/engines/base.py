@@ -40,6 +40,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     kv: KvHandle | None = None
     cached_tokens: int = 0
     resume_tokens: int = 0  # decode: the prompt ends with this many output tokens already sent (migration)
+    trace_headers: dict[str, str] | None = None  # W3C traceparent/tracestate (vLLM's own tracing takes them)
 
 
 class EngineLoad(msgspec.Struct, kw_only=True):

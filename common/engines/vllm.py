@@ -529,7 +529,8 @@ class VllmEngine(Engine):
         sp = self._sampling(req, max_tokens=1, extra={"kv_transfer_params": params, ID_KEY: h.key}, delta=False)
         try:
             last = None
-            async for out in self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key):
+            async for out in self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key,
+                                             trace_headers=req.trace_headers):
                 last = out
             done = time.monotonic()
             self._drain_steps()  # the scheduler's record of the last chunk may still sit in the socket
@@ -597,7 +598,8 @@ class VllmEngine(Engine):
         if req.resume_tokens and req.sampling.structured is not None:  # the grammar continues after them
             extra[RESUME_KEY] = req.resume_tokens
         sp = self._sampling(req, max_tokens=req.sampling.max_tokens, extra=extra, delta=True)
-        agen = self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key).__aiter__()
+        agen = self._llm.generate({"prompt_token_ids": req.prompt_token_ids}, sp, request_id=h.key,
+                                             trace_headers=req.trace_headers).__aiter__()
         try:
             return await self._stream(h, agen, deadline)
         finally:

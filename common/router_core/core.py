@@ -130,11 +130,13 @@ class RouterCore:
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
                tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
-               rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None) -> Request:
+               rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None,
+               traceparent: str = "", tracestate: str = "") -> Request:
         """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded, Unavailable
         (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve).
         `rid`: its bus key (default: random); `block_hashes`: (block size, the prompt's block
-        hashes) when the caller has them (the simulator's traces), else computed from the prompt."""
+        hashes) when the caller has them (the simulator's traces), else computed from the prompt.
+        `traceparent`, `tracestate`: the trace context its work messages carry (common/tracing.py)."""
         if len(self.requests) >= self.cfg.max_in_flight:
             self.counts["rejected"] += 1
             self.metrics.observe_rejected("overloaded")
@@ -147,7 +149,8 @@ class RouterCore:
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
-                      client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {})
+                      client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {},
+                      traceparent=traceparent, tracestate=tracestate)
         waiting = self.kv_waiting
         waiting.drop_done()
         try:

@@ -72,6 +72,7 @@ class Dispatcher:
         decision_us = (time.perf_counter() - t0) * 1e6
         req.decision = decision
         req.decided_at = now
+        req.decision_us = decision_us
         req.decode_worker = decision.decode_worker
         req.prefill_worker = decision.prefill_worker
         req.prefill_done = decision.route == "deflect"
@@ -90,7 +91,8 @@ class Dispatcher:
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s,
-                                        model_bias=dw.bias))
+                                        model_bias=dw.bias, traceparent=req.traceparent,
+                                        tracestate=req.tracestate))
         else:
             assert decision.prefill_worker is not None
             pw = self.table.workers[decision.prefill_worker]
@@ -100,11 +102,13 @@ class Dispatcher:
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
-                                        resume_tokens=req.resume_from))
+                                        resume_tokens=req.resume_from, traceparent=req.traceparent,
+                                        tracestate=req.tracestate))
             self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
                                          prompt_token_ids=prompt, sampling=sampling,
                                          decode_worker=dw.worker_id, deadline_s=remaining,
-                                         cached_tokens=req.cached_tokens))
+                                         cached_tokens=req.cached_tokens, traceparent=req.traceparent,
+                                         tracestate=req.tracestate))
         self.routes[decision.route] += 1
         self.reasons[(decision.route, decision.reason)] += 1
         rec = m.DecisionRecord(request_id=req.request_id, policy=self.policy.name, route=decision.route,

@@ -97,6 +97,10 @@ class Request:
     # resume_from they are for
     hash_memo: dict[int, list[int]] = field(default_factory=dict)
     hash_memo_from: int = 0
+    traceparent: str = ""  # W3C trace context the workers' spans hang under (common/tracing.py; "": untraced)
+    tracestate: str = ""
+    span: object = None    # the router shell's span for it, when tracing
+    decision_us: float = 0.0  # the last decision's CPU time
     indexed: dict[str, tuple[int, list[int]]] | None = None  # per worker: (its heartbeat seq, prefix blocks) that
     # the last dispatch added to the index (RouterPrefix.undo)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from msgspec.structs import replace as msgspec_replace
 
-from common import codec
+from common import codec, tracing
 from common import messages as m
 from common.engines.base import EngineRequest
 from common.kv import KvError, KvReceiver, receiver_from_config, transfer_key
@@ -50,6 +50,8 @@ class DecodeWorker(WorkerService):
         super().__init__(*args, **kwargs)
         self.pending: dict[str, _Pending] = {}
         self.active: dict[str, m.DecodeWork] = {}
+        # traced requests (only with tracing on): id -> [the work, wall time admitted, of its first token]
+        self._traced: dict[str, list[Any]] = {}
         self._fallbacks: list[str] = []
         self._fallback_reasons: list[str] = []
         self.accepted: dict[str, Accepted] = {}  # deflections admitted and not yet prefilled
@@ -180,9 +182,12 @@ class DecodeWorker(WorkerService):
                                                 prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
                                                 mode="handoff" if mode == "handoff" else "deflect",
                                                 tbt_slo=w.tbt_slo, chunk_schedule=schedule, kv=kv,
-                                                cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens)):
+                                                cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens,
+                                                trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return
         self.active[w.request_id] = w
+        if self.tracing is not None and w.traceparent:
+            self._traced[w.request_id] = [w, time.time(), 0.0, mode]
         if mode == "deflect" and w.step_budget_s > 0 and schedule:
             model = self._planned_model(w)
             if model is not None:
@@ -275,6 +280,7 @@ class DecodeWorker(WorkerService):
         self.held.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        self._traced.pop(request_id, None)
         self._prefilled(request_id)
         self.active.pop(request_id, None)
         self.pending.pop(request_id, None)
@@ -287,6 +293,7 @@ class DecodeWorker(WorkerService):
         self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
 
     def _drop(self, request_id: str) -> None:
+        self._traced.pop(request_id, None)
         self._prefilled(request_id)
         p = self.pending.pop(request_id, None)
         if p is not None:
@@ -314,6 +321,8 @@ class DecodeWorker(WorkerService):
             return
         self.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s, kv_fallback=fb,
                                kv_fallback_reasons=why))
+        if self._traced and self.tracing is not None:
+            self._trace(self.tracing, items)
         changed = False
         for it in items:
             if self.accepted and it.request_id in self.accepted:
@@ -329,3 +338,26 @@ class DecodeWorker(WorkerService):
                                finish_reason=it.finish_reason)
         if changed:
             self.beat_now()
+
+    def _trace(self, t: tracing.Tracing, items: list[m.TokenItem]) -> None:
+        """Spans of traced requests (common/tracing.py), written at their first token (`prefill`, a
+        deflected request's prefill in place) and at their end (`decode`); once per request, not per token."""
+        now = time.time()
+        for it in items:
+            tr = self._traced.get(it.request_id)
+            if tr is None:
+                continue
+            w, admitted, first, mode = tr
+            if not first:
+                first = tr[2] = now
+                if mode == "deflect":
+                    t.record(tracing.PREFILL, w.traceparent, admitted, now,
+                             {"kairos.worker": self.worker_id, "kairos.prompt_tokens": len(w.prompt_token_ids),
+                              "kairos.cached_tokens": w.cached_tokens, "kairos.attempt": w.attempt,
+                              "kairos.in_place": True, "kairos.kv_fallback": w.mode == "handoff",
+                              "kairos.chunk_schedule": ",".join(map(str, w.chunk_schedule))}, w.tracestate)
+            if it.finish_reason is not None:
+                del self._traced[it.request_id]
+                t.record(tracing.DECODE, w.traceparent, first if mode == "deflect" else admitted, now,
+                         {"kairos.worker": self.worker_id, "kairos.attempt": w.attempt, "kairos.mode": mode,
+                          "kairos.finish_reason": it.finish_reason}, w.tracestate)

@@ -13,7 +13,7 @@ import random
 import time
 from typing import Any
 
-from common import codec
+from common import codec, tracing
 from common import messages as m
 from common.engines.base import EngineRequest, Prefilled
 from common.engines.replay import drain
@@ -141,7 +141,8 @@ class PrefillWorker(WorkerService):
             return
         if not self.add_to_engine(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                                 prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
-                                                mode="prefill", cached_tokens=w.cached_tokens)):
+                                                mode="prefill", cached_tokens=w.cached_tokens,
+                                                trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return
         self.work[w.request_id] = w
         self.beat_now()
@@ -236,7 +237,23 @@ class PrefillWorker(WorkerService):
         self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
                                 queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
                                 kv_error=error, prompt_logprobs=p.prompt_logprobs))
+        if self.tracing is not None and w.traceparent:
+            self._trace(self.tracing, w, p, kv, error, t0)
         if p.kv_params and not error:  # pull mode: the decode side reads it from us, later
             self.kv_out[w.request_id] = time.monotonic() + self.cfg.kv_handoff_timeout
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)
+
+    def _trace(self, t: tracing.Tracing, w: m.PrefillWork, p: Prefilled, kv: m.KvHandle, error: str,
+               t0: float) -> None:
+        """The request's `prefill` and `kv_transfer` spans, under the router's span (common/tracing.py)."""
+        handed = time.time() - (time.monotonic() - t0)  # wall time the hand-off began (the prefill's end)
+        t.record(tracing.PREFILL, w.traceparent, handed - p.prefill_s, handed,
+                 {"kairos.worker": self.worker_id, "kairos.prompt_tokens": len(w.prompt_token_ids),
+                  "kairos.cached_tokens": w.cached_tokens, "kairos.worker_queue_s": p.queue_s,
+                  "kairos.attempt": w.attempt}, w.tracestate)
+        t.record(tracing.KV_TRANSFER, w.traceparent, handed, handed + kv.transfer_s,
+                 {"kairos.worker": self.worker_id, "kairos.decode_worker": w.decode_worker,
+                  "kairos.kv_transport": kv.transport, "kairos.kv_bytes": kv.nbytes, "kairos.kv_error": error},
+                 w.tracestate)
+

@@ -324,16 +324,21 @@ class App:
                                     "reduce the length of the messages or completion.", param="max_tokens",
                                     code="context_length_exceeded")
         rid = p.request_id
+        tp = ts = ""  # the client's W3C trace context (common/tracing.py)
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 rid = v.decode(errors="replace")[:128]
+            elif k == b"traceparent":
+                tp = v.decode(errors="replace")[:128]
+            elif k == b"tracestate":
+                ts = v.decode(errors="replace")[:512]
         subs: list[Request] = []
         try:
             for pi, prompt in enumerate(p.prompts):
                 for ci, sampling in enumerate(p.samplings):
                     one = rid if rid is None or len(p.prompts) * p.n == 1 else f"{rid}-{pi}-{ci}"
                     subs.append(await router.admit(prompt, sampling, ttft_slo=p.ttft_slo, tbt_slo=p.tbt_slo,
-                                                   request_id=one))
+                                                   request_id=one, traceparent=tp, tracestate=ts))
         except (Overloaded, Unavailable, RequestError) as e:
             for r in subs:
                 router.abort(r, "sibling_refused")

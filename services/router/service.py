@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from common import codec
+from common import codec, tracing
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
@@ -66,6 +66,8 @@ class Router:
         self.accepting = True
         self.leaving = False  # after SIGTERM: /ready says 503, each response closes its connection (see __main__)
         vllm_metrics.attach(self)  # vLLM's gauges on /metrics read this router
+        # OpenTelemetry (common/tracing.py): None unless an OTLP endpoint is configured
+        self.tracing = tracing.from_config(cfg, "kairos-router")
 
     # ------------------------------------------------------------------ the core's outbox
     def send(self, identity: bytes, msg: m.Msg) -> bool:
@@ -109,6 +111,8 @@ class Router:
                         detail=f"a CURVE key not in allowed/{domain}/ tried to connect", suppressed_since_last=held)
 
     def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()  # export the spans still batched
         if self.bus is not None:
             self.bus.close()
             self.bus = None
@@ -147,24 +151,51 @@ class Router:
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
-               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
+               traceparent: str = "", tracestate: str = "") -> Request:
         if not self.accepting:
             metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
         return self.core.submit(prompt_ids, sampling, time.monotonic(), ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                                request_id=request_id, cached_tokens=cached_tokens)
+                                request_id=request_id, cached_tokens=cached_tokens, traceparent=traceparent,
+                                tracestate=tracestate)
 
     async def admit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
-                    tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+                    tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
+                    traceparent: str = "", tracestate: str = "") -> Request:
         """`submit`, but when no worker can take the request yet (the router just restarted and the
         workers are re-registering, or they are all restarting), hold it up to `worker_wait`
-        seconds for one to register instead of answering 503 at once."""
+        seconds for one to register instead of answering 503 at once. `traceparent`,
+        `tracestate`: the client's W3C trace context (used only when tracing is on)."""
+        if self.tracing is None:
+            return await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, "", "")
+        t = self.tracing
+        start = time.time()
+        span = t.start(tracing.REQUEST, start, traceparent=traceparent, tracestate=tracestate, server=True,
+                       attrs={"kairos.router": self.incarnation, "kairos.prompt_tokens": len(prompt_ids),
+                              "kairos.max_tokens": sampling.max_tokens,
+                              "kairos.client_request_id": request_id or ""})
+        tp, ts = t.traceparent(span)
+        try:
+            req = await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, tp, ts)
+        except Exception as e:
+            t.child(span, tracing.ADMISSION, start, time.time(), {"kairos.refused": type(e).__name__})
+            t.end(span, time.time(), error=f"{type(e).__name__}: {e}")
+            raise
+        t.child(span, tracing.ADMISSION, start, time.time())
+        span.set_attribute("kairos.request_id", req.request_id)
+        req.span = span
+        return req
+
+    async def _admit(self, prompt_ids: list[int], sampling: m.Sampling, ttft_slo: float | None,
+                     tbt_slo: float | None, request_id: str | None, cached_tokens: int, traceparent: str,
+                     tracestate: str) -> Request:
         deadline = time.monotonic() + self.cfg.worker_wait
         held = False
         while True:
             try:
                 req = self.submit(prompt_ids, sampling, ttft_slo=ttft_slo, tbt_slo=tbt_slo, request_id=request_id,
-                                  cached_tokens=cached_tokens)
+                                  cached_tokens=cached_tokens, traceparent=traceparent, tracestate=tracestate)
             except NoWorkerYet:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.accepting:
@@ -222,6 +253,8 @@ class Router:
 
     def _request_done(self, req: Request, finished_reason: str | None, rec: m.RequestRecord) -> None:
         vllm_metrics.observe_finished(self.cfg.served_model_name, req, finished_reason)
+        if req.span is not None and self.tracing is not None:
+            self._trace_done(self.tracing, req, rec)
         if not self._request_line:
             return
         write = log.info if self._request_line == "info" else log.debug
@@ -234,6 +267,39 @@ class Router:
               tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
               tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
               outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
+
+    def _trace_done(self, t: tracing.Tracing, req: Request, rec: m.RequestRecord) -> None:
+        """The request's router spans, written at its end from the times the core kept: queueing
+        (arrival to its last decision, zero long when it was dispatched at once) and decision,
+        under its `kairos.request` span, which ends here."""
+        span: Any = req.span
+        off = self.core.wall_offset
+        end = rec.e2e_s + req.arrival + off
+        d = req.decision
+        if d is None:  # never placed (it waited until it failed or the client left)
+            t.child(span, tracing.QUEUEING, req.arrival + off, end, {"kairos.wait_reason": req.wait_reason})
+        else:
+            decided = req.decided_at + off
+            began = max(req.arrival + off, decided - req.decision_us / 1e6)
+            t.child(span, tracing.QUEUEING, req.arrival + off, began,
+                    {"kairos.wait_reason": req.wait_reason} if req.wait_reason else None)
+            pred = d.ttft_decode_pred if d.route == "deflect" else d.ttft_prefill_pred
+            attrs: dict[str, str | int | float | bool] = {
+                "kairos.route": d.route, "kairos.reason": d.reason, "kairos.decode_worker": d.decode_worker,
+                "kairos.prefill_worker": d.prefill_worker or "", "kairos.attempt": req.attempt,
+                "kairos.policy": self.policy.name, "kairos.cached_tokens": d.cached_tokens}
+            if pred is not None:
+                attrs["kairos.predicted_ttft_s"] = pred
+            if d.ttft_prefill_pred is not None:
+                attrs["kairos.ttft_prefill_pred_s"] = d.ttft_prefill_pred
+            if d.ttft_decode_pred is not None:
+                attrs["kairos.ttft_decode_pred_s"] = d.ttft_decode_pred
+            t.child(span, tracing.DECISION, began, decided, attrs)
+        span.set_attribute("kairos.outcome", rec.outcome)
+        span.set_attribute("kairos.output_tokens", rec.output_tokens)
+        if rec.ttft_s is not None:
+            span.set_attribute("kairos.ttft_s", rec.ttft_s)
+        t.end(span, end, error="" if rec.outcome == "ok" or rec.outcome == "client_disconnected" else rec.outcome)
 
     # ------------------------------------------------------------------ inbox: work socket
     async def _work_loop(self) -> None:

@@ -107,6 +107,7 @@ class ClusterSpec:
     time_scale: float = 1.0
     log_dir: str = "kairos-logs"
     log_level: str = "info"
+    otlp_traces_endpoint: str = ""  # every service exports request traces here over OTLP/HTTP (empty: off)
     monitor: bool = True
     curve_keys_dir: str = ""
     make_keys: bool = False  # make the CURVE keys curve_keys_dir lacks (one per worker id) before starting
@@ -179,7 +180,8 @@ class Cluster:
         bus = {"KAIROS_ROUTER_HOST": "127.0.0.1", "KAIROS_WORK_PORT": str(s.work_port),
                "KAIROS_HEARTBEAT_PORT": str(s.heartbeat_port), "KAIROS_TELEMETRY_PORT": str(s.telemetry_port),
                "KAIROS_LOG_LEVEL": s.log_level, "KAIROS_LOG_FORMAT": "json",
-               **({"KAIROS_CURVE_KEYS_DIR": s.curve_keys_dir} if s.curve_keys_dir else {})}
+               **({"KAIROS_CURVE_KEYS_DIR": s.curve_keys_dir} if s.curve_keys_dir else {}),
+               **({"KAIROS_OTLP_TRACES_ENDPOINT": s.otlp_traces_endpoint} if s.otlp_traces_endpoint else {})}
         self.bus_env = bus
         if s.routers > 1 and len(s.router_bus()) < s.routers:
             raise ConfigError(f"{s.routers} routers need {s.routers - 1} replica_ports entries")
@@ -500,6 +502,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="sim: scale every modeled step time (default 1)")
     p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                   help="export every request's trace (router, prefill and decode spans) over OTLP/HTTP to this "
+                        "OpenTelemetry collector, e.g. http://127.0.0.1:4318/v1/traces; passed to every service "
+                        "(KAIROS_OTLP_TRACES_ENDPOINT). Default: no tracing")
     p.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     p.add_argument("--curve-keys-dir", default="", metavar="DIR",
                    help="the bus's CURVE keys (authenticated, encrypted; one key per worker id). Default: "
@@ -624,6 +630,7 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
+                       otlp_traces_endpoint=a.otlp_traces_endpoint,
                        curve_keys_dir="" if a.insecure else str(Path(a.curve_keys_dir or
                                                                       Path(a.log_dir) / "keys").resolve()),
                        make_keys=not a.insecure, router_env=router_env, worker_env=worker_env,

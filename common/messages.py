@@ -187,6 +187,7 @@ class PrefillHeartbeat(Msg, frozen=True):
     drain: QueueDrain | None = None
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
     step_bias: float = 1.0  # the median of measured / predicted step time (predicted by `coeffs`, else the profile)
+    loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
 
 
 class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
@@ -226,6 +227,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     held: list[HeldDeflection] = []  # deflections admitted and not yet prefilled, from every router
     step_margin: float = 1.0  # measured / predicted step time the worker plans chunks with (its 99th percentile)
     step_bias: float = 1.0    # the median of measured / predicted step time
+    loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
 
 
 # ---------------------------------------------------------------- work
@@ -498,6 +500,7 @@ class RouterStats(Msg, frozen=True):
     completed: int
     failed: int
     rejected: int
+    loop_lag_ms: float = 0.0  # the router's event loop: its worst wake-up lag since the last RouterStats
 
 
 RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye | PrefillHeartbeat

@@ -38,6 +38,7 @@ from common import messages as m
 from common.config import WorkerConfig
 from common.engines.base import Engine, EngineRequest
 from common.errors import Overloaded
+from common.loop_lag import LoopLag
 from common.prefix_report import PrefixReporter
 from common.router_link import Origins, RouterLink, router_addresses
 from common.service import install_signals
@@ -84,6 +85,7 @@ class WorkerService(abc.ABC):
         engine.on_failed = self._on_engine_failed  # called only by engines that fail requests (vllm)
         # OpenTelemetry (common/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = tracing.from_config(cfg, f"kairos-{self.role}-worker")
+        self.loop_lag = LoopLag(self.role)  # the event loop's lag: /metrics, heartbeats (common/loop_lag.py)
 
     @property
     def refused(self) -> str:
@@ -145,6 +147,7 @@ class WorkerService(abc.ABC):
                 tasks = [tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self._refit_loop(), name="refit"),
+                         tg.create_task(self.loop_lag.run(), name="loop-lag"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
                 for link in self.links:
                     tasks += [tg.create_task(self._recv_loop(link), name=f"recv-{link.index}"),
@@ -269,8 +272,9 @@ class WorkerService(abc.ABC):
             self.hb_seq += 1
             hb = self.heartbeat()
             summary = self.prefix.summary()
-            if summary is not None:
-                hb = msgspec.structs.replace(hb, prefix=summary)
+            lag_ms = self.loop_lag.take_max() * 1000.0
+            if summary is not None or lag_ms:
+                hb = msgspec.structs.replace(hb, prefix=summary, loop_lag_ms=lag_ms)
             if len(self.links) == 1:
                 await self.bus.beat(codec.encode(hb))
                 continue

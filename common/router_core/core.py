@@ -361,8 +361,8 @@ class RouterCore:
         for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
 
-    def telemetry(self, now: float) -> None:
-        self.membership.telemetry(now)
+    def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
+        self.membership.telemetry(now, loop_lag_ms)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

@@ -185,8 +185,9 @@ class Membership:
                 continue
             self.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
 
-    def telemetry(self, now: float) -> None:
-        """Each worker's state and the router's counters, to the monitor."""
+    def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
+        """Each worker's state and the router's counters (and its event loop's lag, the shell's
+        measure), to the monitor."""
         at = now + self.wall_offset
         for w in self.table.workers.values():
             hb = w.hb
@@ -201,6 +202,8 @@ class Membership:
                          "step_ms_max": hb.step_ms_max,
                          "tbt_slack_ms": hb.tbt_slack_ms if hb.tbt_slack_ms is not None else -1.0,
                          "waiting_kv": hb.waiting_kv, "resident_prefill_tokens": hb.resident_prefill_tokens}
+            if hb is not None:
+                state["loop_lag_ms"] = hb.loop_lag_ms
             state["draining"] = float(w.draining)
             state["holding"] = len(w.holding)
             self.outbox.publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
@@ -209,4 +212,4 @@ class Membership:
         self.metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
         self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.requests), accepted=self.counts["accepted"],
                                           completed=self.counts["completed"], failed=self.counts["failed"],
-                                          rejected=self.counts["rejected"]))
+                                          rejected=self.counts["rejected"], loop_lag_ms=loop_lag_ms))

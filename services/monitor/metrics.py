@@ -45,6 +45,8 @@ WORKER_GAUGES: dict[str, tuple[str, str, float]] = {
                 1.0),
     "deflections": ("kairos_worker_deflections_in_flight", "In-place (deflected) prefills running on a decode "
                     "worker.", 1.0),
+    "loop_lag_ms": ("kairos_worker_event_loop_lag_seconds", "The worst lag of a worker's event loop (how late it "
+                    "woke a task) since its previous heartbeat.", 1e-3),
     "tbt_slack_ms": ("kairos_worker_tbt_slack_seconds", "Headroom of a decode worker's step time under the "
                      "strictest resident TBT SLO (absent when it has no residents).", 1e-3),
 }
@@ -102,14 +104,18 @@ class _StateCollector:
         yield other
         r = st.router
         inflight = GaugeMetricFamily("kairos_requests_in_flight", "Requests in flight at the router.")
+        lag = GaugeMetricFamily("kairos_router_event_loop_lag_seconds", "The worst lag of the router's event loop "
+                                "(how late it woke a task) in its last second, the worst of the live replicas.")
         counts = CounterMetricFamily("kairos_router_reported_requests",
                                      "The router's own request counts since it started (resets with it).",
                                      labels=["state"])
         if r is not None:
             inflight.add_metric([], r.in_flight)
+            lag.add_metric([], r.loop_lag_ms / 1000.0)
             for name in ("accepted", "completed", "failed", "rejected"):
                 counts.add_metric([name], getattr(r, name))
         yield inflight
+        yield lag
         yield counts
         tel = CounterMetricFamily("kairos_telemetry_messages", "Telemetry messages received by the monitor.",
                                   labels=["type"])

@@ -146,7 +146,9 @@ class MonitorState:
         return m.RouterStats(at=max(r.at for r in rs),
                              in_flight=sum(r.in_flight for r, t in self.routers.values() if t >= fresh),
                              accepted=sum(r.accepted for r in rs), completed=sum(r.completed for r in rs),
-                             failed=sum(r.failed for r in rs), rejected=sum(r.rejected for r in rs))
+                             failed=sum(r.failed for r in rs), rejected=sum(r.rejected for r in rs),
+                             loop_lag_ms=max(r.loop_lag_ms for r, t in self.routers.values() if t >= fresh)
+                             if any(t >= fresh for _, t in self.routers.values()) else 0.0)
 
     @property
     def router_seen(self) -> float:
@@ -375,8 +377,10 @@ class MonitorState:
         if (r := self.router) is not None:  # all routers together; age_s: the freshest one's
             router = {"in_flight": r.in_flight, "accepted": r.accepted, "completed": r.completed,
                       "failed": r.failed, "rejected": r.rejected, "age_s": round(now - self.router_seen, 3),
+                      "loop_lag_ms": round(r.loop_lag_ms, 2),
                       "replicas": [{"name": name or "router", "in_flight": st.in_flight, "accepted": st.accepted,
-                                    "failed": st.failed, "age_s": round(now - t, 3)}
+                                    "failed": st.failed, "age_s": round(now - t, 3),
+                                    "loop_lag_ms": round(st.loop_lag_ms, 2)}
                                    for name, (st, t) in sorted(self.routers.items())]}
         recent = []
         for rc in reversed(self.recent):

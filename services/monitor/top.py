@@ -62,6 +62,9 @@ def down_line(d: dict[str, Any]) -> str:
     return f"{d['service']} restarting after {d['last_exit'] or 'an exit'}"
 
 
+LOOP_LAG_WARN_MS = 100.0  # a router loop this late stalls every stream it serves: shown in yellow
+
+
 def render(s: dict[str, Any], url: str) -> Group:
     w = s["window"]
     r = s["router"]
@@ -74,7 +77,8 @@ def render(s: dict[str, Any], url: str) -> Group:
         silent = [x["name"] for x in reps if x["age_s"] > 5]
         who = f"{len(reps)} routers" if len(reps) > 1 else "router"
         router = Text(f"{who} ok · {r['in_flight']} in flight · {r['accepted']} accepted · {r['failed']} failed "
-                      f"· {r['rejected']} rejected", style="green")
+                      f"· {r['rejected']} rejected · loop lag {r.get('loop_lag_ms', 0.0):.0f} ms",
+                      style="bold yellow" if r.get("loop_lag_ms", 0.0) >= LOOP_LAG_WARN_MS else "green")
         if silent:
             router = Text(f"{len(silent)} of {len(reps)} routers silent ({', '.join(silent)}) · {r['in_flight']} in "
                           f"flight · {r['accepted']} accepted · {r['failed']} failed", style="bold yellow")
@@ -103,8 +107,8 @@ def render(s: dict[str, Any], url: str) -> Group:
                  f"TBT p99 {spark([p['tbt_p99'] for p in series])}")
 
     workers = Table(title=f"workers (last {s['window_s']} s)", expand=True, title_justify="left")
-    for col in ("worker", "role", "load", "queue / batch", "KV used", "TBT slack", "step p50/max", "defl.",
-                "reported"):
+    for col in ("worker", "role", "load", "queue / batch", "KV used", "TBT slack", "step p50/max", "loop lag",
+                "defl.", "reported"):
         workers.add_column(col, no_wrap=True)
     for wk in s["workers"]:
         st = wk["state"]
@@ -118,6 +122,8 @@ def render(s: dict[str, Any], url: str) -> Group:
             "" if prefill else fmt_pct(st.get("kv_used")),
             "" if prefill or slack is None or slack < 0 else fmt_s(slack / 1000),
             f"{fmt_n(st.get('step_ms_p50'), 1)} / {'–' if prefill else fmt_n(st.get('step_ms_max'), 1)} ms",
+            Text(f"{fmt_n(st.get('loop_lag_ms'))} ms",
+                 style="bold yellow" if (st.get("loop_lag_ms") or 0.0) >= LOOP_LAG_WARN_MS else ""),
             "" if prefill else fmt_n(st.get("deflections")),
             Text(f"{wk['age_s']:.0f} s ago!", style="bold yellow") if stale else Text("live", style="green"))
     for lost in s["lost"]:

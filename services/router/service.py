@@ -21,6 +21,7 @@ from common import codec, tracing
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
+from common.loop_lag import LoopLag
 from common.router_core.core import RouterCore
 from common.router_core.ports import Hooks, Outbox
 from common.router_core.requests import Request
@@ -68,6 +69,7 @@ class Router:
         vllm_metrics.attach(self)  # vLLM's gauges on /metrics read this router
         # OpenTelemetry (common/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = tracing.from_config(cfg, "kairos-router")
+        self.loop_lag = LoopLag("router")  # the event loop's lag: /metrics, RouterStats (common/loop_lag.py)
 
     # ------------------------------------------------------------------ the core's outbox
     def send(self, identity: bytes, msg: m.Msg) -> bool:
@@ -119,7 +121,7 @@ class Router:
 
     def loops(self) -> list[tuple[str, Any]]:
         return [("work", self._work_loop()), ("liveness", self.liveness_loop()),
-                ("telemetry", self.telemetry_loop())]
+                ("telemetry", self.telemetry_loop()), ("loop-lag", self.loop_lag.run())]
 
     async def liveness_loop(self) -> None:
         interval = self.cfg.heartbeat_interval
@@ -138,7 +140,7 @@ class Router:
     async def telemetry_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            self.core.telemetry(time.monotonic())
+            self.core.telemetry(time.monotonic(), self.loop_lag.take_max() * 1000.0)
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""

@@ -104,12 +104,13 @@ function renderWorkers(s) {
       el("td", {}, prefill ? "" : bar(st.kv_used, fmtPct(st.kv_used))),
       el("td", {}, prefill ? "" : slack),
       el("td", {}, `${fmtN(st.step_ms_p50, 1)} / ${prefill ? "–" : fmtN(st.step_ms_max, 1)} ms`),
+      el("td", {}, st.loop_lag_ms === undefined ? "–" : `${fmtN(st.loop_lag_ms)} ms`),
       el("td", {}, prefill ? "" : fmtN(st.deflections)),
       el("td", {}, w.age_s > 3 ? `${fmtAge(w.age_s)} ago!` : "live"));
     return tr;
   });
   tbody.replaceChildren(...(rows.length ? rows : [el("tr", { class: "empty" },
-    el("td", { colspan: 8 }, "no workers reported yet"))]));
+    el("td", { colspan: 9 }, "no workers reported yet"))]));
   $("lost").replaceChildren(
     ...(s.services_down || []).map((d) => el("li", { class: "down" }, d.state === "held_down"
       ? `${d.service} held down by kairos up: crash-looping (${d.last_exit || "?"})`
@@ -171,6 +172,9 @@ function render(s) {
   $("kpi-errors").textContent = String(w.errors);
   $("kpi-errors").className = w.errors ? "bad" : "";
   $("kpi-inflight").textContent = r ? String(r.in_flight) : "–";
+  // the router's event loop: its worst wake-up lag in the last second (100 ms or more stalls every stream)
+  $("kpi-looplag").textContent = r && r.loop_lag_ms !== undefined ? `${Math.round(r.loop_lag_ms)} ms` : "–";
+  $("kpi-looplag").className = r && r.loop_lag_ms >= 100 ? "bad" : "";
   $("kpi-slo").textContent = fmtPct(w.slo_attainment);
   $("kpi-prederr").textContent = w.ttft_pred_bias === null ? "–"
     : `${w.ttft_pred_bias >= 0 ? "+" : ""}${fmtS(w.ttft_pred_bias)}`;

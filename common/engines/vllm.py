@@ -180,8 +180,10 @@ class VllmEngine(Engine):
                  overrun_target: float = TARGET,
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
-                 kv_buffer_device: str = "", side_channel_bind: str = "") -> None:
+                 kv_buffer_device: str = "", side_channel_bind: str = "",
+                 otlp_traces_endpoint: str = "") -> None:
         super().__init__()
+        self.otlp_traces_endpoint = otlp_traces_endpoint  # vLLM's own tracing (its llm_request spans); "": off
         if token_budget <= max_batch:
             raise ValueError(f"token_budget ({token_budget}) must exceed max_batch ({max_batch}): "
                              "each step carries one token per decode plus the prefill chunks")
@@ -313,6 +315,8 @@ class VllmEngine(Engine):
                     disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
                     additional_config={"kairos": {"step_channel": step_channel}},
                     kv_transfer_config=kv_cfg)
+                if self.otlp_traces_endpoint:  # vLLM's spans join the request's trace (DecodeWork.traceparent)
+                    args.otlp_traces_endpoint = self.otlp_traces_endpoint
                 return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
             finally:
                 for k, v in saved.items():
@@ -823,7 +827,7 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
                       side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,
                       max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile),
-                      prefix_caching=cfg.prefix_cache)
+                      prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from common.errors import ConfigError
+
 if TYPE_CHECKING:  # pragma: no cover
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span
@@ -114,4 +116,9 @@ def headers(traceparent: str, tracestate: str = "") -> dict[str, str] | None:
 def from_config(cfg: Any, service_name: str) -> Tracing | None:
     """The service's tracer when its config names an OTLP endpoint, else None (tracing off)."""
     endpoint = getattr(cfg, "otlp_traces_endpoint", "")
-    return Tracing(service_name, endpoint=endpoint) if endpoint else None
+    if not endpoint:
+        return None
+    if not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(f"otlp_traces_endpoint {endpoint!r}: give the collector's OTLP/HTTP traces URL, e.g. "
+                          "http://collector:4318/v1/traces (Kairos exports over HTTP, not gRPC)")
+    return Tracing(service_name, endpoint=endpoint)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common import codec, config, tracing
 from common import messages as m
 from common.engines.sim import SimEngine
+from common.errors import ConfigError
 from common.perf_model import load_profile
 from services.decode_worker.service import DecodeWorker
 from tests.test_trust import SAMPLING, frame, hello, make_router, sent
@@ -80,6 +82,8 @@ async def test_without_an_endpoint_nothing_is_traced_and_work_carries_no_context
     t = tracing.from_config(cfg, "kairos-router")
     assert t is not None and t.endpoint == "http://127.0.0.1:1/v1/traces"
     t.shutdown()
+    with pytest.raises(ConfigError, match="OTLP/HTTP traces URL"):
+        tracing.from_config(msgspec.structs.replace(cfg, otlp_traces_endpoint="collector:4317"), "kairos-router")
 
 
 def test_work_from_an_older_router_without_trace_fields_still_decodes() -> None:

@@ -11,8 +11,12 @@ import time
 from prometheus_client import REGISTRY, generate_latest
 from rich.console import Console
 
+from common import codec, config
 from common import messages as m
+from common.engines.sim import SimEngine
 from common.loop_lag import LoopLag
+from common.perf_model import load_profile
+from services.decode_worker.service import DecodeWorker
 from services.monitor import top
 from services.monitor.metrics import _StateCollector
 from services.monitor.state import MonitorState
@@ -82,3 +86,22 @@ def test_router_stats_and_worker_states_carry_the_lag_to_the_monitor_and_top() -
     out.print(top.render(snap, "http://monitor"))
     text = out.file.getvalue()  # type: ignore[attr-defined]
     assert "loop lag 150 ms" in text
+
+
+async def test_a_workers_heartbeat_carries_its_worst_lag_since_the_last_one() -> None:
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"kv_transport": "modeled", "heartbeat_interval": 0.01})
+    w = DecodeWorker(cfg, SimEngine("decode", load_profile("fast")))
+    beats: list[m.DecodeHeartbeat] = []
+
+    class Bus:
+        async def beat(self, payload: bytes) -> None:
+            hb = codec.router_inbox.decode(payload)
+            assert isinstance(hb, m.DecodeHeartbeat)
+            beats.append(hb)
+            w.left = len(beats) >= 2  # two beats, then the loop returns
+
+    w.bus = Bus()  # type: ignore[assignment]
+    w.loop_lag.observe(0.2)
+    await asyncio.wait_for(w._heartbeat_loop(), 5)
+    assert beats[0].loop_lag_ms == 200.0
+    assert beats[1].loop_lag_ms == 0.0  # taken by the first beat

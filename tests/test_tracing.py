@@ -118,3 +118,19 @@ async def test_decode_worker_writes_prefill_and_decode_spans_under_the_routers()
         assert s.parent is not None and s.parent.span_id == int(CLIENT_SPAN, 16)
     assert spans["prefill"].end_time <= spans["decode"].start_time <= spans["decode"].end_time
     assert spans["decode"].attributes is not None and spans["decode"].attributes["kairos.finish_reason"] == "length"
+
+
+async def test_a_malformed_traceparent_starts_a_trace_of_the_routers_own() -> None:
+    r = make_router("kairos")
+    r.tracing, exporter = traced("kairos-router")
+    try:
+        frame(r, b"decode-0", hello("decode-0"))
+        frame(r, b"prefill-0", hello("prefill-0", role="prefill"))
+        req = await r.admit([1, 2, 3] * 100, SAMPLING, traceparent="00-not-a-trace-01")
+        r.abort(req)
+        root = next(s for s in exporter.get_finished_spans() if s.name == "kairos.request")
+        assert root.parent is None and root.context.trace_id != 0
+        work = [w for _, w in sent(r) if isinstance(w, (m.DecodeWork, m.PrefillWork))]
+        assert work and all(w.traceparent.split("-")[1] == f"{root.context.trace_id:032x}" for w in work)
+    finally:
+        r.close()

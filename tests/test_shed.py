@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 import tests.test_router_pins as pins
@@ -14,7 +15,6 @@ from common import messages as m
 from common.config import RouterConfig
 from common.errors import Overloaded, RequestError
 from common.perf_model import load_profile
-from common.router_core.admission import END_TAU_S
 from services.router import openai_schema as schema
 
 BUDGET = pins.BUDGET
@@ -45,12 +45,15 @@ def test_a_request_predicted_to_wait_past_the_budget_is_refused_with_retry_after
     b.beat("prefill-0", queued_tokens=queued)
     ahead = []
     # the first ones fit the budget and wait (held); each one held adds its prompt to the backlog
-    while (queued + (len(ahead) + 1) * BUDGET) / rate <= 1.0:
+    # half a prefill step (a step boundary), and the decode step that brings the first token
+    step = 0.5 * BUDGET / rate + b.core.admission.first_step(BUDGET)
+    assert step > 0
+    while (queued + (len(ahead) + 1) * BUDGET) / rate + step <= 1.0:
         ahead.append(held_one(b))
     assert ahead and b.stats()["held"] == len(ahead)
     with pytest.raises(Overloaded) as e:
         held_one(b)
-    predicted = (queued + len(ahead) * BUDGET + BUDGET) / rate
+    predicted = (queued + len(ahead) * BUDGET + BUDGET) / rate + step
     assert predicted > 1.0
     assert e.value.code == "prefill_busy"
     assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 1.0))
@@ -68,8 +71,9 @@ def test_the_retry_after_grows_with_the_backlog() -> None:
 
     rate = prefill_rate()
     small, big = int(rate * 3), int(rate * 30)  # 3 s and 30 s of prefill work queued
-    assert retry_after(small) == math.ceil((small + BUDGET) / rate - 0.5)
-    assert retry_after(big) == math.ceil((big + BUDGET) / rate - 0.5) > retry_after(small)
+    step = 0.5 * BUDGET / rate + late().core.admission.first_step(BUDGET)
+    assert retry_after(small) == math.ceil((small + BUDGET) / rate + step - 0.5)
+    assert retry_after(big) == math.ceil((big + BUDGET) / rate + step - 0.5) > retry_after(small)
 
 
 def test_the_default_budget_is_the_requests_own_ttft_slo() -> None:
@@ -106,31 +110,33 @@ def no_kv_bench(**overrides: object) -> pins.Bench:
     return b
 
 
-def test_no_kv_room_and_no_request_ended_lately_nothing_predicts_it_so_it_waits() -> None:
-    b = no_kv_bench(queue_budget=0.5)
+def test_the_first_request_without_kv_room_is_not_predicted_it_waits() -> None:
+    b = no_kv_bench(queue_budget=0.001)
     r = b.submit()
     assert not r.done and b.stats()["kv_waiting"] == 1
 
 
-def test_no_kv_room_the_wait_is_predicted_from_the_rate_requests_end() -> None:
-    b = no_kv_bench(queue_budget=3.0)
-    # requests that were served: one ends every 2 s for a while (the rate room frees at)
+def test_behind_a_queue_waiting_for_kv_the_wait_is_the_decoding_requests_remaining_tokens() -> None:
+    b = pins.Bench("deflect-all", [("decode-0", 1000)], queue_budget=0.001)  # the fast profile's steps are short
     b.beat("decode-0")
-    for _ in range(10):
-        r = b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=1))
-        b.tokens("decode-0", r, [1], "length")
-        b.tick(2.0)
-    b.beat("decode-0", kv_used=1000)  # full again
-    rate = b.core.admission.end_rate(b.clock.now)
-    assert 0.3 < rate < 0.7  # about one every 2 s (a decayed count)
-    first = b.submit()  # 1 / rate ~ 2.5 s: within the budget, it waits
-    assert not first.done and b.stats()["kv_waiting"] == 1
-    with pytest.raises(Overloaded) as e:  # a second behind it: ~5 s
+    # three requests decoding, with 10, 40 and 100 tokens left
+    running = [b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=n + 1)) for n in (10, 40, 100)]
+    for r in running:
+        b.tokens("decode-0", r, [1])
+    b.beat("decode-0", kv_used=1000, batch=3)  # and KV full
+    step = b.core.admission.decode_ends()[0] / 10  # the worker's step time
+    assert sorted(b.core.admission.decode_ends()) == pytest.approx([10 * step, 40 * step, 100 * step])
+    first = b.submit()  # the first to wait: no prediction, it waits
+    assert not first.done
+    tokens = len(pins.PROMPT)
+    rest = b.core.admission.alone_s(tokens) + b.core.admission.first_step(tokens)
+    # the second waits for the second request to end: 40 steps, then its own prefill and first step
+    predicted = 40 * step + rest
+    with pytest.raises(Overloaded) as e:
         b.submit()
-    assert e.value.code == "kv_full" and "KV room" in str(e.value)
-    predicted = 2 / rate + b.core.admission.alone_s(len(pins.PROMPT))
-    assert predicted > 3.0 and e.value.retry_after_s == math.ceil(predicted - 3.0)
-    assert END_TAU_S > 0
+    assert e.value.code == "kv_full" and "1 requests wait for room before it" in str(e.value)
+    assert f"end in {40 * step:.1f} s" in str(e.value) and f"time to first token {predicted:.1f} s" in str(e.value)
+    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001))
 
 
 def test_one_client_holds_at_most_its_share_of_max_in_flight() -> None:
@@ -184,6 +190,4 @@ def test_the_batch_limit_is_never_above_one_clients_share() -> None:
 
 
 def msgspec_json(obj: object) -> bytes:
-    import msgspec
-
     return msgspec.json.encode(obj)

@@ -11,13 +11,14 @@ before any byte of a stream), not queued until a fixed timeout:
   - held (`Hold`: the prefill queues are deep and no decode worker can prefill it in place): the
     prefill pool must first work through the tokens it holds (its views, ledger included) and the
     tokens of the requests waiting before it, then its own prompt, at the pool's rate (each
-    prefill worker's token budget per step time at a full budget, from its performance model);
-    code `prefill_busy`;
-  - no decode room (`NoKvRoom`: KV; `NoDecodeRoom`: decode step time): room frees as requests
-    end, so the wait is the requests waiting for room before it, plus itself, over the rate at
-    which requests have been ending (an exponentially decayed count, `END_TAU_S`), then its own
-    prefill; no request ended lately: no prediction (it waits, bounded by `kv_wait_timeout`);
-    code `kv_full` or `decode_busy`.
+    prefill worker's token budget per step time at a full budget, from its performance model),
+    half a prefill step (it starts at a step boundary), then the decode step that gives its first
+    token; code `prefill_busy`;
+  - no decode room (`NoKvRoom`: KV; `NoDecodeRoom`: decode step time): room frees as the
+    requests decoding end; with k requests already waiting for room before it, it waits for the
+    (k+1)-th of them to reach its max_tokens (at its decode worker's recent step time), then its
+    own prefill and first decode step; the first to wait is not predicted (it waits, bounded by
+    `kv_wait_timeout`); code `kv_full` or `decode_busy`.
 - **Client shares.** One client (its API key, else its address; the HTTP shell names it) holds at
   most `client_share` x `max_in_flight` requests in flight, so one client or one batched request
   cannot take every slot; code `client_share`.
@@ -28,6 +29,7 @@ them with the core, and the HTTP shell only maps `Overloaded` to 429.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -37,8 +39,6 @@ from common.config import RouterConfig
 from common.policy import Hold, NoDecodeRoom, NoKvRoom
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
-
-END_TAU_S = 5.0  # time constant of the rate at which requests end (the decode room's drain rate)
 
 
 def shortage(e: NoKvRoom) -> str:
@@ -62,14 +62,12 @@ class Shortage:
 
 class Admission:
     """The admission rules (see the module docstring). It reads the worker table and the wait
-    queue it is given; it owns the per-client counts and the rate at which requests end."""
+    queue it is given, and the requests in flight; it owns the per-client counts."""
 
-    def __init__(self, cfg: RouterConfig, table: WorkerTable) -> None:
-        self.cfg, self.table = cfg, table
+    def __init__(self, cfg: RouterConfig, table: WorkerTable, requests: dict[str, Request]) -> None:
+        self.cfg, self.table, self.requests = cfg, table, requests
         self.clients: Counter[str] = Counter()  # requests in flight per client
         self.client_limit = max(1, int(cfg.client_share * cfg.max_in_flight)) if 0 < cfg.client_share < 1 else 0
-        self._ended = 0.0       # requests ended, decayed with END_TAU_S, as of `_ended_at`
-        self._ended_at = 0.0
 
     # ------------------------------------------------------------------ per-client shares
     def client_full(self, client: str) -> str | None:
@@ -87,8 +85,8 @@ class Admission:
         if req.client:
             self.clients[req.client] += 1
 
-    def ended(self, req: Request, now: float, *, completed: bool) -> None:
-        """`req` left the router (`completed`: it was served, so the room it held is free)."""
+    def ended(self, req: Request) -> None:
+        """`req` left the router."""
         c = req.client
         if c:
             n = self.clients[c] - 1
@@ -96,17 +94,6 @@ class Admission:
                 self.clients[c] = n
             else:
                 del self.clients[c]
-        if completed:
-            self._ended = self._decayed(now) + 1.0
-            self._ended_at = now
-
-    def _decayed(self, now: float) -> float:
-        dt = now - self._ended_at
-        return self._ended * math.exp(-dt / END_TAU_S) if dt > 0 else self._ended
-
-    def end_rate(self, now: float) -> float:
-        """Requests ended per second lately (0: none)."""
-        return self._decayed(now) / END_TAU_S
 
     # ------------------------------------------------------------------ predicted wait
     def budget(self, req: Request) -> float | None:
@@ -131,6 +118,13 @@ class Admission:
                  for p in self.table.view(use_ledger=self.cfg.ledger).prefill]
         return min(times, default=0.0)
 
+    def first_step(self, tokens: int) -> float:
+        """The decode step that brings a prompt's first token after its prefill: the quickest of the
+        decode workers' next steps with it added (0 when none is live)."""
+        times = [d.model.step_time(d.batch + 1, d.kv_tokens + tokens)
+                 for d in self.table.view(use_ledger=self.cfg.ledger).decode]
+        return min(times, default=0.0)
+
     def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], now: float) -> Shortage | None:
         """`req`'s predicted time to first token if it waits (`e`: why it cannot be placed now;
         `ahead`: the requests already waiting), or None where nothing predicts it."""
@@ -143,20 +137,42 @@ class Admission:
             queued = sum(p.queued_tokens for p in view.prefill)
             waiting = [r for r in ahead if not r.done]
             before = sum(len(r.prompt_token_ids) for r in waiting)
-            ttft = (queued + before + tokens) / rate
+            # a prompt placed on a busy prefill worker starts at its next step: half a step later on average
+            half_step = 0.5 * min(p.model.prefill_exec(p.token_budget, p.token_budget) for p in view.prefill)
+            ttft = (queued + before + tokens) / rate + half_step + self.first_step(tokens)
             return Shortage(ttft, "prefill_busy",
                             f"the prefill workers hold {queued} prompt tokens and {len(waiting)} requests "
                             f"({before} tokens) wait before it, at {rate:.0f} tokens/s")
-        rate = self.end_rate(now)
-        if rate <= 0:
+        # decode room frees as the requests decoding end: the (k+1)-th to end makes room for it,
+        # k the requests waiting for room before it. The first to wait is not predicted (it waits,
+        # bounded by kv_wait_timeout): a remaining time counts max_tokens, while most requests
+        # stop earlier, so the prediction serves to refuse a queue that grows, not the first.
+        k = sum(1 for r in ahead if not r.done and not r.held)
+        if k == 0:
             return None
-        waiting_room = sum(1 for r in ahead if not r.done and not r.held)
-        ttft = (waiting_room + 1) / rate + self.alone_s(tokens)
+        ends = self.decode_ends()
+        if len(ends) <= k:
+            return None
+        wait = heapq.nsmallest(k + 1, ends)[-1]
+        ttft = wait + self.alone_s(tokens) + self.first_step(tokens)
         code = shortage(e)
         return Shortage(ttft, code,
                         f"no decode worker has {'KV' if code == 'kv_full' else 'decode step'} room for it "
-                        f"({e}); {waiting_room} requests wait for room before it and requests end "
-                        f"at {rate:.1f}/s")
+                        f"({e}); {k} requests wait for room before it, and the decoding requests that would "
+                        f"make room end in {wait:.1f} s at the earliest")
+
+    def decode_ends(self) -> list[float]:
+        """Seconds until each request decoding now reaches its max_tokens, at its decode worker's
+        recent step time (else its model's)."""
+        steps: dict[str, float] = {}
+        for d in self.table.view(use_ledger=self.cfg.ledger).decode:
+            steps[d.worker_id] = d.step_s if d.step_s > 0 else d.model.step_time(max(1, d.batch), d.kv_tokens)
+        out = []
+        for r in self.requests.values():
+            w = r.decode_worker
+            if w is not None and r.prefill_done and not r.done and w in steps:
+                out.append(max(0, r.sampling.max_tokens - r.n_out) * steps[w])
+        return out
 
     def over_budget(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], now: float) \
             -> tuple[Shortage, float, float] | None:

@@ -125,7 +125,7 @@ class RouterCore:
             retry_waiting=self.retry_waiting, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
             drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset,
             log=self.log)
-        self.admission = Admission(cfg, self.table)
+        self.admission = Admission(cfg, self.table, self.requests)
         self.inbound = Inbound(self)
         self._prepare = getattr(self.policy, "prepare", None)
 
@@ -259,7 +259,7 @@ class RouterCore:
             self.cancel_on_workers(req, outcome)
         self.release(req)
         self.requests.pop(req.request_id, None)
-        self.admission.ended(req, now, completed=counter == "completed")
+        self.admission.ended(req)
         self.counts[counter] += 1
         if self.kv_waiting and req.kv_wait_until == 0.0:
             self.retry_waiting(now)  # its KV may have freed (seen for sure at the next heartbeat)

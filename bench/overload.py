@@ -15,6 +15,9 @@ once, with distinct prompts (no prefix-cache hits), and each ends in one bucket:
                stream, a dropped or hung connection
 
 After the burst the cluster must serve again: once nothing is in flight, one request is sent alone.
+Then `--batches` batched requests of `max_batch` prompts each are sent one after another (each is
+admitted sub-request by sub-request until the cluster is predicted full, then refused whole). The
+router's RSS is read before the burst, after it and after the batches.
 
     python -m bench.overload --prefill 2 --decode 2 --step-s 1.0 --load 5 --duration 60 --out o.json
 """
@@ -140,6 +143,25 @@ async def settle_then_probe(api: str, budget: int, max_tokens: int, timeout_s: f
         return await one(client, api + "/v1/completions", body, time.monotonic())
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+async def batches(api: str, n: int, size: int, budget: int) -> dict[str, int]:
+    """`n` batched completions of `size` prompts each, one after another: their statuses."""
+    got: Counter[str] = Counter()
+    rng = random.Random(7)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as c:
+        for _ in range(n):
+            prompts = [[10 + rng.randrange(900) for _ in range(budget)] for _ in range(size)]
+            r = await c.post(api + "/v1/completions", json={"prompt": prompts, "max_tokens": 1})
+            got[f"{r.status_code}:{r.headers.get('x-kairos-error', '')}"] += 1
+    return dict(got)
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -178,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo", type=float, default=5.0, help="the router's TTFT SLO, seconds")
     p.add_argument("--queue-budget", type=float, default=0.0, help="the router's queue_budget (0: the TTFT SLO)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--batches", type=int, default=10, help="batched requests of max_batch prompts after the burst")
     p.add_argument("--out", help="write the result as JSON here (and every outcome beside it, .rows.json)")
     a = p.parse_args(argv)
     log_dir = tempfile.mkdtemp(prefix="overload-")
@@ -190,17 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(spec)
     try:
         cluster.start(timeout=60)
+        proc = cluster.services["router"].proc
+        assert proc is not None
+        rss = {"before": rss_mb(proc.pid)}
         t0 = time.monotonic()
         outcomes = asyncio.run(offer(spec.api, rate=capacity * a.load, duration=a.duration, budget=a.budget,
                                      max_tokens=a.max_tokens, seed=a.seed))
         burst_s = time.monotonic() - t0
         probe = asyncio.run(settle_then_probe(spec.api, a.budget, a.max_tokens))
+        rss["after_burst"] = rss_mb(proc.pid)
+        batched = asyncio.run(batches(spec.api, a.batches, 256, a.budget))
+        asyncio.run(settle_then_probe(spec.api, a.budget, a.max_tokens))
+        rss["after_batches"] = rss_mb(proc.pid)
         stats = httpx.get(spec.api + "/v1/kairos/stats", timeout=10).json()
     finally:
         cluster.stop(20)
     result: dict[str, object] = {"capacity_rps": capacity, "offered_rps": capacity * a.load,
                                  "burst_s": round(burst_s, 1), **summarize(outcomes), "after": asdict(probe),
-                                 "router_counts": stats["counts"],
+                                 "router_counts": stats["counts"], "batches": batched, "router_rss_mb": rss,
                                  "load_avg": os.getloadavg(), "logs": log_dir, "args": vars(a)}
     print(json.dumps(result, indent=2))
     if a.out:

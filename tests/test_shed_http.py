@@ -7,6 +7,7 @@ is a 400."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import httpx
@@ -98,7 +99,7 @@ async def test_a_batch_is_admitted_in_slices_with_the_loop_free_between_them() -
     # the other task ran between the slices (without yields the 64 are admitted in one go)
     slices = [seen[i:i + http.ADMIT_SLICE] for i in range(0, 64, http.ADMIT_SLICE)]
     assert all(len(set(s)) == 1 for s in slices)  # one slice at once
-    assert all(a[0] < b[0] for a, b in zip(slices, slices[1:], strict=False))  # the loop free between slices
+    assert all(a[0] < b[0] for a, b in itertools.pairwise(slices))  # the loop free between slices
 
 
 async def test_a_batch_over_the_limit_is_a_400_and_nothing_is_admitted() -> None:

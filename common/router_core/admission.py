@@ -13,7 +13,7 @@ before any byte of a stream), not queued until a fixed timeout:
     tokens of the requests waiting before it, then its own prompt, at the pool's rate (each
     prefill worker's token budget per step time at a full budget, from its performance model),
     half a prefill step (it starts at a step boundary), then the decode step that gives its first
-    token; code `prefill_busy`;
+    token (on a busy decode worker, after half of the one in flight); code `prefill_busy`;
   - no decode room (`NoKvRoom`: KV; `NoDecodeRoom`: decode step time): room frees as the
     requests decoding end; with k requests already waiting for room before it, it waits for the
     (k+1)-th of them to reach its max_tokens (at its decode worker's recent step time), then its
@@ -120,10 +120,16 @@ class Admission:
 
     def first_step(self, tokens: int) -> float:
         """The decode step that brings a prompt's first token after its prefill: the quickest of the
-        decode workers' next steps with it added (0 when none is live)."""
-        times = [d.model.step_time(d.batch + 1, d.kv_tokens + tokens)
-                 for d in self.table.view(use_ledger=self.cfg.ledger).decode]
-        return min(times, default=0.0)
+        decode workers' next steps with it added, and on a busy worker half a step of waiting
+        for the one in flight, at the pace its steps have run lately (as Kairos's replay predictor
+        times the disaggregated path's first token); 0 when no decode worker is live."""
+        best = math.inf
+        for d in self.table.view(use_ledger=self.cfg.ledger).decode:
+            step = d.model.step_time(d.batch + 1, d.kv_tokens + tokens)
+            if d.batch + d.deflections + d.pending:
+                step = 1.5 * max(step, d.step_s)
+            best = min(best, step)
+        return best if best < math.inf else 0.0
 
     def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], now: float) -> Shortage | None:
         """`req`'s predicted time to first token if it waits (`e`: why it cannot be placed now;

@@ -135,7 +135,7 @@ def test_behind_a_queue_waiting_for_kv_the_wait_is_the_decoding_requests_remaini
     with pytest.raises(Overloaded) as e:
         b.submit()
     assert e.value.code == "kv_full" and "1 requests wait for room before it" in str(e.value)
-    assert f"end in {40 * step:.1f} s" in str(e.value) and f"time to first token {predicted:.1f} s" in str(e.value)
+    assert f"ends in {40 * step:.1f} s" in str(e.value) and f"time to first token {predicted:.1f} s" in str(e.value)
     assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001))
 
 

@@ -131,7 +131,7 @@ class Admission:
             best = min(best, step)
         return best if best < math.inf else 0.0
 
-    def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], now: float) -> Shortage | None:
+    def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request]) -> Shortage | None:
         """`req`'s predicted time to first token if it waits (`e`: why it cannot be placed now;
         `ahead`: the requests already waiting), or None where nothing predicts it."""
         tokens = len(req.prompt_token_ids)
@@ -164,8 +164,8 @@ class Admission:
         code = shortage(e)
         return Shortage(ttft, code,
                         f"no decode worker has {'KV' if code == 'kv_full' else 'decode step'} room for it "
-                        f"({e}); {k} requests wait for room before it, and the decoding requests that would "
-                        f"make room end in {wait:.1f} s at the earliest")
+                        f"({e}); {k} requests wait for room before it, and the decoding request whose end "
+                        f"would make room for it ends in {wait:.1f} s")
 
     def decode_ends(self) -> list[float]:
         """Seconds until each request decoding now reaches its max_tokens, at its decode worker's
@@ -180,7 +180,7 @@ class Admission:
                 out.append(max(0, r.sampling.max_tokens - r.n_out) * steps[w])
         return out
 
-    def over_budget(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], now: float) \
+    def over_budget(self, req: Request, e: NoKvRoom, ahead: Iterable[Request]) \
             -> tuple[Shortage, float, float] | None:
         """(the shortage, the budget, Retry-After in seconds) when `req` is predicted to wait past
         its budget, else None. Retry-After is how long the backlog takes to drain to where a
@@ -188,7 +188,7 @@ class Admission:
         budget = self.budget(req)
         if budget is None:
             return None
-        s = self.predict(req, e, ahead, now)
+        s = self.predict(req, e, ahead)
         if s is None or s.ttft_s <= budget:
             return None
         return s, budget, max(1.0, math.ceil(s.ttft_s - budget))

@@ -169,7 +169,7 @@ class RouterCore:
                 raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
             self.dispatch(req, now)
         except NoKvRoom as e:
-            self.shed(req, e, now)
+            self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 self.metrics.observe_rejected("no_kv_room")
@@ -184,15 +184,19 @@ class RouterCore:
         self.counts["accepted"] += 1
         return req
 
-    def shed(self, req: Request, e: NoKvRoom, now: float) -> None:
+    def shed(self, req: Request, e: NoKvRoom) -> None:
         """A new request that cannot be placed now: refuse it (Overloaded, HTTP 429) if its
         predicted time to first token is past its budget (admission.py), else return (it waits)."""
-        over = self.admission.over_budget(req, e, self.kv_waiting, now)
+        over = self.admission.over_budget(req, e, self.kv_waiting)
         if over is None:
             return
         s, budget, retry = over
         self.counts["shed"] += 1
         self.metrics.observe_rejected(s.code)
+        held = self.dropped.admit(("shed", s.code))  # one line per DROP_LOG_S per shortage, not one per refusal
+        if held is not None:
+            self.log.warning("overload_shed", code=s.code, predicted_ttft_s=round(s.ttft_s, 3), budget_s=budget,
+                             retry_after_s=retry, why=s.why, suppressed_since_last=held)
         raise Overloaded(f"overloaded: predicted time to first token {s.ttft_s:.1f} s is over its budget of "
                          f"{budget:g} s ({'queue_budget' if self.cfg.queue_budget > 0 else 'its TTFT SLO'}): "
                          f"{s.why}; retry after {retry:g} s"

@@ -84,6 +84,19 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    queue_budget: Annotated[float, doc(
+        "admission: a request that cannot be placed at once and whose predicted time to first token (the "
+        "prefill workers' queues and the requests waiting before it, or the rate at which decode room frees) "
+        "is over this many seconds is refused at once with HTTP 429 and a Retry-After from the predicted "
+        "drain time, before any byte of a stream (0: each request's own TTFT SLO, ttft_slo or its body's "
+        "ttft_slo; -1: never refused on a prediction, it waits up to kv_wait_timeout)")] = 0.0
+    client_share: Annotated[float, doc(
+        "admission: the fraction of max_in_flight one client (its API key when it sends one other than the "
+        "router's own api_key, else its address) may hold in flight; past it HTTP 429 client_share. Behind a "
+        "gateway that funnels every client through one address, set 1 (no share)")] = 0.25
+    max_batch: Annotated[int, doc(
+        "most sub-requests one HTTP request may make (the prompts of a batched 'prompt' list times n): past "
+        "it, or past the client's share, HTTP 400 before any work starts")] = 256
     log_requests: Annotated[bool, doc("write the request_done line (route, workers, TTFT, outcome of each "
                                       "request) at info level; off, only with --log-level debug (the line "
                                       "is a few percent of the router's CPU per request)")] = False

@@ -50,9 +50,13 @@ class NoWorkerYet(Unavailable):
 
 
 class Overloaded(KairosError):
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    """`code`: what is short, the client's `x-kairos-error` (`overloaded`: requests in flight;
+    `client_share`; `prefill_busy`, `decode_busy`, `kv_full`: a wait predicted past its budget)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str = "overloaded") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class WorkerLostError(KairosError):

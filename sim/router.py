@@ -89,6 +89,9 @@ class Engines(Protocol):
     def give_up_at(self, t: float, r: Req) -> None: ...
 
 
+WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout")  # common/router_core/waiting.py
+
+
 def router_config(cfg: SimConfig) -> RouterConfig:
     """The live router's settings for a simulated replica: the simulation's SLOs, ledger, wait
     queue, prefix index and bias correction; no limit on requests in flight or their duration
@@ -97,7 +100,7 @@ def router_config(cfg: SimConfig) -> RouterConfig:
                         heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
                         kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
                         prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
-                        max_in_flight=1 << 30, request_timeout=1e12)
+                        max_in_flight=1 << 30, request_timeout=1e12, queue_budget=cfg.queue_budget, client_share=1.0)
 
 
 class _StrictLog(NullLog):
@@ -244,7 +247,7 @@ class SimRouter:
         r = self.reqs.pop(creq.request_id)
         self.creqs.pop(creq.request_id, None)
         if finished_reason is None:
-            if creq.outcome != "kv_wait_timeout":  # nothing else fails a request in the simulator
+            if creq.outcome not in WAIT_TIMEOUTS:  # nothing else fails a request in the simulator
                 raise RuntimeError(f"the router core failed request {creq.request_id} in the simulator: "
                                    f"{creq.outcome}")
             now = rec.at

@@ -43,6 +43,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
+    # the router's admission shedding (RouterConfig.queue_budget; common/router_core/admission.py): off by
+    # default here, so that a run measures what queueing does to every request of the trace
+    queue_budget: float = -1.0
     prefix_cache: bool = True      # per-worker prefix caches and the router's prefix index (traces with hash_ids)
     hash_block_tokens: int = 512   # prompt tokens per trace hash_ids entry: the cache's block size
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger

@@ -314,13 +314,13 @@ async def test_a_held_request_does_not_block_new_arrivals() -> None:
     assert not held.done and b.stats()["held"] == 1
 
 
-async def test_a_request_held_too_long_fails_with_kv_wait_timeout_saying_late_binding_held_it() -> None:
+async def test_a_request_held_too_long_fails_with_prefill_wait_timeout_saying_late_binding_held_it() -> None:
     b = late()
     b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
     held = b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
     b.tick(6.0)
     ((code, message),) = errors(held)
-    assert held.done and code == "kv_wait_timeout" and "late binding held it" in message
+    assert held.done and code == "prefill_wait_timeout" and "late binding held it" in message
 
 
 # ------------------------------------------------------------------ a worker lost before any token was streamed

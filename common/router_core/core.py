@@ -42,6 +42,7 @@ from common.policy import (
     Policy,
     make_policy,
 )
+from common.router_core.admission import Admission, shortage
 from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
@@ -124,21 +125,32 @@ class RouterCore:
             retry_waiting=self.retry_waiting, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
             drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset,
             log=self.log)
+        self.admission = Admission(cfg, self.table, self.requests)
         self.inbound = Inbound(self)
         self._prepare = getattr(self.policy, "prepare", None)
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
                tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
-               rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None) -> Request:
-        """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded, Unavailable
-        (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve).
-        `rid`: its bus key (default: random); `block_hashes`: (block size, the prompt's block
-        hashes) when the caller has them (the simulator's traces), else computed from the prompt."""
+               rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None,
+               client: str = "") -> Request:
+        """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded (HTTP 429:
+        `max_in_flight` reached, the client's share reached, or a wait predicted past its budget;
+        admission.py), Unavailable (no room and the queue is full), NoWorkerYet or RequestError
+        (what no worker can serve). `rid`: its bus key (default: random); `block_hashes`: (block
+        size, the prompt's block hashes) when the caller has them (the simulator's traces), else
+        computed from the prompt; `client`: who sent it (its API key, else its address; "": no
+        share applies)."""
         if len(self.requests) >= self.cfg.max_in_flight:
             self.counts["rejected"] += 1
             self.metrics.observe_rejected("overloaded")
             raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
+        if client:
+            full = self.admission.client_full(client)
+            if full is not None:
+                self.counts["rejected_client_share"] += 1
+                self.metrics.observe_rejected("client_share")
+                raise Overloaded(full, code="client_share")
         self.check_limits(prompt_ids, sampling)
         # The bus key of a request: 96 random bits, so no peer can guess another's (about 0.6 us;
         # a counter is 0.3 us). The client's own id is kept as a label only.
@@ -147,7 +159,8 @@ class RouterCore:
         req = Request(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
-                      client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {})
+                      client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {},
+                      client=client)
         waiting = self.kv_waiting
         waiting.drop_done()
         try:
@@ -156,6 +169,7 @@ class RouterCore:
                 raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
             self.dispatch(req, now)
         except NoKvRoom as e:
+            self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 self.metrics.observe_rejected("no_kv_room")
@@ -165,9 +179,29 @@ class RouterCore:
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
+        self.admission.started(req)
         self.metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
         return req
+
+    def shed(self, req: Request, e: NoKvRoom) -> None:
+        """A new request that cannot be placed now: refuse it (Overloaded, HTTP 429) if its
+        predicted time to first token is past its budget (admission.py), else return (it waits)."""
+        over = self.admission.over_budget(req, e, self.kv_waiting)
+        if over is None:
+            return
+        s, budget, retry = over
+        self.counts["shed"] += 1
+        self.metrics.observe_rejected(s.code)
+        held = self.dropped.admit(("shed", s.code))  # one line per DROP_LOG_S per shortage, not one per refusal
+        if held is not None:
+            self.log.warning("overload_shed", code=s.code, predicted_ttft_s=round(s.ttft_s, 3), budget_s=budget,
+                             retry_after_s=retry, why=s.why, suppressed_since_last=held)
+        raise Overloaded(f"overloaded: predicted time to first token {s.ttft_s:.1f} s is over its budget of "
+                         f"{budget:g} s ({'queue_budget' if self.cfg.queue_budget > 0 else 'its TTFT SLO'}): "
+                         f"{s.why}; retry after {retry:g} s"
+                         + (", or add prefill workers" if s.code == "prefill_busy" else ", or add decode workers"),
+                         retry_after_s=retry, code=s.code) from e
 
     def check_limits(self, prompt_ids: list[int], sampling: m.Sampling) -> None:
         """HTTP 400 now for what no live worker can ever serve (retrying would not help)."""
@@ -229,6 +263,7 @@ class RouterCore:
             self.cancel_on_workers(req, outcome)
         self.release(req)
         self.requests.pop(req.request_id, None)
+        self.admission.ended(req)
         self.counts[counter] += 1
         if self.kv_waiting and req.kv_wait_until == 0.0:
             self.retry_waiting(now)  # its KV may have freed (seen for sure at the next heartbeat)
@@ -320,7 +355,7 @@ class RouterCore:
             worker (re)registers, up to `park_timeout`.
         A request arriving with no worker registered is the shell's to hold (`Router.admit`)."""
         if isinstance(e, NoKvRoom):
-            req.held, req.wait_reason = isinstance(e, Hold), str(e)
+            req.held, req.wait_reason, req.short = isinstance(e, Hold), str(e), shortage(e)
             req.kv_wait_until = now + self.cfg.kv_wait_timeout
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1

@@ -147,15 +147,17 @@ class Router:
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
-               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+               tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
+               client: str = "") -> Request:
         if not self.accepting:
             metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
         return self.core.submit(prompt_ids, sampling, time.monotonic(), ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                                request_id=request_id, cached_tokens=cached_tokens)
+                                request_id=request_id, cached_tokens=cached_tokens, client=client)
 
     async def admit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
-                    tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0) -> Request:
+                    tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
+                    client: str = "") -> Request:
         """`submit`, but when no worker can take the request yet (the router just restarted and the
         workers are re-registering, or they are all restarting), hold it up to `worker_wait`
         seconds for one to register instead of answering 503 at once."""
@@ -164,7 +166,7 @@ class Router:
         while True:
             try:
                 req = self.submit(prompt_ids, sampling, ttft_slo=ttft_slo, tbt_slo=tbt_slo, request_id=request_id,
-                                  cached_tokens=cached_tokens)
+                                  cached_tokens=cached_tokens, client=client)
             except NoWorkerYet:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.accepting:

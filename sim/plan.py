@@ -58,9 +58,10 @@ CURVE = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # goodput curve: rate scales, multiple
 PLAN_POLICIES = ("kairos", "chunked-prefill")
 KEEP = ("requests", "rejected", "slo_attainment", "ttft_slo_attainment", "tbt_slo_attainment", "ttft_p50",
         "ttft_p95", "ttft_p99", "tbt_p99", "deflection_rate")
-ASSUMES = ("figures assume the fitted profile {profile} (each step takes what its model says{error}); "
-           "the engine departing from it changes them: plan again with --step-noise 0.1 or --step-scale 1.15 "
-           "to keep a margin for model error")
+ASSUMES = "figures assume the fitted profile {profile} (each step takes what its model says{error}); {advice}"
+ADVICE_EXACT = ("the engine departing from it changes them: plan again with --step-noise 0.1 or --step-scale 1.15 "
+                "to keep a margin for model error")
+ADVICE_ERROR = "the shape recommended meets the SLO under that error, in the simulator"
 
 
 class Slo(msgspec.Struct, frozen=True, kw_only=True):
@@ -430,7 +431,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                            if k in ("step_noise", "step_scale", "worker_speed", "straggler_p", "slow_every_s")
                            and v not in (0.0, 1.0, ()))
     assumes = ASSUMES.format(profile=profile.name, error=f", times the injected error: {error_text}" if error_text
-                             else "; no model error injected")
+                             else "; no model error injected", advice=ADVICE_ERROR if error_text else ADVICE_EXACT)
     result: dict[str, Any] = {
         "format": PLAN_FORMAT, "trace": args.trace, "start": args.start, "duration": args.duration,
         "rate_scale": args.rate_scale, "profile": profile.name,
@@ -492,13 +493,20 @@ def _report(console: Console, res: dict[str, Any], slo: Slo) -> None:
     console.print(curve)
     if len(res["finalists"]) > 1:
         console.print(f"shapes meeting the SLO on {chosen['gpus']} GPUs, by goodput: " + "; ".join(
-            f"{f['name']} x{f['goodput_rate_scale'] if f['goodput_rate_scale'] is not None else '<lowest'}"
+            f"{f['name']} " + ("below the lowest rate" if f["goodput_rate_scale"] is None
+                               else f"x{f['goodput_rate_scale']:g}")
             for f in res["finalists"]), soft_wrap=True)
     gp = chosen["goodput_rate_scale"]
     console.print(f"recommended: {chosen['name']} ({chosen['gpus']} GPUs): both SLOs for "
                   f"{_pct(chosen['summary']['slo_attainment'])} of requests at x{res['rate_scale']:g}; goodput "
                   + ("below the lowest rate tried" if gp is None else f"x{gp:g}")
                   + f" (the highest rate of the curve holding {slo.attainment:.0%} there and below)")
+    nxt = [pt for pt in chosen["curve"] if pt["rate_scale"] > res["rate_scale"]]
+    if nxt and (gp is None or gp <= res["rate_scale"]):
+        up = nxt[0]
+        console.print(f"[yellow]no headroom:[/] at x{up['rate_scale']:g} it keeps {_pct(up['slo_attainment'])}; "
+                      f"plan with --rate-scale {up['rate_scale']:g} for a shape that keeps the SLO under that "
+                      "much more traffic", soft_wrap=True)
     console.print(f"note: {res['assumes']}")
     console.print("\nkairos up:\n  " + res["kairos_up"], soft_wrap=True)
     d = res["deploy"]

@@ -184,3 +184,24 @@ def test_kairos_up_refuses_a_file_that_is_not_a_plan(tmp_path: Path) -> None:
     # without --plan, kairos up's defaults are as before
     spec = spec_from_args(up_parser().parse_args(["--insecure"]))
     assert (spec.prefill, spec.decode, spec.policy, spec.profile) == (2, 2, "kairos", "a100-dsv2-lite")
+
+
+def test_the_plan_is_made_under_the_model_error_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--step-noise reaches every simulation of the search, and the plan says what it assumed."""
+    seen: list[float] = []
+    real = planmod.run_job
+
+    def spy(job: planmod.Job) -> dict[str, Any]:
+        seen.append(job.sim.step_noise)
+        return real(job)
+
+    monkeypatch.setattr(planmod, "run_job", spy)
+    trace = write_jsonl(tmp_path / "mine.jsonl", prompts(40, 0.5)(1.0))
+    out = tmp_path / "plan.json"
+    assert main(["--trace", str(trace), "--gpus", "1-2", "--finalists", "1", "--jobs", "1", "--step-noise", "0.1",
+                 "--quiet", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert seen and set(seen) == {0.1}
+    assert res["model_error"]["step_noise"] == 0.1
+    assert "times the injected error: step_noise 0.1" in res["assumes"]
+    assert "meets the SLO under that error" in res["assumes"]

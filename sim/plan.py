@@ -504,7 +504,9 @@ def _report(console: Console, res: dict[str, Any], slo: Slo) -> None:
     nxt = [pt for pt in chosen["curve"] if pt["rate_scale"] > res["rate_scale"]]
     if nxt and (gp is None or gp <= res["rate_scale"]):
         up = nxt[0]
-        console.print(f"[yellow]no headroom:[/] at x{up['rate_scale']:g} it keeps {_pct(up['slo_attainment'])}; "
+        more = up["rate_scale"] / res["rate_scale"] - 1.0
+        console.print(f"[yellow]headroom under {more:.0%}:[/] at x{up['rate_scale']:g} it keeps "
+                      f"{_pct(up['slo_attainment'])}; "
                       f"plan with --rate-scale {up['rate_scale']:g} for a shape that keeps the SLO under that "
                       "much more traffic", soft_wrap=True)
     console.print(f"note: {res['assumes']}")

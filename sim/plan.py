@@ -42,6 +42,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from common.config import ENV_PREFIX, env_text
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest, load_trace, trace_path
@@ -304,9 +305,8 @@ def deploy_text(chosen: dict[str, Any], profile: str) -> dict[str, list[str]]:
     knobs = chosen["knobs"]
     engine = chosen["engine"]
     env = [f"KAIROS_POLICY={chosen['policy']}", f"KAIROS_PROFILE={profile}"]
-    router_env = [f"KAIROS_{k.upper()}: \"{_toml(v).lower() if isinstance(v, bool) else _toml(v)}\""
-                  for k, v in knobs.items()]
-    worker_env = [f"KAIROS_{k.upper()}: \"{v}\"" for k, v in engine.items()]
+    router_env = [f"{ENV_PREFIX}{k.upper()}: {json.dumps(env_text(v))}" for k, v in knobs.items()]
+    worker_env = [f"{ENV_PREFIX}{k.upper()}: {json.dumps(env_text(v))}" for k, v in engine.items()]
     p, d = chosen["prefill"], chosen["decode"]
     compose = ["# docker-compose.override.yml (Compose merges it with docker-compose.yml)", "services:",
                "  router:", "    environment:", *[f"      {e}" for e in router_env]]

@@ -162,8 +162,23 @@ def test_the_plan_feeds_kairos_up(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert (same.prefill, same.decode, same.policy, same.profile) == (spec.prefill, spec.decode, spec.policy,
                                                                       spec.profile)
     assert same.router_env == spec.router_env and same.worker_env == spec.worker_env
-    # the compose and kustomize values say the same
-    assert f"KAIROS_DECODE_ROOM: \"{room}\"" in "\n".join(res["deploy"]["compose_override"])
+    # the compose override sets what kairos up sets, for the router and for each worker
+    override = res["deploy"]["compose_override"]
+    where, set_in = "", {}
+    for ln in override:
+        if ln.startswith("  ") and not ln.startswith("    ") and ln.strip().endswith(":"):
+            where = ln.strip()[:-1]
+        elif ln.startswith("      KAIROS_"):
+            key, _, value = ln.strip().partition(": ")
+            set_in.setdefault(where, {})[key] = json.loads(value)
+    assert set_in["router"] == {k: v for k, v in spec.router_env.items() if k in set_in["router"]}
+    assert {"KAIROS_DECODE_ROOM", "KAIROS_ALPHA"} <= set(set_in["router"])
+    assert set(set_in) == {"router", "prefill-0", "decode-0"}  # 1P1D: the compose file's first worker of each
+    for name in ("prefill-0", "decode-0"):
+        assert set_in[name] == {k: v for k, v in spec.worker_env.items() if k in set_in[name]}
+        assert "KAIROS_DECODE_TOKEN_BUDGET" in set_in[name]
+    assert "this plan is 1P1D" in override[-1]
+    # the kustomize values say the same
     assert "    count: 1" in res["deploy"]["kustomize"] and f"decode_room = {room}" in res["deploy"]["kustomize"]
     # a flag given beside --plan wins; a policy other than the plan's is refused; so is --tuned
     assert spec_from_args(up_parser().parse_args(["--plan", str(out), "--decode", "3", "--insecure"])).decode == 3

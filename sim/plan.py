@@ -150,15 +150,23 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     profile: Profile
     sim: SimConfig
     rate_scale: float  # for the record only: the trace is already scaled
+    seeds: tuple[int, ...] = ()  # model-error seeds, each run: the worst counts (empty: sim.seed alone)
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    """One candidate on one (scaled) trace: the summary keys `KEEP`."""
+    """One candidate on one (scaled) trace: the summary keys `KEEP`; with several seeds, the
+    worst run's (by `rank`), and "seeds" the number of runs."""
     c = job.cand
-    policy, prof = build(c.policy, c.setup, job.profile)
-    res = simulate(job.trace, prof, policy, msgspec.structs.replace(job.sim, prefill=c.prefill, decode=c.decode))
-    s = summarize(res.records, ttft_slo=job.sim.ttft_slo, tbt_slo=job.sim.tbt_slo)
-    return {k: s[k] for k in KEEP}
+    worst: dict[str, Any] | None = None
+    for seed in job.seeds or (job.sim.seed,):
+        policy, prof = build(c.policy, c.setup, job.profile)
+        cfg = msgspec.structs.replace(job.sim, prefill=c.prefill, decode=c.decode, seed=seed)
+        res = simulate(job.trace, prof, policy, cfg)
+        s = summarize(res.records, ttft_slo=job.sim.ttft_slo, tbt_slo=job.sim.tbt_slo)
+        if worst is None or rank(s) < rank(worst):
+            worst = s
+    assert worst is not None
+    return {**{k: worst[k] for k in KEEP}, "seeds": len(job.seeds) or 1}
 
 
 def pmap(fn: Callable[[Job], dict[str, Any]], items: list[Job], jobs: int) -> list[dict[str, Any]]:
@@ -184,7 +192,7 @@ def curve_scales(rate_scale: float) -> list[float]:
 
 def plan(trace_at: Callable[[float], list[TraceRequest]], profile: Profile, sim: SimConfig, slo: Slo, *,
          rate_scale: float = 1.0, gpus: Sequence[int] = range(1, 9), policies: Sequence[str] = PLAN_POLICIES,
-         decode_room: Sequence[bool] = (False, True), finals: int = 3, jobs: int = 1,
+         decode_room: Sequence[bool] = (False, True), finals: int = 3, seeds: Sequence[int] = (), jobs: int = 1,
          log: Callable[[str], None] = lambda _msg: None) -> dict[str, Any]:
     """The search: GPU counts in order, every candidate at each, stop at the first count where
     one meets the SLO; then the goodput curves of the best `finals` candidates that meet it there,
@@ -202,8 +210,8 @@ def plan(trace_at: Callable[[float], list[TraceRequest]], profile: Profile, sim:
         cands = candidates(n, policies, decode_room)
         if not cands:
             continue
-        outs = pmap(run_job, [Job(cand=c, trace=trace, profile=profile, sim=sim, rate_scale=rate_scale)
-                              for c in cands], jobs)
+        outs = pmap(run_job, [Job(cand=c, trace=trace, profile=profile, sim=sim, rate_scale=rate_scale,
+                                  seeds=tuple(seeds)) for c in cands], jobs)
         rows = sorted(zip(cands, outs, strict=True), key=lambda co: rank(co[1]), reverse=True)
         best_c, best_s = rows[0]
         counts.append({"gpus": n, "best": entry(best_c, best_s), "meets": meets(best_s, slo),
@@ -223,8 +231,8 @@ def plan(trace_at: Callable[[float], list[TraceRequest]], profile: Profile, sim:
     todo = [(i, x) for i in range(len(finalists)) for x in scales if x != here]
     log(f"goodput curves of {len(finalists)} shape(s) meeting the SLO at {finalists[0][0].gpus} GPUs: "
         f"rate x{', x'.join(f'{x:g}' for x in scales)}")
-    outs = pmap(run_job, [Job(cand=finalists[i][0], trace=trace_at(x), profile=profile, sim=sim, rate_scale=x)
-                          for i, x in todo], jobs)
+    outs = pmap(run_job, [Job(cand=finalists[i][0], trace=trace_at(x), profile=profile, sim=sim, rate_scale=x,
+                              seeds=tuple(seeds)) for i, x in todo], jobs)
     done: list[dict[str, Any]] = []
     for i, (c, at_rate) in enumerate(finalists):
         by_scale = {x: o for (j, x), o in zip(todo, outs, strict=True) if j == i} | {here: at_rate}
@@ -374,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--finalists", type=int, default=3, metavar="K",
                    help="shapes meeting the SLO at the lowest GPU count whose goodput curves are compared (default 3)")
     c.add_argument("--seed", type=int, default=0, help="--step-noise seed (default 0)")
+    c.add_argument("--noise-seeds", type=int, default=1, metavar="N",
+                   help="with --step-noise (or stragglers, slow periods): run every candidate with N seeds from "
+                        "--seed and judge it by its worst run, so the plan holds beyond one draw of the noise "
+                        "(N times the time; default 1)")
     c.add_argument("--jobs", type=int, default=max(1, min(4, len(os.sched_getaffinity(0)))),
                    help="simulations in parallel processes (default: the CPUs, at most 4)")
     add_prefix_flags(c)
@@ -408,8 +420,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     slo = parse_slo(args.slo)
     gpus = _gpus(args.gpus)
     rooms = _rooms(args.decode_room)
-    if args.jobs < 1 or args.finalists < 1:
-        raise ConfigError("--jobs and --finalists must be >= 1")
+    if args.jobs < 1 or args.finalists < 1 or args.noise_seeds < 1:
+        raise ConfigError("--jobs, --finalists and --noise-seeds must be >= 1")
     if args.rate_scale <= 0 or not math.isfinite(args.rate_scale):
         raise ConfigError("--rate-scale must be a positive number")
     path = trace_path(args.trace)
@@ -418,6 +430,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     sim = SimConfig(ttft_slo=slo.ttft, tbt_slo=slo.tbt, seed=args.seed, prefix_cache=args.prefix_cache == "on",
                     hash_block_tokens=args.hash_block_tokens, **err)
     policies = list(dict.fromkeys(args.policy or PLAN_POLICIES))
+    random_error = err["step_noise"] > 0 or err["straggler_p"] > 0 or err["slow_every_s"] > 0
+    if args.noise_seeds > 1 and not random_error:
+        raise ConfigError("--noise-seeds needs random model error (--step-noise, --straggler-p or --slow-every): "
+                          "without it every seed gives the same run")
+    seeds = tuple(range(args.seed, args.seed + args.noise_seeds)) if args.noise_seeds > 1 else ()
 
     def trace_at(x: float) -> list[TraceRequest]:
         return load_trace(path, start=args.start, duration=args.duration, rate_scale=x)
@@ -426,10 +443,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[dim][{time.monotonic() - t0:5.0f} s][/] {msg}")
 
     body = plan(trace_at, profile, sim, slo, rate_scale=args.rate_scale, gpus=gpus, policies=policies,
-                decode_room=rooms, finals=args.finalists, jobs=args.jobs, log=log)
+                decode_room=rooms, finals=args.finalists, seeds=seeds, jobs=args.jobs, log=log)
     error_text = ", ".join(f"{k} {v}" for k, v in err.items()
                            if k in ("step_noise", "step_scale", "worker_speed", "straggler_p", "slow_every_s")
                            and v not in (0.0, 1.0, ()))
+    if seeds:
+        error_text += f", each candidate judged by the worst of {len(seeds)} seeds"
     assumes = ASSUMES.format(profile=profile.name, error=f", times the injected error: {error_text}" if error_text
                              else "; no model error injected", advice=ADVICE_ERROR if error_text else ADVICE_EXACT)
     result: dict[str, Any] = {
@@ -437,7 +456,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "rate_scale": args.rate_scale, "profile": profile.name,
         "slo": msgspec.structs.asdict(slo), "model_error": {k: list(v) if isinstance(v, tuple) else v
                                                             for k, v in err.items()},
-        "seed": args.seed, "prefix_cache": args.prefix_cache, "gpus_tried": gpus, "policies": policies,
+        "seed": args.seed, "noise_seeds": args.noise_seeds, "prefix_cache": args.prefix_cache, "gpus_tried": gpus,
+        "policies": policies,
         "decode_room": list(rooms), "curve_multiples": list(CURVE), "assumes": assumes,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), **body}
     chosen = body["chosen"]

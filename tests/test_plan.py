@@ -220,3 +220,23 @@ def test_the_plan_is_made_under_the_model_error_given(tmp_path: Path, monkeypatc
     assert res["model_error"]["step_noise"] == 0.1
     assert "times the injected error: step_noise 0.1" in res["assumes"]
     assert "meets the SLO under that error" in res["assumes"]
+
+
+def test_several_noise_seeds_judge_a_candidate_by_its_worst_run(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    cand = candidates(2, ("kairos",), (False,))[0]
+    trace = prompts(40, 0.4)(1.0)
+    sim = SimConfig(step_noise=0.3)
+
+    def att(seeds: tuple[int, ...]) -> float:
+        return float(planmod.run_job(planmod.Job(cand=cand, trace=trace, profile=PROFILE, sim=sim, rate_scale=1.0,
+                                                 seeds=seeds))["slo_attainment"])
+
+    one, other, both = att((0,)), att((1,)), att((0, 1))
+    assert one != other  # the seeds draw different noise
+    assert both == min(one, other)
+    # without random error there is nothing to draw: a clear error, not N identical runs
+    f = write_jsonl(tmp_path / "t.jsonl", prompts(4, 1.0)(1.0))
+    assert main(["--trace", str(f), "--noise-seeds", "3", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--noise-seeds needs random model error" in err

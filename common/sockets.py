@@ -243,8 +243,10 @@ class RouterBus:
         except zmq.ZMQError as e:
             self.close()
             raise ConfigError(f"cannot bind the router's bus on {cfg.bind_host} ports "
-                              f"{cfg.work_port}/{cfg.telemetry_port}: {e} "
-                              "(another router running? pick other ports)") from e
+                              f"{cfg.work_port}/{cfg.telemetry_port}: {e}", event="bus_failed_to_start",
+                              host=cfg.bind_host, port=cfg.work_port, telemetry_port=cfg.telemetry_port,
+                              fix="another router is running on these ports: stop it, or pick other ones with "
+                                  "--work-port and --telemetry-port (KAIROS_WORK_PORT, KAIROS_TELEMETRY_PORT)") from e
         self._tseq = 0
         # Each router names itself in the telemetry topic (the monitor may subscribe to several
         # replicas and numbers each one's messages apart): host and telemetry port.

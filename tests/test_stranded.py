@@ -128,3 +128,30 @@ def test_no_request_is_stranded_whatever_sends_fail() -> None:
     assert Counter(r.outcome for r in reqs) == {"ok": len(reqs)}  # every one served
     assert not core.requests
     assert core.counts["unsent_replaced"] > 5  # the case above happened
+
+
+async def test_the_router_gives_memory_back_when_it_falls_idle(monkeypatch: Any) -> None:
+    """After load (requests in flight), the first idle telemetry round trims the heap once
+    (common/memory.py; the RSS it gives back: docs/benchmarks/stranded.md)."""
+    import asyncio
+
+    from common import memory
+    from services.router import service
+    from tests.test_trust import make_router
+
+    trims: list[int] = []
+    monkeypatch.setattr(service.memory, "trim", lambda: trims.append(1) or True)
+    r = make_router("deflect-all")
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), 0.0)
+    loop = asyncio.create_task(r.telemetry_loop(every_s=0.01))
+    try:
+        req = r.submit([1, 2, 3], SAMPLING)
+        await asyncio.sleep(0.1)
+        assert not trims  # busy: nothing given back mid-load
+        r.core.abort(req, 0.0)
+        await asyncio.sleep(0.1)
+        assert trims == [1]  # once, not every idle round
+    finally:
+        loop.cancel()
+        r.close()
+    assert memory.trim() in (True, False) and memory.rss_bytes() > 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from common import codec
+from common import codec, memory
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
@@ -145,10 +145,19 @@ class Router:
                 continue
             self.core.tick(now)
 
-    async def telemetry_loop(self) -> None:
+    async def telemetry_loop(self, every_s: float = 1.0) -> None:
+        busy = False  # requests were in flight since memory was last given back
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(every_s)
             self.core.telemetry(time.monotonic())
+            if self.requests:
+                busy = True
+            elif busy:  # fallen idle after load: give back what the burst took (common/memory.py)
+                busy = False
+                before = memory.rss_bytes()
+                memory.trim()
+                log.debug("memory_returned", rss_mb=round(memory.rss_bytes() / 2**20, 1),
+                          freed_mb=round((before - memory.rss_bytes()) / 2**20, 1))
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""

@@ -80,6 +80,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def check_ports_free(spec: ClusterSpec) -> None:
+    """Before any service starts: a port the cluster needs that another process holds is one
+    `http_failed_to_start` / `bus_failed_to_start` line from kairos up (ConfigError), not a
+    router that exits and is restarted until it is held down."""
+    wanted = [("http_failed_to_start", "--port", spec.http_port)]
+    if spec.monitor:
+        wanted.append(("http_failed_to_start", "--monitor-port", spec.monitor_port))
+    for work, _, telemetry in spec.router_bus():
+        wanted += [("bus_failed_to_start", "--bus-port", work), ("bus_failed_to_start", "--bus-port", telemetry)]
+    for event, flag, port in wanted:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                raise ConfigError(f"port {port} is in use ({e.strerror or e})", event=event, port=port,
+                                  fix=f"stop what holds port {port} (another kairos up? `ss -ltnp 'sport = :{port}'` "
+                                      f"names it) or pick another with {flag}") from e
+
+
 @dataclass
 class Service:
     name: str
@@ -625,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         spec = spec_from_args(a)
+        check_ports_free(spec)
     except ConfigError as e:
         startup.report("up", e)  # one JSON line when not on a terminal, as every service's start-up failure
         return 2

@@ -94,3 +94,13 @@ def test_vllm_not_installed(tmp_path: Path) -> None:
 def test_kairos_up(args: list[str], event: str, tmp_path: Path) -> None:
     line = run("kairos.cli", "up", "--log-dir", str(tmp_path), *args)
     assert line["event"] == event and line["service"] == "up"
+
+
+def test_kairos_up_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = run("kairos.cli", "up", "--log-dir", str(tmp_path), "--port", str(port))
+    assert line["event"] == "http_failed_to_start" and line["port"] == port and line["service"] == "up"
+    assert not (tmp_path / "router.log").exists()  # nothing was started

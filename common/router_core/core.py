@@ -100,6 +100,7 @@ class RouterCore:
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
         self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
+        self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
         self.counts: Counter[str] = Counter()
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
@@ -385,16 +386,20 @@ class RouterCore:
         self.migration.retry_parked(now)
         if self.kv_waiting:
             self.waiting.expire(now)
-        late: list[Request] = []
-        orphans: list[Request] = []
-        for r in self.requests.values():
-            if now > r.deadline:
-                late.append(r)
-            elif not self.owned(r):
-                orphans.append(r)
-        for req in late:
+        for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
-        for req in orphans:  # a bug if it happens: said loudly, and the request placed again
+        if now >= self.audit_at:  # once per liveness window: a safety net, not a hot path
+            self.audit_at = now + self.liveness_s
+            self.audit(now)
+
+    def audit(self, now: float) -> None:
+        """Every request in flight must have an owner: a worker holding it, the wait queue or the
+        parked requests. One without is a bug: said loudly (`request_orphaned`), and placed again."""
+        held: set[str] = set().union(*(w.holding for w in self.table.workers.values()))
+        parked = self.parked
+        orphans = [r for rid, r in self.requests.items()
+                   if rid not in held and r.kv_wait_until == 0.0 and rid not in parked]
+        for req in orphans:
             if req.done or self.owned(req):
                 continue
             self.counts["orphaned"] += 1

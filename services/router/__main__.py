@@ -12,6 +12,7 @@ import structlog
 import uvicorn
 
 from common import config, logging
+from common.errors import ConfigError
 from common.metrics_http import serve_metrics
 from common.service import HttpServer, install_signals, listen_socket, run
 from common.startup import guard

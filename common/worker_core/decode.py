@@ -126,6 +126,14 @@ class DecodeCore(WorkerCore):
         return "started" if self.admit(w, "deflect", w.chunk_schedule, model) else "refused"
 
     @staticmethod
+    def planned_cached(w: m.DecodeWork) -> int:
+        """The prompt tokens the router planned `w`'s chunks to follow (its prefix-cache figure for
+        this worker): the prompt less what the schedule prefills. Without a schedule, the request's own."""
+        if not w.chunk_schedule:
+            return w.cached_tokens
+        return max(0, len(w.prompt_token_ids) - sum(w.chunk_schedule))
+
+    @staticmethod
     def planned_model(w: m.DecodeWork, model: PerfModel | None) -> PerfModel | None:
         """The model the router planned `w`'s chunks with: the worker's, times the bias it took for it."""
         if model is None or w.model_bias == 1.0:
@@ -140,7 +148,7 @@ class DecodeCore(WorkerCore):
             return ""  # no step-time model to check with: admit, as before admission existed
         return check_deflection(planned, batch=load.batch, kv_tokens=load.kv_tokens, schedule=w.chunk_schedule,
                                 budget_s=w.step_budget_s, tbt_slo=w.tbt_slo, accepted=self.accepted.values(),
-                                strictest_tbt_slo=load.strictest_tbt_slo, cached=w.cached_tokens)
+                                strictest_tbt_slo=load.strictest_tbt_slo, cached=self.planned_cached(w))
 
     def admit(self, w: m.DecodeWork, mode: Literal["deflect", "handoff"], schedule: tuple[int, ...],
               model: PerfModel | None, kv: m.KvHandle | None = None) -> bool:
@@ -156,7 +164,7 @@ class DecodeCore(WorkerCore):
             planned = self.planned_model(w, model)
             if planned is not None:
                 a = self.accepted[w.request_id] = accepted_entry(planned, schedule, w.step_budget_s,
-                                                                 self.info.token_budget, w.cached_tokens)
+                                                                 self.info.token_budget, self.planned_cached(w))
                 self.held[w.request_id] = m.HeldDeflection(router=self.ports.router_of(w.request_id),
                                                            reserved_s=a.reserved_s, largest_chunk=max(schedule))
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1

@@ -38,8 +38,9 @@ the instant (its `busy_s` and the routers' `hb_at` reckoned from it), which is e
 nothing while a worker is idle. `heartbeat_interval = 0` gives the policy perfect,
 instantaneous views.
 
-Work the router did place but that finds the worker's KV full queues on that worker until KV
-frees.
+The workers are the live workers' cores (common/worker_core/) in a shell (sim/state.py): work the
+router placed on a decode worker whose KV is full is refused ("kv_full", as live) and the router
+re-dispatches it; nothing queues at a decode worker.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class Simulation:
         self.steps = 0
         self.decode_steps = 0   # decode steps that carried running decodes
         self.over_slo = [0, 0]  # ... of which took longer than the TBT SLO: [decode only, with a prefill chunk]
-        self._q_prefill, self._q_admit = Level(), Level()
+        self._q_prefill = Level()
         # the router side: its replicas, their views and ledgers, the wait queue (sim/router.py)
         self.routers = Routers(profile, policy, cfg, self, self.prefill, self.decode)
         for w in (*self.prefill, *self.decode):
@@ -396,8 +397,7 @@ class Simulation:
             "admission_rejected": routers.admission_rejected,
             "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, end)),
             "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
-            "queues": {"router_kv_wait": routers.queue_report(end), "prefill": self._q_prefill.report(end),
-                       "decode_admit": self._q_admit.report(end)},
+            "queues": {"router_kv_wait": routers.queue_report(end), "prefill": self._q_prefill.report(end)},
             "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
             "prefix_index_blocks": routers.index_blocks(),

@@ -318,7 +318,7 @@ class Simulation:
         self._touch(w, now)
         w.now = now
         w.reqs[r.rid] = r
-        out = w.core.on_work(work, now, w.load(now), w.model)
+        out = w.core.on_work(work, now, w.load(now), w.model, w.prefix_cached(r) if work.chunk_schedule else None)
         if out != "started":
             w.reqs.pop(r.rid, None)
         return out

@@ -288,6 +288,13 @@ class DecodeWorker(Worker):
                                list_held=list_held)
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
+    def prefix_cached(self, r: Req) -> int:
+        """Prompt tokens of `r` its prefix cache holds now, as the `Batcher` finds them when it is added."""
+        cache = self.batcher.cache
+        if cache is None or not r.hashes:
+            return 0
+        return max(0, min(cache.match(r.hashes) * cache.block_tokens, r.prompt - 1))
+
     def load(self, now: float) -> EngineLoad:
         b = self.batcher
         guard = b.guard

@@ -3,6 +3,8 @@ clock. The live services and the simulator run these same cores."""
 
 from __future__ import annotations
 
+import msgspec
+
 from common import messages as m
 from common.engines.base import EngineLoad, EngineRequest, Prefilled
 from common.perf_model import load_profile
@@ -12,7 +14,7 @@ from common.worker_core import DecodeCore, EngineInfo, PrefillCore
 MODEL = load_profile("a100-dsv2-lite").model
 FAST = load_profile("fast").model  # step = 0.5 ms + 0.2 us per token of the step
 SAMPLING = m.Sampling(max_tokens=100)
-INFO = EngineInfo(engine="fake", token_budget=2048, kv_capacity_tokens=10_000, max_batch=64, max_model_len=8192)
+INFO = EngineInfo(engine="fake", token_budget=2048, kv_capacity_tokens=10_000, max_batch=64, max_model_len=16384)
 
 
 class Ports:
@@ -185,7 +187,7 @@ def test_hello_names_what_it_holds_and_a_welcome_drops_what_the_router_forgot() 
     h = core.hello()
     assert (h.role, h.worker_id, h.incarnation, h.engine, h.token_budget) == ("decode", "decode-0", "inc", "fake",
                                                                              2048)
-    assert h.held == ["kept", "forgotten"] and h.max_model_len == 8192 and h.protocol == m.PROTOCOL_VERSION
+    assert h.held == ["kept", "forgotten"] and h.max_model_len == 16384 and h.protocol == m.PROTOCOL_VERSION
     assert core.welcomed(["forgotten"]) == 1 and core.hello().held == ["kept"]
 
 
@@ -246,3 +248,38 @@ def test_prefill_core_hand_off_and_the_pulled_kv_a_drain_waits_for() -> None:
     assert not core.drain_pending(104.9) and core.drained()
     assert not core.on_work(pwork("s"))  # draining
     assert ports.failed()[-1].reason == "worker_draining"
+
+
+# ------------------------------------------------------------------ the worker's own prefix cache
+
+
+def test_a_plan_made_for_a_prefix_the_worker_does_not_hold_is_redone_with_full_size_chunks() -> None:
+    """The router believed 9,216 of 9,822 prompt tokens cached here and planned 606; the worker's
+    own cache holds 1,024: the plan is redone to cover the 8,798 tokens with the router's chunk size
+    (never one token per step once a short plan runs out), and the admission check sees that plan."""
+    core, ports = decode_core()
+    w = m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect", prompt_token_ids=[1] * 9822,
+                     sampling=m.Sampling(max_tokens=10), tbt_slo=0.1, deadline_s=30.0,
+                     chunk_schedule=(512, 94), step_budget_s=0.09)
+    assert core.planned_cached(w) == 9216
+    assert core.on_work(w, 0.0, idle(free=20_000), FAST, own_cached=1024) == "started"
+    sched = ports.started[-1].chunk_schedule
+    assert sum(sched) == 9822 - 1024 and sched[:2] == (512, 94) and set(sched[2:-1]) == {512}
+    assert core.counters["replanned"] == 1
+    assert core.accepted["r"].reserved_s > 0
+    # the same plan with a step budget too small for a 512-token chunk after the worker's real prefix
+    core2, _ = decode_core()
+    tight = msgspec.structs.replace(w, step_budget_s=FAST.step_time(0, 0, [(512, 1024)]) * 0.99)
+    assert core2.on_work(tight, 0.0, idle(free=20_000), FAST, own_cached=1024) == "rejected"
+    # a worker that holds what the router thought: the plan stands
+    core3, ports3 = decode_core()
+    assert core3.on_work(w, 0.0, idle(free=20_000), FAST, own_cached=9216) == "started"
+    assert ports3.started[-1].chunk_schedule == (512, 94) and core3.counters["replanned"] == 0
+
+
+def test_replan_cuts_or_continues_the_routers_chunks() -> None:
+    from common.worker_core.decode import replan
+
+    assert replan((512, 256, 100), 868) == (512, 256, 100)
+    assert replan((512, 256, 100), 600) == (512, 88)            # the worker holds more than the router thought
+    assert replan((512, 256, 100), 2000) == (512, 256, 100, 512, 512, 108)

@@ -153,6 +153,13 @@ class SimEngine(Engine):
         stored, removed = cache.take_events()
         return PrefixEvents(block_tokens=cache.block_tokens, stored=stored, removed=removed)
 
+    def prefix_cached(self, prompt_token_ids: list[int]) -> int | None:
+        cache = self.batcher.cache
+        if cache is None:
+            return 0
+        hits = cache.match(block_hashes(prompt_token_ids, self.prefix_block_tokens))
+        return max(0, min(hits * cache.block_tokens, len(prompt_token_ids) - 1))
+
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of a held request its prefix cache held when it was added."""
         seq = self.batcher.get(request_id)

@@ -12,8 +12,12 @@ Admission of a DecodeWork (`on_work`), in this order: a draining worker refuses 
 ("worker_draining"); a re-dispatch replaces whatever attempt it held; a request whose prompt +
 max_tokens exceeds the free KV (the engine's free KV less what `pending` keeps) is refused
 ("kv_full: ...", retryable: the router places it elsewhere), never queued; a prompt the engine can
-never take is refused as invalid; a handoff goes to `pending`; a deflection that carries a step
-budget is checked against the live state (common/policy/admission.py: the running decodes, the
+never take is refused as invalid; a handoff goes to `pending`; a deflection whose schedule was
+planned after more or fewer cached prompt tokens than the worker's own prefix cache holds (the
+router's figure is a hint; `own_cached`, when the engine can say) is planned again (`replan`: the
+router's chunks, cut or continued with chunks of its largest size, to cover exactly what the
+worker must compute, never one token per step once a short plan runs out); a deflection that
+carries a step budget is checked against the live state (common/policy/admission.py: the running decodes, the
 deflections accepted, the request's own TBT SLO) and rejected at once with code
 "deflect_rejected" if it does not fit; the rest starts in the engine.
 
@@ -25,6 +29,8 @@ DecodeView in one place, common/router_core/workers.py).
 from __future__ import annotations
 
 from typing import Literal
+
+import msgspec
 
 from common import messages as m
 from common.engines.base import EngineLoad, EngineRequest
@@ -62,7 +68,7 @@ class DecodeCore(WorkerCore):
         self.accepted: dict[str, Accepted] = {}
         self.held: dict[str, m.HeldDeflection] = {}
         self.fallbacks: list[tuple[str, str]] = []  # (request, why) prefilled in place since the last TokenBatch
-        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0)
+        self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0, replanned=0)
 
     # -- KV and the heartbeat ------------------------------------------------------------------
     def reserved(self) -> int:
@@ -98,9 +104,11 @@ class DecodeCore(WorkerCore):
             (rid, p.work.attempt) for rid, p in self.pending.items()]
 
     # -- admission -----------------------------------------------------------------------------
-    def on_work(self, w: m.DecodeWork, now: float, load: EngineLoad, model: PerfModel | None) -> Outcome:
+    def on_work(self, w: m.DecodeWork, now: float, load: EngineLoad, model: PerfModel | None,
+                own_cached: int | None = None) -> Outcome:
         """Admit, keep (a handoff: until its KV lands) or turn away a DecodeWork (see the module
-        docstring). `model`: its step-time model (None: none known; deflections then go unchecked)."""
+        docstring). `model`: its step-time model (None: none known; deflections then go unchecked).
+        `own_cached`: prompt tokens its own prefix cache holds (None: unknown; the router's plan stands)."""
         self.saw_dispatch(w.dispatch)
         if self.draining:
             self.refuse(w.request_id, w.attempt, "worker_draining")
@@ -117,6 +125,12 @@ class DecodeCore(WorkerCore):
             self.pending[w.request_id] = Pending(w, now + min(w.deadline_s, self.kv_handoff_timeout))
             self.ports.beat_now()
             return "pending"
+        if own_cached is not None and w.chunk_schedule and own_cached != (planned := self.planned_cached(w)):
+            w = msgspec.structs.replace(w, chunk_schedule=replan(w.chunk_schedule,
+                                                                 len(w.prompt_token_ids) - own_cached))
+            self.counters["replanned"] += 1
+            self.log.info("deflection_replanned", request_id=w.request_id, planned_cached=planned,
+                          own_cached=own_cached, chunk_schedule=list(w.chunk_schedule))
         if w.step_budget_s > 0 and self.deflect_admission and (why := self.check(w, load, model)):
             self.counters["deflect_rejected"] += 1
             self.log.info("deflection_rejected", request_id=w.request_id, attempt=w.attempt, reason=why,
@@ -267,3 +281,21 @@ class DecodeCore(WorkerCore):
         if self.active.pop(request_id, None) is not None:
             self.ports.abort(request_id)
             self.ports.beat_now()
+
+
+def replan(schedule: tuple[int, ...], work: int) -> tuple[int, ...]:
+    """A chunk schedule covering exactly `work` prompt tokens: `schedule`'s chunks in order, cut
+    where they reach it or continued with chunks of its largest size (full-size chunks, not the
+    one-token steps an engine falls back to once a plan runs out)."""
+    out: list[int] = []
+    left = work
+    for chi in schedule:
+        if left <= 0:
+            break
+        out.append(min(chi, left))
+        left -= out[-1]
+    size = max(schedule, default=0)
+    while left > 0 and size > 0:
+        out.append(min(size, left))
+        left -= out[-1]
+    return tuple(out)

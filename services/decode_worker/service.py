@@ -105,7 +105,8 @@ class DecodeWorker(WorkerService):
     async def on_message(self, msg: Any) -> None:
         match msg:
             case m.DecodeWork():
-                self.core.on_work(msg, time.monotonic(), self.engine.load(), self.step_model())
+                own = self.engine.prefix_cached(msg.prompt_token_ids) if msg.chunk_schedule else None
+                self.core.on_work(msg, time.monotonic(), self.engine.load(), self.step_model(), own)
             case m.KvReady():
                 self._on_kv_ready(msg)
             case m.KvWant():

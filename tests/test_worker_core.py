@@ -283,3 +283,23 @@ def test_replan_cuts_or_continues_the_routers_chunks() -> None:
     assert replan((512, 256, 100), 868) == (512, 256, 100)
     assert replan((512, 256, 100), 600) == (512, 88)            # the worker holds more than the router thought
     assert replan((512, 256, 100), 2000) == (512, 256, 100, 512, 512, 108)
+
+
+async def test_the_live_decode_worker_replans_against_its_engines_own_cache() -> None:
+    """The live shell asks its engine what its prefix cache holds (here: nothing) and the core
+    plans the deflection again, so the engine runs chunks covering the whole prompt."""
+    from common import config
+    from common.engines.sim import SimEngine
+    from services.decode_worker.service import DecodeWorker
+
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"kv_transport": "modeled"})
+    engine = SimEngine("decode", load_profile("fast"), prefix_block_tokens=256)
+    worker = DecodeWorker(cfg, engine)
+    worker.send = lambda msg: None  # type: ignore[method-assign]
+    assert engine.prefix_cached([1] * 3000) == 0
+    await worker.on_message(m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect",
+                                         prompt_token_ids=[1] * 3000, sampling=m.Sampling(max_tokens=4), tbt_slo=0.1,
+                                         deadline_s=30.0, chunk_schedule=(512, 488)))  # planned after 2,000 cached
+    seq = engine.batcher.get("r")
+    assert seq is not None and seq.schedule is not None and sum(seq.schedule) == 3000 - seq.computed
+    assert worker.core.counters["replanned"] == 1 and list(seq.schedule)[:2] == [512, 488]

@@ -149,7 +149,7 @@ class WorkerService(abc.ABC):
 
     def drain_pending(self) -> bool:
         """Whether the drain must still wait for something beyond held_requests()."""
-        return self.core.drain_pending()
+        return self.core.drain_pending(time.monotonic())
 
     # -- the core's ports (WorkerPorts) -----------------------------------------------------
     def start(self, req: EngineRequest) -> bool:
@@ -208,7 +208,7 @@ class WorkerService(abc.ABC):
         self.log.info("drain_started", held=len(self.held_requests()), timeout_s=self.cfg.drain_timeout)
         await self._to_all(self.core.start_drain())
         deadline = time.monotonic() + self.cfg.drain_timeout
-        while not self.core.drained() and time.monotonic() < deadline:
+        while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         bye = self.core.hand_back()  # what is left goes back to its router (RequestFailed, retryable)
         self.left = True  # no more heartbeats: the router must not take us for a worker to re-register

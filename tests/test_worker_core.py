@@ -198,7 +198,7 @@ def test_a_draining_worker_refuses_new_work_and_hands_back_what_is_left() -> Non
     assert bye.reason == "shutdown" and core.heartbeat(idle()).draining
     assert core.on_work(handoff("new", 10), 0.0, idle(), MODEL) == "refused"
     assert ports.failed()[-1].reason == "worker_draining"
-    assert not core.drained()
+    assert not core.drained(0.0)
     assert core.hand_back().reason == "drained"
     f = ports.failed()[-1]
     assert (f.request_id, f.reason, f.retryable) == ("running", "worker_draining", True)
@@ -243,9 +243,11 @@ def test_prefill_core_hand_off_and_the_pulled_kv_a_drain_waits_for() -> None:
     done = ports.sent[-1]
     assert isinstance(done, m.PrefillDone) and done.attempt == 1 and done.kv_error == ""
     core.start_drain()
-    assert core.drain_pending(104.9) and not core.drained()
+    assert core.drain_pending(104.9) and not core.drained(104.9)
     core.on_cancel(m.Cancel(request_id="r", attempt=-1, reason="kv_consumed"))
-    assert not core.drain_pending(104.9) and core.drained()
+    assert not core.drain_pending(104.9) and core.drained(104.9)
+    core.kv_out["unread"] = 200.0  # a pulled KV nobody reads: the drain waits for it until its time is up
+    assert not core.drained(199.9) and core.drained(200.0) and not core.kv_out
     assert not core.on_work(pwork("s"))  # draining
     assert ports.failed()[-1].reason == "worker_draining"
 

@@ -117,12 +117,12 @@ class WorkerCore(abc.ABC):
         self.ports.beat_now()
         return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)
 
-    def drained(self) -> bool:
-        """Whether the drain has nothing left to wait for."""
-        return not self.held_requests() and not self.drain_pending()
+    def drained(self, now: float) -> bool:
+        """Whether the drain has nothing left to wait for at `now`."""
+        return not self.held_requests() and not self.drain_pending(now)
 
-    def drain_pending(self) -> bool:
-        """Whether the drain must still wait for something beyond `held_requests`."""
+    def drain_pending(self, now: float) -> bool:
+        """Whether the drain must still wait, at `now`, for something beyond `held_requests`."""
         return False
 
     def hand_back(self) -> m.Goodbye:

@@ -55,7 +55,7 @@ class PrefillCore(WorkerCore):
     def held_ids(self) -> list[str]:
         return [*self.work, *self.kv_out]  # KV kept for a pull too: freed if the router forgot it
 
-    def drain_pending(self, now: float = float("-inf")) -> bool:
+    def drain_pending(self, now: float) -> bool:
         """Whether decode workers may still read KV from here (pull mode), as of `now`."""
         for rid in [r for r, until in self.kv_out.items() if until <= now]:
             del self.kv_out[rid]

@@ -104,10 +104,6 @@ class WorkerService(abc.ABC):
         return self.core.last_dispatch
 
     @property
-    def hb_seq(self) -> int:
-        return self.core.seq
-
-    @property
     def refused(self) -> str:
         """Why the (first) router refuses this worker, while it does."""
         return self.links[0].refused
@@ -386,9 +382,8 @@ class WorkerService(abc.ABC):
             self.drop_request(rid)
         except Exception as e2:  # already failing: report, do not raise
             self.log.error("drop_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
-        self.send(m.RequestFailed(request_id=rid, attempt=int(getattr(msg, "attempt", 0)), worker_id=self.worker_id,
-                                  reason=f"worker error handling {type(msg).__name__}: {type(e).__name__}: {e}"[:500],
-                                  retryable=True))
+        self.core.fail(rid, int(getattr(msg, "attempt", 0)),
+                       f"worker error handling {type(msg).__name__}: {type(e).__name__}: {e}"[:500])
 
     def refuse(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
         """Turn a request away here: counted, logged, and the router told (the core's rule)."""

@@ -227,8 +227,6 @@ class Simulation:
     def _prefill_done(self, w: PrefillWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
         out = w.batcher.commit(plan)
-        w.queued_tokens -= sum(chi for _, chi, _ in plan.chunks)
-        w.queued_reqs -= len(out.prefilled)
         if out.prefilled:
             self._q_prefill.add(now, -len(out.prefilled))
         for seq in out.prefilled:
@@ -330,10 +328,6 @@ class Simulation:
         pw.reqs[r.rid] = r
         if not pw.core.on_work(work):
             raise RuntimeError(f"simulated prefill worker {pw.wid} refused {r.rid}: {pw.outbox[-1:]}")
-        pseq = pw.batcher.get(r.rid)
-        assert pseq is not None
-        pw.queued_tokens += pseq.remaining_prompt
-        pw.queued_reqs += 1
         self._q_prefill.add(now, 1)
 
     # -- the loop -------------------------------------------------------------------------

@@ -11,7 +11,6 @@ reports the engine's load (`EngineLoad`) from the `Batcher`, as common/engines/s
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -240,33 +239,17 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    __slots__ = ("queued_reqs", "queued_tokens")
+    __slots__ = ()
 
     core: PrefillCore
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
         self.core = PrefillCore(wid, INCARNATION, self.info(), self, model=MODEL)
-        self.queued_tokens = 0
-        self.queued_reqs = 0
-
-    def backlog(self) -> tuple[tuple[int, int], ...]:
-        """What a prefill heartbeat reports for the replay predictor: each held request's
-        (prompt tokens, tokens done) in FIFO order once the step in flight ends (at
-        `busy_until`; the worker also replays it: `drain`)."""
-        b = self.batcher
-        inflight = {id(seq): chi for seq, chi, _ in self.plan.chunks} if self.busy and self.plan else {}
-        q = []
-        for seq in itertools.chain(b.running, b.waiting):
-            done = seq.computed + inflight.get(id(seq), 0)
-            if done < seq.prompt_len:
-                q.append((seq.prompt_len, done))
-        return tuple(q)
 
     def load(self, now: float) -> EngineLoad:
-        backlog = self.backlog()
-        return EngineLoad(queued_tokens=self.queued_tokens, queued_requests=self.queued_reqs, steps=self.batcher.steps,
-                          backlog=list(backlog), busy_s=self.busy_for(now), step_bias=self.step_bias())
+        return self.batcher.load(kv_capacity_tokens=self.kv_capacity, inflight=self.plan if self.busy else None,
+                                 busy_s=self.busy_for(now), step_bias=self.step_bias())
 
     def heartbeat(self, now: float) -> m.PrefillHeartbeat:
         """The core's: its queue, and its own replay of it (its model)."""
@@ -296,15 +279,12 @@ class DecodeWorker(Worker):
         return max(0, min(cache.match(r.hashes) * cache.block_tokens, r.prompt - 1))
 
     def load(self, now: float) -> EngineLoad:
-        b = self.batcher
-        guard = b.guard
-        return EngineLoad(batch=b.decode_batch(), kv_tokens=b.kv_tokens(), kv_free_tokens=b.kv_free(),
-                          kv_capacity_tokens=self.kv_capacity, resident_prefill_tokens=b.resident_prefill_tokens(),
-                          deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
-                          step_ms_p50=self.step_s * 1000.0, steps=b.steps, busy_s=self.busy_for(now),
-                          # without the closed loop (no chunk guard) it plans with no margin, and says so
-                          step_margin=guard.estimator.margin() if guard is not None else 1.0,
-                          step_bias=self.step_bias())
+        guard = self.batcher.guard
+        return self.batcher.load(kv_capacity_tokens=self.kv_capacity, inflight=self.plan if self.busy else None,
+                                 busy_s=self.busy_for(now), step_ms_p50=self.step_s * 1000.0,
+                                 # without the closed loop (no chunk guard) it plans with no margin, and says so
+                                 step_margin=guard.estimator.margin() if guard is not None else 1.0,
+                                 step_bias=self.step_bias())
 
     def heartbeat(self, now: float) -> m.DecodeHeartbeat:
         """The core's: the engine's load, the KV kept for handoffs whose KV has not landed, the

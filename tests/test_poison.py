@@ -198,9 +198,12 @@ async def test_welcome_drop_frees_what_the_router_no_longer_tracks(decode: tuple
     assert isinstance(h, m.Hello) and h.held == ["orphan"]
     assert w.core.reserved() > 0
     await router.send(m.Welcome(router_incarnation="fake-2", heartbeat_interval_s=0.1, drop=["orphan"]))
+    # the answer to a Hello sent twice: the second Welcome frees (and logs) nothing more
+    await router.send(m.Welcome(router_incarnation="fake-2", heartbeat_interval_s=0.1, drop=["orphan"]))
     await router.send(work("after-drop"))
     await served(router, "after-drop")
     assert "orphan" not in w.pending and w.core.reserved() == 0
+    assert w.counters["dropped_on_welcome"] == 1  # dropped_untracked_requests was logged twice (issue 48)
 
 
 async def test_refused_worker_says_why_and_keeps_trying(decode: tuple[DecodeWorker, FakeRouter]) -> None:

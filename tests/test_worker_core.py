@@ -189,6 +189,7 @@ def test_hello_names_what_it_holds_and_a_welcome_drops_what_the_router_forgot() 
                                                                              2048)
     assert h.held == ["kept", "forgotten"] and h.max_model_len == 16384 and h.protocol == m.PROTOCOL_VERSION
     assert core.welcomed(["forgotten"]) == 1 and core.hello().held == ["kept"]
+    assert core.welcomed(["forgotten"]) == 0  # a second Welcome naming it (a Hello sent twice): nothing more
 
 
 def test_a_draining_worker_refuses_new_work_and_hands_back_what_is_left() -> None:

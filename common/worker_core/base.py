@@ -72,7 +72,11 @@ class WorkerCore(abc.ABC):
 
     def welcomed(self, drop: list[str]) -> int:
         """The router's Welcome named requests it no longer tracks (it restarted, or re-dispatched
-        them): free them. Returns how many."""
+        them): free them. Only those still held: a second Welcome naming the same ones (a Hello
+        sent again before the first answer came) frees nothing. Returns how many it freed."""
+        if drop:
+            held = set(self.held_ids())
+            drop = [rid for rid in drop if rid in held]
         for rid in drop:
             self.drop(rid)
         if drop:

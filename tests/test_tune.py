@@ -175,7 +175,7 @@ def test_sim_runs_chunked_prefill_on_the_same_gpu_count(tmp_path: Path) -> None:
     assert cfg["settings"]["chunked-prefill"]["cluster"] == "0P4D" and cfg["settings"]["kairos"]["cluster"] == "2P2D"
     res = json.loads(out.read_text())["policies"]["chunked-prefill"]
     assert res["routes"] == {"deflect": res["requests"]}
-    assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill", "decode_admit"}
+    assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill"}
     assert res["sim"]["queues"]["prefill"] == {"max": 0, "mean": 0.0}
 
 

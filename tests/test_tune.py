@@ -19,6 +19,7 @@ from sim import cli as sim_cli
 from sim import tune
 from sim.core import SimConfig, Simulation
 from sim.knobs import TUNED_FORMAT, build, load_tuned
+from tests.small_grids import small_grids
 
 PROF = load_profile("a100-dsv2-lite")
 
@@ -112,24 +113,6 @@ def test_tune_judges_the_winner_only_on_the_disjoint_report_slice(monkeypatch: p
         tune.load_slices(tune.build_parser().parse_args(["--duration", "60", "--tune-start", "600",
                                                          "--report-start", "630"]))
     assert tune.main(["--duration", "60", "--report-start", "30", "--quiet", "--out", "/dev/null"]) == 2
-
-
-def small_grids(profile: str, policies: list[str]) -> dict[str, dict[str, tuple[Any, ...]]]:
-    """Each policy's grid cut to two values per knob: the shipped value and its neighbour in the
-    real grid (the next one up, else the one below). Every knob is still searched, written to the
-    tuned file and replayed; only the number of settings tried shrinks."""
-    prof = load_profile(profile)
-    out: dict[str, dict[str, tuple[Any, ...]]] = {}
-    for name in policies:
-        grid = tune.GRIDS[name]
-        start = tune.defaults(tune.Job(policy=name, profile=prof, sim=SimConfig(), tune_trace=[], report_trace=[],
-                                       grid=grid))
-        out[name] = {}
-        for knob, vals in grid.items():
-            i = vals.index(start[knob]) if start[knob] in vals else 0
-            other = vals[i + 1] if i + 1 < len(vals) else vals[i - 1]
-            out[name][knob] = (start[knob], other) if start[knob] != other else (other,)
-    return out
 
 
 def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

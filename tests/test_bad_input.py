@@ -169,12 +169,15 @@ def test_no_worker_of_a_needed_kind_is_503(tmp_path_factory: pytest.TempPathFact
 
 def test_prompt_over_every_workers_max_model_len_is_400_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The only decode worker advertises max_model_len 64 at registration: a longer prompt is a
-    400 naming the limit, never dispatched (so never retried); a shorter one is dispatched to it."""
+    400 naming the limit, never dispatched (so never retried); a shorter one is dispatched to it.
+    That worker is this test's socket and sends no heartbeat: the router's liveness window is set
+    past the test's length (600 x 0.1 s), else a loaded machine taking over 1 s between the Hello
+    and the last request gets a 503 for a worker found dead, which is not what this checks."""
     from common import codec
     from common import messages as m
 
     c = start_cluster(tmp_path_factory.mktemp("maxlen"), prefill=1, decode=0, profile="fast",
-                      policy="disagg-least-loaded")
+                      policy="disagg-least-loaded", router_env={"KAIROS_LIVENESS": "600"})
     ctx = zmq.Context()
     try:
         w = ctx.socket(zmq.DEALER)

@@ -7,8 +7,9 @@ at fixed cluster splits, under the fair evaluation's model-error conditions.
 Every (policy, split, condition, rate) is one simulation of the workload's REPORT slice (never
 its tune slice: sim/workloads.py). A policy that uses no prefill worker (chunked-prefill) runs
 every GPU of the split as a decode worker (2P2D -> 0P4D), once per GPU count. Settings: each
-policy's shipped ones (sim/knobs.py SHIPPED; the profile's budgets for the others), or a
-`kairos tune` / fair_eval file with --tuned. With several --rate values, each row's goodput is
+policy's shipped ones (sim/knobs.py SHIPPED; the profile's budgets for the others), under a
+`kairos tune` / fair_eval file with --tuned, under the knob flags of `kairos sim` (--decode-room
+off, ...). With several --rate values, each row's goodput is
 the highest rate at which it keeps --goodput-at (default 90 %) both-SLO attainment. Prints a
 markdown table (and writes JSON with --out): both-SLO and TBT attainment (TBT over the requests
 served, by each one's largest gap), P95 TTFT, requests rejected.
@@ -29,7 +30,7 @@ from common.perf_model import load_profile
 from common.policy import NO_PREFILL_POLICIES, POLICIES
 from sim.core import SimConfig, simulate
 from sim.fair_eval import CONDITIONS
-from sim.knobs import Setup, build, load_tuned, shipped
+from sim.knobs import Setup, add_engine_flags, add_policy_flags, build, load_tuned, setups_from_flags, shipped
 from sim.stats import json_safe, summarize
 from sim.workloads import WORKLOADS, load
 
@@ -77,10 +78,11 @@ def run_cell(c: Cell) -> dict[str, Any]:
 
 def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
     out: list[Cell] = []
+    flags = setups_from_flags(args, list(args.policy))
     for wname in args.workload:
         for cond in args.condition:
             for policy in args.policy:
-                setup = shipped(policy, Setup(), tuned.get(policy))
+                setup = shipped(policy, flags[policy], tuned.get(policy))
                 splits = dict.fromkeys((0, p + d) if policy in NO_PREFILL_POLICIES else (p, d) for p, d in args.split)
                 for n_p, n_d in splits:
                     for x in args.rate:
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput: the highest --rate with at least this both-SLO attainment (default 0.9)")
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    add_engine_flags(p)
+    add_policy_flags(p)
     return p
 
 

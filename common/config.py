@@ -154,9 +154,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     decode_room: Annotated[bool, doc("kairos: keep a request at the router while every decode worker's decode step, "
-                                     "with it added, times the worker's measured margin would pass the TBT SLO of "
-                                     "the requests running there (protects TBT under overload, costs TTFT; "
-                                     "docs/cost-model.md)")] = False
+                                     "with it added, times the worker's measured margin would pass decode_beta x "
+                                     "the TBT SLO of the requests running there, on both paths (protects TBT when "
+                                     "the decode pool is the bottleneck, costs TTFT; docs/cost-model.md)")] = True
+    decode_beta: Annotated[float, doc("kairos decode room: plan decode-only steps to this fraction of the strictest "
+                                      "resident TBT SLO (before the measured margin): the decodes' contexts grow "
+                                      "after the check")] = 0.95
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "
                                          "measured / predicted step time; 2 % deadband)")] = True

@@ -304,3 +304,17 @@ def test_tuning_starts_from_the_shipped_settings() -> None:
     start = tune.defaults(job)
     assert (start["prefill_token_budget"], start["decode_token_budget"]) == (2048, 2048)
     assert start["alpha"] == 1.6 and start["late_binding"] is True
+
+
+def test_tune_searches_the_decode_guard_and_its_margin(tmp_path: Path) -> None:
+    """Issue 44: `kairos tune` searches the decode room (on/off) and decode_beta, from the shipped
+    room (on, 0.95), and a tuned file's setting reaches the policy."""
+    grid = tune.GRIDS["kairos"]
+    assert set(grid["decode_room"]) == {False, True} and 0.95 in grid["decode_beta"] and len(grid["decode_beta"]) > 1
+    job = tune.Job(policy="kairos", profile=load_profile("h100-llama2-70b-tp4"), sim=SimConfig(), tune_trace=[],
+                   report_trace=[], grid=grid, passes=1, fixed={}, stress=(1.0,))
+    start = tune.defaults(job)
+    assert start["decode_room"] is True and start["decode_beta"] == 0.95
+    f = tuned_file(tmp_path, {"kairos": {"engine": {}, "policy": {"decode_room": True, "decode_beta": 0.85}}})
+    k = simulations(["--tuned", str(f)], ["kairos"])["kairos"]
+    assert isinstance(k.policy, Kairos) and (k.policy.cfg.decode_room, k.policy.cfg.decode_beta) == (True, 0.85)

@@ -67,7 +67,7 @@ def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
                             predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
                             share_expect=cfg.share_expect, late_binding=cfg.late_binding,
                             late_depth=cfg.late_depth, late_order=cfg.late_order,  # type: ignore[arg-type]
-                            decode_room=cfg.decode_room)
+                            decode_room=cfg.decode_room, decode_beta=cfg.decode_beta)
         ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                  eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                  prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -178,6 +178,7 @@ class RouterCore:
                 raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
             self.waiting.enqueue(req, e, now)
+            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e))
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req

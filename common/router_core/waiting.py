@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from common.config import RouterConfig
-from common.policy import Hold, Kairos, KairosConfig, NoKvRoom, NoWorkers, Policy
+from common.policy import Hold, Kairos, KairosConfig, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start, retry_order
 from common.router_core.admission import shortage
 from common.router_core.requests import Request
@@ -66,6 +66,8 @@ class Waiting:
         req.kv_wait_until = now + self.cfg.kv_wait_timeout
         self.queue.append(req)
         self.counts["late_held" if req.held else "kv_waited"] += 1
+        if isinstance(e, NoDecodeRoom):  # of those waiting for room: the decode step, not the KV
+            self.counts["decode_room_waited"] += 1
 
     def retry(self, now: float) -> None:
         """Decide the waiting requests again (see the module docstring)."""

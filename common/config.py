@@ -87,6 +87,19 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
+    queue_budget: Annotated[float, doc(
+        "admission: a request that cannot be placed at once and whose predicted time to first token (the "
+        "prefill workers' queues and the requests waiting before it, or the rate at which decode room frees) "
+        "is over this many seconds is refused at once with HTTP 429 and a Retry-After from the predicted "
+        "drain time, before any byte of a stream (0: each request's own TTFT SLO, ttft_slo or its body's "
+        "ttft_slo; -1: never refused on a prediction, it waits up to kv_wait_timeout)")] = 0.0
+    client_share: Annotated[float, doc(
+        "admission: the fraction of max_in_flight one client (its API key when it sends one other than the "
+        "router's own api_key, else its address) may hold in flight; past it HTTP 429 client_share. Behind a "
+        "gateway that funnels every client through one address, set 1 (no share)")] = 0.25
+    max_batch: Annotated[int, doc(
+        "most sub-requests one HTTP request may make (the prompts of a batched 'prompt' list times n): past "
+        "it, or past the client's share, HTTP 400 before any work starts")] = 256
     log_requests: Annotated[bool, doc("write the request_done line (route, workers, TTFT, outcome of each "
                                       "request) at info level; off, only with --log-level debug (the line "
                                       "is a few percent of the router's CPU per request)")] = False
@@ -144,9 +157,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     decode_room: Annotated[bool, doc("kairos: keep a request at the router while every decode worker's decode step, "
-                                     "with it added, times the worker's measured margin would pass the TBT SLO of "
-                                     "the requests running there (protects TBT under overload, costs TTFT; "
-                                     "docs/cost-model.md)")] = False
+                                     "with it added, times the worker's measured margin would pass decode_beta x "
+                                     "the TBT SLO of the requests running there, on both paths (protects TBT when "
+                                     "the decode pool is the bottleneck, costs TTFT; docs/cost-model.md)")] = True
+    decode_beta: Annotated[float, doc("kairos decode room: plan decode-only steps to this fraction of the strictest "
+                                      "resident TBT SLO (before the measured margin): the decodes' contexts grow "
+                                      "after the check")] = 0.95
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "
                                          "measured / predicted step time; 2 % deadband)")] = True
@@ -300,12 +316,15 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
     env = os.environ if env is None else env
     fields = _field_help(cls)
     data: dict[str, Any] = {}
+    source: dict[str, str] = {}  # where each value came from, for the error that names it
     file = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
     if file:
         for k, v in _read_file(file).items():
             if k not in fields:
-                raise ConfigError(f"config file {file}: unknown option {k!r}")
+                raise ConfigError(f"config file {file}: unknown option {k!r}", key=k, config_file=file,
+                                  fix=f"remove {k!r} from {file} or correct its spelling (--help lists the options)")
             data[k] = v
+            source[k] = f"{k} in {file}"
     for name, (base, _) in fields.items():
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None:
@@ -314,17 +333,36 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
             data[name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             data[name] = raw
+        source[name] = ENV_PREFIX + name.upper()
     if args is not None:
         for name in fields:
             v = getattr(args, name, None)
             if v is not None:
                 data[name] = v
+                source[name] = "--" + name.replace("_", "-")
     if overrides:
         data.update(overrides)
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid configuration: {e}") from e
+        raise invalid(cls, e, data, source) from e
+
+
+def invalid(cls: type[msgspec.Struct], e: msgspec.ValidationError, data: Mapping[str, Any],
+            source: Mapping[str, str]) -> ConfigError:
+    """The error for a value of the wrong type: which key, where it was set, what it must be."""
+    import re
+
+    found = re.match(r"Expected `(?P<expected>[^`]+)`, got `(?P<got>[^`]+)` - at `\$\.(?P<key>\w+)", str(e))
+    if found is None:
+        return ConfigError(f"invalid configuration: {e}")
+    key, expected = found["key"], found["expected"]
+    where = source.get(key, key)
+    default = getattr(cls(), key, None)
+    named = where if where == key else f"{key} ({where})"
+    return ConfigError(f"invalid configuration: {named} = {data.get(key)!r} is not a valid {expected}",
+                       key=key, expected=expected, value=data.get(key), source=where,
+                       fix=f"set {where} to a value of type {expected} (the default is {default!r}) or remove it")
 
 
 def env_text(v: Any) -> str:
@@ -355,9 +393,18 @@ def parse_list(text: str) -> tuple[int, ...]:
         raise ConfigError(f"expected comma-separated integers, got {text!r}") from e
 
 
+class _Parser(argparse.ArgumentParser):
+    """A service's flags: a mistake is a ConfigError (one log line with the fix, common/startup.py),
+    not argparse's usage text on stderr."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError(f"{self.prog}: {message}", event="config_invalid",
+                          fix=f"correct the command line (`{self.prog} --help` lists the options)")
+
+
 def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str) -> T:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # each option's help says its default itself (add_arguments): no formatter that adds another
+    parser = _Parser(prog=prog, description=description)
     add_arguments(parser, cls)
     ns = parser.parse_args(argv)
     return load(cls, args=ns)

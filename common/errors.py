@@ -19,7 +19,14 @@ class KairosError(Exception):
 
 
 class ConfigError(KairosError):
-    pass
+    """What the operator must change. `event`: the log event a start-up failure is written as
+    (common/startup.py); `fix`: what to do; `fields`: the facts that locate it (key, port, path)."""
+
+    def __init__(self, message: str, *, event: str = "config_invalid", fix: str = "", **fields: object) -> None:
+        super().__init__(message)
+        self.event = event
+        self.fix = fix or "change the setting the error names (every service's --help lists them), then start again"
+        self.fields = fields
 
 
 class ProtocolError(KairosError):
@@ -50,9 +57,13 @@ class NoWorkerYet(Unavailable):
 
 
 class Overloaded(KairosError):
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    """`code`: what is short, the client's `x-kairos-error` (`overloaded`: requests in flight;
+    `client_share`; `prefill_busy`, `decode_busy`, `kv_full`: a wait predicted past its budget)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str = "overloaded") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class WorkerLostError(KairosError):

@@ -55,8 +55,10 @@ def serve_metrics(host: str, port: int) -> Callable[[], None]:
     try:
         server = make_server(host, port, _app, server_class=_Server, handler_class=_Quiet)
     except OSError as e:
-        raise ConfigError(f"cannot serve /metrics on {host}:{port} ({e}): is the port in use? pick another "
-                          "metrics port (0 turns it off)") from e
+        raise ConfigError(f"cannot serve /metrics on {host}:{port} ({e.strerror or e})",
+                          event="metrics_failed_to_start", host=host, port=port,
+                          fix=f"stop what holds port {port} or pick another with --metrics-port / "
+                              "KAIROS_METRICS_PORT (0 turns it off)") from e
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
@@ -24,6 +24,31 @@ class HttpServer(uvicorn.Server):
         yield
 
 
+def listen_socket(host: str, port: int, *, reuse_port: bool, backlog: int = 2048) -> socket.socket:
+    """A service's HTTP listening socket, bound here rather than by uvicorn, so that a port in use is a
+    ConfigError written as `http_failed_to_start` (uvicorn would exit the process first)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if reuse_port:
+            why = (f"cannot bind the HTTP port {host}:{port} with SO_REUSEPORT ({e}); a process without "
+                   "SO_REUSEPORT holds it")
+        else:
+            why = f"cannot bind the HTTP port {host}:{port} ({e.strerror or e})"
+        raise ConfigError(why, event="http_failed_to_start", host=host, port=port,
+                          fix=f"stop what holds port {port} (`ss -ltnp 'sport = :{port}'` names it) or pick another "
+                              "with --http-port / KAIROS_HTTP_PORT") from e
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
 def install_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -34,7 +59,8 @@ def install_signals(stop: asyncio.Event) -> None:
 
 
 def run(main: Callable[[], Awaitable[int | None]]) -> int:
-    """Run `main` on uvloop (when installed); configuration errors exit 2 with one clear line."""
+    """Run `main` on uvloop (when installed). A ConfigError goes up to the entry point's
+    `common.startup.guard`, which writes it as one log line and exits 2."""
     try:
         import uvloop
 
@@ -43,9 +69,6 @@ def run(main: Callable[[], Awaitable[int | None]]) -> int:
         runner = asyncio.run
     try:
         rc = runner(main())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)

@@ -219,6 +219,18 @@ def endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def handshake_reason(event: int, value: int) -> str:
+    """What a failed-handshake monitor event means, for the operator reading the log."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("mechanism_mismatch: the peer does not use CURVE (a plaintext client, or a service without "
+                "KAIROS_CURVE_KEYS_DIR)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"protocol_error {value:#x}: not a ZeroMQ peer of this version, or a garbled greeting"
+    # what libzmq 4.3 reports for a plaintext (NULL mechanism) peer on a CURVE socket
+    return ("no_detail: most often a peer without CURVE (a plaintext client, or a service without "
+            "KAIROS_CURVE_KEYS_DIR), else one that went away mid-handshake")
+
+
 class RouterBus:
     """The router's sockets: ROUTER (work and heartbeats), PUB (telemetry), both bound."""
 
@@ -243,8 +255,17 @@ class RouterBus:
         except zmq.ZMQError as e:
             self.close()
             raise ConfigError(f"cannot bind the router's bus on {cfg.bind_host} ports "
-                              f"{cfg.work_port}/{cfg.telemetry_port}: {e} "
-                              "(another router running? pick other ports)") from e
+                              f"{cfg.work_port}/{cfg.telemetry_port}: {e}", event="bus_failed_to_start",
+                              host=cfg.bind_host, port=cfg.work_port, telemetry_port=cfg.telemetry_port,
+                              fix="another router is running on these ports: stop it, or pick other ones with "
+                                  "--work-port and --telemetry-port (KAIROS_WORK_PORT, KAIROS_TELEMETRY_PORT)") from e
+        # under CURVE, a handshake that fails before ZAP is asked (a peer without CURVE, or a
+        # garbled greeting) is seen only by a socket monitor: `handshake_failures` reads them
+        self.monitors: list[tuple[str, zmq.asyncio.Socket]] = []
+        if cfg.curve_keys_dir:
+            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self.monitors = [(WORKER_DOMAIN, self.work.get_monitor_socket(events)),
+                             (MONITOR_DOMAIN, self.telemetry.get_monitor_socket(events))]
         self._tseq = 0
         # Each router names itself in the telemetry topic (the monitor may subscribe to several
         # replicas and numbers each one's messages apart): host and telemetry port.
@@ -260,7 +281,22 @@ class RouterBus:
         except zmq.Again:
             pass  # monitor slow or absent: telemetry is best effort
 
+    async def handshake_failures(self, on_failed: Callable[[str, str], None]) -> None:
+        """Call `on_failed(socket domain, why)` for each failed handshake (see `monitors`)."""
+        if not self.monitors:
+            return
+        from zmq.utils.monitor import parse_monitor_message
+
+        async def watch(domain: str, mon: zmq.asyncio.Socket) -> None:
+            while True:
+                ev = parse_monitor_message(await mon.recv_multipart())
+                on_failed(domain, handshake_reason(int(ev["event"]), int(ev["value"])))
+
+        await asyncio.gather(*(watch(d, mon) for d, mon in self.monitors))
+
     def close(self) -> None:
+        for _, mon in self.monitors:
+            mon.close(linger=0)
         for s in (self.work, self.telemetry):
             s.close(linger=0)
         if self.auth is not None:

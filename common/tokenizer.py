@@ -176,6 +176,25 @@ class HFTokenizer:
 
 
 def make_tokenizer(spec: str) -> Tokenizer:
+    """The router's tokenizer; a ConfigError (one log line with the fix, common/startup.py) for a
+    directory that is not there or a missing `transformers`, before the traceback either gives."""
     if spec in ("", "simple"):
         return SimpleTokenizer()
-    return HFTokenizer(spec)
+    import os
+
+    from common.errors import ConfigError
+
+    if not os.path.isdir(spec):
+        raise ConfigError(f"tokenizer directory {spec} does not exist", event="model_not_found", key="tokenizer",
+                          path=spec, fix="set --tokenizer (KAIROS_TOKENIZER; `kairos up` sets it from --model) to "
+                          "the model's directory, or 'simple' for the word tokenizer")
+    try:
+        return HFTokenizer(spec)
+    except ImportError as e:
+        raise ConfigError(f"tokenizer {spec} needs the transformers package: {e}", event="engine_unavailable",
+                          missing=e.name, fix="install the [vllm] extra (or transformers) in the router's "
+                          "environment, or use tokenizer 'simple'") from e
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load a tokenizer from {spec}: {e}"[:500], event="model_not_found",
+                          key="tokenizer", path=spec, fix="point --tokenizer at a model directory that holds "
+                          "tokenizer.json / tokenizer_config.json") from e

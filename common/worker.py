@@ -13,6 +13,12 @@ Replicated routers (WorkerConfig.routers): all of the above happens per router, 
 RouterLink each (common/router_link.py); a request's messages go back to the router that sent
 it, and each router's heartbeats acknowledge that router's own dispatch numbers.
 
+The rules (what Hello and heartbeats say, what work is admitted or refused, what the worker
+holds, cancellation, the drain's hand-back) are the worker's core (common/worker_core/:
+`DecodeCore`, `PrefillCore`), which the simulator runs too; this class is its shell: the
+sockets, the engine, the loops and the clock, and the core's ports (`WorkerPorts`: `send`,
+`start`, `abort`, `beat_now`, `router_of`, `release_kv`).
+
 No poison messages: a frame that does not decode is dropped; an error while handling a message
 or admitting a request fails that request (RequestFailed with the reason), never the worker.
 On SIGTERM it says Goodbye, finishes what it holds within `drain_timeout`, hands back the rest
@@ -43,6 +49,7 @@ from common.prefix_report import PrefixReporter
 from common.router_link import Origins, RouterLink, router_addresses
 from common.service import install_signals
 from common.sockets import WorkerBus, send_nowait
+from common.worker_core import EngineInfo, WorkerCore
 
 REFUSED_RETRY_S = 5.0
 REDIAL_AFTER = 3  # unanswered Hellos (1 s apart) before the work connection is dropped and dialled again
@@ -71,21 +78,34 @@ class WorkerService(abc.ABC):
         first = self.links[0]
         self.welcomed = first.welcomed    # the first router's (the only one, without replicas)
         self.hb_interval = cfg.heartbeat_interval
-        self.hb_seq = 0
         self.prefix = PrefixReporter(engine)  # the prefix cache's changes, summarised in heartbeats
-        self.last_dispatch = 0
-        self.draining = False
         self.left = False
         self._beat_now = asyncio.Event()
         self._hello_now = first.hello_now
         self._answered = first.answered    # the router answered a Hello (Welcome or Refused)
         self.bus: WorkerBus                # the first router's sockets
-        self.counters: dict[str, int] = {"bad_frames": 0, "handler_errors": 0, "dropped_on_welcome": 0, "refused": 0}
+        self.core = self.make_core(self.engine_info())
+        self.counters = self.core.counters  # the core's, and the shell's own below
+        self.counters.update(bad_frames=0, handler_errors=0, dropped_on_welcome=0)
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
         engine.on_failed = self._on_engine_failed  # called only by engines that fail requests (vllm)
         # OpenTelemetry (common/tracing.py): None unless an OTLP endpoint is configured
         self.tracing = tracing.from_config(cfg, f"kairos-{self.role}-worker")
         self.loop_lag = LoopLag(self.role)  # the event loop's lag: /metrics, heartbeats (common/loop_lag.py)
+
+    def engine_info(self) -> EngineInfo:
+        """The engine's settings, as Hello states them (some known only once the engine started)."""
+        e = self.engine
+        return EngineInfo(engine=e.name, token_budget=e.token_budget, kv_capacity_tokens=e.kv_capacity_tokens,
+                          max_batch=e.max_batch, block_size=e.block_size, max_model_len=e.max_model_len)
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
+
+    @property
+    def last_dispatch(self) -> int:
+        return self.core.last_dispatch
 
     @property
     def refused(self) -> str:
@@ -102,34 +122,44 @@ class WorkerService(abc.ABC):
 
     # -- to implement -------------------------------------------------------------------
     @abc.abstractmethod
+    def make_core(self, info: EngineInfo) -> WorkerCore:
+        """The worker's core, with this shell as its ports."""
+
+    @abc.abstractmethod
     def heartbeat(self) -> m.Msg: ...
 
     @abc.abstractmethod
     async def on_message(self, msg: Any) -> None: ...
 
-    @abc.abstractmethod
-    def held_requests(self) -> list[tuple[str, int]]:
-        """(request_id, attempt) of everything this worker holds, for the hand-back at drain."""
-
     def extra_hello(self) -> dict[str, Any]:
         return {}
 
-    @abc.abstractmethod
+    # -- the core's, for the loops and for operators --------------------------------------
+    def held_requests(self) -> list[tuple[str, int]]:
+        """(request_id, attempt) of everything this worker holds, for the hand-back at drain."""
+        return self.core.held_requests()
+
     def drop_request(self, request_id: str) -> None:
         """Abort a request and free what it holds (KV included); no message to the router."""
+        self.core.drop(request_id)
 
     def held_ids(self) -> list[str]:
-        """Every request this worker holds anything for (Hello.held: the router names the ones it
-        no longer tracks, which drop_request then frees)."""
-        return [rid for rid, _ in self.held_requests()]
+        """Every request this worker holds anything for (Hello.held)."""
+        return self.core.held_ids()
 
     def drain_pending(self) -> bool:
         """Whether the drain must still wait for something beyond held_requests()."""
-        return False
+        return self.core.drain_pending(time.monotonic())
 
-    def max_model_len(self) -> int:
-        """The longest sequence (prompt + output) this worker's engine takes; 0: no limit."""
-        return self.engine.max_model_len
+    # -- the core's ports (WorkerPorts) -----------------------------------------------------
+    def start(self, req: EngineRequest) -> bool:
+        return self.add_to_engine(req)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def release_kv(self, key: str) -> None:
+        """No KV landing space is reserved by this worker (the decode worker's NIXL receiver is)."""
 
     decoder: codec.Decoder[Any]
 
@@ -139,6 +169,7 @@ class WorkerService(abc.ABC):
         self.log.info("worker_starting", role=self.role, engine=self.engine.name, incarnation=self.incarnation,
                       routers=[link.address for link in self.links])
         await self.engine.start()
+        self.core.info = self.engine_info()  # vLLM knows its KV capacity and block size only now
         await self.setup()
         buses = [link.open(self.worker_id) for link in self.links]
         self.bus = buses[0]
@@ -146,7 +177,7 @@ class WorkerService(abc.ABC):
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
-                         tg.create_task(self._refit_loop(), name="refit"),
+                         tg.create_task(self.refit_loop(), name="refit"),
                          tg.create_task(self.loop_lag.run(), name="loop-lag"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
                 for link in self.links:
@@ -177,24 +208,14 @@ class WorkerService(abc.ABC):
         """Release what setup() created."""
 
     async def _drain(self) -> None:
-        self.draining = True
         self.log.info("drain_started", held=len(self.held_requests()), timeout_s=self.cfg.drain_timeout)
-        await self._to_all(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation))
-        self.beat_now()
+        await self._to_all(self.core.start_drain())
         deadline = time.monotonic() + self.cfg.drain_timeout
         while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = self.held_requests()
-        for rid, attempt in left:
-            self.engine.abort(rid)
-            link = self.origins.of(rid)
-            assert link.bus is not None
-            await link.bus.send(codec.encode(m.RequestFailed(
-                request_id=rid, attempt=attempt, worker_id=self.worker_id, reason="worker_draining",
-                retryable=True)))
+        bye = self.core.hand_back()  # what is left goes back to its router (RequestFailed, retryable)
         self.left = True  # no more heartbeats: the router must not take us for a worker to re-register
-        await self._to_all(m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="drained"))
-        self.log.info("drain_finished", handed_back=len(left))
+        await self._to_all(bye)
         await asyncio.sleep(0.05)  # let the hand-backs leave before the socket closes
 
     async def _to_all(self, msg: m.Msg) -> None:
@@ -208,13 +229,7 @@ class WorkerService(abc.ABC):
         held = self.held_ids()
         if link is not None and len(self.links) > 1:  # only what this router sent: it names what it no longer tracks
             held = [rid for rid in held if self.origins.of(rid) is link]
-        return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
-                       incarnation=self.incarnation, engine=self.engine.name,
-                       model=self.cfg.served_model_name, token_budget=self.engine.token_budget,
-                       kv_capacity_tokens=self.engine.kv_capacity_tokens, max_batch=self.engine.max_batch,
-                       coeffs=self.coeffs(), kv_transport=self.cfg.kv_transport,
-                       held=held, max_model_len=self.max_model_len(),
-                       **{"kv_block_tokens": self.engine.block_size, **self.extra_hello()})
+        return self.core.hello(held=held, coeffs=self.coeffs(), **self.extra_hello())
 
     async def _hello_loop(self, link: RouterLink) -> None:
         assert link.bus is not None
@@ -269,7 +284,6 @@ class WorkerService(abc.ABC):
             self._beat_now.clear()
             if self.left:
                 return
-            self.hb_seq += 1
             hb = self.heartbeat()
             summary = self.prefix.summary()
             lag_ms = self.loop_lag.take_max() * 1000.0
@@ -287,7 +301,7 @@ class WorkerService(abc.ABC):
         there is a good one, else the engine's profile."""
         return self.fitted or self.engine.coeffs()
 
-    async def _refit_loop(self) -> None:
+    async def refit_loop(self) -> None:
         if not self.engine.can_refit or self.cfg.refit_interval <= 0:
             return
         while True:
@@ -361,12 +375,9 @@ class WorkerService(abc.ABC):
 
     def _drop_untracked(self, ids: list[str]) -> None:
         """The router no longer tracks these (it restarted, or re-dispatched them): free them."""
-        for rid in ids:
-            self.drop_request(rid)
-        if ids:
-            self.counters["dropped_on_welcome"] += len(ids)
-            self.log.info("dropped_untracked_requests", requests=len(ids))
-            self.beat_now()
+        if n := self.core.welcomed(ids):
+            self.counters["dropped_on_welcome"] += n
+            self.log.info("dropped_untracked_requests", requests=n)
 
     def _on_handler_error(self, msg: Any, e: Exception) -> None:
         self.counters["handler_errors"] += 1
@@ -379,29 +390,12 @@ class WorkerService(abc.ABC):
             self.drop_request(rid)
         except Exception as e2:  # already failing: report, do not raise
             self.log.error("drop_failed", request_id=rid, error=f"{type(e2).__name__}: {e2}"[:300])
-        self.send(m.RequestFailed(request_id=rid, attempt=int(getattr(msg, "attempt", 0)), worker_id=self.worker_id,
-                                  reason=f"worker error handling {type(msg).__name__}: {type(e).__name__}: {e}"[:500],
-                                  retryable=True))
-
-    def too_long(self, prompt_tokens: int) -> str:
-        """Why the engine can never take a prompt this long (empty: it can)."""
-        limit = self.max_model_len()
-        if limit and prompt_tokens >= limit:
-            return (f"the prompt has {prompt_tokens} tokens; this worker's max_model_len is {limit} "
-                    "(prompt plus at least one output token)")
-        return ""
-
-    def fail_request(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
-        """Tell the router this request cannot proceed here: `invalid` if the request itself is at
-        fault (no retry anywhere), else retryable (another worker may take it)."""
-        self.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id, reason=reason,
-                                  retryable=not invalid, code="invalid_request" if invalid else ""))
+        self.core.fail(rid, int(getattr(msg, "attempt", 0)),
+                       f"worker error handling {type(msg).__name__}: {type(e).__name__}: {e}"[:500])
 
     def refuse(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
-        """Turn a request away here: counted, logged, and the router told (see fail_request)."""
-        self.counters["refused"] += 1
-        self.log.warning("work_refused", request_id=request_id, reason=reason, invalid=invalid)
-        self.fail_request(request_id, attempt, reason, invalid=invalid)
+        """Turn a request away here: counted, logged, and the router told (the core's rule)."""
+        self.core.refuse(request_id, attempt, reason, invalid=invalid)
 
     def add_to_engine(self, req: EngineRequest) -> bool:
         """Hand a request to the engine; whatever the engine raises fails that request only (never
@@ -422,12 +416,7 @@ class WorkerService(abc.ABC):
         return False
 
     def _on_engine_failed(self, request_id: str, attempt: int, reason: str, retryable: bool = True) -> None:
-        self.log.warning("engine_request_failed", request_id=request_id, reason=reason, retryable=retryable)
-        self.forget(request_id)
-        self.fail_request(request_id, attempt, reason, invalid=not retryable)
-
-    def forget(self, request_id: str) -> None:
-        """Drop the worker's own bookkeeping of a request the engine gave up on."""
+        self.core.engine_failed(request_id, attempt, reason, retryable)
 
     def send(self, msg: m.Msg) -> None:
         """To the router that sent the request (every router for a message about none)."""

@@ -100,8 +100,10 @@ def live(policy: str, reqs: list[TraceRequest], args: argparse.Namespace, out_di
     e_router, e_worker = error_env(err)
     spec = ClusterSpec.ephemeral(prefill=2, decode=2, policy=policy, profile=args.profile, monitor=False,
                                  kv_transport=args.kv_transport, log_dir=str(out_dir / "logs" / policy),
-                                 router_env=router_env | e_router, worker_env=worker_env | e_worker,
-                                 worker_speeds=err["worker_speed"])
+                                 # no shedding (queue_budget -1): both policies serve every request of the
+                                 # slice, as the simulated runs it is checked against do
+                                 router_env=router_env | e_router | {"KAIROS_QUEUE_BUDGET": "-1"},
+                                 worker_env=worker_env | e_worker, worker_speeds=err["worker_speed"])
     t0 = time.monotonic()
     with Cluster(spec):
         console.print(f"[bold]{policy}[/]: 2P2D cluster up in {time.monotonic() - t0:.1f} s at {spec.api}; "

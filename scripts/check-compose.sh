@@ -70,7 +70,7 @@ check() {  # check "<label>" "<expected services>" -f FILE [-f FILE...]
 services="decode-0 decode-1 keys monitor prefill-0 prefill-1 router"
 # docker-compose.yml and docker-compose.sim.yml also hold the `observability` profile (Prometheus,
 # Grafana): `config` lists every service, whatever the profiles
-observed="decode-0 decode-1 grafana keys monitor prefill-0 prefill-1 prometheus router"
+observed="decode-0 decode-1 grafana keys monitor prefill-0 prefill-1 prometheus router router-1"  # two routers on the HTTP port
 check "docker-compose.yml" "$observed" -f docker-compose.yml
 check "docker-compose.yml + docker-compose.rdma.yml" "$observed" -f docker-compose.yml -f docker-compose.rdma.yml
 check "docker-compose.sim.yml" "$observed" -f docker-compose.sim.yml

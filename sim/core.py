@@ -38,8 +38,9 @@ the instant (its `busy_s` and the routers' `hb_at` reckoned from it), which is e
 nothing while a worker is idle. `heartbeat_interval = 0` gives the policy perfect,
 instantaneous views.
 
-Work the router did place but that finds the worker's KV full queues on that worker until KV
-frees.
+The workers are the live workers' cores (common/worker_core/) in a shell (sim/state.py): work the
+router placed on a decode worker whose KV is full is refused ("kv_full", as live) and the router
+re-dispatches it; nothing queues at a decode worker.
 """
 
 from __future__ import annotations
@@ -49,24 +50,23 @@ import itertools
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from common import messages as m
-from common.engines.batcher import Batcher, Seq, StepPlan
+from common.engines.base import Prefilled
+from common.engines.batcher import Batcher, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_factor
 from common.perf_model import Profile
-from common.policy import Decision, Policy
-from common.policy.admission import accepted_entry
-from common.policy.admission import check_deflection as admission_check
+from common.policy import Policy
 from common.prefix_hash import chain_ids
 from common.traces import TraceRequest
+from common.worker_core.decode import Outcome
 from sim.router import Routers
-from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
+from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker
 from sim.stats import RequestTiming
 
 # SimConfig lives in sim/state.py (sim/router.py reads it too); importing it from here goes on working
@@ -116,10 +116,11 @@ class Simulation:
                                  default_chunk=profile.decode_default_chunk, prefix_cache=cache(),
                                  guard=ChunkGuard(model, StepErrorEstimator(target=cfg.overrun_target))
                                  if cfg.closed_loop else None), model,
-                    phase(cfg.prefill + i))
+                    phase(cfg.prefill + i), admission=cfg.admission, list_held=cfg.held_list)
             for i, wid in enumerate(worker_ids("decode", cfg.decode))]
-        for d in self.decode:
-            d.lists_held = cfg.held_list
+        for w in (*self.prefill, *self.decode):  # the core's ports reach the event loop through these
+            w.on_beat = self._beat_soon
+            w.on_start = self._start_if_idle
         for w in (*self.prefill, *self.decode):  # measured step error: the guard's estimator, where there is one
             guard = w.batcher.guard
             w.estimator = guard.estimator if guard is not None else (
@@ -135,7 +136,7 @@ class Simulation:
         self.steps = 0
         self.decode_steps = 0   # decode steps that carried running decodes
         self.over_slo = [0, 0]  # ... of which took longer than the TBT SLO: [decode only, with a prefill chunk]
-        self._q_prefill, self._q_admit = Level(), Level()
+        self._q_prefill = Level()
         # the router side: its replicas, their views and ledgers, the wait queue (sim/router.py)
         self.routers = Routers(profile, policy, cfg, self, self.prefill, self.decode)
         for w in (*self.prefill, *self.decode):
@@ -171,6 +172,15 @@ class Simulation:
         if d >= 0 and self.cfg.heartbeat_interval > 0 and w.beat_at < 0:
             w.beat_at = now + d
             self._push(w.beat_at, _BEAT, w, None)
+
+    def _beat_soon(self, w: Worker) -> None:
+        """The core's `beat_now` port."""
+        self._soon(w, w.now)
+
+    def _start_if_idle(self, w: Worker) -> None:
+        """A request joined `w`'s engine (the core's `start` port): it steps, if it was idle."""
+        if not w.busy:
+            self._start(w, w.now)
 
     def _beat(self, w: Worker, now: float) -> None:
         w.beat_at = -1.0
@@ -217,8 +227,6 @@ class Simulation:
     def _prefill_done(self, w: PrefillWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
         out = w.batcher.commit(plan)
-        w.queued_tokens -= sum(chi for _, chi, _ in plan.chunks)
-        w.queued_reqs -= len(out.prefilled)
         if out.prefilled:
             self._q_prefill.add(now, -len(out.prefilled))
         for seq in out.prefilled:
@@ -230,8 +238,11 @@ class Simulation:
             if dcache is not None and r.hashes:  # only the KV the decode worker lacks moves
                 lack -= min(dcache.match(r.hashes) * dcache.block_tokens, seq.prompt_len - 1)
             self._push(now + w.model.xfer_time(lack), _XFER, r, None)
-        if out.prefilled:
-            self._soon(w, now)
+        w.now = now
+        for seq in out.prefilled:  # the core: it heartbeats soon; the simulated hand-off always succeeds
+            if w.core.on_prefilled(Prefilled(request_id=seq.request_id, attempt=seq.attempt, queue_s=0.0,
+                                             prefill_s=0.0)) is not None:
+                w.core.forget(seq.request_id)
         if out.prefilled:
             self.routers.prefill_done(w, now)
         self._start(w, now)
@@ -248,46 +259,32 @@ class Simulation:
                 if seq.deflected:
                     r.prefilled = now
                     r.cached = seq.cached
-                    w.accepted.pop(r.rid, None)
-                    w.held.pop(r.rid, None)  # its next heartbeat lists it no more
+                    w.core.prefilled(r.rid)  # it reserves no step time any more; its next heartbeat lists it no more
                     self._soon(w, now)
                     self.routers.first_token(w, r, now)
             r.last = now
             r.ntok += 1
         for seq in out.finished:
             seq.user.done = now  # type: ignore[attr-defined]
+            w.core.finished(seq.request_id)
             self.routers.finished(w, seq.user, now)  # type: ignore[arg-type]
         if out.finished:
             self._soon(w, now)
-            if w.admit_wait:
-                self._drain_admissions(w, now)
             self.routers.kv_freed(w, now)
         self._start(w, now)
 
-    def _admit(self, w: DecodeWorker, seq: Seq, now: float) -> None:
-        if w.admit_wait or not w.batcher.can_admit(seq):
-            w.admit_wait.append(seq)
-            self._q_admit.add(now, 1)
-        else:
-            w.batcher.add(seq)
-        if not w.busy:
-            self._start(w, now)
-
-    def _drain_admissions(self, w: DecodeWorker, now: float) -> None:
-        while w.admit_wait and w.batcher.can_admit(w.admit_wait[0]):
-            w.batcher.add(w.admit_wait.popleft())
-            self._q_admit.add(now, -1)
-
     def _kv_landed(self, r: Req, now: float) -> None:
+        """`r`'s KV reached its decode worker: the core starts the handoff it kept room for."""
         w = self._d_by_id[r.decode_worker]
         self._touch(w, now)
         r.xfer = now
-        w.waiting_kv -= 1
-        w.waiting_kv_tokens -= r.prompt + r.output
-        seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
-                  tbt_slo=self.cfg.tbt_slo, computed=r.prompt, arrived=r.arrival, user=r, hashes=r.hashes)
-        self._admit(w, seq, now)
-        self._soon(w, now)
+        p = w.core.kv_arrived(r.rid, r.attempt)
+        if p is None:
+            raise RuntimeError(f"KV of request {r.rid} (attempt {r.attempt}) landed on {w.wid}, "
+                               "which does not wait for it")
+        w.now = now
+        w.reqs[r.rid] = r
+        w.core.admit(p.work, "handoff", (), w.model)
 
     # -- the engines' side of the interface to the routers (sim/router.py, `Engines`) --------
     def deliver(self, w: Worker, now: float) -> None:
@@ -313,50 +310,25 @@ class Simulation:
     def give_up_at(self, t: float, r: Req) -> None:
         self._push(t, _GIVE_UP, r, None)
 
-    def admit_deflection(self, w: DecodeWorker, r: Req, d: Decision, now: float) -> None:
-        """`w` takes deflection `d` of `r`: it prefills the prompt in place, chunk by chunk."""
+    def decode_work(self, w: DecodeWorker, work: m.DecodeWork, r: Req, now: float) -> Outcome:
+        """`w`'s core takes `work` (a deflection starts at once, a handoff waits for its KV) or turns
+        it away (what it sent the router waits in `w.outbox`)."""
         self._touch(w, now)
-        seq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output, tbt_slo=self.cfg.tbt_slo,
-                  schedule=deque(d.chunk_schedule) if d.chunk_schedule else None, deflected=True,
-                  arrived=now, user=r, hashes=r.hashes)
-        a = w.accepted[r.rid] = accepted_entry(w.view_model, d.chunk_schedule, d.step_budget_s,
-                                               w.batcher.token_budget, d.cached_tokens)
-        w.held[r.rid] = m.HeldDeflection(router=router_name(r.router), reserved_s=a.reserved_s,
-                                         largest_chunk=max(d.chunk_schedule, default=0))  # its next heartbeat lists it
-        self._admit(w, seq, now)
-        self._soon(w, now)
+        w.now = now
+        w.reqs[r.rid] = r
+        out = w.core.on_work(work, now, w.load(now), w.model, w.prefix_cached(r) if work.chunk_schedule else None)
+        if out != "started":
+            w.reqs.pop(r.rid, None)
+        return out
 
-    def queue_prefill(self, pw: PrefillWorker, dw: DecodeWorker, r: Req, now: float) -> None:
-        """`pw` queues `r`'s prefill; `dw` expects its KV (and keeps room for it)."""
+    def prefill_work(self, pw: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> None:
+        """`pw`'s core queues `work`'s prefill (its KV bound for the DecodeWork's worker, which keeps room)."""
         self._touch(pw, now)
-        self._touch(dw, now)
-        pseq = Seq(request_id=r.rid, attempt=0, prompt_len=r.prompt, max_tokens=r.output,
-                   tbt_slo=self.cfg.tbt_slo, arrived=now, user=r, hashes=r.hashes)
-        pw.batcher.add(pseq)
-        pw.queued_tokens += pseq.remaining_prompt
-        pw.queued_reqs += 1
+        pw.now = now
+        pw.reqs[r.rid] = r
+        if not pw.core.on_work(work):
+            raise RuntimeError(f"simulated prefill worker {pw.wid} refused {r.rid}: {pw.outbox[-1:]}")
         self._q_prefill.add(now, 1)
-        dw.waiting_kv += 1
-        dw.waiting_kv_tokens += r.prompt + r.output
-        if not pw.busy:
-            self._start(pw, now)
-        self._soon(pw, now)
-        self._soon(dw, now)
-
-    def check_deflection(self, w: DecodeWorker, d: Decision) -> str:
-        """The decode worker's check of a deflection against its live state ('' when it fits)."""
-        batch = kv = 0
-        slo = math.inf
-        for s in w.batcher.running:
-            if s.computed >= s.prompt_len:
-                batch += 1
-                kv += s.computed + s.generated
-            if s.tbt_slo < slo:
-                slo = s.tbt_slo
-        # the model the router planned with (the worker's, times the bias the router took: DecodeWork.model_bias)
-        return admission_check(w.view_model, batch=batch, kv_tokens=kv, schedule=d.chunk_schedule,
-                               budget_s=d.step_budget_s, tbt_slo=self.cfg.tbt_slo, accepted=w.accepted.values(),
-                               strictest_tbt_slo=None if slo == math.inf else slo, cached=d.cached_tokens)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
@@ -419,8 +391,7 @@ class Simulation:
             "admission_rejected": routers.admission_rejected,
             "prefill_busy": _util([w.busy_s for w in self.prefill], max(span, end)),
             "decode_busy": _util([w.busy_s for w in self.decode], max(span, end)),
-            "queues": {"router_kv_wait": routers.queue_report(end), "prefill": self._q_prefill.report(end),
-                       "decode_admit": self._q_admit.report(end)},
+            "queues": {"router_kv_wait": routers.queue_report(end), "prefill": self._q_prefill.report(end)},
             "held": sum(r.was_held for r in reqs),  # requests the policy held at the router (late binding)
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
             "prefix_index_blocks": routers.index_blocks(),

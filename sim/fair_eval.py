@@ -3,8 +3,10 @@
     python -m sim.fair_eval --profile h100-llama2-70b-tp4 --out results/fair-eval
 
 For each workload (sim/workloads.py: the Azure code and conv traces, a long-context synthetic one
-with prompts of 4k to 32k tokens, a bursty on/off synthetic one, and multi-turn chat sessions and
-agentic loops with shared prefixes, prefix caching on) it
+with prompts of 4k to 32k tokens, a bursty on/off synthetic one, multi-turn chat sessions and
+agentic loops with shared prefixes, prefix caching on, and two whose mix shifts every 150 s
+(shift: prompt-heavy, output-heavy and code-like bursty phases; shift-code: the code trace's
+windows alternating with output-heavy phases; regime fixed at x1, seeds 10 tune, 11 report)) it
   1. probes the load: replays the tune slice with `disagg-least-loaded` (stock disaggregation, the
      profile's settings) at several rate scales and picks the regime load: the lowest probed scale
      at which bursts saturate the prefill pool (that baseline meets the TTFT SLO for at most 95 %

@@ -200,7 +200,10 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                         "take it, and dispatch it when one frees room (default on)")
     k.add_argument("--decode-room", choices=("on", "off"), default=None,
                    help="keep a request at the router while every decode worker's decode step, with it added, "
-                        "times the worker's measured margin would pass its residents' TBT SLO (default off)")
+                        "times the worker's measured margin would pass --decode-beta x its residents' TBT SLO, "
+                        "on both paths (default on)")
+    k.add_argument("--decode-beta", type=float, default=None, metavar="F",
+                   help="decode room: plan decode-only steps to F x the strictest resident TBT SLO (default 0.95)")
     k.add_argument("--late-depth", type=float, default=None, metavar="N",
                    help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
     k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
@@ -227,7 +230,8 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
 # decode workers need token budget beside their decodes for in-place chunks, and smaller prefill
 # steps keep the prefill queues' TTFT predictable.
 SHIPPED: dict[str, Setup] = {"kairos": Setup(engine=EngineSettings(prefill_token_budget=2048, decode_token_budget=2048),
-                                             policy={"alpha": 1.6, "late_binding": True})}
+                                             policy={"alpha": 1.6, "late_binding": True, "decode_room": True,
+                                                     "decode_beta": 0.95})}
 
 
 def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
@@ -245,6 +249,7 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "late_binding": None if args.late_binding is None else args.late_binding == "on",
                    "late_depth": args.late_depth, "late_order": args.late_order,
                    "decode_room": None if args.decode_room is None else args.decode_room == "on",
+                   "decode_beta": args.decode_beta,
                    "prefix_aware": None if args.no_prefix_aware is None else not args.no_prefix_aware},
         "kv-aware": {"overlap_weight": args.overlap_weight},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,

@@ -16,11 +16,14 @@ live. `SimRouter` is the shell around one core, as services/router/service.py is
   text) and the trace's block hashes (`block_hashes`, so that the index and the engines' caches
   agree without hashing token ids);
 - what the core sends goes to an outbox (`SimOutbox`); the shell hands it to the engines before
-  the core decides anything else (`Hooks.before_view`) and after each call: a deflection
-  (DecodeWork, mode deflect) goes through the decode worker's admission check, and a rejection
-  comes back to the core as the worker's RequestFailed, as live; a PrefillWork queues the
-  prefill (its KV bound for the DecodeWork's worker); the rest (Welcome, Cancel, ...) has no
-  simulated effect;
+  the core decides anything else (`Hooks.before_view`) and after each call: a DecodeWork goes to
+  the decode worker's core (common/worker_core/decode.py, as live), which starts a deflection,
+  keeps room for a handoff's KV, or turns the work away (a deflection that does not fit:
+  "deflect_rejected"; work that does not fit its free KV: "kv_full"); what it turned away comes
+  back to the router core as the worker's RequestFailed, as live (the router decides again, or
+  re-dispatches the request as a new attempt; work of a replaced attempt still in the outbox is
+  dropped); a PrefillWork goes to the prefill worker's core, which queues the prefill (its KV
+  bound for the DecodeWork's worker); the rest (Welcome, Cancel, ...) has no simulated effect;
 - the engines report a deflection's first token and every request's end as TokenBatches.
 
 What is the simulator's own is time: when heartbeats reach the routers (periodically and 2 ms
@@ -39,9 +42,9 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
                                     them lazily; a router asks before it reads or records anything
                                     about W)
     deliver_all(now)                every worker's, for a view (heartbeat_interval 0: the live state)
-    check_deflection(w, d)          decode worker W's admission check of deflection `d` ('' = fits)
-    admit_deflection(w, r, d, now)  W takes deflection `d` of request `r` (prefills it in place)
-    queue_prefill(p, w, r, now)     prefill worker P queues `r`'s prefill, its KV bound for W
+    decode_work(w, work, r, now)    decode worker W's core takes DecodeWork `work` of request `r`, or
+                                    turns it away (its RequestFailed then waits in `w.outbox`)
+    prefill_work(p, work, r, now)   prefill worker P's core queues PrefillWork `work` of `r`
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
@@ -65,14 +68,12 @@ from common.config import RouterConfig
 from common.errors import NoWorkerYet, Overloaded, RequestError, Unavailable
 from common.perf_model import Profile
 from common.policy import ClusterView, Decision, Hold, Policy
-from common.policy.admission import REJECTED_REASON
 from common.router_core.core import RouterCore
 from common.router_core.ports import Hooks, NullLog
 from common.router_core.requests import Request
 from common.wait_queue import SCAN
-from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
+from sim.state import MODEL, DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
 
-MODEL = "sim"  # the served model name every simulated worker registers with (`Worker.hello`)
 _SAMPLING: dict[int, m.Sampling] = {}
 
 
@@ -81,12 +82,14 @@ class Engines(Protocol):
 
     def deliver(self, w: Worker, now: float) -> None: ...
     def deliver_all(self, now: float) -> None: ...
-    def check_deflection(self, w: DecodeWorker, d: Decision) -> str: ...
-    def admit_deflection(self, w: DecodeWorker, r: Req, d: Decision, now: float) -> None: ...
-    def queue_prefill(self, p: PrefillWorker, w: DecodeWorker, r: Req, now: float) -> None: ...
+    def decode_work(self, w: DecodeWorker, work: m.DecodeWork, r: Req, now: float) -> str: ...
+    def prefill_work(self, p: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> None: ...
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
     def retry_at(self, t: float) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
+
+
+WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout")  # common/router_core/waiting.py
 
 
 def router_config(cfg: SimConfig) -> RouterConfig:
@@ -97,7 +100,7 @@ def router_config(cfg: SimConfig) -> RouterConfig:
                         heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
                         kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
                         prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
-                        max_in_flight=1 << 30, request_timeout=1e12)
+                        max_in_flight=1 << 30, request_timeout=1e12, queue_budget=cfg.queue_budget, client_share=1.0)
 
 
 class _StrictLog(NullLog):
@@ -244,7 +247,9 @@ class SimRouter:
         r = self.reqs.pop(creq.request_id)
         self.creqs.pop(creq.request_id, None)
         if finished_reason is None:
-            if creq.outcome != "kv_wait_timeout":  # nothing else fails a request in the simulator
+            # nothing else fails a request in the simulator: it waited too long, or every worker it
+            # was sent to turned it away (kv_full) as many times as the router tries
+            if creq.outcome not in (*WAIT_TIMEOUTS, "retries_exhausted"):
                 raise RuntimeError(f"the router core failed request {creq.request_id} in the simulator: "
                                    f"{creq.outcome}")
             now = rec.at
@@ -252,6 +257,9 @@ class SimRouter:
                 r.waiting = False
                 self.q_wait.add(now, -1)
             r.waited = now - r.arrival
+            if creq.outcome == "retries_exhausted":
+                _reject(r, f"rejected: turned away by every decode worker it was sent to ({creq.attempt + 1} attempts)")
+                return
             what = "a worker to take it" if creq.held else "KV room"
             _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({creq.wait_reason})")
 
@@ -267,34 +275,33 @@ class SimRouter:
         eng = self.engines
         while sent:
             _, msg = sent.popleft()
+            if not isinstance(msg, (m.DecodeWork, m.PrefillWork)):
+                continue
+            creq = self.creqs.get(msg.request_id)
+            if creq is None or creq.done or creq.attempt != msg.attempt:
+                continue  # an attempt a worker's refusal replaced (or ended) meanwhile
+            d = creq.decision
+            assert d is not None
+            r = self.reqs[msg.request_id]
+            r.attempt = msg.attempt
             if isinstance(msg, m.DecodeWork):
-                if msg.mode != "deflect":
-                    continue  # a handoff: the decode worker waits for the KV (PrefillWork below)
-                creq = self.creqs[msg.request_id]
-                d = creq.decision
-                assert d is not None
                 dw = self._d_by_id[d.decode_worker]
                 eng.deliver(dw, now)
-                if self.cfg.admission:
-                    why = eng.check_deflection(dw, d)
-                    if why:
-                        self.core.on_message(dw.wid.encode(), m.RequestFailed(
-                            request_id=msg.request_id, attempt=msg.attempt, worker_id=dw.wid, reason=why,
-                            code=REJECTED_REASON), now)
-                        r = self.reqs[msg.request_id]
-                        if creq.kv_wait_until > 0 and not r.waiting:  # no room elsewhere: it waits again
-                            self._waits(r, creq, now)
-                        continue
-                r = self._placed(msg.request_id, d, now)
-                r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
-                eng.admit_deflection(dw, r, d, now)
-            elif isinstance(msg, m.PrefillWork):
-                creq = self.creqs[msg.request_id]
-                d = creq.decision
-                assert d is not None and d.prefill_worker is not None
-                r = self._placed(msg.request_id, d, now)
+                if eng.decode_work(dw, msg, r, now) in ("refused", "rejected"):
+                    for f in dw.take_sent():  # the worker's RequestFailed: the router decides again
+                        assert isinstance(f, m.RequestFailed)
+                        self.core.on_message(dw.wid.encode(), f, now)
+                    if not creq.done and creq.kv_wait_until > 0 and not r.waiting:  # no room elsewhere: it waits
+                        self._waits(r, creq, now)
+                    continue
+                if msg.mode == "deflect":  # placed (a handoff is placed with its PrefillWork, next)
+                    self._placed(msg.request_id, d, now)
+                    r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
+            else:
+                assert d.prefill_worker is not None
+                self._placed(msg.request_id, d, now)
                 r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
-                eng.queue_prefill(self._p_by_id[d.prefill_worker], self._d_by_id[d.decode_worker], r, now)
+                eng.prefill_work(self._p_by_id[d.prefill_worker], msg, r, now)
 
     def _placed(self, rid: str, d: Decision, now: float) -> Req:
         r = self.reqs[rid]

@@ -1,24 +1,29 @@
 """The simulator's settings (`SimConfig`) and its state of each request and worker (sim/core.py
 runs the events on them, sim/router.py the router side): what a request went through, each
-worker's engine (the real batching class), step in flight, and the Hello and heartbeats it sends
-the routers (common/messages.py, filled as a live worker fills them; each router keeps them in the
-live router's own worker table, common/router_core/workers.py)."""
+worker's engine (the real batching class) and step in flight.
+
+Each simulated worker is a shell around the live worker's own core (common/worker_core/:
+`DecodeCore`, `PrefillCore`), as services/*_worker/ are live: the core composes its Hello and
+heartbeats, admits or refuses its work and keeps its ledgers; the shell implements the core's
+ports on the simulated engine (`start`: the request joins the `Batcher`; `beat_now`: a prompt
+heartbeat; `send`: a RequestFailed goes back to the router replica that sent the work) and
+reports the engine's load (`EngineLoad`) from the `Batcher`, as common/engines/sim.py does live."""
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from common import messages as m
+from common.engines.base import EngineLoad, EngineRequest
 from common.engines.batcher import Batcher, Seq, StepPlan
-from common.engines.replay import drain
 from common.engines.step_error import TARGET, StepError, StepErrorEstimator
 from common.perf_model import PerfModel
-from common.policy.admission import Accepted
+from common.worker_core import DecodeCore, EngineInfo, PrefillCore, WorkerCore
 from sim.stats import RequestTiming
 
 
@@ -43,6 +48,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
     kv_wait_max: int = 1024        # requests waiting for KV room before new ones are rejected at once (as the router)
+    # the router's admission shedding (RouterConfig.queue_budget; common/router_core/admission.py): off by
+    # default here, so that a run measures what queueing does to every request of the trace
+    queue_budget: float = -1.0
     prefix_cache: bool = True      # per-worker prefix caches and the router's prefix index (traces with hash_ids)
     hash_block_tokens: int = 512   # prompt tokens per trace hash_ids entry: the cache's block size
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
@@ -81,6 +89,7 @@ class Req:
     reason: str = ""
     decode_worker: str = ""
     router: int = 0               # which router replica it arrived at
+    attempt: int = 0              # its router's attempt number (a worker's refusal makes another)
     ttft_pred: float | None = None
     waited: float = -1.0          # arrival to leaving the router's KV wait queue (-1: never waited)
     waiting: bool = False         # in its router's wait queue now
@@ -120,9 +129,23 @@ def router_name(i: int) -> str:
     return f"router-{i}"
 
 
+MODEL = "sim"  # the served model name every simulated worker registers with
+
+
+def _no_beat(w: Worker) -> None:
+    return None
+
+
 class Worker:
-    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "estimator", "hb", "hb_seq", "kv_capacity",
-                 "max_batch", "model", "next_hb", "phase", "plan", "token_budget", "until", "view_model", "wid")
+    """A simulated worker: the live worker's core, and the shell that runs it on the simulated
+    engine (see the module docstring). The core's ports are this object's `send`, `start`,
+    `abort`, `beat_now`, `router_of` and `release_kv`."""
+
+    __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "core", "estimator", "hb", "kv_capacity",
+                 "max_batch", "model", "next_hb", "now", "on_beat", "on_start", "outbox", "phase", "plan", "reqs",
+                 "token_budget", "until", "view_model", "wid")
+
+    core: WorkerCore
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         self.wid = wid
@@ -132,13 +155,17 @@ class Worker:
         self.token_budget = batcher.token_budget
         self.max_batch = batcher.max_batch
         self.kv_capacity = batcher.kv_capacity
+        self.now = 0.0  # the simulated clock at the call into the core in progress
+        self.outbox: list[m.Msg] = []  # what the core sent (RequestFailed), for the router shell to deliver
+        self.reqs: dict[str, Req] = {}  # work the core may start, by request id
+        self.on_beat: Callable[[Worker], None] = _no_beat  # the simulation's prompt heartbeat (sim/core.py)
+        self.on_start: Callable[[Worker], None] = _no_beat  # ... and its step loop, when a request joins
         self.busy = False
         self.busy_s = 0.0
         self.phase = phase
         self.next_hb = phase
         self.hb: m.PrefillHeartbeat | m.DecodeHeartbeat | None = None  # its last (sim/core.py _snapshot), each
         # router acknowledging its own dispatches in it (`last_dispatch`, sim/router.py)
-        self.hb_seq = 0
         self.plan: StepPlan | None = None  # the step in flight
         self.until = 0.0  # when it ends, as the worker's model predicts (without the noise)
         self.beat_at = -1.0   # a prompt heartbeat due then (-1: none)
@@ -148,15 +175,54 @@ class Worker:
         self.bias = 1.0
         self.view_model = model
 
+    def info(self) -> EngineInfo:
+        return EngineInfo(engine="sim", token_budget=self.token_budget, kv_capacity_tokens=self.kv_capacity,
+                          max_batch=self.max_batch)
+
     def hello(self) -> m.Hello:
-        """What it registers with: its settings. No coefficients: routers predict it with the profile."""
-        return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.wid, role=self.role, incarnation=INCARNATION,
-                       engine="sim", model="sim", token_budget=self.token_budget,
-                       kv_capacity_tokens=self.kv_capacity, max_batch=self.max_batch)
+        """What it registers with (the core's Hello). No coefficients: routers predict it with the profile."""
+        return self.core.hello()
 
     @property
     def role(self) -> m.Role:
-        raise NotImplementedError
+        return self.core.role
+
+    # -- the core's ports -----------------------------------------------------------------
+    def send(self, msg: m.Msg) -> None:
+        self.outbox.append(msg)
+
+    def take_sent(self) -> list[m.Msg]:
+        sent, self.outbox = self.outbox, []
+        return sent
+
+    def start(self, req: EngineRequest) -> bool:
+        r = self.reqs.pop(req.request_id)
+        handoff = req.mode == "handoff"
+        seq = Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=r.prompt, max_tokens=r.output,
+                  tbt_slo=req.tbt_slo, schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
+                  deflected=req.mode == "deflect", computed=r.prompt if handoff else 0,
+                  arrived=r.arrival if handoff else self.now, user=r, hashes=r.hashes)
+        if self.role == "decode" and not self.batcher.can_admit(seq):  # the core admitted it: there is room
+            raise RuntimeError(f"simulated decode worker {self.wid} started {req.request_id} without KV room")
+        self.batcher.add(seq)
+        self.on_start(self)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.batcher.remove(request_id)
+
+    def beat_now(self) -> None:
+        self.on_beat(self)
+
+    def router_of(self, request_id: str) -> str:
+        r = self.reqs.get(request_id)
+        if r is None:
+            seq = self.batcher.get(request_id)
+            r = seq.user if seq is not None else None  # type: ignore[assignment]
+        return router_name(r.router) if r is not None else ""
+
+    def release_kv(self, key: str) -> None:
+        """Simulated KV lands without reserved blocks."""
 
     def busy_for(self, now: float) -> float:
         """Until the step in flight ends, as heartbeats report it (0 when idle)."""
@@ -166,82 +232,67 @@ class Worker:
         return self.estimator.bias() if self.estimator is not None else 1.0
 
     def heartbeat(self, now: float) -> m.PrefillHeartbeat | m.DecodeHeartbeat:
-        """Its heartbeat at `now` (`last_dispatch` is each router's, set as it reaches it)."""
+        """Its heartbeat at `now`, the core's (`last_dispatch` is each router's, set as it reaches it)."""
+        raise NotImplementedError
+
+    def load(self, now: float) -> EngineLoad:
+        """The simulated engine's report of itself at `now`, as common/engines/sim.py makes it live
+        (its recent step time: a moving average here, the median of its last steps live)."""
         raise NotImplementedError
 
 
 class PrefillWorker(Worker):
-    __slots__ = ("queued_reqs", "queued_tokens")
+    __slots__ = ()
+
+    core: PrefillCore
 
     def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
         super().__init__(wid, batcher, model, phase)
-        self.queued_tokens = 0
-        self.queued_reqs = 0
+        self.core = PrefillCore(wid, INCARNATION, self.info(), self, model=MODEL)
 
-    def backlog(self) -> tuple[tuple[int, int], ...]:
-        """What a prefill heartbeat reports for the replay predictor: each held request's
-        (prompt tokens, tokens done) in FIFO order once the step in flight ends (at
-        `busy_until`; the worker also replays it: `drain`)."""
-        b = self.batcher
-        inflight = {id(seq): chi for seq, chi, _ in self.plan.chunks} if self.busy and self.plan else {}
-        q = []
-        for seq in itertools.chain(b.running, b.waiting):
-            done = seq.computed + inflight.get(id(seq), 0)
-            if done < seq.prompt_len:
-                q.append((seq.prompt_len, done))
-        return tuple(q)
-
-    @property
-    def role(self) -> m.Role:
-        return "prefill"
+    def load(self, now: float) -> EngineLoad:
+        return self.batcher.load(kv_capacity_tokens=self.kv_capacity, inflight=self.plan if self.busy else None,
+                                 busy_s=self.busy_for(now), step_bias=self.step_bias())
 
     def heartbeat(self, now: float) -> m.PrefillHeartbeat:
-        """As services/prefill_worker/service.py: its queue, and its own replay of it (its model)."""
-        self.hb_seq += 1
-        backlog, busy = self.backlog(), self.busy_for(now)
-        t = drain(self.model, self.token_budget, self.max_batch, busy, backlog)
-        return m.PrefillHeartbeat(worker_id=self.wid, incarnation=INCARNATION, seq=self.hb_seq,
-                                  queued_tokens=self.queued_tokens, queued_requests=self.queued_reqs,
-                                  token_budget=self.token_budget, steps=self.batcher.steps, backlog=list(backlog),
-                                  busy_s=busy, max_batch=self.max_batch,
-                                  drain=m.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end),
-                                  step_bias=self.step_bias())
+        """The core's: its queue, and its own replay of it (its model)."""
+        return self.core.heartbeat(self.load(now), self.model)
 
 
 class DecodeWorker(Worker):
-    __slots__ = ("accepted", "admit_wait", "held", "lists_held", "step_s", "waiting_kv", "waiting_kv_tokens")
+    __slots__ = ("step_s",)
 
-    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float) -> None:
+    core: DecodeCore
+
+    def __init__(self, wid: str, batcher: Batcher, model: PerfModel, phase: float, *, admission: bool = True,
+                 list_held: bool = True) -> None:
         super().__init__(wid, batcher, model, phase)
-        self.waiting_kv = 0
-        self.waiting_kv_tokens = 0
-        self.admit_wait: deque[Seq] = deque()
-        self.accepted: dict[str, Accepted] = {}  # worker side: deflections admitted, not yet prefilled
-        self.held: dict[str, m.HeldDeflection] = {}  # the same, as heartbeats list them (with who sent each)
-        self.lists_held = True  # its heartbeats list them (SimConfig.held_list)
+        # admission: it checks each deflection against its live state (SimConfig.admission); list_held: its
+        # heartbeats list the deflections it holds (SimConfig.held_list). The simulated KV always lands, so
+        # a handoff's KV deadline (kv_handoff_timeout) never passes.
+        self.core = DecodeCore(wid, INCARNATION, self.info(), self, model=MODEL, deflect_admission=admission,
+                               list_held=list_held)
         self.step_s = 0.0  # recent step time (moving average), as heartbeats report it
 
-    @property
-    def role(self) -> m.Role:
-        return "decode"
+    def prefix_cached(self, r: Req) -> int:
+        """Prompt tokens of `r` its prefix cache holds now, as the `Batcher` finds them when it is added."""
+        cache = self.batcher.cache
+        if cache is None or not r.hashes:
+            return 0
+        return max(0, min(cache.match(r.hashes) * cache.block_tokens, r.prompt - 1))
+
+    def load(self, now: float) -> EngineLoad:
+        guard = self.batcher.guard
+        return self.batcher.load(kv_capacity_tokens=self.kv_capacity, inflight=self.plan if self.busy else None,
+                                 busy_s=self.busy_for(now), step_ms_p50=self.step_s * 1000.0,
+                                 # without the closed loop (no chunk guard) it plans with no margin, and says so
+                                 step_margin=guard.estimator.margin() if guard is not None else 1.0,
+                                 step_bias=self.step_bias())
 
     def heartbeat(self, now: float) -> m.DecodeHeartbeat:
-        """As services/decode_worker/service.py: its batch, KV free beside what it keeps for the
-        requests whose KV has not landed (or waits for room), the deflections it holds."""
-        self.hb_seq += 1
-        b = self.batcher
-        free = b.kv_free() - self.waiting_kv_tokens - sum(s.kv_reserve for s in self.admit_wait)
-        guard = b.guard
-        return m.DecodeHeartbeat(
-            worker_id=self.wid, incarnation=INCARNATION, seq=self.hb_seq, batch=b.decode_batch(),
-            kv_tokens=b.kv_tokens(), kv_free_tokens=max(0, free), kv_capacity_tokens=self.kv_capacity,
-            resident_prefill_tokens=b.resident_prefill_tokens(), deflections=b.deflections(),
-            strictest_tbt_slo=b.strictest_tbt_slo(), token_budget=self.token_budget,
-            # its recent step time: a moving average here, the median of its last steps live
-            waiting_kv=self.waiting_kv + len(self.admit_wait), step_ms_p50=self.step_s * 1000.0, steps=b.steps,
-            busy_s=self.busy_for(now), held=list(self.held.values()) if self.lists_held else [],
-            # without the closed loop (no chunk guard) it plans with no margin, and says so
-            step_margin=guard.estimator.margin() if guard is not None else 1.0, step_bias=self.step_bias())
+        """The core's: the engine's load, the KV kept for handoffs whose KV has not landed, the
+        deflections it holds."""
+        return self.core.heartbeat(self.load(now))
 
 
 class Level:

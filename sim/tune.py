@@ -61,7 +61,8 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
                "alpha": (1.0, 1.3, 1.6, 2.0, 3.0, 4.0), "beta": (0.4, 0.5, 0.6, 0.8, 0.9, 1.0),
                "max_deflections": (1, 2, 4, 8, 16),
                "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64)),
-               "late_binding": (False, True), "late_depth": (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)},
+               "late_binding": (False, True), "late_depth": (0.125, 0.25, 0.5, 1.0, 2.0, 4.0),
+               "decode_room": (False, True), "decode_beta": (0.85, 0.9, 0.95, 0.98)},
     "conditional-disagg": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
                            "decode_token_budget": (128, 256, 512, 1024, 2048, 4096),
                            "decode_chunk": (128, 256, 512, 1024, 2048, 4096),
@@ -101,7 +102,8 @@ DEFAULT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chun
 DEFAULT_PROFILE: str = sim_parser().get_default("profile")
 SHORT = {"prefill_token_budget": "P budget", "decode_token_budget": "D budget", "decode_chunk": "D chunk",
          "max_deflections": "max defl", "eff_isl_threshold": "isl <", "prefill_busy_threshold": "busy >",
-         "eff_isl_ratio_threshold": "isl ratio <", "late_binding": "late", "late_depth": "late depth"}
+         "eff_isl_ratio_threshold": "isl ratio <", "late_binding": "late", "late_depth": "late depth",
+         "decode_room": "room", "decode_beta": "room beta"}
 
 
 class Slices(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,11 +9,19 @@ and the policies compared on it.
                             `--kind agent --rate 0.5`), prefix caching on; sessions start at 0, so
                             both slices come after the first turns' ramp: [200, 450) s tune,
                             [450, 700) s report, as docs/results.md section 5
+    shift, shift-code       traffic whose mix shifts every PHASE_S seconds (`shifting` below):
+                            shift: synthetic phases (prompt-heavy, output-heavy, code-like
+                            bursts) in an order drawn from the seed, seed 10 tune, seed 11 report;
+                            shift-code: the Azure code trace's own windows alternating with
+                            output-heavy phases, trace time [0, 600) s (seed 10) tune,
+                            [600, 1200) s (seed 11) report; both 600 s, 2P2D
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +84,18 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("bursty", "bursty synthetic (on/off MMPP, code lengths, 2.57 req/s at x1)", "synthetic",
              (0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0), {"rate": 2.57, "arrival": "onoff", "cv": 2.2, "lengths": "code"},
              tune=0, report=1),
+    # the mix shifts every PHASE_S: output-heavy phases load the decode pool past what two decode
+    # workers step within the TBT SLO, prompt-heavy ones the prefill pool; the regime is fixed
+    # (the probe's rule looks at the prefill pool alone, which is not what these phases stress)
+    Workload("shift", "shifting mix (phases of long prompts, long answers, code bursts), 2P2D", "shift",
+             (0.5, 0.75, 1.0, 1.25), {"phases": ("prompt", "output", "burst"), "seeds": (10, 11)},
+             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5),
+             regime_why="fixed: the synthetic phases' rates are set so that x1 loads each pool at its "
+                        "phase (sim/workloads.py PHASES)"),
+    Workload("shift-code", "Azure code trace windows alternating with output-heavy phases, 2P2D", "shift",
+             (0.5, 0.75, 1.0, 1.25), {"phases": ("code", "output"), "seeds": (10, 11)},
+             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5),
+             regime_why="fixed: as shift; the code windows at x0.35 (the code workload's H100 regime)"),
     _session("chat", 2.0, (0.375, 0.5, 0.75, 1.0), 0.75, 0.25,
              "multi-turn chat sessions (2 sessions/s at x1, prefix caching on)"),
     _session("agent", 0.5, (0.125, 0.25, 0.375, 0.5), 0.25, 0.08,
@@ -92,9 +112,74 @@ def session_trace(kind: str, rate: float, duration: float, seed: int) -> tuple[T
                  for r in sessions(kind, rate=rate, duration=duration, seed=seed))
 
 
+# Phases of the shifting workloads at x1: (requests/s, arrival, cv, lengths). Output-heavy: short
+# prompts (median ~400 tokens), long answers (mean ~500): at 8 req/s about 4,000 output tokens/s,
+# more than two decode workers step within a 100 ms TBT on the H100 profile (~190 decodes of
+# ~1k context each: ~1,900 tokens/s per worker), less than three or four. Prompt-heavy: prompts
+# of 2k-16k tokens (median ~4k), answers of ~20, bursty (gamma, cv 2).
+PHASES: dict[str, tuple[float, str, float, dict[str, float]]] = {
+    "prompt": (2.0, "gamma", 2.0, {"prompt_mu": 8.3, "prompt_sigma": 0.5, "min_prompt": 2048, "max_prompt": 16384,
+                                   "output_mu": 3.0, "output_sigma": 0.7, "max_output": 256}),
+    "output": (8.0, "poisson", 1.0, {"prompt_mu": 6.0, "prompt_sigma": 0.8, "max_prompt": 4096,
+                                     "output_mu": 6.1, "output_sigma": 0.5, "max_output": 2000}),
+    "burst": (2.57, "onoff", 2.2, dict(LENGTHS["code"])),
+}
+PHASE_S = 150.0
+# trace phases: the Azure trace's own requests at this multiple of its rate (code: its H100 regime)
+TRACE_PHASES = {"code": 0.35, "conv": 2.0}
+
+
+def shifting(phases: tuple[str, ...], seed: int, *, duration: float = SYNTH_DURATION, phase_s: float = PHASE_S,
+             window: tuple[float, float] | None = None) -> list[TraceRequest]:
+    """A trace whose mix changes every `phase_s` seconds, deterministic from `seed`: each phase is
+    one of `phases` (PHASES, or a trace in TRACE_PHASES: that Azure trace's own requests from
+    trace time `window`'s start on, at its TRACE_PHASES multiple of its rate). With a trace among
+    them the kinds alternate in the order given; otherwise each phase's kind is drawn from the
+    seed, never the same twice in a row. Each synthetic phase is its own synthetic trace (seed x 1000 + phase index)."""
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    n = int(duration // phase_s)
+    kind = ""
+    cursor = {k: (window or (0.0, duration))[0] for k in TRACE_PHASES}
+    for i in range(n):
+        if any(k in TRACE_PHASES for k in phases):
+            kind = phases[i % len(phases)]
+        else:
+            kind = rng.choice([k for k in phases if k != kind])
+        t0 = i * phase_s
+        if kind in TRACE_PHASES:
+            # phase_s seconds of the trace's own traffic at x`scale`: phase_s x scale seconds of trace
+            # time, from the first request at or after where the trace's last phase ended (the
+            # traces have quiet minutes: a phase never falls in one)
+            x = TRACE_PHASES[kind]
+            whole = _whole_trace(kind)
+            j = bisect.bisect_left([r.t for r in whole], cursor[kind])
+            start = whole[j].t if j < len(whole) else cursor[kind]
+            cursor[kind] = start + phase_s * x
+            got = [TraceRequest(t=(r.t - start) / x, input_length=r.input_length, output_length=r.output_length)
+                   for r in whole[j:] if r.t < cursor[kind]]
+        else:
+            rate, arrival, cv, lengths = PHASES[kind]
+            got = synthetic(rate=rate, duration=phase_s, arrival=arrival, cv=cv, seed=seed * 1000 + i,
+                            **lengths)  # type: ignore[arg-type]
+        out += [TraceRequest(t=t0 + r.t, input_length=r.input_length, output_length=r.output_length) for r in got]
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _whole_trace(name: str) -> tuple[TraceRequest, ...]:
+    return tuple(load_trace(trace_path(name)))
+
+
 def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[TraceRequest]:
     """One slice of a workload at `scale` x its rate: a seed of a synthetic one, else a window of
-    trace time [start, end), re-based on its start."""
+    trace time [start, end), re-based on its start. A shifting workload's slice is a seed (its
+    code windows: the tune slice [0, 600) s of trace time, the report slice [600, 1200) s)."""
+    if w.trace == "shift":
+        seed = int(which) if isinstance(which, int) else int(which[0])
+        window = (0.0, SYNTH_DURATION) if seed == w.synth["seeds"][0] else (SYNTH_DURATION, 2 * SYNTH_DURATION)
+        return [TraceRequest(t=r.t / scale, input_length=r.input_length, output_length=r.output_length)
+                for r in shifting(tuple(w.synth["phases"]), seed, window=window)]
     if isinstance(which, int):
         base = synthetic(rate=w.synth["rate"], duration=SYNTH_DURATION, arrival=w.synth["arrival"],
                          cv=w.synth["cv"], seed=which, **LENGTHS[w.synth["lengths"]])  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 import zmq
+import zmq.asyncio
 import zmq.auth
 
 from common import codec, config
@@ -157,4 +158,35 @@ async def test_each_router_replica_has_its_own_key(tmp_path: Path) -> None:
         assert not await handshakes("router-a")
     finally:
         ctx.destroy(linger=0)
+        r.close()
+
+
+async def test_a_peer_without_curve_leaves_a_log_line(keydir: Path) -> None:
+    """A plaintext (non-CURVE) connection fails the handshake before any key is checked; it left
+    no line at all (issue 48): now `bus_handshake_failed` says so, throttled like refused keys."""
+    r = make_router(curve_keys_dir=str(keydir), open_bus=True)
+    ctx = zmq.asyncio.Context()
+    plain = ctx.socket(zmq.DEALER)
+    task = None
+    try:
+        loops = dict(r.loops())
+        for name, coro in loops.items():
+            if name != "handshakes":
+                coro.close()
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(loops["handshakes"])
+            plain.setsockopt(zmq.LINGER, 0)
+            plain.connect(f"tcp://127.0.0.1:{r.cfg.work_port}")
+            await plain.send(b"hello?")
+            deadline = time.monotonic() + 10
+            while not r.counts["handshakes_failed"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        lines = [e for e in logs if e["event"] == "bus_handshake_failed"]
+        assert len(lines) == 1 and lines[0]["socket"] == "worker", logs
+        assert "CURVE" in lines[0]["reason"]  # mechanism_mismatch, or no_detail (libzmq gives either)
+    finally:
+        if task is not None:
+            task.cancel()
+        plain.close(0)
+        ctx.term()
         r.close()

@@ -108,17 +108,23 @@ def test_session_workloads_replay_kairos_sessions_files(tmp_path: Any) -> None:
     assert WORKLOADS["chat"].regime == 0.75 and WORKLOADS["agent"].regime == 0.25
 
 
-def test_session_workload_end_to_end() -> None:
+def test_session_workload_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """A few seconds of chat through the whole procedure (probe, tune, sweep), prefix caching on:
-    every session policy is tuned and swept, kv-aware among them, and the caches are hit."""
+    every session policy is tuned and swept, kv-aware among them, and the caches are hit. Each
+    knob is searched over two values (tests/small_grids.py): the whole grids are about 70 more
+    simulations of the tune slice and prove nothing more here."""
     import argparse
     import dataclasses
 
     from common.perf_model import load_profile
+    from sim import fair_eval
     from sim.core import SimConfig
     from sim.fair_eval import evaluate_workload
     from sim.fair_report import goodput_table, headline
     from sim.workloads import SESSION_POLICIES, WORKLOADS
+    from tests.small_grids import small_grids
+
+    monkeypatch.setattr(fair_eval, "GRIDS", small_grids("h100-llama2-70b-tp4", list(SESSION_POLICIES)))
 
     w = dataclasses.replace(WORKLOADS["chat"], synth={**WORKLOADS["chat"].synth, "duration": 40.0},
                             tune=(20.0, 40.0), report=(40.0, 60.0), probe=(0.75,))

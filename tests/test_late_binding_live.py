@@ -32,7 +32,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # the prefill worker; late binding holds those that find a token budget already queued there
     c = start_cluster(tmp, prefill=1, decode=1, profile=str(path), policy="kairos", kv_transport="modeled",
                       router_env={"KAIROS_LATE_BINDING": "true", "KAIROS_TBT_SLO": "0.0001",
-                                  "KAIROS_KV_WAIT_TIMEOUT": "30"})
+                                  "KAIROS_KV_WAIT_TIMEOUT": "30",
+                                  # held, not refused: this is about holding (refusing: test_overload_live.py)
+                                  "KAIROS_QUEUE_BUDGET": "-1"})
     yield c
     c.stop(15)
 

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -163,14 +164,14 @@ async def test_engine_exception_fails_only_that_request(decode: tuple[DecodeWork
 async def test_handler_exception_fails_only_that_request(decode: tuple[DecodeWorker, FakeRouter],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     w, router = decode
-    real = w._on_cancel
+    real = w.core.on_cancel
 
-    def cancel(c: m.Cancel) -> None:
+    def cancel(c: m.Cancel) -> bool:
         if c.request_id == "poison":
             raise KeyError("a bug")
-        real(c)
+        return real(c)
 
-    monkeypatch.setattr(w, "_on_cancel", cancel)
+    monkeypatch.setattr(w.core, "on_cancel", cancel)
     await router.send(m.Cancel(request_id="poison", attempt=0))
     f = await failed(router, "poison")
     assert "KeyError" in f.reason and f.retryable
@@ -181,7 +182,7 @@ async def test_handler_exception_fails_only_that_request(decode: tuple[DecodeWor
 
 async def test_prompt_over_max_model_len_is_refused_as_invalid(decode: tuple[DecodeWorker, FakeRouter]) -> None:
     w, router = decode
-    w.engine.max_model_len = 3  # type: ignore[attr-defined]
+    w.core.info = msgspec.structs.replace(w.core.info, max_model_len=3)  # as an engine with that context says
     await router.send(work("too-long"))  # 3 prompt tokens: no room for an output token
     f = await failed(router, "too-long")
     assert not f.retryable and f.code == "invalid_request" and "max_model_len is 3" in f.reason
@@ -195,11 +196,14 @@ async def test_welcome_drop_frees_what_the_router_no_longer_tracks(decode: tuple
     await router.send(m.Reregister(router_incarnation="fake-2", reason="restarted"))
     h = await router.until(lambda x: isinstance(x, m.Hello))
     assert isinstance(h, m.Hello) and h.held == ["orphan"]
-    assert w._reserved() > 0
+    assert w.core.reserved() > 0
+    await router.send(m.Welcome(router_incarnation="fake-2", heartbeat_interval_s=0.1, drop=["orphan"]))
+    # the answer to a Hello sent twice: the second Welcome frees (and logs) nothing more
     await router.send(m.Welcome(router_incarnation="fake-2", heartbeat_interval_s=0.1, drop=["orphan"]))
     await router.send(work("after-drop"))
     await served(router, "after-drop")
-    assert "orphan" not in w.pending and w._reserved() == 0
+    assert "orphan" not in w.pending and w.core.reserved() == 0
+    assert w.counters["dropped_on_welcome"] == 1  # dropped_untracked_requests was logged twice (issue 48)
 
 
 async def test_refused_worker_says_why_and_keeps_trying(decode: tuple[DecodeWorker, FakeRouter]) -> None:
@@ -243,7 +247,7 @@ async def test_prefill_drain_waits_until_the_decode_side_has_pulled_the_kv(
     """Pull mode (vLLM: the decode worker READs the KV from the prefill worker): a draining
     prefill worker stays until the router says the decode side has it."""
     w, router = prefill_long_drain
-    real = w._on_prefilled
+    real = w.engine.on_prefilled
 
     def pulled(p: Any) -> None:  # what a pull-mode engine reports: where the KV can be read
         p.kv_params = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
@@ -291,13 +295,13 @@ async def test_a_kv_handoff_that_never_comes_expires_after_kv_handoff_timeout(
     assert batch.kv_fallback_reasons == ["kv_timeout"]
     assert loop.time() - t0 < 30  # bounded by kv_handoff_timeout (0.3 s), nowhere near the 300 s deadline
     await served(router, "waits")
-    assert not w.pending and w._reserved() == 0
+    assert not w.pending and w.core.reserved() == 0
 
 
 async def test_kv_kept_for_a_pull_is_named_in_hello_and_dropped_if_the_router_forgot_it(
         prefill: tuple[PrefillWorker, FakeRouter]) -> None:
     w, router = prefill
-    real = w._on_prefilled
+    real = w.engine.on_prefilled
 
     def pulled(p: Any) -> None:
         p.kv_params = {"remote_block_ids": [1]}

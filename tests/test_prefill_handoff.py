@@ -47,20 +47,20 @@ async def test_a_stale_hand_off_does_not_take_the_new_attempts_kv_target(monkeyp
     w.tx = tx  # type: ignore[assignment]
     old, new = work(1), work(3)
     w.work["r"] = old
-    stale = asyncio.create_task(w._push_nixl(old))
+    stale = asyncio.create_task(w.push_nixl(old))
     await asyncio.sleep(0)
-    w.work["r"] = new  # attempt 3 replaced attempt 1 (as _on_work does)
-    fresh = asyncio.create_task(w._push_nixl(new))
+    w.work["r"] = new  # attempt 3 replaced attempt 1 (as a PrefillWork of attempt 3 does)
+    fresh = asyncio.create_task(w.push_nixl(new))
     await asyncio.sleep(0)
     assert [x.attempt for x in sent if isinstance(x, m.KvWant)] == [1, 3]
     agent = m.KvAgentInfo(agent_name="decode-1", metadata=b"", block_bytes=16 * 16, num_blocks=64)
-    w._on_kv_target(m.KvTarget(request_id="r", attempt=3, decode_worker="decode-1", agent_name="decode-1",
-                               block_ids=[7, 8, 9], kv_agent=agent))
+    await w.on_message(m.KvTarget(request_id="r", attempt=3, decode_worker="decode-1", agent_name="decode-1",
+                                  block_ids=[7, 8, 9], kv_agent=agent))
     assert await asyncio.wait_for(fresh, 5) == (3, "")
     assert tx.pushes == [("r:3", [7, 8, 9])]  # only the new attempt wrote, into its own blocks
     await asyncio.sleep(0.01)
     assert not stale.done()                   # the stale one still waits for its own target (or its timeout)
     stale.cancel()
     # a target for an attempt this worker no longer holds is ignored
-    w._on_kv_target(m.KvTarget(request_id="r", attempt=1, decode_worker="decode-1", block_ids=[1]))
+    await w.on_message(m.KvTarget(request_id="r", attempt=1, decode_worker="decode-1", block_ids=[1]))
     assert ("r", 1) not in w.targets

@@ -73,6 +73,7 @@ async def test_request_done_only_when_asked() -> None:
     done = [e for e in logs if e["event"] == "request_done"]
     assert len(done) == 1 and done[0]["log_level"] == "info"
     assert done[0]["request_id"] == rid and done[0]["output_tokens"] == 3 and done[0]["outcome"] == "ok"
+    assert done[0]["waited_for"] is None  # placed at once: it waited for nothing
 
     with capture_logs() as logs:
         _finish_one(log_level="debug")

@@ -314,13 +314,13 @@ async def test_a_held_request_does_not_block_new_arrivals() -> None:
     assert not held.done and b.stats()["held"] == 1
 
 
-async def test_a_request_held_too_long_fails_with_kv_wait_timeout_saying_late_binding_held_it() -> None:
+async def test_a_request_held_too_long_fails_with_prefill_wait_timeout_saying_late_binding_held_it() -> None:
     b = late()
     b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
     held = b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
     b.tick(6.0)
     ((code, message),) = errors(held)
-    assert held.done and code == "kv_wait_timeout" and "late binding held it" in message
+    assert held.done and code == "prefill_wait_timeout" and "late binding held it" in message
 
 
 # ------------------------------------------------------------------ a worker lost before any token was streamed
@@ -622,18 +622,21 @@ async def test_a_deflection_rejected_by_a_draining_worker_with_no_other_is_parke
 
 
 async def test_with_decode_room_a_request_waits_while_a_decode_step_would_pass_the_slo() -> None:
-    """`decode_room`: the only decode worker reports a batch whose decode-only step, with one more,
-    would pass its residents' TBT SLO: the request waits at the router, saying so, and goes out
-    once a heartbeat shows a smaller batch."""
-    b = Bench("kairos", [("prefill-0", 0), ("decode-0", BIG)], decode_room=True, late_binding=False)
+    """`decode_room` (on by default): the only decode worker reports a batch whose decode-only
+    step, with one more, would pass decode_beta x its residents' TBT SLO: the request waits at the
+    router, saying why (its wait reason, the `decode_room_waited` count), and goes out once a
+    heartbeat shows a smaller batch."""
+    assert config.RouterConfig().decode_room is True and config.RouterConfig().decode_beta == 0.95
+    b = Bench("kairos", [("prefill-0", 0), ("decode-0", BIG)], late_binding=False)
     model = load_profile("fast").model
     slo = 0.001  # the fast profile's steps are short: a strict SLO makes a batch of a few thousand too big
-    n = next(k for k in range(1, 100_000) if model.decode_time(k + 1, (k + 1) * 10) > slo)
+    n = next(k for k in range(1, 100_000) if model.decode_time(k + 1, (k + 1) * 10) > 0.95 * slo)
 
     b.beat("decode-0", batch=n, kv_used=n * 10, strictest_tbt_slo=slo)
     w = b.submit(tbt_slo=slo)
     waiting_untouched(b, w)
-    assert b.stats()["kv_waiting"] == 1 and "TBT SLO" in w.wait_reason
+    assert b.stats()["kv_waiting"] == 1 and "decode pool full" in w.wait_reason
+    assert b.stats()["counts"]["decode_room_waited"] == 1  # type: ignore[index]
     b.beat("decode-0", batch=n // 2, kv_used=n // 2 * 10, strictest_tbt_slo=slo)
     assert {kind for _, kind, _ in work(b.take(), w)} & {"prefill", "deflect"}
     assert b.stats()["kv_waiting"] == 0

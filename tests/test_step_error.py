@@ -296,8 +296,9 @@ def test_the_decode_worker_admits_against_the_model_the_router_planned_with() ->
                                sampling=wire.Sampling(max_tokens=4), tbt_slo=SLO, deadline_s=10.0,
                                chunk_schedule=(chunk,), step_budget_s=SLO * 0.9, model_bias=bias)
 
-    assert worker._check_deflection(work(0.85)) == ""
-    assert "budget" in worker._check_deflection(work(1.0))  # the unscaled model: too big
+    load, model = worker.engine.load(), worker.step_model()
+    assert worker.core.check(work(0.85), load, model) == ""
+    assert "budget" in worker.core.check(work(1.0), load, model)  # the unscaled model: too big
 
 
 def test_the_overrun_target_reaches_live_workers_from_kairos_up() -> None:

@@ -19,6 +19,7 @@ from sim import cli as sim_cli
 from sim import tune
 from sim.core import SimConfig, Simulation
 from sim.knobs import TUNED_FORMAT, build, load_tuned
+from tests.small_grids import small_grids
 
 PROF = load_profile("a100-dsv2-lite")
 
@@ -114,11 +115,14 @@ def test_tune_judges_the_winner_only_on_the_disjoint_report_slice(monkeypatch: p
     assert tune.main(["--duration", "60", "--report-start", "30", "--quiet", "--out", "/dev/null"]) == 2
 
 
-def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path) -> None:
+def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "tuned.json"
-    argv = ["--trace", "synthetic", "--rate", "4", "--duration", "40", "--seed", "3", "--policy", "chunked-prefill",
-            "--policy", "disagg-least-loaded", "--policy", "kairos", "--policy", "conditional-disagg",
-            "--passes", "1", "--out", str(out), "--quiet"]
+    policies = ["chunked-prefill", "disagg-least-loaded", "kairos", "conditional-disagg"]
+    argv = ["--trace", "synthetic", "--rate", "4", "--duration", "40", "--seed", "3",
+            *(a for p in policies for a in ("--policy", p)), "--passes", "1", "--out", str(out), "--quiet"]
+    # the whole grid is 90 simulations (62 s on 2 cores); what this proves (the file's settings and
+    # figures are what `kairos sim` reproduces) holds for any grid, so each knob gets two values
+    monkeypatch.setattr(tune, "GRIDS", small_grids(tune.DEFAULT_PROFILE, policies))
     assert tune.main(argv) == 0
     tuned = json.loads(out.read_text())
     assert tuned["slices"] == {"tune": 3, "report": 4, "unit": "seed"}
@@ -175,7 +179,7 @@ def test_sim_runs_chunked_prefill_on_the_same_gpu_count(tmp_path: Path) -> None:
     assert cfg["settings"]["chunked-prefill"]["cluster"] == "0P4D" and cfg["settings"]["kairos"]["cluster"] == "2P2D"
     res = json.loads(out.read_text())["policies"]["chunked-prefill"]
     assert res["routes"] == {"deflect": res["requests"]}
-    assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill", "decode_admit"}
+    assert set(res["sim"]["queues"]) == {"router_kv_wait", "prefill"}
     assert res["sim"]["queues"]["prefill"] == {"max": 0, "mean": 0.0}
 
 
@@ -300,3 +304,17 @@ def test_tuning_starts_from_the_shipped_settings() -> None:
     start = tune.defaults(job)
     assert (start["prefill_token_budget"], start["decode_token_budget"]) == (2048, 2048)
     assert start["alpha"] == 1.6 and start["late_binding"] is True
+
+
+def test_tune_searches_the_decode_guard_and_its_margin(tmp_path: Path) -> None:
+    """Issue 44: `kairos tune` searches the decode room (on/off) and decode_beta, from the shipped
+    room (on, 0.95), and a tuned file's setting reaches the policy."""
+    grid = tune.GRIDS["kairos"]
+    assert set(grid["decode_room"]) == {False, True} and 0.95 in grid["decode_beta"] and len(grid["decode_beta"]) > 1
+    job = tune.Job(policy="kairos", profile=load_profile("h100-llama2-70b-tp4"), sim=SimConfig(), tune_trace=[],
+                   report_trace=[], grid=grid, passes=1, fixed={}, stress=(1.0,))
+    start = tune.defaults(job)
+    assert start["decode_room"] is True and start["decode_beta"] == 0.95
+    f = tuned_file(tmp_path, {"kairos": {"engine": {}, "policy": {"decode_room": True, "decode_beta": 0.85}}})
+    k = simulations(["--tuned", str(f)], ["kairos"])["kairos"]
+    assert isinstance(k.policy, Kairos) and (k.policy.cfg.decode_room, k.policy.cfg.decode_beta) == (True, 0.85)

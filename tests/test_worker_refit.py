@@ -43,7 +43,7 @@ async def heartbeats_after_each(fits: list[tuple[PerfModel, float]]) -> tuple[m.
 
     engine.refit = refit  # type: ignore[method-assign]
     before = w.heartbeat().coeffs
-    task = asyncio.create_task(w._refit_loop())
+    task = asyncio.create_task(w.refit_loop())
     try:
         await asyncio.wait_for(done.wait(), 10)
     finally:
@@ -63,7 +63,7 @@ async def test_a_bad_refit_is_not_used_and_a_good_one_reaches_the_heartbeat() ->
     assert after[1] == coeffs_of(GOOD)          # the good one is what the router now sees
 
 
-async def test_an_engine_that_cannot_refit_gets_no_refit_loop() -> None:
+async def test_an_engine_that_cannot_refit_gets_norefit_loop() -> None:
     cfg = config.load(config.WorkerConfig, env={}, overrides={"refit_interval": 0.001, "kv_transport": "modeled"})
     engine = SimEngine("decode", load_profile("fast"))
     calls: list[int] = []
@@ -73,7 +73,7 @@ async def test_an_engine_that_cannot_refit_gets_no_refit_loop() -> None:
 
     engine.refit = refit  # type: ignore[method-assign]
     w = DecodeWorker(cfg, engine)
-    await asyncio.wait_for(w._refit_loop(), 1)  # returns at once
+    await asyncio.wait_for(w.refit_loop(), 1)  # returns at once
     assert calls == []
 
 

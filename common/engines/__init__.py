@@ -44,15 +44,39 @@ def make_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> Engine
                          seed=cfg.worker_id,
                          max_model_len=cfg.sim_max_model_len)
     if cfg.engine == "vllm":
+        check_model_dir(cfg.model)  # before the seconds vLLM takes to import
         try:
             import vllm  # noqa: F401
         except ImportError as e:
-            raise ConfigError(f"engine 'vllm' needs vLLM installed (scripts/install-vllm-cpu.sh on CPU, "
-                              f"the [vllm] extra on GPU hosts): {e}") from e
+            raise ConfigError(f"engine 'vllm' needs vLLM installed: {e}", event="engine_unavailable", engine="vllm",
+                              missing=e.name, fix="install vLLM in this environment (scripts/install-vllm-cpu.sh on "
+                              "CPU, the [vllm] extra on GPU hosts), or run the simulated engine (--engine sim)") from e
         from common.engines.vllm_compat import require_supported_vllm
 
         require_supported_vllm()  # before importing the scheduler that overrides its hooks
         from common.engines.vllm import make_vllm_engine
 
         return make_vllm_engine(cfg, role)
-    raise ConfigError(f"unknown engine {cfg.engine!r}: use 'sim' or 'vllm'")
+    raise ConfigError(f"unknown engine {cfg.engine!r}", key="engine",
+                      fix="set --engine (KAIROS_ENGINE) to 'sim' or 'vllm'")
+
+
+def check_model_dir(model: str) -> None:
+    """A vLLM worker's model must be a directory holding a model (config.json): a ConfigError
+    (`model_not_found`) now, not a traceback from deep inside the engine's start."""
+    from pathlib import Path
+
+    if not model:
+        raise ConfigError("engine 'vllm' needs --model", event="model_not_found", key="model",
+                          fix="give --model DIR (KAIROS_MODEL), a model directory; `kairos make-tiny-model DIR` "
+                              "makes a tiny one")
+    p = Path(model)
+    if not p.is_dir():
+        raise ConfigError(f"model directory {model} does not exist" if not p.exists()
+                          else f"--model {model} is not a directory", event="model_not_found", key="model",
+                          path=model, fix="give --model the directory of a model (its config.json and weights); "
+                          "check the path and the volume mounts; `kairos make-tiny-model DIR` makes a tiny one")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model directory {model} holds no config.json", event="model_not_found", key="model",
+                          path=model, fix="point --model at the directory that holds the model's config.json "
+                          "and weights (a Hugging Face snapshot directory)")

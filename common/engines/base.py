@@ -164,5 +164,11 @@ class Engine(abc.ABC):
         router; None when this engine keeps no prefix cache (or it is turned off)."""
         return None
 
+    def prefix_cached(self, prompt_token_ids: list[int]) -> int | None:
+        """Prompt tokens of this prompt its prefix cache holds now (at most all but the last: one
+        is always computed), as it would find them when the request is added; None when this engine
+        cannot say (the worker then takes the router's figure)."""
+        return None
+
     async def close(self) -> None:
         """Release engine resources."""

@@ -31,10 +31,12 @@ handed-off request's KV arrives whole and is cached like the rest.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from common.engines.base import EngineLoad
 from common.engines.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -214,6 +216,32 @@ class Batcher:
     def strictest_tbt_slo(self) -> float | None:
         slos = [s.tbt_slo for s in self.running]
         return min(slos) if slos else None
+
+    def backlog(self, inflight: StepPlan | None) -> list[tuple[int, int]]:
+        """Each held request's (prompt tokens, tokens done) in FIFO order once the step in flight
+        (`inflight`, None: none) has run: what the router's replay predictor starts from."""
+        ahead = {id(seq): chi for seq, chi, _ in inflight.chunks} if inflight is not None else {}
+        out = []
+        for seq in itertools.chain(self.running, self.waiting):
+            done = seq.computed + ahead.get(id(seq), 0)
+            if done < seq.prompt_len:
+                out.append((seq.prompt_len, done))
+        return out
+
+    def load(self, *, kv_capacity_tokens: int, inflight: StepPlan | None, busy_s: float, step_ms_p50: float = 0.0,
+             step_ms_max: float = 0.0, step_margin: float = 1.0, step_bias: float = 1.0) -> EngineLoad:
+        """What an engine built on this batcher reports of itself (`Engine.load`): the batch's
+        state, and what the engine measured (its step times, error, the step in flight). The live
+        simulated engine (common/engines/sim.py) and the simulator's workers (sim/state.py) both
+        report this."""
+        decode = self.role == "decode"
+        return EngineLoad(
+            queued_tokens=self.queued_tokens(), queued_requests=len(self), batch=self.decode_batch(),
+            kv_tokens=self.kv_tokens(), kv_free_tokens=self.kv_free() if decode else 0,
+            kv_capacity_tokens=kv_capacity_tokens, resident_prefill_tokens=self.resident_prefill_tokens(),
+            deflections=self.deflections(), strictest_tbt_slo=self.strictest_tbt_slo(), step_ms_p50=step_ms_p50,
+            step_ms_max=step_ms_max, steps=self.steps, backlog=None if decode else self.backlog(inflight),
+            busy_s=busy_s, step_margin=step_margin, step_bias=step_bias)
 
     # -- stepping -------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:

@@ -153,6 +153,13 @@ class SimEngine(Engine):
         stored, removed = cache.take_events()
         return PrefixEvents(block_tokens=cache.block_tokens, stored=stored, removed=removed)
 
+    def prefix_cached(self, prompt_token_ids: list[int]) -> int | None:
+        cache = self.batcher.cache
+        if cache is None:
+            return 0
+        hits = cache.match(block_hashes(prompt_token_ids, self.prefix_block_tokens))
+        return max(0, min(hits * cache.block_tokens, len(prompt_token_ids) - 1))
+
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of a held request its prefix cache held when it was added."""
         seq = self.batcher.get(request_id)
@@ -162,28 +169,12 @@ class SimEngine(Engine):
         return self.model.scaled(self.time_scale).to_coeffs() if self.time_scale != 1.0 else self.model.to_coeffs()
 
     def load(self) -> EngineLoad:
-        b = self.batcher
         steps = sorted(self._step_ms)
-        return EngineLoad(
-            queued_tokens=b.queued_tokens(), queued_requests=len(b), batch=b.decode_batch(),
-            kv_tokens=b.kv_tokens(), kv_free_tokens=b.kv_free() if self.role == "decode" else 0,
-            kv_capacity_tokens=self.kv_capacity_tokens, resident_prefill_tokens=b.resident_prefill_tokens(),
-            deflections=b.deflections(), strictest_tbt_slo=b.strictest_tbt_slo(),
-            step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
-            steps=b.steps, backlog=self._backlog() if self.role == "prefill" else None,
+        return self.batcher.load(
+            kv_capacity_tokens=self.kv_capacity_tokens, inflight=self._inflight,
             busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0,
+            step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
             step_margin=self.estimator.margin(), step_bias=self.estimator.bias())
-
-    def _backlog(self) -> list[tuple[int, int]]:
-        """Each held request's (prompt tokens, tokens done) in FIFO order once the step in flight
-        has run (what the replay predictor starts from)."""
-        inflight = {id(seq): chi for seq, chi, _ in self._inflight.chunks} if self._inflight else {}
-        out = []
-        for seq in (*self.batcher.running, *self.batcher.waiting):
-            done = seq.computed + inflight.get(id(seq), 0)
-            if done < seq.prompt_len:
-                out.append((seq.prompt_len, done))
-        return out
 
     # -- the step loop ----------------------------------------------------------------------
     async def run(self) -> None:

@@ -103,12 +103,15 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     late_depth: float = 1.0  # late binding: hold while the prefill worker has this many token budgets queued
     late_order: Literal["slack", "fifo"] = "slack"  # late binding: which waiting request is decided first
     decode_room: bool = False  # no request goes to a decode worker whose decode step it would push past the TBT SLO
+    decode_beta: float = 0.95  # decode room: decode-only steps are planned to decode_beta x the SLO (x the margin)
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
             raise ValueError(f"alpha must be >= 1 (got {self.alpha})")
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"beta must be in (0, 1] (got {self.beta})")
+        if not 0.0 < self.decode_beta <= 1.0:
+            raise ValueError(f"decode_beta must be in (0, 1] (got {self.decode_beta})")
         if not self.candidates or any(c <= 0 for c in self.candidates):
             raise ValueError("candidates must be positive chunk sizes")
         if self.max_deflections < 1:
@@ -152,7 +155,7 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
-def _room(dm: PerfModel, d: DecodeView, slo: float | None) -> float:
+def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 1.0) -> float:
     """Decode room (`KairosConfig.decode_room`): the largest context (prompt tokens) a new decode
     may bring to decode worker `d` so that its decode-only step, with every request it holds or
     is sent decoding (the handoffs dispatched to it and its deflections, each at the batch's
@@ -162,17 +165,19 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None) -> float:
     request goes through hundreds of times (`stricter_margin`, `DECODE_TARGET`). A decode step
     over the SLO breaks every running request's TBT at once, and no chunk sizing can help, so
     the request waits at the router instead (its TTFT pays, as for KV room). With an exact
-    model (margin 1) only steps predicted over the SLO itself are refused: beta is the chunks'
-    planning margin, not the decodes'. It protects the requests already there: a worker running
-    none (`slo` None) takes any request, so a request whose own SLO no step could meet is still
-    served. -inf when not even an empty prompt fits."""
+    model (margin 1) the decode-only step is still planned to `decode_beta` x the SLO (0.95 as
+    shipped), not the SLO itself: the residents' contexts grow a token per step after the check
+    and handoffs land with prompts longer than the batch's mean, and a pool planned to the SLO
+    itself missed it by under 0.1 ms on half its requests (issue 44). It protects the requests
+    already there: a worker running none (`slo` None) takes any request, so a request whose own
+    SLO no step could meet is still served. -inf when not even an empty prompt fits."""
     if slo is None:
         return _INF
     b = d.batch
     n = b + d.pending + d.deflections + 1
     mean_ctx = d.kv_tokens / b if b else 0.0
     kv = d.kv_tokens + (d.pending + d.deflections) * mean_ctx + d.resident_prefill_tokens
-    left = slo / max(stricter_margin(d.step_margin), 1e-9) - dm.decode_time(n, 0) - dm.a2 * kv
+    left = decode_beta * slo / max(stricter_margin(d.step_margin), 1e-9) - dm.decode_time(n, 0) - dm.a2 * kv
     if left < 0.0:
         return -_INF
     return left / dm.a2 if dm.a2 > 0.0 else _INF
@@ -267,7 +272,8 @@ class Kairos:
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
                                           stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom,
                                           (dm.a0 + dm.a1 * (b + 1), dm.a2, dm._gemm(b + 1)),
-                                          _room(dm, d, d.strictest_tbt_slo) if cfg.decode_room else _INF)
+                                          _room(dm, d, d.strictest_tbt_slo, cfg.decode_beta)
+                                          if cfg.decode_room else _INF)
         return got
 
     def _tail(self, p: PrefillView, m: PerfModel, now: float) -> Tail:
@@ -535,9 +541,10 @@ class Kairos:
         NoWorkers or NoKvRoom, else NoDecodeRoom: KV room, but its decode step would pass the SLO)."""
         least_loaded_decode(view, req)  # raises when no decode worker is live, or none has KV room
         best = max(cp.ll, key=itemgetter(14))
-        raise NoDecodeRoom(f"every decode worker's decode step would pass its TBT SLO with this request "
-                           f"({req.prompt_tokens} prompt tokens) added; the most room is on {best[0].worker_id}, "
-                           f"{max(best[14], 0.0):.0f} tokens of context within {best[1] * 1000:g} ms")
+        raise NoDecodeRoom(f"decode pool full: every decode worker's decode step would pass its TBT SLO with this "
+                           f"request ({req.prompt_tokens} prompt tokens) added; the most room is on "
+                           f"{best[0].worker_id}, {max(best[14], 0.0):.0f} tokens of context within {best[1] * 1000:g} "
+                           f"ms (planned to {self.cfg.decode_beta:g} x it); waits for a decode to finish")
 
     def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

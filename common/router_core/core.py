@@ -42,6 +42,7 @@ from common.policy import (
     Policy,
     make_policy,
 )
+from common.router_core.admission import Admission, shortage
 from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
@@ -66,7 +67,7 @@ def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
                             predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
                             share_expect=cfg.share_expect, late_binding=cfg.late_binding,
                             late_depth=cfg.late_depth, late_order=cfg.late_order,  # type: ignore[arg-type]
-                            decode_room=cfg.decode_room)
+                            decode_room=cfg.decode_room, decode_beta=cfg.decode_beta)
         ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                  eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                  prefill_busy_threshold=cfg.prefill_busy_threshold,
@@ -99,6 +100,8 @@ class RouterCore:
                                  bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
         self.requests: dict[str, Request] = {}
+        self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
+        self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
         self.counts: Counter[str] = Counter()
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
@@ -124,6 +127,7 @@ class RouterCore:
             retry_waiting=self.retry_waiting, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
             drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset,
             log=self.log)
+        self.admission = Admission(cfg, self.table, self.requests)
         self.inbound = Inbound(self)
         self._prepare = getattr(self.policy, "prepare", None)
 
@@ -131,16 +135,25 @@ class RouterCore:
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
                tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
                rid: str | None = None, block_hashes: tuple[int, list[int]] | None = None,
-               traceparent: str = "", tracestate: str = "") -> Request:
-        """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded, Unavailable
-        (no KV room and the queue is full), NoWorkerYet or RequestError (what no worker can serve).
-        `rid`: its bus key (default: random); `block_hashes`: (block size, the prompt's block
-        hashes) when the caller has them (the simulator's traces), else computed from the prompt.
-        `traceparent`, `tracestate`: the trace context its work messages carry (common/tracing.py)."""
+               client: str = "", traceparent: str = "", tracestate: str = "") -> Request:
+        """Admit a request: dispatched now, or waiting in the queue. Raises Overloaded (HTTP 429:
+        `max_in_flight` reached, the client's share reached, or a wait predicted past its budget;
+        admission.py), Unavailable (no room and the queue is full), NoWorkerYet or RequestError
+        (what no worker can serve). `rid`: its bus key (default: random); `block_hashes`: (block
+        size, the prompt's block hashes) when the caller has them (the simulator's traces), else
+        computed from the prompt; `client`: who sent it (its API key, else its address; "": no
+        share applies); `traceparent`, `tracestate`: the trace context its work messages carry
+        (common/tracing.py)."""
         if len(self.requests) >= self.cfg.max_in_flight:
             self.counts["rejected"] += 1
             self.metrics.observe_rejected("overloaded")
             raise Overloaded(f"{len(self.requests)} requests in flight (limit {self.cfg.max_in_flight})")
+        if client:
+            full = self.admission.client_full(client)
+            if full is not None:
+                self.counts["rejected_client_share"] += 1
+                self.metrics.observe_rejected("client_share")
+                raise Overloaded(full, code="client_share")
         self.check_limits(prompt_ids, sampling)
         # The bus key of a request: 96 random bits, so no peer can guess another's (about 0.6 us;
         # a counter is 0.3 us). The client's own id is kept as a label only.
@@ -150,7 +163,7 @@ class RouterCore:
                       ttft_slo=ttft_slo or self.cfg.ttft_slo, tbt_slo=tbt_slo or self.cfg.tbt_slo,
                       arrival=now, deadline=now + self.cfg.request_timeout, cached_tokens=cached_tokens,
                       client_request_id=request_id or "", hash_memo=dict([block_hashes]) if block_hashes else {},
-                      traceparent=traceparent, tracestate=tracestate)
+                      client=client, traceparent=traceparent, tracestate=tracestate)
         waiting = self.kv_waiting
         waiting.drop_done()
         try:
@@ -159,18 +172,40 @@ class RouterCore:
                 raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
             self.dispatch(req, now)
         except NoKvRoom as e:
+            self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 self.metrics.observe_rejected("no_kv_room")
                 raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
             self.waiting.enqueue(req, e, now)
+            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e))
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
+        self.admission.started(req)
         self.metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
         return req
+
+    def shed(self, req: Request, e: NoKvRoom) -> None:
+        """A new request that cannot be placed now: refuse it (Overloaded, HTTP 429) if its
+        predicted time to first token is past its budget (admission.py), else return (it waits)."""
+        over = self.admission.over_budget(req, e, self.kv_waiting)
+        if over is None:
+            return
+        s, budget, retry = over
+        self.counts["shed"] += 1
+        self.metrics.observe_rejected(s.code)
+        held = self.dropped.admit(("shed", s.code))  # one line per DROP_LOG_S per shortage, not one per refusal
+        if held is not None:
+            self.log.warning("overload_shed", code=s.code, predicted_ttft_s=round(s.ttft_s, 3), budget_s=budget,
+                             retry_after_s=retry, why=s.why, suppressed_since_last=held)
+        raise Overloaded(f"overloaded: predicted time to first token {s.ttft_s:.1f} s is over its budget of "
+                         f"{budget:g} s ({'queue_budget' if self.cfg.queue_budget > 0 else 'its TTFT SLO'}): "
+                         f"{s.why}; retry after {retry:g} s"
+                         + (", or add prefill workers" if s.code == "prefill_busy" else ", or add decode workers"),
+                         retry_after_s=retry, code=s.code) from e
 
     def check_limits(self, prompt_ids: list[int], sampling: m.Sampling) -> None:
         """HTTP 400 now for what no live worker can ever serve (retrying would not help)."""
@@ -209,10 +244,35 @@ class RouterCore:
             # unroutable (gone, or reconnected under its id while the old connection lingered) or
             # its queue is full: nothing was queued. The next tick declares it lost, whatever it
             # still sends, and re-dispatches what it held; its next heartbeat then asks it to
-            # register again.
-            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__)
+            # register again. Work that was not sent is re-placed at the next tick whatever
+            # happens meanwhile: the worker may register again (same incarnation) before that
+            # tick, which clears `unreachable`, and would then hold a request it never received.
+            rid = getattr(msg, "request_id", None)
+            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__,
+                             **({"request_id": rid, "attempt": getattr(msg, "attempt", 0)} if rid else {}))
             w.unreachable = True
             w.touch()
+            if isinstance(msg, (m.DecodeWork, m.PrefillWork)):
+                self.unsent[msg.request_id] = (msg.attempt, w.worker_id)
+
+    def replace_unsent(self, now: float) -> None:
+        """Re-place every request whose work could not be sent (`send`), unless something else
+        already did (a later attempt: its worker was declared lost) or it ended."""
+        unsent, self.unsent = self.unsent, {}
+        for rid, (attempt, wid) in unsent.items():
+            req = self.requests.get(rid)
+            if req is None or req.done or req.attempt != attempt:
+                continue
+            self.counts["unsent_replaced"] += 1
+            self.redispatch(req, f"its work could not be sent to worker {wid}", wid, now)
+
+    def owned(self, req: Request) -> bool:
+        """Whether someone is responsible for this in-flight request: the decode worker it was
+        sent to (holding it), the wait queue or the parked requests."""
+        if req.kv_wait_until > 0.0 or req.request_id in self.parked:
+            return True
+        w = self.table.workers.get(req.decode_worker) if req.decode_worker else None
+        return w is not None and req.request_id in w.holding
 
     # ------------------------------------------------------------------ request end states
     def release(self, req: Request) -> None:
@@ -232,6 +292,7 @@ class RouterCore:
             self.cancel_on_workers(req, outcome)
         self.release(req)
         self.requests.pop(req.request_id, None)
+        self.admission.ended(req)
         self.counts[counter] += 1
         if self.kv_waiting and req.kv_wait_until == 0.0:
             self.retry_waiting(now)  # its KV may have freed (seen for sure at the next heartbeat)
@@ -283,9 +344,11 @@ class RouterCore:
         self.next_attempt(req, "redispatched", bad_worker)
         self.counts["redispatched"] += 1
         self.metrics.observe_redispatch()
+        placed = self.dispatch_again(req, now)
         self.log.warning("request_redispatched", request_id=req.request_id, attempt=req.attempt, why=why,
-                    bad_worker=bad_worker)
-        self.dispatch_again(req, now)
+                         bad_worker=bad_worker, decode_worker=req.decode_worker if placed else None,
+                         prefill_worker=req.prefill_worker if placed else None,
+                         **({} if placed else {"waiting": req.wait_reason or "parked"}))
 
     def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
         """What every new attempt of a request starts with (a re-dispatch, a migration): its work
@@ -323,7 +386,7 @@ class RouterCore:
             worker (re)registers, up to `park_timeout`.
         A request arriving with no worker registered is the shell's to hold (`Router.admit`)."""
         if isinstance(e, NoKvRoom):
-            req.held, req.wait_reason = isinstance(e, Hold), str(e)
+            req.held, req.wait_reason, req.short = isinstance(e, Hold), str(e), shortage(e)
             req.kv_wait_until = now + self.cfg.kv_wait_timeout
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1
@@ -355,11 +418,31 @@ class RouterCore:
         """Liveness (silent workers removed, what they held re-dispatched), parked requests
         retried, waiting requests past their wait timeout and requests past their deadline failed."""
         self.membership.expire(now)
+        if self.unsent:
+            self.replace_unsent(now)
         self.migration.retry_parked(now)
         if self.kv_waiting:
             self.waiting.expire(now)
         for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
+        if now >= self.audit_at:  # once per liveness window: a safety net, not a hot path
+            self.audit_at = now + self.liveness_s
+            self.audit(now)
+
+    def audit(self, now: float) -> None:
+        """Every request in flight must have an owner: a worker holding it, the wait queue or the
+        parked requests. One without is a bug: said loudly (`request_orphaned`), and placed again."""
+        held: set[str] = set().union(*(w.holding for w in self.table.workers.values()))
+        parked = self.parked
+        orphans = [r for rid, r in self.requests.items()
+                   if rid not in held and r.kv_wait_until == 0.0 and rid not in parked]
+        for req in orphans:
+            if req.done or self.owned(req):
+                continue
+            self.counts["orphaned"] += 1
+            self.log.error("request_orphaned", request_id=req.request_id, attempt=req.attempt,
+                           decode_worker=req.decode_worker, prefill_worker=req.prefill_worker)
+            self.redispatch(req, "no worker, queue or park held it", None, now)
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
         self.membership.telemetry(now, loop_lag_ms)

@@ -89,6 +89,8 @@ class Request:
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
     held: bool = False          # ... because the policy held it (late binding), not for KV room
     wait_reason: str = ""       # why it waits, the policy's words
+    short: str = ""             # ... and what is short: prefill_busy, decode_busy or kv_full (admission.shortage)
+    client: str = ""            # who sent it (API key, else address): its share of max_in_flight (admission.py)
     engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
     engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)
     # the work prompt's hashes per block size (given at submit, or computed at its first lookup),

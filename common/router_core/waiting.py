@@ -7,8 +7,10 @@ not: a new arrival is still decided at once. The queue is decided again when roo
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests, in the policy's `retry_order` (Kairos late binding: first those that can
 still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
-KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the reason in
-the message; `worker_lost_midstream` for one that had streamed tokens before it lost its worker).
+KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the code naming what was
+short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`, `kv_wait_timeout`;
+`worker_lost_midstream` for one that had streamed tokens before it lost its worker). A new request
+predicted to wait past its budget is not queued at all (admission.py: HTTP 429).
 A waiting request that no live worker could take at all any more is parked instead
 (`RouterCore.unplaced`, the one rule for requests that cannot be placed). The queue and its
 retry are common/wait_queue.py's; what is the router's here is how a request is tried and
@@ -22,8 +24,9 @@ from collections import Counter
 from collections.abc import Callable
 
 from common.config import RouterConfig
-from common.policy import Hold, Kairos, KairosConfig, NoKvRoom, NoWorkers, Policy
+from common.policy import Hold, Kairos, KairosConfig, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start, retry_order
+from common.router_core.admission import shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
@@ -59,10 +62,12 @@ class Waiting:
 
     def enqueue(self, req: Request, e: NoKvRoom, now: float) -> None:
         req.held = isinstance(e, Hold)
-        req.wait_reason = str(e)
+        req.wait_reason, req.short = str(e), shortage(e)
         req.kv_wait_until = now + self.cfg.kv_wait_timeout
         self.queue.append(req)
         self.counts["late_held" if req.held else "kv_waited"] += 1
+        if isinstance(e, NoDecodeRoom):  # of those waiting for room: the decode step, not the KV
+            self.counts["decode_room_waited"] += 1
 
     def retry(self, now: float) -> None:
         """Decide the waiting requests again (see the module docstring)."""
@@ -83,10 +88,10 @@ class Waiting:
             try:
                 self._dispatch(req, now)
             except Hold as e:
-                req.held, req.wait_reason = True, str(e)
+                req.held, req.wait_reason, req.short = True, str(e), shortage(e)
                 return Outcome.HELD
             except NoKvRoom as e:
-                req.held, req.wait_reason = False, str(e)
+                req.held, req.wait_reason, req.short = False, str(e), shortage(e)
                 return Outcome.NO_ROOM
             except NoWorkers as e:  # no worker left that could take it: parked (RouterCore.unplaced)
                 q.remove(req)
@@ -120,10 +125,14 @@ class Waiting:
                 self._fail(req, f"worker failed after streaming {req.n_out} tokens; no decode worker had KV room to "
                                 f"resume it on within {t:g} s (kv_wait_timeout); the output is incomplete",
                            "worker_lost_midstream", now)
-            elif req.held:
-                self._fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout; late binding held it: "
-                                f"{req.wait_reason}); retry later, or add prefill or decode workers",
-                           "kv_wait_timeout", now)
+            elif req.held:  # what was short is prefill (the queues stayed deep), not KV
+                self._fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout): the prefill workers' "
+                                f"queues stayed full and no decode worker could prefill it in place (late binding "
+                                f"held it: {req.wait_reason}); retry later, or add prefill or decode workers",
+                           "prefill_wait_timeout", now)
+            elif req.short == "decode_busy":
+                self._fail(req, f"no decode worker had decode step room for it within {t:g} s (kv_wait_timeout: "
+                                f"{req.wait_reason}); retry later, or add decode workers", "decode_wait_timeout", now)
             else:
                 self._fail(req, f"no decode worker had room for it within {t:g} s (kv_wait_timeout: "
                                 f"{req.wait_reason}); retry later, or add decode workers", "kv_wait_timeout", now)

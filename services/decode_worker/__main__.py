@@ -7,21 +7,26 @@ import sys
 from common import config, logging
 from common.engines import make_engine
 from common.service import run
+from common.startup import guard
 from common.worker_metrics import run_with_metrics
 from services.decode_worker.service import DecodeWorker
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guard("decode_worker", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = config.flags(argv, config.WorkerConfig, "kairos decode-worker",
                        "Kairos decode worker: decodes handed-off requests, prefills deflected ones in place, "
                        "publishes TBT-slack heartbeats. "
                        "Connects to the router; needs no other address.")
 
-    async def _main() -> int:
+    async def serve_it() -> int:
         logging.configure("decode_worker", level=cfg.log_level, fmt=cfg.log_format)
         return await run_with_metrics(cfg, DecodeWorker(cfg, make_engine(cfg, "decode")))
 
-    return run(_main)
+    return run(serve_it)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ import uvicorn
 from common import codec
 from common import messages as m
 from common.config import MonitorConfig
-from common.service import HttpServer, install_signals
+from common.service import HttpServer, install_signals, listen_socket
 from common.sockets import TELEMETRY_TOPIC, MonitorBus, telemetry_endpoints
 from services.monitor.http import App, Feed
 from services.monitor.metrics import MonitorMetrics
@@ -33,10 +34,10 @@ log = structlog.get_logger()
 _json = msgspec.json.Encoder()
 
 
-async def _serve(server: uvicorn.Server) -> None:
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
     try:
-        await server.serve()
-    except SystemExit:  # uvicorn exits the process when it cannot bind; we report it and stop instead
+        await server.serve(sockets=[sock])
+    except SystemExit:  # uvicorn exits the process when it cannot start; we report it and stop instead
         pass
 
 
@@ -144,12 +145,17 @@ class Monitor:
         server = HttpServer(uvicorn.Config(self.app, host=cfg.http_host, port=cfg.http_port, lifespan="off",
                                                access_log=False, log_level="warning", http="httptools",
                                                timeout_graceful_shutdown=3, limit_concurrency=256))
-        bus = MonitorBus(cfg)
+        sock = listen_socket(cfg.http_host, cfg.http_port, reuse_port=False)  # a port in use: ConfigError
+        try:
+            bus = MonitorBus(cfg)
+        except BaseException:
+            sock.close()
+            raise
         try:
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self._telemetry_loop(bus), name="telemetry"),
                          tg.create_task(self._tick_loop(), name="tick")]
-                http = tg.create_task(_serve(server), name="http")
+                http = tg.create_task(_serve(server, sock), name="http")
                 while not server.started and not http.done():
                     await asyncio.sleep(0.02)
                 if not server.started:

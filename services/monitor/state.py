@@ -111,6 +111,9 @@ class Recent:
     kv_fallback: bool = False
 
 
+LOST_SAME_S = 10.0  # WorkerLost reports of one worker for one reason this close together are one loss
+
+
 class MonitorState:
     """The rolling cluster picture. Not thread-safe: owned by the monitor's event loop."""
 
@@ -124,6 +127,7 @@ class MonitorState:
         self.buckets: deque[Bucket] = deque()
         self.workers: dict[str, WorkerInfo] = {}
         self.lost: deque[tuple[float, m.WorkerLost]] = deque(maxlen=20)
+        self._lost_from: dict[tuple[str, str], tuple[float, str]] = {}  # (worker, reason) -> (when, router) listed
         self.recent: deque[Recent] = deque(maxlen=recent)
         self._recent_by_id: dict[str, Recent] = {}
         self.routers: dict[str, tuple[m.RouterStats, float]] = {}  # by router name: its last stats, when
@@ -176,7 +180,7 @@ class MonitorState:
             case m.WorkerSeen():
                 self._on_worker_seen(msg, now)
             case m.WorkerLost():
-                self._on_worker_lost(msg, now)
+                self._on_worker_lost(msg, now, router)
             case m.DecisionRecord():
                 self._on_decision(msg, now)
             case m.RequestRecord():
@@ -202,8 +206,17 @@ class MonitorState:
             info.history.pop()
         info.history.append((sec, info.load))
 
-    def _on_worker_lost(self, w: m.WorkerLost, now: float) -> None:
+    def _on_worker_lost(self, w: m.WorkerLost, now: float, router: str = "") -> None:
         self.workers.pop(w.worker_id, None)
+        # every router replica reports the same loss: listed once (the same worker and reason,
+        # from another router, within LOST_SAME_S of the first report)
+        key = (w.worker_id, w.reason)
+        first = self._lost_from.get(key)
+        if first is not None and first[1] != router and now - first[0] < LOST_SAME_S:
+            return
+        if len(self._lost_from) > 1024:
+            self._lost_from.clear()
+        self._lost_from[key] = (now, router)
         self.lost.append((now, w))
 
     def _on_decision(self, d: m.DecisionRecord, now: float) -> None:

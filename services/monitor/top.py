@@ -9,14 +9,20 @@ router's telemetry socket.
     kairos top                          # live, Ctrl-C quits
     kairos top --once                   # one snapshot, then exit (scripts, tests)
     kairos top --url http://host:9100   # another monitor
+
+Without --url it finds the monitor of the `kairos up` cluster whose log directory it is given
+(`--log-dir`, default kairos-logs: the address the monitor logged in `monitor_started`), so a
+cluster started on other ports is found too; else http://127.0.0.1:9100.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +33,44 @@ from rich.table import Table
 from rich.text import Text
 
 BLOCKS = "▁▂▃▄▅▆▇█"
+DEFAULT_URL = "http://127.0.0.1:9100"
+
+
+def discover(log_dir: str) -> str | None:
+    """The dashboard address the monitor of a `kairos up` cluster logged when it started (its
+    last `monitor_started` line in LOG_DIR/monitor.log), or None."""
+    path = Path(log_dir) / "monitor.log"
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - (1 << 20)))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"monitor_started"' not in line:
+            continue
+        try:
+            url = str(json.loads(line)["dashboard"]).rstrip("/")
+        except (ValueError, KeyError, TypeError):
+            continue
+        return url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
+    return None
+
+
+def unreachable_hint(url: str, given: bool) -> str:
+    """What to do when no monitor answers at `url`."""
+    if given:
+        return "is a monitor listening there? (`kairos up` prints the dashboard address)"
+    return ("no monitor there: a cluster started on other ports? pass --url http://HOST:PORT (the dashboard "
+            "address `kairos up` prints), or --log-dir with that cluster's log directory")
+
+
+def lost_row(lost: dict[str, Any]) -> tuple[str, Text]:
+    """A worker that left: a drained worker's departure (a planned restart or scale-down) is not a loss."""
+    ago = f"{lost['ago_s']:.0f} s ago"
+    if lost["reason"] == "departed":
+        return "left", Text(f"left {ago} (drained)", style="dim")
+    return "lost", Text(f"lost {ago}: {lost['reason']}", style="red")
 
 
 def fmt_s(s: float | None) -> str:
@@ -126,9 +170,13 @@ def render(s: dict[str, Any], url: str) -> Group:
                  style="bold yellow" if (st.get("loop_lag_ms") or 0.0) >= LOOP_LAG_WARN_MS else ""),
             "" if prefill else fmt_n(st.get("deflections")),
             Text(f"{wk['age_s']:.0f} s ago!", style="bold yellow") if stale else Text("live", style="green"))
+    if not s["workers"]:
+        if r is not None and r["age_s"] > 5:  # the router is silent (frozen, down): the workers may well run
+            workers.add_row(Text(f"unknown: no report from the router for {r['age_s']:.0f} s", style="bold yellow"))
+        else:
+            workers.add_row(Text("no workers reported yet", style="dim"))
     for lost in s["lost"]:
-        workers.add_row(lost["worker_id"], lost["role"], Text(f"lost {lost['ago_s']:.0f} s ago: {lost['reason']}",
-                                                                style="red"))
+        workers.add_row(lost["worker_id"], lost["role"], lost_row(lost)[1])
 
     recent = Table(title="recent decisions", expand=True, title_justify="left")
     for col in ("request", "route", "reason", "workers", "prompt", "pred. P / D", "TTFT", "outcome"):
@@ -152,10 +200,15 @@ def fetch(client: httpx.Client, url: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kairos top", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:9100", help="the monitor (default http://127.0.0.1:9100)")
+    p.add_argument("--url", default=None, help="the monitor (default: the one that LOG_DIR/monitor.log names, "
+                   f"else {DEFAULT_URL})")
+    p.add_argument("--log-dir", default="kairos-logs", help="log directory of the `kairos up` cluster to find the "
+                   "monitor of (default kairos-logs)")
     p.add_argument("--interval", type=float, default=1.0, help="refresh period, seconds (default 1)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     a = p.parse_args(argv)
+    given = a.url is not None
+    a.url = a.url or discover(a.log_dir) or DEFAULT_URL
     console = Console()
     if not console.is_terminal:  # piped or logged (`--once > file`): the full tables, not 80 columns
         console = Console(width=160)
@@ -164,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 console.print(render(fetch(client, a.url), a.url))
             except (httpx.HTTPError, ValueError) as e:
-                print(f"error: cannot read {a.url}/api/state: {e}", file=sys.stderr)
+                print(f"error: cannot read {a.url}/api/state: {e}\n  {unreachable_hint(a.url, given)}",
+                      file=sys.stderr)
                 return 1
             return 0
         try:
@@ -173,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     try:
                         live.update(render(fetch(client, a.url), a.url))
                     except (httpx.HTTPError, ValueError) as e:
-                        live.update(Text(f"cannot read {a.url}/api/state: {e} (retrying)", style="bold red"))
+                        live.update(Text(f"cannot read {a.url}/api/state: {e} (retrying)\n"
+                                         f"{unreachable_hint(a.url, given)}", style="bold red"))
                     time.sleep(max(0.1, a.interval))
         except KeyboardInterrupt:
             return 0

@@ -4,6 +4,10 @@ Inbox (DEALER from the router): PrefillWork, KvTarget, Cancel, Drain (+ Welcome,
 Outbox: PrefillDone / RequestFailed to the router; PrefillHeartbeat on the same connection.
 KV transport "modeled": the transfer takes the profile's T_xfer(L) and moves no bytes (the
 simulator's assumption); "nixl": the KV blocks are written into the decode worker's memory.
+
+The rules (admission of work, what it holds, the heartbeat and its replay of the queue,
+cancellation, the hand-off's report) are `PrefillCore`'s (common/worker_core/prefill.py), which
+the simulator runs too; this is its shell: the engine, the NIXL sender, the transfers and the clock.
 """
 
 from __future__ import annotations
@@ -15,8 +19,7 @@ from typing import Any
 
 from common import codec, tracing
 from common import messages as m
-from common.engines.base import EngineRequest, Prefilled
-from common.engines.replay import drain
+from common.engines.base import Prefilled
 from common.kv import (
     DEFAULT_INFLIGHT_TOKENS,
     KvError,
@@ -29,43 +32,43 @@ from common.kv import (
 )
 from common.perf_model import PerfModel
 from common.worker import WorkerService
+from common.worker_core import EngineInfo, PrefillCore
 
 
 class PrefillWorker(WorkerService):
     role = "prefill"
     decoder = codec.prefill_inbox
+    core: PrefillCore
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.work: dict[str, m.PrefillWork] = {}
         self._transfers: set[asyncio.Task[None]] = set()
-        # per (request, attempt): a stale attempt's hand-off still waiting must not take a new one's target
-        self.targets: dict[tuple[str, int], m.KvTarget] = {}
-        # Pull mode (the decode side READs the KV, vLLM): request -> when we stop waiting for the
-        # read. Kept until the router says the decode side has it (Cancel "kv_consumed"), so a
-        # drain does not end while decode workers still read from this one.
-        self.kv_out: dict[str, float] = {}
+        # per (request, attempt): its KvTarget arrived (the core keeps the target itself)
         self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
-        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0)
+
+    def make_core(self, info: EngineInfo) -> PrefillCore:
+        return PrefillCore(self.worker_id, self.incarnation, info, self, model=self.cfg.served_model_name,
+                           kv_transport=self.cfg.kv_transport, log=self.log)
+
+    # the core's ledgers, read by operators and tests
+    @property
+    def work(self) -> dict[str, m.PrefillWork]:
+        return self.core.work
+
+    @property
+    def targets(self) -> dict[tuple[str, int], m.KvTarget]:
+        return self.core.targets
+
+    @property
+    def kv_out(self) -> dict[str, float]:
+        return self.core.kv_out
 
     def heartbeat(self) -> m.PrefillHeartbeat:
-        load = self.engine.load()
-        coeffs = self.coeffs()
-        queue = None
-        if load.backlog is not None and coeffs is not None:
-            # the router's replay predictor starts from this worker's own replay of its queue
-            t = drain(PerfModel.from_coeffs(coeffs), self.engine.token_budget, self.engine.max_batch,
-                      load.busy_s, load.backlog)
-            queue = m.QueueDrain(start_s=t.start, chunks=list(t.chunks), used=t.used, end_s=t.end)
-        return m.PrefillHeartbeat(
-            worker_id=self.worker_id, incarnation=self.incarnation, seq=self.hb_seq,
-            queued_tokens=load.queued_tokens, queued_requests=load.queued_requests,
-            token_budget=self.engine.token_budget, last_dispatch=self.last_dispatch,
-            step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
-            backlog=load.backlog, busy_s=load.busy_s, max_batch=self.engine.max_batch, drain=queue,
-            step_bias=load.step_bias)
+        coeffs = self.coeffs()  # the router's replay predictor starts from this worker's replay of its queue
+        return self.core.heartbeat(self.engine.load(), PerfModel.from_coeffs(coeffs) if coeffs is not None else None,
+                                   coeffs=coeffs)
 
     async def setup(self) -> None:
         if self.cfg.kv_transport == "nixl" and not self.engine.moves_kv:
@@ -83,27 +86,17 @@ class PrefillWorker(WorkerService):
         if self.tx is not None:
             self.tx.close()
 
-    def held_requests(self) -> list[tuple[str, int]]:
-        return [(rid, w.attempt) for rid, w in self.work.items()]
-
-    def held_ids(self) -> list[str]:
-        return [*self.work, *self.kv_out]  # KV kept for a pull too: freed if the router forgot it
-
     def drain_pending(self) -> bool:
-        now = time.monotonic()
-        for rid in [r for r, until in self.kv_out.items() if until <= now]:
-            del self.kv_out[rid]
-        if self.kv_out:
-            self.log.debug("drain_waits_for_kv_reads", requests=len(self.kv_out))
-        return bool(self.kv_out)
+        waiting = self.core.drain_pending(time.monotonic())
+        if waiting:
+            self.log.debug("drain_waits_for_kv_reads", requests=len(self.core.kv_out))
+        return waiting
 
     def drop_request(self, request_id: str) -> None:
-        self.kv_out.pop(request_id, None)
-        w = self.work.pop(request_id, None)
+        w = self.core.work.get(request_id)
+        self.core.drop(request_id)
         if w is not None:
-            self._forget_target(request_id, w.attempt)
-            self.engine.abort(request_id)
-            self.beat_now()
+            self._target_arrived.pop((request_id, w.attempt), None)
 
     def extra_hello(self) -> dict[str, Any]:
         return {"kv_block_tokens": self.cfg.kv_block_tokens} if self.tx is not None else {}
@@ -111,62 +104,21 @@ class PrefillWorker(WorkerService):
     async def on_message(self, msg: Any) -> None:
         match msg:
             case m.PrefillWork():
-                self._on_work(msg)
+                self.core.on_work(msg)
             case m.KvTarget():
-                self._on_kv_target(msg)
+                if self.core.on_target(msg):
+                    self._target_arrived.setdefault((msg.request_id, msg.attempt), asyncio.Event()).set()
             case m.Cancel():
-                self.kv_out.pop(msg.request_id, None)  # "kv_consumed", or the request ended
-                w = self.work.get(msg.request_id)
-                if w is not None and (msg.attempt < 0 or msg.attempt == w.attempt):
-                    self.work.pop(msg.request_id)
-                    self._forget_target(msg.request_id, w.attempt)
-                    self.engine.abort(msg.request_id)
-                    self.log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
+                w = self.core.work.get(msg.request_id)
+                if self.core.on_cancel(msg) and w is not None:  # "kv_consumed", or the request ended
+                    self._target_arrived.pop((msg.request_id, w.attempt), None)
             case m.Drain():
                 self.log.info("drain_requested", reason=msg.reason)
                 self.stop.set()
             case _:
                 self.log.warning("unexpected_message", message=type(msg).__name__)
 
-    def _on_work(self, w: m.PrefillWork) -> None:
-        self.last_dispatch = max(self.last_dispatch, w.dispatch)
-        if self.draining:
-            self._refuse(w, "worker_draining")
-            return
-        old = self.work.get(w.request_id)
-        if old is not None:  # a re-dispatch of something we still hold: drop the old attempt
-            self.engine.abort(w.request_id)
-        if why := self.too_long(len(w.prompt_token_ids)):
-            self._refuse(w, why, invalid=True)
-            return
-        if not self.add_to_engine(EngineRequest(request_id=w.request_id, attempt=w.attempt,
-                                                prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
-                                                mode="prefill", cached_tokens=w.cached_tokens,
-                                                trace_headers=tracing.headers(w.traceparent, w.tracestate))):
-            return
-        self.work[w.request_id] = w
-        self.beat_now()
-
-    def forget(self, request_id: str) -> None:
-        w = self.work.pop(request_id, None)
-        if w is not None:
-            self._forget_target(request_id, w.attempt)
-
-    def _refuse(self, w: m.PrefillWork, reason: str, *, invalid: bool = False) -> None:
-        self.refuse(w.request_id, w.attempt, reason, invalid=invalid)
-
-    def _on_kv_target(self, t: m.KvTarget) -> None:
-        w = self.work.get(t.request_id)
-        if w is None or w.attempt != t.attempt:
-            return
-        self.targets[(t.request_id, t.attempt)] = t
-        self._target_arrived.setdefault((t.request_id, t.attempt), asyncio.Event()).set()
-
-    def _forget_target(self, request_id: str, attempt: int) -> None:
-        self.targets.pop((request_id, attempt), None)
-        self._target_arrived.pop((request_id, attempt), None)
-
-    async def _push_nixl(self, w: m.PrefillWork) -> tuple[int, str]:
+    async def push_nixl(self, w: m.PrefillWork) -> tuple[int, str]:
         """WRITE the request's KV into the decode worker's reserved blocks. Returns (bytes, error)."""
         assert self.tx is not None
         ev = self._target_arrived.setdefault((w.request_id, w.attempt), asyncio.Event())
@@ -175,7 +127,7 @@ class PrefillWorker(WorkerService):
             await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout)
         except TimeoutError:
             return 0, "no KV target from the decode worker in time"
-        t = self.targets.get((w.request_id, w.attempt))
+        t = self.core.targets.get((w.request_id, w.attempt))
         if t is None:
             return 0, "the request was cancelled while waiting for its KV target"
         if t.error:
@@ -202,11 +154,9 @@ class PrefillWorker(WorkerService):
         return r.nbytes, ""
 
     def _on_prefilled(self, p: Prefilled) -> None:
-        w = self.work.get(p.request_id)
-        if w is None or w.attempt != p.attempt:
+        w = self.core.on_prefilled(p)
+        if w is None:
             return
-        self.counters["prefilled"] += 1
-        self.beat_now()
         task = asyncio.create_task(self._hand_off(w, p))
         self._transfers.add(task)
         task.add_done_callback(self._transfers.discard)
@@ -219,28 +169,22 @@ class PrefillWorker(WorkerService):
         error = ""
         if self.tx is not None:
             modeled_nbytes = nbytes
-            nbytes, error = await self._push_nixl(w)
+            nbytes, error = await self.push_nixl(w)
             if model is not None and not error:  # real bytes moved; keep the profile's timing (GPU-like)
                 rest = model.xfer_t0 + modeled_nbytes / model.xfer_bandwidth - (time.monotonic() - t0)
                 if rest > 0:
                     await asyncio.sleep(rest)
         elif self.cfg.kv_transport == "modeled" and model is not None:
             await asyncio.sleep(model.xfer_t0 + nbytes / model.xfer_bandwidth)
-        self._forget_target(w.request_id, w.attempt)
-        if self.work.get(w.request_id) is not w:
-            return  # cancelled or re-dispatched meanwhile
-        self.work.pop(w.request_id, None)
-        self.counters["kv_failures" if error else "kv_transfers"] += 1
+        self._target_arrived.pop((w.request_id, w.attempt), None)
+        now = time.monotonic()
         kv = m.KvHandle(transport=self.engine.name if self.engine.moves_kv else self.cfg.kv_transport,
-                        source_worker=self.worker_id, tokens=tokens, nbytes=nbytes,
-                        transfer_s=time.monotonic() - t0, params=p.kv_params)
-        self.send(m.PrefillDone(request_id=w.request_id, attempt=w.attempt, worker_id=self.worker_id, kv=kv,
-                                queue_s=p.queue_s, prefill_s=p.prefill_s, first_token_id=p.first_token_id,
-                                kv_error=error, prompt_logprobs=p.prompt_logprobs))
+                        source_worker=self.worker_id, tokens=tokens, nbytes=nbytes, transfer_s=now - t0,
+                        params=p.kv_params)
+        if not self.core.handed_off(w, p, kv, error, now, self.cfg.kv_handoff_timeout):
+            return  # cancelled or re-dispatched meanwhile
         if self.tracing is not None and w.traceparent:
             self._trace(self.tracing, w, p, kv, error, t0)
-        if p.kv_params and not error:  # pull mode: the decode side reads it from us, later
-            self.kv_out[w.request_id] = time.monotonic() + self.cfg.kv_handoff_timeout
         self.log.debug("prefill_done", request_id=w.request_id, tokens=tokens, queue_s=round(p.queue_s, 4),
                        prefill_s=round(p.prefill_s, 4), decode_worker=w.decode_worker)
 

@@ -14,7 +14,8 @@ import uvicorn
 from common import config, logging
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
-from common.service import HttpServer, install_signals, run
+from common.service import HttpServer, install_signals, listen_socket, run
+from common.startup import guard
 from services.router.edge import EdgeLimits, edge_protocol
 from services.router.http import App
 from services.router.service import Router
@@ -24,19 +25,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     """The HTTP listening socket, bound with SO_REUSEPORT: every router replica on this host binds
     the same port and the kernel spreads new connections among them (a killed replica's share
     goes to the others at once)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot bind the HTTP port {host}:{port} with SO_REUSEPORT ({e}); a process without "
-                          "SO_REUSEPORT holds it: stop it or pick another --http-port") from e
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
+    return listen_socket(host, port, reuse_port=True)
 
 
 def inherited_socket(fd: int) -> socket.socket:
@@ -123,9 +112,10 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                     hint="raise the open-file limit (ulimit -n, compose ulimits.nofile) or lower "
                          "--http-max-connections: past the limit new connections fail to be accepted")
     if cfg.http_fd >= 0:
-        sockets: list[socket.socket] | None = [inherited_socket(cfg.http_fd)]
+        sockets: list[socket.socket] = [inherited_socket(cfg.http_fd)]
     else:
-        sockets = [reuse_port_socket(cfg.http_host, cfg.http_port)] if cfg.http_reuse_port else None
+        sockets = [reuse_port_socket(cfg.http_host, cfg.http_port) if cfg.http_reuse_port
+                   else listen_socket(cfg.http_host, cfg.http_port, reuse_port=False, backlog=4096)]
     router = Router(cfg)
     router.open()
     if cfg.http_reuse_port and migrate_req() == "0":
@@ -172,6 +162,10 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guard("router", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = config.flags(argv, config.RouterConfig, "kairos router",
                        "Kairos router: the OpenAI-compatible HTTP API and the per-request deflection decision. "
                        "Binds the bus; workers and the monitor connect to it.")

@@ -65,6 +65,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
+ADMIT_SLICE = 16  # sub-requests of a batch admitted between two yields to the event loop
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -324,21 +325,30 @@ class App:
                                     "reduce the length of the messages or completion.", param="max_tokens",
                                     code="context_length_exceeded")
         rid = p.request_id
+        client = ""
         tp = ts = ""  # the client's W3C trace context (common/tracing.py)
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 rid = v.decode(errors="replace")[:128]
+            elif k == b"authorization" and v != self._auth:  # a client's own key (a gateway's users)
+                client = "key:" + hashlib.sha256(v).hexdigest()[:16]
             elif k == b"traceparent":
                 tp = v.decode(errors="replace")[:128]
             elif k == b"tracestate":
                 ts = v.decode(errors="replace")[:512]
+        if not client:
+            peer = scope.get("client")
+            client = f"addr:{peer[0]}" if peer else "addr:?"
         subs: list[Request] = []
         try:
             for pi, prompt in enumerate(p.prompts):
                 for ci, sampling in enumerate(p.samplings):
                     one = rid if rid is None or len(p.prompts) * p.n == 1 else f"{rid}-{pi}-{ci}"
                     subs.append(await router.admit(prompt, sampling, ttft_slo=p.ttft_slo, tbt_slo=p.tbt_slo,
-                                                   request_id=one, traceparent=tp, tracestate=ts))
+                                                   request_id=one, client=client, traceparent=tp,
+                                                   tracestate=ts))
+                    if len(subs) % ADMIT_SLICE == 0:
+                        await asyncio.sleep(0)  # a batch never holds the loop: other streams go on between slices
         except (Overloaded, Unavailable, RequestError) as e:
             for r in subs:
                 router.abort(r, "sibling_refused")
@@ -346,8 +356,12 @@ class App:
                 where = param or ("messages" if p.chat else "prompt")
                 raise HttpError(400, str(e), param=where if e.param == "prompt" else e.param, code=e.code) from e
             if isinstance(e, Overloaded):
-                raise HttpError(429, str(e), code="overloaded", retry_after=e.retry_after_s) from e
+                raise HttpError(429, str(e), code=e.code, retry_after=e.retry_after_s) from e
             raise HttpError(503, str(e), code="unavailable", retry_after=e.retry_after_s) from e
+        except BaseException:  # cancelled between slices: nothing admitted stays behind
+            for r in subs:
+                router.abort(r, "sibling_refused")
+            raise
         return subs
 
     def _headers(self, req: Request) -> list[tuple[bytes, bytes]]:

@@ -213,6 +213,27 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
     return prompts, texts
 
 
+def batch_limit(cfg: RouterConfig) -> int:
+    """The most sub-requests (prompts x n) one HTTP request may make: `max_batch`, and never more
+    than one client's share of `max_in_flight` (a batch past it could never be admitted whole)."""
+    limit = cfg.max_batch
+    if 0 < cfg.client_share < 1:
+        limit = min(limit, max(1, int(cfg.client_share * cfg.max_in_flight)))
+    return min(limit, cfg.max_in_flight)
+
+
+def _check_batch(body: CompletionBody, cfg: RouterConfig) -> None:
+    """A batched `prompt` (a list of prompts) times `n` over `batch_limit`: HTTP 400, before any work."""
+    p = body.prompt
+    count = len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+    n = body.n if isinstance(body.n, int) and body.n > 0 else 1
+    limit = batch_limit(cfg)
+    if count * n > limit:
+        raise RequestError(f"this request makes {count * n} sub-requests ({count} prompts x n={n}); the limit is "
+                           f"{limit} (max_batch, and the client's share of max_in_flight): send the prompts in "
+                           "several requests", param="prompt", code="batch_too_large")
+
+
 def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, tools: ToolCalling | None = None) -> Plan:
     chat = isinstance(body, ChatBody)
     echo_text = ""
@@ -232,6 +253,7 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo = body.echo
     else:
+        _check_batch(body, cfg)  # before any prompt is tokenized
         prompts, texts = _completion_prompts(body, tok)
         logprobs = body.logprobs
         _num(body.logprobs, "logprobs", 0, MAX_LOGPROBS)

@@ -34,7 +34,8 @@ def error_status(code: str) -> tuple[int, float | None]:
         return 400, None
     if code == "deadline_exceeded":
         return 504, None
-    if code in ("router_shutdown", "kv_wait_timeout"):  # another router, or KV room that frees, can take it
+    if code in ("router_shutdown", "kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout"):
+        # another router, or room that frees, can take it
         return 503, 2.0
     if code in ("unavailable", "retries_exhausted"):
         return 503, None

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from common import codec, tracing
+from common import codec, memory, tracing
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
@@ -120,8 +120,22 @@ class Router:
             self.bus = None
 
     def loops(self) -> list[tuple[str, Any]]:
-        return [("work", self._work_loop()), ("liveness", self.liveness_loop()),
-                ("telemetry", self.telemetry_loop()), ("loop-lag", self.loop_lag.run())]
+        out = [("work", self._work_loop()), ("liveness", self.liveness_loop()),
+               ("telemetry", self.telemetry_loop()), ("loop-lag", self.loop_lag.run())]
+        if self.bus is not None and self.bus.monitors:
+            out.append(("handshakes", self.bus.handshake_failures(self._on_handshake_failed)))
+        return out
+
+    def _on_handshake_failed(self, domain: str, why: str) -> None:
+        """A peer failed the bus handshake before any key was checked (under CURVE: most often a
+        peer without CURVE): logged like a refused key, at most once per DROP_LOG_S per kind."""
+        self.counts["handshakes_failed"] += 1
+        metrics.observe_dropped(f"{domain}_handshake_failed")
+        held = self.core.dropped.admit(("handshake_failed", domain, why))
+        if held is not None:
+            log.warning("bus_handshake_failed", socket=domain, reason=why, suppressed_since_last=held,
+                        detail="a connection to the bus failed its handshake; the monitor event does not name "
+                               "the peer's address: look for clients of this port without CURVE keys")
 
     async def liveness_loop(self) -> None:
         interval = self.cfg.heartbeat_interval
@@ -137,10 +151,19 @@ class Router:
                 continue
             self.core.tick(now)
 
-    async def telemetry_loop(self) -> None:
+    async def telemetry_loop(self, every_s: float = 1.0) -> None:
+        busy = False  # requests were in flight since memory was last given back
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(every_s)
             self.core.telemetry(time.monotonic(), self.loop_lag.take_max() * 1000.0)
+            if self.requests:
+                busy = True
+            elif busy:  # fallen idle after load: give back what the burst took (common/memory.py)
+                busy = False
+                before = memory.rss_bytes()
+                memory.trim()
+                log.debug("memory_returned", rss_mb=round(memory.rss_bytes() / 2**20, 1),
+                          freed_mb=round((before - memory.rss_bytes()) / 2**20, 1))
 
     async def drain(self, timeout: float) -> None:
         """Stop intake, then wait for in-flight requests to finish (bounded)."""
@@ -154,23 +177,23 @@ class Router:
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
                tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
-               traceparent: str = "", tracestate: str = "") -> Request:
+               client: str = "", traceparent: str = "", tracestate: str = "") -> Request:
         if not self.accepting:
             metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
         return self.core.submit(prompt_ids, sampling, time.monotonic(), ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                                request_id=request_id, cached_tokens=cached_tokens, traceparent=traceparent,
-                                tracestate=tracestate)
+                                request_id=request_id, cached_tokens=cached_tokens, client=client,
+                                traceparent=traceparent, tracestate=tracestate)
 
     async def admit(self, prompt_ids: list[int], sampling: m.Sampling, *, ttft_slo: float | None = None,
                     tbt_slo: float | None = None, request_id: str | None = None, cached_tokens: int = 0,
-                    traceparent: str = "", tracestate: str = "") -> Request:
+                    client: str = "", traceparent: str = "", tracestate: str = "") -> Request:
         """`submit`, but when no worker can take the request yet (the router just restarted and the
         workers are re-registering, or they are all restarting), hold it up to `worker_wait`
         seconds for one to register instead of answering 503 at once. `traceparent`,
         `tracestate`: the client's W3C trace context (used only when tracing is on)."""
         if self.tracing is None:
-            return await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, "", "")
+            return await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, client, "", "")
         t = self.tracing
         start = time.time()
         span = t.start(tracing.REQUEST, start, traceparent=traceparent, tracestate=tracestate, server=True,
@@ -179,7 +202,7 @@ class Router:
                               "kairos.client_request_id": request_id or ""})
         tp, ts = t.traceparent(span)
         try:
-            req = await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, tp, ts)
+            req = await self._admit(prompt_ids, sampling, ttft_slo, tbt_slo, request_id, cached_tokens, client, tp, ts)
         except Exception as e:
             t.child(span, tracing.ADMISSION, start, time.time(), {"kairos.refused": type(e).__name__})
             t.end(span, time.time(), error=f"{type(e).__name__}: {e}")
@@ -190,14 +213,15 @@ class Router:
         return req
 
     async def _admit(self, prompt_ids: list[int], sampling: m.Sampling, ttft_slo: float | None,
-                     tbt_slo: float | None, request_id: str | None, cached_tokens: int, traceparent: str,
-                     tracestate: str) -> Request:
+                     tbt_slo: float | None, request_id: str | None, cached_tokens: int, client: str,
+                     traceparent: str, tracestate: str) -> Request:
         deadline = time.monotonic() + self.cfg.worker_wait
         held = False
         while True:
             try:
                 req = self.submit(prompt_ids, sampling, ttft_slo=ttft_slo, tbt_slo=tbt_slo, request_id=request_id,
-                                  cached_tokens=cached_tokens, traceparent=traceparent, tracestate=tracestate)
+                                  cached_tokens=cached_tokens, client=client, traceparent=traceparent,
+                                  tracestate=tracestate)
             except NoWorkerYet:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.accepting:
@@ -268,7 +292,8 @@ class Router:
               ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
               tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
               tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
-              outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback)
+              outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback,
+              waited_for=req.wait_reason or None)
 
     def _trace_done(self, t: tracing.Tracing, req: Request, rec: m.RequestRecord) -> None:
         """The request's router spans, written at its end from the times the core kept: queueing

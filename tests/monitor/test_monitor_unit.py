@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -394,3 +395,51 @@ def test_router_metrics_module() -> None:
     assert get("kairos_router_requests_in_flight") == 3
     assert get("kairos_router_workers", role="decode") == 1
     assert get("kairos_router_rejected_requests_total", reason="overloaded") >= 1
+
+
+def top_text(snapshot: dict[str, Any]) -> str:
+    console = Console(record=True, width=180)
+    console.print(top.render(snapshot, "http://monitor"))
+    return console.export_text()
+
+
+def test_a_loss_two_routers_report_is_listed_once(mon: Monitor, clock: Clock) -> None:
+    lost = m.WorkerLost(worker_id="decode-1", role="decode", reason="heartbeat timeout", at=T0)
+    mon.on_message(lost, "router-a:5557")
+    clock.now += 0.3
+    mon.on_message(lost, "router-b:5557")  # the other replica saw the same loss
+    assert [x["worker_id"] for x in mon.snapshot()["lost"]] == ["decode-1"]
+    clock.now += 60  # lost again, later: a second loss
+    mon.on_message(lost, "router-a:5557")
+    assert [x["worker_id"] for x in mon.snapshot()["lost"]] == ["decode-1", "decode-1"]
+
+
+def test_a_drained_worker_left_it_was_not_lost(mon: Monitor) -> None:
+    mon.on_message(m.WorkerLost(worker_id="decode-1", role="decode", reason="departed", at=T0))
+    out = top_text(mon.snapshot())
+    assert "left 0 s ago (drained)" in out and "lost 0 s ago: departed" not in out
+    js = (Path(top.__file__).parent / "static" / "dashboard.js").read_text()
+    assert 'l.reason === "departed"' in js and "(drained)" in js
+
+
+def test_a_silent_router_does_not_mean_no_workers(mon: Monitor, clock: Clock) -> None:
+    """The router froze (no telemetry): the monitor forgets its workers after the expiry, and
+    the table must not say that none were ever reported."""
+    clock.now += 30
+    s = mon.snapshot()
+    assert not s["workers"] and s["router"]["age_s"] > 5
+    out = top_text(s)
+    assert "no report from the router for 30 s" in out and "no workers reported yet" not in out
+    assert "no report from the router" in (Path(top.__file__).parent / "static" / "dashboard.js").read_text()
+
+
+def test_top_finds_a_cluster_on_other_ports_and_says_to_use_url(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "monitor.log").write_text(
+        '{"event": "monitor_started", "dashboard": "http://0.0.0.0:9"}\n{"event": "other"}\n')
+    assert top.discover(str(tmp_path)) == "http://127.0.0.1:9"
+    assert top.discover(str(tmp_path / "none")) is None
+    assert top.main(["--once", "--log-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:9/api/state" in err  # the discovered address was tried
+    assert "--url" in err and "--url" in top.unreachable_hint(top.DEFAULT_URL, given=False)

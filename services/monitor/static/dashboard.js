@@ -109,15 +109,21 @@ function renderWorkers(s) {
       el("td", {}, w.age_s > 3 ? `${fmtAge(w.age_s)} ago!` : "live"));
     return tr;
   });
+  // no rows while the router is silent (frozen, down) says nothing about the workers: they may well run
+  const r = s.router;
+  const none = r && r.age_s > 5
+    ? `worker state unknown: no report from the router for ${fmtAge(r.age_s)}`
+    : "no workers reported yet";
   tbody.replaceChildren(...(rows.length ? rows : [el("tr", { class: "empty" },
-    el("td", { colspan: 9 }, "no workers reported yet"))]));
+    el("td", { colspan: 9 }, none))]));
   $("lost").replaceChildren(
     ...(s.services_down || []).map((d) => el("li", { class: "down" }, d.state === "held_down"
       ? `${d.service} held down by kairos up: crash-looping (${d.last_exit || "?"})`
         + (d.next_try_s == null ? "" : `, next try in ${Math.round(d.next_try_s)} s`)
       : `${d.service} restarting after ${d.last_exit || "an exit"}`)),
-    ...s.lost.map((l) =>
-      el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)));
+    ...s.lost.map((l) => l.reason === "departed"  // drained and left: a planned restart, not a loss
+      ? el("li", { class: "left" }, `${l.worker_id} (${l.role}) left ${fmtAge(l.ago_s)} ago (drained)`)
+      : el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)));
 }
 
 function renderRecent(s) {

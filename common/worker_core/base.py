@@ -1,0 +1,140 @@
+"""What every worker core does, whatever its role: who it is (its Hello), what it refuses and
+how it says so, what it holds, and its drain (see common/worker_core/__init__.py)."""
+
+from __future__ import annotations
+
+import abc
+
+import msgspec
+
+from common import messages as m
+from common.worker_core.ports import NULL_LOG, Log, WorkerPorts
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker's Hello says of its engine: its settings, fixed while it runs."""
+
+    engine: str
+    token_budget: int
+    kv_capacity_tokens: int = 0
+    max_batch: int = 0
+    block_size: int = 0     # tokens per KV block (0: not in blocks)
+    max_model_len: int = 0  # longest prompt + output it takes (0: no limit)
+
+
+class WorkerCore(abc.ABC):
+    role: m.Role
+
+    def __init__(self, worker_id: str, incarnation: str, info: EngineInfo, ports: WorkerPorts, *,
+                 model: str, kv_transport: str = "modeled", log: Log = NULL_LOG) -> None:
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.info = info
+        self.ports = ports
+        self.model = model                # the served model name it registers with
+        self.kv_transport = kv_transport
+        self.log = log
+        self.seq = 0                      # its last heartbeat's number
+        self.last_dispatch = 0            # the highest dispatch number it has seen (heartbeats acknowledge it)
+        self.draining = False
+        self.counters: dict[str, int] = {"refused": 0}
+
+    # -- what it holds ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def held_requests(self) -> list[tuple[str, int]]:
+        """(request_id, attempt) of everything it holds: what a drain waits for, then hands back."""
+
+    def held_ids(self) -> list[str]:
+        """Every request it holds anything for (Hello.held: the router names the ones it no longer
+        tracks, which `drop` then frees)."""
+        return [rid for rid, _ in self.held_requests()]
+
+    @abc.abstractmethod
+    def drop(self, request_id: str) -> None:
+        """Abort a request and free what it holds (KV included); no message to the router."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop its own bookkeeping of a request the engine gave up on (the engine holds nothing)."""
+
+    # -- registration -----------------------------------------------------------------------
+    def hello(self, *, held: list[str] | None = None, coeffs: m.Coeffs | None = None,
+              kv_agent: m.KvAgentInfo | None = None, kv_block_tokens: int | None = None) -> m.Hello:
+        """What it registers with: its engine's settings, the step-time model it asks to be
+        predicted with (`coeffs`; None: the router's profile) and what it holds (`held`; None:
+        everything)."""
+        i = self.info
+        return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
+                       incarnation=self.incarnation, engine=i.engine, model=self.model, token_budget=i.token_budget,
+                       kv_capacity_tokens=i.kv_capacity_tokens, max_batch=i.max_batch, coeffs=coeffs,
+                       kv_transport=self.kv_transport, kv_agent=kv_agent,
+                       held=self.held_ids() if held is None else held, max_model_len=i.max_model_len,
+                       kv_block_tokens=i.block_size if kv_block_tokens is None else kv_block_tokens)
+
+    def welcomed(self, drop: list[str]) -> int:
+        """The router's Welcome named requests it no longer tracks (it restarted, or re-dispatched
+        them): free them. Only those still held: a second Welcome naming the same ones (a Hello
+        sent again before the first answer came) frees nothing. Returns how many it freed."""
+        if drop:
+            held = set(self.held_ids())
+            drop = [rid for rid in drop if rid in held]
+        for rid in drop:
+            self.drop(rid)
+        if drop:
+            self.ports.beat_now()
+        return len(drop)
+
+    # -- refusals -----------------------------------------------------------------------------
+    def too_long(self, prompt_tokens: int) -> str:
+        """Why the engine can never take a prompt this long (empty: it can)."""
+        limit = self.info.max_model_len
+        if limit and prompt_tokens >= limit:
+            return (f"the prompt has {prompt_tokens} tokens; this worker's max_model_len is {limit} "
+                    "(prompt plus at least one output token)")
+        return ""
+
+    def fail(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False, code: str = "") -> None:
+        """Tell the router this request cannot proceed here: `invalid` if the request itself is at
+        fault (no retry anywhere), else retryable (another worker may take it)."""
+        self.ports.send(m.RequestFailed(request_id=request_id, attempt=attempt, worker_id=self.worker_id,
+                                        reason=reason, retryable=not invalid,
+                                        code=code or ("invalid_request" if invalid else "")))
+
+    def refuse(self, request_id: str, attempt: int, reason: str, *, invalid: bool = False) -> None:
+        """Turn a request away here: counted, logged, and the router told (see `fail`)."""
+        self.counters["refused"] += 1
+        self.log.warning("work_refused", request_id=request_id, reason=reason, invalid=invalid)
+        self.fail(request_id, attempt, reason, invalid=invalid)
+
+    def engine_failed(self, request_id: str, attempt: int, reason: str, retryable: bool = True) -> None:
+        """The engine gave up on a request (it holds nothing of it any more)."""
+        self.log.warning("engine_request_failed", request_id=request_id, reason=reason, retryable=retryable)
+        self.forget(request_id)
+        self.fail(request_id, attempt, reason, invalid=not retryable)
+
+    def saw_dispatch(self, dispatch: int) -> None:
+        self.last_dispatch = max(self.last_dispatch, dispatch)
+
+    # -- drain ----------------------------------------------------------------------------------
+    def start_drain(self) -> m.Goodbye:
+        """It is leaving: it takes no new work (refused "worker_draining") and says so to every router."""
+        self.draining = True
+        self.ports.beat_now()
+        return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)
+
+    def drained(self, now: float) -> bool:
+        """Whether the drain has nothing left to wait for at `now`."""
+        return not self.held_requests() and not self.drain_pending(now)
+
+    def drain_pending(self, now: float) -> bool:
+        """Whether the drain must still wait, at `now`, for something beyond `held_requests`."""
+        return False
+
+    def hand_back(self) -> m.Goodbye:
+        """The drain's time is up: abort what it still holds and hand each back to its router
+        (RequestFailed, retryable); the Goodbye to send every router after them."""
+        left = self.held_requests()
+        for rid, attempt in left:
+            self.ports.abort(rid)
+            self.fail(rid, attempt, "worker_draining")
+        self.log.info("drain_finished", handed_back=len(left))
+        return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="drained")

@@ -1,0 +1,193 @@
+"""Admission that sheds (common/router_core/admission.py), on the router core with a fake clock:
+a request predicted to wait past its budget is refused at once (Overloaded: HTTP 429) with a
+Retry-After from the predicted drain time and a code naming what is short; one client holds at
+most its share of max_in_flight; a batched prompt list over the limit is a 400 before any work."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+import tests.test_router_pins as pins
+from common import messages as m
+from common.config import RouterConfig
+from common.errors import Overloaded, RequestError
+from common.perf_model import load_profile
+from services.router import openai_schema as schema
+
+BUDGET = pins.BUDGET
+SLOW = m.Sampling(max_tokens=4)
+
+
+def prefill_rate() -> float:
+    """The prefill pool's rate in the bench (one prefill worker, the fast profile, BUDGET)."""
+    model = load_profile("fast").model
+    return BUDGET / model.prefill_exec(BUDGET, BUDGET)
+
+
+def late(**overrides: object) -> pins.Bench:
+    """Kairos with late binding, one prefill and one decode worker; requests with a TBT SLO no chunk
+    fits in, so only the prefill path serves them (as tests/test_router_pins.py's `late`)."""
+    overrides.setdefault("kv_wait_timeout", 30.0)
+    return pins.Bench("kairos", [("prefill-0", 0), ("decode-0", pins.BIG)], late_binding=True, **overrides)
+
+
+def held_one(b: pins.Bench, **kw: object) -> object:
+    return b.submit(pins.long_prompt(), SLOW, tbt_slo=pins.NO_SLACK, **kw)
+
+
+def test_a_request_predicted_to_wait_past_the_budget_is_refused_with_retry_after_from_the_drain_time() -> None:
+    b = late(queue_budget=1.0)
+    rate = prefill_rate()
+    queued = int(rate * 0.995)  # a deep prefill queue (late binding holds new ones): 0.995 s of work
+    b.beat("prefill-0", queued_tokens=queued)
+    ahead = []
+    # the first ones fit the budget and wait (held); each one held adds its prompt to the backlog
+    # half a prefill step (a step boundary), and the decode step that brings the first token
+    step = 0.5 * BUDGET / rate + b.core.admission.first_step(BUDGET)
+    assert step > 0
+    while (queued + (len(ahead) + 1) * BUDGET) / rate + step <= 1.0:
+        ahead.append(held_one(b))
+    assert ahead and b.stats()["held"] == len(ahead)
+    with pytest.raises(Overloaded) as e:
+        held_one(b)
+    predicted = (queued + len(ahead) * BUDGET + BUDGET) / rate + step
+    assert predicted > 1.0
+    assert e.value.code == "prefill_busy"
+    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 1.0))
+    assert "prefill workers hold" in str(e.value) and "add prefill workers" in str(e.value)
+    assert b.stats()["held"] == len(ahead) and b.stats()["counts"]["shed"] == 1  # nothing of it was kept
+
+
+def test_the_retry_after_grows_with_the_backlog() -> None:
+    def retry_after(queued: int) -> float:
+        b = late(queue_budget=0.5)
+        b.beat("prefill-0", queued_tokens=queued)
+        with pytest.raises(Overloaded) as e:
+            held_one(b)
+        return e.value.retry_after_s
+
+    rate = prefill_rate()
+    small, big = int(rate * 3), int(rate * 30)  # 3 s and 30 s of prefill work queued
+    step = 0.5 * BUDGET / rate + late().core.admission.first_step(BUDGET)
+    assert retry_after(small) == math.ceil((small + BUDGET) / rate + step - 0.5)
+    assert retry_after(big) == math.ceil((big + BUDGET) / rate + step - 0.5) > retry_after(small)
+
+
+def test_the_default_budget_is_the_requests_own_ttft_slo() -> None:
+    b = late()  # queue_budget 0: each request's TTFT SLO
+    rate = prefill_rate()
+    b.beat("prefill-0", queued_tokens=int(rate * 5))  # about 5 s of prefill work queued
+    with pytest.raises(Overloaded):
+        held_one(b, ttft_slo=2.0)
+    r = held_one(b, ttft_slo=60.0)  # a client that accepts the wait is held, not refused
+    assert not r.done and b.stats()["held"] == 1
+
+
+def test_a_negative_budget_never_sheds_the_request_waits_as_before() -> None:
+    b = late(queue_budget=-1.0)
+    b.beat("prefill-0", queued_tokens=10**7)
+    r = held_one(b, ttft_slo=0.1)
+    assert not r.done and b.stats()["held"] == 1 and "shed" not in b.stats()["counts"]
+
+
+def test_a_held_request_that_times_out_names_the_prefill_pool_not_kv() -> None:
+    b = late(queue_budget=-1.0, kv_wait_timeout=5.0)
+    b.beat("prefill-0", queued_tokens=10 * BUDGET)
+    held = held_one(b)
+    b.tick(6.0)
+    ((code, message),) = pins.errors(held)  # type: ignore[arg-type]
+    assert code == "prefill_wait_timeout" and "prefill workers' queues stayed full" in message
+    assert "KV" not in message.split("(late binding")[0]
+
+
+def no_kv_bench(**overrides: object) -> pins.Bench:
+    """One decode worker whose KV is full (deflect-all: decode workers only)."""
+    b = pins.Bench("deflect-all", [("decode-0", 1000)], **overrides)
+    b.beat("decode-0", kv_used=1000)
+    return b
+
+
+def test_the_first_request_without_kv_room_is_not_predicted_it_waits() -> None:
+    b = no_kv_bench(queue_budget=0.001)
+    r = b.submit()
+    assert not r.done and b.stats()["kv_waiting"] == 1
+
+
+def test_behind_a_queue_waiting_for_kv_the_wait_is_the_decoding_requests_remaining_tokens() -> None:
+    b = pins.Bench("deflect-all", [("decode-0", 1000)], queue_budget=0.001)  # the fast profile's steps are short
+    b.beat("decode-0")
+    # three requests decoding, with 10, 40 and 100 tokens left
+    running = [b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=n + 1)) for n in (10, 40, 100)]
+    for r in running:
+        b.tokens("decode-0", r, [1])
+    b.beat("decode-0", kv_used=1000, batch=3)  # and KV full
+    step = b.core.admission.decode_ends()[0] / 10  # the worker's step time
+    assert sorted(b.core.admission.decode_ends()) == pytest.approx([10 * step, 40 * step, 100 * step])
+    first = b.submit()  # the first to wait: no prediction, it waits
+    assert not first.done
+    tokens = len(pins.PROMPT)
+    rest = b.core.admission.alone_s(tokens) + b.core.admission.first_step(tokens)
+    # the second waits for the second request to end: 40 steps, then its own prefill and first step
+    predicted = 40 * step + rest
+    with pytest.raises(Overloaded) as e:
+        b.submit()
+    assert e.value.code == "kv_full" and "1 requests wait for room before it" in str(e.value)
+    assert f"ends in {40 * step:.1f} s" in str(e.value) and f"time to first token {predicted:.1f} s" in str(e.value)
+    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001))
+
+
+def test_one_client_holds_at_most_its_share_of_max_in_flight() -> None:
+    b = pins.Bench("deflect-all", [("decode-0", pins.BIG)], max_in_flight=8, client_share=0.25)
+    a = [b.submit(client="addr:10.0.0.1") for _ in range(2)]  # its share: 0.25 x 8 = 2
+    with pytest.raises(Overloaded) as e:
+        b.submit(client="addr:10.0.0.1")
+    assert e.value.code == "client_share" and "10.0.0.1" in str(e.value)
+    other = b.submit(client="addr:10.0.0.2")  # another client is not refused
+    assert not other.done
+    b.tokens("decode-0", a[0], [1], "length")  # one of the first client's ends: room for one more
+    b.submit(client="addr:10.0.0.1")
+    assert b.core.admission.clients["addr:10.0.0.1"] == 2
+    b.core.abort(other, b.clock.now)
+    assert "addr:10.0.0.2" not in b.core.admission.clients  # nothing left behind for a client gone
+
+
+def test_a_share_of_one_is_no_share() -> None:
+    b = pins.Bench("deflect-all", [("decode-0", pins.BIG)], max_in_flight=8, client_share=1.0)
+    for _ in range(8):
+        b.submit(client="addr:10.0.0.1")
+    with pytest.raises(Overloaded) as e:
+        b.submit(client="addr:10.0.0.1")
+    assert e.value.code == "overloaded"  # max_in_flight itself
+
+
+class _NoTokenizer:
+    """A tokenizer that fails if used: a refused batch must not be tokenized."""
+
+    vocab_size = 1000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise AssertionError("a refused batch was tokenized")
+
+
+def test_a_batched_prompt_list_over_the_limit_is_a_400_before_any_prompt_is_tokenized() -> None:
+    cfg = RouterConfig(max_batch=256, client_share=0.25, max_in_flight=4096)
+    body = schema.decode(msgspec_json({"prompt": ["hi"] * 10_000, "max_tokens": 1}), chat=False)
+    with pytest.raises(RequestError) as e:
+        schema.plan(body, cfg, _NoTokenizer())  # type: ignore[arg-type]
+    assert e.value.code == "batch_too_large" and "10000 sub-requests" in str(e.value)
+    body = schema.decode(msgspec_json({"prompt": ["hi"] * 100, "n": 3, "max_tokens": 1,
+                                       "temperature": 1.0}), chat=False)
+    with pytest.raises(RequestError):  # 300 sub-requests: prompts x n counts
+        schema.plan(body, cfg, _NoTokenizer())  # type: ignore[arg-type]
+
+
+def test_the_batch_limit_is_never_above_one_clients_share() -> None:
+    assert schema.batch_limit(RouterConfig(max_batch=256, client_share=0.25, max_in_flight=400)) == 100
+    assert schema.batch_limit(RouterConfig(max_batch=256, client_share=1.0, max_in_flight=4096)) == 256
+
+
+def msgspec_json(obj: object) -> bytes:
+    return msgspec.json.encode(obj)

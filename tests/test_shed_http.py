@@ -1,0 +1,110 @@
+"""The HTTP shell's part of admission (services/router/http.py), in process: the router with a fake
+outbox behind the ASGI app, no socket. A refusal is a 429 with Retry-After and the reason in
+x-kairos-error before any byte of a stream; a batch's sub-requests each count against the
+client's share as they are made, with the event loop free between slices; a batch over the limit
+is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import httpx
+
+from common import config
+from common import messages as m
+from services.router import http
+from services.router.service import Router
+from tests.router_fakes import FakeOutbox, hello
+
+
+def router(**overrides: Any) -> Router:
+    cfg = config.load(config.RouterConfig, env={},
+                      overrides={"policy": "deflect-all", "profile": "fast", "liveness": 10_000, **overrides})
+    r = Router(cfg, outbox=FakeOutbox())
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    return r
+
+
+def client(r: Router) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=http.App(r), client=("10.0.0.7", 1234)),
+                             base_url="http://router")
+
+
+def body(prompts: int, stream: bool = False) -> dict[str, object]:
+    return {"prompt": [[5, 6, 7]] * prompts if prompts > 1 else [5, 6, 7], "max_tokens": 2, "stream": stream}
+
+
+async def test_past_the_clients_share_a_batch_is_refused_whole_with_429_before_any_stream_byte() -> None:
+    r = router(max_in_flight=400, client_share=0.25)  # a client's share: 100
+    async with client(r) as c:
+        held = [r.submit([1, 2, 3], m.Sampling(max_tokens=2), client="addr:10.0.0.7") for _ in range(60)]
+        resp = await c.post("/v1/completions", json=body(50, stream=True))  # 40 fit, the 41st does not
+        assert resp.status_code == 429, resp.text
+        assert resp.headers["x-kairos-error"] == "client_share" and int(resp.headers["retry-after"]) >= 1
+        assert resp.headers["content-type"] == "application/json" and b"data:" not in resp.content
+        assert resp.json()["error"]["type"] == "RateLimitError"
+        # the 40 admitted before the refusal are gone again; the 60 are untouched
+        assert r.core.admission.clients["addr:10.0.0.7"] == 60 and len(r.requests) == 60
+    assert all(not q.done for q in held)
+
+
+async def test_a_client_with_its_own_key_has_its_own_share() -> None:
+    r = router(max_in_flight=8, client_share=0.25)  # 2 each
+    for _ in range(2):
+        r.submit([1, 2, 3], m.Sampling(max_tokens=2), client="addr:10.0.0.7")
+    async with client(r) as c:
+        refused = await c.post("/v1/completions", json=body(1))
+        assert refused.status_code == 429 and refused.headers["x-kairos-error"] == "client_share"
+        # another key from the same address is another client: admitted (it then waits for tokens)
+        task = asyncio.create_task(c.post("/v1/completions", json=body(1),
+                                          headers={"authorization": "Bearer user-b"}))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(r.requests) == 3:
+                break
+        assert len(r.requests) == 3 and any(k.startswith("key:") for k in r.core.admission.clients)
+        task.cancel()
+
+
+async def test_a_batch_is_admitted_in_slices_with_the_loop_free_between_them() -> None:
+    r = router()
+    turns = 0  # times another task got the loop
+    seen: list[int] = []  # `turns` at each sub-request's admission
+    admit = r.admit
+
+    async def recording(*a: Any, **kw: Any) -> Any:
+        seen.append(turns)
+        return await admit(*a, **kw)
+
+    r.admit = recording  # type: ignore[method-assign]
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    t = asyncio.create_task(ticker())
+    async with client(r) as c:
+        task = asyncio.create_task(c.post("/v1/completions", json=body(64, stream=True)))
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if len(seen) == 64:
+                break
+        task.cancel()
+    t.cancel()
+    assert len(seen) == 64
+    # the other task ran between the slices (without yields the 64 are admitted in one go)
+    slices = [seen[i:i + http.ADMIT_SLICE] for i in range(0, 64, http.ADMIT_SLICE)]
+    assert all(len(set(s)) == 1 for s in slices)  # one slice at once
+    assert all(a[0] < b[0] for a, b in itertools.pairwise(slices))  # the loop free between slices
+
+
+async def test_a_batch_over_the_limit_is_a_400_and_nothing_is_admitted() -> None:
+    r = router(max_batch=32)
+    async with client(r) as c:
+        resp = await c.post("/v1/completions", json=body(33))
+    assert resp.status_code == 400 and resp.headers["x-kairos-error"] == "batch_too_large"
+    assert "retry-after" not in resp.headers and not r.requests

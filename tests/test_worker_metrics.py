@@ -69,8 +69,9 @@ def test_port_in_use_is_a_clear_error() -> None:
     port = free_ports(1)[0]
     stop = serve_metrics("127.0.0.1", port)
     try:
-        with pytest.raises(ConfigError, match="metrics port"):
+        with pytest.raises(ConfigError, match="cannot serve /metrics") as e:
             serve_metrics("127.0.0.1", port)
+        assert "--metrics-port" in e.value.fix and e.value.event == "metrics_failed_to_start"
         # a Prometheus server asks for OpenMetrics; vLLM's names must keep their colons all the same
         r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, headers={
             "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})

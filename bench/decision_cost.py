@@ -198,9 +198,9 @@ def measure(policy_names: list[str], n: int, *, decisions: int, seed: int, lengt
                         tbt_slo=0.1) for i in range(decisions)]
 
     policies = [make_policy(name, kairos=kcfg, default_model=prof.model) for name in policy_names]
-    # the router prepares a policy's view when a worker's view changes (`prepare`, if the policy
-    # has it), apart from the decision a request waits for; both are timed, and their sum
-    preps = [getattr(policy, "prepare", None) if prepare else None for policy in policies]
+    # the router prepares a policy's view when a worker's view changes (`prepare`, when the policy
+    # `prepares`), apart from the decision a request waits for; both are timed, and their sum
+    preps = [policy.prepare if prepare and policy.prepares else None for policy in policies]
     for policy, prep in zip(policies, preps, strict=True):  # warm-up
         hb_rng = random.Random(seed)
         view = cluster.reset()

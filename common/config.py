@@ -70,8 +70,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     metrics_port: Annotated[int, doc("also serve /metrics on this port (0: only on the HTTP port); give each "
                                      "replica its own, as replicas share the HTTP port")] = 0
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
-    policy: Annotated[str, doc("kairos, disagg-least-loaded, disagg-round-robin, conditional-disagg, chunked-prefill "
-                               "(no prefill workers), deflect-all or kv-aware")] = "kairos"
+    policy: Annotated[str, doc("routing policy, by its name in the policy registry (common/policy/registry.py; "
+                               "`kairos router --help` lists them)")] = "kairos"
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
@@ -281,18 +281,25 @@ def _field_help(cls: type[msgspec.Struct]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct],
+                  choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """One flag per field of `cls`. `choices`: field -> {value: what it is}, the only values the
+    flag takes (a registry's names, e.g. the routing policies), listed in its help."""
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with any of the options below")
     defaults = cls()
     for name, (base, help_text) in _field_help(cls).items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         env = ENV_PREFIX + name.upper()
+        values = (choices or {}).get(name)
+        if values:
+            help_text += ": " + "; ".join(f"{v} ({what})" if what else v for v, what in values.items())
         text = f"{help_text} (default: {default!r}; env {env})".replace("%", "%%")  # argparse formats help with %
         if base is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, dest=name, type=base, default=None, metavar=name.upper(), help=text)
+            parser.add_argument(flag, dest=name, type=base, default=None, metavar=name.upper(), help=text,
+                                choices=list(values) if values else None)
 
 
 def _read_file(path: str) -> dict[str, Any]:
@@ -402,9 +409,11 @@ class _Parser(argparse.ArgumentParser):
                           fix=f"correct the command line (`{self.prog} --help` lists the options)")
 
 
-def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str) -> T:
+def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str,
+          choices: Mapping[str, Mapping[str, str]] | None = None) -> T:
+    """`cls` from the command line (over the environment and --config); `choices`: see add_arguments."""
     # each option's help says its default itself (add_arguments): no formatter that adds another
     parser = _Parser(prog=prog, description=description)
-    add_arguments(parser, cls)
+    add_arguments(parser, cls, choices)
     ns = parser.parse_args(argv)
     return load(cls, args=ns)

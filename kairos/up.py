@@ -42,7 +42,7 @@ from common.config import ENV_PREFIX, RouterConfig, env_text
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
-from common.policy import POLICIES
+from common.policy import POLICIES, policy_help
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
@@ -501,7 +501,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 2, or the --plan's)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 2, or the --plan's)")
     p.add_argument("--policy", default=None, choices=POLICIES,
-                   help="routing policy (default kairos, or the --plan's; chunked-prefill runs with --prefill 0)")
+                   help="routing policy (default kairos, or the --plan's; chunked-prefill runs with --prefill 0): "
+                        + policy_help().replace("%", "%%"))
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="the shape, policy, profile and settings `kairos plan --out FILE` recommends (flags given "
                         "here override them)")

@@ -154,9 +154,9 @@ def test_the_switch_reaches_the_simulator_through_the_knobs() -> None:
     assert isinstance(policy, Kairos) and policy.cfg.late_binding and policy.cfg.late_depth == 2.0
     sim = Simulation(PROF, policy, SimConfig())
     core = sim.routers.replicas[0].core  # the live router's core, with this policy
-    assert core.policy is policy and core.waiting.late_config() is policy.cfg
+    assert core.policy is policy and core.waiting.policy.orders_waiting()
     off, _ = build("kairos", Setup(), PROF)
-    assert isinstance(off, Kairos) and not off.cfg.late_binding
+    assert isinstance(off, Kairos) and not off.cfg.late_binding and not off.orders_waiting()
 
 
 def test_the_switch_reaches_kairos_up_and_the_router_config() -> None:

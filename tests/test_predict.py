@@ -21,6 +21,7 @@ from common.policy import (
     DecodeView,
     KairosConfig,
     NoWorkers,
+    Policy,
     PrefillView,
     RequestSpec,
     make_policy,
@@ -35,7 +36,7 @@ PROF = load_profile("a100-dsv2-lite")
 M = PROF.model
 
 
-class Probe:
+class Probe(Policy):
     """Routes like disagg-least-loaded and records Kairos's replay prediction for the chosen
     prefill worker (prefill end, no transfer), to compare with what the simulator then does."""
 

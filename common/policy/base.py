@@ -7,7 +7,8 @@ global randomness: the live router and `kairos sim` call the same code.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
 
 import msgspec
 
@@ -113,9 +114,40 @@ class Hold(NoKvRoom):
 
 
 class Policy(Protocol):
+    """The whole interface a routing policy offers the router core (common/router_core/) and the
+    simulator: they call these methods and nothing else, and probe for none of them. A policy
+    subclasses this class to inherit the defaults and overrides what it does differently; the
+    policies are built by name from the registry (registry.py).
+
+    - `decide` (required): the decision for `req` on `view` at `now`, or one of the exceptions
+      above (NoWorkers, NoKvRoom, NoDecodeRoom, Hold) saying why it cannot be placed now.
+    - `prepare`: do ahead, when the router's loop is free after the views changed, the work of the
+      next decision that depends only on the view (Kairos's replayed queues). The core calls it
+      only when `prepares` is true, so a policy with nothing to prepare costs the core no view.
+      Default: nothing.
+    - `orders_waiting` / `retry_order`: the order the router's wait queue decides its waiting
+      requests again in (common/router_core/waiting.py). When `orders_waiting()` is true the core
+      computes each waiting request's `latest_start` (kairos.py) and `retry_order` returns the
+      indices to try in; default: arrival order (FIFO), with no `latest_start` computed.
+    """
+
     name: str
+    prepares: ClassVar[bool] = False  # whether `prepare` does anything
 
     def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision: ...
+
+    def prepare(self, view: ClusterView, now: float, tbt_slo: float) -> None:
+        """Nothing to prepare (see the class docstring)."""
+        return None
+
+    def orders_waiting(self) -> bool:
+        """Whether `retry_order` needs the waiting requests' latest starts (default: no, FIFO)."""
+        return False
+
+    def retry_order(self, latest: Sequence[float], now: float) -> list[int]:
+        """Indices into `latest` (the waiting requests' latest starts, in arrival order; zeros when
+        `orders_waiting()` is false) in the order to decide them again: by default, arrival order."""
+        return list(range(len(latest)))
 
 
 def least_loaded_decode(view: ClusterView, req: RequestSpec) -> DecodeView:

@@ -9,13 +9,14 @@ from common.policy.base import (
     ClusterView,
     Decision,
     NoWorkers,
+    Policy,
     RequestSpec,
     least_loaded_decode,
     least_loaded_prefill,
 )
 
 
-class DisaggRoundRobin:
+class DisaggRoundRobin(Policy):
     """vLLM's toy proxy: always prefill -> decode, round-robin over each pool, no load awareness."""
 
     name = "disagg-round-robin"
@@ -37,7 +38,7 @@ class DisaggRoundRobin:
                         reason="round_robin")
 
 
-class DisaggLeastLoaded:
+class DisaggLeastLoaded(Policy):
     """Always disaggregated: the prefill worker with the fewest queued tokens, the decode worker
     with the lightest batch (llm-d / Dynamo style load-aware proxy without bypass)."""
 
@@ -50,7 +51,7 @@ class DisaggLeastLoaded:
                         reason="least_loaded")
 
 
-class DeflectAll:
+class DeflectAll(Policy):
     """Every request prefilled in place on the least-loaded decode worker (exercises that path)."""
 
     name = "deflect-all"
@@ -78,7 +79,7 @@ class ConditionalConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"decode_busy_threshold must be in [0, 1] (got {self.decode_busy_threshold})")
 
 
-class ConditionalDisagg:
+class ConditionalDisagg(Policy):
     """Local prefill on the least-loaded decode worker iff (the uncached prompt is short) OR (the
     least-loaded prefill worker is busy); vetoed when that decode worker's KV is nearly full.
 
@@ -110,7 +111,7 @@ class ConditionalDisagg:
         return Decision(route="disagg", prefill_worker=p.worker_id, decode_worker=d.worker_id, reason=reason)
 
 
-class ChunkedPrefill:
+class ChunkedPrefill(Policy):
     """No disaggregation (Sarathi-style): every request is prefilled in place on the least-loaded
     decode worker, in chunks that fill what the step's token budget leaves after the decodes
     (capped per request by the engine's chunk size). Meant for a pool of decode workers only
@@ -135,7 +136,7 @@ class KvAwareConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"overlap_weight must be >= 0 (got {self.overlap_weight})")
 
 
-class KvAware:
+class KvAware(Policy):
     """Always disaggregated, placed by prefix-cache hits (Dynamo's KV router style): the prefill
     worker with the least `overlap_weight` x uncached prompt + queued tokens, and the decode
     worker (among those with KV room) with the least `overlap_weight` x the KV it lacks (the

@@ -58,6 +58,7 @@ from common.policy.base import (
     Hold,
     NoDecodeRoom,
     NoWorkers,
+    Policy,
     PrefillView,
     RequestSpec,
     least_loaded_decode,
@@ -183,8 +184,9 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 
     return left / dm.a2 if dm.a2 > 0.0 else _INF
 
 
-class Kairos:
+class Kairos(Policy):
     name = "kairos"
+    prepares = True
 
     def __init__(self, cfg: KairosConfig | None = None, *, default_model: PerfModel | None = None) -> None:
         self.cfg = cfg or KairosConfig()
@@ -360,6 +362,13 @@ class Kairos:
         router calls it when its views change (a heartbeat, a dispatch); optional: `decide`
         does whatever is not done yet. The bench times it apart (`kairos bench-decision`)."""
         self._cluster(view, tbt_slo, now)
+
+    def orders_waiting(self) -> bool:
+        """Late binding orders the wait queue by latest start (`late_order`)."""
+        return self.cfg.late_binding
+
+    def retry_order(self, latest: Sequence[float], now: float) -> list[int]:
+        return retry_order(self.cfg if self.cfg.late_binding else None, latest, now)
 
     def _cluster(self, view: ClusterView, slo: float, now: float) -> ClusterPrep:
         """`view`'s prepared form (`ClusterPrep`), brought up to date for the workers whose view

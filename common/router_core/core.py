@@ -106,30 +106,22 @@ class RouterCore:
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
         self.liveness_s = cfg.liveness * cfg.heartbeat_interval
         self.gate = Gate(self.counts, metrics, log=self.log)
-        self.dispatcher = Dispatcher(cfg, self.policy, self.table, self.prefix, outbox=outbox, metrics=metrics,
-                                     send=self.send, views_changed=hooks.views_changed, wall_offset=wall_offset,
-                                     before_view=hooks.before_view, log=self.log)
+        self.dispatcher = Dispatcher(cfg, self.policy, self.table, self.prefix, self, outbox=outbox, metrics=metrics,
+                                     hooks=hooks, wall_offset=wall_offset, log=self.log)
         self.dispatch = self.dispatcher.dispatch
         self.routes, self.reasons = self.dispatcher.routes, self.dispatcher.reasons
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
-        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, dispatch=self.dispatch, fail=self.fail,
-                               unplaced=self.unplaced)
+        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self)
         self.kv_waiting = self.waiting.queue
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
-        self.migration = Migration(cfg, self.counts, dispatch=self.dispatch, dispatch_again=self.dispatch_again,
-                                   unplaced=self.unplaced, finish=self.finish, fail=self.fail,
-                                   next_attempt=self.next_attempt, metrics=metrics, log=self.log)
+        self.migration = Migration(cfg, self.counts, self, metrics=metrics, log=self.log)
         self.parked = self.migration.parked
         self.membership = Membership(
-            cfg=cfg, incarnation=self.incarnation, table=self.table, prefix=self.prefix, gate=self.gate,
-            counts=self.counts, requests=self.requests, waiting=self.waiting, migration=self.migration,
-            dropped=self.dropped, outbox=outbox, metrics=metrics, send=self.send, redispatch=self.redispatch,
-            retry_waiting=self.retry_waiting, views_changed=hooks.views_changed, worker_joined=hooks.worker_joined,
-            drop_frame=self.drop_frame, liveness_s=self.liveness_s, wall_offset=wall_offset,
-            log=self.log)
+            cfg=cfg, incarnation=self.incarnation, core=self, table=self.table, prefix=self.prefix, gate=self.gate,
+            counts=self.counts, dropped=self.dropped, outbox=outbox, metrics=metrics, hooks=hooks,
+            wall_offset=wall_offset, log=self.log)
         self.admission = Admission(cfg, self.table, self.requests)
         self.inbound = Inbound(self)
-        self._prepare = getattr(self.policy, "prepare", None)
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
@@ -226,10 +218,11 @@ class RouterCore:
                                "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
 
     def prepare(self, now: float) -> None:
-        """Let the policy prepare the current view (`Kairos.prepare`), so that the next decision
+        """Let the policy prepare the current view (`Policy.prepare`), so that the next decision
         does only its own part; the shell calls it when its loop is free after `views_changed`."""
-        if self._prepare is not None:
-            self._prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
+        policy = self.policy
+        if policy.prepares:  # else no view is built for it
+            policy.prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
 
     def retry_waiting(self, now: float) -> None:
         """Room may have opened for the waiting requests: decide them again, now or when the

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import structlog
@@ -24,25 +24,31 @@ from common import messages as m
 from common.config import RouterConfig
 from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
-from common.router_core.ports import Log, Metrics, Outbox
+from common.router_core.ports import Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
 from common.router_core.trust import too_small
 from common.router_core.workers import WorkerEntry, WorkerTable
 
 
+class Sender(Protocol):
+    """What dispatch asks of the rest of the router core (core.py's RouterCore is one)."""
+
+    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
+        """To a registered worker (marked unreachable, and the work placed again, if it fails)."""
+
+
 class Dispatcher:
     """Decides and sends (see the module docstring). It reads the worker table and the prefix
-    index and writes their ledgers; it sends through `send` and publishes through the outbox."""
+    index and writes their ledgers; it sends through `core` (`Sender`), publishes through the
+    outbox, and tells the shell through `hooks` (`before_view`, `views_changed`)."""
 
-    def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, prefix: RouterPrefix, *,
-                 outbox: Outbox, metrics: Metrics, send: Callable[[WorkerEntry, m.Msg], None],
-                 views_changed: Callable[[], None], wall_offset: float = 0.0,
-                 before_view: Callable[[float], None] | None = None, log: Log | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, prefix: RouterPrefix, core: Sender, *,
+                 outbox: Outbox, metrics: Metrics, hooks: Hooks, wall_offset: float = 0.0,
+                 log: Log | None = None) -> None:
         self.cfg, self.policy, self.table, self.prefix = cfg, policy, table, prefix
-        self.outbox, self.metrics, self._send, self._views_changed = outbox, metrics, send, views_changed
+        self.outbox, self.metrics, self.core, self.hooks = outbox, metrics, core, hooks
         self.wall_offset = wall_offset
-        self.before_view = before_view
         self.log = log if log is not None else structlog.get_logger()
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -51,8 +57,9 @@ class Dispatcher:
         """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
         away, so decide again with those closed to deflections (common/policy/admission.py),
         or, with no prefill worker live, deflect again without the admission check."""
-        if self.before_view is not None:
-            self.before_view(now)  # (not timed: the simulator's engines, not the router's work)
+        before_view = self.hooks.before_view
+        if before_view is not None:
+            before_view(now)  # (not timed: the simulator's engines, not the router's work)
         t0 = time.perf_counter()
         prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         exclude = frozenset(req.exclude) | too_small(self.table, len(prompt))
@@ -86,7 +93,7 @@ class Dispatcher:
         no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
         if decision.route == "deflect":
             dw.holding.add(req.request_id)
-            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
+            self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
@@ -98,13 +105,13 @@ class Dispatcher:
             pw = self.table.workers[decision.prefill_worker]
             pw.holding.add(req.request_id)
             dw.holding.add(req.request_id)
-            self._send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="handoff",
+            self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="handoff",
                                         prompt_token_ids=prompt, sampling=sampling,
                                         tbt_slo=req.tbt_slo, deadline_s=remaining,
                                         prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, traceparent=req.traceparent,
                                         tracestate=req.tracestate))
-            self._send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
+            self.core.send(pw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
                                          prompt_token_ids=prompt, sampling=sampling,
                                          decode_worker=dw.worker_id, deadline_s=remaining,
                                          cached_tokens=req.cached_tokens, traceparent=req.traceparent,
@@ -124,4 +131,4 @@ class Dispatcher:
                   decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker,
                   ttft_p=decision.ttft_prefill_pred, ttft_d=decision.ttft_decode_pred,
                   schedule=list(decision.chunk_schedule), decision_us=round(decision_us, 1), attempt=req.attempt)
-        self._views_changed()
+        self.hooks.views_changed()

@@ -8,29 +8,48 @@ worker silent past the liveness window is removed and what it held is re-dispatc
 monitor: `telemetry`, called once a second by the shell).
 
 `Membership` owns who was asked to say Hello again; it changes the worker table and reaches the
-rest of the router only through the objects and callbacks it is given (common/router_core/core.py
-builds it). It reads no clock: every entry takes `now`.
+rest of the router only through `core`, the few things it asks of it (`Router` below;
+common/router_core/core.py builds it with the core, which is one). It reads no clock: every entry takes `now`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
 from common import messages as m
 from common.config import RouterConfig
 from common.logging import Throttle
-from common.router_core.migrate import Migration
-from common.router_core.ports import Log, Metrics, Outbox
+from common.router_core.ports import Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
 from common.router_core.trust import Gate, refusal
-from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
 from common.sockets import fingerprint
+from common.wait_queue import WaitQueue
+
+
+class Router(Protocol):
+    """What membership asks of the rest of the router core (core.py's RouterCore is one): the
+    requests in flight and the wait queue (read only), and four actions."""
+
+    requests: dict[str, Request]   # in flight, by the router's request id
+    kv_waiting: WaitQueue[Request]
+
+    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
+        """To a registered worker (marked unreachable if it fails)."""
+
+    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
+        """Place again (or fail) a request its worker no longer holds."""
+
+    def retry_waiting(self, now: float) -> None:
+        """Room may have opened: decide the waiting requests again."""
+
+    def drop_frame(self, source: str, event: str, **fields: object) -> None:
+        """Count and log (rate-limited) a frame that cannot be used."""
 
 
 @dataclass(eq=False)
@@ -39,26 +58,23 @@ class Membership:
 
     cfg: RouterConfig
     incarnation: str
+    core: Router
     table: WorkerTable
     prefix: RouterPrefix
     gate: Gate
     counts: Counter[str]
-    requests: dict[str, Request]   # in flight, by the router's request id (read only here)
-    waiting: Waiting
-    migration: Migration
     dropped: Throttle              # rate limit of repeated log lines
     outbox: Outbox                 # to any bus peer (registered or not) and to the monitor
     metrics: Metrics
-    send: Callable[[WorkerEntry, m.Msg], None]  # to a registered worker (marked unreachable if it fails)
-    redispatch: Callable[[Request, str, str | None, float], None]
-    retry_waiting: Callable[[float], None]
-    views_changed: Callable[[], None]
-    worker_joined: Callable[[], None]
-    drop_frame: Callable[..., None]
-    liveness_s: float = 0.0
+    hooks: Hooks                   # views_changed, worker_joined
     wall_offset: float = 0.0       # wall-clock time = now + wall_offset
     asked_hello: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked to Hello again
     log: Log = field(default_factory=structlog.get_logger)
+
+    @property
+    def liveness_s(self) -> float:
+        """A worker silent this long is lost."""
+        return self.cfg.liveness * self.cfg.heartbeat_interval
 
     def on_hello(self, identity: bytes, h: m.Hello, now: float) -> None:
         reason = refusal(identity, h, self.table, served_model=self.cfg.served_model_name)
@@ -81,10 +97,10 @@ class Membership:
         drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
         if drop:
             self.log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
-        self.send(entry, m.Welcome(router_incarnation=self.incarnation,
+        self.core.send(entry, m.Welcome(router_incarnation=self.incarnation,
                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
         if not entry.draining:
-            self.worker_joined()  # requests held at admission try again
+            self.hooks.worker_joined()  # requests held at admission try again
 
     def refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
         self.counts["workers_refused"] += 1
@@ -97,7 +113,7 @@ class Membership:
         self.outbox.send(identity, m.Refused(router_incarnation=self.incarnation, reason=reason))
 
     def _tracks(self, request_id: str, worker_id: str) -> bool:
-        req = self.requests.get(request_id)
+        req = self.core.requests.get(request_id)
         return req is not None and worker_id in (req.prefill_worker, req.decode_worker)
 
     def on_goodbye(self, g: m.Goodbye, w: WorkerEntry, now: float) -> None:
@@ -130,7 +146,7 @@ class Membership:
         try:
             entry = self.table.heartbeat(hb, now)
         except Exception as e:  # e.g. coefficients no model can be built from
-            self.drop_frame("heartbeats", "bad_heartbeat_dropped", worker=hb.worker_id,
+            self.core.drop_frame("heartbeats", "bad_heartbeat_dropped", worker=hb.worker_id,
                             error=f"{type(e).__name__}: {e}"[:200])
             return
         if entry is None:
@@ -140,9 +156,9 @@ class Membership:
                 self.ask_hello(hb.worker_id, now)
             return
         self.prefix.on_heartbeat(hb)
-        if self.waiting.queue:
-            self.retry_waiting(now)  # its view may show room now (KV, a shorter prefill queue)
-        self.views_changed()
+        if self.core.kv_waiting:
+            self.core.retry_waiting(now)  # its view may show room now (KV, a shorter prefill queue)
+        self.hooks.views_changed()
 
     def ask_hello(self, worker_id: str, now: float) -> None:
         last = self.asked_hello
@@ -178,12 +194,12 @@ class Membership:
     def requeue_held(self, w: WorkerEntry, why: str, now: float) -> None:
         """Re-dispatch (or fail, if already streaming) what a worker that left was holding."""
         for rid in list(w.holding):
-            req = self.requests.get(rid)
+            req = self.core.requests.get(rid)
             if req is None or req.done:
                 continue
             if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id):
                 continue
-            self.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
+            self.core.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
         """Each worker's state and the router's counters (and its event loop's lag, the shell's
@@ -208,8 +224,8 @@ class Membership:
             state["holding"] = len(w.holding)
             self.outbox.publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,
                                              engine=w.hello.engine, state=state, at=at))
-        self.metrics.set_in_flight(len(self.requests))
+        self.metrics.set_in_flight(len(self.core.requests))
         self.metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
-        self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.requests), accepted=self.counts["accepted"],
+        self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.core.requests), accepted=self.counts["accepted"],
                                           completed=self.counts["completed"], failed=self.counts["failed"],
                                           rejected=self.counts["rejected"], loop_lag_ms=loop_lag_ms))

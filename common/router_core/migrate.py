@@ -35,8 +35,7 @@ callbacks it is given (dispatch, finish, fail, start a next attempt).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -46,20 +45,36 @@ from common.router_core.ports import NULL_METRICS, Log, Metrics
 from common.router_core.requests import Request
 
 
-class Migration:
-    """Resuming requests that lost their decode worker, and parking those no worker can take."""
+class Resumer(Protocol):
+    """What migration and parking ask of the rest of the router core (core.py's RouterCore is one)."""
 
-    def __init__(self, cfg: RouterConfig, counts: Counter[str], *, dispatch: Callable[[Request, float], None],
-                 dispatch_again: Callable[[Request, float], bool],
-                 unplaced: Callable[[Request, NoWorkers, float], None],
-                 finish: Callable[[Request, str, float], None], fail: Callable[[Request, str, str, float], None],
-                 next_attempt: Callable[[Request, str, str | None], None],
+    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
+        """Decide and send at `now`; raises the policy's NoKvRoom/Hold/NoWorkers when it cannot."""
+
+    def dispatch_again(self, req: Request, now: float) -> bool:
+        """Dispatch a request's next attempt; False: it could not be placed (`unplaced` put it away)."""
+
+    def unplaced(self, req: Request, e: NoWorkers, now: float) -> None:
+        """Put a request that cannot be placed now where it waits (the wait queue, or parked)."""
+
+    def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
+        """Stop a request's work where it ran and start its next attempt."""
+
+    def finish(self, req: Request, finish_reason: str, now: float) -> None:
+        """End a request that completed."""
+
+    def fail(self, req: Request, message: str, code: str, now: float) -> None:
+        """End a request with an error."""
+
+
+class Migration:
+    """Resuming requests that lost their decode worker, and parking those no worker can take. It
+    reaches the rest of the router only through `core` (`Resumer`)."""
+
+    def __init__(self, cfg: RouterConfig, counts: Counter[str], core: Resumer, *,
                  metrics: Metrics = NULL_METRICS, log: Log | None = None) -> None:
-        self.cfg, self.counts, self.metrics = cfg, counts, metrics
+        self.cfg, self.counts, self.metrics, self.core = cfg, counts, metrics, core
         self.log = log if log is not None else structlog.get_logger()
-        self._dispatch, self._finish, self._fail = dispatch, finish, fail
-        self._dispatch_again, self._unplaced = dispatch_again, unplaced
-        self._next_attempt = next_attempt
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
 
     def resume(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
@@ -68,19 +83,19 @@ class Migration:
         limit = self.cfg.max_migrations
         lost = f"worker failed after streaming {req.n_out} tokens ({why})"
         if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
-            self._finish(req, "length", now)
+            self.core.finish(req, "length", now)
             return
         if req.migrations >= limit:
             self.metrics.observe_migration("limit")
-            self._fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
-                            f"{limit}); the output is incomplete", "worker_lost_midstream", now)
+            self.core.fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
+                                f"{limit}); the output is incomplete", "worker_lost_midstream", now)
             return
-        self._next_attempt(req, "migrated", bad_worker)
+        self.core.next_attempt(req, "migrated", bad_worker)
         req.migrations += 1
         req.resume_from = req.n_out
         self.counts["migrated"] += 1
         where: dict[str, Any]
-        if self._dispatch_again(req, now):
+        if self.core.dispatch_again(req, now):
             outcome = "resumed"
             where = {"decode_worker": req.decode_worker, "route": req.decision.route if req.decision else None}
         else:  # it waits for KV room or is parked (RouterCore.unplaced)
@@ -110,10 +125,10 @@ class Migration:
                 continue
             req.exclude.clear()
             try:
-                self._dispatch(req, now)
+                self.core.dispatch(req, now)
             except NoKvRoom as e:  # workers again, but none with room: it waits for room, first in line
                 del parked[rid]
-                self._unplaced(req, e, now)
+                self.core.unplaced(req, e, now)
                 continue
             except NoWorkers as e:
                 if now < req.parked_until:
@@ -121,12 +136,12 @@ class Migration:
                 del parked[rid]
                 if req.streamed:
                     self.metrics.observe_migration("no_worker")
-                    self._fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
-                                    f"within {self.cfg.park_timeout:g} s ({e}); the output is incomplete",
-                               "worker_lost_midstream", now)
+                    self.core.fail(req, f"worker failed after streaming {req.n_out} tokens; no worker to resume it on "
+                                        f"within {self.cfg.park_timeout:g} s ({e}); the output is incomplete",
+                                   "worker_lost_midstream", now)
                 else:
-                    self._fail(req, f"no worker left to retry on within {self.cfg.park_timeout:g} s: {e}",
-                               "unavailable", now)
+                    self.core.fail(req, f"no worker left to retry on within {self.cfg.park_timeout:g} s: {e}",
+                                   "unavailable", now)
                 continue
             del parked[rid]
             self.log.info("request_unparked", request_id=req.request_id, attempt=req.attempt,

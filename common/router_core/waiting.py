@@ -5,7 +5,7 @@ worker can prefill it in place now).
 A request waiting for KV room blocks the queue (FIFO: nobody overtakes it). Held requests do
 not: a new arrival is still decided at once. The queue is decided again when room may have
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
-`SCAN` waiting requests, in the policy's `retry_order` (Kairos late binding: first those that can
+`SCAN` waiting requests, in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
 still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
 KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the code naming what was
 short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`, `kv_wait_timeout`;
@@ -21,34 +21,41 @@ retries.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from typing import Protocol
 
 from common.config import RouterConfig
-from common.policy import Hold, Kairos, KairosConfig, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
-from common.policy.kairos import latest_start, retry_order
+from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
+from common.policy.kairos import latest_start
 from common.router_core.admission import shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
 
 
+class Placer(Protocol):
+    """What the wait queue asks of the rest of the router core (core.py's RouterCore is one)."""
+
+    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
+        """Decide and send at `now`; raises the policy's NoKvRoom/Hold/NoWorkers when it cannot."""
+
+    def fail(self, req: Request, message: str, code: str, now: float) -> None:
+        """End a request with an error."""
+
+    def unplaced(self, req: Request, e: NoWorkers, now: float) -> None:
+        """Put a request no live worker can take where it waits (parked)."""
+
+
 class Waiting:
     """The router's wait queue with its rules. It owns the queue (`queue`) and reaches the rest of
-    the router only through what it is given: the settings, the policy and the worker table (read
-    only), the router's counters, and two callbacks, `dispatch` (decide and send at `now`; raises
-    the policy's NoKvRoom/Hold/NoWorkers when it cannot) and `fail` (end a request with an error)."""
+    the router only through what it is given: the settings, the policy (its declared wait order,
+    `Policy.retry_order`) and the worker table (read only), the router's counters, and `core`, the
+    three things it asks of the core (`Placer`)."""
 
-    def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str], *,
-                 dispatch: Callable[[Request, float], None],
-                 fail: Callable[[Request, str, str, float], None],
-                 unplaced: Callable[[Request, NoWorkers, float], None]) -> None:
+    def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str],
+                 core: Placer) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
-        self._dispatch, self._fail, self._unplaced = dispatch, fail, unplaced
+        self.core = core
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
-
-    def late_config(self) -> KairosConfig | None:
-        p = self.policy
-        return p.cfg if isinstance(p, Kairos) and p.cfg.late_binding else None
 
     def alone_s(self, tokens: int) -> float:
         """The prompt's prefill time on the fastest idle prefill worker (0 when none is live)."""
@@ -75,18 +82,19 @@ class Waiting:
         q.drop_done()
         if not q:
             return
-        late = self.late_config()
+        policy = self.policy
+        late = policy.orders_waiting()
 
         def order(head: list[Request]) -> list[int]:
             latest = [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head] \
-                if late is not None else [0.0] * len(head)
-            return retry_order(late, latest, now)
+                if late else [0.0] * len(head)
+            return policy.retry_order(latest, now)
 
         def place(req: Request) -> Outcome:
             if req.done:
                 return Outcome.GONE
             try:
-                self._dispatch(req, now)
+                self.core.dispatch(req, now)
             except Hold as e:
                 req.held, req.wait_reason, req.short = True, str(e), shortage(e)
                 return Outcome.HELD
@@ -95,7 +103,7 @@ class Waiting:
                 return Outcome.NO_ROOM
             except NoWorkers as e:  # no worker left that could take it: parked (RouterCore.unplaced)
                 q.remove(req)
-                self._unplaced(req, e, now)
+                self.core.unplaced(req, e, now)
                 return Outcome.REMOVED
             req.kv_wait_until = 0.0
             req.held = False
@@ -122,17 +130,18 @@ class Waiting:
             self.counts["kv_wait_timeouts"] += 1
             t = self.cfg.kv_wait_timeout
             if req.streamed:  # it lost its decode worker mid-stream and found no room to resume on
-                self._fail(req, f"worker failed after streaming {req.n_out} tokens; no decode worker had KV room to "
-                                f"resume it on within {t:g} s (kv_wait_timeout); the output is incomplete",
-                           "worker_lost_midstream", now)
+                self.core.fail(req, f"worker failed after streaming {req.n_out} tokens; no decode worker had KV room "
+                                    f"to resume it on within {t:g} s (kv_wait_timeout); the output is incomplete",
+                               "worker_lost_midstream", now)
             elif req.held:  # what was short is prefill (the queues stayed deep), not KV
-                self._fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout): the prefill workers' "
-                                f"queues stayed full and no decode worker could prefill it in place (late binding "
-                                f"held it: {req.wait_reason}); retry later, or add prefill or decode workers",
-                           "prefill_wait_timeout", now)
+                self.core.fail(req, f"no worker could take it within {t:g} s (kv_wait_timeout): the prefill workers' "
+                                    f"queues stayed full and no decode worker could prefill it in place (late binding "
+                                    f"held it: {req.wait_reason}); retry later, or add prefill or decode workers",
+                               "prefill_wait_timeout", now)
             elif req.short == "decode_busy":
-                self._fail(req, f"no decode worker had decode step room for it within {t:g} s (kv_wait_timeout: "
-                                f"{req.wait_reason}); retry later, or add decode workers", "decode_wait_timeout", now)
+                self.core.fail(req, f"no decode worker had decode step room for it within {t:g} s (kv_wait_timeout: "
+                                    f"{req.wait_reason}); retry later, or add decode workers",
+                               "decode_wait_timeout", now)
             else:
-                self._fail(req, f"no decode worker had room for it within {t:g} s (kv_wait_timeout: "
-                                f"{req.wait_reason}); retry later, or add decode workers", "kv_wait_timeout", now)
+                self.core.fail(req, f"no decode worker had room for it within {t:g} s (kv_wait_timeout: "
+                                    f"{req.wait_reason}); retry later, or add decode workers", "kv_wait_timeout", now)

@@ -14,6 +14,7 @@ import uvicorn
 from common import config, logging
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
+from common.policy import REGISTRY
 from common.service import HttpServer, install_signals, listen_socket, run
 from common.startup import guard
 from services.router.edge import EdgeLimits, edge_protocol
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     cfg = config.flags(argv, config.RouterConfig, "kairos router",
                        "Kairos router: the OpenAI-compatible HTTP API and the per-request deflection decision. "
-                       "Binds the bus; workers and the monitor connect to it.")
+                       "Binds the bus; workers and the monitor connect to it.",
+                       choices={"policy": {name: e.summary for name, e in REGISTRY.items()}})
     return run(lambda: serve(cfg))
 
 

@@ -58,6 +58,18 @@ def test_values_kairos_agrees_with_pass(words: list[str]) -> None:
     vllm_args.check_owned(words)
 
 
+def test_a_worker_refuses_more_parallelism_than_gpus_it_sees() -> None:
+    tp4 = {"tensor_parallel_size": 4}
+    vllm_args.check_gpus(tp4, {})  # nothing says: vLLM finds out
+    vllm_args.check_gpus(tp4, {"NVIDIA_VISIBLE_DEVICES": "all"})
+    vllm_args.check_gpus(tp4, {"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c,GPU-d"})
+    vllm_args.check_gpus({**tp4, "pipeline_parallel_size": 2}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    with pytest.raises(ConfigError, match=r"needs 8 GPUs .* sees 4"):
+        vllm_args.check_gpus({**tp4, "pipeline_parallel_size": 2}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    with pytest.raises(ConfigError, match=r"needs 4 GPUs .* sees 1"):
+        vllm_args.check_gpus(tp4, {"NVIDIA_VISIBLE_DEVICES": "3"})
+
+
 def test_kairos_up_passes_engine_args_to_every_worker_and_refuses_owned_ones_before_starting(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util

@@ -830,12 +830,13 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
     configuration; port 0 picks a free one (set one to open it in a firewall). The host must be
     an address the decode workers reach (127.0.0.1 on one machine).
     """
-    from common.engines import vllm_args
+    from common.engines.vllm_args import check_gpus, parse, split
     from common.perf_model import load_profile
 
     if not cfg.model:
         raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
-    engine_args = vllm_args.parse(vllm_args.split(cfg.vllm_engine_args))  # refused here, before the engine starts
+    engine_args = parse(split(cfg.vllm_engine_args))  # refused here, before the engine starts
+    check_gpus(engine_args, os.environ)
     budget = (cfg.prefill_token_budget if role == "prefill" else cfg.decode_token_budget) or cfg.vllm_token_budget
     bind = cfg.vllm_side_channel_bind
     return VllmEngine(role, model=cfg.model, max_model_len=cfg.vllm_max_model_len,

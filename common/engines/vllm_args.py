@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from common.errors import ConfigError
@@ -102,6 +102,31 @@ def check_owned(words: Sequence[str]) -> None:
             value = w.split("=", 1)[1] if "=" in w else (words[i + 1] if i + 1 < len(words) else "")
             if str(value) != str(required):
                 raise _refusal(w.split("=", 1)[0], key, value)
+
+
+def visible_gpus(env: Mapping[str, str]) -> int | None:
+    """How many GPUs this process may use, from CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES (what
+    Docker's and Kubernetes' NVIDIA device support set); None when neither says (unset, "all")."""
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        text = env.get(var)
+        if text is None or text.strip() in ("all", ""):
+            continue
+        if text.strip() in ("void", "none"):
+            return 0
+        return len([d for d in text.split(",") if d.strip()])
+    return None
+
+
+def check_gpus(args: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    """Refuse an engine that needs more GPUs (tensor x pipeline parallel size) than it can see."""
+    need = int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+    seen = visible_gpus(env)
+    if seen is not None and need > seen:
+        raise ConfigError(
+            f"the vLLM engine needs {need} GPUs (tensor parallel size {args.get('tensor_parallel_size') or 1} x "
+            f"pipeline parallel size {args.get('pipeline_parallel_size') or 1}) but this worker sees {seen} "
+            f"(CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES): give it {need} GPUs (compose: KAIROS_GPU_<WORKER> "
+            "as a comma list; Kubernetes: the pool's nvidia.com/gpu) or lower --tensor-parallel-size")
 
 
 class _Refused(Exception):

@@ -58,7 +58,8 @@ def split(text: str) -> list[str]:
     try:
         return shlex.split(text)
     except ValueError as e:
-        raise ConfigError(f"vllm_engine_args {text!r} is not valid shell quoting: {e}") from e
+        raise ConfigError(f"vllm_engine_args {text!r} is not valid shell quoting: {e}", key="vllm_engine_args",
+                          fix="quote the vLLM engine arguments as a shell would (KAIROS_VLLM_ENGINE_ARGS)") from e
 
 
 def join(words: Sequence[str]) -> str:
@@ -77,7 +78,10 @@ def _refusal(option: str, dest: str, value: object) -> ConfigError:
     shown = "" if value is ANY else f" {value!r}"
     return ConfigError(f"vLLM engine argument {option}{shown} is set by Kairos ({dest}"
                        + ("" if required is ANY else f" = {required!r}") + f"): {why}. Remove it from the "
-                       "worker's engine arguments (--vllm-engine-args / KAIROS_VLLM_ENGINE_ARGS)")
+                       "worker's engine arguments (--vllm-engine-args / KAIROS_VLLM_ENGINE_ARGS)",
+                       key="vllm_engine_args", argument=option, owned=dest,
+                       fix=f"remove {option} from the vLLM engine arguments (--vllm-engine-args, "
+                           f"KAIROS_VLLM_ENGINE_ARGS, or the command line): {why}")
 
 
 def check_owned(words: Sequence[str]) -> None:
@@ -126,7 +130,9 @@ def check_gpus(args: Mapping[str, Any], env: Mapping[str, str]) -> None:
             f"the vLLM engine needs {need} GPUs (tensor parallel size {args.get('tensor_parallel_size') or 1} x "
             f"pipeline parallel size {args.get('pipeline_parallel_size') or 1}) but this worker sees {seen} "
             f"(CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES): give it {need} GPUs (compose: KAIROS_GPU_<WORKER> "
-            "as a comma list; Kubernetes: the pool's nvidia.com/gpu) or lower --tensor-parallel-size")
+            "as a comma list; Kubernetes: the pool's nvidia.com/gpu) or lower --tensor-parallel-size",
+            key="vllm_engine_args", needed=need, visible=seen,
+            fix=f"give this worker {need} GPUs or lower --tensor-parallel-size / --pipeline-parallel-size")
 
 
 class _Refused(Exception):
@@ -164,9 +170,10 @@ def parse(words: Sequence[str]) -> dict[str, Any]:
         default = vars(parser.parse_args([]))
         given = vars(parser.parse_args(list(words)))
     except _Refused as e:
-        raise ConfigError(f"vLLM engine arguments {join(words)!r}: {e} (vLLM's `vllm serve --help` lists its "
-                          "engine arguments; its server options, e.g. --host, --port, --api-key, "
-                          "--tool-call-parser, are the router's: `kairos router --help`)") from e
+        raise ConfigError(f"vLLM engine arguments {join(words)!r}: {e}", key="vllm_engine_args",
+                          fix="correct the vLLM engine arguments: `vllm serve --help` lists them (its server "
+                              "options, e.g. --host, --port, --api-key, --tool-call-parser, are the router's: "
+                              "`kairos router --help`)") from e
     out: dict[str, Any] = {}
     for dest, value in given.items():
         try:

@@ -18,6 +18,9 @@ where tensor parallelism belongs.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -70,12 +73,17 @@ def test_vllms_parser_reads_the_arguments_and_refuses_conflicts() -> None:
         vllm_args.parse(["--max-num-seqs", "many"])
 
 
-async def test_conflicting_argument_is_refused_before_the_engine_starts(tiny_model: Path, tmp_path: Path) -> None:
-    from common.engines.vllm import make_vllm_engine
-
-    cfg = worker_config("decode", tiny_model, tmp_path, "--async-scheduling")
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        make_vllm_engine(cfg, "decode")
+def test_conflicting_argument_is_refused_before_the_engine_starts(tiny_model: Path) -> None:
+    """The worker command with vLLM's alias -dp 2 (data_parallel_size, which Kairos owns): one JSON
+    line naming it and the fix, exit 2, no engine started (about 25 s: the worker imports vLLM)."""
+    r = subprocess.run([sys.executable, "-m", "kairos.cli", "decode-worker", "--engine", "vllm",
+                        "--model", str(tiny_model), "--log-format", "json", "-dp", "2"],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [json.loads(x) for x in (r.stdout + r.stderr).splitlines() if x.startswith("{")]
+    assert [x["event"] for x in lines] == ["config_invalid"], r.stdout + r.stderr
+    assert lines[0]["owned"] == "data_parallel_size" and "run more workers" in lines[0]["fix"]
+    assert "vllm_engine_started" not in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
 
 
 async def started(tiny_model: Path, cache: Path, roles: tuple[str, ...], *extra: str) -> tuple[dict[str, Any], PD]:

@@ -118,6 +118,7 @@ async def stop(engines: dict[str, Any], runs: list[asyncio.Task[None]]) -> None:
             await e.close()
 
 
+@pytest.mark.timeout(600)  # two engine starts: 13-54 s each alone, up to 4.5 min seen on 2 busy cores
 async def test_engine_arguments_are_in_vllms_config_and_both_routes_serve(
         tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """--max-num-seqs and --seed on a prefill + decode pair: a handoff over NIXL and an in-place
@@ -144,6 +145,7 @@ async def test_engine_arguments_are_in_vllms_config_and_both_routes_serve(
         await stop(engines, runs)
 
 
+@pytest.mark.timeout(600)  # an engine start: up to 4.5 min seen on 2 busy cores
 async def test_dtype_is_in_vllms_config_and_the_engine_serves(
         tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """--dtype bfloat16 (Kairos's own CPU default is float32) on a decode engine: an in-place prefill."""

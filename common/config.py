@@ -22,6 +22,12 @@ from common.errors import ConfigError
 
 ENV_PREFIX = "KAIROS_"
 
+# The one default performance profile of every command (kairos up, tune, sim, demo) and of compose and
+# Kubernetes: Llama-2-70B on four H100s, fitted to measured step times (held-out MAPE 2-8 %) and the
+# profile every simulated figure in docs/ is measured on. a100-dsv2-lite, up's and compose's earlier
+# default, was chosen to match published figures, not measured; it is still there by name.
+DEFAULT_PROFILE = "h100-llama2-70b-tp4"
+
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -72,7 +78,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
     policy: Annotated[str, doc("routing policy, by its name in the policy registry (common/policy/registry.py; "
                                "`kairos router --help` lists them)")] = "kairos"
-    profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = "a100-dsv2-lite"
+    profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = DEFAULT_PROFILE
+    tuned: Annotated[str, doc("set by `kairos up --tuned`: the tune file the policy's knobs and engine settings "
+                              "came from, as JSON (file, profile, settings); named in the start line and "
+                              "/v1/kairos/stats")] = ""
     served_model_name: Annotated[str, doc("model name the API reports and accepts")] = "kairos-sim"
     tokenizer: Annotated[str, doc("'simple' (the documented word tokenizer) or a Hugging Face tokenizer directory")] = "simple"
     tool_call_parser: Annotated[str, doc("vLLM's tool-call parser for the model (vLLM's --tool-call-parser, e.g. "
@@ -189,7 +198,7 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                 "comma-separated (the worker registers with and heartbeats to each); empty: "
                                 "the one router at router_host, work_port, heartbeat_port")] = ""
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
-    profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = "a100-dsv2-lite"
+    profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = DEFAULT_PROFILE
     time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
     step_noise: Annotated[float, doc("sim: sigma of a mean-1 lognormal error on every step (model error; 0: none)")] = 0.0
     step_scale: Annotated[float, doc("sim: every step takes this times the profile's time (1.15: 15 % slower)")] = 1.0
@@ -247,6 +256,11 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     vllm_side_channel_port: Annotated[int, doc("vllm prefill workers: NIXL side-channel port (0: any free port; set one to open it in a firewall)")] = 0
     vllm_side_channel_bind: Annotated[str, doc("vllm prefill workers: address the NIXL side channel listens on (empty: the side-channel host; 0.0.0.0 when that host is a DNS name)")] = ""
     vllm_kv_buffer_device: Annotated[str, doc("vllm: NIXL KV buffer device (empty: the platform's, cuda on GPUs; cpu stages KV through host memory)")] = ""
+    vllm_engine_args: Annotated[str, doc(
+        "vllm: any other vLLM engine argument, as `vllm serve` takes it, shell-quoted, e.g. '--tensor-parallel-size 4 "
+        "--max-num-seqs 128 --gpu-memory-utilization 0.9' (vLLM's own parser reads it; on the command line such "
+        "options may also be given directly). Those Kairos sets itself (scheduler, KV connector and role, token "
+        "budget and chunk, prefix-cache events, async scheduling) are refused before the engine starts")] = ""
 
 
 class MonitorConfig(BusConfig, frozen=True, kw_only=True):
@@ -411,9 +425,22 @@ class _Parser(argparse.ArgumentParser):
 
 def flags(argv: Sequence[str] | None, cls: type[T], prog: str, description: str,
           choices: Mapping[str, Mapping[str, str]] | None = None) -> T:
-    """`cls` from the command line (over the environment and --config); `choices`: see add_arguments."""
+    """`cls` from the command line (over the environment and --config); `choices`: see add_arguments.
+    A worker with `--engine vllm` also takes options it does not define: they are vLLM engine
+    arguments, appended to vllm_engine_args."""
     # each option's help says its default itself (add_arguments): no formatter that adds another
-    parser = _Parser(prog=prog, description=description)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     add_arguments(parser, cls, choices)
-    ns = parser.parse_args(argv)
-    return load(cls, args=ns)
+    extra_field = "vllm_engine_args"
+    if extra_field not in cls.__struct_fields__:
+        return load(cls, args=parser.parse_args(argv))
+    ns, extra = parser.parse_known_args(argv)
+    cfg = load(cls, args=ns)
+    if not extra:
+        return cfg
+    if getattr(cfg, "engine", "") != "vllm":
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (vLLM engine arguments need --engine vllm)")
+    from common.engines.vllm_args import join
+
+    given = getattr(cfg, extra_field)
+    return load(cls, args=ns, overrides={extra_field: f"{given} {join(extra)}".strip()})

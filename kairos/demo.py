@@ -35,6 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from common.config import DEFAULT_PROFILE
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest, find_bursty_window, load_trace, trace_path
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-scale", type=float, default=0.2,
                    help="time compression of the slice, 0.5 = half the trace's request rate (default 0.2; see above)")
     p.add_argument("--trace", default="code", help="trace: code, conv or a file (default code)")
-    p.add_argument("--profile", default="h100-llama2-70b-tp4",
-                   help="performance profile (default h100-llama2-70b-tp4: Llama-2-70B on 4 H100s, measured)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help=f"performance profile (default {DEFAULT_PROFILE}: Llama-2-70B on 4 H100s, measured)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2)")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
     p.add_argument("--kv-transport", choices=("modeled", "nixl"), default="nixl",

@@ -38,7 +38,8 @@ import msgspec
 import structlog
 
 from common import startup
-from common.config import ENV_PREFIX, RouterConfig, env_text
+from common.config import DEFAULT_PROFILE, ENV_PREFIX, RouterConfig, env_text
+from common.engines import vllm_args
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
@@ -122,7 +123,7 @@ class ClusterSpec:
     telemetry_port: int = 5557
     monitor_port: int = 9100
     engine: str = "sim"
-    profile: str = "a100-dsv2-lite"
+    profile: str = DEFAULT_PROFILE
     model: str = ""
     kv_transport: str = "nixl"
     time_scale: float = 1.0
@@ -496,7 +497,7 @@ class Cluster:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kairos up", description=__doc__,
+    p = argparse.ArgumentParser(prog="kairos up", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 2, or the --plan's)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 2, or the --plan's)")
@@ -518,8 +519,17 @@ def parser() -> argparse.ArgumentParser:
                         "then decode workers (what Prometheus scrapes; docs/observability.md). Default 0: none")
     p.add_argument("--engine", default="sim", choices=["sim", "vllm"], help="worker engine (default sim)")
     p.add_argument("--model", default="", help="vllm: model directory (see `kairos make-tiny-model`)")
+    p.add_argument("--vllm-engine-args", default="", metavar="ARGS",
+                   help="vllm: vLLM engine arguments for every worker, as `vllm serve` takes them, shell-quoted "
+                        "(e.g. '--tensor-parallel-size 4 --max-num-seqs 128'); with --engine vllm, options kairos "
+                        "up does not define are taken as such too. Those Kairos sets itself (scheduler, KV "
+                        "connector, token budget, chunk, async scheduling) are refused before anything starts")
     p.add_argument("--profile", default=None,
-                   help="sim: performance profile (default a100-dsv2-lite, or the --plan's)")
+                   help=f"sim: performance profile (default {DEFAULT_PROFILE}, as kairos sim, tune and demo; "
+                        "or the --plan's)")
+    p.add_argument("--tuned-profile-mismatch", default="refuse", choices=["refuse", "ok"],
+                   help="--tuned FILE tuned for another profile than --profile: refuse to start (default), or "
+                        "ok: use its settings anyway")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="workers' prefix caches and the router's prefix index (default on; off: every prompt is "
                         "prefilled whole)")
@@ -587,12 +597,21 @@ def knob_env(a: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
         if a.policy not in tuned:
             raise ConfigError(f"{a.tuned} holds no settings for policy {a.policy!r} (it has: {', '.join(tuned)})")
         tuned_setup = tuned[a.policy]
+        check_tuned_profile(a.tuned, a.profile, getattr(a, "tuned_profile_mismatch", "refuse"))
     elif plan is not None:
         tuned_setup = plan
-    return setup_env(a.policy, shipped(a.policy, given[a.policy], tuned_setup), a.tuned or a.plan or "the flags")
+    router_env, worker_env = setup_env(a.policy, shipped(a.policy, given[a.policy], tuned_setup),
+                                       a.tuned or a.plan or "the flags")
+    if a.tuned and tuned_setup is not None:
+        # what the router names in its start line and /v1/kairos/stats
+        router_env[ENV_PREFIX + "TUNED"] = json.dumps({
+            "file": str(Path(a.tuned).resolve()), "profile": tuned_profile(a.tuned),
+            "policy": a.policy, "knobs": tuned_setup.policy,
+            "engine": {k: v for k, v in msgspec.structs.asdict(tuned_setup.engine).items() if v}}, sort_keys=True)
+    return router_env, worker_env
 
 
-DEFAULTS = {"prefill": 2, "decode": 2, "policy": "kairos", "profile": "a100-dsv2-lite"}
+DEFAULTS = {"prefill": 2, "decode": 2, "policy": "kairos", "profile": DEFAULT_PROFILE}
 
 
 def resolve_plan(a: argparse.Namespace) -> Setup | None:
@@ -617,6 +636,33 @@ def resolve_plan(a: argparse.Namespace) -> Setup | None:
         if getattr(a, key) is None:
             setattr(a, key, value)
     return plan_setup(chosen)
+
+
+def tuned_profile(path: str) -> str | None:
+    """The profile a `kairos tune` file was tuned on (its "profile"), None if it names none."""
+    try:
+        name = json.loads(Path(path).read_text()).get("profile")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(name) if name else None
+
+
+def check_tuned_profile(path: str, profile: str, mismatch: str) -> None:
+    """Refuse a tune file tuned on another profile than the one the cluster runs (its knobs and
+    budgets fit that profile's step times), unless told (--tuned-profile-mismatch ok)."""
+    from common.perf_model import load_profile
+
+    tuned_on = tuned_profile(path)
+    running = load_profile(profile).name
+    if tuned_on is None or tuned_on == running or mismatch == "ok":
+        if tuned_on is not None and tuned_on != running:
+            log.warning("tuned_profile_mismatch", tuned=path, tuned_profile=tuned_on, profile=running,
+                        detail="used anyway (--tuned-profile-mismatch ok)")
+        return
+    raise ConfigError(f"{path} was tuned for profile {tuned_on!r}, but the cluster runs profile {running!r}: its "
+                      f"knobs and token budgets fit {tuned_on}'s step times. Start with --profile {tuned_on}, "
+                      f"re-tune (`kairos tune --profile {running} --out FILE`), or pass --tuned-profile-mismatch ok "
+                      "to use it anyway")
 
 
 def setup_env(policy: str, setup: Setup, source: str = "the flags") -> tuple[dict[str, str], dict[str, str]]:
@@ -657,6 +703,10 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         raise ConfigError("--insecure turns CURVE off; --curve-keys-dir turns it on: give one of them")
     if a.prefill < 0 or a.decode < 1:
         raise ConfigError("need at least one decode worker (--decode)")
+    engine_args = getattr(a, "vllm_engine_args", "")
+    if engine_args and a.engine != "vllm":
+        raise ConfigError(f"vLLM engine arguments ({engine_args}) need --engine vllm")
+    vllm_args.check_owned(vllm_args.split(engine_args))  # the workers check again with vLLM's parser
     if a.engine == "vllm":  # the workers run this Python: what they would fail on, said before any starts
         import importlib.util
 
@@ -677,6 +727,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     router_env, worker_env = knob_env(a)
+    if engine_args:
+        worker_env[ENV_PREFIX + "VLLM_ENGINE_ARGS"] = engine_args
     if a.kv_wait_timeout is not None:
         if a.kv_wait_timeout < 0:
             raise ConfigError("--kv-wait-timeout must be >= 0")
@@ -723,8 +775,20 @@ def banner(spec: ClusterSpec, model: str | None) -> str:
             "Ctrl-C stops everything.")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """kairos up's flags; with --engine vllm, options it does not define are vLLM engine arguments
+    (added to --vllm-engine-args), as `vllm serve` takes them."""
+    p = parser()
+    a, extra = p.parse_known_args(argv)
+    if extra:
+        if a.engine != "vllm":
+            p.error(f"unrecognized arguments: {' '.join(extra)} (vLLM engine arguments need --engine vllm)")
+        a.vllm_engine_args = f"{a.vllm_engine_args} {vllm_args.join(extra)}".strip()
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    a = parse_args(argv)
     try:
         spec = spec_from_args(a)
         check_ports_free(spec)

@@ -32,6 +32,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from common.config import DEFAULT_PROFILE
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.policy import POLICIES
@@ -81,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    c.add_argument("--profile", default="h100-llama2-70b-tp4",
-                   help="performance profile name or .json path (default h100-llama2-70b-tp4, measured)")
+    c.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help=f"performance profile name or .json path (default {DEFAULT_PROFILE}, measured)")
     c.add_argument("--heartbeat-interval", type=float, default=0.1,
                    help="seconds between worker heartbeats; 0 = the policy sees the live state (default 0.1)")
     c.add_argument("--no-ledger", action="store_true",

@@ -5,8 +5,9 @@
   HTTP port: `kairos up --routers 2`, so restarting one refuses no connection), at the defaults
   and with every parameter changed; the services then start as plain processes and every compose
   health check passes against them, each router's against that router alone.
-- docker-compose.yml (GPU, vLLM): the same wiring as `kairos up --engine vllm --routers 2`, one
-  GPU reserved per worker, nothing reserved for the routers and monitor.
+- docker-compose.yml (GPU, vLLM): the same wiring as `kairos up --engine vllm --routers 2`, the
+  GPUs of a worker reserved per worker (as many as its pool's KAIROS_PREFILL_TP / KAIROS_DECODE_TP),
+  nothing reserved for the routers and monitor.
 - Both: commands are `kairos` subcommands that start, KAIROS_* keys are config fields of that
   service, compose-only variables are documented, health checks parse, graceful stop periods
   cover the drain.
@@ -32,6 +33,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the compose files (the dev extra)")
 
 from common import config  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
 from common.router_link import router_addresses  # noqa: E402
 from kairos import health  # noqa: E402
 from kairos.cli import COMMANDS  # noqa: E402
@@ -64,6 +66,7 @@ COMPOSE_ONLY = {"KAIROS_IMAGE", "KAIROS_BASE_IMAGE", "KAIROS_KEYS_DIR", "KAIROS_
                 "KAIROS_METRICS_PORT_PREFILL_0", "KAIROS_METRICS_PORT_PREFILL_1", "KAIROS_METRICS_PORT_DECODE_0",
                 "KAIROS_METRICS_PORT_DECODE_1",
                 "KAIROS_GPU_PREFILL_0", "KAIROS_GPU_PREFILL_1", "KAIROS_GPU_DECODE_0", "KAIROS_GPU_DECODE_1",
+                "KAIROS_PREFILL_TP", "KAIROS_DECODE_TP",
                 "KAIROS_SIDE_CHANNEL_PORT_PREFILL_0", "KAIROS_SIDE_CHANNEL_PORT_PREFILL_1",
                 "KAIROS_METRICS_PORT_ROUTER", "KAIROS_METRICS_PORT_ROUTER_1", *ROUTER_1_BUS}
 # Fields that list every router's address (workers' routers, the monitor's telemetry): made of the
@@ -401,6 +404,33 @@ def test_gpu_one_reserved_gpu_per_worker() -> None:
     assert sorted(seen) == ["0", "1", "2", "3"], f"GPUs must differ per worker: {seen}"
     moved = services(GPU_FILE, {"KAIROS_GPU_DECODE_1": "7"})
     assert moved["decode-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["7"]
+
+
+def test_gpu_pools_take_their_parallel_size_from_one_variable_each() -> None:
+    """Llama-2-70B with TP8 prefill and TP4 decode workers on 24 GPUs: each pool's tensor parallel
+    size is one variable, each worker's GPUs a comma list of that many; other engine arguments reach
+    every worker; a worker given fewer GPUs than its parallel size refuses to start."""
+    from common.engines import vllm_args
+
+    gpus = {"KAIROS_GPU_PREFILL_0": "0,1,2,3,4,5,6,7", "KAIROS_GPU_PREFILL_1": "8,9,10,11,12,13,14,15",
+            "KAIROS_GPU_DECODE_0": "16,17,18,19", "KAIROS_GPU_DECODE_1": "20,21,22,23"}
+    svcs = services(GPU_FILE, {"KAIROS_PREFILL_TP": "8", "KAIROS_DECODE_TP": "4", **gpus,
+                               "KAIROS_VLLM_ENGINE_ARGS": "--gpu-memory-utilization 0.9 --max-num-seqs 128"})
+    for name in WORKERS:
+        cfg = config.load(config.WorkerConfig, env=kairos_env(svcs[name]))
+        words = vllm_args.split(cfg.vllm_engine_args)
+        tp = "8" if name.startswith("prefill") else "4"
+        assert words == ["--tensor-parallel-size", tp, "--gpu-memory-utilization", "0.9", "--max-num-seqs", "128"]
+        vllm_args.check_owned(words)
+        (dev,) = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
+        ids = gpus["KAIROS_GPU_" + name.upper().replace("-", "_")]
+        assert dev["device_ids"] == [ids] and len(ids.split(",")) == int(tp)
+        # what the NVIDIA runtime shows the container (the reserved ids, comma-joined) is enough
+        vllm_args.check_gpus({"tensor_parallel_size": int(tp)}, {"NVIDIA_VISIBLE_DEVICES": ids})
+    default = config.load(config.WorkerConfig, env=kairos_env(services(GPU_FILE)["decode-0"]))
+    assert vllm_args.split(default.vllm_engine_args) == ["--tensor-parallel-size", "1"]
+    with pytest.raises(ConfigError, match="needs 4 GPUs"):  # KAIROS_DECODE_TP=4 with the one default GPU
+        vllm_args.check_gpus({"tensor_parallel_size": 4}, {"NVIDIA_VISIBLE_DEVICES": "2"})
 
 
 def test_multihost_services_are_separate_hosts() -> None:

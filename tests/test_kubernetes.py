@@ -3,7 +3,8 @@
 - `kubectl kustomize` renders every overlay; `kubernetes-validate --strict` passes on each
   (offline, the API schemas of the oldest and newest Kubernetes we claim); the ServiceMonitor
   component (a CRD, not in those schemas) is checked against the monitor Service by hand.
-- GPU overlays request one `nvidia.com/gpu` per worker; probes, PodDisruptionBudgets and
+- GPU overlays request as many `nvidia.com/gpu` per worker as its pool's tensor parallel size
+  (overlays/vllm/parallel.yaml, 1 by default), its `--tensor-parallel-size` the same; probes, PodDisruptionBudgets and
   NetworkPolicies are there and select the pods they mean.
 - Agreement with compose: overlays/sim against docker-compose.multihost.yml, overlays/vllm
   against docker-compose.yml: the same image, command, probe commands and timings, grace
@@ -171,6 +172,31 @@ def test_gpus_one_per_vllm_worker_none_elsewhere(overlay: str) -> None:
     assert rdma == ([["IPC_LOCK"]] * 2 if overlay == "vllm-rdma" else [None, None])
 
 
+def test_gpu_pools_take_their_parallel_size_from_one_value_each(tmp_path: Path) -> None:
+    """overlays/vllm/parallel.yaml: TP8 prefill and TP4 decode (Llama-2-70B, docs/deployment.md) give
+    each prefill pod 8 GPUs and --tensor-parallel-size 8, each decode pod 4 and 4; the ConfigMap that
+    holds the values is not applied."""
+    from common.engines import vllm_args
+
+    shutil.copytree(K8S, tmp_path / "kubernetes")
+    parallel = tmp_path / "kubernetes" / "overlays" / "vllm" / "parallel.yaml"
+    text = parallel.read_text()
+    assert 'prefill: "1"' in text and 'decode: "1"' in text
+    parallel.write_text(text.replace('prefill: "1"', 'prefill: "8"').replace('decode: "1"', 'decode: "4"'))
+    for overlay in ("vllm", "vllm-rdma"):
+        out = subprocess.run([kubectl(), "kustomize", str(tmp_path / "kubernetes" / "overlays" / overlay)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        assert not [d for d in docs if d["metadata"]["name"] == "kairos-parallel"]
+        for pool, tp in (("prefill", 8), ("decode", 4)):
+            (c,) = pod_spec(docs, "StatefulSet", pool)["containers"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == str(tp)
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert vllm_args.split(env["KAIROS_VLLM_ENGINE_ARGS"]) == ["--tensor-parallel-size", str(tp)]
+            vllm_args.check_gpus({"tensor_parallel_size": tp}, {"NVIDIA_VISIBLE_DEVICES": ",".join(["GPU"] * tp)})
+
+
 def labels_of(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, str]:
     labels: dict[str, str] = obj(docs, kind, name)["spec"]["template"]["metadata"]["labels"]
     return labels
@@ -274,6 +300,9 @@ def test_manifests_run_what_compose_runs(overlay: str, tmp_path: Path) -> None:
         compose_env = {k: v for k, v in environment(svc).items() if v is not None}
         want = effective_config(cls, compose_env)
         got = effective_config(cls, pod_env(c, name, cm, tmp_path))
+        for cfg in (want, got):  # vLLM engine arguments: the same words (compose's may end in a space)
+            if "vllm_engine_args" in cfg:
+                cfg["vllm_engine_args"] = " ".join(cfg["vllm_engine_args"].split())
         differ = {f for f in want if want[f] != got[f]}
         assert differ <= ADDRESSES | ROUTER_ONLY | PORTS, (name, {f: (want[f], got[f]) for f in differ - ADDRESSES})
         for f in PORTS & set(want) - ({"metrics_port"} if name == "router" else set()):

@@ -224,6 +224,50 @@ def test_kairos_up_passes_the_tuned_knobs_to_the_router_and_the_workers(tmp_path
         envs("--prefill", "0", "--policy", "disagg-least-loaded")
 
 
+def test_kairos_up_refuses_a_file_tuned_for_another_profile_and_the_router_names_what_it_runs(
+        tmp_path: Path) -> None:
+    from common import config
+    from common.config import DEFAULT_PROFILE
+    from kairos import up
+    from services.router.service import Router
+
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps({"format": TUNED_FORMAT, "profile": "a100-dsv2-lite", "policies": {
+        "kairos": {"engine": {"decode_token_budget": 640}, "policy": {"alpha": 2.0}}}}))
+
+    def router(*argv: str) -> Router:
+        svc = up.Cluster(up.spec_from_args(up.parse_args(["--insecure", *argv]))).services
+        return Router(config.load(config.RouterConfig, env=svc["router"].env))
+
+    with pytest.raises(ConfigError, match=f"tuned for profile 'a100-dsv2-lite', but the cluster runs profile "
+                                          f"'{DEFAULT_PROFILE}'.*--tuned-profile-mismatch ok"):
+        router("--tuned", str(f))
+    stats = router("--tuned", str(f), "--profile", "a100-dsv2-lite").stats()
+    assert stats["profile"] == "a100-dsv2-lite"
+    assert stats["tuned"] == {"file": str(f.resolve()), "profile": "a100-dsv2-lite", "policy": "kairos",
+                              "knobs": {"alpha": 2.0}, "engine": {"decode_token_budget": 640}}
+    stats = router("--tuned", str(f), "--tuned-profile-mismatch", "ok").stats()
+    assert (stats["profile"], stats["tuned"]["profile"]) == (DEFAULT_PROFILE, "a100-dsv2-lite")
+    assert router().stats()["tuned"] is None
+
+
+def test_one_default_profile_everywhere() -> None:
+    from common import config
+    from common.config import DEFAULT_PROFILE
+    from kairos import demo, up
+
+    assert config.RouterConfig().profile == config.WorkerConfig().profile == DEFAULT_PROFILE
+    assert up.DEFAULTS["profile"] == up.ClusterSpec().profile == DEFAULT_PROFILE  # --profile's, unless --plan's
+    assert up.parse_args([]).profile is None
+    assert up.spec_from_args(up.parse_args(["--insecure"])).profile == DEFAULT_PROFILE
+    assert sim_cli.build_parser().parse_args([]).profile == DEFAULT_PROFILE
+    assert tune.DEFAULT_PROFILE == DEFAULT_PROFILE
+    assert demo.build_parser().get_default("profile") == DEFAULT_PROFILE
+    for compose in Path(__file__).resolve().parent.parent.glob("docker-compose*.yml"):
+        text = compose.read_text()
+        assert "KAIROS_PROFILE:-" not in text or f"KAIROS_PROFILE:-{DEFAULT_PROFILE}}}" in text, compose
+
+
 def test_report_shows_the_settings_that_differ(tmp_path: Path) -> None:
     from sim import report
 

@@ -181,9 +181,14 @@ class VllmEngine(Engine):
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
                  kv_buffer_device: str = "", side_channel_bind: str = "",
-                 otlp_traces_endpoint: str = "") -> None:
+                 otlp_traces_endpoint: str = "", engine_args: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.otlp_traces_endpoint = otlp_traces_endpoint  # vLLM's own tracing (its llm_request spans); "": off
+        # vLLM engine arguments the operator gave (vllm_args.parse: vLLM's names, Kairos's owned ones
+        # already refused); those Kairos also has a setting for win over it
+        self.engine_args = dict(engine_args or {})
+        max_batch = int(self.engine_args.get("max_num_seqs") or max_batch)
+        max_model_len = int(self.engine_args.get("max_model_len") or max_model_len)
         if token_budget <= max_batch:
             raise ValueError(f"token_budget ({token_budget}) must exceed max_batch ({max_batch}): "
                              "each step carries one token per decode plus the prefill chunks")
@@ -272,7 +277,9 @@ class VllmEngine(Engine):
                   kv_capacity_tokens=self.kv_capacity_tokens, block_size=self.block_size,
                   side_channel=f"{self.side_channel_host}:{self.side_channel_port}" if self.kv_transfer else None,
                   side_channel_bind=self.side_channel_bind if self.kv_transfer else None,
-                  kv_buffer_device=self.kv_buffer_device or None)
+                  kv_buffer_device=self.kv_buffer_device or None,
+                  engine_args={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                               for k, v in self.engine_args.items()} or None)
 
     def _make_llm(self, step_channel: str) -> Any:
         device = platform_device()
@@ -300,23 +307,7 @@ class VllmEngine(Engine):
                         kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
                         kv_load_failure_policy="fail", engine_id=self.engine_id,
                         kv_buffer_device=self.kv_buffer_device)
-                args = AsyncEngineArgs(
-                    model=self.model_dir, dtype=self.dtype or ("float32" if on_cpu else "auto"),
-                    enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
-                    max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
-                    enable_chunked_prefill=True, max_num_batched_tokens=self.token_budget,
-                    long_prefill_token_threshold=self.default_chunk,
-                    kv_cache_memory_bytes=self.kv_cache_mib << 20, enable_prefix_caching=self.prefix_caching,
-                    # the prefix cache's events, kept in the core process (no publisher socket):
-                    # KairosScheduler translates them and sends them with its step records
-                    kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-                    if self.prefix_caching else None,
-                    seed=self.seed, skip_tokenizer_init=self.role == "prefill", enable_logging_iteration_details=True,
-                    disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
-                    additional_config={"kairos": {"step_channel": step_channel}},
-                    kv_transfer_config=kv_cfg)
-                if self.otlp_traces_endpoint:  # vLLM's spans join the request's trace (DecodeWork.traceparent)
-                    args.otlp_traces_endpoint = self.otlp_traces_endpoint
+                args = AsyncEngineArgs(**self.engine_kwargs(on_cpu, step_channel, kv_cfg, KVEventsConfig))
                 return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
             finally:
                 for k, v in saved.items():
@@ -324,6 +315,32 @@ class VllmEngine(Engine):
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+
+    def engine_kwargs(self, on_cpu: bool, step_channel: str, kv_cfg: Any, events_cls: Any) -> dict[str, Any]:
+        """AsyncEngineArgs' fields: Kairos's settings, then the operator's engine arguments (those
+        Kairos owns were refused by vllm_args.parse). A given --gpu-memory-utilization or
+        --kv-cache-memory-bytes sizes the KV cache instead of vllm_kv_cache_mib."""
+        user = self.engine_args
+        kw: dict[str, Any] = dict(
+            model=self.model_dir, dtype=self.dtype or ("float32" if on_cpu else "auto"),
+            enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
+            enable_chunked_prefill=True, max_num_batched_tokens=self.token_budget,
+            long_prefill_token_threshold=self.default_chunk,
+            enable_prefix_caching=self.prefix_caching,
+            # the prefix cache's events, kept in the core process (no publisher socket):
+            # KairosScheduler translates them and sends them with its step records
+            kv_events_config=events_cls(enable_kv_cache_events=True, publisher="null") if self.prefix_caching else None,
+            seed=self.seed, skip_tokenizer_init=self.role == "prefill", enable_logging_iteration_details=True,
+            disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
+            kv_transfer_config=kv_cfg)
+        if "gpu_memory_utilization" not in user and "kv_cache_memory_bytes" not in user:
+            kw["kv_cache_memory_bytes"] = self.kv_cache_mib << 20
+        kw.update(user)
+        if self.otlp_traces_endpoint:  # vLLM's spans join the request's trace (DecodeWork.traceparent)
+            kw["otlp_traces_endpoint"] = self.otlp_traces_endpoint
+        kw["additional_config"] = {**(user.get("additional_config") or {}), "kairos": {"step_channel": step_channel}}
+        return kw
 
     def _stat_logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -804,18 +821,22 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
     """A worker's engine from its config: model, vllm_max_model_len, vllm_kv_cache_mib,
     vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk,
     vllm_max_batch, vllm_kv_buffer_device, kv_timeout, max_queue_requests, prefix_cache (vLLM's
-    automatic prefix caching and its reports) and profile (the step-time model it reports; use a
-    profile fitted to this engine, e.g. cpu-tiny-llama).
+    automatic prefix caching and its reports), vllm_engine_args (any other vLLM engine argument,
+    vllm_args.py; a conflicting one is a ConfigError before anything starts) and profile (the
+    step-time model it reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
 
     The NIXL side channel (vllm_side_channel_host/_port/_bind): the prefill engine's host and
     port travel inside its returned kv_transfer_params, so the decode side needs no
     configuration; port 0 picks a free one (set one to open it in a firewall). The host must be
     an address the decode workers reach (127.0.0.1 on one machine).
     """
+    from common.engines.vllm_args import check_gpus, parse, split
     from common.perf_model import load_profile
 
     if not cfg.model:
         raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
+    engine_args = parse(split(cfg.vllm_engine_args))  # refused here, before the engine starts
+    check_gpus(engine_args, os.environ)
     budget = (cfg.prefill_token_budget if role == "prefill" else cfg.decode_token_budget) or cfg.vllm_token_budget
     bind = cfg.vllm_side_channel_bind
     return VllmEngine(role, model=cfg.model, max_model_len=cfg.vllm_max_model_len,
@@ -827,7 +848,8 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
                       side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,
                       max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile),
-                      prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint)
+                      prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint,
+                      engine_args=engine_args)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -146,7 +146,8 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                           hint="is the port in use? pick another with --http-port")
                 stop.set()
             else:
-                log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy)
+                log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy,
+                         **router.cost_model())
                 if ready is not None:
                     ready.set()
             await stop.wait()

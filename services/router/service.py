@@ -12,6 +12,7 @@ loop is free, and the admission wait for a worker when none is registered yet. T
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -374,4 +375,19 @@ class Router:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        return {**self.core.stats(), **self.cost_model()}
+
+    def cost_model(self) -> dict[str, Any]:
+        """The profile in force (for workers that report no coefficients of their own) and the
+        `kairos tune` settings the router runs with (kairos up --tuned), if any."""
+        return {"profile": self.cfg.profile, "tuned": tuned_settings(self.cfg.tuned)}
+
+
+def tuned_settings(text: str) -> Any:
+    """RouterConfig.tuned (JSON that kairos up writes) as an object; None when unset."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"file": text}

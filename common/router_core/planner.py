@@ -14,7 +14,9 @@ The rules (`PlannerConfig`, defaults in brackets):
   changes the load; the planner judges the new shape on its own samples only), and at least
   half a window of them.
 - Toward decode when the decode pool is short: requests waited for decode room or KV in at
-  least `wait_hi` [20 %] of the samples, or the decode step took at least `step_hi` [0.9] of
+  least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
+  the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
+  held because no decode worker had room to prefill it in place), or the decode step took at least `step_hi` [0.9] of
   the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
   scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
@@ -39,12 +41,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from common import messages as m
 from common.router_core.ports import Log
 
 if TYPE_CHECKING:
     from common.router_core.core import RouterCore
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL: m.Role = "prefill"
+DECODE: m.Role = "decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,7 @@ class WorkerLoad:
     moves the least loaded one, whose drain is shortest)."""
 
     worker_id: str
-    role: str
+    role: m.Role
     load: float  # prefill: queued prompt tokens; decode: running sequences
 
 
@@ -107,7 +111,7 @@ class Load:
 @dataclass(frozen=True, slots=True)
 class Flip:
     worker_id: str
-    to: str
+    to: m.Role
     reason: str              # decode_short or prefill_short
     evidence: dict[str, float] = field(default_factory=dict)
 
@@ -139,7 +143,7 @@ class RolePlanner:
         self.cfg = cfg
         self.log: Log = log if log is not None else structlog.get_logger()
         self.samples: deque[tuple[float, Load]] = deque()
-        self.since: dict[str, tuple[str, float]] = {}  # worker -> (role, since when)
+        self.since: dict[str, tuple[m.Role, float]] = {}  # worker -> (role, since when)
         self.pending: Flip | None = None  # the flip being carried out
         self.settled_at = -float("inf")   # when the last flip ended (evidence starts then)
         self.last_flip_at = -float("inf")  # when the last flip was decided
@@ -190,7 +194,7 @@ class RolePlanner:
                       worker_load=pick.load, **flip.evidence)
         return flip
 
-    def flip_done(self, worker_id: str, role: str, now: float) -> None:
+    def flip_done(self, worker_id: str, role: m.Role, now: float) -> None:
         """The flipped worker is back under `role` (or the flip was abandoned: it keeps its old
         one). New evidence starts now."""
         self.since[worker_id] = (role, now)
@@ -201,16 +205,24 @@ class RolePlanner:
 
     # -- the rules ---------------------------------------------------------------------------
     def _judge(self, load: Load) -> _Judged:
+        cfg = self.cfg
         s = [x for _, x in self.samples]
         n = len(s)
-        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0) / n,
-                       prefill_wait=sum(1 for x in s if x.waits_prefill > 0) / n,
-                       step=sum(x.decode_step_s for x in s) / n / self.cfg.tbt_slo,
-                       queue=sum(x.prefill_queue_s for x in s) / n / self.cfg.ttft_slo,
+
+        def prefill_wait(x: Load) -> bool:
+            # held for a prefill worker while the prefill queues are short: late binding held it because
+            # no decode worker had room to prefill it in place, a decode shortage
+            return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
+
+        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or (x.waits_prefill and not prefill_wait(x)))
+                       / n,
+                       prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
+                       step=sum(x.decode_step_s for x in s) / n / cfg.tbt_slo,
+                       queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
                        n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
                        n_decode=sum(1 for w in load.workers if w.role == DECODE))
 
-    def _want(self, j: _Judged) -> tuple[str, str]:
+    def _want(self, j: _Judged) -> tuple[m.Role | None, str]:
         cfg = self.cfg
         decode_short = j.decode_wait >= cfg.wait_hi or j.step >= cfg.step_hi
         prefill_short = j.prefill_wait >= cfg.wait_hi or j.queue >= cfg.queue_hi
@@ -218,9 +230,9 @@ class RolePlanner:
             return DECODE, "decode_short"
         if prefill_short and not decode_short:
             return PREFILL, "prefill_short"
-        return "", ""
+        return None, ""
 
-    def _blocked(self, to: str, j: _Judged, now: float) -> str:
+    def _blocked(self, to: m.Role, j: _Judged, now: float) -> str:
         cfg = self.cfg
         if now - self.last_flip_at < cfg.min_gap_s:
             return "min_gap"
@@ -237,7 +249,7 @@ class RolePlanner:
             return "decode_cannot_spare"
         return ""
 
-    def _pick(self, load: Load, to: str, now: float) -> WorkerLoad | None:
+    def _pick(self, load: Load, to: m.Role, now: float) -> WorkerLoad | None:
         frm = PREFILL if to == DECODE else DECODE
         ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned
               and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
@@ -246,8 +258,6 @@ class RolePlanner:
 
 def measure(core: RouterCore) -> Load:
     """The load a router core sees now: its worker table's routable workers and its wait queue."""
-    from common import messages as m
-
     q_s: list[float] = []
     step_s: list[float] = []
     workers: list[WorkerLoad] = []

@@ -124,9 +124,10 @@ class Simulation:
         for w in (*self.prefill, *self.decode):
             self._snapshot(w, 0.0)  # the state announced at registration: idle
         # the role planner (router 0 decides: common/router_core/planner.py `leader`)
+        # (not on a cluster with no prefill worker: its policy uses none, chunked-prefill say)
         self.planner = RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
                                                  pinned=frozenset(cfg.planner_pinned)), log=NULL_LOG) \
-            if cfg.planner else None
+            if cfg.planner and cfg.prefill > 0 else None
         self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
         self.flips: list[dict[str, Any]] = []
 

@@ -56,3 +56,8 @@ def test_prompt_heavy_traffic_moves_a_decode_worker_to_prefill_after_it_finishes
     assert any(w.wid == flips[0]["worker"] for w in sim.prefill)
     assert not any(r.rejected for r in res.records)
     assert all(r.output_tokens and r.ttft is not None for r in res.records)
+
+
+def test_no_planner_on_a_cluster_without_prefill_workers() -> None:
+    policy, prof = build("chunked-prefill", shipped("chunked-prefill", Setup(), None), PROFILE)
+    assert Simulation(prof, policy, SimConfig(prefill=0, decode=4, planner=True)).planner is None

@@ -296,6 +296,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         **{k: list(v) if isinstance(v, tuple) else v for k, v in error_settings(args).items()},
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
         "prompt_beat": args.prompt_beat,
+        "planner": args.planner, "planner_switch_s": args.planner_switch_s, "planner_pinned": args.planner_pin,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}

@@ -63,12 +63,12 @@ from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_facto
 from common.perf_model import Profile
 from common.policy import Policy
 from common.prefix_hash import chain_ids
-from common.router_core.planner import Flip, PlannerConfig, RolePlanner, measure
+from common.router_core.planner import Flip, PlannerConfig, RolePlanner
 from common.router_core.ports import NULL_LOG
 from common.traces import TraceRequest
 from common.worker_core.decode import Outcome
 from sim.router import Routers
-from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
+from sim.state import DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker
 from sim.stats import RequestTiming
 
 # SimConfig lives in sim/state.py (sim/router.py reads it too); importing it from here goes on working
@@ -125,11 +125,20 @@ class Simulation:
             self._snapshot(w, 0.0)  # the state announced at registration: idle
         # the role planner (router 0 decides: common/router_core/planner.py `leader`)
         # (not on a cluster with no prefill worker: its policy uses none, chunked-prefill say)
-        self.planner = RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
-                                                 pinned=frozenset(cfg.planner_pinned)), log=NULL_LOG) \
-            if cfg.planner and cfg.prefill > 0 else None
+        # the planner is router 0's core's; it tells a worker to flip with a SetRole (`set_role`)
+        if cfg.planner and cfg.prefill > 0:
+            self.planner = RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                                                     pinned=frozenset(cfg.planner_pinned)), log=NULL_LOG)
         self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
         self.flips: list[dict[str, Any]] = []
+
+    @property
+    def planner(self) -> RolePlanner | None:
+        return self.routers.replicas[0].core.planner
+
+    @planner.setter
+    def planner(self, p: RolePlanner | None) -> None:
+        self.routers.replicas[0].core.planner = p
 
     # -- the workers ----------------------------------------------------------------------
     def _cache(self) -> PrefixCache | None:
@@ -371,15 +380,20 @@ class Simulation:
         self.deliver_all(now)
         rt = self.routers.replicas[0]
         rt.flush(now)
-        flip = planner.observe(measure(rt.core), now)
-        if flip is None:
-            return
-        w = next(x for x in (*self.prefill, *self.decode) if x.wid == flip.worker_id)
+        rt.core.plan_roles(now)
+        rt.flush(now)  # its SetRole, if any, reaches the worker (`set_role`)
+
+    def set_role(self, wid: str, msg: m.SetRole, now: float) -> None:
+        """Worker `wid` got router 0's SetRole: its core drains for the change (Goodbye "role_change"
+        to every router); it rejoins once it holds nothing (`_drain_check`)."""
+        planner = self.planner
+        w = next(x for x in (*self.prefill, *self.decode) if x.wid == wid)
         self._touch(w, now)
         w.now = now
-        bye = w.core.set_role(m.SetRole(role=flip.to, reason=flip.reason, router_incarnation=router_name(0)))
-        assert bye is not None
-        self.flipping = (w, flip, now)
+        bye = w.core.set_role(msg)
+        if bye is None or planner is None or planner.pending is None:
+            return
+        self.flipping = (w, planner.pending, now)
         self.routers.tell(w, bye, now)  # every router: it takes no new work
         self._drain_check(w, now)
 
@@ -405,7 +419,7 @@ class Simulation:
         self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
 
     def _rejoin(self, old: Worker, drained_at: float, now: float) -> None:
-        assert self.flipping is not None and self.planner is not None
+        assert self.flipping is not None
         _, flip, started = self.flipping
         h = self.cfg.heartbeat_interval
         new: Worker
@@ -421,8 +435,7 @@ class Simulation:
         new.now = now
         self.routers.worker_joined(new, now)
         self._snapshot(new, now)
-        self.flipping = None
-        self.planner.flip_done(new.wid, flip.to, now)
+        self.flipping = None  # (router 0's planner saw its Hello under the new role: the flip is over)
         self.flips.append({"at": round(started, 3), "worker": new.wid, "to": flip.to, "reason": flip.reason,
                            "drain_s": round(drained_at - started, 3), "out_s": round(now - started, 3),
                            **flip.evidence})

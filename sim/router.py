@@ -47,6 +47,7 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
     prefill_work(p, work, r, now)   prefill worker P's core queues PrefillWork `work` of `r`
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
+    set_role(wid, msg, now)         worker WID got a SetRole (router 0's role planner): it drains to change role
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
 the prefix cache's changes), first_token(w, r, now) (a deflection's first token), finished(w, r,
 now) (a request's last token), kv_freed(w, now) (requests finished on decode worker W),
@@ -87,6 +88,7 @@ class Engines(Protocol):
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
     def retry_at(self, t: float) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
+    def set_role(self, wid: str, msg: m.SetRole, now: float) -> None: ...
 
 
 WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout")  # common/router_core/waiting.py
@@ -274,7 +276,10 @@ class SimRouter:
         sent = self.out.sent
         eng = self.engines
         while sent:
-            _, msg = sent.popleft()
+            to, msg = sent.popleft()
+            if isinstance(msg, m.SetRole):  # the role planner's (router 0)
+                eng.set_role(to.decode(), msg, now)
+                continue
             if not isinstance(msg, (m.DecodeWork, m.PrefillWork)):
                 continue
             creq = self.creqs.get(msg.request_id)

@@ -101,3 +101,33 @@ def test_settings_are_checked_and_one_router_leads() -> None:
     with pytest.raises(ValueError):
         PlannerConfig(min_decode=0)
     assert leader(["router-b", "router-a"]) == "router-a" and leader([]) == ""
+
+
+def test_the_router_core_sends_set_role_and_the_workers_hello_under_its_new_role_ends_the_flip() -> None:
+    from common import messages as m
+    from tests.router_fakes import hello, make_core
+
+    core, box = make_core("kairos")
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        core.on_message(wid.encode(), hello(wid, role), 0.0)  # type: ignore[arg-type]
+    box.take()
+    assert core.plan_roles(0.0) is None  # no planner: nothing
+    planner = core.planner = RolePlanner(cfg(min_dwell_s=0.0, tbt_slo=core.cfg.tbt_slo))
+    for d in ("d0", "d1"):  # decode steps at the TBT SLO
+        core.on_message(d.encode(), m.DecodeHeartbeat(
+            worker_id=d, incarnation=f"inc-{d}", seq=1, batch=150, kv_tokens=1000, kv_free_tokens=90_000,
+            kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+            token_budget=2048, step_ms_p50=core.cfg.tbt_slo * 1000.0), 0.0)
+    t, flip = 0.0, None
+    while flip is None and t < 60.0:
+        flip = core.plan_roles(t)
+        t += 5.0
+    assert flip is not None and flip.to == "decode" and flip.reason == "decode_short"
+    sent = [(peer, msg) for peer, msg in box.take() if isinstance(msg, m.SetRole)]
+    assert sent == [(flip.worker_id, m.SetRole(role="decode", reason="decode_short",
+                                               router_incarnation=core.incarnation))]
+    assert core.plan_roles(t) is None and planner.pending is flip  # one at a time
+    core.on_message(flip.worker_id.encode(), m.Goodbye(worker_id=flip.worker_id, incarnation=f"inc-{flip.worker_id}",
+                                                       reason="drained"), t)
+    core.on_message(flip.worker_id.encode(), hello(flip.worker_id, "decode"), t + 2.0)
+    assert planner.pending is None and core.table.count("decode") == 3 and core.counts["role_flips"] == 1

@@ -1,13 +1,15 @@
 """The role planner: moves one worker at a time between the prefill and decode roles when the
 measured load over the last minute says the other role is the bottleneck (issue 44 item 3).
 
-Socket-free and clock-free, like the rest of the router core: the shell (the live router, the
-simulator's router 0) calls `RolePlanner.observe(load, now)` with a `Load` it measured
-(`measure` builds one from a `RouterCore`) every `interval_s` seconds; `observe` returns the
-`Flip` to make, or None. The shell carries the flip out (the worker drains what the role change
-would break, switches and says Hello again under its new role) and calls `flip_done` when the
-worker is back. Every decision, and every flip held back by a rule while the load asked for
-one, is a log line with its reason and the figures it was made from.
+Socket-free and clock-free, like the rest of the router core. The router core holds it
+(`RouterCore.planner`, set by the shell that runs it) and ticks it (`RouterCore.plan_roles`,
+every `interval_s` seconds, on the router that leads): `measure` builds a `Load` from the
+router's worker table and wait queue, `RolePlanner.observe(load, now)` returns the `Flip` to
+make, or None, and the core sends the worker a SetRole. The worker drains what the role change
+would break, switches and says Hello again under its new role; that Hello ends the flip
+(`rejoined`). Every decision, and every flip held back by a rule while the load asked for one,
+is a log line with its reason and the figures it was made from. The simulator runs this on its
+router 0; the live router does not run it yet.
 
 The rules (`PlannerConfig`, defaults in brackets):
 - Evidence is the samples of the last `window_s` [30 s] taken since the last flip ended (a flip
@@ -36,16 +38,15 @@ alive (`leader`); the others measure nothing and flip nothing. The simulator run
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import structlog
 
 from common import messages as m
 from common.router_core.ports import Log
-
-if TYPE_CHECKING:
-    from common.router_core.core import RouterCore
+from common.router_core.requests import Request
+from common.router_core.workers import WorkerTable
 
 PREFILL: m.Role = "prefill"
 DECODE: m.Role = "decode"
@@ -203,6 +204,12 @@ class RolePlanner:
         self.samples.clear()
         self.log.info("role_flip_done", worker=worker_id, role=role)
 
+    def rejoined(self, worker_id: str, role: m.Role, now: float) -> None:
+        """A worker said Hello: if it is the one being flipped, under its new role, the flip is over."""
+        p = self.pending
+        if p is not None and p.worker_id == worker_id and p.to == role:
+            self.flip_done(worker_id, role, now)
+
     # -- the rules ---------------------------------------------------------------------------
     def _judge(self, load: Load) -> _Judged:
         cfg = self.cfg
@@ -256,12 +263,12 @@ class RolePlanner:
         return min(ok, key=lambda w: (w.load, w.worker_id)) if ok else None
 
 
-def measure(core: RouterCore) -> Load:
-    """The load a router core sees now: its worker table's routable workers and its wait queue."""
+def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
+    """The load a router sees now: its worker table's routable workers and its wait queue."""
     q_s: list[float] = []
     step_s: list[float] = []
     workers: list[WorkerLoad] = []
-    for e in core.table.workers.values():
+    for e in table.workers.values():
         if e.draining or e.unreachable:
             continue
         hb = e.hb
@@ -276,7 +283,7 @@ def measure(core: RouterCore) -> Load:
             step_s.append(hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0)
             workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
     waits_d = waits_p = 0
-    for r in core.kv_waiting:
+    for r in waiting:
         if r.short == "prefill_busy":
             waits_p += 1
         else:

@@ -15,8 +15,9 @@ Which message arrives where (each inbox has one union alias and one decoder):
     RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye,
                                            PrefillHeartbeat, DecodeHeartbeat (protocol 2: heartbeats travel on the
                                            worker's own connection, so the router knows who sent them)
-    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain
-    DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain
+    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain, SetRole
+    DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain,
+                                           SetRole
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -134,6 +135,20 @@ class Drain(Msg, frozen=True):
     """Router -> worker: stop accepting work (router is shutting down or the operator asked)."""
 
     reason: str = ""
+
+
+class SetRole(Msg, frozen=True):
+    """Router -> worker: the router's role planner (common/router_core/planner.py) moves this
+    worker to `role`. The worker drains what the change would break (it takes no new work, says
+    Goodbye "role_change" to every router, finishes what it holds), then says Goodbye "drained"
+    and Hello again under the new role, on the same engine. Handled by the worker core
+    (`WorkerCore.set_role`); the simulator's workers act on it, the live services do not yet
+    (the live services log it as unexpected: the simulated engine changes role in place; live, the
+    service must rebuild its core, and vLLM needs an engine in the kv_both role)."""
+
+    role: Role
+    reason: str = ""
+    router_incarnation: str = ""
 
 
 # ---------------------------------------------------------------- heartbeats
@@ -506,12 +521,12 @@ class RouterStats(Msg, frozen=True):
 RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye | PrefillHeartbeat
                | DecodeHeartbeat)
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
-PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain
-DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain
+PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain | SetRole
+DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain | SetRole
 TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
-    Hello, Welcome, Refused, Reregister, Goodbye, Drain, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
+    Hello, Welcome, Refused, Reregister, Goodbye, Drain, SetRole, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
     PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
     WorkerLost, DecisionRecord, RequestRecord, RouterStats,
 )

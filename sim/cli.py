@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "rejected (default 30; 0: reject at once)")
     c.add_argument("--kv-wait-max", type=int, default=1024,
                    help="requests waiting for KV room before new ones are rejected at once (default 1024)")
+    c.add_argument("--planner", choices=("on", "off"), default="off",
+                   help="the role planner (common/router_core/planner.py): router 0 moves workers between the prefill "
+                        "and decode roles when measured load says the other role is short; a flip drains the worker, "
+                        "keeps it out --planner-switch-s and rejoins it with an empty prefix cache (default off)")
+    c.add_argument("--planner-switch-s", type=float, default=2.0, metavar="SECONDS",
+                   help="seconds a flipped worker's engine is out between its drain and its rejoin (default 2)")
+    c.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
+                   help="a worker the planner never moves (e.g. prefill-0); repeat for several")
     add_prefix_flags(c)
     add_engine_flags(p)
     add_error_flags(p)
@@ -226,7 +234,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      **error_settings(args), seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
-                     prompt_beat=args.prompt_beat)
+                     prompt_beat=args.prompt_beat, planner=args.planner == "on",
+                     planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin))
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
@@ -288,6 +297,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         **{k: list(v) if isinstance(v, tuple) else v for k, v in error_settings(args).items()},
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
         "prompt_beat": args.prompt_beat,
+        "planner": args.planner, "planner_switch_s": args.planner_switch_s, "planner_pinned": args.planner_pin,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}

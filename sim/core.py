@@ -51,7 +51,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -63,6 +63,8 @@ from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_facto
 from common.perf_model import Profile
 from common.policy import Policy
 from common.prefix_hash import chain_ids
+from common.router_core.planner import Flip, PlannerConfig, RolePlanner
+from common.router_core.ports import NULL_LOG
 from common.traces import TraceRequest
 from common.worker_core.decode import Outcome
 from sim.router import Routers
@@ -72,7 +74,8 @@ from sim.stats import RequestTiming
 # SimConfig lives in sim/state.py (sim/router.py reads it too); importing it from here goes on working
 __all__ = ["SimConfig", "SimResult", "Simulation", "prefix_hit_rate", "simulate", "worker_ids"]
 
-_STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP, _BEAT = 0, 1, 2, 3, 4, 5
+_STEP_P, _STEP_D, _XFER, _RETRY, _GIVE_UP, _BEAT, _PLAN, _REJOIN = 0, 1, 2, 3, 4, 5, 6, 7
+W = TypeVar("W", bound=Worker)
 
 
 class SimResult(msgspec.Struct, kw_only=True):
@@ -100,31 +103,10 @@ class Simulation:
         def phase(i: int) -> float:
             return h * i / n_workers if h > 0 else math.inf
 
-        bt = cfg.hash_block_tokens
-
-        def cache() -> PrefixCache | None:
-            return PrefixCache(bt, profile.kv_capacity_tokens // bt) if cfg.prefix_cache else None
-
-        self.prefill = [
-            PrefillWorker(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
-                                  max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                  default_chunk=profile.prefill_token_budget, prefix_cache=cache()), model, phase(i))
-            for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
-        self.decode = [
-            DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
-                                 max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                 default_chunk=profile.decode_default_chunk, prefix_cache=cache(),
-                                 guard=ChunkGuard(model, StepErrorEstimator(target=cfg.overrun_target))
-                                 if cfg.closed_loop else None), model,
-                    phase(cfg.prefill + i), admission=cfg.admission, list_held=cfg.held_list)
-            for i, wid in enumerate(worker_ids("decode", cfg.decode))]
-        for w in (*self.prefill, *self.decode):  # the core's ports reach the event loop through these
-            w.on_beat = self._beat_soon
-            w.on_start = self._start_if_idle
-        for w in (*self.prefill, *self.decode):  # measured step error: the guard's estimator, where there is one
-            guard = w.batcher.guard
-            w.estimator = guard.estimator if guard is not None else (
-                StepErrorEstimator() if cfg.bias_correction else None)
+        self.prefill = [self._new_prefill(wid, phase(i), None)
+                        for i, wid in enumerate(worker_ids("prefill", cfg.prefill))]
+        self.decode = [self._new_decode(wid, phase(cfg.prefill + i), None)
+                       for i, wid in enumerate(worker_ids("decode", cfg.decode))]
         self._d_by_id = {w.wid: w for w in self.decode}
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
@@ -141,6 +123,56 @@ class Simulation:
         self.routers = Routers(profile, policy, cfg, self, self.prefill, self.decode)
         for w in (*self.prefill, *self.decode):
             self._snapshot(w, 0.0)  # the state announced at registration: idle
+        # the role planner (router 0 decides: common/router_core/planner.py `leader`)
+        # (not on a cluster with no prefill worker: its policy uses none, chunked-prefill say)
+        # the planner is router 0's core's; it tells a worker to flip with a SetRole (`set_role`)
+        if cfg.planner and cfg.prefill > 0:
+            self.planner = RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                                                     pinned=frozenset(cfg.planner_pinned)), log=NULL_LOG)
+        self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
+        self.flips: list[dict[str, Any]] = []
+
+    @property
+    def planner(self) -> RolePlanner | None:
+        return self.routers.replicas[0].core.planner
+
+    @planner.setter
+    def planner(self, p: RolePlanner | None) -> None:
+        self.routers.replicas[0].core.planner = p
+
+    # -- the workers ----------------------------------------------------------------------
+    def _cache(self) -> PrefixCache | None:
+        bt = self.cfg.hash_block_tokens
+        return PrefixCache(bt, self.profile.kv_capacity_tokens // bt) if self.cfg.prefix_cache else None
+
+    def _new_prefill(self, wid: str, phase: float, est: StepErrorEstimator | None) -> PrefillWorker:
+        profile = self.profile
+        w = PrefillWorker(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
+                                       max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
+                                       default_chunk=profile.prefill_token_budget, prefix_cache=self._cache()),
+                          self.model, phase)
+        return self._hook(w, est or (StepErrorEstimator() if self.cfg.bias_correction else None))
+
+    def _new_decode(self, wid: str, phase: float, est: StepErrorEstimator | None) -> DecodeWorker:
+        profile, cfg = self.profile, self.cfg
+        if est is None:
+            est = StepErrorEstimator(target=cfg.overrun_target) if cfg.closed_loop else (
+                StepErrorEstimator() if cfg.bias_correction else None)
+        w = DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
+                                      max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
+                                      default_chunk=profile.decode_default_chunk, prefix_cache=self._cache(),
+                                      guard=ChunkGuard(self.model, est) if cfg.closed_loop and est else None),
+                         self.model, phase, admission=cfg.admission, list_held=cfg.held_list)
+        return self._hook(w, est)
+
+    def _hook(self, w: W, est: StepErrorEstimator | None) -> W:
+        """The core's ports reach the event loop through these; its measured step error: the guard's
+        estimator, where there is one (a worker that changes role keeps its own: the same GPU)."""
+        w.on_beat = self._beat_soon
+        w.on_start = self._start_if_idle
+        guard = w.batcher.guard
+        w.estimator = guard.estimator if guard is not None else est
+        return w
 
     # -- heartbeats -----------------------------------------------------------------------
     def _touch(self, w: Worker, now: float) -> None:
@@ -183,6 +215,8 @@ class Simulation:
             self._start(w, w.now)
 
     def _beat(self, w: Worker, now: float) -> None:
+        if w.retired:
+            return
         w.beat_at = -1.0
         self._touch(w, now)
         self._snapshot(w, now)
@@ -246,6 +280,8 @@ class Simulation:
         if out.prefilled:
             self.routers.prefill_done(w, now)
         self._start(w, now)
+        if self.flipping is not None and self.flipping[0] is w:
+            self._drain_check(w, now)
 
     def _decode_done(self, w: DecodeWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
@@ -272,6 +308,8 @@ class Simulation:
             self._soon(w, now)
             self.routers.kv_freed(w, now)
         self._start(w, now)
+        if self.flipping is not None and self.flipping[0] is w:
+            self._drain_check(w, now)
 
     def _kv_landed(self, r: Req, now: float) -> None:
         """`r`'s KV reached its decode worker: the core starts the handoff it kept room for."""
@@ -330,6 +368,79 @@ class Simulation:
             raise RuntimeError(f"simulated prefill worker {pw.wid} refused {r.rid}: {pw.outbox[-1:]}")
         self._q_prefill.add(now, 1)
 
+    # -- the role planner ---------------------------------------------------------------
+    def _plan(self, now: float) -> None:
+        """The planner's tick (every `interval_s`): a flip under way goes on; otherwise router 0
+        measures its view of the load and the planner may start one."""
+        planner = self.planner
+        assert planner is not None
+        if self.flipping is not None:
+            self._drain_check(self.flipping[0], now)
+            return
+        self.deliver_all(now)
+        rt = self.routers.replicas[0]
+        rt.flush(now)
+        rt.core.plan_roles(now)
+        rt.flush(now)  # its SetRole, if any, reaches the worker (`set_role`)
+
+    def set_role(self, wid: str, msg: m.SetRole, now: float) -> None:
+        """Worker `wid` got router 0's SetRole: its core drains for the change (Goodbye "role_change"
+        to every router); it rejoins once it holds nothing (`_drain_check`)."""
+        planner = self.planner
+        w = next(x for x in (*self.prefill, *self.decode) if x.wid == wid)
+        self._touch(w, now)
+        w.now = now
+        bye = w.core.set_role(msg)
+        if bye is None or planner is None or planner.pending is None:
+            return
+        self.flipping = (w, planner.pending, now)
+        self.routers.tell(w, bye, now)  # every router: it takes no new work
+        self._drain_check(w, now)
+
+    def _drain_check(self, w: Worker, now: float) -> None:
+        """The flipping worker holds nothing any more: it leaves its role, and its engine rejoins
+        under the other `planner_switch_s` later."""
+        if w.retired or w.busy or len(w.batcher) or not w.core.drained(now):
+            return  # (retired: drained already, its engine out until it rejoins)
+        assert self.flipping is not None and self.flipping[0] is w
+        self._touch(w, now)
+        w.now = now
+        bye = w.core.hand_back()  # holds nothing: hands nothing back
+        if isinstance(w, PrefillWorker):
+            self.routers.handed_off(w)
+        self.routers.tell(w, bye, now)
+        w.retired = True
+        if isinstance(w, PrefillWorker):
+            self.prefill.remove(w)
+        elif isinstance(w, DecodeWorker):
+            self.decode.remove(w)
+            del self._d_by_id[w.wid]
+        self.routers.worker_left(w)
+        self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
+
+    def _rejoin(self, old: Worker, drained_at: float, now: float) -> None:
+        assert self.flipping is not None
+        _, flip, started = self.flipping
+        h = self.cfg.heartbeat_interval
+        new: Worker
+        if flip.to == "decode":
+            new = self._new_decode(old.wid, old.phase, old.estimator)
+            self.decode.append(new)
+            self._d_by_id[new.wid] = new
+        else:
+            new = self._new_prefill(old.wid, old.phase, old.estimator)
+            self.prefill.append(new)
+        if h > 0:  # its heartbeats keep their phase
+            new.next_hb = old.phase + (math.floor((now - old.phase) / h) + 1) * h
+        new.now = now
+        self.routers.worker_joined(new, now)
+        self._snapshot(new, now)
+        self.flipping = None  # (router 0's planner saw its Hello under the new role: the flip is over)
+        self.flips.append({"at": round(started, 3), "worker": new.wid, "to": flip.to, "reason": flip.reason,
+                           "drain_s": round(drained_at - started, 3), "out_s": round(now - started, 3),
+                           **flip.evidence})
+        self.retry_at(now)  # waiting requests may fit on it
+
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
         wall0 = time.perf_counter()
@@ -348,11 +459,18 @@ class Simulation:
         ai = 0
         events = 0
         now = end = 0.0
+        if self.planner is not None:
+            self._push(self.planner.cfg.interval_s, _PLAN, None, None)
         while True:
             if heap and (ai >= n or heap[0][0] <= reqs[ai].arrival):
                 now, _, kind, obj, plan = pop(heap)
                 if (kind == _GIVE_UP and not routers.give_up(obj, now)) or (kind == _RETRY and not routers.waiting):
                     continue  # nothing left to do: not an event of the run
+                if kind == _PLAN:  # the planner ticks while anything goes on (not an event of the run)
+                    self._plan(now)
+                    if ai < n or heap or self.flipping is not None:
+                        self._push(now + self.planner.cfg.interval_s, _PLAN, None, None)  # type: ignore[union-attr]
+                    continue
                 end = now
                 if kind == _STEP_D:
                     self._decode_done(obj, plan, now)
@@ -364,6 +482,8 @@ class Simulation:
                     routers.retry(now)
                 elif kind == _BEAT:
                     self._beat(obj, now)
+                elif kind == _REJOIN:
+                    self._rejoin(obj, plan, now)
             elif ai < n:
                 now = end = reqs[ai].arrival
                 routers.arrive(reqs[ai], now)
@@ -396,6 +516,9 @@ class Simulation:
             "prefix_hit_rate": prefix_hit_rate(reqs) if self.cfg.prefix_cache else None,
             "prefix_index_blocks": routers.index_blocks(),
         }
+        if self.planner is not None:
+            stats["role_flips"] = self.flips
+            stats["final_split"] = f"{len(self.prefill)}P{len(self.decode)}D"
         return SimResult(records=records, stats=stats)
 
 

@@ -47,6 +47,7 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
     prefill_work(p, work, r, now)   prefill worker P's core queues PrefillWork `work` of `r`
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
     retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
+    set_role(wid, msg, now)         worker WID got a SetRole (router 0's role planner): it drains to change role
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
 the prefix cache's changes), first_token(w, r, now) (a deflection's first token), finished(w, r,
 now) (a request's last token), kv_freed(w, now) (requests finished on decode worker W),
@@ -87,6 +88,7 @@ class Engines(Protocol):
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
     def retry_at(self, t: float) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
+    def set_role(self, wid: str, msg: m.SetRole, now: float) -> None: ...
 
 
 WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout")  # common/router_core/waiting.py
@@ -143,8 +145,8 @@ class SimRouter:
         self.cfg = cfg
         self.engines = engines
         self.out = SimOutbox()
-        self._p_by_id = {w.wid: w for w in prefill}
-        self._d_by_id = {w.wid: w for w in decode}
+        self.p_by_id = {w.wid: w for w in prefill}
+        self.d_by_id = {w.wid: w for w in decode}
         self.reqs: dict[str, Req] = {}  # in flight at this replica, by request id
         self.creqs: dict[str, Request] = {}  # ... the core's request of each
         self.q_wait = Level()
@@ -212,7 +214,7 @@ class SimRouter:
             self.creqs[r.rid] = creq
             if creq.kv_wait_until > 0:  # not placed: it waits
                 self._waits(r, creq, now)
-        self._flush(now)
+        self.flush(now)
         if r.rejected:
             self.reqs.pop(r.rid, None)
 
@@ -220,7 +222,7 @@ class SimRouter:
         """Decide the waiting requests again (the core's wait queue)."""
         self.engines.deliver_all(now)
         self.core.waiting.retry(now)
-        self._flush(now)
+        self.flush(now)
         for creq in itertools.islice(self.core.kv_waiting, SCAN):
             if creq.held:
                 self.reqs[creq.request_id].was_held = True
@@ -265,16 +267,19 @@ class SimRouter:
 
     # -- what the core sent, to the engines -----------------------------------------------
     def _before_view(self, now: float) -> None:
-        self._flush(now)
+        self.flush(now)
         self.engines.deliver_all(now)
 
-    def _flush(self, now: float) -> None:
+    def flush(self, now: float) -> None:
         """Hand what the core sent to the engines, in order; a rejected deflection goes back to
         the core as the worker's RequestFailed (which may send more)."""
         sent = self.out.sent
         eng = self.engines
         while sent:
-            _, msg = sent.popleft()
+            to, msg = sent.popleft()
+            if isinstance(msg, m.SetRole):  # the role planner's (router 0)
+                eng.set_role(to.decode(), msg, now)
+                continue
             if not isinstance(msg, (m.DecodeWork, m.PrefillWork)):
                 continue
             creq = self.creqs.get(msg.request_id)
@@ -285,7 +290,7 @@ class SimRouter:
             r = self.reqs[msg.request_id]
             r.attempt = msg.attempt
             if isinstance(msg, m.DecodeWork):
-                dw = self._d_by_id[d.decode_worker]
+                dw = self.d_by_id[d.decode_worker]
                 eng.deliver(dw, now)
                 if eng.decode_work(dw, msg, r, now) in ("refused", "rejected"):
                     for f in dw.take_sent():  # the worker's RequestFailed: the router decides again
@@ -301,7 +306,7 @@ class SimRouter:
                 assert d.prefill_worker is not None
                 self._placed(msg.request_id, d, now)
                 r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
-                eng.prefill_work(self._p_by_id[d.prefill_worker], msg, r, now)
+                eng.prefill_work(self.p_by_id[d.prefill_worker], msg, r, now)
 
     def _placed(self, rid: str, d: Decision, now: float) -> Req:
         r = self.reqs[rid]
@@ -377,6 +382,38 @@ class Routers:
         if t != self._retry_at.get(w.wid, -1.0):
             self._retry_at[w.wid] = t
             self.engines.retry_at(t)
+
+    # -- a worker changing role (the role planner, sim/core.py) ------------------------------
+    def tell(self, w: Worker, msg: m.Goodbye, now: float) -> None:
+        """`w` sends `msg` (a Goodbye) to every router."""
+        for rt in self.replicas:
+            rt.core.on_message(w.wid.encode(), msg, now)
+            rt.flush(now)
+
+    def handed_off(self, w: PrefillWorker) -> None:
+        """Prefill worker `w` holds nothing: what its entry on a router still holds are prefills it
+        finished, which the simulator tells no router of (no PrefillDone: the hand-off is modelled
+        engine-side); the PrefillDone each would have sent takes it off the entry, as live, so
+        that its departure re-dispatches nothing."""
+        for rt in self.replicas:
+            e = rt.core.table.workers.get(w.wid)
+            if e is not None:
+                e.holding.clear()
+
+    def worker_left(self, w: Worker) -> None:
+        for rt in self.replicas:
+            rt.p_by_id.pop(w.wid, None)
+            rt.d_by_id.pop(w.wid, None)
+
+    def worker_joined(self, w: Worker, now: float) -> None:
+        """`w` says Hello to every router (under its new role)."""
+        for rt in self.replicas:
+            if isinstance(w, PrefillWorker):
+                rt.p_by_id[w.wid] = w
+            elif isinstance(w, DecodeWorker):
+                rt.d_by_id[w.wid] = w
+            rt.core.on_message(w.wid.encode(), w.hello(), now)
+            rt.flush(now)
 
     # -- arrivals and the wait queues -----------------------------------------------------
     def arrive(self, r: Req, now: float) -> None:

@@ -45,6 +45,7 @@ class Cell:
     rate: float
     profile: str
     setup: Setup
+    planner: bool = False
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -65,15 +66,18 @@ def run_cell(c: Cell) -> dict[str, Any]:
     reqs = load(w, w.report, c.rate)
     prof_obj = load_profile(c.profile)
     policy, prof = build(c.policy, c.setup, prof_obj)
-    sim = SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[c.condition])
+    sim = SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1, planner=c.planner,
+                    **CONDITIONS[c.condition])
     res = simulate(reqs, prof, policy, sim)
     s = summarize(res.records, ttft_slo=sim.ttft_slo, tbt_slo=sim.tbt_slo)
     held = res.stats.get("held")
-    return {"workload": c.workload, "policy": c.policy, "cluster": f"{c.prefill}P{c.decode}D",
+    return {"workload": c.workload, "policy": c.policy,
+            "cluster": f"{c.prefill}P{c.decode}D" + ("+planner" if c.planner else ""),
             "condition": c.condition, "rate": c.rate, "requests": s["requests"], "rejected": s["rejected"],
             "slo_attainment": s["slo_attainment"], "tbt_slo_attainment": s["tbt_slo_attainment"],
             "ttft_slo_attainment": s["ttft_slo_attainment"], "ttft_p95": s["ttft_p95"], "tbt_p99": s["tbt_p99"],
-            "deflection_rate": s.get("deflection_rate"), "held": held}
+            "deflection_rate": s.get("deflection_rate"), "held": held,
+            "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split")}
 
 
 def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
@@ -86,7 +90,8 @@ def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
                 splits = dict.fromkeys((0, p + d) if policy in NO_PREFILL_POLICIES else (p, d) for p, d in args.split)
                 for n_p, n_d in splits:
                     for x in args.rate:
-                        out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup))
+                        out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup,
+                                        planner=args.planner == "on" and n_p > 0))
     return out
 
 
@@ -107,14 +112,20 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _flips(r: dict[str, Any]) -> str:
+    """'-' without the planner; else the flips and the split at the end."""
+    return "-" if r.get("final_split") is None else f"{r['role_flips']} (ends {r['final_split']})"
+
+
 def table(rows: list[dict[str, Any]], gp: dict[tuple[str, ...], float | None] | None) -> str:
-    head = "| workload | condition | policy | cluster | rate | both-SLO % | TBT % | P95 TTFT s | rejected |"
-    lines = [head + (" goodput |" if gp else ""), "|" + "---|" * (9 + (1 if gp else 0))]
+    head = "| workload | condition | policy | cluster | rate | both-SLO % | TBT % | P95 TTFT s | rejected | flips |"
+    lines = [head + (" goodput |" if gp else ""), "|" + "---|" * (10 + (1 if gp else 0))]
     for r in rows:
         p95 = r["ttft_p95"]
         cell = (f"| {r['workload']} | {r['condition']} | {r['policy']} | {r['cluster']} | x{r['rate']:g} | "
                 f"{_pct(r['slo_attainment'])} | {_pct(r['tbt_slo_attainment'])} | "
-                f"{'inf' if p95 is None or p95 == float('inf') else f'{p95:.2f}'} | {r['rejected']} |")
+                f"{'inf' if p95 is None or p95 == float('inf') else f'{p95:.2f}'} | {r['rejected']} | "
+                f"{_flips(r)} |")
         if gp:
             g = gp[(r["workload"], r["policy"], r["cluster"], r["condition"])]
             cell += f" {'none' if g is None else f'x{g:g}'} |"
@@ -138,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned", default=None, help="settings from `kairos tune` or fair_eval instead of the shipped ones")
     p.add_argument("--goodput-at", type=float, default=0.9,
                    help="goodput: the highest --rate with at least this both-SLO attainment (default 0.9)")
+    p.add_argument("--planner", choices=("on", "off"), default="off",
+                   help="the role planner in every run with prefill workers (common/router_core/planner.py; "
+                        "rows then say how many flips and the split at the end) (default off)")
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     add_engine_flags(p)

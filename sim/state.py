@@ -57,6 +57,13 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     admission: bool = True         # decode workers check every deflection against their live state
     held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
     prompt_beat: float = 0.002  # a worker also heartbeats this long after its state changes (live: 2 ms); < 0: never
+    # the role planner (common/router_core/planner.py), run by router 0: workers move between the
+    # prefill and decode roles as the load asks; a flip drains the worker (it takes no new work and
+    # finishes what it holds), then its engine is out `planner_switch_s` seconds and rejoins under the
+    # new role with an empty prefix cache (its measured step error kept: the same GPU)
+    planner: bool = False
+    planner_switch_s: float = 2.0
+    planner_pinned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -69,6 +76,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("hash_block_tokens must be >= 1")
         if self.routers < 1:
             raise ValueError("need at least one router")
+        if self.planner_switch_s < 0:
+            raise ValueError("planner_switch_s must be >= 0")
         if not 0.0 < self.overrun_target < 0.5:
             raise ValueError("overrun_target must be in (0, 0.5)")
         self.step_error()  # validates
@@ -143,7 +152,7 @@ class Worker:
 
     __slots__ = ("batcher", "beat_at", "bias", "busy", "busy_s", "core", "estimator", "hb", "kv_capacity",
                  "max_batch", "model", "next_hb", "now", "on_beat", "on_start", "outbox", "phase", "plan", "reqs",
-                 "token_budget", "until", "view_model", "wid")
+                 "retired", "token_budget", "until", "view_model", "wid")
 
     core: WorkerCore
 
@@ -174,6 +183,7 @@ class Worker:
         # it: what a deflection's DecodeWork carries (`model_bias`), the worker's admission check plans with
         self.bias = 1.0
         self.view_model = model
+        self.retired = False  # it changed role: this object is gone (sim/core.py `_rejoin` made its successor)
 
     def info(self) -> EngineInfo:
         return EngineInfo(engine="sim", token_budget=self.token_budget, kv_capacity_tokens=self.kv_capacity,

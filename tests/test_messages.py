@@ -25,6 +25,7 @@ SAMPLES: list[m.Msg] = [
     m.Reregister(router_incarnation="r1", reason="unknown worker"),
     m.Goodbye(worker_id="decode-0", incarnation="abc"),
     m.Drain(reason="maintenance"),
+    m.SetRole(role="decode", reason="decode_short", router_incarnation="r1"),
     m.PrefillHeartbeat(worker_id="prefill-0", incarnation="i", seq=3, queued_tokens=4096, queued_requests=2,
                        token_budget=2048, last_dispatch=9, step_ms_p50=210.0, steps=10, coeffs=COEFFS),
     m.DecodeHeartbeat(worker_id="decode-0", incarnation="i", seq=4, batch=12, kv_tokens=30000, kv_free_tokens=900000,

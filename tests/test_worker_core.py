@@ -206,6 +206,22 @@ def test_a_draining_worker_refuses_new_work_and_hands_back_what_is_left() -> Non
     assert ports.aborted == ["running"]
 
 
+def test_a_role_change_drains_like_a_departure_but_keeps_what_runs_until_it_finishes() -> None:
+    core, ports = decode_core()
+    core.on_work(deflection("running", (100,), 0.0), 0.0, idle(), MODEL)
+    assert core.set_role(m.SetRole(role="decode")) is None and not core.draining  # its role already
+    bye = core.set_role(m.SetRole(role="prefill", reason="prefill_short"))
+    assert bye is not None and bye.reason == "role_change" and core.new_role == "prefill"
+    assert core.heartbeat(idle()).draining and ports.beats
+    assert core.on_work(handoff("new", 10), 0.0, idle(), MODEL) == "refused"
+    assert ports.failed()[-1].reason == "worker_draining"
+    assert core.set_role(m.SetRole(role="prefill")) is None  # one change at a time
+    assert not core.drained(0.0)  # what it runs finishes here: nothing handed back
+    core.finished("running")
+    assert core.drained(0.0)
+    assert core.hand_back().reason == "drained" and ports.aborted == []
+
+
 # ------------------------------------------------------------------ the prefill worker
 
 

@@ -47,6 +47,7 @@ from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
+from common.router_core.planner import Flip, RolePlanner, measure
 from common.router_core.ports import NULL_METRICS, Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Event, Request
@@ -122,6 +123,9 @@ class RouterCore:
             wall_offset=wall_offset, log=self.log)
         self.admission = Admission(cfg, self.table, self.requests)
         self.inbound = Inbound(self)
+        # the role planner (common/router_core/planner.py): set by a shell that runs it, on the router
+        # that leads (`planner.leader`); it ticks with `plan_roles`
+        self.planner: RolePlanner | None = None
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
@@ -396,6 +400,23 @@ class RouterCore:
             self.log.warning("protocol_error", error=str(e))
         except Exception as e:
             self.inbound.handler_error(identity, msg, e, now)
+        if self.planner is not None and isinstance(msg, m.Hello) and msg.worker_id in self.table.workers:
+            self.planner.rejoined(msg.worker_id, msg.role, now)  # a flipped worker back under its new role
+
+    def plan_roles(self, now: float) -> Flip | None:
+        """The role planner's tick (every `planner.cfg.interval_s`, on the router that leads): it
+        measures this router's view of the load and may move one worker to the other role, which
+        it tells the worker (SetRole; the worker drains, then says Hello under its new role)."""
+        p = self.planner
+        if p is None or p.pending is not None:
+            return None
+        flip = p.observe(measure(self.table, self.kv_waiting), now)
+        if flip is None:
+            return None
+        self.counts["role_flips"] += 1
+        self.send(self.table.workers[flip.worker_id],
+                  m.SetRole(role=flip.to, reason=flip.reason, router_incarnation=self.incarnation))
+        return flip
 
     def drop_frame(self, source: str, event: str, **fields: object) -> None:
         """A frame from the bus that cannot be used (`source`: its metric label): counted in

@@ -37,6 +37,7 @@ class WorkerCore(abc.ABC):
         self.seq = 0                      # its last heartbeat's number
         self.last_dispatch = 0            # the highest dispatch number it has seen (heartbeats acknowledge it)
         self.draining = False
+        self.new_role: m.Role | None = None  # a role change under way (`set_role`): the role it drains for
         self.counters: dict[str, int] = {"refused": 0}
 
     # -- what it holds ----------------------------------------------------------------------
@@ -120,6 +121,22 @@ class WorkerCore(abc.ABC):
         self.draining = True
         self.ports.beat_now()
         return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)
+
+    def set_role(self, msg: m.SetRole) -> m.Goodbye | None:
+        """The router's role planner moves it to `msg.role`: it drains as for leaving (no new work,
+        refused "worker_draining"; what it holds finishes here) and the Goodbye ("role_change") to
+        send every router is returned; when `drained`, `hand_back` gives the "drained" Goodbye and
+        the shell builds the core of the new role on the same engine and says Hello again. None:
+        nothing to do (that is its role already, or it is draining)."""
+        if msg.role == self.role or self.draining:
+            self.log.info("role_change_ignored", role=self.role, to=msg.role, draining=self.draining)
+            return None
+        self.new_role = msg.role
+        self.draining = True
+        self.log.info("role_change_started", role=self.role, to=msg.role, reason=msg.reason,
+                      holding=len(self.held_requests()))
+        self.ports.beat_now()
+        return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="role_change")
 
     def drained(self, now: float) -> bool:
         """Whether the drain has nothing left to wait for at `now`."""

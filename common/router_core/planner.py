@@ -1,0 +1,293 @@
+"""The role planner: moves one worker at a time between the prefill and decode roles when the
+measured load over the last minute says the other role is the bottleneck (issue 44 item 3).
+
+Socket-free and clock-free, like the rest of the router core. The router core holds it
+(`RouterCore.planner`, set by the shell that runs it) and ticks it (`RouterCore.plan_roles`,
+every `interval_s` seconds, on the router that leads): `measure` builds a `Load` from the
+router's worker table and wait queue, `RolePlanner.observe(load, now)` returns the `Flip` to
+make, or None, and the core sends the worker a SetRole. The worker drains what the role change
+would break, switches and says Hello again under its new role; that Hello ends the flip
+(`rejoined`). Every decision, and every flip held back by a rule while the load asked for one,
+is a log line with its reason and the figures it was made from. The simulator runs this on its
+router 0; the live router does not run it yet.
+
+The rules (`PlannerConfig`, defaults in brackets):
+- Evidence is the samples of the last `window_s` [30 s] taken since the last flip ended (a flip
+  changes the load; the planner judges the new shape on its own samples only), and at least
+  half a window of them.
+- Toward decode when the decode pool is short: requests waited for decode room or KV in at
+  least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
+  the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
+  held because no decode worker had room to prefill it in place), or the decode step took at least `step_hi` [0.9] of
+  the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
+  prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
+  scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
+- Toward prefill when the prefill pool is short (prefill waits in >= `wait_hi` of the samples
+  or the queue at >= `queue_hi` [0.5] of the TTFT SLO) and the decode pool can spare a worker
+  (decode waits in <= `wait_lo`, the step scaled to one decode worker fewer <= `step_lo` [0.6]).
+- The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
+  role at least `min_dwell_s` [60 s] after it took it (or since the planner first saw it), flips
+  are `min_gap_s` [30 s] apart at least and one at a time, each role keeps between
+  `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers never
+  move, and `enabled` False turns the planner off (it then decides nothing at all).
+
+With several routers one decides at a time: the router whose name sorts first among the routers
+alive (`leader`); the others measure nothing and flip nothing. The simulator runs it on router 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from common import messages as m
+from common.router_core.ports import Log
+from common.router_core.requests import Request
+from common.router_core.workers import WorkerTable
+
+PREFILL: m.Role = "prefill"
+DECODE: m.Role = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The planner's settings (see the module docstring)."""
+
+    enabled: bool = False
+    interval_s: float = 5.0
+    window_s: float = 30.0
+    min_dwell_s: float = 60.0
+    min_gap_s: float = 30.0
+    min_prefill: int = 1
+    max_prefill: int = 1 << 20
+    min_decode: int = 1
+    max_decode: int = 1 << 20
+    pinned: frozenset[str] = frozenset()
+    wait_hi: float = 0.2
+    wait_lo: float = 0.05
+    step_hi: float = 0.9
+    step_lo: float = 0.6
+    queue_hi: float = 0.5
+    queue_lo: float = 0.25
+    ttft_slo: float = 2.0
+    tbt_slo: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s < self.interval_s:
+            raise ValueError("planner: interval_s must be > 0 and window_s at least interval_s")
+        if self.min_dwell_s < 0 or self.min_gap_s < 0:
+            raise ValueError("planner: min_dwell_s and min_gap_s must be >= 0")
+        if not (0 <= self.min_prefill <= self.max_prefill and 1 <= self.min_decode <= self.max_decode):
+            raise ValueError("planner: need 0 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode")
+        for lo, hi, what in ((self.wait_lo, self.wait_hi, "wait"), (self.step_lo, self.step_hi, "step"),
+                             (self.queue_lo, self.queue_hi, "queue")):
+            if not 0 <= lo < hi:
+                raise ValueError(f"planner: {what}_lo must be below {what}_hi (the gap is the hysteresis)")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One routable worker as the planner sees it: its role and how much it holds (the planner
+    moves the least loaded one, whose drain is shortest)."""
+
+    worker_id: str
+    role: m.Role
+    load: float  # prefill: queued prompt tokens; decode: running sequences
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One sample of the measured load."""
+
+    prefill_queue_s: float   # mean over prefill workers: predicted wait before a new prompt starts
+    decode_step_s: float     # mean over decode workers: recent decode step time
+    waits_decode: int        # requests waiting at the router for decode room or KV
+    waits_prefill: int       # ... for a prefill worker (held by late binding)
+    workers: tuple[WorkerLoad, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Flip:
+    worker_id: str
+    to: m.Role
+    reason: str              # decode_short or prefill_short
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Judged:
+    decode_wait: float
+    prefill_wait: float
+    step: float
+    queue: float
+    n_prefill: int
+    n_decode: int
+
+    def fields(self) -> dict[str, float]:
+        return {"decode_wait_share": round(self.decode_wait, 3), "prefill_wait_share": round(self.prefill_wait, 3),
+                "decode_step_of_slo": round(self.step, 3), "prefill_queue_of_slo": round(self.queue, 3),
+                "prefill_workers": self.n_prefill, "decode_workers": self.n_decode}
+
+
+def leader(routers: list[str]) -> str:
+    """Which router plans, of those alive: the first by name (every router computes the same)."""
+    return min(routers) if routers else ""
+
+
+class RolePlanner:
+    """See the module docstring."""
+
+    def __init__(self, cfg: PlannerConfig, *, log: Log | None = None) -> None:
+        self.cfg = cfg
+        self.log: Log = log if log is not None else structlog.get_logger()
+        self.samples: deque[tuple[float, Load]] = deque()
+        self.since: dict[str, tuple[m.Role, float]] = {}  # worker -> (role, since when)
+        self.pending: Flip | None = None  # the flip being carried out
+        self.settled_at = -float("inf")   # when the last flip ended (evidence starts then)
+        self.last_flip_at = -float("inf")  # when the last flip was decided
+        self.flips: dict[str, int] = {}    # by reason
+        self._held = ""                   # the last reason a flip was held back (logged once per change)
+
+    def observe(self, load: Load, now: float) -> Flip | None:
+        """Take one sample; the flip to make now, if any."""
+        cfg = self.cfg
+        if not cfg.enabled:
+            return None
+        for w in load.workers:
+            seen = self.since.get(w.worker_id)
+            if seen is None or seen[0] != w.role:
+                self.since[w.worker_id] = (w.role, now)
+        self.samples.append((now, load))
+        start = max(now - cfg.window_s, self.settled_at)
+        while self.samples and self.samples[0][0] < start:
+            self.samples.popleft()
+        if self.pending is not None:
+            return None
+        if len(self.samples) < max(1, int(cfg.window_s / cfg.interval_s / 2)):
+            return None
+        j = self._judge(load)
+        to, reason = self._want(j)
+        if not to:
+            self._held = ""
+            return None
+        why = self._blocked(to, j, now)
+        if why:
+            if why != self._held:
+                self.log.info("role_flip_held", to=to, reason=reason, held_by=why, **j.fields())
+            self._held = why
+            return None
+        pick = self._pick(load, to, now)
+        if pick is None:
+            why = "no_movable_worker"
+            if why != self._held:
+                self.log.info("role_flip_held", to=to, reason=reason, held_by=why, **j.fields())
+            self._held = why
+            return None
+        self._held = ""
+        flip = Flip(worker_id=pick.worker_id, to=to, reason=reason, evidence=j.fields())
+        self.pending = flip
+        self.last_flip_at = now
+        self.flips[reason] = self.flips.get(reason, 0) + 1
+        self.log.info("role_flip_decided", worker=pick.worker_id, frm=pick.role, to=to, reason=reason,
+                      worker_load=pick.load, **flip.evidence)
+        return flip
+
+    def flip_done(self, worker_id: str, role: m.Role, now: float) -> None:
+        """The flipped worker is back under `role` (or the flip was abandoned: it keeps its old
+        one). New evidence starts now."""
+        self.since[worker_id] = (role, now)
+        self.pending = None
+        self.settled_at = now
+        self.samples.clear()
+        self.log.info("role_flip_done", worker=worker_id, role=role)
+
+    def rejoined(self, worker_id: str, role: m.Role, now: float) -> None:
+        """A worker said Hello: if it is the one being flipped, under its new role, the flip is over."""
+        p = self.pending
+        if p is not None and p.worker_id == worker_id and p.to == role:
+            self.flip_done(worker_id, role, now)
+
+    # -- the rules ---------------------------------------------------------------------------
+    def _judge(self, load: Load) -> _Judged:
+        cfg = self.cfg
+        s = [x for _, x in self.samples]
+        n = len(s)
+
+        def prefill_wait(x: Load) -> bool:
+            # held for a prefill worker while the prefill queues are short: late binding held it because
+            # no decode worker had room to prefill it in place, a decode shortage
+            return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
+
+        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or (x.waits_prefill and not prefill_wait(x)))
+                       / n,
+                       prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
+                       step=sum(x.decode_step_s for x in s) / n / cfg.tbt_slo,
+                       queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
+                       n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
+                       n_decode=sum(1 for w in load.workers if w.role == DECODE))
+
+    def _want(self, j: _Judged) -> tuple[m.Role | None, str]:
+        cfg = self.cfg
+        decode_short = j.decode_wait >= cfg.wait_hi or j.step >= cfg.step_hi
+        prefill_short = j.prefill_wait >= cfg.wait_hi or j.queue >= cfg.queue_hi
+        if decode_short and not prefill_short:
+            return DECODE, "decode_short"
+        if prefill_short and not decode_short:
+            return PREFILL, "prefill_short"
+        return None, ""
+
+    def _blocked(self, to: m.Role, j: _Judged, now: float) -> str:
+        cfg = self.cfg
+        if now - self.last_flip_at < cfg.min_gap_s:
+            return "min_gap"
+        n_from, n_to = (j.n_prefill, j.n_decode) if to == DECODE else (j.n_decode, j.n_prefill)
+        lo_from = cfg.min_prefill if to == DECODE else cfg.min_decode
+        hi_to = cfg.max_decode if to == DECODE else cfg.max_prefill
+        if n_from - 1 < lo_from:
+            return f"min_{PREFILL if to == DECODE else DECODE}"
+        if n_to + 1 > hi_to:
+            return f"max_{to}"
+        if to == DECODE and (j.prefill_wait > cfg.wait_lo or j.queue * n_from / (n_from - 1) > cfg.queue_lo):
+            return "prefill_cannot_spare"  # one prefill worker fewer would make it the bottleneck
+        if to == PREFILL and (j.decode_wait > cfg.wait_lo or j.step * n_from / (n_from - 1) > cfg.step_lo):
+            return "decode_cannot_spare"
+        return ""
+
+    def _pick(self, load: Load, to: m.Role, now: float) -> WorkerLoad | None:
+        frm = PREFILL if to == DECODE else DECODE
+        ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned
+              and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
+        return min(ok, key=lambda w: (w.load, w.worker_id)) if ok else None
+
+
+def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
+    """The load a router sees now: its worker table's routable workers and its wait queue."""
+    q_s: list[float] = []
+    step_s: list[float] = []
+    workers: list[WorkerLoad] = []
+    for e in table.workers.values():
+        if e.draining or e.unreachable:
+            continue
+        hb = e.hb
+        if e.role == PREFILL:
+            queued = hb.queued_tokens if isinstance(hb, m.PrefillHeartbeat) else 0
+            budget = max(e.hello.token_budget, 1)
+            full = e.model.step_time(0, 0, [(budget, 0)])  # a full-budget prefill step
+            q_s.append(queued / budget * full + (hb.busy_s if hb is not None else 0.0))
+            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued)))
+        else:
+            batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
+            step_s.append(hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0)
+            workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
+    waits_d = waits_p = 0
+    for r in waiting:
+        if r.short == "prefill_busy":
+            waits_p += 1
+        else:
+            waits_d += 1
+    return Load(prefill_queue_s=sum(q_s) / len(q_s) if q_s else 0.0,
+                decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
+                waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers))

@@ -1,0 +1,133 @@
+"""The role planner (common/router_core/planner.py): its rules on synthetic load, with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.router_core.planner import Flip, Load, PlannerConfig, RolePlanner, WorkerLoad, leader
+from common.router_core.ports import NullLog
+
+
+class Rec(NullLog):
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def info(self, event: str, **fields: object) -> None:
+        self.lines.append((event, fields))
+
+
+def fleet(n_p: int, n_d: int) -> tuple[WorkerLoad, ...]:
+    return (*(WorkerLoad(f"p{i}", "prefill", 1000.0 * i) for i in range(n_p)),
+            *(WorkerLoad(f"d{i}", "decode", 10.0 * i) for i in range(n_d)))
+
+
+DECODE_SHORT = dict(prefill_queue_s=0.05, decode_step_s=0.095, waits_decode=5, waits_prefill=0)
+PREFILL_SHORT = dict(prefill_queue_s=1.8, decode_step_s=0.02, waits_decode=0, waits_prefill=3)
+CALM = dict(prefill_queue_s=0.1, decode_step_s=0.03, waits_decode=0, waits_prefill=0)
+
+
+def run(p: RolePlanner, load: dict[str, float], workers: tuple[WorkerLoad, ...], t0: float, t1: float,
+        step: float = 5.0) -> tuple[list[tuple[float, Flip]], float]:
+    flips = []
+    t = t0
+    while t < t1:
+        f = p.observe(Load(workers=workers, **load), t)  # type: ignore[arg-type]
+        if f is not None:
+            flips.append((t, f))
+        t += step
+    return flips, t
+
+
+def cfg(**kw: object) -> PlannerConfig:
+    return PlannerConfig(enabled=True, **kw)  # type: ignore[arg-type]
+
+
+def test_flips_toward_decode_when_decode_waits_dominate_and_back_when_prefill_does() -> None:
+    log = Rec()
+    p = RolePlanner(cfg(), log=log)
+    flips, t = run(p, DECODE_SHORT, fleet(2, 2), 0.0, 120.0)
+    assert len(flips) == 1  # one at a time: none while the first is carried out
+    at, f = flips[0]
+    assert (f.worker_id, f.to, f.reason) == ("p0", "decode", "decode_short")  # the least loaded prefill worker
+    assert at >= 60.0  # the dwell: the planner first saw p0 at 0
+    assert any(e == "role_flip_decided" and kw["reason"] == "decode_short" for e, kw in log.lines)
+    p.flip_done("p0", "decode", t)
+    after = (WorkerLoad("p1", "prefill", 0.0), WorkerLoad("p0", "decode", 0.0), *fleet(0, 2))
+    back, _ = run(p, PREFILL_SHORT, after, t, t + 200.0)
+    assert back and back[0][1].to == "prefill" and back[0][1].reason == "prefill_short"
+    assert back[0][1].worker_id != "p0" or back[0][0] - t >= 60.0
+
+
+def test_calm_load_and_the_gap_between_thresholds_flip_nothing() -> None:
+    p = RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=0.0))
+    assert run(p, CALM, fleet(2, 2), 0.0, 300.0)[0] == []
+    # decode steps at 0.8 of the SLO: between step_lo and step_hi, no waits: no flip either way
+    between = dict(CALM, decode_step_s=0.08)
+    assert run(p, between, fleet(2, 2), 300.0, 600.0)[0] == []
+
+
+def test_off_switch_bounds_and_pins() -> None:
+    assert run(RolePlanner(PlannerConfig(enabled=False)), DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
+    log = Rec()
+    bounded = RolePlanner(cfg(min_dwell_s=0.0, max_decode=2), log=log)
+    assert run(bounded, DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
+    assert [kw["held_by"] for e, kw in log.lines if e == "role_flip_held"] == ["max_decode"]  # logged once
+    assert run(RolePlanner(cfg(min_dwell_s=0.0)), DECODE_SHORT, fleet(1, 3), 0.0, 300.0)[0] == []  # min_prefill 1
+    pinned = RolePlanner(cfg(min_dwell_s=0.0, pinned=frozenset({"p0"})))
+    flips, _ = run(pinned, DECODE_SHORT, fleet(2, 2), 0.0, 300.0)
+    assert [f.worker_id for _, f in flips] == ["p1"]
+    both = RolePlanner(cfg(min_dwell_s=0.0, pinned=frozenset({"p0", "p1"})))
+    assert run(both, DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
+
+
+def test_no_flip_that_would_starve_the_other_role() -> None:
+    # decode short, but the prefill queue at 0.2 of the TTFT SLO would be 0.4 with one prefill worker fewer
+    p = RolePlanner(cfg(min_dwell_s=0.0))
+    assert run(p, dict(DECODE_SHORT, prefill_queue_s=0.4), fleet(2, 2), 0.0, 300.0)[0] == []
+
+
+def test_rate_limit_and_fresh_evidence_after_a_flip() -> None:
+    p = RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=100.0))
+    flips, _ = run(p, DECODE_SHORT, fleet(3, 1), 0.0, 30.0)
+    assert len(flips) == 1 and flips[0][0] == 10.0  # half a window of samples first (3 of 30 s at 5 s)
+    p.flip_done(flips[0][1].worker_id, "decode", 20.0)
+    again, _ = run(p, DECODE_SHORT, (*fleet(2, 1), WorkerLoad("p2", "decode", 0.0)), 20.0, 300.0)
+    assert again[0][0] >= 110.0  # min_gap_s after the first decision
+
+
+def test_settings_are_checked_and_one_router_leads() -> None:
+    with pytest.raises(ValueError, match="hysteresis"):
+        PlannerConfig(wait_lo=0.3, wait_hi=0.2)
+    with pytest.raises(ValueError):
+        PlannerConfig(min_decode=0)
+    assert leader(["router-b", "router-a"]) == "router-a" and leader([]) == ""
+
+
+def test_the_router_core_sends_set_role_and_the_workers_hello_under_its_new_role_ends_the_flip() -> None:
+    from common import messages as m
+    from tests.router_fakes import hello, make_core
+
+    core, box = make_core("kairos")
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        core.on_message(wid.encode(), hello(wid, role), 0.0)  # type: ignore[arg-type]
+    box.take()
+    assert core.plan_roles(0.0) is None  # no planner: nothing
+    planner = core.planner = RolePlanner(cfg(min_dwell_s=0.0, tbt_slo=core.cfg.tbt_slo))
+    for d in ("d0", "d1"):  # decode steps at the TBT SLO
+        core.on_message(d.encode(), m.DecodeHeartbeat(
+            worker_id=d, incarnation=f"inc-{d}", seq=1, batch=150, kv_tokens=1000, kv_free_tokens=90_000,
+            kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+            token_budget=2048, step_ms_p50=core.cfg.tbt_slo * 1000.0), 0.0)
+    t, flip = 0.0, None
+    while flip is None and t < 60.0:
+        flip = core.plan_roles(t)
+        t += 5.0
+    assert flip is not None and flip.to == "decode" and flip.reason == "decode_short"
+    sent = [(peer, msg) for peer, msg in box.take() if isinstance(msg, m.SetRole)]
+    assert sent == [(flip.worker_id, m.SetRole(role="decode", reason="decode_short",
+                                               router_incarnation=core.incarnation))]
+    assert core.plan_roles(t) is None and planner.pending is flip  # one at a time
+    core.on_message(flip.worker_id.encode(), m.Goodbye(worker_id=flip.worker_id, incarnation=f"inc-{flip.worker_id}",
+                                                       reason="drained"), t)
+    core.on_message(flip.worker_id.encode(), hello(flip.worker_id, "decode"), t + 2.0)
+    assert planner.pending is None and core.table.count("decode") == 3 and core.counts["role_flips"] == 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from common.config import DEFAULT_PROFILE
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.traces import TraceRequest
@@ -196,9 +197,9 @@ def test_kairos_up_refuses_a_file_that_is_not_a_plan(tmp_path: Path) -> None:
     other.write_text(json.dumps({"format": "kairos-plan/1", "chosen": None}))
     with pytest.raises(ConfigError, match="recommends no shape"):
         spec_from_args(up_parser().parse_args(["--plan", str(other), "--insecure"]))
-    # without --plan, kairos up's defaults are as before
+    # without --plan, kairos up's defaults are as before (the one default profile every command shares)
     spec = spec_from_args(up_parser().parse_args(["--insecure"]))
-    assert (spec.prefill, spec.decode, spec.policy, spec.profile) == (2, 2, "kairos", "a100-dsv2-lite")
+    assert (spec.prefill, spec.decode, spec.policy, spec.profile) == (2, 2, "kairos", DEFAULT_PROFILE)
 
 
 def test_the_plan_is_made_under_the_model_error_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

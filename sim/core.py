@@ -358,8 +358,9 @@ class Simulation:
             if work.retain:
                 return False
             raise RuntimeError(f"simulated prefill worker {pw.wid} refused {r.rid}: {pw.outbox[-1:]}")
+        if not work.retain:  # the prefill queue's level counts the hand-offs (a retained one never leaves it so)
+            self._q_prefill.add(now, 1)
         return True
-        self._q_prefill.add(now, 1)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:

@@ -163,7 +163,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     retain: Annotated[bool, doc("kairos: the third path (route retain): a request no decode worker has room for "
                                 "is decoded by a prefill worker itself (no KV transfer) when its decodes, this one "
                                 "added, leave a retain_chunk prefill chunk within decode_beta x the TBT SLO and "
-                                "its first token is predicted within the TTFT SLO")] = False
+                                "its first token is predicted within the TTFT SLO (engines that cannot decode on "
+                                "a prefill worker, vLLM's, are never sent one)")] = True
     retain_chunk: Annotated[int, doc("kairos retain: the prefill chunk (tokens) a prefill worker must keep room for "
                                      "beside the requests it decodes")] = 512
     retain_max: Annotated[int, doc("kairos retain: requests a prefill worker decodes at most")] = 64

@@ -213,7 +213,7 @@ def test_simulator_serves_retained_requests_whole_when_the_decode_pool_is_full()
     from common.traces import TraceRequest
     from sim.core import SimConfig, simulate
 
-    reqs = [TraceRequest(t=0.01 * i, input_length=1000, output_length=300) for i in range(400)]
+    reqs = [TraceRequest(t=0.01 * i, input_length=1000, output_length=300) for i in range(220)]
     cfg = SimConfig(prefill=1, decode=1, heartbeat_interval=0.1, kv_wait_timeout=60.0)
 
     def go(retain: bool) -> Any:

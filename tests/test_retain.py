@@ -264,3 +264,34 @@ def test_live_simulated_prefill_engine_decodes_a_retained_request() -> None:
     items, during, after = asyncio.run(go())
     assert [len(it.token_ids) for it in items] == [1] * 12 and items[-1].finish_reason == "length"
     assert after - during == 3012
+
+
+async def test_prefill_worker_shell_streams_a_retained_request_to_the_router() -> None:
+    """The live prefill worker (services/prefill_worker) on the simulated engine: a PrefillWork
+    with `retain` comes back as TokenBatches (every token, the last one "length"), no PrefillDone;
+    its heartbeat says it decodes one request while it does."""
+    import asyncio
+
+    from common import config
+    from common.engines.sim import SimEngine
+    from services.prefill_worker.service import PrefillWorker
+
+    cfg = config.load(config.WorkerConfig, env={}, overrides={"kv_timeout": 30.0})
+    w = PrefillWorker(cfg, SimEngine("prefill", load_profile("fast")))
+    sent: list[m.Msg] = []
+    w.send = sent.append  # type: ignore[method-assign]
+    loop = asyncio.create_task(w.engine.run())
+    try:
+        await w.on_message(work("k", prompt=300, out=6))
+        beats = []
+        for _ in range(500):
+            beats.append(w.heartbeat())
+            if any(it.finish_reason for x in sent if isinstance(x, m.TokenBatch) for it in x.items):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        loop.cancel()
+    items = [it for x in sent if isinstance(x, m.TokenBatch) for it in x.items]
+    assert [it.request_id for it in items] == ["k"] * 6 and items[-1].finish_reason == "length"
+    assert not [x for x in sent if isinstance(x, m.PrefillDone)]
+    assert max(b.decodes for b in beats) == 1 and "k" not in w.work

@@ -81,7 +81,9 @@ class Dispatcher:
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
         if self.prefix.enabled:
-            req.indexed = self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w],
+            # (route "retain": one worker is both)
+            req.indexed = self.prefix.dispatched([w for w in dict.fromkeys((decision.decode_worker,
+                                                                             decision.prefill_worker)) if w],
                                                  hashes, tokens, decision.cached_tokens)
         no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
         if decision.route == "retain":  # the prefill worker keeps it and decodes it itself: no KV moves

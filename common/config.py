@@ -172,6 +172,14 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     decode_beta: Annotated[float, doc("kairos decode room: plan decode-only steps to this fraction of the strictest "
                                       "resident TBT SLO (before the measured margin): the decodes' contexts grow "
                                       "after the check")] = 0.95
+    retain: Annotated[bool, doc("kairos: the third path (route retain): a request no decode worker has room for "
+                                "is decoded by a prefill worker itself (no KV transfer) when its decodes, this one "
+                                "added, leave a retain_chunk prefill chunk within decode_beta x the TBT SLO and "
+                                "its first token is predicted within the TTFT SLO (engines that cannot decode on "
+                                "a prefill worker, vLLM's, are never sent one)")] = True
+    retain_chunk: Annotated[int, doc("kairos retain: the prefill chunk (tokens) a prefill worker must keep room for "
+                                     "beside the requests it decodes")] = 512
+    retain_max: Annotated[int, doc("kairos retain: requests a prefill worker decodes at most")] = 64
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "
                                          "measured / predicted step time; 2 % deadband)")] = True

@@ -34,7 +34,7 @@ import msgspec
 PROTOCOL_VERSION = 2  # 2: heartbeats on the work connection (1: on a separate PUB/SUB pair)
 
 Role = Literal["prefill", "decode"]
-Route = Literal["disagg", "deflect"]
+Route = Literal["disagg", "deflect", "retain"]  # retain: the prefill worker decodes it itself (no KV moves)
 DecodeMode = Literal["handoff", "deflect"]
 
 
@@ -203,6 +203,13 @@ class PrefillHeartbeat(Msg, frozen=True):
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
     step_bias: float = 1.0  # the median of measured / predicted step time (predicted by `coeffs`, else the profile)
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
+    # what the third path (route "retain": it decodes requests itself) needs: the requests it
+    # decodes now, their KV, the strictest TBT SLO among them, its KV free for more, its step margin
+    decodes: int = 0
+    decode_kv_tokens: int = 0
+    strictest_tbt_slo: float | None = None
+    kv_free_tokens: int = 0
+    step_margin: float = 1.0
 
 
 class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
@@ -318,6 +325,10 @@ class PrefillWork(Msg, frozen=True):
     cached_tokens: int = 0
     traceparent: str = ""  # W3C trace context of the router's span for this request ("": not traced)
     tracestate: str = ""
+    # route "retain": no hand-off; it decodes the request itself and streams its tokens to the
+    # router as a decode worker does (TokenBatch), its running decodes within `tbt_slo`
+    retain: bool = False
+    tbt_slo: float = 0.1
 
 
 class PrefillDone(Msg, frozen=True):

@@ -57,7 +57,7 @@ import msgspec
 
 from common import messages as m
 from common.engines.base import Prefilled
-from common.engines.batcher import Batcher, StepPlan
+from common.engines.batcher import Batcher, StepOutcome, StepPlan
 from common.engines.prefix_cache import PrefixCache
 from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_factor
 from common.perf_model import Profile
@@ -146,12 +146,17 @@ class Simulation:
         return PrefixCache(bt, self.profile.kv_capacity_tokens // bt) if self.cfg.prefix_cache else None
 
     def _new_prefill(self, wid: str, phase: float, est: StepErrorEstimator | None) -> PrefillWorker:
-        profile = self.profile
+        profile, cfg = self.profile, self.cfg
+        if est is None:
+            est = StepErrorEstimator(target=cfg.overrun_target) if cfg.closed_loop else (
+                StepErrorEstimator() if cfg.bias_correction else None)
+        # a prefill worker's chunk guard acts only beside requests it decodes itself (route "retain")
         w = PrefillWorker(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
                                        max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                       default_chunk=profile.prefill_token_budget, prefix_cache=self._cache()),
+                                       default_chunk=profile.prefill_token_budget, prefix_cache=self._cache(),
+                                       guard=ChunkGuard(self.model, est) if cfg.closed_loop and est else None),
                           self.model, phase)
-        return self._hook(w, est or (StepErrorEstimator() if self.cfg.bias_correction else None))
+        return self._hook(w, est)
 
     def _new_decode(self, wid: str, phase: float, est: StepErrorEstimator | None) -> DecodeWorker:
         profile, cfg = self.profile, self.cfg
@@ -250,10 +255,10 @@ class Simulation:
         self.steps += 1
         if isinstance(w, DecodeWorker):
             w.step_s += 0.1 * (dt - w.step_s)
-            if plan.decodes:  # a step that delays running decodes: over the SLO, with or without a prefill chunk
-                self.decode_steps += 1
-                if dt > self.cfg.tbt_slo:
-                    self.over_slo[bool(plan.chunks)] += 1
+        if plan.decodes:  # a step that delays running decodes: over the SLO, with or without a prefill chunk
+            self.decode_steps += 1
+            if dt > self.cfg.tbt_slo:
+                self.over_slo[bool(plan.chunks)] += 1
         if w.estimator is not None:  # measured when the step ends, before the next plan: the same
             w.estimator.observe(pred, dt)
         self._push(now + dt, _STEP_P if isinstance(w, PrefillWorker) else _STEP_D, w, plan)
@@ -279,9 +284,31 @@ class Simulation:
                 w.core.forget(seq.request_id)
         if out.prefilled:
             self.routers.prefill_done(w, now)
+        if out.tokens:
+            self._retained_tokens(w, out, now)
         self._start(w, now)
         if self.flipping is not None and self.flipping[0] is w:
             self._drain_check(w, now)
+
+    def _retained_tokens(self, w: PrefillWorker, out: StepOutcome, now: float) -> None:
+        """The tokens of the requests `w` decodes itself (route "retain"), as a decode worker's."""
+        for seq in out.tokens:
+            r: Req = seq.user  # type: ignore[assignment]
+            if r.ntok:
+                r.gaps.append(now - r.last)
+            else:
+                r.first = r.prefilled = now
+                r.cached = seq.cached
+                self.routers.first_token(w, r, now)
+            r.last = now
+            r.ntok += 1
+        for seq in out.finished:
+            seq.user.done = now  # type: ignore[attr-defined]
+            w.core.finished(seq.request_id)
+            self.routers.finished(w, seq.user, now)  # type: ignore[arg-type]
+        if out.finished:
+            self._soon(w, now)
+            self.routers.kv_freed(w, now)
 
     def _decode_done(self, w: DecodeWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
@@ -359,14 +386,21 @@ class Simulation:
             w.reqs.pop(r.rid, None)
         return out
 
-    def prefill_work(self, pw: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> None:
-        """`pw`'s core queues `work`'s prefill (its KV bound for the DecodeWork's worker, which keeps room)."""
+    def prefill_work(self, pw: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> bool:
+        """`pw`'s core queues `work`'s prefill (its KV bound for the DecodeWork's worker, which keeps
+        room), or, route "retain", keeps it to decode itself; only the latter may be turned away
+        (no KV room: False, its RequestFailed in `pw.outbox`)."""
         self._touch(pw, now)
         pw.now = now
         pw.reqs[r.rid] = r
-        if not pw.core.on_work(work):
+        if not pw.core.on_work(work, pw.load(now)):
+            pw.reqs.pop(r.rid, None)
+            if work.retain:
+                return False
             raise RuntimeError(f"simulated prefill worker {pw.wid} refused {r.rid}: {pw.outbox[-1:]}")
-        self._q_prefill.add(now, 1)
+        if not work.retain:  # the prefill queue's level counts the hand-offs (a retained one never leaves it so)
+            self._q_prefill.add(now, 1)
+        return True
 
     # -- the role planner ---------------------------------------------------------------
     def _plan(self, now: float) -> None:

@@ -92,7 +92,7 @@ class Run:
 def by_route(records: Sequence[RequestTiming], reqs: Sequence[TraceRequest]) -> dict[str, dict[str, Any]]:
     """Per route: share of requests, prompt lengths, P95 TTFT, prediction error (MAPE)."""
     out: dict[str, dict[str, Any]] = {}
-    for route in ("disagg", "deflect"):
+    for route in ("disagg", "deflect", "retain"):
         idx = [i for i, r in enumerate(records) if r.route == route]
         if not idx:
             continue

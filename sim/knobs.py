@@ -204,6 +204,9 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                         "on both paths (default on)")
     k.add_argument("--decode-beta", type=float, default=None, metavar="F",
                    help="decode room: plan decode-only steps to F x the strictest resident TBT SLO (default 0.95)")
+    k.add_argument("--retain", choices=("on", "off"), default=None,
+                   help="the third path: a request no decode worker has room for is decoded by a prefill worker "
+                        "itself, its prefill chunks cut to its decodes' TBT SLO (default on)")
     k.add_argument("--late-depth", type=float, default=None, metavar="N",
                    help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
     k.add_argument("--late-order", choices=("slack", "fifo"), default=None,
@@ -231,7 +234,7 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
 # steps keep the prefill queues' TTFT predictable.
 SHIPPED: dict[str, Setup] = {"kairos": Setup(engine=EngineSettings(prefill_token_budget=2048, decode_token_budget=2048),
                                              policy={"alpha": 1.6, "late_binding": True, "decode_room": True,
-                                                     "decode_beta": 0.95})}
+                                                     "decode_beta": 0.95, "retain": True})}
 
 
 def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:
@@ -250,6 +253,7 @@ def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str
                    "late_depth": args.late_depth, "late_order": args.late_order,
                    "decode_room": None if args.decode_room is None else args.decode_room == "on",
                    "decode_beta": args.decode_beta,
+                   "retain": None if args.retain is None else args.retain == "on",
                    "prefix_aware": None if args.no_prefix_aware is None else not args.no_prefix_aware},
         "kv-aware": {"overlap_weight": args.overlap_weight},
         "conditional-disagg": {"eff_isl_threshold": args.isl_threshold,

@@ -84,7 +84,7 @@ class Engines(Protocol):
     def deliver(self, w: Worker, now: float) -> None: ...
     def deliver_all(self, now: float) -> None: ...
     def decode_work(self, w: DecodeWorker, work: m.DecodeWork, r: Req, now: float) -> str: ...
-    def prefill_work(self, p: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> None: ...
+    def prefill_work(self, p: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> bool: ...
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
     def retry_at(self, t: float) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
@@ -181,7 +181,7 @@ class SimRouter:
             hb = msgspec.structs.replace(hb, last_dispatch=e.dispatch_no, prefix=summary)
         self.core.on_message(w.wid.encode(), hb, now)
 
-    def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
+    def first_token(self, w: Worker, r: Req, now: float) -> None:
         """Deflection `r` on `w` produced its first token: its slot is free in the ledger."""
         creq = self.creqs[r.rid]
         self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
@@ -189,7 +189,7 @@ class SimRouter:
         if self.cfg.ledger and self.holding():
             self.engines.retry_at(now)  # a deflection slot freed, seen at once
 
-    def finished(self, w: DecodeWorker, r: Req, now: float) -> None:
+    def finished(self, w: Worker, r: Req, now: float) -> None:
         creq = self.creqs.get(r.rid)
         if creq is not None:
             self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
@@ -304,9 +304,22 @@ class SimRouter:
                     r.ttft_pred = _from_arrival(d.ttft_decode_pred, r, now)
             else:
                 assert d.prefill_worker is not None
+                pw = self.p_by_id[d.prefill_worker]
+                if msg.retain:
+                    eng.deliver(pw, now)
+                    if not eng.prefill_work(pw, msg, r, now):  # no KV room there: decided again, as above
+                        for f in pw.take_sent():
+                            assert isinstance(f, m.RequestFailed)
+                            self.core.on_message(pw.wid.encode(), f, now)
+                        if not creq.done and creq.kv_wait_until > 0 and not r.waiting:
+                            self._waits(r, creq, now)
+                        continue
+                    self._placed(msg.request_id, d, now)
+                    r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
+                    continue
                 self._placed(msg.request_id, d, now)
                 r.ttft_pred = _from_arrival(d.ttft_prefill_pred, r, now)
-                eng.prefill_work(self.p_by_id[d.prefill_worker], msg, r, now)
+                eng.prefill_work(pw, msg, r, now)
 
     def _placed(self, rid: str, d: Decision, now: float) -> Req:
         r = self.reqs[rid]
@@ -363,13 +376,13 @@ class Routers:
         for rt in self.replicas:
             rt.heartbeat(w, summary, now)
 
-    def first_token(self, w: DecodeWorker, r: Req, now: float) -> None:
+    def first_token(self, w: Worker, r: Req, now: float) -> None:
         self.replicas[r.router].first_token(w, r, now)
 
-    def finished(self, w: DecodeWorker, r: Req, now: float) -> None:
+    def finished(self, w: Worker, r: Req, now: float) -> None:
         self.replicas[r.router].finished(w, r, now)
 
-    def kv_freed(self, w: DecodeWorker, now: float) -> None:
+    def kv_freed(self, w: Worker, now: float) -> None:
         if self.waiting:  # the router sees the freed KV at this worker's next heartbeat
             self._retry_at_heartbeat(w, now)
 

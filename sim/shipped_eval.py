@@ -76,7 +76,7 @@ def run_cell(c: Cell) -> dict[str, Any]:
             "condition": c.condition, "rate": c.rate, "requests": s["requests"], "rejected": s["rejected"],
             "slo_attainment": s["slo_attainment"], "tbt_slo_attainment": s["tbt_slo_attainment"],
             "ttft_slo_attainment": s["ttft_slo_attainment"], "ttft_p95": s["ttft_p95"], "tbt_p99": s["tbt_p99"],
-            "deflection_rate": s.get("deflection_rate"), "held": held,
+            "deflection_rate": s.get("deflection_rate"), "held": held, "routes": s.get("routes", {}),
             "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split")}
 
 

@@ -211,9 +211,10 @@ class Worker:
         seq = Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=r.prompt, max_tokens=r.output,
                   tbt_slo=req.tbt_slo, schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
                   deflected=req.mode == "deflect", computed=r.prompt if handoff else 0,
-                  arrived=r.arrival if handoff else self.now, user=r, hashes=r.hashes)
-        if self.role == "decode" and not self.batcher.can_admit(seq):  # the core admitted it: there is room
-            raise RuntimeError(f"simulated decode worker {self.wid} started {req.request_id} without KV room")
+                  arrived=r.arrival if handoff else self.now, user=r, hashes=r.hashes, retain=req.mode == "retain")
+        # the core admitted it: there is room
+        if (self.role == "decode" or seq.retain) and not self.batcher.can_admit(seq):
+            raise RuntimeError(f"simulated {self.role} worker {self.wid} started {req.request_id} without KV room")
         self.batcher.add(seq)
         self.on_start(self)
         return True
@@ -261,8 +262,10 @@ class PrefillWorker(Worker):
         self.core = PrefillCore(wid, INCARNATION, self.info(), self, model=MODEL)
 
     def load(self, now: float) -> EngineLoad:
+        guard = self.batcher.guard  # its retained decodes' chunk guard (route "retain"), when it has one
         return self.batcher.load(kv_capacity_tokens=self.kv_capacity, inflight=self.plan if self.busy else None,
-                                 busy_s=self.busy_for(now), step_bias=self.step_bias())
+                                 busy_s=self.busy_for(now), step_bias=self.step_bias(),
+                                 step_margin=guard.estimator.margin() if guard is not None else 1.0)
 
     def heartbeat(self, now: float) -> m.PrefillHeartbeat:
         """The core's: its queue, and its own replay of it (its model)."""

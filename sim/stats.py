@@ -25,7 +25,8 @@ Definitions (the same wherever these keys appear):
   `slo_attainment_p99`: the same with TBT by the P99 gap.
 - `deflection_rate`: fraction of all requests routed "deflect" (prefilled on a decode worker).
 - `ttft_pred_mape`: mean |predicted - actual| / actual TTFT over the requests with a
-  prediction; `ttft_pred_mape_by_route`: the same per route ("disagg", "deflect").
+  prediction; `ttft_pred_mape_by_route`: the same per route ("disagg", "deflect", and "retain",
+  a prefill worker decoded it itself, when any did).
 - `ttft_tail_*_share`: over the requests with TTFT >= its P95, the mean share of TTFT spent
   queueing for prefill, prefilling and transferring the KV cache.
 - Percentiles use linear interpolation between order statistics (numpy's default); a key whose
@@ -104,10 +105,12 @@ def _tail_shares(records: Sequence[RequestTiming], p95: float | None) -> tuple[f
 def pred_mape_by_route(records: Sequence[RequestTiming]) -> dict[str, float | None]:
     """`ttft_pred_mape` per route: mean |predicted - actual| / actual TTFT of the requests that
     took it (the policy predicts the TTFT of the route it chooses)."""
-    errs: dict[str, list[float]] = {"disagg": [], "deflect": []}
+    errs: dict[str, list[float]] = {"disagg": [], "deflect": [], "retain": []}
     for r in records:
         if r.ttft_pred is not None and r.ttft is not None and r.ttft > 0 and r.route in errs:
             errs[r.route].append(abs(r.ttft_pred - r.ttft) / r.ttft)
+    if not errs["retain"]:
+        del errs["retain"]  # the third path is off (as shipped), or took nothing
     return {k: (sum(v) / len(v) if v else None) for k, v in errs.items()}
 
 

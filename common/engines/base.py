@@ -26,7 +26,7 @@ from common.messages import Coeffs, KvHandle, Sampling, TokenItem, TokenLogprobs
 if TYPE_CHECKING:
     from common.perf_model import PerfModel
 
-Mode = Literal["prefill", "handoff", "deflect"]
+Mode = Literal["prefill", "handoff", "deflect", "retain"]  # retain: a prefill engine decodes it too
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -104,6 +104,9 @@ class Engine(abc.ABC):
     # the engine hands KV between roles itself (vllm's connector): the worker opens no KV sender or
     # receiver of its own, and a KvHandle's transport is the engine's name, not cfg.kv_transport
     moves_kv: ClassVar[bool] = False
+    # prefill role: it can decode a request itself after its prefill (mode "retain", route "retain";
+    # the simulated engine). One that cannot reports no KV free for it, so no router sends it one
+    can_retain: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None

@@ -19,7 +19,14 @@ from a prefill worker) joins as a decode.
 
 Prefill role, each step: FIFO chunked prefill within the token budget; a request whose prompt
 is complete leaves the batch (its KV then goes to a decode worker). The router's replay
-predictor (common/engines/replay.py) replays this rule; keep the two in step.
+predictor (common/engines/replay.py) replays this rule; keep the two in step. A retained
+request (`Seq.retain`, route "retain": the prefill worker decodes it itself, no KV moves) samples
+its first token with its last chunk, as a deflection does, and stays as a decode (`decoding`):
+each step every such decode gets one token first, and the prefill chunks then take what is left
+of the token budget, each cut (with a `guard`) to what fits the step within the strictest TBT
+SLO of those decodes, times the measured error margin: the same guard as the decode role's; a
+step where not one prefill token fits beside them runs the decodes alone (the prefills wait). KV
+is reserved (prompt + max_tokens) for retained requests only; the rest leave once prefilled.
 
 Prefix cache (optional, `prefix_cache`; a Seq with `hashes`, its prompt's block hashes): a
 request added with its prompt to compute starts at its longest cached prefix (never the whole
@@ -61,6 +68,7 @@ class Seq:
     hashes: list[int] | None = None  # the prompt's block hashes (prefix cache); None: not cacheable
     pinned: int = 0                  # leading blocks of `hashes` this request holds in the cache
     cached: int = 0                  # prompt tokens found in the prefix cache when it was added
+    retain: bool = False             # prefill role: decoded here after its prefill (route "retain")
 
     @property
     def prefilling(self) -> bool:
@@ -120,6 +128,7 @@ class Batcher:
         self.default_chunk = default_chunk
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
+        self.decoding: list[Seq] = []  # prefill role: retained requests past their prefill, decoding here
         self._by_id: dict[str, Seq] = {}
         self.kv_reserved = 0
         self.steps = 0
@@ -150,6 +159,8 @@ class Batcher:
         self._by_id[seq.request_id] = seq
         if self.role == "prefill":
             self.waiting.append(seq)
+            if seq.retain:
+                self.kv_reserved += seq.kv_reserve
         else:
             self.kv_reserved += seq.kv_reserve
             self.running.append(seq)
@@ -171,10 +182,12 @@ class Batcher:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return None
+        if self.role == "decode" or seq.retain:
+            self.kv_reserved -= seq.kv_reserve
         if seq in self.running:
             self.running.remove(seq)
-            if self.role == "decode":
-                self.kv_reserved -= seq.kv_reserve
+        elif seq in self.decoding:
+            self.decoding.remove(seq)
         else:
             self.waiting.remove(seq)
         if self.cache is not None and seq.hashes and seq.pinned:
@@ -202,18 +215,33 @@ class Batcher:
         return sum(s.remaining_prompt for s in self._by_id.values())
 
     def decode_batch(self) -> int:
+        """Decode role: the running decodes. Prefill role: the retained requests, decoding or to
+        decode once prefilled (what its future steps carry)."""
+        if self.role == "prefill":
+            return len(self.decoding) + sum(1 for s in itertools.chain(self.running, self.waiting) if s.retain)
         return sum(1 for s in self.running if not s.prefilling)
 
     def kv_tokens(self) -> int:
+        """... and their KV (prefill role: a retained request not yet decoding at its whole prompt)."""
+        if self.role == "prefill":
+            return sum(s.kv_tokens for s in self.decoding) + sum(
+                s.prompt_len for s in itertools.chain(self.running, self.waiting) if s.retain)
         return sum(s.kv_tokens for s in self.running if not s.prefilling)
 
     def resident_prefill_tokens(self) -> int:
+        if self.role == "prefill":
+            return 0
         return sum(s.remaining_prompt for s in self.running if s.prefilling)
 
     def deflections(self) -> int:
+        if self.role == "prefill":
+            return 0
         return sum(1 for s in self.running if s.prefilling)
 
     def strictest_tbt_slo(self) -> float | None:
+        if self.role == "prefill":
+            slos = [s.tbt_slo for s in itertools.chain(self.decoding, self.running, self.waiting) if s.retain]
+            return min(slos) if slos else None
         slos = [s.tbt_slo for s in self.running]
         return min(slos) if slos else None
 
@@ -237,7 +265,7 @@ class Batcher:
         decode = self.role == "decode"
         return EngineLoad(
             queued_tokens=self.queued_tokens(), queued_requests=len(self), batch=self.decode_batch(),
-            kv_tokens=self.kv_tokens(), kv_free_tokens=self.kv_free() if decode else 0,
+            kv_tokens=self.kv_tokens(), kv_free_tokens=self.kv_free(),
             kv_capacity_tokens=kv_capacity_tokens, resident_prefill_tokens=self.resident_prefill_tokens(),
             deflections=self.deflections(), strictest_tbt_slo=self.strictest_tbt_slo(), step_ms_p50=step_ms_p50,
             step_ms_max=step_ms_max, steps=self.steps, backlog=None if decode else self.backlog(inflight),
@@ -250,20 +278,29 @@ class Batcher:
         return self._plan_decode()
 
     def _plan_prefill(self) -> StepPlan | None:
-        budget = self.token_budget
+        decodes = self.decoding[:self.max_batch]
+        kv = sum(s.kv_tokens for s in decodes)
+        budget = self.token_budget - len(decodes)
         chunks: list[tuple[Seq, int, int]] = []
         while self.waiting and len(self.running) < self.max_batch:
             self.running.append(self.waiting.popleft())
+        guard = self.guard if decodes else None
+        slo = min(s.tbt_slo for s in decodes) if guard is not None else 0.0
         for seq in self.running:
             if budget <= 0:
                 break
             chi = min(seq.remaining_prompt, budget)
+            if guard is not None:  # retained decodes run beside it: within their TBT SLO, or not this step
+                pairs = [(c, k) for _, c, k in chunks]
+                chi = guard.fit(len(decodes), kv, pairs, chi, seq.computed, slo)
+                if not guard.fits(len(decodes), kv, pairs, chi, seq.computed, slo):
+                    break  # not even one token fits beside them: the prefills wait (FIFO) a step
             if chi > 0:
                 chunks.append((seq, chi, seq.computed))
                 budget -= chi
-        if not chunks:
+        if not chunks and not decodes:
             return None
-        return StepPlan(decodes=[], chunks=chunks, kv_tokens=0)
+        return StepPlan(decodes=decodes, chunks=chunks, kv_tokens=kv)
 
     def _plan_decode(self) -> StepPlan | None:
         decodes: list[Seq] = []
@@ -327,9 +364,12 @@ class Batcher:
             if self.cache is not None and seq.hashes:
                 self._pin(seq, len(seq.hashes))  # the whole prompt's KV is now computed
                 self._trim()
-            if self.role == "prefill":
+            if self.role == "prefill" and not seq.retain:
                 out.prefilled.append(seq)
             else:
+                if self.role == "prefill":  # retained: it decodes here from now on
+                    self.running.remove(seq)
+                    self.decoding.append(seq)
                 seq.generated += 1
                 out.tokens.append(seq)
                 out.first_tokens.append(seq)

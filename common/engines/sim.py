@@ -67,6 +67,7 @@ def synthetic_prompt_logprobs(request_id: str, prompt: list[int], k: int) -> lis
 
 class SimEngine(Engine):
     name = "sim"
+    can_retain = True
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
@@ -91,9 +92,10 @@ class SimEngine(Engine):
         self.exact = step_error is None or step_error.exact
         self.estimator = StepErrorEstimator(target=overrun_target)
         planned = self.model.scaled(time_scale) if time_scale != 1.0 else self.model
-        self.guard = ChunkGuard(planned, self.estimator) if role == "decode" and closed_loop else None
+        # the prefill role's guard acts only beside the requests it decodes itself (route "retain")
+        self.guard = ChunkGuard(planned, self.estimator) if closed_loop else None
         self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
-                               kv_capacity_tokens=max(self.kv_capacity_tokens, 1),
+                               kv_capacity_tokens=max(profile.kv_capacity_tokens, 1),
                                default_chunk=profile.decode_default_chunk if role == "decode"
                                else self.token_budget, prefix_cache=cache, guard=self.guard)
         self._wake = asyncio.Event()
@@ -115,19 +117,19 @@ class SimEngine(Engine):
             computed = prompt_len
         elif req.cached_tokens:
             computed = min(req.cached_tokens, prompt_len - 1)
-        max_tokens = req.sampling.max_tokens if self.role == "decode" else 1
+        max_tokens = req.sampling.max_tokens if self.role == "decode" or req.mode == "retain" else 1
         if self.max_model_len:  # generation stops at the end of the context, as an engine's does
             max_tokens = max(1, min(max_tokens, self.max_model_len - prompt_len))
         seq = Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=prompt_len,
                   max_tokens=max_tokens,
                   tbt_slo=req.tbt_slo, computed=computed,
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
-                  deflected=req.mode == "deflect", arrived=time.monotonic(),
+                  deflected=req.mode == "deflect", arrived=time.monotonic(), retain=req.mode == "retain",
                   user=token_key(req.request_id, req.sampling.seed),
                   hashes=block_hashes(req.prompt_token_ids, self.prefix_block_tokens)
                   if self.batcher.cache is not None else None)
-        if self.role == "decode" and not self.batcher.can_admit(seq):
-            raise Overloaded(f"decode engine KV full ({self.batcher.kv_free()} tokens free, "
+        if (self.role == "decode" or seq.retain) and not self.batcher.can_admit(seq):
+            raise Overloaded(f"{self.role} engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
         self.batcher.add(seq)
         if req.resume_tokens:
@@ -144,7 +146,7 @@ class SimEngine(Engine):
         return self.batcher.kv_free() >= prompt_tokens + max_tokens
 
     def held(self) -> list[str]:
-        return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting)]
+        return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting, *self.batcher.decoding)]
 
     def take_prefix_events(self) -> PrefixEvents | None:
         cache = self.batcher.cache
@@ -219,8 +221,7 @@ class SimEngine(Engine):
                                             first_token_id=synthetic_token(str(seq.user), 0),
                                             prompt_logprobs=None if k is None or req is None else
                                             synthetic_prompt_logprobs(seq.request_id, req.prompt_token_ids, k)))
-            return
-        if not out.tokens:
+        if not out.tokens:  # (prefill role: tokens only of the requests it decodes itself, route "retain")
             return
         finished = {id(s) for s in out.finished}
         resume = self._resume

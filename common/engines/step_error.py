@@ -268,6 +268,13 @@ class ChunkGuard:
         self.cuts += 1
         return lo
 
+    def fits(self, batch: int, kv_tokens: int, chunks: Sequence[tuple[int, int]], chi: int, context: int,
+             tbt_slo: float) -> bool:
+        """Whether a chunk of `chi` tokens (as `fit` sized it) keeps the step within tbt_slo / margin."""
+        if batch == 0 or tbt_slo <= 0:
+            return True
+        return self.model.step_time(batch, kv_tokens, [*chunks, (chi, context)]) <= tbt_slo / self.estimator.margin()
+
 
 __all__ = ["BIAS_DEADBAND", "BIAS_RANGE", "DECODE_TARGET", "MIN_SAMPLES", "TARGET", "WINDOW", "ChunkGuard",
            "StepError", "StepErrorEstimator", "StepErrorSource", "bias_factor", "parse_speeds", "stricter_margin"]

@@ -53,6 +53,14 @@ class PrefillView(msgspec.Struct, frozen=True, kw_only=True):
     drain: Tail | None = None  # the backlog's replay, when the worker computed it (it knows its queue)
     ledger: tuple[tuple[int, float], ...] = ()
     max_batch: int = 0  # 0: no cap
+    # the third path (route "retain": it decodes requests itself after their prefill): the
+    # requests it decodes (heartbeat + ledger), their KV tokens, the strictest TBT SLO among them
+    # (None: none), its KV free for more, its measured step margin (as DecodeView's)
+    decodes: int = 0
+    decode_kv_tokens: int = 0
+    strictest_tbt_slo: float | None = None
+    kv_free_tokens: int = 0
+    step_margin: float = 1.0
 
 
 class DecodeView(msgspec.Struct, frozen=True, kw_only=True):

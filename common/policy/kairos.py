@@ -105,6 +105,12 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
     late_order: Literal["slack", "fifo"] = "slack"  # late binding: which waiting request is decided first
     decode_room: bool = False  # no request goes to a decode worker whose decode step it would push past the TBT SLO
     decode_beta: float = 0.95  # decode room: decode-only steps are planned to decode_beta x the SLO (x the margin)
+    # the third path (route "retain"): a request no decode worker has room for is decoded by a
+    # prefill worker itself, when its decodes, with this one, leave room for a prefill chunk of
+    # `retain_chunk` tokens in a step within decode_beta x the TBT SLO, and at most `retain_max` there
+    retain: bool = False
+    retain_chunk: int = 512
+    retain_max: int = 64
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -123,6 +129,8 @@ class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"late_order must be 'slack' or 'fifo' (got {self.late_order!r})")
         if not self.late_depth > 0:
             raise ValueError(f"late_depth must be > 0 token budgets (got {self.late_depth})")
+        if self.retain_chunk < 1 or self.retain_max < 1:
+            raise ValueError(f"retain_chunk and retain_max must be >= 1 (got {self.retain_chunk}, {self.retain_max})")
 
 
 _INF = float("inf")
@@ -182,6 +190,30 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 
     if left < 0.0:
         return -_INF
     return left / dm.a2 if dm.a2 > 0.0 else _INF
+
+
+def retained_ttft(m: PerfModel, p: PrefillView, tokens: int, limit: float, now: float) -> float:
+    """TTFT of a request retained on prefill worker `p` (route "retain"), `tokens` to prefill:
+    after the step in flight, its queue and this prompt prefilled in steps beside the requests it
+    decodes now, each step's chunks as large as the token budget and the TBT guard allow (the
+    largest chunk whose step with those decodes fits `limit`), the last step also sampling the
+    first token. With no decodes there it is Equation 1 (queue wait + prefill, no transfer)."""
+    wait = max(0.0, p.busy_until - now)
+    work = p.queued_tokens + tokens
+    b, kv = p.decodes, p.decode_kv_tokens
+    cap = max(1, p.token_budget - b)
+    if b:
+        lo, hi = 1, cap
+        if m.step_time(b, kv, [(hi, 0)]) > limit:
+            while lo < hi:  # the step time grows with the chunk: the largest that fits, by bisection
+                mid = (lo + hi + 1) // 2
+                if m.step_time(b, kv, [(mid, 0)]) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cap = lo
+    steps = -(-work // cap)
+    return wait + steps * m.step_time(b, kv, [(min(cap, work), 0)])
 
 
 class Kairos(Policy):
@@ -524,6 +556,8 @@ class Kairos(Policy):
         if best_d is None or best is None:
             if best_p is None:
                 raise NoWorkers("no live prefill worker and no decode worker can prefill this request in place")
+            if handoff0 is None and cfg.retain and (kept := self._retain(req, view, tokens, now)) is not None:
+                return kept
             d = handoff0 or self._no_room(view, req, cp)
             if holds(cfg, best_p):
                 raise Hold(f"prefill worker {best_p.worker_id} holds {best_p.queued_tokens} tokens "
@@ -544,6 +578,40 @@ class Kairos(Policy):
                         ttft_prefill_pred=ttft_p if best_p else None, ttft_decode_pred=ttft_d,
                         chunk_schedule=sched, cached_tokens=req.prompt_tokens - best_td,
                         step_budget_s=step_budget(cfg.beta, best_d.step_margin, slo))
+
+    def _retain(self, req: RequestSpec, view: ClusterView, tokens: int, now: float) -> Decision | None:
+        """The third path (`KairosConfig.retain`), for a request no decode worker can take now and
+        no decode worker can prefill in place: the prefill worker that would give it the earliest
+        first token keeps it and decodes it itself (no KV transfer), if (TBT) its decode step with
+        every request it decodes, this one added, still leaves room for a `retain_chunk` chunk
+        within `decode_beta` x the strictest TBT SLO there, times its measured margin made
+        stricter for a step every decode goes through (as `_room`), and (TTFT) its predicted first
+        token is within the request's TTFT SLO. TTFT_R: its queue (and this prompt) prefilled in
+        the chunks its present decodes leave room for (`retained_ttft`). None: no such worker."""
+        cfg = self.cfg
+        need_kv = req.prompt_tokens + req.max_tokens
+        best: tuple[float, str, PrefillView, int] | None = None
+        for p in view.prefill:
+            if p.kv_free_tokens < need_kv or p.decodes >= cfg.retain_max:
+                continue
+            m = self._model(p.model)
+            slo = min(req.tbt_slo, p.strictest_tbt_slo) if p.strictest_tbt_slo is not None else req.tbt_slo
+            limit = cfg.decode_beta * slo / max(stricter_margin(p.step_margin), 1e-9)
+            n, kv = p.decodes + 1, p.decode_kv_tokens + req.prompt_tokens
+            chi = min(cfg.retain_chunk, max(tokens, 1))  # its own last chunk, over the rest of its prompt
+            if m.step_time(n, kv, [(chi, max(0, req.prompt_tokens - chi))]) > limit:
+                continue  # with it, its decodes would leave its prefills too little room, or break TBT
+            tp = req.prompt_tokens - req.cached_on(p.worker_id) if cfg.prefix_aware and req.cached else tokens
+            t = retained_ttft(m, p, max(tp, 1), limit, now)
+            if t > req.ttft_slo:
+                continue
+            if best is None or (t, p.worker_id) < best[:2]:
+                best = (t, p.worker_id, p, tp)
+        if best is None:
+            return None
+        t, wid, p, tp = best
+        return Decision(route="retain", prefill_worker=wid, decode_worker=wid, reason="decode_pool_full",
+                        ttft_prefill_pred=t, ttft_decode_pred=None, cached_tokens=req.prompt_tokens - tp)
 
     def _no_room(self, view: ClusterView, req: RequestSpec, cp: ClusterPrep) -> DecodeView:
         """No decode worker can take the request's decode now: raise why (`least_loaded_decode`'s

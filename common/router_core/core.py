@@ -68,7 +68,8 @@ def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
                             predictor=cfg.predictor, budget_fit=cfg.budget_fit,  # type: ignore[arg-type]
                             share_expect=cfg.share_expect, late_binding=cfg.late_binding,
                             late_depth=cfg.late_depth, late_order=cfg.late_order,  # type: ignore[arg-type]
-                            decode_room=cfg.decode_room, decode_beta=cfg.decode_beta)
+                            decode_room=cfg.decode_room, decode_beta=cfg.decode_beta, retain=cfg.retain,
+                            retain_chunk=cfg.retain_chunk, retain_max=cfg.retain_max)
         ccfg = ConditionalConfig(eff_isl_threshold=cfg.eff_isl_threshold,
                                  eff_isl_ratio_threshold=cfg.eff_isl_ratio_threshold,
                                  prefill_busy_threshold=cfg.prefill_busy_threshold,

@@ -3,7 +3,8 @@
 `Dispatcher.dispatch(req, now)` builds the request's view of the cluster (the worker table's
 views with the router's ledger, minus the workers it must avoid), asks the policy, records the
 work in the ledger of the worker(s) chosen, sends DecodeWork (and PrefillWork on the
-disaggregated path), publishes the DecisionRecord and counts it. It raises the policy's
+disaggregated path; route "retain": one PrefillWork with `retain`, the prefill worker decodes it
+itself), publishes the DecisionRecord and counts it. It raises the policy's
 `NoWorkers` / `NoKvRoom` / `Hold` when the request cannot be placed now; what to do then is the
 caller's (common/router_core/core.py, waiting.py, migrate.py).
 
@@ -88,10 +89,19 @@ class Dispatcher:
         tokens = len(prompt)
         reserve = tokens + sampling.max_tokens
         if self.prefix.enabled:
-            req.indexed = self.prefix.dispatched([w for w in (decision.decode_worker, decision.prefill_worker) if w],
+            # (route "retain": one worker is both)
+            req.indexed = self.prefix.dispatched([w for w in dict.fromkeys((decision.decode_worker,
+                                                                             decision.prefill_worker)) if w],
                                                  hashes, tokens, decision.cached_tokens)
         no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
-        if decision.route == "deflect":
+        if decision.route == "retain":  # the prefill worker keeps it and decodes it itself: no KV moves
+            dw.holding.add(req.request_id)
+            self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
+                                             prompt_token_ids=prompt, sampling=sampling, decode_worker=dw.worker_id,
+                                             deadline_s=remaining, cached_tokens=req.cached_tokens, retain=True,
+                                             tbt_slo=req.tbt_slo, traceparent=req.traceparent,
+                                             tracestate=req.tracestate))
+        elif decision.route == "deflect":
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,

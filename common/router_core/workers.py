@@ -29,6 +29,7 @@ class LedgerEntry:
     reserve_tokens: int
     deflect: bool
     at: float = 0.0  # router clock (monotonic) when dispatched: when it joins the worker's queue
+    retain: bool = False  # route "retain": a prefill worker decodes it itself, after its prefill
 
 
 @dataclass(slots=True, eq=False)
@@ -118,14 +119,23 @@ class WorkerEntry:
                 queued += e.prompt_tokens
                 reqs += 1
             ledger = tuple((e.prompt_tokens, e.at) for e in self.ledger.values())
+        # the third path (route "retain"): the requests it decodes itself, and those sent to it to
+        # decode since its heartbeat (each at its prompt's context, its KV kept)
+        kept = [e for e in self.ledger.values() if e.retain] if use_ledger else []
+        kv_more = sum(e.reserve_tokens for e in kept)
         if not isinstance(hb, m.PrefillHeartbeat):  # none yet: idle since it registered
             return PrefillView(worker_id=self.worker_id, queued_tokens=queued, queued_requests=reqs,
                                token_budget=self.hello.token_budget, model=self.model, backlog=(),
-                               busy_until=self.joined, ledger=ledger)
+                               busy_until=self.joined, ledger=ledger, decodes=len(kept),
+                               decode_kv_tokens=sum(e.prompt_tokens for e in kept),
+                               kv_free_tokens=max(0, self.hello.kv_capacity_tokens - kv_more))
         return PrefillView(worker_id=self.worker_id, queued_tokens=queued, queued_requests=reqs,
                            token_budget=self.hello.token_budget, model=self.model,
                            backlog=self.backlog, busy_until=self.hb_at + hb.busy_s, drain=self.drain,
-                           ledger=ledger, max_batch=hb.max_batch)
+                           ledger=ledger, max_batch=hb.max_batch, decodes=hb.decodes + len(kept),
+                           decode_kv_tokens=hb.decode_kv_tokens + sum(e.prompt_tokens for e in kept),
+                           strictest_tbt_slo=hb.strictest_tbt_slo, kv_free_tokens=max(0, hb.kv_free_tokens - kv_more),
+                           step_margin=hb.step_margin / self.bias)
 
     def decode_view(self, use_ledger: bool, me: str = "") -> DecodeView:
         hb = self.hb
@@ -306,6 +316,9 @@ class WorkerTable:
         messages carry: (decode worker's, prefill worker's or 0)."""
         dw = self.workers[d.decode_worker]
         work = prompt_tokens - d.cached_tokens  # what the prefilling worker computes, as the index knows
+        if d.route == "retain":  # the prefill worker prefills it and then decodes it: one entry, with KV kept
+            return 0, dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=False, at=now,
+                                                   retain=True))
         if d.route == "deflect":
             no = dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=True))
             dw.add_deflection(request_id,

@@ -7,7 +7,15 @@ until the router says it was read (Cancel "kv_consumed") or their time is up: a 
 for them.
 
 The heartbeat is composed here from the engine's load and its own replay of its queue with its
-step-time model (common/engines/replay.py): the router's replay predictor starts from it.
+step-time model (common/engines/replay.py): the router's replay predictor starts from it. It
+also carries what the third path needs (route "retain"): the requests it decodes itself, their
+KV, the strictest TBT SLO among them, its KV free and its measured step margin.
+
+Route "retain" (a PrefillWork with `retain`): the worker keeps the request after its prefill
+and decodes it itself (no KV moves, no PrefillDone): its KV (prompt + max_tokens) must fit now
+or the work is refused ("kv_full: ...", retryable, as a decode worker refuses it); its tokens go
+to the router in TokenBatches as a decode worker's do (`on_tokens`), with cancellation and
+max_tokens as there. `decoding` lists them until their last token.
 """
 
 from __future__ import annotations
@@ -25,12 +33,14 @@ class PrefillCore(WorkerCore):
     role = "prefill"
 
     def __init__(self, worker_id: str, incarnation: str, info: EngineInfo, ports: WorkerPorts, *, model: str,
-                 kv_transport: str = "modeled", log: Log = NULL_LOG) -> None:
+                 kv_transport: str = "modeled", log: Log = NULL_LOG, can_retain: bool = True) -> None:
         super().__init__(worker_id, incarnation, info, ports, model=model, kv_transport=kv_transport, log=log)
+        self.can_retain = can_retain  # its engine can decode (route "retain"); else it says no KV is free for it
         self.work: dict[str, m.PrefillWork] = {}
         self.targets: dict[tuple[str, int], m.KvTarget] = {}
         self.kv_out: dict[str, float] = {}  # request -> when it stops waiting for the decode side's read
-        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0)
+        self.decoding: set[str] = set()  # retained requests (route "retain") it decodes now
+        self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, retained=0, finished=0)
 
     def heartbeat(self, load: EngineLoad, model: PerfModel | None, *, coeffs: m.Coeffs | None = None,
                   last_dispatch: int | None = None) -> m.PrefillHeartbeat:
@@ -48,7 +58,10 @@ class PrefillCore(WorkerCore):
             last_dispatch=self.last_dispatch if last_dispatch is None else last_dispatch,
             step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
             backlog=load.backlog, busy_s=load.busy_s, max_batch=self.info.max_batch, drain=queue,
-            step_bias=load.step_bias)
+            step_bias=load.step_bias, decodes=load.batch, decode_kv_tokens=load.kv_tokens,
+            strictest_tbt_slo=load.strictest_tbt_slo,
+            kv_free_tokens=max(0, load.kv_free_tokens) if self.can_retain else 0,
+            step_margin=load.step_margin)
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
@@ -63,9 +76,10 @@ class PrefillCore(WorkerCore):
         return bool(self.kv_out)
 
     # -- admission, cancellation -----------------------------------------------------------------
-    def on_work(self, w: m.PrefillWork) -> bool:
+    def on_work(self, w: m.PrefillWork, load: EngineLoad | None = None) -> bool:
         """Queue a PrefillWork in the engine, or turn it away (draining; a prompt the engine can
-        never take). A re-dispatch replaces the attempt it held. True when queued."""
+        never take; a retained request whose KV does not fit `load`'s free KV). A re-dispatch
+        replaces the attempt it held. True when queued."""
         self.saw_dispatch(w.dispatch)
         if self.draining:
             self.refuse(w.request_id, w.attempt, "worker_draining")
@@ -73,15 +87,27 @@ class PrefillCore(WorkerCore):
         old = self.work.get(w.request_id)
         if old is not None:  # a re-dispatch of something it still holds: the old attempt stops
             self.ports.abort(w.request_id)
+            self.decoding.discard(w.request_id)
         if why := self.too_long(len(w.prompt_token_ids)):
             self.refuse(w.request_id, w.attempt, why, invalid=True)
             return False
+        if w.retain and not self.can_retain:
+            self.refuse(w.request_id, w.attempt, "retain_unsupported: this engine does not decode on a prefill worker")
+            return False
+        if w.retain and load is not None and (need := len(w.prompt_token_ids) + w.sampling.max_tokens) > \
+                load.kv_free_tokens:
+            self.refuse(w.request_id, w.attempt, f"kv_full: {need} tokens needed")
+            return False
         if not self.ports.start(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                               prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
-                                              mode="prefill", cached_tokens=w.cached_tokens,
+                                              mode="retain" if w.retain else "prefill", tbt_slo=w.tbt_slo,
+                                              cached_tokens=w.cached_tokens,
                                               trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return False
         self.work[w.request_id] = w
+        if w.retain:
+            self.decoding.add(w.request_id)
+            self.counters["retained"] += 1
         self.ports.beat_now()
         return True
 
@@ -92,6 +118,7 @@ class PrefillCore(WorkerCore):
         if w is None or (c.attempt >= 0 and c.attempt != w.attempt):
             return False
         del self.work[c.request_id]
+        self.decoding.discard(c.request_id)
         self.forget_target(c.request_id, w.attempt)
         self.ports.abort(c.request_id)
         self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
@@ -99,6 +126,7 @@ class PrefillCore(WorkerCore):
 
     def drop(self, request_id: str) -> None:
         self.kv_out.pop(request_id, None)
+        self.decoding.discard(request_id)
         w = self.work.pop(request_id, None)
         if w is not None:
             self.forget_target(request_id, w.attempt)
@@ -106,6 +134,7 @@ class PrefillCore(WorkerCore):
             self.ports.beat_now()
 
     def forget(self, request_id: str) -> None:
+        self.decoding.discard(request_id)
         w = self.work.pop(request_id, None)
         if w is not None:
             self.forget_target(request_id, w.attempt)
@@ -147,3 +176,26 @@ class PrefillCore(WorkerCore):
         if p.kv_params and not error:  # pull mode: the decode side reads it from here, later
             self.kv_out[w.request_id] = now + kv_hold_s
         return True
+
+    # -- the third path: requests it decodes itself (route "retain") -------------------------------
+    def on_tokens(self, items: list[m.TokenItem], step_s: float) -> None:
+        """An engine step's tokens of retained requests: to the router, as a decode worker sends
+        them (TokenBatch); a request's last token ends it here (a heartbeat soon)."""
+        items = [it for it in items if it.finish_reason != "error"]  # already failed (engine_failed)
+        if not items:
+            return
+        self.ports.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s))
+        changed = False
+        for it in items:
+            if it.finish_reason is not None:
+                self.finished(it.request_id)
+                changed = True
+        if changed:
+            self.ports.beat_now()
+
+    def finished(self, request_id: str) -> None:
+        """A retained request's last token."""
+        if request_id in self.decoding:
+            self.decoding.discard(request_id)
+            self.work.pop(request_id, None)
+            self.counters["finished"] += 1

@@ -24,7 +24,7 @@ from typing import Any
 
 from common import messages as m
 
-ROUTES: tuple[str, ...] = ("disagg", "deflect")
+ROUTES: tuple[str, ...] = ("disagg", "deflect", "retain")
 MAX_SAMPLES_PER_BUCKET = 2000  # per list, per second: bounds memory under any load
 
 

@@ -47,10 +47,11 @@ class PrefillWorker(WorkerService):
         self._target_arrived: dict[tuple[str, int], asyncio.Event] = {}
         self.tx: KvSender | None = None
         self.engine.on_prefilled = self._on_prefilled
+        self.engine.on_tokens = self.core.on_tokens  # route "retain": the requests it decodes itself
 
     def make_core(self, info: EngineInfo) -> PrefillCore:
         return PrefillCore(self.worker_id, self.incarnation, info, self, model=self.cfg.served_model_name,
-                           kv_transport=self.cfg.kv_transport, log=self.log)
+                           kv_transport=self.cfg.kv_transport, log=self.log, can_retain=self.engine.can_retain)
 
     # the core's ledgers, read by operators and tests
     @property
@@ -104,7 +105,7 @@ class PrefillWorker(WorkerService):
     async def on_message(self, msg: Any) -> None:
         match msg:
             case m.PrefillWork():
-                self.core.on_work(msg)
+                self.core.on_work(msg, self.engine.load() if msg.retain else None)
             case m.KvTarget():
                 if self.core.on_target(msg):
                     self._target_arrived.setdefault((msg.request_id, msg.attempt), asyncio.Event()).set()

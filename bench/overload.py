@@ -44,6 +44,9 @@ from common.perf_model import load_profile, save_profile
 from kairos.up import Cluster, ClusterSpec
 
 NO_CHUNK_FITS = "0.0001"  # TBT SLO, seconds: no chunk schedule fits, so every request takes the prefill path
+# ... and the decode guard (on as shipped) off: under that SLO no decode step fits either, so the guard
+# would let each decode worker hold one request at a time, and the prefill pool would not be what is short
+NO_CHUNK_ENV = {"KAIROS_TBT_SLO": NO_CHUNK_FITS, "KAIROS_DECODE_ROOM": "false"}
 
 
 @dataclass
@@ -208,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     capacity = a.prefill / a.step_s
     spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, profile=profile, kv_transport="modeled",
                                  monitor=False, log_dir=log_dir, policy="kairos",
-                                 router_env={"KAIROS_TBT_SLO": NO_CHUNK_FITS, "KAIROS_TTFT_SLO": str(a.ttft_slo),
-                                             "KAIROS_QUEUE_BUDGET": str(a.queue_budget)})
+                                 router_env=NO_CHUNK_ENV | {"KAIROS_TTFT_SLO": str(a.ttft_slo),
+                                                            "KAIROS_QUEUE_BUDGET": str(a.queue_budget)})
     cluster = Cluster(spec)
     try:
         cluster.start(timeout=60)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overload import NO_CHUNK_FITS, offer, settle_then_probe, step_profile, summarize
+from bench.overload import NO_CHUNK_ENV, offer, settle_then_probe, step_profile, summarize
 from kairos.up import Cluster
 from tests.conftest import start_cluster
 
@@ -29,7 +29,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("overload")
     profile = step_profile(Path(tmp) / "steps.json", STEP_S, BUDGET)
     c = start_cluster(tmp, prefill=1, decode=1, profile=profile, policy="kairos", kv_transport="modeled",
-                      router_env={"KAIROS_TBT_SLO": NO_CHUNK_FITS, "KAIROS_TTFT_SLO": "2"})
+                      router_env=NO_CHUNK_ENV | {"KAIROS_TTFT_SLO": "2"})
     yield c
     c.stop(15)
 

@@ -48,7 +48,9 @@ def test_rolling_restart_of_every_service_under_load_refuses_and_fails_nothing(t
         c.stop(20)
     assert set(result["restarts"]) == set(order), result  # type: ignore[arg-type]
     sent = result["sent"]
-    assert isinstance(sent, int) and sent >= 20, result
+    # the load runs for at least `duration` (seed 3: about 13 arrivals) and on while the restarts
+    # last; how many more it sends depends on the machine's speed, so only the floor is checked
+    assert isinstance(sent, int) and sent >= 10, result
     assert result["outcomes"] == {"ok": sent}, f"refused or failed during the rolling restart: {result}"
 
     events = _events(tmp_path / "router.log")

@@ -135,8 +135,28 @@ def test_behind_a_queue_waiting_for_kv_the_wait_is_the_decoding_requests_remaini
     with pytest.raises(Overloaded) as e:
         b.submit()
     assert e.value.code == "kv_full" and "1 requests wait for room before it" in str(e.value)
-    assert f"ends in {40 * step:.1f} s" in str(e.value) and f"time to first token {predicted:.1f} s" in str(e.value)
+    text = str(e.value)
+    assert f"predicted in {40 * step:.1f} s" in text and f"time to first token {predicted:.1f} s" in text
     assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001))
+
+
+def test_a_queue_longer_than_the_requests_decoding_adds_a_service_time_per_round() -> None:
+    """With the decode guard on, a decode pool may hold few requests; a queue that outgrows them is
+    predicted too (each round of rooms past the ones decoding now: one request's prefill and its
+    max_tokens steps), not left to wait until kv_wait_timeout (the live overload test's 30 s waits)."""
+    b = pins.Bench("deflect-all", [("decode-0", 1000)], queue_budget=0.001)
+    b.beat("decode-0")
+    running = b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=11))
+    b.tokens("decode-0", running, [1])
+    b.beat("decode-0", kv_used=1000, batch=1)  # one request decoding, and KV full
+    (end,) = b.core.admission.decode_ends()
+    first = b.submit()  # the first to wait: no prediction, it waits
+    assert not first.done
+    wait = end + b.core.admission.service_s(first)  # the second room: after the first waiter's turn
+    with pytest.raises(Overloaded) as e:
+        b.submit()
+    assert "1 requests wait for room before it, 1 decode now" in str(e.value)
+    assert f"predicted in {wait:.1f} s" in str(e.value)
 
 
 def test_one_client_holds_at_most_its_share_of_max_in_flight() -> None:

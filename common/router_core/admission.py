@@ -17,8 +17,10 @@ before any byte of a stream), not queued until a fixed timeout:
   - no decode room (`NoKvRoom`: KV; `NoDecodeRoom`: decode step time): room frees as the
     requests decoding end; with k requests already waiting for room before it, it waits for the
     (k+1)-th of them to reach its max_tokens (at its decode worker's recent step time), then its
-    own prefill and first decode step; the first to wait is not predicted (it waits, bounded by
-    `kv_wait_timeout`); code `kv_full` or `decode_busy`.
+    own prefill and first decode step; with more waiting before it than requests decoding, each
+    round of rooms past those costs one request's service time (its prefill and max_tokens
+    steps); the first to wait is not predicted (it waits, bounded by `kv_wait_timeout`); code
+    `kv_full` or `decode_busy`.
 - **Client shares.** One client (its API key, else its address; the HTTP shell names it) holds at
   most `client_share` x `max_in_flight` requests in flight, so one client or one batched request
   cannot take every slot; code `client_share`.
@@ -157,15 +159,27 @@ class Admission:
         if k == 0:
             return None
         ends = self.decode_ends()
-        if len(ends) <= k:
+        if not ends:
             return None
-        wait = heapq.nsmallest(k + 1, ends)[-1]
+        # more waiting before it than requests decoding: past those, each room that frees is taken by
+        # one of the requests waiting before it, which then decodes in its turn (one service time a
+        # round, at this request's length), so a queue that outgrows the decode pool is refused too
+        rounds, j = divmod(k, len(ends))
+        wait = heapq.nsmallest(j + 1, ends)[-1] + rounds * self.service_s(req)
         ttft = wait + self.alone_s(tokens) + self.first_step(tokens)
         code = shortage(e)
         return Shortage(ttft, code,
                         f"no decode worker has {'KV' if code == 'kv_full' else 'decode step'} room for it "
-                        f"({e}); {k} requests wait for room before it, and the decoding request whose end "
-                        f"would make room for it ends in {wait:.1f} s")
+                        f"({e}); {k} requests wait for room before it, {len(ends)} decode now, and room "
+                        f"for it is predicted in {wait:.1f} s")
+
+    def service_s(self, req: Request) -> float:
+        """How long a request like `req` holds its decode room: its prefill alone, then max_tokens
+        decode steps at the quickest decode worker's recent pace (else its model's)."""
+        tokens = len(req.prompt_token_ids)
+        steps = [d.step_s if d.step_s > 0 else d.model.step_time(max(1, d.batch), d.kv_tokens + tokens)
+                 for d in self.table.view(use_ledger=self.cfg.ledger).decode]
+        return self.alone_s(tokens) + max(1, req.sampling.max_tokens) * min(steps, default=0.0)
 
     def decode_ends(self) -> list[float]:
         """Seconds until each request decoding now reaches its max_tokens, at its decode worker's

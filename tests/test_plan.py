@@ -198,7 +198,7 @@ def test_kairos_up_refuses_a_file_that_is_not_a_plan(tmp_path: Path) -> None:
         spec_from_args(up_parser().parse_args(["--plan", str(other), "--insecure"]))
     # without --plan, kairos up's defaults are as before
     spec = spec_from_args(up_parser().parse_args(["--insecure"]))
-    assert (spec.prefill, spec.decode, spec.policy, spec.profile) == (2, 2, "kairos", "a100-dsv2-lite")
+    assert (spec.prefill, spec.decode, spec.policy, spec.profile) == (2, 2, "kairos", "h100-llama2-70b-tp4")
 
 
 def test_the_plan_is_made_under_the_model_error_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

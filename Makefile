@@ -1,8 +1,8 @@
 # The two commands of the README, each doing all of its own set-up on a fresh machine:
 #   make demo   local 2P2D cluster on the simulated engine, a bursty trace slice, baseline vs kairos
 #   make test   every test tier (CI runs exactly this through .ci/run)
-# and: make fair-eval  the simulated comparison of docs/results.md (both profiles: about 35 min on 2 idle cores
-#                      before the chat and agent workloads, which add 10 to 20 min per profile at --jobs 1)
+# and: make fair-eval  the simulated comparison of docs/results.md, exact model, both profiles: 32 to 49 min
+#                      per profile on a 2-core VM at --jobs 2 (docs/results.md, "Rerun everything")
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv

@@ -76,8 +76,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     metrics_port: Annotated[int, doc("also serve /metrics on this port (0: only on the HTTP port); give each "
                                      "replica its own, as replicas share the HTTP port")] = 0
     bind_host: Annotated[str, doc("address the bus sockets bind to")] = "127.0.0.1"
-    policy: Annotated[str, doc("routing policy, by its name in the policy registry (common/policy/registry.py; "
-                               "`kairos router --help` lists them)")] = "kairos"
+    policy: Annotated[str, doc("routing policy, by its name in the policy registry "
+                               "(common/policy/registry.py)")] = "kairos"
     profile: Annotated[str, doc("performance profile used when a worker reports no coefficients")] = DEFAULT_PROFILE
     tuned: Annotated[str, doc("set by `kairos up --tuned`: the tune file the policy's knobs and engine settings "
                               "came from, as JSON (file, profile, settings); named in the start line and "

@@ -509,8 +509,9 @@ def parser() -> argparse.ArgumentParser:
                         "here override them)")
     p.add_argument("--port", type=int, default=8000, help="HTTP API port (default 8000)")
     p.add_argument("--bus-port", type=int, default=5555,
-                   help="first of three bus ports: work, heartbeats, telemetry (default 5555); router replica i "
-                        "takes the three from bus-port + 3i")
+                   help="first of three bus ports, which must be free: work (heartbeats travel on it too), "
+                        "bus-port + 1 (reserved, unused since bus protocol 2), telemetry at bus-port + 2 (default "
+                        "5555); router replica i takes the three from bus-port + 3i")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas, all on --port through SO_REUSEPORT (default 1)")
     p.add_argument("--monitor-port", type=int, default=9100, help="monitor /metrics and dashboard port (default 9100)")
@@ -538,7 +539,9 @@ def parser() -> argparse.ArgumentParser:
                         "modeled (time only, no NIXL needed)")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim: scale every modeled step time (default 1)")
     p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="log level of every service and of kairos up itself: debug, info, warning, error "
+                        "(default info)")
     p.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
                    help="export every request's trace (router, prefill and decode spans) over OTLP/HTTP to this "
                         "OpenTelemetry collector, e.g. http://127.0.0.1:4318/v1/traces; passed to every service "
@@ -570,13 +573,17 @@ def parser() -> argparse.ArgumentParser:
                         "(json unless stdout is a terminal)")
     p.add_argument("--kv-wait-timeout", type=float, default=None, metavar="S",
                    help="seconds a request that finds no decode worker with KV room waits before HTTP 503 "
-                        "(default 30; 0: at once)")
+                        "(default 30; 0: at once). A request predicted to wait past its TTFT SLO is refused "
+                        "before that, at once, with HTTP 429 and Retry-After (the router's queue_budget: "
+                        "KAIROS_QUEUE_BUDGET or --config; -1 turns that off)")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="a TOML file of service settings, passed to every service that has them, as is the KAIROS_* "
                         "environment (e.g. tool_call_parser = \"hermes\"; [worker] tables: kairos/passthrough.py); "
                         "kairos up's own flags win over both")
     p.add_argument("--tuned", metavar="FILE", default=None,
-                   help="the --policy's engine settings and knobs from `kairos tune --out FILE` (flags below override)")
+                   help="the --policy's engine settings and knobs from `kairos tune --out FILE` (knob and engine "
+                        "flags given as well override it); refused if tuned on another profile than --profile "
+                        "(see --tuned-profile-mismatch)")
     add_engine_flags(p)
     add_error_flags(p)
     add_policy_flags(p)

@@ -13,7 +13,7 @@ windows alternating with output-heavy phases; regime fixed at x1, seeds 10 tune,
      of requests, its busiest 10 s offer the prefill pool at least its capacity) while the decode
      pool still holds its TBT SLO (at least 99 % of requests keep every gap within it);
      --regime NAME=X overrides the choice; chat and agent have a regime fixed in advance
-     (x0.75, x0.25: docs/results.md section 5's rates), since the rule counts whole prompts
+     (x0.75, x0.25: the rates of docs/results/sessions.md), since the rule counts whole prompts
      while their caches skip most prefill work, and on chat it lands past the cliff;
   2. tunes every policy at that load on the tune slice (`kairos tune`'s search, sim/tune.py),
      the objective averaged over the slice at that load and at twice it (--stress 1,2: the tune

@@ -255,7 +255,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def brief(res: dict[str, Any]) -> str:
-    """A result under model error, for docs/results.md section 7: the headline, the goodput and
+    """A result under model error, for docs/results/model-error.md (section 7): the headline, the goodput and
     each workload's tuned settings (the full tables are in the .md fair_eval writes beside it)."""
     out = markdown(res).split("\n### ", 1)[0].rstrip("\n").splitlines()
     out += ["", "Tuned settings under this condition (tune slice; report: both-SLO attainment on the report slice):",

@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("your traffic")
     t.add_argument("--trace", required=True,
                    help="your trace: JSON lines (timestamp ms, input_length, output_length, optional hash_ids: what "
-                        "`kairos sessions` writes and `kairos bench` replays) or an Azure-style CSV; or code, conv")
+                        "`kairos sessions` writes and `kairos bench` replays) or an Azure-style CSV; or the name of a "
+                        "bundled Azure 2023 trace: code or conv")
     t.add_argument("--start", type=float, default=0.0, help="slice start, seconds of trace time (default 0)")
     t.add_argument("--duration", type=float, default=None, help="slice length, seconds (default: to the end)")
     t.add_argument("--rate-scale", type=float, default=1.0,
@@ -371,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_SLO.replace('%', '%%')})")
     c = p.add_argument_group("the search")
     c.add_argument("--gpus", default="1-8",
-                   help="GPU counts (workers) tried, lowest first: 1-8, 4, 2,4,6 (default 1-8)")
+                   help="worker counts tried, lowest first, as a range (1-8), one count (4) or a list (2,4,6) "
+                        "(default 1-8); the plan calls them GPUs, but each is one engine of --profile "
+                        "(h100-llama2-70b-tp4: four H100s with tensor parallel size 4)")
     c.add_argument("--policy", action="append", choices=PLAN_POLICIES, default=None,
                    help="kairos at every split xPyD and/or chunked-prefill on all GPUs (0PnD); repeat (default both)")
     c.add_argument("--decode-room", default="off,on",

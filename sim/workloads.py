@@ -1,4 +1,4 @@
-"""The workloads of `python -m sim.fair_eval` (docs/results.md sections 1, 5 and 7): what each
+"""The workloads of `python -m sim.fair_eval` (docs/results/: method.md, sessions.md, model-error.md): what each
 replays, the rate scales its load probe tries, its tune and report slices, its cluster shape
 and the policies compared on it.
 
@@ -8,7 +8,7 @@ and the policies compared on it.
                             `kairos sessions --kind chat --rate 2 --duration 900 --seed 0` and
                             `--kind agent --rate 0.5`), prefix caching on; sessions start at 0, so
                             both slices come after the first turns' ramp: [200, 450) s tune,
-                            [450, 700) s report, as docs/results.md section 5
+                            [450, 700) s report, as docs/results/sessions.md
     shift, shift-code       traffic whose mix shifts every PHASE_S seconds (`shifting` below):
                             shift: synthetic phases (prompt-heavy, output-heavy, code-like
                             bursts) in an order drawn from the seed, seed 10 tune, seed 11 report;

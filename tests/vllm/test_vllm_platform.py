@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,12 +52,13 @@ def test_supported_vllm_has_every_hook() -> None:
     vllm_compat.require_supported_vllm()
 
 
-def test_missing_hook_refuses(sched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_hook_refuses(sched: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from common.config import WorkerConfig
     from common.engines import make_engine
 
     monkeypatch.delattr(sched.Scheduler, "_reserve_prefill_lookahead")
-    cfg = WorkerConfig(engine="vllm", model="/nonexistent", profile="cpu-tiny-llama")
+    (tmp_path / "config.json").write_text("{}")  # past the model-directory check, which comes first
+    cfg = WorkerConfig(engine="vllm", model=str(tmp_path), profile="cpu-tiny-llama")
     with pytest.raises(ConfigError) as e:
         make_engine(cfg, "decode")
     msg = str(e.value)
@@ -91,7 +93,9 @@ def test_hook_no_longer_called_refuses(sched: Any, monkeypatch: pytest.MonkeyPat
 
 
 def test_worker_on_unsupported_vllm_exits_saying_why(tmp_path: Path) -> None:
-    """The real worker process, on a vLLM whose hook is gone: exit 2, one line, no traceback."""
+    """The real worker process, on a vLLM whose hook is gone: exit 2, one JSON line on stdout (the
+    start-up failure's form, common/startup.py), no traceback."""
+    (tmp_path / "config.json").write_text("{}")  # past the model-directory check, which comes first
     code = ("import vllm.v1.core.sched.scheduler as s; del s.Scheduler._reserve_prefill_lookahead; "
             "import sys, runpy; sys.argv = ['kairos', 'decode-worker']; "
             "runpy.run_module('kairos.cli', run_name='__main__')")
@@ -102,9 +106,10 @@ def test_worker_on_unsupported_vllm_exits_saying_why(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 2, r.stdout + r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: vllm 0.32.0") and "_reserve_prefill_lookahead is missing" in last, r.stderr
-    assert "Traceback" not in r.stderr
+    (line,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert line["event"] == "config_invalid" and line["error"].startswith("vllm 0.32.0"), line
+    assert "_reserve_prefill_lookahead is missing" in line["error"] and line["fix"], line
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
 
 
 def test_cpu_settings_only_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

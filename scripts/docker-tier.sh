@@ -139,7 +139,7 @@ projects+=("kairos-tier-sim:docker-compose.sim.yml")
 $sim up -d --no-build >/dev/null 2>&1 || { $sim up -d --no-build; exit 1; }
 say "docker-compose.sim.yml up on port $KAIROS_HTTP_PORT ($((SECONDS - t0)) s)"
 "$VENV/bin/python" -m tests.docker_tier --url "http://127.0.0.1:$KAIROS_HTTP_PORT" --compose "$sim" \
-    --monitor-url "http://127.0.0.1:$KAIROS_MONITOR_PORT" --routers 2 \
+    --monitor-url "http://127.0.0.1:$KAIROS_MONITOR_PORT" --routers 2 --same-port \
     --restart prefill-0 prefill-1 decode-0 decode-1 monitor --router-restart router router-1 --routers-hold \
     --report "$REPORT" \
   || { mkdir -p docker-tier-logs; $sim logs --no-color >docker-tier-logs/sim.log 2>&1

@@ -51,7 +51,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -145,30 +145,29 @@ class Simulation:
         bt = self.cfg.hash_block_tokens
         return PrefixCache(bt, self.profile.kv_capacity_tokens // bt) if self.cfg.prefix_cache else None
 
-    def _new_prefill(self, wid: str, phase: float, est: StepErrorEstimator | None) -> PrefillWorker:
+    def _batcher(self, role: Literal["prefill", "decode"], token_budget: int, default_chunk: int,
+                 est: StepErrorEstimator | None) -> tuple[Batcher, StepErrorEstimator | None]:
+        """A worker's batcher and its measured step error (`est`: a flipped worker's own, kept);
+        the chunk guard where the closed loop is on (on a prefill worker it acts only beside the
+        requests it decodes itself, route "retain")."""
         profile, cfg = self.profile, self.cfg
         if est is None:
             est = StepErrorEstimator(target=cfg.overrun_target) if cfg.closed_loop else (
                 StepErrorEstimator() if cfg.bias_correction else None)
-        # a prefill worker's chunk guard acts only beside requests it decodes itself (route "retain")
-        w = PrefillWorker(wid, Batcher(role="prefill", token_budget=profile.prefill_token_budget,
-                                       max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                       default_chunk=profile.prefill_token_budget, prefix_cache=self._cache(),
-                                       guard=ChunkGuard(self.model, est) if cfg.closed_loop and est else None),
-                          self.model, phase)
-        return self._hook(w, est)
+        return Batcher(role=role, token_budget=token_budget, max_batch=profile.max_batch,
+                       kv_capacity_tokens=profile.kv_capacity_tokens, default_chunk=default_chunk,
+                       prefix_cache=self._cache(),
+                       guard=ChunkGuard(self.model, est) if cfg.closed_loop and est else None), est
+
+    def _new_prefill(self, wid: str, phase: float, est: StepErrorEstimator | None) -> PrefillWorker:
+        budget = self.profile.prefill_token_budget
+        batcher, est = self._batcher("prefill", budget, budget, est)
+        return self._hook(PrefillWorker(wid, batcher, self.model, phase), est)
 
     def _new_decode(self, wid: str, phase: float, est: StepErrorEstimator | None) -> DecodeWorker:
-        profile, cfg = self.profile, self.cfg
-        if est is None:
-            est = StepErrorEstimator(target=cfg.overrun_target) if cfg.closed_loop else (
-                StepErrorEstimator() if cfg.bias_correction else None)
-        w = DecodeWorker(wid, Batcher(role="decode", token_budget=profile.decode_token_budget,
-                                      max_batch=profile.max_batch, kv_capacity_tokens=profile.kv_capacity_tokens,
-                                      default_chunk=profile.decode_default_chunk, prefix_cache=self._cache(),
-                                      guard=ChunkGuard(self.model, est) if cfg.closed_loop and est else None),
-                         self.model, phase, admission=cfg.admission, list_held=cfg.held_list)
-        return self._hook(w, est)
+        batcher, est = self._batcher("decode", self.profile.decode_token_budget, self.profile.decode_default_chunk, est)
+        return self._hook(DecodeWorker(wid, batcher, self.model, phase, admission=self.cfg.admission,
+                                       list_held=self.cfg.held_list), est)
 
     def _hook(self, w: W, est: StepErrorEstimator | None) -> W:
         """The core's ports reach the event loop through these; its measured step error: the guard's

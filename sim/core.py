@@ -284,21 +284,29 @@ class Simulation:
         if out.prefilled:
             self.routers.prefill_done(w, now)
         if out.tokens:
-            self._retained_tokens(w, out, now)
+            self._tokens(w, out, now)
         self._start(w, now)
         if self.flipping is not None and self.flipping[0] is w:
             self._drain_check(w, now)
 
-    def _retained_tokens(self, w: PrefillWorker, out: StepOutcome, now: float) -> None:
-        """The tokens of the requests `w` decodes itself (route "retain"), as a decode worker's."""
+    def _tokens(self, w: PrefillWorker | DecodeWorker, out: StepOutcome, now: float) -> None:
+        """A step's tokens and finished requests, on a decode worker or on a prefill worker that
+        decodes requests itself (route "retain"). A request prefilled where it decodes (deflected,
+        or retained) has its first token here; a handed-off one had it when its KV landed."""
         for seq in out.tokens:
             r: Req = seq.user  # type: ignore[assignment]
             if r.ntok:
                 r.gaps.append(now - r.last)
             else:
-                r.first = r.prefilled = now
-                r.cached = seq.cached
-                self.routers.first_token(w, r, now)
+                r.first = now
+                if seq.deflected or isinstance(w, PrefillWorker):
+                    r.prefilled = now
+                    r.cached = seq.cached
+                    if isinstance(w, DecodeWorker):
+                        # it reserves no step time any more; its next heartbeat lists it no more
+                        w.core.prefilled(r.rid)
+                        self._soon(w, now)
+                    self.routers.first_token(w, r, now)
             r.last = now
             r.ntok += 1
         for seq in out.finished:
@@ -311,28 +319,7 @@ class Simulation:
 
     def _decode_done(self, w: DecodeWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
-        out = w.batcher.commit(plan)
-        for seq in out.tokens:
-            r: Req = seq.user  # type: ignore[assignment]
-            if r.ntok:
-                r.gaps.append(now - r.last)
-            else:
-                r.first = now
-                if seq.deflected:
-                    r.prefilled = now
-                    r.cached = seq.cached
-                    w.core.prefilled(r.rid)  # it reserves no step time any more; its next heartbeat lists it no more
-                    self._soon(w, now)
-                    self.routers.first_token(w, r, now)
-            r.last = now
-            r.ntok += 1
-        for seq in out.finished:
-            seq.user.done = now  # type: ignore[attr-defined]
-            w.core.finished(seq.request_id)
-            self.routers.finished(w, seq.user, now)  # type: ignore[arg-type]
-        if out.finished:
-            self._soon(w, now)
-            self.routers.kv_freed(w, now)
+        self._tokens(w, w.batcher.commit(plan), now)
         self._start(w, now)
         if self.flipping is not None and self.flipping[0] is w:
             self._drain_check(w, now)

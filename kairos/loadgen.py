@@ -28,9 +28,17 @@ completed and misses both SLOs) plus:
     send_lag_p50/p99/max   seconds between a request's scheduled and actual send
     concurrency     {max, peak, mean, bound_hits, bound_hit_rate, bound_wait_max}
     length_mismatch requests whose streamed token count differs from the asked output length
-    ttft_by_route   {route: {requests, ttft_p50, ttft_p95, ttft_p99}} from `x-kairos-route`
+    ttft_by_route   {route: {requests, ttft_p50, ttft_p95, ttft_p99}} from `x-kairos-route`, which is
+                    "held" for a stream whose request late binding still held when its headers went
+                    out (its route is decided later, and the client never sees it)
     kairos          the difference of GET /v1/kairos/stats before and after the run
-                    (routes, reasons, counts), or null when the server has no such endpoint
+                    (routes and reasons: decisions, a request decided again counting once more;
+                    ended: requests by the route that served them; counts; workers: as the run
+                    left them), or null when the server has no such endpoint
+    deflection_rate_router  the router's: requests that ended deflected over those that ended
+                    (kairos.ended), or null without it. `deflection_rate` counts the headers, so
+                    a held stream that was deflected later counts as not deflected there; on a
+                    server no one else used during the run, this is the one to read
     config          what was run
 With --records, every request's timings too.
 """
@@ -213,6 +221,7 @@ class Record:
     status: int | None = None
     route: str | None = None
     reason: str = ""
+    request_id: str = ""  # the router's id for it (x-kairos-request-id): its log lines and records carry it
     finish_reason: str | None = None
     error: str | None = None
     error_message: str = ""
@@ -420,6 +429,7 @@ class Replay:
             rec.status = resp.status_code
             rec.route = resp.headers.get("x-kairos-route")
             rec.reason = resp.headers.get("x-kairos-reason", "")
+            rec.request_id = resp.headers.get("x-kairos-request-id", "")
             if resp.status_code != 200:
                 raw = await resp.aread()
                 rec.error = f"http_{resp.status_code}"
@@ -480,9 +490,19 @@ def kairos_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     if after is None:
         return None
     out: dict[str, Any] = {"policy": after.get("policy")}
-    for key in ("routes", "reasons", "counts"):
+    for key in ("routes", "ended", "reasons", "counts"):
         out[key] = _diff(after.get(key) or {}, (before or {}).get(key) or {})
+    if after.get("workers"):
+        out["workers"] = after["workers"]  # as the run left them
     return out
+
+
+def router_deflection_rate(delta: dict[str, Any] | None) -> float | None:
+    """Requests that ended deflected over all that ended, as the router counted them in `delta`
+    (`kairos_delta`); None when it has no such counts."""
+    ended = (delta or {}).get("ended") or {}
+    n = sum(ended.values())
+    return ended.get("deflect", 0) / n if n else None
 
 
 def report(rp: Replay, *, config: dict[str, Any] | None = None, records: bool = False) -> dict[str, Any]:
@@ -506,6 +526,7 @@ def report(rp: Replay, *, config: dict[str, Any] | None = None, records: bool = 
         if r.error is not None and r.error not in samples:
             samples[r.error] = r.error_message
     busy = sum(r.e2e for r in ok if r.e2e is not None)
+    k = kairos_delta(rp.stats_before, rp.stats_after)
     by_route: dict[str, dict[str, Any]] = {}
     for route in sorted({r.route for r in ok if r.route}):
         vals = [r.ttft for r in ok if r.route == route and r.ttft is not None]
@@ -529,7 +550,8 @@ def report(rp: Replay, *, config: dict[str, Any] | None = None, records: bool = 
         "length_mismatch": sum(1 for r in ok if (r.usage_tokens if r.usage_tokens is not None else r.tokens)
                                != r.output_length),
         "ttft_by_route": by_route,
-        "kairos": kairos_delta(rp.stats_before, rp.stats_after),
+        "kairos": k,
+        "deflection_rate_router": router_deflection_rate(k),
         "model": rp.model,
     })
     if config is not None:
@@ -555,7 +577,9 @@ def table(res: dict[str, Any], title: str = "") -> Table:
          f"{fmt(res['ttft_slo_attainment'], '%')} / {fmt(res['tbt_slo_attainment'], '%')} / "
          f"{fmt(res['slo_attainment'], '%')}"),
         ("goodput, req/s meeting both SLOs", fmt(res["goodput"], "n")),
-        ("deflection rate", fmt(res["deflection_rate"], "%")),
+        ("deflection rate", fmt(res["deflection_rate"], "%") + (
+            f" (router: {fmt(res['deflection_rate_router'], '%')}; held streams' routes are known only to it)"
+            if res.get("deflection_rate_router") is not None and "held" in res["ttft_by_route"] else "")),
         ("concurrency peak / bound, bound hits", f"{c['peak']} / {c['max']}, {c['bound_hits']}"),
         ("send lag p50 / p99, ms", f"{fmt(res['send_lag_p50'], 'ms')} / {fmt(res['send_lag_p99'], 'ms')}"),
         ("errors", ", ".join(f"{k} {v}" for k, v in res["errors"].items()) or "none"),

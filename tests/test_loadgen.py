@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from common.traces import TraceRequest
+from kairos import demo
 from kairos.loadgen import LoadConfig, Replay, SSEParser, classify, dispatch, main, report
 from kairos.up import Cluster
 from sim.stats import summarize
@@ -191,6 +192,51 @@ async def test_replay_against_a_plain_openai_server() -> None:
     assert asked == sorted((r.input_length, r.output_length) for r in reqs)
     # the summary keys are exactly those of sim.stats.summarize, plus the load generator's
     assert set(summarize([], ttft_slo=1.0, tbt_slo=0.5)) <= set(res)
+
+
+class HeldServer(PlainServer):
+    """Kairos-like: streams whose prompt length is odd go out while late binding holds them
+    (`x-kairos-route: held`), the others say `deflect`; /v1/kairos/stats counts what the router
+    decided in the end (`ended`): one held stream was deflected later, one went disaggregated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats_calls = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/kairos/stats":
+            self.stats_calls += 1
+            ended = {"deflect": 3, "disagg": 1} if self.stats_calls > 1 else {}
+            return httpx.Response(200, json={"policy": "kairos", "routes": {"deflect": 3, "disagg": 1},
+                                             "ended": ended, "reasons": {}, "counts": {},
+                                             "workers": {"decode-0": {"role": "decode", "step_margin": 1.5}}})
+        resp = await super().__call__(request)
+        if request.url.path == "/v1/completions":
+            resp.headers["x-kairos-route"] = "held" if len(json.loads(request.content)["prompt"]) % 2 else "deflect"
+        return resp
+
+
+async def test_a_held_streams_route_comes_from_the_routers_count() -> None:
+    """The headers of a stream late binding held say "held": the client-side deflection rate
+    counts it as not deflected; `deflection_rate_router` (what `kairos demo` compares with the
+    simulator) counts every request by the route the router gave it in the end."""
+    reqs = [TraceRequest(0.01 * i, 10 + i, 3) for i in range(4)]  # prompt lengths 10, 11, 12, 13
+    rp = Replay(reqs, LoadConfig(url="http://kairos.test/v1", ttft_slo=1.0, tbt_slo=0.5),
+                transport=httpx.MockTransport(HeldServer()))
+    await rp.run()
+    res = report(rp)
+    assert res["routes"] == {"deflect": 2, "held": 2} and res["deflection_rate"] == 0.5
+    assert res["kairos"]["ended"] == {"deflect": 3, "disagg": 1} and res["deflection_rate_router"] == 0.75
+    assert res["kairos"]["workers"]["decode-0"]["step_margin"] == 1.5
+    assert demo.live_deflection(res) == 0.75 and demo.live_routes(res) == {"deflect": 3, "disagg": 1}
+    sim = {"deflection_rate": 0.8}
+    gap = demo.deflection_gap(res, sim)
+    assert gap is not None and "75.0% live, 80.0% simulated, a gap of -5.0 points (within 5: yes)" in gap
+    assert "2 streams went out while late binding held them" in gap and "margins" not in gap
+    far = demo.deflection_gap(res, {"deflection_rate": 0.9}) or ""
+    assert "(within 5: no)" in far and "margins decode-0 1.50" in far  # outside it, what the workers planned with
+    # without the router's count (a plain server), the headers' figure stands
+    assert demo.live_deflection({"deflection_rate": 0.5, "deflection_rate_router": None}) == 0.5
 
 
 async def test_concurrency_bound_is_counted() -> None:

@@ -640,3 +640,36 @@ async def test_with_decode_room_a_request_waits_while_a_decode_step_would_pass_t
     b.beat("decode-0", batch=n // 2, kv_used=n // 2 * 10, strictest_tbt_slo=slo)
     assert {kind for _, kind, _ in work(b.take(), w)} & {"prefill", "deflect"}
     assert b.stats()["kv_waiting"] == 0
+
+
+# ------------------------------------------------------------------ what the router counts
+
+
+async def test_stats_count_decisions_in_routes_and_each_request_once_in_ended() -> None:
+    """`routes` counts decisions: a deflection the decode worker turned away and that was decided
+    again counts twice there. `ended` counts each request once, by the route that served it:
+    what a client of a held stream (header `x-kairos-route: held`) cannot see, and what the demo
+    compares with the simulator's routes."""
+    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", BIG), ("decode-1", BIG)])
+    a = b.submit()
+    first = a.decode_worker
+    b.take()
+    b.hear(first, m.RequestFailed(request_id=a.request_id, attempt=0, worker_id=first, reason="no room",
+                                  code=REJECTED_REASON, retryable=True))
+    second = a.decode_worker
+    assert work(b.take(), a) == [(second, "deflect", 0)]
+    b.tokens(second, a, [1, 2], "length")
+    assert a.done and b.stats()["routes"] == {"deflect": 2} and b.stats()["ended"] == {"deflect": 1}
+
+
+async def test_a_held_request_is_counted_in_ended_by_the_route_it_got_after_the_hold() -> None:
+    b = late()
+    a = b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
+    held = b.submit(long_prompt(), m.Sampling(max_tokens=4), tbt_slo=NO_SLACK)
+    b.take()
+    assert held.decision is None and b.stats()["ended"] == {}  # still held: its headers would say "held"
+    b.beat("prefill-0")  # drained: it goes to the prefill queue
+    assert sorted(work(b.take(), held)) == [("decode-0", "handoff", 0), ("prefill-0", "prefill", 0)]
+    for r in (a, held):
+        b.tokens("decode-0", r, [1], "length")
+    assert a.done and held.done and b.stats()["ended"] == {"disagg": 2}

@@ -112,6 +112,10 @@ class RouterCore:
                                      hooks=hooks, wall_offset=wall_offset, log=self.log)
         self.dispatch = self.dispatcher.dispatch
         self.routes, self.reasons = self.dispatcher.routes, self.dispatcher.reasons
+        # requests that ended, by the route that served them last ("none": never placed). `routes`
+        # counts decisions: a request decided again (late binding holds it first, a decode worker
+        # turns its deflection away, its worker is lost) counts there once per decision
+        self.ended: Counter[str] = Counter()
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
         self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self)
         self.kv_waiting = self.waiting.queue
@@ -324,6 +328,7 @@ class RouterCore:
 
     def _done(self, req: Request, finished_reason: str | None, now: float) -> None:
         rec = req.record(now, self.wall_offset)
+        self.ended[rec.route or "none"] += 1
         self.outbox.publish(rec)
         self.metrics.observe_request(rec, req.gaps)
         self.metrics.set_in_flight(len(self.requests))
@@ -472,8 +477,14 @@ class RouterCore:
             "held": sum(r.held for r in self.kv_waiting),  # of which held by late binding
             "counts": dict(self.counts),
             "routes": dict(self.routes),
+            "ended": dict(self.ended),
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
+            # step_margin: the measured / predicted step time its last heartbeat said it plans with (the
+            # quantile a decode worker holds its chunks to; 1: none measured); bias: what the router
+            # scales its model by (step_error.bias_factor)
             "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
-                                      "holding": len(w.holding)} for w in self.table.workers.values()},
+                                      "holding": len(w.holding),
+                                      "step_margin": w.hb.step_margin if w.hb is not None else 1.0, "bias": w.bias}
+                        for w in self.table.workers.values()},
             "prefix": self.prefix.stats(),
         }

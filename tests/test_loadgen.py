@@ -291,6 +291,7 @@ def test_replay_end_to_end_against_kairos(fast_cluster: Cluster, tmp_path: Path)
     assert k["routes"] == res["routes"]
     assert {r: s["requests"] for r, s in res["ttft_by_route"].items()} == res["routes"]
     assert res["deflection_rate"] == pytest.approx(k["routes"].get("deflect", 0) / n)
+    assert k["ended"] == res["routes"] and res["deflection_rate_router"] == pytest.approx(res["deflection_rate"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

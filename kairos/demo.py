@@ -120,7 +120,8 @@ def live(policy: str, reqs: list[TraceRequest], args: argparse.Namespace, out_di
 
 
 def side_by_side(livers: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any]]) -> Table:
-    tab = Table(title="live (client-measured) and simulated, same slice", title_justify="left")
+    tab = Table(title="live (client-measured; routes as the router counted them) and simulated, same slice",
+                title_justify="left")
     tab.add_column("metric")
     for name in POLICIES:
         tab.add_column(f"{name}\nlive", justify="right")

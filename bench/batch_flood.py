@@ -32,6 +32,7 @@ import httpx
 import msgspec
 
 from bench.rawclient import Pool, post
+from bench.steps import cpu_seconds
 from kairos.up import Cluster, ClusterSpec
 
 
@@ -113,9 +114,9 @@ async def run(api_port: int, router_pid: int, a: argparse.Namespace) -> dict[str
         rss_before = rss_mb(router_pid)
         prompts = [f"prompt {i}: a short one" for i in range(a.prompts)]
         body = msgspec.json.encode({"prompt": prompts, "max_tokens": 4})
-        t_flood = time.perf_counter()
+        cpu0, t_flood = cpu_seconds(router_pid), time.perf_counter()
         got = await flood_pool.request(post("127.0.0.1", api_port, "/v1/completions", body), timeout=300.0)
-        t_answer = time.perf_counter()
+        t_answer, cpu1 = time.perf_counter(), cpu_seconds(router_pid)
         rss_right_after = rss_mb(router_pid)
         await asyncio.sleep(a.window)
         lag2 = await loop_lag_buckets(api_port)
@@ -131,7 +132,10 @@ async def run(api_port: int, router_pid: int, a: argparse.Namespace) -> dict[str
     during = [r for r in rows if r.sent < t_answer + a.window and r.ended > t_flood]
     b, d = summarize(before), summarize(during)
     return {"batched_request": {"prompts": a.prompts, "body_bytes": len(body), "status": got.status,
-                                "error": got.error, "answer_ms": round((t_answer - t_flood) * 1e3, 1)},
+                                "error": got.error, "answer_ms": round((t_answer - t_flood) * 1e3, 1),
+                                # the router's CPU from its sending to its answer (with the load's, if any:
+                                # run with --streams 0 for the request's own)
+                                "router_cpu_ms": round((cpu1 - cpu0) * 1e3, 1)},
             "streams_before": b, "streams_during": d,
             # the router's own event-loop lag (sampled every 50 ms), `--window` s before the flood and
             # from its sending to `--window` s after its answer: a stall the router had, not the client

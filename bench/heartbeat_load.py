@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import zmq
 
-from bench.steps import cpu_seconds, summarize_stacks
+from bench.steps import cpu_seconds, summarize_stacks, wait_port
 from common import codec
 from common import messages as m
 from common.perf_model import load_profile
@@ -61,7 +62,7 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
     socks: list[tuple[zmq.Socket[bytes], str, str]] = []
     spy: subprocess.Popen[bytes] | None = None
     try:
-        time.sleep(1.5)
+        wait_port(http, router, 120.0)  # imported and serving: its start-up is not in the window
         rng = random.Random(0)
         coeffs = load_profile("h100-llama2-70b-tp4").model.to_coeffs()  # sent as real workers send it: every beat
         for i in range(n + n_d):
@@ -77,7 +78,7 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
                                         kv_capacity_tokens=0 if role == "prefill" else 10**6,
                                         kv_transport="nixl", coeffs=coeffs)))
             socks.append((s, wid, inc))
-        time.sleep(1.0)
+        wait_registered(http, n + n_d)
         seq = 0
         sent = 0
         t_start = time.monotonic()
@@ -141,6 +142,20 @@ def run(n: int, seconds: float, env_extra: dict[str, str], interval: float = 0.1
         ctx.term()
         router.terminate()
         router.wait(20)
+
+
+def wait_registered(http_port: int, workers: int, timeout: float = 60.0) -> None:
+    """Until the router lists `workers` workers (their Hellos handled; a loaded machine takes seconds)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            got = httpx.get(f"http://127.0.0.1:{http_port}/v1/kairos/stats", timeout=10.0).json()
+            if len(got.get("workers", {})) >= workers:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the router did not list {workers} workers within {timeout:g} s")
 
 
 def main_thread_cpu(pid: int) -> float:

@@ -65,7 +65,7 @@ from rich.table import Table
 
 from bench.heartbeat_load import parse_workers
 from bench.heartbeat_load import run as heartbeat_run
-from bench.steps import Bench, Clients, parse_cpus, request_steps, sustained, token_steps, wait_port
+from bench.steps import Bench, Clients, parse_cpus, request_steps, summarize_stacks, sustained, token_steps, wait_port
 from bench.steps import fmt as _fmt
 from common.errors import ConfigError
 from common.perf_model import PerfModel, load_profile
@@ -173,27 +173,6 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
     if proc.returncode != 0 or not raw.exists():
         return {"error": f"py-spy failed ({proc.returncode}): {proc.stderr.strip()[-400:]}"}
     return summarize_stacks(raw.read_text(), raw_path=str(raw))
-
-
-def summarize_stacks(text: str, *, raw_path: str = "", top: int = 25) -> dict[str, Any]:
-    """Self and inclusive sample shares by function, from py-spy's collapsed ("raw") stacks."""
-    self_c: Counter[str] = Counter()
-    incl: Counter[str] = Counter()
-    total = 0
-    for line in text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        total += n
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
-                  if " (" in f else f for f in stack.split(";")]
-        self_c[frames[-1]] += n
-        for f in set(frames):
-            incl[f] += n
-    return {"samples": total, "raw": raw_path,
-            "self": [(f, n / total) for f, n in self_c.most_common(top)] if total else [],
-            "inclusive": [(f, n / total) for f, n in incl.most_common(top)] if total else []}
 
 
 # ---------------------------------------------------------------------------------- command line

@@ -364,3 +364,24 @@ def token_steps(bench: Bench, console: Console, args: argparse.Namespace, rates:
         if stop_past_saturation and (s["completed_rate"] < 0.8 * r or (s["ttft_p50"] or 0.0) > 1.0):
             break  # far past saturation
     return steps
+
+
+def summarize_stacks(text: str, *, raw_path: str = "", top: int = 25) -> dict[str, Any]:
+    """Self and inclusive sample shares by function, from py-spy's collapsed ("raw") stacks."""
+    self_c: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        self_c[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    return {"samples": total, "raw": raw_path,
+            "self": [(f, n / total) for f, n in self_c.most_common(top)] if total else [],
+            "inclusive": [(f, n / total) for f, n in incl.most_common(top)] if total else []}

@@ -149,6 +149,14 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "the policy prepares the workers' changed views (between requests) at most this often, milliseconds: "
         "heartbeats from a large fleet then cost one preparation per interval, not one each; a request "
         "that comes first prepares what changed itself (0: after every change)")] = 5.0
+    prepare_when_idle: Annotated[bool, doc(
+        "prepare changed views while no request is in flight too; off (the default), a heartbeat at an idle "
+        "router prepares nothing and the next request's decision prepares what changed since (at most the "
+        "whole fleet's views once: about 10 us a worker)")] = False
+    idle_read_ms: Annotated[float, doc(
+        "while no request is in flight, the work socket is read at most this often, milliseconds: a large "
+        "fleet's heartbeats are then read in batches, not one per event-loop wakeup (256 workers send 2,560 a "
+        "second); a request's own messages are read as they come (0: read every message as it comes)")] = 5.0
     alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.6
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"

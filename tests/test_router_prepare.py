@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from common import messages as m
 from common.policy import kairos, prepared
 from services.router.service import Router
 from tests.test_trust import SAMPLING, frame, hello, make_router
@@ -82,5 +83,42 @@ async def test_prepares_are_spaced_by_the_interval(monkeypatch: pytest.MonkeyPat
             await asyncio.sleep(0.005)
         assert len(builds) == n + 1  # prepared once, after the interval
         assert builds[-1] - builds[n - 1] >= 0.040 - 1e-3
+    finally:
+        r.close()
+
+
+def _beat(worker_id: str, seq: int, batch: int) -> m.DecodeHeartbeat:
+    return m.DecodeHeartbeat(worker_id=worker_id, incarnation="i1", seq=seq, batch=batch, kv_tokens=100 * batch,
+                             kv_free_tokens=10**6 - 100 * batch, kv_capacity_tokens=10**6,
+                             resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1, token_budget=2048)
+
+
+@pytest.mark.parametrize("when_idle", [False, True])
+async def test_an_idle_router_leaves_heartbeats_to_the_next_decision(monkeypatch: pytest.MonkeyPatch,
+                                                                      when_idle: bool) -> None:
+    """With no request in flight a fleet's heartbeats prepare nothing (issue 47: 256 workers' heartbeats
+    at most 0.1 core); the next decision prepares each changed worker once, and decides on the latest
+    heartbeats. `prepare_when_idle` brings back a preparation after each change."""
+    r = make_router(prepare_interval_ms=0, prepare_when_idle=when_idle)
+    try:
+        builds: list[float] = []
+        count_preparations(monkeypatch, builds, "now")
+        frame(r, b"decode-0", hello("decode-0"))
+        frame(r, b"decode-1", hello("decode-1"))
+        frame(r, b"prefill-0", hello("prefill-0", role="prefill"))
+        for seq in range(1, 4):
+            frame(r, b"decode-0", _beat("decode-0", seq, 30))
+            frame(r, b"decode-1", _beat("decode-1", seq, 0))
+            await asyncio.sleep(0)  # the loop is free after each heartbeat
+        assert (len(builds) >= 3) if when_idle else (builds == [])
+        n = len(builds)
+        req = r.submit([1, 2, 3] * 300, SAMPLING)
+        # lazily: the decision prepared the changed views itself, once; else they were ready
+        assert len(builds) == n + (0 if when_idle else 1)
+        assert req.decision is not None and req.decision.decode_worker == "decode-1"  # the idle one, as beaten
+        cp = r.policy._cp  # type: ignore[attr-defined]
+        assert [v.batch for v in cp.decode] == [30, 0]
+        await asyncio.sleep(0)  # a request is in flight now: its dispatch's change is prepared at once
+        assert len(builds) == n + (1 if when_idle else 2)
     finally:
         r.close()

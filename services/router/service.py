@@ -248,7 +248,9 @@ class Router:
         only its own part. Coalesced, and at most once per `prepare_interval_ms`: a large fleet's
         heartbeats arrive spread out (2,560 a second from 256 workers), and preparing after each
         one costs the whole fleet's views each time; a decision that comes first does the work
-        for what changed since itself."""
+        for what changed since itself. While no request is in flight nothing is prepared (unless
+        `prepare_when_idle`): an idle fleet's heartbeats cost their own folding only, and the
+        next request's decision prepares each changed worker once, however often it beat."""
         if self._prepare_queued:
             return
         self._prepare_queued = True
@@ -261,6 +263,8 @@ class Router:
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False
+        if not (self.requests or self.cfg.prepare_when_idle):
+            return  # idle: the next decision prepares what changed (each worker once)
         now = self._prepared_at = time.monotonic()
         self.core.prepare(now)
 
@@ -332,7 +336,10 @@ class Router:
     # ------------------------------------------------------------------ inbox: work socket
     async def _work_loop(self) -> None:
         assert self.bus is not None
-        self._inbox = Inbox(self.bus.work, self._on_work_frames, keyed=bool(self.cfg.curve_keys_dir))
+        gap = self.cfg.idle_read_ms / 1000.0
+        requests = self.requests
+        self._inbox = Inbox(self.bus.work, self._on_work_frames, keyed=bool(self.cfg.curve_keys_dir),
+                            idle_gap=(lambda: 0.0 if requests else gap) if gap > 0 else None)
         try:
             await self._inbox.failed  # the reader callback does the work; this ends only on a bug
         finally:

@@ -1,0 +1,55 @@
+"""common.sockets.Inbox: the router's work socket read from the event loop, in batches while idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from common.sockets import Inbox
+
+
+async def _until(cond: object, timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():  # type: ignore[operator]
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.001)
+    return True
+
+
+async def test_reads_every_message_and_spaces_reads_only_while_asked() -> None:
+    """Multipart messages arrive whole; with an idle gap the socket is not read again before the gap
+    (heartbeats pile up and are read in one batch), a send ends the pause at once, and with no gap
+    every message is read as it comes."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://inbox-test")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"w1")
+    peer.connect("inproc://inbox-test")
+    got: list[list[bytes]] = []
+    gap = [3600.0]  # an hour: nothing but a send can end the pause within this test
+    inbox = Inbox(router, got.append, idle_gap=lambda: gap[0])
+    try:
+        await peer.send_multipart([b"a", b"1"])
+        assert await _until(lambda: got == [[b"w1", b"a", b"1"]])  # the first read is never held
+        for i in range(5):
+            await peer.send(str(i).encode())
+        await asyncio.sleep(0.05)
+        assert len(got) == 1  # paused: the gap has not passed
+        assert inbox.send([b"w1", b"ping"])  # a send (a dispatch, whose reply matters) reads now
+        assert await _until(lambda: len(got) == 6)
+        assert [f[1] for f in got[1:]] == [b"0", b"1", b"2", b"3", b"4"]
+        assert inbox.messages == 6 and inbox.wakeups < 6  # the five were read in one batch
+        assert await peer.recv() == b"ping"
+        gap[0] = 0.0  # busy: no gap
+        for i in range(3):
+            await peer.send(b"x%d" % i)
+            assert await _until(lambda n=i: len(got) == 7 + n)
+    finally:
+        inbox.close()
+        peer.close(0)
+        router.close(0)
+        ctx.term()

@@ -420,7 +420,8 @@ class WorkerService(abc.ABC):
         holds finishes or is handed back), then `run` returns for the new role's service."""
         if not self.engine.can_switch_role:
             self.log.error("role_change_refused", role=self.role, to=msg.role, reason=msg.reason,
-                           error=self.engine.switch_role(msg.role),
+                           error=f"the {self.engine.name} engine cannot change role in place (vLLM's kv_both role "
+                                 "is not supported here); it keeps serving as a " + self.role + " worker",
                            fix="pin this worker (the router's planner_pin) or turn the planner off (planner)")
             return
         if self.stop.is_set():  # leaving already

@@ -187,7 +187,8 @@ class WorkerService(abc.ABC):
     # -- lifecycle ----------------------------------------------------------------------
     async def run(self) -> int:
         install_signals(self.stop)
-        self.log.info("worker_starting", role=self.role, engine=self.engine.name, incarnation=self.incarnation,
+        self.log.info("role_started" if self.engine_started else "worker_starting", role=self.role,
+                      engine=self.engine.name, incarnation=self.incarnation,
                       routers=[link.address for link in self.links])
         if not self.engine_started:
             await self.engine.start()

@@ -183,6 +183,11 @@ class MonitorState:
             case m.WorkerLost():
                 self._on_worker_lost(msg, now, router)
             case m.RoleFlip():
+                if msg.phase != "started":  # its end replaces its start: one row per flip
+                    kept = [(t, f) for t, f in self.flips
+                            if not (f.worker_id == msg.worker_id and f.phase == "started")]
+                    self.flips.clear()
+                    self.flips.extend(kept)
                 self.flips.append((now, msg))
             case m.DecisionRecord():
                 self._on_decision(msg, now)

@@ -88,6 +88,7 @@ class WorkerService(abc.ABC):
         self.stop = asyncio.Event()
         self.engine_started = previous is not None
         self.next_role: m.Role | None = None  # set by a SetRole: the role `run` hands over to when it returns
+        self.signalled = asyncio.Event()  # SIGTERM/SIGINT: leave, even in the middle of a role change
         if previous is not None:
             self.links = previous.links
             for link in self.links:  # registered again, under the new role
@@ -186,7 +187,7 @@ class WorkerService(abc.ABC):
 
     # -- lifecycle ----------------------------------------------------------------------
     async def run(self) -> int:
-        install_signals(self.stop)
+        install_signals(self.signalled)
         self.log.info("role_started" if self.engine_started else "worker_starting", role=self.role,
                       engine=self.engine.name, incarnation=self.incarnation,
                       routers=[link.address for link in self.links])
@@ -198,7 +199,8 @@ class WorkerService(abc.ABC):
         self.bus = buses[0]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._heartbeat_loop(), name="heartbeat"),
+                tasks = [tg.create_task(self._on_signal(), name="signals"),
+                         tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self.refit_loop(), name="refit"),
                          tg.create_task(self.loop_lag.run(), name="loop-lag"),
@@ -211,6 +213,9 @@ class WorkerService(abc.ABC):
                 await self._drain()
                 for t in tasks:
                     t.cancel()
+            if self.signalled.is_set() and self.next_role is not None:  # told to stop while changing role
+                self.log.info("role_change_dropped", role=self.role, to=self.next_role, reason="stopping")
+                self.next_role = None
             if self.next_role is not None:  # the engine's step loop is stopped: it takes the new role
                 why = self.engine.switch_role(self.next_role)
                 if why:
@@ -234,6 +239,10 @@ class WorkerService(abc.ABC):
 
     def extra_loops(self) -> list[tuple[str, Any]]:
         return []
+
+    async def _on_signal(self) -> None:
+        await self.signalled.wait()
+        self.stop.set()
 
     async def setup(self) -> None:
         """Role-specific resources (the NIXL agent) created after the engine, before registering."""

@@ -240,3 +240,26 @@ async def test_an_engine_that_cannot_change_role_refuses_set_role_and_keeps_serv
         assert await asyncio.wait_for(task, 10) == 0
         fake.close()
         ctx.term()
+
+
+async def test_a_worker_told_to_stop_while_it_changes_role_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = SimEngine("decode", load_profile("fast"))
+    proc, fake, task, ctx = await _worker(engine, monkeypatch)
+    first = proc.worker
+    try:
+        await fake.send(decode_work("running", 1, max_tokens=400))
+        await fake.until(lambda x: isinstance(x, m.TokenBatch))
+        await fake.send(m.SetRole(role="prefill", reason="prefill_short", router_incarnation="A"))
+        await fake.until(lambda x: isinstance(x, m.Goodbye))
+        first.signalled.set()  # SIGTERM (kairos up stopping) during the drain
+        await fake.until(finished("running"))
+        left = await fake.until(lambda x: isinstance(x, m.Goodbye))
+        assert isinstance(left, m.Goodbye) and left.reason == "drained"
+        assert await asyncio.wait_for(task, 10) == 0  # it left: no service of the new role
+        assert proc.worker is first and first.next_role is None and engine.role == "decode"
+    finally:
+        if not task.done():
+            proc.worker.stop.set()
+            await asyncio.wait_for(task, 10)
+        fake.close()
+        ctx.term()

@@ -198,6 +198,23 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                       "cached prompt tokens to the policy (off: every prompt counts whole)")] = True
     prefix_index_blocks: Annotated[int, doc("prefix index: most block hashes remembered (least recently seen "
                                             "dropped first)")] = 1 << 20
+    planner: Annotated[bool, doc("the role planner (common/router_core/planner.py): move workers between the prefill "
+                                 "and decode roles when the measured load says the other role is the bottleneck; "
+                                 "with several routers only the one whose incarnation sorts first among those the "
+                                 "workers report decides (`kairos sim --planner on` runs the same)")] = False
+    planner_interval_s: Annotated[float, doc("role planner: seconds between its load samples")] = 5.0
+    planner_window_s: Annotated[float, doc("role planner: seconds of samples a decision is judged on")] = 30.0
+    planner_min_dwell_s: Annotated[float, doc("role planner: seconds a worker keeps a role before it may move")] = 60.0
+    planner_min_gap_s: Annotated[float, doc("role planner: seconds between two flips at least (the flip rate bound; "
+                                            "one flip at a time in any case)")] = 30.0
+    planner_min_prefill: Annotated[int, doc("role planner: prefill workers it always leaves")] = 1
+    planner_max_prefill: Annotated[int, doc("role planner: prefill workers it never goes above")] = 1 << 20
+    planner_min_decode: Annotated[int, doc("role planner: decode workers it always leaves (at least 1)")] = 1
+    planner_max_decode: Annotated[int, doc("role planner: decode workers it never goes above")] = 1 << 20
+    planner_pin: Annotated[str, doc("role planner: workers it never moves, comma separated ids (e.g. prefill-0)")] = ""
+    planner_flip_timeout_s: Annotated[float, doc("role planner: a flipped worker not back under its new role after "
+                                                 "this many seconds (it died, or its engine cannot change role) ends "
+                                                 "the flip as abandoned, logged, and the planner goes on")] = 180.0
     eff_isl_threshold: Annotated[int, doc("conditional-disagg: prefill locally a prompt of fewer uncached tokens (0: off)")] \
         = 2048
     eff_isl_ratio_threshold: Annotated[float, doc("conditional-disagg: ... only if uncached/prompt is below this "

@@ -210,6 +210,7 @@ class PrefillHeartbeat(Msg, frozen=True):
     strictest_tbt_slo: float | None = None
     kv_free_tokens: int = 0
     step_margin: float = 1.0
+    routers: list[str] = []  # the incarnations of the routers it is registered with (the planner's leader)
 
 
 class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
@@ -250,6 +251,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     step_margin: float = 1.0  # measured / predicted step time the worker plans chunks with (its 99th percentile)
     step_bias: float = 1.0    # the median of measured / predicted step time
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
+    routers: list[str] = []  # the incarnations of the routers it is registered with (the planner's leader)
 
 
 # ---------------------------------------------------------------- work
@@ -461,6 +463,21 @@ class WorkerSeen(Msg, frozen=True):
     at: float
 
 
+class RoleFlip(Msg, frozen=True):
+    """Router -> monitor: the role planner moves a worker (phase "started": the SetRole was sent;
+    "done": it said Hello under its new role, `took_s` after; "abandoned": it did not come back
+    in time). `evidence`: the measured load that decided it (common/router_core/planner.py)."""
+
+    worker_id: str
+    frm: Role
+    to: Role
+    reason: str
+    phase: str
+    at: float
+    evidence: dict[str, float] = {}
+    took_s: float = 0.0
+
+
 class WorkerLost(Msg, frozen=True):
     worker_id: str
     role: Role
@@ -534,10 +551,10 @@ RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFai
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
 PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain | SetRole
 DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain | SetRole
-TelemetryInbox = WorkerSeen | WorkerLost | DecisionRecord | RequestRecord | RouterStats
+TelemetryInbox = WorkerSeen | WorkerLost | RoleFlip | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
     Hello, Welcome, Refused, Reregister, Goodbye, Drain, SetRole, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
     PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
-    WorkerLost, DecisionRecord, RequestRecord, RouterStats,
+    WorkerLost, RoleFlip, DecisionRecord, RequestRecord, RouterStats,
 )

@@ -57,6 +57,7 @@ class RouterLink:
         self.hello_now = asyncio.Event()
         self.refused = ""                 # why the router refuses us, while it does
         self.incarnation: str | None = None
+        self.connected = True             # False from a disconnection until the next handshake
         self.last_dispatch = 0            # the highest dispatch number this router sent us
         self.bus: WorkerBus | None = None
 

@@ -23,6 +23,14 @@ No poison messages: a frame that does not decode is dropped; an error while hand
 or admitting a request fails that request (RequestFailed with the reason), never the worker.
 On SIGTERM it says Goodbye, finishes what it holds within `drain_timeout`, hands back the rest
 (RequestFailed, retryable), says Goodbye(reason="drained") and exits.
+
+A SetRole (the router's role planner) drains the same way (Goodbye "role_change": no new work;
+what it holds finishes within `drain_timeout`, the rest is handed back), then `run` returns with
+`next_role` set: the engine has taken the new role in place (`Engine.switch_role`, no restart)
+and the caller (services/roles.py) builds the other role's service on the same engine and the
+same router connections (`previous`), which says Hello under the new role. An engine that
+cannot change role (vLLM) refuses the SetRole with a log line (`role_change_refused`) and keeps
+serving in its role; the router's planner abandons the flip after planner_flip_timeout_s.
 """
 
 from __future__ import annotations
@@ -65,15 +73,29 @@ _REFUSAL_FIX = {
 
 class WorkerService(abc.ABC):
     role: m.Role
+    worker_id: str
+    links: list[RouterLink]
 
-    def __init__(self, cfg: WorkerConfig, engine: Engine) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, *, previous: WorkerService | None = None) -> None:
+        """`previous`: the service of this worker's other role it takes over from after a role
+        change (its id, its router connections, and its engine, already started and switched)."""
         self.cfg = cfg
         self.engine = engine
-        self.worker_id = cfg.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = (previous.worker_id if previous is not None
+                          else cfg.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}")
         self.incarnation = uuid.uuid4().hex[:12]
         self.log = structlog.get_logger().bind(worker=self.worker_id)
         self.stop = asyncio.Event()
-        self.links = [RouterLink(i, c) for i, c in enumerate(router_addresses(cfg))]
+        self.engine_started = previous is not None
+        self.next_role: m.Role | None = None  # set by a SetRole: the role `run` hands over to when it returns
+        self.signalled = asyncio.Event()  # SIGTERM/SIGINT: leave, even in the middle of a role change
+        if previous is not None:
+            self.links = previous.links
+            for link in self.links:  # registered again, under the new role
+                link.welcomed.clear()
+                link.answered.clear()
+        else:
+            self.links = [RouterLink(i, c) for i, c in enumerate(router_addresses(cfg))]
         self.origins = Origins(self.links)
         first = self.links[0]
         self.welcomed = first.welcomed    # the first router's (the only one, without replicas)
@@ -165,17 +187,20 @@ class WorkerService(abc.ABC):
 
     # -- lifecycle ----------------------------------------------------------------------
     async def run(self) -> int:
-        install_signals(self.stop)
-        self.log.info("worker_starting", role=self.role, engine=self.engine.name, incarnation=self.incarnation,
+        install_signals(self.signalled)
+        self.log.info("role_started" if self.engine_started else "worker_starting", role=self.role,
+                      engine=self.engine.name, incarnation=self.incarnation,
                       routers=[link.address for link in self.links])
-        await self.engine.start()
+        if not self.engine_started:
+            await self.engine.start()
         self.core.info = self.engine_info()  # vLLM knows its KV capacity and block size only now
         await self.setup()
-        buses = [link.open(self.worker_id) for link in self.links]
+        buses = [link.bus if link.bus is not None else link.open(self.worker_id) for link in self.links]
         self.bus = buses[0]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._heartbeat_loop(), name="heartbeat"),
+                tasks = [tg.create_task(self._on_signal(), name="signals"),
+                         tg.create_task(self._heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self.refit_loop(), name="refit"),
                          tg.create_task(self.loop_lag.run(), name="loop-lag"),
@@ -188,18 +213,36 @@ class WorkerService(abc.ABC):
                 await self._drain()
                 for t in tasks:
                     t.cancel()
+            if self.signalled.is_set() and self.next_role is not None:  # told to stop while changing role
+                self.log.info("role_change_dropped", role=self.role, to=self.next_role, reason="stopping")
+                self.next_role = None
+            if self.next_role is not None:  # the engine's step loop is stopped: it takes the new role
+                why = self.engine.switch_role(self.next_role)
+                if why:
+                    self.log.error("role_change_failed", role=self.role, to=self.next_role, error=why,
+                                   action="the worker exits; its supervisor starts it again in its configured role")
+                    self.next_role = None
         finally:
-            for bus in buses:
-                bus.close()
+            if self.next_role is None:
+                for bus in buses:
+                    bus.close()
             await self.teardown()
-            await self.engine.close()
+            if self.next_role is None:
+                await self.engine.close()
             if self.tracing is not None:
                 self.tracing.shutdown()  # export the spans still batched
+        if self.next_role is not None:
+            self.log.info("role_changed", role=self.role, to=self.next_role, action="registering again")
+            return 0
         self.log.info("worker_stopped")
         return 0
 
     def extra_loops(self) -> list[tuple[str, Any]]:
         return []
+
+    async def _on_signal(self) -> None:
+        await self.signalled.wait()
+        self.stop.set()
 
     async def setup(self) -> None:
         """Role-specific resources (the NIXL agent) created after the engine, before registering."""
@@ -208,8 +251,10 @@ class WorkerService(abc.ABC):
         """Release what setup() created."""
 
     async def _drain(self) -> None:
-        self.log.info("drain_started", held=len(self.held_requests()), timeout_s=self.cfg.drain_timeout)
-        await self._to_all(self.core.start_drain())
+        self.log.info("drain_started", held=len(self.held_requests()), timeout_s=self.cfg.drain_timeout,
+                      role_change=self.next_role or "")
+        if self.next_role is None:  # (a role change said its Goodbye "role_change" already)
+            await self._to_all(self.core.start_drain())
         deadline = time.monotonic() + self.cfg.drain_timeout
         while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -267,8 +312,11 @@ class WorkerService(abc.ABC):
             event = await link.bus.connection_event()
             if event == zmq.EVENT_DISCONNECTED:
                 broken = True
+                link.connected = False  # its heartbeats stop naming this router (the planner's leader)
                 self.log.info("router_disconnected", router=link.address)
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
                 broken = False
                 self.log.info("router_reconnected", router=link.address)
                 link.welcomed.clear()
@@ -287,8 +335,10 @@ class WorkerService(abc.ABC):
             hb = self.heartbeat()
             summary = self.prefix.summary()
             lag_ms = self.loop_lag.take_max() * 1000.0
-            if summary is not None or lag_ms:
-                hb = msgspec.structs.replace(hb, prefix=summary, loop_lag_ms=lag_ms)
+            routers = [link.incarnation for link in self.links
+                       if link.incarnation and link.connected and link.welcomed.is_set()]
+            if summary is not None or lag_ms or routers:
+                hb = msgspec.structs.replace(hb, prefix=summary, loop_lag_ms=lag_ms, routers=routers)
             if len(self.links) == 1:
                 await self.bus.beat(codec.encode(hb))
                 continue
@@ -363,6 +413,8 @@ class WorkerService(abc.ABC):
                 link.refused = msg.reason
                 link.welcomed.clear()
                 link.answered.set()
+            case m.SetRole():
+                await self._set_role(msg)
             case m.Reregister():
                 if self.draining:  # leaving: a router that does not know us has nothing of ours
                     return
@@ -372,6 +424,25 @@ class WorkerService(abc.ABC):
                 link.hello_now.set()
             case _:
                 await self.on_message(msg)
+
+    async def _set_role(self, msg: m.SetRole) -> None:
+        """The router's role planner moves this worker to `msg.role`: drain (no new work, what it
+        holds finishes or is handed back), then `run` returns for the new role's service."""
+        if not self.engine.can_switch_role:
+            self.log.error("role_change_refused", role=self.role, to=msg.role, reason=msg.reason,
+                           error=f"the {self.engine.name} engine cannot change role in place (vLLM's kv_both role "
+                                 "is not supported here); it keeps serving as a " + self.role + " worker",
+                           fix="pin this worker (the router's planner_pin) or turn the planner off (planner)")
+            return
+        if self.stop.is_set():  # leaving already
+            self.log.info("role_change_ignored", role=self.role, to=msg.role, stopping=True)
+            return
+        bye = self.core.set_role(msg)
+        if bye is None:
+            return
+        self.next_role = msg.role
+        await self._to_all(bye)
+        self.stop.set()
 
     def _drop_untracked(self, ids: list[str]) -> None:
         """The router no longer tracks these (it restarted, or re-dispatched them): free them."""

@@ -50,7 +50,7 @@ def test_flips_toward_decode_when_decode_waits_dominate_and_back_when_prefill_do
     at, f = flips[0]
     assert (f.worker_id, f.to, f.reason) == ("p0", "decode", "decode_short")  # the least loaded prefill worker
     assert at >= 60.0  # the dwell: the planner first saw p0 at 0
-    assert any(e == "role_flip_decided" and kw["reason"] == "decode_short" for e, kw in log.lines)
+    assert any(e == "role_flip" and kw["reason"] == "decode_short" for e, kw in log.lines)
     p.flip_done("p0", "decode", t)
     after = (WorkerLoad("p1", "prefill", 0.0), WorkerLoad("p0", "decode", 0.0), *fleet(0, 2))
     back, _ = run(p, PREFILL_SHORT, after, t, t + 200.0)

@@ -107,6 +107,9 @@ class Engine(abc.ABC):
     # prefill role: it can decode a request itself after its prefill (mode "retain", route "retain";
     # the simulated engine). One that cannot reports no KV free for it, so no router sends it one
     can_retain: ClassVar[bool] = False
+    # it can take the other role in place, holding nothing (`switch_role`; the simulated engine):
+    # the worker then drains, switches and registers again under the new role without a restart
+    can_switch_role: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None
@@ -120,6 +123,12 @@ class Engine(abc.ABC):
 
     async def start(self) -> None:
         """Load weights, allocate caches (may take long; the worker registers only after)."""
+
+    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+        """Take the other role in place, holding nothing (the role planner: the worker drained
+        first), without a restart. Returns why it cannot ("": it did); this one cannot."""
+        return (f"the {self.name} engine cannot change role without a restart (vLLM's kv_both role is not "
+                "supported here)")
 
     @abc.abstractmethod
     async def run(self) -> None:

@@ -68,24 +68,20 @@ def synthetic_prompt_logprobs(request_id: str, prompt: list[int], k: int) -> lis
 class SimEngine(Engine):
     name = "sim"
     can_retain = True
+    can_switch_role = True
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
                  closed_loop: bool = True, overrun_target: float = TARGET, seed: str = "",
                  max_model_len: int = 0) -> None:
         super().__init__()
-        self.role = role
         self.max_model_len = max_model_len  # prompt + output, as a model's context window (0: none)
         self.profile = profile
         self.model = profile.model
         self.time_scale = time_scale
-        self.token_budget = profile.prefill_token_budget if role == "prefill" else profile.decode_token_budget
         self.max_batch = profile.max_batch
-        self.kv_capacity_tokens = profile.kv_capacity_tokens if role == "decode" else 0
         self.max_queue_requests = max_queue_requests
         self.prefix_block_tokens = prefix_block_tokens
-        cache = (PrefixCache(prefix_block_tokens, profile.kv_capacity_tokens // prefix_block_tokens)
-                 if prefix_block_tokens > 0 else None)
         # model error: injected (StepError: steps run otherwise than the profile says), and measured
         # (every step against its prediction: the decode role's chunk guard plans with it)
         self.error = (step_error or StepError()).source(0, random.Random(zlib.crc32(seed.encode())))
@@ -94,18 +90,41 @@ class SimEngine(Engine):
         planned = self.model.scaled(time_scale) if time_scale != 1.0 else self.model
         # the prefill role's guard acts only beside the requests it decodes itself (route "retain")
         self.guard = ChunkGuard(planned, self.estimator) if closed_loop else None
-        self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
-                               kv_capacity_tokens=max(profile.kv_capacity_tokens, 1),
-                               default_chunk=profile.decode_default_chunk if role == "decode"
-                               else self.token_budget, prefix_cache=cache, guard=self.guard)
-        self._wake = asyncio.Event()
         self._step_ms: deque[float] = deque(maxlen=64)
+        self._take_role(role)
+        self._wake = asyncio.Event()
         self.samples: deque[StepSample] = deque(maxlen=4096)
         self._t0: dict[str, float] = {}
         self._inflight: StepPlan | None = None
         self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
         self._resume: dict[str, int] = {}  # request -> output tokens streamed before it came here
         self._reqs: dict[str, EngineRequest] = {}
+
+    def _take_role(self, role: Literal["prefill", "decode"]) -> None:
+        """What the role decides: the token budget, the KV it offers, and a new batcher (with an
+        empty prefix cache: a flipped worker's cache starts cold, as the simulator models it)."""
+        profile = self.profile
+        self.role = role
+        self.token_budget = profile.prefill_token_budget if role == "prefill" else profile.decode_token_budget
+        self.kv_capacity_tokens = profile.kv_capacity_tokens if role == "decode" else 0
+        block = self.prefix_block_tokens
+        cache = PrefixCache(block, profile.kv_capacity_tokens // block) if block > 0 else None
+        self.batcher = Batcher(role=role, token_budget=self.token_budget, max_batch=self.max_batch,
+                               kv_capacity_tokens=max(profile.kv_capacity_tokens, 1),
+                               default_chunk=profile.decode_default_chunk if role == "decode"
+                               else self.token_budget, prefix_cache=cache, guard=self.guard)
+        self._step_ms.clear()  # the other role's step times say nothing of this one's
+
+    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+        if role == self.role:
+            return ""
+        if len(self.batcher):
+            return f"the engine still holds {len(self.batcher)} requests (the worker drains before it changes role)"
+        self._take_role(role)  # (its step loop is stopped: the worker switches between two runs of it)
+        self._inflight = None
+        self._reqs.clear()
+        self._resume.clear()
+        return ""
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:

@@ -47,7 +47,7 @@ from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
 from common.router_core.migrate import Migration
-from common.router_core.planner import Flip, RolePlanner, measure
+from common.router_core.planner import Flip, RolePlanner, leader, measure
 from common.router_core.ports import NULL_METRICS, Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Event, Request
@@ -131,6 +131,8 @@ class RouterCore:
         # the role planner (common/router_core/planner.py): set by a shell that runs it, on the router
         # that leads (`planner.leader`); it ticks with `plan_roles`
         self.planner: RolePlanner | None = None
+        self.plan_at = 0.0        # when `tick` next ticks the planner
+        self.flip_at = 0.0        # when the flip under way was decided (it is abandoned after planner_flip_timeout_s)
 
     # ------------------------------------------------------------------ admission
     def submit(self, prompt_ids: list[int], sampling: m.Sampling, now: float, *, ttft_slo: float | None = None,
@@ -406,8 +408,15 @@ class RouterCore:
             self.log.warning("protocol_error", error=str(e))
         except Exception as e:
             self.inbound.handler_error(identity, msg, e, now)
-        if self.planner is not None and isinstance(msg, m.Hello) and msg.worker_id in self.table.workers:
-            self.planner.rejoined(msg.worker_id, msg.role, now)  # a flipped worker back under its new role
+        p = self.planner
+        if p is not None and isinstance(msg, m.Hello) and msg.worker_id in self.table.workers:
+            flip = p.pending
+            p.rejoined(msg.worker_id, msg.role, now)  # a flipped worker back under its new role
+            if flip is not None and p.pending is None:
+                self.metrics.observe_role_flip_done(flip.to, now - self.flip_at)
+                self.outbox.publish(m.RoleFlip(worker_id=flip.worker_id, frm=_other(flip.to), to=flip.to,
+                                               reason=flip.reason, phase="done", evidence=flip.evidence,
+                                               took_s=now - self.flip_at, at=now + self.wall_offset))
 
     def plan_roles(self, now: float) -> Flip | None:
         """The role planner's tick (every `planner.cfg.interval_s`, on the router that leads): it
@@ -420,9 +429,51 @@ class RouterCore:
         if flip is None:
             return None
         self.counts["role_flips"] += 1
+        self.flip_at = now
+        frm = self.table.workers[flip.worker_id].role
+        self.metrics.observe_role_flip(frm, flip.to, flip.reason)
+        self.outbox.publish(m.RoleFlip(worker_id=flip.worker_id, frm=frm, to=flip.to, reason=flip.reason,
+                                       phase="started", evidence=flip.evidence, at=now + self.wall_offset))
         self.send(self.table.workers[flip.worker_id],
                   m.SetRole(role=flip.to, reason=flip.reason, router_incarnation=self.incarnation))
         return flip
+
+    def routers_alive(self) -> set[str]:
+        """This router and every router its live workers' heartbeats say they are registered with."""
+        alive = {self.incarnation}
+        for w in self.table.workers.values():
+            if not w.unreachable and w.hb is not None:
+                alive.update(w.hb.routers)
+        return alive
+
+    def tick_planner(self, now: float) -> Flip | None:
+        """The role planner's turn on the live router's tick: every `interval_s`, on the router
+        that leads (`planner.leader` of `routers_alive`), `plan_roles`; a flip whose worker is not
+        back under its new role within planner_flip_timeout_s is abandoned (logged) so the
+        planner goes on (the worker died, or its engine cannot change role)."""
+        p = self.planner
+        if p is None or not p.cfg.enabled or now < self.plan_at:
+            return None
+        self.plan_at = now + p.cfg.interval_s
+        flip = p.pending
+        if flip is not None:
+            if now - self.flip_at > self.cfg.planner_flip_timeout_s:
+                w = self.table.workers.get(flip.worker_id)
+                role = w.role if w is not None else _other(flip.to)
+                self.log.warning("role_flip_abandoned", worker=flip.worker_id, to=flip.to, reason=flip.reason,
+                                 waited_s=round(now - self.flip_at, 1), role=role,
+                                 registered=w is not None,
+                                 fix="see the worker's log (role_change_refused: its engine cannot change role; "
+                                     "or it died); pin it (planner_pin) to keep the planner off it")
+                self.metrics.observe_role_flip_done("abandoned", now - self.flip_at)
+                self.outbox.publish(m.RoleFlip(worker_id=flip.worker_id, frm=_other(flip.to), to=flip.to,
+                                               reason=flip.reason, phase="abandoned", evidence=flip.evidence,
+                                               took_s=now - self.flip_at, at=now + self.wall_offset))
+                p.flip_done(flip.worker_id, role, now)
+            return None
+        if leader(self.routers_alive()) != self.incarnation:
+            return None  # another router decides
+        return self.plan_roles(now)
 
     def drop_frame(self, source: str, event: str, **fields: object) -> None:
         """A frame from the bus that cannot be used (`source`: its metric label): counted in
@@ -445,6 +496,8 @@ class RouterCore:
             self.waiting.expire(now)
         for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
+        if self.planner is not None:
+            self.tick_planner(now)
         if now >= self.audit_at:  # once per liveness window: a safety net, not a hot path
             self.audit_at = now + self.liveness_s
             self.audit(now)
@@ -487,4 +540,17 @@ class RouterCore:
                                       "step_margin": w.hb.step_margin if w.hb is not None else 1.0, "bias": w.bias}
                         for w in self.table.workers.values()},
             "prefix": self.prefix.stats(),
+            **({"planner": self.planner_stats()} if self.planner is not None else {}),
         }
+
+    def planner_stats(self) -> dict[str, Any]:
+        p = self.planner
+        assert p is not None
+        f = p.pending
+        return {"enabled": p.cfg.enabled, "leads": leader(self.routers_alive()) == self.incarnation,
+                "flips": dict(p.flips), "pending": None if f is None else
+                {"worker": f.worker_id, "to": f.to, "reason": f.reason}}
+
+
+def _other(role: m.Role) -> m.Role:
+    return "prefill" if role == "decode" else "decode"

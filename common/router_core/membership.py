@@ -226,6 +226,7 @@ class Membership:
                                              engine=w.hello.engine, state=state, at=at))
         self.metrics.set_in_flight(len(self.core.requests))
         self.metrics.set_workers(self.table.count("prefill"), self.table.count("decode"))
+        self.metrics.set_worker_roles({w.worker_id: w.role for w in self.table.workers.values()})
         self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.core.requests), accepted=self.counts["accepted"],
                                           completed=self.counts["completed"], failed=self.counts["failed"],
                                           rejected=self.counts["rejected"], loop_lag_ms=loop_lag_ms))

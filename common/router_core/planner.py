@@ -8,8 +8,10 @@ router's worker table and wait queue, `RolePlanner.observe(load, now)` returns t
 make, or None, and the core sends the worker a SetRole. The worker drains what the role change
 would break, switches and says Hello again under its new role; that Hello ends the flip
 (`rejoined`). Every decision, and every flip held back by a rule while the load asked for one,
-is a log line with its reason and the figures it was made from. The simulator runs this on its
-router 0; the live router does not run it yet.
+is a log line with its reason and the figures it was made from (`role_flip`, `role_flip_held`,
+`role_flip_done`). The simulator runs this on its router 0; the live router's core runs it on its
+tick (`RouterCore.tick`) when RouterConfig.planner is on, with the settings `planner_config` reads
+from RouterConfig, the one source of them for both.
 
 The rules (`PlannerConfig`, defaults in brackets):
 - Evidence is the samples of the last `window_s` [30 s] taken since the last flip ended (a flip
@@ -31,8 +33,10 @@ The rules (`PlannerConfig`, defaults in brackets):
   `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers never
   move, and `enabled` False turns the planner off (it then decides nothing at all).
 
-With several routers one decides at a time: the router whose name sorts first among the routers
-alive (`leader`); the others measure nothing and flip nothing. The simulator runs it on router 0.
+With several routers one decides at a time: the router whose name (its incarnation) sorts first
+among the routers alive (`leader`; a router learns the others from its workers' heartbeats, which
+name the routers each worker is registered with); the others measure nothing and flip nothing.
+The simulator runs it on router 0.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from common import messages as m
+from common.config import RouterConfig
+from common.errors import ConfigError
 from common.router_core.ports import Log
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
@@ -132,9 +138,25 @@ class _Judged:
                 "prefill_workers": self.n_prefill, "decode_workers": self.n_decode}
 
 
-def leader(routers: list[str]) -> str:
+def leader(routers: Iterable[str]) -> str:
     """Which router plans, of those alive: the first by name (every router computes the same)."""
-    return min(routers) if routers else ""
+    return min(routers, default="")
+
+
+def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> PlannerConfig:
+    """The planner's settings from a router's configuration (the live router's and the
+    simulator's alike); `enabled` overrides cfg.planner. Bad settings are a ConfigError naming them."""
+    try:
+        return PlannerConfig(
+            enabled=cfg.planner if enabled is None else enabled, interval_s=cfg.planner_interval_s,
+            window_s=cfg.planner_window_s, min_dwell_s=cfg.planner_min_dwell_s, min_gap_s=cfg.planner_min_gap_s,
+            min_prefill=cfg.planner_min_prefill, max_prefill=cfg.planner_max_prefill,
+            min_decode=cfg.planner_min_decode, max_decode=cfg.planner_max_decode,
+            pinned=frozenset(w.strip() for w in cfg.planner_pin.split(",") if w.strip()),
+            ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+    except ValueError as e:
+        raise ConfigError(str(e), key="planner",
+                          fix="check the planner_* settings (kairos router --help lists them)") from e
 
 
 class RolePlanner:
@@ -191,7 +213,7 @@ class RolePlanner:
         self.pending = flip
         self.last_flip_at = now
         self.flips[reason] = self.flips.get(reason, 0) + 1
-        self.log.info("role_flip_decided", worker=pick.worker_id, frm=pick.role, to=to, reason=reason,
+        self.log.info("role_flip", worker=pick.worker_id, from_role=pick.role, to=to, reason=reason,
                       worker_load=pick.load, **flip.evidence)
         return flip
 

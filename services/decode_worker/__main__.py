@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 
 from common import config, logging
-from common.engines import make_engine
 from common.service import run
 from common.startup import guard
 from common.worker_metrics import run_with_metrics
-from services.decode_worker.service import DecodeWorker
+from services.roles import RoleSwitching
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +23,7 @@ def _main(argv: list[str] | None) -> int:
 
     async def serve_it() -> int:
         logging.configure("decode_worker", level=cfg.log_level, fmt=cfg.log_format)
-        return await run_with_metrics(cfg, DecodeWorker(cfg, make_engine(cfg, "decode")))
+        return await run_with_metrics(cfg, RoleSwitching(cfg, "decode"))  # it follows SetRole
 
     return run(serve_it)
 

@@ -174,6 +174,9 @@ class MonitorMetrics:
                                   ["route"], registry=r)
         self.slo_attained = Counter("kairos_slo_attained_requests", "Requests that met their SLO: ttft, tbt (p99 "
                                     "gap), or both.", ["route", "slo"], registry=r)
+        self.role_flips = Counter("kairos_role_flips", "The role planner's flips, by direction, reason and phase "
+                                  "(started: SetRole sent; done: back under the new role; abandoned).",
+                                  ["from_role", "to_role", "reason", "phase"], registry=r)
         r.register(_StateCollector(state, clock))
 
     def observe(self, msg: m.TelemetryInbox) -> None:
@@ -183,6 +186,8 @@ class MonitorMetrics:
                 self.decision_time.observe(msg.decision_us / 1e6)
             case m.RequestRecord():
                 self._on_request(msg)
+            case m.RoleFlip():
+                self.role_flips.labels(msg.frm, msg.to, msg.reason, msg.phase).inc()
             case _:
                 pass  # level messages: read from the state at scrape time
 

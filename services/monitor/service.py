@@ -66,6 +66,9 @@ class Monitor:
                     log.info("worker_departed", worker=msg.worker_id, role=msg.role)
                 else:
                     log.warning("worker_lost", worker=msg.worker_id, role=msg.role, reason=msg.reason)
+            case m.RoleFlip():
+                log.info("role_flip", worker=msg.worker_id, from_role=msg.frm, to=msg.to, reason=msg.reason,
+                         phase=msg.phase, took_s=round(msg.took_s, 2), **msg.evidence)
             case m.DecisionRecord() | m.RequestRecord() | m.RouterStats():
                 pass
             case _:

@@ -127,6 +127,7 @@ class MonitorState:
         self.buckets: deque[Bucket] = deque()
         self.workers: dict[str, WorkerInfo] = {}
         self.lost: deque[tuple[float, m.WorkerLost]] = deque(maxlen=20)
+        self.flips: deque[tuple[float, m.RoleFlip]] = deque(maxlen=20)  # the role planner's, newest last
         self._lost_from: dict[tuple[str, str], tuple[float, str]] = {}  # (worker, reason) -> (when, router) listed
         self.recent: deque[Recent] = deque(maxlen=recent)
         self._recent_by_id: dict[str, Recent] = {}
@@ -181,6 +182,13 @@ class MonitorState:
                 self._on_worker_seen(msg, now)
             case m.WorkerLost():
                 self._on_worker_lost(msg, now, router)
+            case m.RoleFlip():
+                if msg.phase != "started":  # its end replaces its start: one row per flip
+                    kept = [(t, f) for t, f in self.flips
+                            if not (f.worker_id == msg.worker_id and f.phase == "started")]
+                    self.flips.clear()
+                    self.flips.extend(kept)
+                self.flips.append((now, msg))
             case m.DecisionRecord():
                 self._on_decision(msg, now)
             case m.RequestRecord():
@@ -289,6 +297,8 @@ class MonitorState:
             del self.workers[wid]
         while self.lost and now - self.lost[0][0] > self.lost_keep_s:
             self.lost.popleft()
+        while self.flips and now - self.flips[0][0] > self.lost_keep_s:
+            self.flips.popleft()
         for name in [n for n, (_, t) in self.routers.items() if now - t > self.lost_keep_s]:
             self._forget_router(name)  # a replica gone for good (its counts leave the totals with it)
         self._trim(now)
@@ -415,6 +425,9 @@ class MonitorState:
             "workers": self.worker_rows(now),
             "lost": [{"worker_id": w.worker_id, "role": w.role, "reason": w.reason, "ago_s": round(now - t, 1)}
                      for t, w in reversed(self.lost)],
+            "flips": [{"worker_id": f.worker_id, "from": f.frm, "to": f.to, "reason": f.reason, "phase": f.phase,
+                       "took_s": round(f.took_s, 1), "evidence": f.evidence, "ago_s": round(now - t, 1)}
+                      for t, f in reversed(self.flips)],
             "window": window,
             "series": self.series(now),
             "recent": recent,

@@ -73,6 +73,17 @@ def lost_row(lost: dict[str, Any]) -> tuple[str, Text]:
     return "lost", Text(f"lost {ago}: {lost['reason']}", style="red")
 
 
+def flip_row(f: dict[str, Any]) -> Text:
+    """A role flip of the planner: started (the worker drains), done (back under its new role), abandoned."""
+    ago = f"{f['ago_s']:.0f} s ago"
+    what = f"role flip {f['from']} → {f['to']} ({f['reason']})"
+    if f["phase"] == "started":
+        return Text(f"{what}: draining since {ago}", style="bold cyan")
+    if f["phase"] == "done":
+        return Text(f"{what}: done {ago}, took {f['took_s']:.0f} s", style="cyan")
+    return Text(f"{what}: abandoned {ago} after {f['took_s']:.0f} s", style="bold yellow")
+
+
 def fmt_s(s: float | None) -> str:
     if s is None:
         return "–"
@@ -177,6 +188,8 @@ def render(s: dict[str, Any], url: str) -> Group:
             workers.add_row(Text("no workers reported yet", style="dim"))
     for lost in s["lost"]:
         workers.add_row(lost["worker_id"], lost["role"], lost_row(lost)[1])
+    for f in s.get("flips", []):  # (a monitor older than the role planner sends none)
+        workers.add_row(f["worker_id"], f["to"] if f["phase"] == "done" else f["from"], flip_row(f))
 
     recent = Table(title="recent decisions", expand=True, title_justify="left")
     for col in ("request", "route", "reason", "workers", "prompt", "pred. P / D", "TTFT", "outcome"):

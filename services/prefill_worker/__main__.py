@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 
 from common import config, logging
-from common.engines import make_engine
 from common.service import run
 from common.startup import guard
 from common.worker_metrics import run_with_metrics
-from services.prefill_worker.service import PrefillWorker
+from services.roles import RoleSwitching
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +22,7 @@ def _main(argv: list[str] | None) -> int:
 
     async def serve_it() -> int:
         logging.configure("prefill_worker", level=cfg.log_level, fmt=cfg.log_format)
-        return await run_with_metrics(cfg, PrefillWorker(cfg, make_engine(cfg, "prefill")))
+        return await run_with_metrics(cfg, RoleSwitching(cfg, "prefill"))  # it follows SetRole
 
     return run(serve_it)
 

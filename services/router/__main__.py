@@ -147,7 +147,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 stop.set()
             else:
                 log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy,
-                         **router.cost_model())
+                         planner="on" if cfg.planner else "off", **router.cost_model())
                 if ready is not None:
                     ready.set()
             await stop.wait()

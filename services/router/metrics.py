@@ -72,6 +72,15 @@ DEPARTED = Counter("kairos_router_workers_departed", "Workers that drained and l
 HELD = Counter("kairos_router_held_requests", "Requests held at admission because no worker could take them yet, "
                "by how the wait ended (served, or timeout: HTTP 503).", ["outcome"])
 
+ROLE_FLIPS = Counter("kairos_router_role_flips", "Workers the role planner moved, by direction and reason (counted "
+                     "when the router sends the SetRole).", ["from_role", "to_role", "reason"])
+ROLE_FLIP_SECONDS = Histogram("kairos_router_role_flip_seconds", "From a flip's SetRole to the worker's Hello under "
+                              "its new role (outcome done), or to the flip's abandonment (abandoned).", ["outcome"],
+                              buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+WORKER_ROLE = Gauge("kairos_router_worker_role", "1 for each registered worker under its current role (the role "
+                    "planner moves workers between roles).", ["worker", "role"])
+_roles: dict[str, str] = {}
+
 
 def observe_decision(rec: m.DecisionRecord) -> None:
     child(DECISIONS, rec.route, rec.reason).inc()
@@ -160,3 +169,23 @@ def set_in_flight(n: int) -> None:
 def set_workers(prefill: int, decode: int) -> None:
     WORKERS.labels("prefill").set(prefill)
     WORKERS.labels("decode").set(decode)
+
+
+def observe_role_flip(frm: str, to: str, reason: str) -> None:
+    ROLE_FLIPS.labels(frm, to, reason).inc()
+
+
+def observe_role_flip_done(outcome: str, seconds: float) -> None:
+    ROLE_FLIP_SECONDS.labels("abandoned" if outcome == "abandoned" else "done").observe(max(0.0, seconds))
+
+
+def set_worker_roles(roles: dict[str, str]) -> None:
+    """Each registered worker's role now (a worker gone, or under another role, loses its old series)."""
+    for worker, role in list(_roles.items()):
+        if roles.get(worker) != role:
+            WORKER_ROLE.remove(worker, role)
+            del _roles[worker]
+    for worker, role in roles.items():
+        if worker not in _roles:
+            WORKER_ROLE.labels(worker, role).set(1)
+            _roles[worker] = role

@@ -443,3 +443,23 @@ def test_top_finds_a_cluster_on_other_ports_and_says_to_use_url(tmp_path: Path,
     err = capsys.readouterr().err
     assert "http://127.0.0.1:9/api/state" in err  # the discovered address was tried
     assert "--url" in err and "--url" in top.unreachable_hint(top.DEFAULT_URL, given=False)
+
+
+def test_role_flips_are_rows_in_top_and_the_snapshot_and_counted(mon: Monitor, clock: Clock) -> None:
+    flip = m.RoleFlip(worker_id="prefill-1", frm="prefill", to="decode", reason="decode_short", phase="started",
+                      evidence={"decode_step_of_slo": 0.93}, at=T0)
+    mon.on_message(flip)
+    console = Console(width=200, record=True)
+    console.print(top.render(mon.snapshot(), "http://m"))
+    assert "role flip prefill → decode (decode_short): draining since 0 s ago" in console.export_text()
+    clock.now += 4
+    mon.on_message(msgspec.structs.replace(flip, phase="done", took_s=3.5))
+    flips = mon.snapshot()["flips"]
+    assert [(f["worker_id"], f["phase"], f["took_s"]) for f in flips] == [("prefill-1", "done", 3.5)]
+    assert flips[0]["evidence"] == {"decode_step_of_slo": 0.93}
+    console = Console(width=200, record=True)
+    console.print(top.render(mon.snapshot(), "http://m"))
+    assert "role flip prefill → decode (decode_short): done 0 s ago, took 4 s" in console.export_text()
+    s = parse_metrics(mon.metrics.render().decode())
+    assert value(s, "kairos_role_flips_total", from_role="prefill", to_role="decode", reason="decode_short",
+                 phase="done") == 1

@@ -123,7 +123,12 @@ function renderWorkers(s) {
       : `${d.service} restarting after ${d.last_exit || "an exit"}`)),
     ...s.lost.map((l) => l.reason === "departed"  // drained and left: a planned restart, not a loss
       ? el("li", { class: "left" }, `${l.worker_id} (${l.role}) left ${fmtAge(l.ago_s)} ago (drained)`)
-      : el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)));
+      : el("li", {}, `${l.worker_id} (${l.role}) lost ${fmtAge(l.ago_s)} ago: ${l.reason}`)),
+    ...(s.flips || []).map((f) => el("li", { class: "flip" },  // the role planner's
+      `${f.worker_id} role flip ${f.from} → ${f.to} (${f.reason}): `
+      + (f.phase === "started" ? `draining since ${fmtAge(f.ago_s)} ago`
+        : f.phase === "done" ? `done ${fmtAge(f.ago_s)} ago, took ${fmtAge(f.took_s)}`
+          : `abandoned ${fmtAge(f.ago_s)} ago after ${fmtAge(f.took_s)}`))));
 }
 
 function renderRecent(s) {

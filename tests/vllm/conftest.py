@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kairos.up import free_port
+from kairos.passthrough import passthrough
+from kairos.up import Cluster, ClusterSpec, free_port
 from tests.vllm.helpers import PD, VLLM_MISSING, Collector
 
 
@@ -73,6 +74,35 @@ async def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Asyn
             warnings.simplefilter("ignore")
             await d.close()
             await p.close()
+
+
+ROUTES = {"disagg-least-loaded": "disagg", "deflect-all": "deflect"}
+
+
+@pytest.fixture(scope="session", params=list(ROUTES))
+def kairos_vllm(request: pytest.FixtureRequest, tiny_model: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """`kairos up --engine vllm` (router, one prefill and one decode worker, each its own vLLM
+    engine) under a policy that sends every request down one route: `disagg-least-loaded` (the
+    KV handed off over vLLM's NIXL connector) or `deflect-all` (prefilled on the decode worker).
+    One cluster per route for the whole session, shared by the modules that only send requests
+    (test_openai_conformance.py, test_vllm_cluster.py): a cluster's start costs two vLLM engine
+    starts, a minute or more on 2 shared cores. `cluster.route` names the route."""
+    spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
+                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 log_dir=str(tmp_path_factory.mktemp(f"kairos-{ROUTES[request.param]}")),
+                                 router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
+                                             "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
+                                 # tool calling and the KV size as an operator turns them on under `kairos up`:
+                                 # from its environment (kairos/passthrough.py), not from kairos up's flags
+                                 operator_env=passthrough(None, {"KAIROS_TOOL_CALL_PARSER": "hermes",
+                                                                 "KAIROS_ENABLE_AUTO_TOOL_CHOICE": "true",
+                                                                 "KAIROS_VLLM_KV_CACHE_MIB": "64"})[0])
+    c = Cluster(spec)
+    c.start(timeout=300)
+    c.route = ROUTES[request.param]  # type: ignore[attr-defined]
+    yield c
+    c.stop(30)
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kairos.passthrough import passthrough
-from kairos.up import Cluster, ClusterSpec
+from kairos.up import Cluster
 from tests.vllm.helpers import VLLM_MISSING
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or "")]
@@ -201,26 +200,13 @@ def stops(vllm_server: str, tiny_model: Path) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module", params=["disagg-least-loaded", "deflect-all"])
-def kairos(request: pytest.FixtureRequest, tiny_model: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
-                                 log_dir=str(tmp_path_factory.mktemp("conformance")),
-                                 router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
-                                             "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
-                                 # tool calling and the KV size as an operator turns them on under `kairos up`:
-                                 # from its environment (kairos/passthrough.py), not from kairos up's flags
-                                 operator_env=passthrough(None, {"KAIROS_TOOL_CALL_PARSER": "hermes",
-                                                                 "KAIROS_ENABLE_AUTO_TOOL_CHOICE": "true",
-                                                                 "KAIROS_VLLM_KV_CACHE_MIB": "64"})[0])
-    c = Cluster(spec)
-    c.start(timeout=300)
-    route = "deflect" if request.param == "deflect-all" else "disagg"
-    CLUSTERS[route] = c
-    yield c.spec.api + "/v1", route
+@pytest.fixture(scope="module")
+def kairos(kairos_vllm: Cluster) -> Iterator[tuple[str, str]]:
+    """The session's Kairos cluster on one route (tests/vllm/conftest.py): its /v1 URL and route."""
+    route: str = kairos_vllm.route  # type: ignore[attr-defined]
+    CLUSTERS[route] = kairos_vllm
+    yield kairos_vllm.spec.api + "/v1", route
     CLUSTERS.pop(route, None)
-    c.stop(30)
 
 
 CLUSTERS: dict[str, Cluster] = {}

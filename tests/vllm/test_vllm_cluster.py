@@ -8,13 +8,12 @@ the reference ids of docs/reference/vllm.md (section 5) on both paths.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from kairos.up import Cluster, ClusterSpec
+from kairos.up import Cluster
 from tests.vllm.helpers import VLLM_MISSING
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or "")]
@@ -23,19 +22,10 @@ PROMPT = [5, 6, 7, 8, 9]
 REFERENCE = [515, 273, 598, 515, 468, 550, 515, 550, 515, 981, 118, 725, 550, 515, 598, 515]
 
 
-@pytest.fixture(scope="module", params=["disagg-least-loaded", "deflect-all"])
-def cluster(request: pytest.FixtureRequest, tiny_model: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
-                                 log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
-                                 router_env={"KAIROS_CANDIDATES": "256,128,64"},
-                                 worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})
-    c = Cluster(spec)
-    c.start(timeout=300)
-    c.policy = request.param  # type: ignore[attr-defined]
-    yield c
-    c.stop(30)
+@pytest.fixture(scope="module")
+def cluster(kairos_vllm: Cluster) -> Cluster:
+    """The session's Kairos cluster on one route (tests/vllm/conftest.py)."""
+    return kairos_vllm
 
 
 def _reference_text(model_dir: Path) -> str:
@@ -53,8 +43,7 @@ def test_openai_client_gets_the_reference_tokens(cluster: Cluster, tiny_model: P
     model = client.models.list().data[0].id
     r = client.completions.with_raw_response.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0,
                                                      extra_body={"ignore_eos": True})
-    route = "deflect" if cluster.policy == "deflect-all" else "disagg"  # type: ignore[attr-defined]
-    assert r.headers["x-kairos-route"] == route
+    assert r.headers["x-kairos-route"] == cluster.route  # type: ignore[attr-defined]
     out = r.parse()
     assert out.usage is not None and out.usage.completion_tokens == 16
     assert out.choices[0].text == _reference_text(tiny_model)
@@ -74,14 +63,16 @@ def test_chat_on_the_real_engine(cluster: Cluster) -> None:
 
 def test_prompt_over_max_model_len_is_400_at_once(cluster: Cluster) -> None:
     """The workers advertise vLLM's max_model_len (2048 here) at registration; the router answers
-    a longer prompt with 400 before dispatch (formerly: three tries on the engine, then 503)."""
+    a prompt that leaves no room for an output token with 400 before dispatch (formerly: three tries
+    on the engine, then 503). 2048 tokens: within the router's own prompt limit (2048), so it is
+    the workers' max_model_len that refuses it."""
     import httpx
 
-    r = httpx.post(cluster.spec.api + "/v1/completions", json={"prompt": [5] * 2100, "max_tokens": 4}, timeout=30)
+    r = httpx.post(cluster.spec.api + "/v1/completions", json={"prompt": [5] * 2048, "max_tokens": 4}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == 400 and r.headers["x-kairos-error"] == "context_length_exceeded"
-    assert "2048" in err["message"]
+    assert "max_model_len is 2048" in err["message"], err["message"]
     assert "retry-after" not in r.headers
     counts = httpx.get(cluster.spec.api + "/v1/kairos/stats", timeout=10).json()["counts"]
     assert "redispatched" not in counts

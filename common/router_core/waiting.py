@@ -98,7 +98,7 @@ class Waiting:
             return False, 0.0
         latest = self._latest(head)
         i = next(iter(self.policy.retry_order(latest, now)))
-        return latest[i] <= now, head[i].arrival + self.wall_offset
+        return self.policy.orders_waiting() and latest[i] <= now, head[i].arrival + self.wall_offset
 
     def _latest(self, head: list[Request]) -> list[float]:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""

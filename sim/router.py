@@ -33,7 +33,11 @@ have opened: at every heartbeat, deflection first token and request end live) is
 the wait queue is retried when what frees room becomes visible: a decode worker's finished
 requests at its next heartbeat, a prefill worker's finished prefill at its next heartbeat (if
 the policy holds requests), a deflection's first token at once (its ledger slot, if held
-requests wait). A request that has waited `kv_wait_timeout` seconds is failed by the core
+requests wait; that replica's queue only). At a heartbeat every replica hears, the replicas take
+turns as live (common/router_core/waiting.py, `replica_turn`): each replica's `QueueHead` reaches
+the decode workers' cores at once and their heartbeats echo it; a replica whose turn is later
+retries `replica_stagger_ms` later (`Routers.retry`), when the workers' prompt heartbeats
+(2 ms) show what the turns before it sent. A request that has waited `kv_wait_timeout` seconds is failed by the core
 (`Waiting.expire`, at its timeout) and counted as rejected, as one the queue had no room for
 (`kv_wait_max`: HTTP 503 live).
 

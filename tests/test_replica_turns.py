@@ -6,6 +6,8 @@ replica whose first request one router would decide after another replica's wait
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -21,6 +23,8 @@ from sim.core import SimConfig, simulate
 from sim.knobs import Setup, build, shipped
 from sim.stats import summarize
 from tests.router_fakes import Clock, FakeOutbox, hello
+from tests.test_trust import frame, make_router, sent
+from tests.test_trust import hello as trust_hello
 
 KV = 10_000
 
@@ -120,3 +124,25 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     turns, turns_rejected = run(4, 3.0)
     assert turns > blind + 0.1 and turns > one - 0.1
     assert turns_rejected <= one_rejected < blind_rejected / 5
+
+
+async def test_the_live_router_takes_its_turn_on_its_timer() -> None:
+    """The live shell's `retry_later`: the turn comes on the event loop's timer (no sleep races:
+    the heartbeat is handled synchronously, and the timer is due before the test's sleep ends)."""
+    router = make_router("deflect-all", replicas=2, replica_stagger_ms=20.0)
+    try:
+        out = sent(router)
+        frame(router, b"decode-0", trust_hello("decode-0", kv_capacity_tokens=KV))
+        beat = msgspec.structs.replace(_beat(1, 0, []), incarnation="i1")
+        frame(router, b"decode-0", beat)
+        router.submit([1] * 1000, m.Sampling(max_tokens=100))
+        assert len(router.kv_waiting) == 1
+        older = m.RouterQueue(router="another", oldest_at=time.time() - 0.5, late=False, waiting=1)
+        out.clear()
+        frame(router, b"decode-0", msgspec.structs.replace(beat, seq=2, kv_free_tokens=KV, kv_tokens=0,
+                                                            queues=[older]))
+        assert len(router.kv_waiting) == 1 and not [x for _, x in out if isinstance(x, m.DecodeWork)]
+        await asyncio.sleep(0.2)
+        assert len(router.kv_waiting) == 0 and [x for _, x in out if isinstance(x, m.DecodeWork)]
+    finally:
+        router.close()

@@ -116,11 +116,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                           "some before HTTP 503 (0: 503 at once)")] = 30.0
     kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
     replicas: Annotated[int, doc(
-        "router replicas sharing the workers (kairos up --routers sets it). Each tells the decode workers "
-        "when its oldest waiting request changes and their heartbeats echo every replica's; when a heartbeat "
-        "may show room, every replica hears it at once and they take turns, oldest waiting request first "
-        "(replica_stagger_ms apart), each deciding after the turns before it have dispatched and the "
-        "workers' heartbeats show it, as one router decides one request after another")] = 1
+        "router replicas sharing the workers (kairos up --routers sets it; any number above 1 turns this "
+        "on). Each tells the decode workers the request its wait queue would decide first, and their "
+        "heartbeats echo every replica's; when a heartbeat may show room, every replica hears it at once "
+        "and they take turns in one router's retry order (replica_stagger_ms apart), each deciding after "
+        "the turns before it have dispatched and the workers' heartbeats show it, as one router decides "
+        "one request after another")] = 1
     replica_stagger_ms: Annotated[float, doc(
         "milliseconds between the replicas' turns at a heartbeat's room: more than the workers' heartbeat "
         "coalescing (2 ms) plus the bus's delay, so that each turn sees the dispatches of the turns before "

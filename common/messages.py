@@ -261,7 +261,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     step_margin: float = 1.0  # measured / predicted step time the worker plans chunks with (its 99th percentile)
     step_bias: float = 1.0    # the median of measured / predicted step time
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
-    queues: list[RouterQueue] = []  # every router replica's oldest waiting request, as each last said (QueueHead)
+    queues: list[RouterQueue] = []  # the request each router replica would decide first, as each last said (QueueHead)
 
 
 # ---------------------------------------------------------------- work

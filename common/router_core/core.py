@@ -250,7 +250,7 @@ class RouterCore:
             self.retry_now(now)
 
     def retry_now(self, now: float) -> None:
-        """Decide the waiting requests again now (and tell the decode workers if the oldest changed)."""
+        """Decide the waiting requests again now (and tell the decode workers if the first changed)."""
         self.waiting.retry(now)
         self.tell_queue(now)
 

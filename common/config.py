@@ -115,6 +115,17 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     kv_wait_timeout: Annotated[float, doc("seconds a request that finds no decode worker with KV room waits for "
                                           "some before HTTP 503 (0: 503 at once)")] = 30.0
     kv_wait_max: Annotated[int, doc("requests waiting for KV room before new ones get HTTP 503 at once")] = 1024
+    replicas: Annotated[int, doc(
+        "router replicas sharing the workers (kairos up --routers sets it; any number above 1 turns this "
+        "on). Each tells the decode workers the request its wait queue would decide first, and their "
+        "heartbeats echo every replica's; when a heartbeat may show room, every replica hears it at once "
+        "and they take turns in one router's retry order (replica_stagger_ms apart), each deciding after "
+        "the turns before it have dispatched and the workers' heartbeats show it, as one router decides "
+        "one request after another")] = 1
+    replica_stagger_ms: Annotated[float, doc(
+        "milliseconds between the replicas' turns at a heartbeat's room: more than the workers' heartbeat "
+        "coalescing (2 ms) plus the bus's delay, so that each turn sees the dispatches of the turns before "
+        "it (0: every replica decides at once, each blind to the others' dispatches)")] = 3.0
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     drain_grace_s: Annotated[float, doc(
         "on SIGTERM, keep serving this many seconds with /ready answering 503 and every response closing "

@@ -17,7 +17,7 @@ Which message arrives where (each inbox has one union alias and one decoder):
                                            worker's own connection, so the router knows who sent them)
     PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain, SetRole
     DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain,
-                                           SetRole
+                                           SetRole, QueueHead
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -223,6 +223,17 @@ class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
     largest_chunk: int
 
 
+class RouterQueue(msgspec.Struct, frozen=True, array_like=True):
+    """A router replica's wait queue as it last told a decode worker (`QueueHead`): its
+    incarnation, the arrival (wall clock, seconds) of the request it would decide first (0.0:
+    none waits), whether that one can no longer meet its TTFT SLO, and how many wait."""
+
+    router: str
+    oldest_at: float
+    late: bool
+    waiting: int
+
+
 class DecodeHeartbeat(Msg, frozen=True):
     """Decode worker TBT-slack heartbeat: what Algorithm 1 needs."""
 
@@ -252,6 +263,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     step_bias: float = 1.0    # the median of measured / predicted step time
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
     routers: list[str] = []  # the incarnations of the routers it is registered with (the planner's leader)
+    queues: list[RouterQueue] = []  # the request each router replica would decide first, as each last said (QueueHead)
 
 
 # ---------------------------------------------------------------- work
@@ -406,6 +418,18 @@ class KvReady(Msg, frozen=True):
     error: str = ""
 
 
+class QueueHead(Msg, frozen=True):
+    """Router -> decode workers, from a router with replicas (`RouterConfig.replicas` > 1): the
+    request its wait queue would decide first changed. Decode heartbeats echo every router's
+    (`DecodeHeartbeat.queues`), so that replicas take turns at the room a heartbeat shows in one
+    router's retry order (common/router_core/waiting.py, `replica_turn`)."""
+
+    router_incarnation: str
+    oldest_at: float  # its arrival, wall clock, seconds; 0.0: nothing waits
+    late: bool        # it can no longer meet its TTFT SLO (late binding decides those last)
+    waiting: int
+
+
 class Cancel(Msg, frozen=True):
     """Router -> worker: abandon this request (client gone, deadline passed, re-dispatched)."""
 
@@ -550,11 +574,12 @@ RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFai
                | DecodeHeartbeat)
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
 PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain | SetRole
-DecodeInbox = Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain | SetRole
+DecodeInbox = (Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain | SetRole
+               | QueueHead)
 TelemetryInbox = WorkerSeen | WorkerLost | RoleFlip | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
     Hello, Welcome, Refused, Reregister, Goodbye, Drain, SetRole, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
-    PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, TokenBatch, RequestFailed, WorkerSeen,
+    PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, QueueHead, TokenBatch, RequestFailed, WorkerSeen,
     WorkerLost, RoleFlip, DecisionRecord, RequestRecord, RouterStats,
 )

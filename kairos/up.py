@@ -222,7 +222,8 @@ class Cluster:
                              "KAIROS_TELEMETRY_PORT": str(tel),
                              "KAIROS_HTTP_PORT": str(s.http_port), "KAIROS_POLICY": s.policy,
                              "KAIROS_PROFILE": s.profile,
-                             **({"KAIROS_HTTP_REUSE_PORT": "true"} if s.routers > 1 else {}),
+                             **({"KAIROS_HTTP_REUSE_PORT": "true", "KAIROS_REPLICAS": str(s.routers)}
+                                if s.routers > 1 else {}),
                              **({"KAIROS_TOKENIZER": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name}
                                 if s.engine == "vllm" and s.model else {}),
                              **s.router_env}, "router")

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-held-list", action="store_true",
                    help="with several routers, each sees only its own deflections in flight (decode heartbeats do "
                         "not list the deflections they hold)")
+    c.add_argument("--replica-stagger-ms", type=float, default=3.0, metavar="MS",
+                   help="with several routers, milliseconds between their turns at the room a worker's heartbeat "
+                        "shows (each decides after the others' dispatches show, as one router would); 0: all "
+                        "at once, each blind to the others' (the simulator before 2026-12-06) (default 3)")
     c.add_argument("--prompt-beat", type=float, default=0.002, metavar="SECONDS",
                    help="besides every --heartbeat-interval, a worker heartbeats this long after its state changes "
                         "(work arrives, a request is admitted, a prefill ends, a request finishes), as live workers "
@@ -234,6 +238,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      **error_settings(args), seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
+                     replica_stagger_ms=args.replica_stagger_ms,
                      prompt_beat=args.prompt_beat, planner=args.planner == "on",
                      planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin))
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
@@ -296,6 +301,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "heartbeat_interval": args.heartbeat_interval, "ledger": not args.no_ledger,
         **{k: list(v) if isinstance(v, tuple) else v for k, v in error_settings(args).items()},
         "routers": _ints(args.routers, "--routers"), "admission": args.admission, "held_list": not args.no_held_list,
+        "replica_stagger_ms": args.replica_stagger_ms,
         "prompt_beat": args.prompt_beat,
         "planner": args.planner, "planner_switch_s": args.planner_switch_s, "planner_pinned": args.planner_pin,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,

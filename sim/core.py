@@ -355,8 +355,8 @@ class Simulation:
             t = w.beat_at
         return t
 
-    def retry_at(self, t: float) -> None:
-        self._push(t, _RETRY, None, None)
+    def retry_at(self, t: float, replica: int | None = None) -> None:
+        self._push(t, _RETRY, replica, None)
 
     def give_up_at(self, t: float, r: Req) -> None:
         self._push(t, _GIVE_UP, r, None)
@@ -499,7 +499,7 @@ class Simulation:
                 elif kind == _XFER:
                     self._kv_landed(obj, now)
                 elif kind == _RETRY:
-                    routers.retry(now)
+                    routers.retry(now, obj)
                 elif kind == _BEAT:
                     self._beat(obj, now)
                 elif kind == _REJOIN:

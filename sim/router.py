@@ -33,7 +33,11 @@ have opened: at every heartbeat, deflection first token and request end live) is
 the wait queue is retried when what frees room becomes visible: a decode worker's finished
 requests at its next heartbeat, a prefill worker's finished prefill at its next heartbeat (if
 the policy holds requests), a deflection's first token at once (its ledger slot, if held
-requests wait). A request that has waited `kv_wait_timeout` seconds is failed by the core
+requests wait; that replica's queue only). At a heartbeat every replica hears, the replicas take
+turns as live (common/router_core/waiting.py, `replica_turn`): each replica's `QueueHead` reaches
+the decode workers' cores at once and their heartbeats echo it; a replica whose turn is later
+retries `replica_stagger_ms` later (`Routers.retry`), when the workers' prompt heartbeats
+(2 ms) show what the turns before it sent. A request that has waited `kv_wait_timeout` seconds is failed by the core
 (`Waiting.expire`, at its timeout) and counted as rejected, as one the queue had no room for
 (`kv_wait_max`: HTTP 503 live).
 
@@ -46,7 +50,8 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
                                     turns it away (its RequestFailed then waits in `w.outbox`)
     prefill_work(p, work, r, now)   prefill worker P's core queues PrefillWork `work` of `r`
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
-    retry_at(t), give_up_at(t, r)   timers: retry the wait queue; give up on `r` if still waiting
+    retry_at(t, i), give_up_at(t, r)  timers: retry the wait queues (replica i's; None: each replica's
+                                    at its turn); give up on `r` if still waiting
     set_role(wid, msg, now)         worker WID got a SetRole (router 0's role planner): it drains to change role
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
 the prefix cache's changes), first_token(w, r, now) (a deflection's first token), finished(w, r,
@@ -86,7 +91,7 @@ class Engines(Protocol):
     def decode_work(self, w: DecodeWorker, work: m.DecodeWork, r: Req, now: float) -> str: ...
     def prefill_work(self, p: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> bool: ...
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
-    def retry_at(self, t: float) -> None: ...
+    def retry_at(self, t: float, replica: int | None = None) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
     def set_role(self, wid: str, msg: m.SetRole, now: float) -> None: ...
 
@@ -96,9 +101,10 @@ WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout
 
 def router_config(cfg: SimConfig) -> RouterConfig:
     """The live router's settings for a simulated replica: the simulation's SLOs, ledger, wait
-    queue, prefix index and bias correction; no limit on requests in flight or their duration
+    queue, prefix index, bias correction and replicas; no limit on requests in flight or their duration
     (a run's load is the trace's), liveness never checked (simulated workers do not fail)."""
     return RouterConfig(served_model_name=MODEL, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                        replicas=cfg.routers, replica_stagger_ms=cfg.replica_stagger_ms,
                         heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
                         kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
                         prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
@@ -188,7 +194,7 @@ class SimRouter:
         self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
             m.TokenItem(r.rid, creq.attempt, [0])]), now)
         if self.cfg.ledger and self.holding():
-            self.engines.retry_at(now)  # a deflection slot freed, seen at once
+            self.engines.retry_at(now, self.i)  # a deflection slot freed, seen at once (by this router)
 
     def finished(self, w: Worker, r: Req, now: float) -> None:
         creq = self.creqs.get(r.rid)
@@ -222,7 +228,7 @@ class SimRouter:
     def retry(self, now: float) -> None:
         """Decide the waiting requests again (the core's wait queue)."""
         self.engines.deliver_all(now)
-        self.core.waiting.retry(now)
+        self.core.retry_now(now)
         self.flush(now)
         for creq in itertools.islice(self.core.kv_waiting, SCAN):
             if creq.held:
@@ -237,6 +243,8 @@ class SimRouter:
             self.engines.give_up_at(creq.kv_wait_until, r)
             return False
         self.core.waiting.expire(now)
+        self.core.tell_queue(now)
+        self.flush(now)
         return True
 
     def _waits(self, r: Req, creq: Request, now: float) -> None:
@@ -280,6 +288,12 @@ class SimRouter:
             to, msg = sent.popleft()
             if isinstance(msg, m.SetRole):  # the role planner's (router 0)
                 eng.set_role(to.decode(), msg, now)
+                continue
+            if isinstance(msg, m.QueueHead):  # its oldest waiting request, echoed by the decode worker's heartbeats
+                qw = self.d_by_id.get(to.decode())
+                if qw is not None:
+                    eng.deliver(qw, now)
+                    qw.core.on_queue_head(msg)
                 continue
             if not isinstance(msg, (m.DecodeWork, m.PrefillWork)):
                 continue
@@ -395,7 +409,7 @@ class Routers:
         t = self.engines.next_heartbeat(w, now)
         if t != self._retry_at.get(w.wid, -1.0):
             self._retry_at[w.wid] = t
-            self.engines.retry_at(t)
+            self.engines.retry_at(t)  # every replica, each at its turn (`retry`)
 
     # -- a worker changing role (the role planner, sim/core.py) ------------------------------
     def tell(self, w: Worker, msg: m.Goodbye, now: float) -> None:
@@ -433,9 +447,24 @@ class Routers:
     def arrive(self, r: Req, now: float) -> None:
         self.replicas[r.router].submit(r, now)
 
-    def retry(self, now: float) -> None:
+    def retry(self, now: float, replica: int | None = None) -> None:
+        """Decide the wait queues again: replica `replica`'s, or (None: at a heartbeat that may show
+        room, which every replica hears at once) each replica's at its turn (common/router_core/
+        waiting.py, `replica_turn`: the replica with the oldest waiting request first, the next
+        `replica_stagger_ms` later, when the workers' prompt heartbeats show what the first sent)."""
+        if replica is not None:
+            if self.replicas[replica].waiting:
+                self.replicas[replica].retry(now)
+            return
+        if len(self.replicas) > 1:
+            self.engines.deliver_all(now)
         for rt in self.replicas:
-            if rt.waiting:
+            if not rt.waiting:
+                continue
+            delay = rt.core.waiting.turn_delay(now)
+            if delay > 0.0:
+                self.engines.retry_at(now + delay, rt.i)
+            else:
                 rt.retry(now)
 
     def give_up(self, r: Req, now: float) -> bool:

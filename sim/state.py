@@ -56,6 +56,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     routers: int = 1               # router replicas, requests assigned round-robin, each with its own ledger
     admission: bool = True         # decode workers check every deflection against their live state
     held_list: bool = True         # decode heartbeats list the deflections held, by router (routers add the others')
+    # several routers take turns this far apart at room a heartbeat shows (RouterConfig.replica_stagger_ms); 0: at once
+    replica_stagger_ms: float = 3.0
     prompt_beat: float = 0.002  # a worker also heartbeats this long after its state changes (live: 2 ms); < 0: never
     # the role planner (common/router_core/planner.py), run by router 0: workers move between the
     # prefill and decode roles as the load asks; a flip drains the worker (it takes no new work and

@@ -58,8 +58,9 @@ ADDRESSES = {"router_host", "routers", "telemetry", "bind_host", "http_host",
 # drain_grace_s: the replicas' grace behind a Service; curve_key_name: each router replica's own
 # key pair, named after its pod (compose's routers share the default, `router`); http_reuse_port:
 # compose's two routers share one host's HTTP port (SO_REUSEPORT), each pod has its own address
-# behind the Service.
-ROUTER_ONLY = {"drain_grace_s", "curve_key_name", "http_reuse_port"}
+# behind the Service; replicas: the pods are replicas of one router (Deployment replicas: 2),
+# docker-compose.multihost.yml runs one router.
+ROUTER_ONLY = {"drain_grace_s", "curve_key_name", "http_reuse_port", "replicas"}
 # Ports that differ by design: compose runs every worker on one host (9201, 9202, ...), each pod
 # has its own address (9200 on all); on in one means on in the other.
 # docker-compose.yml also gives each of its two routers a metrics port of its own on the shared

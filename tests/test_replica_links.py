@@ -189,6 +189,8 @@ def test_kairos_up_routers_flag() -> None:
         assert (env["KAIROS_WORK_PORT"], env["KAIROS_HEARTBEAT_PORT"], env["KAIROS_TELEMETRY_PORT"]) == (
             str(work), str(hb), str(tel))
         assert env["KAIROS_HTTP_PORT"] == str(spec.http_port) and env["KAIROS_HTTP_REUSE_PORT"] == "true"
+        # each replica knows it is one of several (it takes turns at a heartbeat's room)
+        assert config.load(config.RouterConfig, env=env).replicas == 3
     wcfg = config.load(config.WorkerConfig, env=c.services["decode-0"].env)
     assert [(a.work_port, a.heartbeat_port) for a in router_addresses(wcfg)] == [(7000, 7001), (7003, 7004),
                                                                                  (7006, 7007)]
@@ -204,6 +206,7 @@ def test_kairos_up_routers_flag() -> None:
     one = Cluster(spec_from_args(parser().parse_args(["--kv-transport", "modeled"])))
     assert "KAIROS_ROUTERS" not in one.services["decode-0"].env
     assert "KAIROS_HTTP_REUSE_PORT" not in one.services["router"].env and "router-1" not in one.services
+    assert "KAIROS_REPLICAS" not in one.services["router"].env
 
 
 def test_kairos_up_banner_names_the_dashboard_only_when_a_monitor_runs() -> None:

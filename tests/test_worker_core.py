@@ -322,3 +322,15 @@ async def test_the_live_decode_worker_replans_against_its_engines_own_cache() ->
     seq = engine.batcher.get("r")
     assert seq is not None and seq.schedule is not None and sum(seq.schedule) == 3000 - seq.computed
     assert worker.core.counters["replanned"] == 1 and list(seq.schedule)[:2] == [512, 488]
+
+
+def test_decode_heartbeats_echo_every_router_replicas_queue() -> None:
+    """Router replicas take turns at a heartbeat's room by what their queues would decide first
+    (common/router_core/waiting.py, `replica_turn`): each tells the decode workers (QueueHead), whose
+    heartbeats echo every replica's, each change with the next prompt heartbeat."""
+    core, ports = decode_core()
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=7.0, late=False, waiting=2))
+    core.on_queue_head(m.QueueHead(router_incarnation="rb", oldest_at=9.0, late=True, waiting=1))
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=0.0, late=False, waiting=0))  # emptied
+    assert ports.beats == 3
+    assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 0.0, False, 0), m.RouterQueue("rb", 9.0, True, 1)]

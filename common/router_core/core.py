@@ -89,6 +89,9 @@ class RouterCore:
                  log: Log | None = None) -> None:
         """`policy` and `profile`: the policy object and profile to run (the simulator's); by
         default those the settings name. `log`: see ports.py."""
+        if cfg.replicas < 1 or not cfg.replica_stagger_ms >= 0:
+            raise ConfigError(f"replicas must be 1 or more and replica_stagger_ms 0 or more (got replicas="
+                              f"{cfg.replicas}, replica_stagger_ms={cfg.replica_stagger_ms})")
         self.cfg = cfg
         self.outbox, self.metrics, self.hooks = outbox, metrics, hooks
         self.log = log if log is not None else structlog.get_logger()
@@ -117,7 +120,8 @@ class RouterCore:
         # turns its deflection away, its worker is lost) counts there once per decision
         self.ended: Counter[str] = Counter()
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
-        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self)
+        self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self, wall_offset)
+        self.queue_told = (False, 0.0)  # the first waiting request last told the decode workers (`tell_queue`)
         self.kv_waiting = self.waiting.queue
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, self, metrics=metrics, log=self.log)
@@ -186,6 +190,8 @@ class RouterCore:
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
+        if waiting:
+            self.tell_queue(now)
         self.admission.started(req)
         self.metrics.set_in_flight(len(self.requests))
         self.counts["accepted"] += 1
@@ -235,13 +241,41 @@ class RouterCore:
         if policy.prepares:  # else no view is built for it
             policy.prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
 
-    def retry_waiting(self, now: float) -> None:
+    def retry_waiting(self, now: float, heartbeat: bool = False) -> None:
         """Room may have opened for the waiting requests: decide them again, now or when the
-        `room` hook says (the simulator's timing)."""
-        if self.hooks.room is None:
-            self.waiting.retry(now)
-        else:
+        `room` hook says (the simulator's timing). `heartbeat`: a worker's heartbeat may show it,
+        which every router replica hears at once: this replica's turn among them (waiting.py,
+        `replica_turn`) may come later, through the `retry_later` hook."""
+        if self.hooks.room is not None:
             self.hooks.room(now)
+            return
+        delay = self.waiting.turn_delay(now) if heartbeat else 0.0
+        if delay > 0.0 and self.hooks.retry_later is not None:
+            self.hooks.retry_later(delay)
+        else:
+            self.retry_now(now)
+
+    def retry_now(self, now: float) -> None:
+        """Decide the waiting requests again now (and tell the decode workers if the first changed)."""
+        self.waiting.retry(now)
+        self.tell_queue(now)
+
+    def tell_queue(self, now: float) -> None:
+        """With router replicas (`replicas` > 1): tell every decode worker when the request this
+        router's wait queue would decide first changed (`Waiting.first`); their heartbeats echo it
+        to the other replicas, which take their turns at the room a heartbeat shows by it
+        (waiting.py, `replica_turn`)."""
+        if self.cfg.replicas <= 1:
+            return
+        first = self.waiting.first(now)
+        if first == self.queue_told:
+            return
+        self.queue_told = first
+        msg = m.QueueHead(router_incarnation=self.incarnation, late=first[0], oldest_at=first[1],
+                          waiting=len(self.kv_waiting))
+        for w in self.table.workers.values():
+            if w.role == "decode" and not w.unreachable:
+                self.outbox.send(w.identity, msg)  # a worker that misses it hears the next change
 
     def send(self, w: WorkerEntry, msg: m.Msg) -> None:
         if not self.outbox.send(w.identity, msg):
@@ -395,6 +429,7 @@ class RouterCore:
             req.kv_wait_until = now + self.cfg.kv_wait_timeout
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1
+            self.tell_queue(now)
         else:
             self.migration.park(req, str(e), now)
 
@@ -494,6 +529,7 @@ class RouterCore:
         self.migration.retry_parked(now)
         if self.kv_waiting:
             self.waiting.expire(now)
+        self.tell_queue(now)
         for req in [r for r in self.requests.values() if now > r.deadline]:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
         if self.planner is not None:

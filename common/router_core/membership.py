@@ -45,7 +45,7 @@ class Router(Protocol):
     def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
         """Place again (or fail) a request its worker no longer holds."""
 
-    def retry_waiting(self, now: float) -> None:
+    def retry_waiting(self, now: float, heartbeat: bool = False) -> None:
         """Room may have opened: decide the waiting requests again."""
 
     def drop_frame(self, source: str, event: str, **fields: object) -> None:
@@ -157,7 +157,7 @@ class Membership:
             return
         self.prefix.on_heartbeat(hb)
         if self.core.kv_waiting:
-            self.core.retry_waiting(now)  # its view may show room now (KV, a shorter prefill queue)
+            self.core.retry_waiting(now, heartbeat=True)  # its view may show room now (KV, a shorter prefill queue)
         self.hooks.views_changed()
 
     def ask_hello(self, worker_id: str, now: float) -> None:

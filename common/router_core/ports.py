@@ -110,6 +110,9 @@ class Hooks:
     # request's end): None retries the wait queue at once; the simulator retries at the times its
     # own model of heartbeats gives (sim/router.py)
     room: Callable[[float], None] | None = None
+    # with several router replicas, a heartbeat's room is taken in turns (waiting.py, `replica_turn`):
+    # retry the wait queue after this many seconds (the shell's timer); None: at once, whatever the turn
+    retry_later: Callable[[float], None] | None = None
     # the core is about to read the worker table to decide (the simulator delivers the heartbeats
     # due by then, which it makes lazily); None: nothing to do (the live router's table is current)
     before_view: Callable[[float], None] | None = None

@@ -12,7 +12,11 @@ short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`, `kv_wait_ti
 `worker_lost_midstream` for one that had streamed tokens before it lost its worker). A new request
 predicted to wait past its budget is not queued at all (admission.py: HTTP 429).
 A waiting request that no live worker could take at all any more is parked instead
-(`RouterCore.unplaced`, the one rule for requests that cannot be placed). The queue and its
+(`RouterCore.unplaced`, the one rule for requests that cannot be placed). With several router
+replicas, a retry that a worker's heartbeat starts waits for this replica's turn among them
+(`replica_turn`: in one router's retry order), so that each decides after the others'
+dispatches show; each replica tells the decode workers the request it would decide first
+(`QueueHead`), and their heartbeats echo every replica's. The queue and its
 retry are common/wait_queue.py's; what is the router's here is how a request is tried and
 failed. The simulator runs this class as part of the core (sim/router.py), on its own timing of
 retries.
@@ -20,16 +24,38 @@ retries.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Protocol
 
+from common import messages as m
 from common.config import RouterConfig
 from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start
 from common.router_core.admission import shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
-from common.wait_queue import Outcome, WaitQueue
+from common.wait_queue import SCAN, Outcome, WaitQueue
+
+
+def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, float]]) -> int:
+    """This replica's turn (0: first) at the room a worker's heartbeat may show, among the replicas
+    that have requests waiting. `mine`: the request its retry would decide first (`Waiting.first`:
+    whether it can no longer meet its TTFT SLO, its arrival on the wall clock) and this replica's
+    incarnation; `others`: the other replicas' first requests as the decode workers' heartbeats
+    echo them (`DecodeHeartbeat.queues`; arrival 0.0: none waits there). The replica whose first
+    request one router's queue would decide first goes first (those that can still make their
+    SLO before those that cannot, then by arrival; ties by incarnation), so the room goes as one
+    router's retry order would give it.
+
+    Every replica hears a heartbeat at once; deciding together, each blind to what the others send
+    until the workers' next heartbeats show it, they would place up to as many times what the room
+    holds as there are replicas: a late-binding depth filled several times over, one decode
+    worker's slack booked by several deflections (its admission then turns all but one away to the
+    prefill queues), and the room taken by whoever decides first rather than by how long the
+    requests have waited. Taking turns `replica_stagger_ms` apart, each decides after the ones
+    before it have dispatched and the workers' heartbeats have said so."""
+    return sum(1 for r, (late, at) in others.items() if at > 0.0 and (late, at, r) < mine)
 
 
 class Placer(Protocol):
@@ -52,8 +78,9 @@ class Waiting:
     three things it asks of the core (`Placer`)."""
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str],
-                 core: Placer) -> None:
+                 core: Placer, wall_offset: float = 0.0) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
+        self.wall_offset = wall_offset  # wall-clock time = the router's clock + wall_offset
         self.core = core
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
@@ -62,6 +89,42 @@ class Waiting:
         times = [w.model.prefill_exec(tokens, w.hello.token_budget) for w in self.table.workers.values()
                  if w.role == "prefill"]
         return min(times, default=0.0)
+
+    def first(self, now: float) -> tuple[bool, float]:
+        """The request a retry now would decide first: (whether it can no longer meet its TTFT
+        SLO, its arrival on the wall clock); (False, 0.0) when none waits."""
+        head = [r for r in itertools.islice(self.queue, SCAN) if not r.done]
+        if not head:
+            return False, 0.0
+        latest = self._latest(head)
+        i = next(iter(self.policy.retry_order(latest, now)))
+        return self.policy.orders_waiting() and latest[i] <= now, head[i].arrival + self.wall_offset
+
+    def _latest(self, head: list[Request]) -> list[float]:
+        """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
+        if not self.policy.orders_waiting():
+            return [0.0] * len(head)
+        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
+
+    def turn_delay(self, now: float) -> float:
+        """Seconds until this replica's turn at room a heartbeat may show (`replica_turn`); 0 with
+        one router, or when nothing waits here."""
+        cfg = self.cfg
+        if cfg.replicas <= 1 or cfg.replica_stagger_ms <= 0.0:
+            return 0.0
+        late, at = self.first(now)
+        if at == 0.0:
+            return 0.0
+        me = self.table.me
+        others: dict[str, tuple[float, m.RouterQueue]] = {}  # router -> (heartbeat time, its first request)
+        for w in self.table.workers.values():
+            hb = w.hb
+            if isinstance(hb, m.DecodeHeartbeat) and hb.queues:
+                for q in hb.queues:
+                    if q.router != me and (q.router not in others or w.hb_at >= others[q.router][0]):
+                        others[q.router] = (w.hb_at, q)
+        turn = replica_turn((late, at, me), {r: (q.late, q.oldest_at) for r, (_, q) in others.items()})
+        return turn * cfg.replica_stagger_ms / 1000.0
 
     def blocked(self) -> bool:
         """Does a request wait for KV room (so a new one must queue behind it)? Only held ones: no."""
@@ -83,12 +146,9 @@ class Waiting:
         if not q:
             return
         policy = self.policy
-        late = policy.orders_waiting()
 
         def order(head: list[Request]) -> list[int]:
-            latest = [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head] \
-                if late else [0.0] * len(head)
-            return policy.retry_order(latest, now)
+            return policy.retry_order(self._latest(head), now)
 
         def place(req: Request) -> Outcome:
             if req.done:

@@ -68,6 +68,7 @@ class DecodeCore(WorkerCore):
         self.active: dict[str, m.DecodeWork] = {}
         self.accepted: dict[str, Accepted] = {}
         self.held: dict[str, m.HeldDeflection] = {}
+        self.queues: dict[str, m.RouterQueue] = {}  # router -> its oldest waiting request (QueueHead), echoed
         self.fallbacks: list[tuple[str, str]] = []  # (request, why) prefilled in place since the last TokenBatch
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0, replanned=0)
 
@@ -98,7 +99,13 @@ class DecodeCore(WorkerCore):
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
             steps=load.steps, coeffs=coeffs, draining=self.draining, busy_s=load.busy_s,
             held=list(self.held.values()) if self.list_held else [], step_margin=load.step_margin,
-            step_bias=load.step_bias)
+            step_bias=load.step_bias, queues=list(self.queues.values()))
+
+    def on_queue_head(self, q: m.QueueHead) -> None:
+        """A router replica's oldest waiting request changed: the next heartbeat (soon) echoes it
+        to every router (common/router_core/waiting.py, `replica_turn`)."""
+        self.queues[q.router_incarnation] = m.RouterQueue(q.router_incarnation, q.oldest_at, q.late, q.waiting)
+        self.ports.beat_now()
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [

@@ -168,6 +168,8 @@ class DecodeWorker(WorkerService):
                     self._reserve_kv(p)
             case m.Cancel():
                 self.core.on_cancel(msg)
+            case m.QueueHead():
+                self.core.on_queue_head(msg)
             case m.Drain():
                 self.log.info("drain_requested", reason=msg.reason)
                 self.stop.set()

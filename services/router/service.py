@@ -49,10 +49,11 @@ class Router:
         self.workers_joined = asyncio.Event()
         self._prepare_queued = False
         self._prepared_at = -1.0  # monotonic time of the last `prepare`
+        self._turn: tuple[float, asyncio.TimerHandle] | None = None  # this replica's turn at a heartbeat's room
         self.core = core = RouterCore(
             cfg, outbox if outbox is not None else self, metrics=metrics,  # the module has the Metrics functions
             hooks=Hooks(request_done=self._request_done, views_changed=self.prepare_soon,
-                        worker_joined=self._wake_held),
+                        worker_joined=self._wake_held, retry_later=self._retry_later),
             wall_offset=time.time() - time.monotonic(), opened_at=time.monotonic())
         if cfg.planner:  # the role planner: the core ticks it (on the router that leads)
             core.planner = RolePlanner(planner_config(cfg), log=log)
@@ -263,6 +264,20 @@ class Router:
             loop.call_later(wait, self._prepare_now)
         else:
             loop.call_soon(self._prepare_now)
+
+    def _retry_later(self, delay: float) -> None:
+        """The core's `retry_later` hook: this replica's turn at the room a heartbeat shows comes
+        in `delay` seconds (common/router_core/waiting.py, `replica_turn`); one timer, the earliest."""
+        due = time.monotonic() + delay
+        if self._turn is not None:
+            if self._turn[0] <= due:
+                return
+            self._turn[1].cancel()
+        self._turn = (due, asyncio.get_running_loop().call_later(delay, self._take_turn))
+
+    def _take_turn(self) -> None:
+        self._turn = None
+        self.core.retry_now(time.monotonic())
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False

@@ -1,0 +1,148 @@
+"""Router replicas take turns at the room a worker's heartbeat shows (issue 47 item 6;
+common/router_core/waiting.py `replica_turn`): each tells the decode workers the request its
+wait queue would decide first (QueueHead), their heartbeats echo every replica's, and a
+replica whose first request one router would decide after another replica's waits
+`replica_stagger_ms` per replica ahead of it. In-process, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+
+from common import messages as m
+from common.config import RouterConfig
+from common.perf_model import load_profile
+from common.router_core.core import RouterCore
+from common.router_core.ports import Hooks
+from common.router_core.waiting import replica_turn
+from common.traces import load_trace, trace_path
+from sim.core import SimConfig, simulate
+from sim.knobs import Setup, build, shipped
+from sim.stats import summarize
+from tests.router_fakes import Clock, FakeOutbox, hello
+from tests.test_trust import frame, make_router, sent
+from tests.test_trust import hello as trust_hello
+
+KV = 10_000
+
+
+def _core(replicas: int, later: list[float], me: str = "rb") -> tuple[RouterCore, FakeOutbox]:
+    cfg = RouterConfig(policy="deflect-all", profile="fast", replicas=replicas, kv_wait_timeout=30.0)
+    box = FakeOutbox()
+    core = RouterCore(cfg, box, hooks=Hooks(retry_later=later.append), incarnation=me)
+    core.on_message(b"decode-0", hello("decode-0", "decode", kv_capacity_tokens=KV), 0.0)
+    box.take()
+    return core, box
+
+
+def _beat(seq: int, free: int, queues: list[m.RouterQueue]) -> m.DecodeHeartbeat:
+    return m.DecodeHeartbeat(worker_id="decode-0", incarnation="inc-decode-0", seq=seq, batch=0, kv_tokens=KV - free,
+                             kv_free_tokens=free, kv_capacity_tokens=KV, resident_prefill_tokens=0, deflections=0,
+                             strictest_tbt_slo=None, token_budget=2048, queues=queues)
+
+
+def _waiting(replicas: int, clock: Clock, later: list[float]) -> tuple[RouterCore, FakeOutbox]:
+    """A replica whose one decode worker has no KV free: a request waits in its queue."""
+    core, box = _core(replicas, later)
+    core.on_message(b"decode-0", _beat(1, 0, []), clock.now)
+    core.submit([0] * 1000, m.Sampling(max_tokens=100), clock.now)
+    assert len(core.kv_waiting) == 1
+    return core, box
+
+
+def _dispatched(box: FakeOutbox) -> list[Any]:
+    return [msg for _, msg in box.take() if isinstance(msg, m.DecodeWork)]
+
+
+def test_turns_go_in_one_routers_retry_order() -> None:
+    # those that can still make their SLO first, then by arrival, ties by incarnation
+    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 4.0), "rc": (False, 6.0)}) == 1
+    assert replica_turn((False, 5.0, "rb"), {"ra": (True, 1.0), "rc": (False, 6.0)}) == 0
+    assert replica_turn((True, 5.0, "rb"), {"ra": (False, 9.0), "rc": (True, 4.0)}) == 2
+    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 5.0), "rc": (False, 5.0)}) == 1
+    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 0.0)}) == 0  # nothing waits there
+
+
+def test_a_replica_behind_an_older_request_of_another_waits_its_turn() -> None:
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(2, clock, later)
+    # the workers heard it: the request this replica would decide first
+    told = [msg for peer, msg in box.take() if isinstance(msg, m.QueueHead)]
+    assert [(t.router_incarnation, t.late, t.oldest_at, t.waiting) for t in told] == [("rb", False, clock.now, 1)]
+    # room frees; the heartbeat says replica "ra" has waited longer: "ra" goes first, this one 3 ms later
+    older = m.RouterQueue(router="ra", oldest_at=clock.now - 0.5, late=False, waiting=2)
+    core.on_message(b"decode-0", _beat(2, KV, [older]), clock.advance(0.1))
+    assert later == [0.003] and len(core.kv_waiting) == 1 and not _dispatched(box)
+    core.retry_now(clock.advance(0.003))  # its turn (the shell's timer)
+    assert len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
+    assert core.queue_told == (False, 0.0)  # and the workers were told: nothing waits here now
+
+
+def test_a_replica_first_in_line_takes_the_room_at_once() -> None:
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(2, clock, later)
+    box.take()
+    younger = m.RouterQueue(router="ra", oldest_at=clock.now + 0.5, late=False, waiting=2)
+    late = m.RouterQueue(router="rc", oldest_at=clock.now - 5.0, late=True, waiting=1)  # past its SLO: decided last
+    core.on_message(b"decode-0", _beat(2, KV, [younger, late]), clock.advance(0.1))
+    assert later == [] and len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
+
+
+def test_one_router_decides_at_once_and_tells_no_worker() -> None:
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(1, clock, later)
+    assert not [msg for _, msg in box.take() if isinstance(msg, m.QueueHead)]
+    older = m.RouterQueue(router="ra", oldest_at=clock.now - 0.5, late=False, waiting=2)
+    core.on_message(b"decode-0", _beat(2, KV, [older]), clock.advance(0.1))
+    assert later == [] and len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
+
+
+def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
+    """The code trace's burst (350 requests of the headline slice, x0.35, 2P2D, Kairos as
+    shipped): four replicas deciding at once at each heartbeat's room book one decode worker's
+    slack several times over (its admission turns the rest away to the prefill queues) and
+    fill the late-binding depth several times over; taking turns they decide nearer one router."""
+    prof0 = load_profile("h100-llama2-70b-tp4")
+    full = load_trace(trace_path("code"), start=600, duration=600, rate_scale=0.35)
+    burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
+
+    def run(routers: int, stagger_ms: float) -> tuple[float, int]:
+        policy, prof = build("kairos", shipped("kairos", Setup(), None), prof0)
+        res = simulate(burst, prof, policy, SimConfig(routers=routers, replica_stagger_ms=stagger_ms))
+        both = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)["slo_attainment"]
+        assert isinstance(both, float)
+        return both, res.stats["admission_rejected"]
+
+    one, one_rejected = run(1, 3.0)
+    blind, blind_rejected = run(4, 0.0)
+    turns, turns_rejected = run(4, 3.0)
+    assert turns > blind + 0.1 and turns > one - 0.1
+    assert turns_rejected <= one_rejected < blind_rejected / 5
+
+
+async def test_the_live_router_takes_its_turn_on_its_timer() -> None:
+    """The live shell's `retry_later`: the turn comes on the event loop's timer (no sleep races:
+    the heartbeat is handled synchronously, and the timer is due before the test's sleep ends)."""
+    router = make_router("deflect-all", replicas=2, replica_stagger_ms=20.0)
+    try:
+        out = sent(router)
+        frame(router, b"decode-0", trust_hello("decode-0", kv_capacity_tokens=KV))
+        beat = msgspec.structs.replace(_beat(1, 0, []), incarnation="i1")
+        frame(router, b"decode-0", beat)
+        router.submit([1] * 1000, m.Sampling(max_tokens=100))
+        assert len(router.kv_waiting) == 1
+        older = m.RouterQueue(router="another", oldest_at=time.time() - 0.5, late=False, waiting=1)
+        out.clear()
+        frame(router, b"decode-0", msgspec.structs.replace(beat, seq=2, kv_free_tokens=KV, kv_tokens=0,
+                                                            queues=[older]))
+        assert len(router.kv_waiting) == 1 and not [x for _, x in out if isinstance(x, m.DecodeWork)]
+        await asyncio.sleep(0.2)
+        assert len(router.kv_waiting) == 0 and [x for _, x in out if isinstance(x, m.DecodeWork)]
+    finally:
+        router.close()

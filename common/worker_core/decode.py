@@ -98,7 +98,7 @@ class DecodeCore(WorkerCore):
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
             steps=load.steps, coeffs=coeffs, draining=self.draining, busy_s=load.busy_s,
             held=list(self.held.values()) if self.list_held else [], step_margin=load.step_margin,
-            step_bias=load.step_bias)
+            step_bias=load.step_bias, step_err_p50=load.step_err_p50, step_err_p90=load.step_err_p90)
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [

@@ -205,7 +205,8 @@ def stops(vllm_server: str, tiny_model: Path) -> dict[str, str]:
 def kairos(request: pytest.FixtureRequest, tiny_model: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("conformance")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers

@@ -27,7 +27,8 @@ REFERENCE = [515, 273, 598, 515, 468, 550, 515, 550, 515, 981, 118, 725, 550, 51
 def cluster(request: pytest.FixtureRequest, tiny_model: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64"},
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})

@@ -123,3 +123,21 @@ def test_monitor_metrics_snapshot_and_top_show_the_errors() -> None:
     assert "error p50/p90 10% / 50% (n=4)" in text and "7% / 19%" in text
     clock.now += 120  # out of the window
     assert mon.snapshot()["window"]["ttft_pred_err"] is None
+
+
+def test_a_workers_own_metrics_show_its_step_error() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from common.worker_metrics import EngineMetrics
+
+    em = EngineMetrics("m")
+    reg = CollectorRegistry()
+    reg.register(em)
+    info = EngineInfo(engine="fake", token_budget=2048, kv_capacity_tokens=10_000, max_batch=64)
+    core = DecodeCore("decode-0", "inc", info, Ports(), model="m")  # type: ignore[arg-type]
+    em.hb = core.heartbeat(EngineLoad(step_err_p50=0.04, step_err_p90=0.12))
+    s = parse_metrics(generate_latest(reg).decode())
+    assert value(s, "kairos_engine_step_prediction_error", model_name="m", worker="decode-0", role="decode",
+                 stat="p90") == 0.12
+    em.hb = core.heartbeat(EngineLoad())
+    assert "kairos_engine_step_prediction_error{" not in generate_latest(reg).decode()

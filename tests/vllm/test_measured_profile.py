@@ -56,6 +56,7 @@ async def test_a_worker_without_a_profile_measures_one_and_the_router_uses_it(pd
 
         # the worker reports it (Hello and heartbeats carry its coefficients) and the router uses it
         worker = DecodeWorker(WorkerConfig(engine="vllm", model=p.model_dir), d)
+        d.on_tokens, d.on_kv_fallback, d.on_failed = cb  # the worker took the engine's callbacks: the tests' again
         hello = worker.core.hello(coeffs=worker.coeffs())
         assert hello.coeffs == stored.model.to_coeffs()
         assert worker.heartbeat().coeffs == stored.model.to_coeffs()

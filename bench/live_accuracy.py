@@ -99,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     c.start(timeout=600)
     started = time.monotonic() - t0
     try:
-        bench = [sys.executable, "-m", "kairos.loadgen", "--url", c.spec.api, "--model", model.name,
+        bench = [sys.executable, "-m", "kairos.loadgen", "--url", c.spec.api + "/v1", "--model", model.name,
                  "--trace", "synthetic", "--arrival", "poisson", "--seed", "1",
                  "--rate", str(a.rate), "--duration", str(a.duration), "--max-input-len", "1536",
-                 "--max-output-len", "64", "--no-progress", "--out", str(out / "bench.json")]
+                 "--max-output-len", "64", "--token-range", "10,900", "--no-progress",
+                 "--out", str(out / "bench.json")]
         subprocess.run(bench, check=True, timeout=a.duration * 4 + 120)
         steps = {"prefill-0": step_errors(p_port), "decode-0": step_errors(d_port)}
     finally:

@@ -86,6 +86,7 @@ async def test_a_worker_without_a_profile_measures_one_and_the_router_uses_it(pd
         d.on_tokens, d.on_kv_fallback, d.on_failed = cb
         for e in (p, d):
             e.profile, e._predict = None, None
+            await e.reset_prefix_cache()  # the sweep's prompts: not the next tests' cache hits
 
 
 async def test_vllm_turns_async_scheduling_off_on_cpu(tiny_model: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (kairos bench --rate)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
     p.add_argument("--skip", type=int, default=10, help="leave out the first requests (the engines warm up)")
+    p.add_argument("--vllm-profile", default="measured",
+                   help="the workers' step-time model: measured (default) or a profile name, to compare")
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             make_tiny_model(model)
     p_port, d_port = free_ports(2)
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(model), policy="kairos",
-                                 monitor=False, log_dir=str(out / "kairos-logs"), vllm_profile="measured",
+                                 monitor=False, log_dir=str(out / "kairos-logs"), vllm_profile=a.vllm_profile,
                                  metrics_ports={"prefill-0": p_port, "decode-0": d_port},
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50", "KAIROS_LOG_REQUESTS": "true"},
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()} "
         f"{platform.processor()}".strip(), "cluster_start_s": round(started, 1), "rate": a.rate,
-        "duration_s": a.duration, "skipped_first": a.skip,
+        "duration_s": a.duration, "skipped_first": a.skip, "vllm_profile": a.vllm_profile,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "ttft": ttft_errors(out / "kairos-logs" / "router.log", a.skip), "steps": steps,
         "profiles": [{"keys": pr.get("keys"), "fit_mape": pr.get("fit_mape", {}).get("all")} for pr in profiles],
     }

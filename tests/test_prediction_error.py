@@ -141,3 +141,23 @@ def test_a_workers_own_metrics_show_its_step_error() -> None:
                  stat="p90") == 0.12
     em.hb = core.heartbeat(EngineLoad())
     assert "kairos_engine_step_prediction_error{" not in generate_latest(reg).decode()
+
+
+def test_the_router_passes_the_workers_step_error_to_the_monitor() -> None:
+    from services.monitor.state import MonitorState
+    from tests.router_fakes import hello, make_core
+
+    core, box = make_core()
+    core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    hb = m.DecodeHeartbeat(worker_id="decode-0", incarnation="inc-decode-0", seq=1, batch=0, kv_tokens=0,
+                           kv_free_tokens=100_000, kv_capacity_tokens=100_000, resident_prefill_tokens=0,
+                           deflections=0, strictest_tbt_slo=None, token_budget=2048, step_err_p50=0.06,
+                           step_err_p90=0.2)
+    core.on_message(b"decode-0", hb, 1.1)
+    core.telemetry(2.0)
+    seen = [x for x in box.published if isinstance(x, m.WorkerSeen)]
+    assert seen[-1].state["step_err_p50"] == 0.06 and seen[-1].state["step_err_p90"] == 0.2
+    st = MonitorState()
+    for x in box.published:
+        st.on_message(x, 10.0)  # type: ignore[arg-type]
+    assert st.snapshot(10.0)["workers"][0]["state"]["step_err_p90"] == 0.2

@@ -300,6 +300,14 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     vllm_side_channel_port: Annotated[int, doc("vllm prefill workers: NIXL side-channel port (0: any free port; set one to open it in a firewall)")] = 0
     vllm_side_channel_bind: Annotated[str, doc("vllm prefill workers: address the NIXL side channel listens on (empty: the side-channel host; 0.0.0.0 when that host is a DNS name)")] = ""
     vllm_kv_buffer_device: Annotated[str, doc("vllm: NIXL KV buffer device (empty: the platform's, cuda on GPUs; cpu stages KV through host memory)")] = ""
+    vllm_profile: Annotated[str, doc(
+        "vllm: the step-time model the worker reports to the routers: 'measured' (this engine's own: the profile "
+        "stored in profile_store for its model, device, parallelism, dtype and quantization, measured by a short "
+        "sweep of step times at the first start when none is stored), or a profile name / .json path "
+        "(cpu-tiny-llama: the tier's tiny model on a CPU)")] = "measured"
+    profile_store: Annotated[str, doc("vllm: directory of the profiles measured on engines, one file per set of "
+                                      "keys (empty: $XDG_CACHE_HOME/kairos/profiles, else "
+                                      "~/.cache/kairos/profiles)")] = ""
     vllm_engine_args: Annotated[str, doc(
         "vllm: any other vLLM engine argument, as `vllm serve` takes it, shell-quoted, e.g. '--tensor-parallel-size 4 "
         "--max-num-seqs 128 --gpu-memory-utilization 0.9' (vLLM's own parser reads it; on the command line such "

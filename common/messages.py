@@ -203,6 +203,10 @@ class PrefillHeartbeat(Msg, frozen=True):
     prefix: PrefixSummary | None = None  # None: no prefix cache, or nothing new
     step_bias: float = 1.0  # the median of measured / predicted step time (predicted by `coeffs`, else the profile)
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
+    # the step-time model's live error: median and p90 of |predicted - measured| / measured over the
+    # recent steps (common/prediction_error.py); None: the engine does not measure it
+    step_err_p50: float | None = None
+    step_err_p90: float | None = None
     # what the third path (route "retain": it decodes requests itself) needs: the requests it
     # decodes now, their KV, the strictest TBT SLO among them, its KV free for more, its step margin
     decodes: int = 0
@@ -264,6 +268,8 @@ class DecodeHeartbeat(Msg, frozen=True):
     loop_lag_ms: float = 0.0  # worst event-loop lag since the last heartbeat (common/loop_lag.py)
     routers: list[str] = []  # the incarnations of the routers it is registered with (the planner's leader)
     queues: list[RouterQueue] = []  # the request each router replica would decide first, as each last said (QueueHead)
+    step_err_p50: float | None = None  # as PrefillHeartbeat's
+    step_err_p90: float | None = None
 
 
 # ---------------------------------------------------------------- work

@@ -154,6 +154,8 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     kv_capacity_tokens: int = 1_000_000
     max_batch: int = 256
     fit_mape: dict[str, float] = {}
+    # a profile measured on a worker's engine (common/engines/measured.py): what it was measured on
+    keys: dict[str, str] = {}
 
 
 def profile_path(name_or_path: str) -> Path:

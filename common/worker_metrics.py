@@ -52,6 +52,9 @@ class EngineMetrics:
         )}
         step = GaugeMetricFamily("kairos_engine_step_seconds", "Measured engine step time (recent p50, max).",
                                  labels=[*LABELS, "stat"])
+        err = GaugeMetricFamily("kairos_engine_step_prediction_error", "|Predicted - measured| / measured step time "
+                                "over the recent steps (p50, p90), predicted by the model this worker reports "
+                                "(common/prediction_error.py).", labels=[*LABELS, "stat"])
         steps = CounterMetricFamily("kairos_engine_steps", "Engine steps taken since the worker started.",
                                     labels=LABELS)
         if hb is not None:
@@ -72,9 +75,13 @@ class EngineMetrics:
                 g["kairos_engine_num_requests_waiting"].add_metric(lv, hb.queued_requests)
                 g["kairos_engine_queued_tokens"].add_metric(lv, hb.queued_tokens)
             step.add_metric([*lv, "p50"], hb.step_ms_p50 / 1000.0)
+            if hb.step_err_p50 is not None and hb.step_err_p90 is not None:
+                err.add_metric([*lv, "p50"], hb.step_err_p50)
+                err.add_metric([*lv, "p90"], hb.step_err_p90)
             steps.add_metric(lv, hb.steps)
         yield from g.values()
         yield step
+        yield err
         yield steps
 
     async def sample(self, heartbeat: Callable[[], m.Msg], interval: float) -> None:

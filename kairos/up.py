@@ -124,6 +124,7 @@ class ClusterSpec:
     monitor_port: int = 9100
     engine: str = "sim"
     profile: str = DEFAULT_PROFILE
+    vllm_profile: str = "measured"  # vllm workers' step-time model: their own, measured (or a profile name)
     model: str = ""
     kv_transport: str = "nixl"
     time_scale: float = 1.0
@@ -234,6 +235,7 @@ class Cluster:
                                                                    in zip(s.router_names, s.router_bus(), strict=True))}
                                      if s.routers > 1 else {})})
         wenv = {**bus, "KAIROS_ENGINE": s.engine, "KAIROS_PROFILE": s.profile, "KAIROS_KV_TRANSPORT": s.kv_transport,
+                **({"KAIROS_VLLM_PROFILE": s.vllm_profile} if s.engine == "vllm" else {}),
                 "KAIROS_TIME_SCALE": str(s.time_scale),
                 **({"KAIROS_MODEL": s.model, "KAIROS_SERVED_MODEL_NAME": Path(s.model).name} if s.model else {}),
                 **({"KAIROS_ROUTERS": ",".join(f"127.0.0.1:{w}:{h}{key_of(n)}" for n, (w, h, _)
@@ -529,6 +531,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help=f"sim: performance profile (default {DEFAULT_PROFILE}, as kairos sim, tune and demo; "
                         "or the --plan's)")
+    p.add_argument("--vllm-profile", default="measured", metavar="PROFILE",
+                   help="vllm: the step-time model workers report to the router: measured (default: each worker's "
+                        "own, measured on its engine at the first start and stored by model, device, parallelism, "
+                        "dtype and quantization; see --help of a worker for KAIROS_PROFILE_STORE), or a profile "
+                        "name / .json path")
     p.add_argument("--tuned-profile-mismatch", default="refuse", choices=["refuse", "ok"],
                    help="--tuned FILE tuned for another profile than --profile: refuse to start (default), or "
                         "ok: use its settings anyway")
@@ -769,6 +776,7 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(prefill=a.prefill, decode=a.decode, policy=a.policy, http_port=a.port, work_port=a.bus_port,
                        heartbeat_port=a.bus_port + 1, telemetry_port=a.bus_port + 2, monitor_port=a.monitor_port,
                        engine=a.engine, model=a.model, profile=a.profile, kv_transport=a.kv_transport,
+                       vllm_profile=getattr(a, "vllm_profile", "measured"),
                        time_scale=a.time_scale, log_dir=a.log_dir, log_level=a.log_level, monitor=not a.no_monitor,
                        otlp_traces_endpoint=a.otlp_traces_endpoint,
                        curve_keys_dir="" if a.insecure else str(Path(a.curve_keys_dir or

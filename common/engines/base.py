@@ -62,6 +62,8 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     busy_s: float = 0.0                           # until the step in flight ends (predicted)
     step_margin: float = 1.0  # measured step error: the ratio (measured / predicted) planned with (step_error.py)
     step_bias: float = 1.0    # its median
+    step_err_p50: float | None = None  # the model's live error (common/prediction_error.py); None: not measured
+    step_err_p90: float | None = None
 
 
 class Prefilled(msgspec.Struct, kw_only=True):

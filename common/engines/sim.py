@@ -35,6 +35,7 @@ from common.engines.step_error import TARGET, ChunkGuard, StepError, StepErrorEs
 from common.errors import Overloaded
 from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
+from common.prediction_error import STEP_ERROR_MAXLEN, STEP_ERROR_WINDOW_S, ErrorWindow
 from common.prefix_hash import block_hashes
 from common.tokenizer import SimpleTokenizer
 
@@ -87,6 +88,7 @@ class SimEngine(Engine):
         self.error = (step_error or StepError()).source(0, random.Random(zlib.crc32(seed.encode())))
         self.exact = step_error is None or step_error.exact
         self.estimator = StepErrorEstimator(target=overrun_target)
+        self.step_errors = ErrorWindow(window_s=STEP_ERROR_WINDOW_S, maxlen=STEP_ERROR_MAXLEN)
         planned = self.model.scaled(time_scale) if time_scale != 1.0 else self.model
         # the prefill role's guard acts only beside the requests it decodes itself (route "retain")
         self.guard = ChunkGuard(planned, self.estimator) if closed_loop else None
@@ -191,11 +193,11 @@ class SimEngine(Engine):
 
     def load(self) -> EngineLoad:
         steps = sorted(self._step_ms)
-        return self.batcher.load(
+        return self.step_errors.fill(self.batcher.load(
             kv_capacity_tokens=self.kv_capacity_tokens, inflight=self._inflight,
             busy_s=max(0.0, self._inflight_end - time.monotonic()) if self._inflight is not None else 0.0,
             step_ms_p50=steps[len(steps) // 2] if steps else 0.0, step_ms_max=steps[-1] if steps else 0.0,
-            step_margin=self.estimator.margin(), step_bias=self.estimator.bias())
+            step_margin=self.estimator.margin(), step_bias=self.estimator.bias()), time.monotonic())
 
     # -- the step loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -222,6 +224,7 @@ class SimEngine(Engine):
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             elapsed = loop.time() - started
             self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
+            self.step_errors.observe(pred, elapsed, time.monotonic())
             self._step_ms.append(elapsed * 1000.0)
             self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
             self._inflight = None

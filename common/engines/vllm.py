@@ -87,6 +87,7 @@ from common.engines.step_error import TARGET, StepErrorEstimator
 from common.errors import ConfigError, KvTransferError, Overloaded
 from common.messages import Coeffs, StructuredOutputs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
+from common.prediction_error import STEP_ERROR_MAXLEN, STEP_ERROR_WINDOW_S, ErrorWindow
 
 if TYPE_CHECKING:
     from common.config import WorkerConfig
@@ -181,8 +182,14 @@ class VllmEngine(Engine):
                  dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
                  kv_buffer_device: str = "", side_channel_bind: str = "",
-                 otlp_traces_endpoint: str = "", engine_args: dict[str, Any] | None = None) -> None:
+                 otlp_traces_endpoint: str = "", engine_args: dict[str, Any] | None = None,
+                 profile_store: str | None = None) -> None:
         super().__init__()
+        # no profile and a store: start() loads this engine's measured profile, or measures it (measured.py)
+        self.profile_store = profile_store
+        self.profile_keys: dict[str, str] = {}
+        self.profile_measured = False
+        self.measuring = False  # measured.measure runs: a prefill engine serves in-place requests too
         self.otlp_traces_endpoint = otlp_traces_endpoint  # vLLM's own tracing (its llm_request spans); "": off
         # vLLM engine arguments the operator gave (vllm_args.parse: vLLM's names, Kairos's owned ones
         # already refused); those Kairos also has a setting for win over it
@@ -230,6 +237,7 @@ class VllmEngine(Engine):
         # predicted by the model routers are told (the profile's until a refit is accepted: predict_with)
         self.overrun_target = overrun_target
         self.estimator = StepErrorEstimator(target=overrun_target)
+        self.step_errors = ErrorWindow(window_s=STEP_ERROR_WINDOW_S, maxlen=STEP_ERROR_MAXLEN)
         self._predict: PerfModel | None = profile.model if profile is not None else None
         self.iteration_details: deque[Any] = deque(maxlen=4096)
         self._details_by_index: dict[int, Any] = {}
@@ -280,6 +288,21 @@ class VllmEngine(Engine):
                   kv_buffer_device=self.kv_buffer_device or None,
                   engine_args={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                for k, v in self.engine_args.items()} or None)
+        if self.profile is None and self.profile_store:
+            await self._own_profile(Path(self.profile_store))
+
+    async def _own_profile(self, store: Path) -> None:
+        """This engine's stored profile, or one measured now (common/engines/measured.py)."""
+        from common.engines.measured import device_name, keys_of, profile_for, stored_path
+
+        self.profile_keys = keys_of(self._llm.vllm_config, model=self.model_dir,
+                                    device=device_name(platform_device()), vllm_version=_vllm_version())
+        t0 = time.monotonic()
+        self.profile, self.profile_measured = await profile_for(self, store, self.profile_keys)
+        self.predict_with(self.profile.model)
+        _log.info("profile_measured" if self.profile_measured else "profile_loaded", role=self.role,
+                  path=str(stored_path(store, self.profile_keys)), seconds=round(time.monotonic() - t0, 2),
+                  fit_mape=self.profile.fit_mape.get("all"), keys=self.profile_keys)
 
     def _make_llm(self, step_channel: str) -> Any:
         device = platform_device()
@@ -415,7 +438,7 @@ class VllmEngine(Engine):
             raise ValueError(f"request {req.request_id} is already held")
         if len(self._held) >= self.max_queue_requests:
             raise Overloaded(f"{self.role} engine holds {len(self._held)} requests (limit {self.max_queue_requests})")
-        if self.role == "prefill" and req.mode != "prefill":
+        if self.role == "prefill" and req.mode != "prefill" and not self.measuring:
             raise ValueError(f"prefill engine got mode {req.mode!r}")
         if self.role == "decode":
             if req.mode == "prefill":
@@ -431,7 +454,7 @@ class VllmEngine(Engine):
                   kv_wait=req.mode == "handoff")
         self._held[req.request_id] = h
         self._by_key[h.key] = h
-        serve = self._serve_prefill(h) if self.role == "prefill" else self._serve_decode(h)
+        serve = self._serve_prefill(h) if req.mode == "prefill" else self._serve_decode(h)
         h.task = asyncio.get_running_loop().create_task(serve, name=f"vllm-{h.key}")
 
     def release_kv(self, key: str, kv_params: dict[str, object]) -> None:
@@ -491,6 +514,7 @@ class VllmEngine(Engine):
         reports to the routers): the ratios so far were against another model, so they go."""
         self._predict = model
         self.estimator = StepErrorEstimator(target=self.overrun_target)
+        self.step_errors = ErrorWindow(window_s=STEP_ERROR_WINDOW_S, maxlen=STEP_ERROR_MAXLEN)
 
     def refit(self, min_samples: int = 64) -> tuple[PerfModel, float] | None:
         """Least-squares refit of the step-time model on this engine's recent steps, or None."""
@@ -504,20 +528,20 @@ class VllmEngine(Engine):
         p50 = steps[len(steps) // 2] if steps else 0.0
         mx = steps[-1] if steps else 0.0
         if self.role == "prefill":
-            return EngineLoad(queued_tokens=sum(h.remaining for h in held),
-                              queued_requests=len(held), step_ms_p50=p50, step_ms_max=mx, steps=self.steps,
-                              step_bias=self.estimator.bias())
+            return self.step_errors.fill(EngineLoad(
+                queued_tokens=sum(h.remaining for h in held), queued_requests=len(held), step_ms_p50=p50,
+                step_ms_max=mx, steps=self.steps, step_bias=self.estimator.bias()), time.monotonic())
         decoding = [h for h in held if h.generated > 0]
         prefilling = [h for h in held if h.generated == 0 and h.in_place]
         remaining = sum(h.remaining for h in prefilling)
-        return EngineLoad(
+        return self.step_errors.fill(EngineLoad(
             queued_tokens=remaining, queued_requests=len(held),
             batch=len(decoding), kv_tokens=sum(h.prompt_len + h.generated for h in decoding),
             kv_free_tokens=self._kv_free(), kv_capacity_tokens=self.kv_capacity_tokens,
             resident_prefill_tokens=remaining, deflections=len(prefilling),
             strictest_tbt_slo=min((h.req.tbt_slo for h in held), default=None),
             step_ms_p50=p50, step_ms_max=mx, steps=self.steps,
-            step_margin=self.estimator.margin(), step_bias=self.estimator.bias())
+            step_margin=self.estimator.margin(), step_bias=self.estimator.bias()), time.monotonic())
 
     # -- serving one request ----------------------------------------------------------------
     def _sampling(self, req: EngineRequest, *, max_tokens: int, extra: dict[str, Any], delta: bool) -> Any:
@@ -732,8 +756,10 @@ class VllmEngine(Engine):
         if rec.seconds > 0:
             chunks = [(chi, k) for _, chi, k in rec.chunks]
             self.samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.seconds))
-            if self._predict is not None:
-                self.estimator.observe(self._predict.step_time(rec.decodes, rec.kv_tokens, chunks), rec.seconds)
+            if self._predict is not None and not self.measuring:
+                pred = self._predict.step_time(rec.decodes, rec.kv_tokens, chunks)
+                self.estimator.observe(pred, rec.seconds)
+                self.step_errors.observe(pred, rec.seconds, time.monotonic())
             if rec.cpu_seconds > 0:
                 self.cpu_samples.append(StepSample(rec.decodes, rec.kv_tokens, chunks, rec.cpu_seconds))
         details = self._details_by_index.pop(rec.index, None)
@@ -779,6 +805,12 @@ class VllmEngine(Engine):
                          ctx_tokens=details.num_ctx_tokens, generation_requests=details.num_generation_requests)
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
 def _structured(so: StructuredOutputs | None) -> Any:
     """vLLM's StructuredOutputsParams for the wire's grammar (the decode role loads the tokenizer
     the grammar backends need: skip_tokenizer_init is off there)."""
@@ -822,17 +854,22 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
     vllm_token_budget (or the role's prefill/decode_token_budget when set), decode_chunk,
     vllm_max_batch, vllm_kv_buffer_device, kv_timeout, max_queue_requests, prefix_cache (vLLM's
     automatic prefix caching and its reports), vllm_engine_args (any other vLLM engine argument,
-    vllm_args.py; a conflicting one is a ConfigError before anything starts) and profile (the
-    step-time model it reports; use a profile fitted to this engine, e.g. cpu-tiny-llama).
+    vllm_args.py; a conflicting one is a ConfigError before anything starts) and vllm_profile (the
+    step-time model it reports: `measured`, the default, is this engine's own, stored in
+    profile_store under its keys and measured at the first start when none is stored
+    (common/engines/measured.py); or a profile name or .json path, e.g. cpu-tiny-llama for the tiny
+    model on a CPU).
 
     The NIXL side channel (vllm_side_channel_host/_port/_bind): the prefill engine's host and
     port travel inside its returned kv_transfer_params, so the decode side needs no
     configuration; port 0 picks a free one (set one to open it in a firewall). The host must be
     an address the decode workers reach (127.0.0.1 on one machine).
     """
+    from common.engines.measured import MEASURED, default_store
     from common.engines.vllm_args import check_gpus, parse, split
     from common.perf_model import load_profile
 
+    own = cfg.vllm_profile == MEASURED
     if not cfg.model:
         raise ConfigError("engine 'vllm' needs --model (a model directory; `kairos make-tiny-model DIR` makes one)")
     engine_args = parse(split(cfg.vllm_engine_args))  # refused here, before the engine starts
@@ -847,7 +884,10 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       side_channel_host=cfg.vllm_side_channel_host,
                       side_channel_port=cfg.vllm_side_channel_port or free_port(bind or "0.0.0.0"),
                       side_channel_bind=cfg.vllm_side_channel_bind, kv_buffer_device=cfg.vllm_kv_buffer_device,
-                      max_batch=cfg.vllm_max_batch, profile=load_profile(cfg.profile),
+                      max_batch=cfg.vllm_max_batch,
+                      profile=None if own else load_profile(cfg.vllm_profile),
+                      profile_store=str(Path(cfg.profile_store) if cfg.profile_store else default_store()) if own
+                      else None,
                       prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint,
                       engine_args=engine_args)
 

@@ -220,6 +220,10 @@ class Membership:
                          "waiting_kv": hb.waiting_kv, "resident_prefill_tokens": hb.resident_prefill_tokens}
             if hb is not None:
                 state["loop_lag_ms"] = hb.loop_lag_ms
+                if hb.step_err_p50 is not None:
+                    state["step_err_p50"] = hb.step_err_p50
+                if hb.step_err_p90 is not None:
+                    state["step_err_p90"] = hb.step_err_p90
             state["draining"] = float(w.draining)
             state["holding"] = len(w.holding)
             self.outbox.publish(m.WorkerSeen(worker_id=w.worker_id, role=w.role, incarnation=w.incarnation,

@@ -99,7 +99,8 @@ class DecodeCore(WorkerCore):
             tbt_slack_ms=(slo * 1000.0 - load.step_ms_max) if slo is not None else None,
             steps=load.steps, coeffs=coeffs, draining=self.draining, busy_s=load.busy_s,
             held=list(self.held.values()) if self.list_held else [], step_margin=load.step_margin,
-            step_bias=load.step_bias, queues=list(self.queues.values()))
+            step_bias=load.step_bias, queues=list(self.queues.values()),
+            step_err_p50=load.step_err_p50, step_err_p90=load.step_err_p90)
 
     def on_queue_head(self, q: m.QueueHead) -> None:
         """A router replica's oldest waiting request changed: the next heartbeat (soon) echoes it

@@ -58,7 +58,8 @@ class PrefillCore(WorkerCore):
             last_dispatch=self.last_dispatch if last_dispatch is None else last_dispatch,
             step_ms_p50=load.step_ms_p50, steps=load.steps, coeffs=coeffs, draining=self.draining,
             backlog=load.backlog, busy_s=load.busy_s, max_batch=self.info.max_batch, drain=queue,
-            step_bias=load.step_bias, decodes=load.batch, decode_kv_tokens=load.kv_tokens,
+            step_bias=load.step_bias, step_err_p50=load.step_err_p50, step_err_p90=load.step_err_p90,
+            decodes=load.batch, decode_kv_tokens=load.kv_tokens,
             strictest_tbt_slo=load.strictest_tbt_slo,
             kv_free_tokens=max(0, load.kv_free_tokens) if self.can_retain else 0,
             step_margin=load.step_margin)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common import messages as m
+from common.prediction_error import REL_ERROR_BUCKETS, relative_error
 from services.monitor.state import MonitorState, record_gaps, slo_verdict
 
 # vLLM's buckets, extended below 10 ms for the simulated engine's fast steps.
@@ -47,6 +48,10 @@ WORKER_GAUGES: dict[str, tuple[str, str, float]] = {
                     "worker.", 1.0),
     "loop_lag_ms": ("kairos_worker_event_loop_lag_seconds", "The worst lag of a worker's event loop (how late it "
                     "woke a task) since its previous heartbeat.", 1e-3),
+    "step_err_p50": ("kairos_worker_step_prediction_error_p50", "Median of |predicted - measured| / measured step "
+                     "time over a worker's recent steps (the model it reports; common/prediction_error.py).", 1.0),
+    "step_err_p90": ("kairos_worker_step_prediction_error_p90", "90th percentile of |predicted - measured| / "
+                     "measured step time over a worker's recent steps.", 1.0),
     "tbt_slack_ms": ("kairos_worker_tbt_slack_seconds", "Headroom of a decode worker's step time under the "
                      "strictest resident TBT SLO (absent when it has no residents).", 1e-3),
 }
@@ -152,6 +157,9 @@ class MonitorMetrics:
         self.pred_err = Histogram("kairos_ttft_prediction_error_seconds", "Predicted minus actual TTFT of the "
                                   "chosen route (negative: slower than predicted).", ["route"],
                                   buckets=PRED_ERROR_BUCKETS, registry=r)
+        self.pred_rel_err = Histogram("kairos_ttft_prediction_relative_error", "|Predicted - actual| / actual TTFT "
+                                      "of the chosen route (0.1: 10 percent off).", ["route"],
+                                      buckets=REL_ERROR_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kairos_prompt_tokens", "Prompt tokens of finished requests.", ["route"],
                                      registry=r)
         self.generation_tokens = Counter("kairos_generation_tokens", "Tokens generated for finished requests.",
@@ -202,6 +210,9 @@ class MonitorMetrics:
             self.ttft.labels(route).observe(rec.ttft_s)
             if rec.ttft_pred_s is not None:
                 self.pred_err.labels(route).observe(rec.ttft_pred_s - rec.ttft_s)
+                rel = relative_error(rec.ttft_pred_s, rec.ttft_s)
+                if rel is not None:
+                    self.pred_rel_err.labels(route).observe(abs(rel))
         if rec.outcome == "ok":
             self.e2e.labels(route).observe(rec.e2e_s)
         if rec.tbt_p99_s is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import messages as m
+from common.prediction_error import ErrorWindow
 
 ROUTES: tuple[str, ...] = ("disagg", "deflect", "retain")
 MAX_SAMPLES_PER_BUCKET = 2000  # per list, per second: bounds memory under any load
@@ -126,6 +127,8 @@ class MonitorState:
         self.started = 0.0
         self.buckets: deque[Bucket] = deque()
         self.workers: dict[str, WorkerInfo] = {}
+        # predicted against actual TTFT, relative, over the window (common/prediction_error.py)
+        self.ttft_errors = ErrorWindow(window_s=float(window_s))
         self.lost: deque[tuple[float, m.WorkerLost]] = deque(maxlen=20)
         self.flips: deque[tuple[float, m.RoleFlip]] = deque(maxlen=20)  # the role planner's, newest last
         self._lost_from: dict[tuple[str, str], tuple[float, str]] = {}  # (worker, reason) -> (when, router) listed
@@ -256,6 +259,7 @@ class MonitorState:
             _add(b.ttft.setdefault(route, []), rec.ttft_s)
             if rec.ttft_pred_s is not None:
                 _add(b.pred_err, rec.ttft_pred_s - rec.ttft_s)
+                self.ttft_errors.observe(rec.ttft_pred_s, rec.ttft_s, now)
         gaps = record_gaps(rec)
         if gaps is not None:
             for g in gaps[:64]:  # pooled gaps: a sample of each request is enough for percentiles
@@ -396,6 +400,9 @@ class MonitorState:
         self.expire(now)
         lo = int(now) - self.window_s
         window = self._summary(self._window(lo, int(now)), min(self.window_s, max(1.0, now - self.started)))
+        # |predicted - actual| / actual TTFT over the window: median, p90, how many; bias: median signed
+        err = self.ttft_errors.summary(now)
+        window["ttft_pred_err"] = dict(err) if err is not None else None
         router = None
         if (r := self.router) is not None:  # all routers together; age_s: the freshest one's
             router = {"in_flight": r.in_flight, "accepted": r.accepted, "completed": r.completed,

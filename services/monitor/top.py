@@ -96,6 +96,11 @@ def fmt_pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
+def pred_err(e: dict[str, float] | None) -> str:
+    """A prediction error summary (common/prediction_error.py) as "p50 / p90 (n)"."""
+    return "–" if not e else f"{fmt_pct(e['median'])} / {fmt_pct(e['p90'])} (n={int(e['n'])})"
+
+
 def fmt_n(x: float | None, digits: int = 0) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
@@ -153,7 +158,8 @@ def render(s: dict[str, Any], url: str) -> Group:
                  f"TBT p50/p99 [b]{fmt_s(w['tbt_p50'])} / {fmt_s(w['tbt_p99'])}[/b]")
     err_style = "bold red" if w["errors"] else "b"
     kpis.add_row(f"errors [{err_style}]{w['errors']}[/{err_style}]", f"KV fallbacks [b]{w['kv_fallbacks']}[/b]",
-                 f"TTFT pred. − actual [b]{fmt_s(w['ttft_pred_bias'])}[/b]",
+                 f"TTFT pred. − actual [b]{fmt_s(w['ttft_pred_bias'])}[/b]  error p50/p90 "
+                 f"[b]{pred_err(w.get('ttft_pred_err'))}[/b]",
                  f"SLO attained [b]{fmt_pct(w['slo_attainment'])}[/b]  decision p99 "
                  f"[b]{fmt_n(w['decision_us_p99'])} µs[/b]")
     kpis.add_row(f"req/s  {spark([p['rps'] for p in series])}",
@@ -162,8 +168,8 @@ def render(s: dict[str, Any], url: str) -> Group:
                  f"TBT p99 {spark([p['tbt_p99'] for p in series])}")
 
     workers = Table(title=f"workers (last {s['window_s']} s)", expand=True, title_justify="left")
-    for col in ("worker", "role", "load", "queue / batch", "KV used", "TBT slack", "step p50/max", "loop lag",
-                "defl.", "reported"):
+    for col in ("worker", "role", "load", "queue / batch", "KV used", "TBT slack", "step p50/max", "step err.",
+                "loop lag", "defl.", "reported"):
         workers.add_column(col, no_wrap=True)
     for wk in s["workers"]:
         st = wk["state"]
@@ -177,6 +183,7 @@ def render(s: dict[str, Any], url: str) -> Group:
             "" if prefill else fmt_pct(st.get("kv_used")),
             "" if prefill or slack is None or slack < 0 else fmt_s(slack / 1000),
             f"{fmt_n(st.get('step_ms_p50'), 1)} / {'–' if prefill else fmt_n(st.get('step_ms_max'), 1)} ms",
+            f"{fmt_pct(st.get('step_err_p50'))} / {fmt_pct(st.get('step_err_p90'))}" if 'step_err_p50' in st else "–",
             Text(f"{fmt_n(st.get('loop_lag_ms'))} ms",
                  style="bold yellow" if (st.get("loop_lag_ms") or 0.0) >= LOOP_LAG_WARN_MS else ""),
             "" if prefill else fmt_n(st.get("deflections")),

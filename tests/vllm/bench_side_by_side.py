@@ -88,7 +88,8 @@ def main() -> int:
         proc.terminate()
         proc.wait(30)
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(model), profile="cpu-tiny-llama",
-                                 policy="kairos", monitor=False, log_dir=str(out / "kairos-logs"),
+                                 vllm_profile="cpu-tiny-llama", policy="kairos", monitor=False,
+                                 log_dir=str(out / "kairos-logs"),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "64"})

@@ -89,7 +89,8 @@ def kairos_vllm(request: pytest.FixtureRequest, tiny_model: Path,
     (test_openai_conformance.py, test_vllm_cluster.py): a cluster's start costs two vLLM engine
     starts, a minute or more on 2 shared cores. `cluster.route` names the route."""
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp(f"kairos-{ROUTES[request.param]}")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers

@@ -52,7 +52,8 @@ def _vllm_imported() -> None:
 def worker_config(role: str, model: Path, cache: Path, *extra: str) -> config.WorkerConfig:
     return config.flags(["--engine", "vllm", "--model", str(model), "--vllm-kv-cache-mib", "32",
                          "--vllm-token-budget", "256", "--vllm-side-channel-port", str(free_port()),
-                         "--kv-timeout", "20", *extra], config.WorkerConfig, f"kairos {role}-worker", "")
+                         "--kv-timeout", "20", "--profile-store", str(cache / "profiles"), *extra],
+                        config.WorkerConfig, f"kairos {role}-worker", "")
 
 
 def test_vllms_parser_reads_the_arguments_and_refuses_conflicts() -> None:
@@ -133,6 +134,10 @@ async def test_engine_arguments_are_in_vllms_config_and_both_routes_serve(
             assert vc.model_config.seed == 7
             assert vc.scheduler_config.max_num_batched_tokens == 256  # Kairos's own settings still hold
             assert vc.kv_transfer_config.kv_connector == "NixlConnector"
+        # no stored profile: the first engine measured one at start (vllm_profile measured, the
+        # default), the second, of the same keys, loaded it (common/engines/measured.py)
+        assert engines["prefill"].profile_measured and not engines["decode"].profile_measured
+        assert engines["decode"].profile == engines["prefill"].profile is not None
         prompt = list(range(10, 90))
         pre = await pd.run_prefill("h", prompt)
         pd.decode.add(request("h", prompt, 8, kv_params=pre.kv_params, mode="handoff"))
@@ -156,6 +161,7 @@ async def test_dtype_is_in_vllms_config_and_the_engine_serves(
     runs = [asyncio.create_task(e.run()) for e in engines.values()]
     try:
         assert pd.decode._llm.vllm_config.model_config.dtype == torch.bfloat16
+        assert pd.decode.profile_measured and pd.decode.profile.keys["dtype"] == "bfloat16"  # its own keys
         got = await pd.run_decode(request("b", list(range(10, 90)), 8, schedule=(48, 32)))
         assert len(got) == 8 and pd.out.failed == []
     finally:

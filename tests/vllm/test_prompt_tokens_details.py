@@ -64,7 +64,8 @@ def vllm_details(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def kairos_details(request: pytest.FixtureRequest, tiny_model: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, int]]:
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy=request.param, monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy=request.param, monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("details")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50", "KAIROS_ENABLE_PROMPT_TOKENS_DETAILS": "true"},

@@ -30,7 +30,8 @@ TRACE = Path(__file__).resolve().parents[2] / "common" / "data" / "traces" / "Az
 @pytest.fixture(scope="module")
 def kairos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy="kairos", monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy="kairos", monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("clients")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64", "KAIROS_MAX_PROMPT_TOKENS": "2048",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers

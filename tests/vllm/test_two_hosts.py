@@ -134,7 +134,8 @@ def test_kv_handoff_between_two_hosts(two_hosts: tuple[str, str, str, str], tiny
                                       tmp_path: Path) -> None:
     ns_p, addr_p, ns_d, addr_d = two_hosts
     common = {"KAIROS_VLLM_KV_CACHE_MIB": "32", "KAIROS_VLLM_TOKEN_BUDGET": "256", "KAIROS_VLLM_MAX_BATCH": "16",
-              "KAIROS_PROFILE": "cpu-tiny-llama", "KAIROS_KV_TIMEOUT": "30", "VLLM_CACHE_ROOT": str(tmp_path / "vc")}
+              "KAIROS_PROFILE": "cpu-tiny-llama", "KAIROS_VLLM_PROFILE": "cpu-tiny-llama",
+              "KAIROS_KV_TIMEOUT": "30", "VLLM_CACHE_ROOT": str(tmp_path / "vc")}
     prefill = Node(ns_p, "prefill", tiny_model, {**common, "KAIROS_VLLM_SIDE_CHANNEL_HOST": addr_p,
                                                  "KAIROS_VLLM_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORT),
                                                  "KAIROS_VLLM_SIDE_CHANNEL_BIND": "0.0.0.0"}, tmp_path / "prefill.log")

@@ -115,7 +115,8 @@ def stream_killing_its_worker(cluster: Cluster, body: dict[str, Any]) -> tuple[s
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec.ephemeral(prefill=0, decode=2, engine="vllm", model=str(tiny_model),
-                                 profile="cpu-tiny-llama", policy="deflect-all", monitor=False,
+                                 profile="cpu-tiny-llama", vllm_profile="cpu-tiny-llama",
+                                 policy="deflect-all", monitor=False,
                                  log_dir=str(tmp_path_factory.mktemp("vllm-migrate")),
                                  router_env={"KAIROS_CANDIDATES": "256,128,64",
                                              "KAIROS_LIVENESS": "50"},  # 5 s: the 2 shared CI cores stall workers

@@ -58,7 +58,7 @@ def test_missing_hook_refuses(sched: Any, monkeypatch: pytest.MonkeyPatch, tmp_p
 
     monkeypatch.delattr(sched.Scheduler, "_reserve_prefill_lookahead")
     (tmp_path / "config.json").write_text("{}")  # past the model-directory check, which comes first
-    cfg = WorkerConfig(engine="vllm", model=str(tmp_path), profile="cpu-tiny-llama")
+    cfg = WorkerConfig(engine="vllm", model=str(tmp_path), vllm_profile="cpu-tiny-llama")
     with pytest.raises(ConfigError) as e:
         make_engine(cfg, "decode")
     msg = str(e.value)
@@ -100,7 +100,8 @@ def test_worker_on_unsupported_vllm_exits_saying_why(tmp_path: Path) -> None:
             "import sys, runpy; sys.argv = ['kairos', 'decode-worker']; "
             "runpy.run_module('kairos.cli', run_name='__main__')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
-    env.update(PYTHONPATH=str(ROOT), KAIROS_ENGINE="vllm", KAIROS_MODEL=str(tmp_path), KAIROS_PROFILE="cpu-tiny-llama",
+    env.update(PYTHONPATH=str(ROOT), KAIROS_ENGINE="vllm", KAIROS_MODEL=str(tmp_path),
+               KAIROS_VLLM_PROFILE="cpu-tiny-llama",
                KAIROS_ROUTER_HOST="127.0.0.1", KAIROS_WORK_PORT="1", KAIROS_HEARTBEAT_PORT="1",
                KAIROS_TELEMETRY_PORT="1")
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True,

@@ -9,12 +9,14 @@ import math
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 import tests.test_router_pins as pins
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import Overloaded, RequestError
 from common.perf_model import load_profile
+from common.router_core.requests import Request
 from services.router import openai_schema as schema
 
 BUDGET = pins.BUDGET
@@ -157,6 +159,39 @@ def test_a_queue_longer_than_the_requests_decoding_adds_a_service_time_per_round
         b.submit()
     assert "1 requests wait for room before it, 1 decode now" in str(e.value)
     assert f"predicted in {wait:.1f} s" in str(e.value)
+
+
+def guarded(**overrides: object) -> tuple[pins.Bench, Request]:
+    """Kairos with the decode guard on, as shipped (decode_room, decode_beta 0.95): one prefill and
+    one decode worker, one request decoding there (10 tokens left), and the decode worker's residents'
+    TBT SLO so strict that no decode step with another request added fits it: decode step time is
+    short, KV is not (the decode worker's KV is nearly empty)."""
+    b = pins.Bench("kairos", [("prefill-0", 0), ("decode-0", pins.BIG)], **overrides)
+    assert b.core.cfg.decode_room and b.core.cfg.decode_beta == 0.95  # the shipped guard
+    b.beat("prefill-0")
+    b.beat("decode-0")
+    running = b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=11))
+    b.tokens("decode-0", running, [1])
+    b.beat("prefill-0")
+    b.beat("decode-0", kv_used=20, batch=1, strictest_tbt_slo=1e-5)
+    return b, running
+
+
+def test_behind_a_queue_waiting_for_decode_step_room_the_429_says_decode_busy_not_kv_full() -> None:
+    """With the decode guard on, what is short is decode step time, not KV: a request refused
+    behind the ones waiting for decode room is refused `decode_busy` (x-kairos-error, the
+    overload_shed line, the rejected metric's label), never `kv_full` (issue 48: the reason named a
+    KV shortage while every decode worker's KV was nearly empty)."""
+    b, _ = guarded()
+    first = b.submit(ttft_slo=1000.0)  # a client that accepts a long wait: it waits for room
+    assert not first.done and b.stats()["kv_waiting"] == 1
+    assert b.stats()["counts"]["decode_room_waited"] == 1
+    with capture_logs() as logs, pytest.raises(Overloaded) as e:
+        b.submit(ttft_slo=0.001)
+    assert e.value.code == "decode_busy", e.value
+    assert "decode step room" in str(e.value) and "KV room" not in str(e.value)
+    (shed,) = [x for x in logs if x["event"] == "overload_shed"]
+    assert shed["code"] == "decode_busy"
 
 
 def test_one_client_holds_at_most_its_share_of_max_in_flight() -> None:

@@ -37,6 +37,7 @@ from common.policy import (
     Hold,
     KairosConfig,
     KvAwareConfig,
+    NoDecodeRoom,
     NoKvRoom,
     NoWorkers,
     Policy,
@@ -164,15 +165,19 @@ class RouterCore:
         waiting = self.kv_waiting
         waiting.drop_done()
         try:
-            if waiting and self.waiting.blocked():
-                # FIFO: nobody overtakes
-                raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
+            head = self.waiting.blocker() if waiting else None
+            if head is not None:
+                # FIFO: nobody overtakes; it waits for what the first in line waits for (decode step
+                # time with the decode guard, else KV), and its 429 names that, not always KV
+                if head.short == "decode_busy":
+                    raise NoDecodeRoom(f"requests ahead of it are waiting for decode step room ({head.wait_reason})")
+                raise NoKvRoom(f"requests ahead of it are waiting for KV room ({head.wait_reason})")
             self.dispatch(req, now)
         except NoKvRoom as e:
             self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
-                self.metrics.observe_rejected("no_kv_room")
+                self.metrics.observe_rejected("queue_full")
                 raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
             self.waiting.enqueue(req, e, now)

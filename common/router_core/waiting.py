@@ -63,9 +63,10 @@ class Waiting:
                  if w.role == "prefill"]
         return min(times, default=0.0)
 
-    def blocked(self) -> bool:
-        """Does a request wait for KV room (so a new one must queue behind it)? Only held ones: no."""
-        return any(not r.held and not r.done for r in self.queue)
+    def blocker(self) -> Request | None:
+        """The first request waiting for decode room (KV or decode step time; not a held one), which a
+        new request must queue behind; None when none waits for room."""
+        return next((r for r in self.queue if not r.held and not r.done), None)
 
     def enqueue(self, req: Request, e: NoKvRoom, now: float) -> None:
         req.held = isinstance(e, Hold)

@@ -108,3 +108,28 @@ async def test_a_batch_over_the_limit_is_a_400_and_nothing_is_admitted() -> None
         resp = await c.post("/v1/completions", json=body(33))
     assert resp.status_code == 400 and resp.headers["x-kairos-error"] == "batch_too_large"
     assert "retry-after" not in resp.headers and not r.requests
+
+
+async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_byte_not_failed_inside() -> None:
+    """A request let wait at the router (its wait unpredicted, or predicted within its budget) whose
+    budget runs out before it is placed gets a 429 with Retry-After and what was short, not a
+    `200 OK` stream with an error event inside (issue 48: 'never a stream that waits and then
+    fails'): a streamed request's status line waits while the router holds it."""
+    r = router(queue_budget=0.3)
+    r.core.on_message(b"decode-0", m.DecodeHeartbeat(
+        worker_id="decode-0", incarnation="inc-decode-0", seq=1, batch=0, kv_tokens=100_000, kv_free_tokens=0,
+        kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+        token_budget=2048, last_dispatch=0), 1.0)  # KV full, and none of this router's requests decoding
+    async with client(r) as c:
+        task = asyncio.create_task(c.post("/v1/completions", json=body(1, stream=True)))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if r.core.stats()["kv_waiting"] == 1:
+                break
+        assert r.core.stats()["kv_waiting"] == 1 and not task.done()  # waiting, and no status line yet
+        (req,) = r.requests.values()
+        r.core.tick(req.kv_wait_until + 0.01)  # its budget (less its lead to a first token) ran out
+        resp = await asyncio.wait_for(task, 5.0)
+    assert resp.status_code == 429, resp.text
+    assert resp.headers["x-kairos-error"] == "kv_full" and int(resp.headers["retry-after"]) >= 1
+    assert b"data:" not in resp.content and "budget of 0.3 s" in resp.json()["error"]["message"]

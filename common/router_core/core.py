@@ -124,6 +124,7 @@ class RouterCore:
             counts=self.counts, dropped=self.dropped, outbox=outbox, metrics=metrics, hooks=hooks,
             wall_offset=wall_offset, log=self.log)
         self.admission = Admission(cfg, self.table, self.requests)
+        self.waiting.room_short = self.admission.room_short
         self.inbound = Inbound(self)
         # the role planner (common/router_core/planner.py): set by a shell that runs it, on the router
         # that leads (`planner.leader`); it ticks with `plan_roles`
@@ -174,14 +175,19 @@ class RouterCore:
                 raise NoKvRoom(f"requests ahead of it are waiting for KV room ({head.wait_reason})")
             self.dispatch(req, now)
         except NoKvRoom as e:
+            if not isinstance(e, Hold):
+                self.admission.room_short(now)
             self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 self.metrics.observe_rejected("queue_full")
                 raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
-            self.waiting.enqueue(req, e, now)
-            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e))
+            self.waiting.enqueue(req, e, now, self.admission.wait_until(req))
+            pred = self.admission.predicted
+            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e),
+                          predicted_ttft_s=round(pred.ttft_s, 3) if pred is not None else None,
+                          wait_until_s=round(req.kv_wait_until - now, 3))
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
@@ -390,7 +396,7 @@ class RouterCore:
         A request arriving with no worker registered is the shell's to hold (`Router.admit`)."""
         if isinstance(e, NoKvRoom):
             req.held, req.wait_reason, req.short = isinstance(e, Hold), str(e), shortage(e)
-            req.kv_wait_until = now + self.cfg.kv_wait_timeout
+            req.kv_wait_until, req.wait_budget = now + self.cfg.kv_wait_timeout, 0.0  # admitted: no budget bound
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1
         else:

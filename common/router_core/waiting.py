@@ -21,12 +21,13 @@ retries.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 from common.config import RouterConfig
 from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start
-from common.router_core.admission import shortage
+from common.router_core.admission import budget, shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
@@ -52,9 +53,10 @@ class Waiting:
     three things it asks of the core (`Placer`)."""
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str],
-                 core: Placer) -> None:
+                 core: Placer, room_short: Callable[[float], None] = lambda now: None) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
         self.core = core
+        self.room_short = room_short  # told when a retry finds no decode room (Admission.room_short)
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
     def alone_s(self, tokens: int) -> float:
@@ -68,10 +70,16 @@ class Waiting:
         new request must queue behind; None when none waits for room."""
         return next((r for r in self.queue if not r.held and not r.done), None)
 
-    def enqueue(self, req: Request, e: NoKvRoom, now: float) -> None:
+    def enqueue(self, req: Request, e: NoKvRoom, now: float, until: float | None = None) -> None:
+        """A new request waits (admission let it): until room opens, at most `kv_wait_timeout`, and
+        at most `until` (admission's `wait_until`: placed later, it would miss the time to first
+        token it was admitted for; it fails then, retryable, instead)."""
         req.held = isinstance(e, Hold)
         req.wait_reason, req.short = str(e), shortage(e)
         req.kv_wait_until = now + self.cfg.kv_wait_timeout
+        b = budget(self.cfg, req)
+        if until is not None and b is not None and until < req.kv_wait_until:
+            req.kv_wait_until, req.wait_budget = max(now, until), b
         self.queue.append(req)
         self.counts["late_held" if req.held else "kv_waited"] += 1
         if isinstance(e, NoDecodeRoom):  # of those waiting for room: the decode step, not the KV
@@ -101,12 +109,13 @@ class Waiting:
                 return Outcome.HELD
             except NoKvRoom as e:
                 req.held, req.wait_reason, req.short = False, str(e), shortage(e)
+                self.room_short(now)
                 return Outcome.NO_ROOM
             except NoWorkers as e:  # no worker left that could take it: parked (RouterCore.unplaced)
                 q.remove(req)
                 self.core.unplaced(req, e, now)
                 return Outcome.REMOVED
-            req.kv_wait_until = 0.0
+            req.kv_wait_until, req.wait_budget = 0.0, 0.0
             req.held = False
             return Outcome.PLACED
 
@@ -127,6 +136,15 @@ class Waiting:
         q.extend(keep)
         for req in gone:
             if req.done:
+                continue
+            if req.wait_budget > 0:  # its budget ran out (admission.py's bounded wait): a refusal, HTTP 429
+                self.counts["budget_wait_timeouts"] += 1
+                which = "queue_budget" if self.cfg.queue_budget > 0 else "its TTFT SLO"
+                self.core.fail(req, f"overloaded: no worker could start it in time for its budget of "
+                                    f"{req.wait_budget:g} s ({which}, from arrival: placed later, its first token "
+                                    f"would come past it); {req.wait_reason}; retry later, or add "
+                                    + ("prefill workers" if req.short == "prefill_busy" else "decode workers"),
+                               req.short, now)
                 continue
             self.counts["kv_wait_timeouts"] += 1
             t = self.cfg.kv_wait_timeout

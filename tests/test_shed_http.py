@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import types
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ import httpx
 from common import config
 from common import messages as m
 from services.router import http
+from services.router import openai_serve as serve
 from services.router.service import Router
 from tests.router_fakes import FakeOutbox, hello
 
@@ -133,3 +135,14 @@ async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_by
     assert resp.status_code == 429, resp.text
     assert resp.headers["x-kairos-error"] == "kv_full" and int(resp.headers["retry-after"]) >= 1
     assert b"data:" not in resp.content and "budget of 0.3 s" in resp.json()["error"]["message"]
+
+
+async def test_a_waiting_stream_whose_request_ended_without_an_event_stops_waiting_for_placement() -> None:
+    """A request aborted while it waits (its client went away: no event is put) must not keep the
+    stream's task polling for a placement that never comes."""
+    r = router(queue_budget=-1.0)
+    req = r.submit([1, 2, 3], m.Sampling(max_tokens=2))
+    req.kv_wait_until = 1e9  # as if waiting in the router's queue
+    req.done = True  # ended by an abort: no event
+    choice = types.SimpleNamespace(req=req)
+    assert await asyncio.wait_for(serve.placed([choice]), 1.0) is None  # type: ignore[list-item]

@@ -53,8 +53,8 @@ async def placed(choices: list[Choice]) -> tuple[int, dict[str, Any]] | None:
     or late binding holds it), wait until it is placed or fails (bounded by its budget, else
     kv_wait_timeout); one that failed before any token gets its status (429 with Retry-After when
     its budget ran out) instead of a `200 OK` with an error inside (status, body as `unary`'s);
-    None: stream it."""
-    while any(c.req.kv_wait_until > 0 and not c.req.events.pending() for c in choices):
+    None: stream it. A request that ended without an event (its client went away) waits no more."""
+    while any(c.req.kv_wait_until > 0 and not c.req.done and not c.req.events.pending() for c in choices):
         await asyncio.sleep(PLACED_POLL_S)
     for c in choices:
         first = c.req.events.pending()

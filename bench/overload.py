@@ -5,12 +5,16 @@ The cluster (`kairos up`'s Cluster: router, P prefill and D decode workers, simu
 profile with a known capacity: every engine step takes `--step-s` seconds, and each prompt is one
 prefill token budget (`--budget` tokens), so each prefill worker prefills one prompt per step; the
 TBT SLO is one no chunk fits in, so every request takes the prefill path (decode workers never
-prefill in place) and the capacity is P / step_s requests per second. Open-loop streamed
+prefill in place). With the decode guard on (`--decode-guard on`, as shipped) no decode step fits
+that SLO either, so each decode worker decodes one request at a time: the decode pool is short
+(a decode-pool overload, `decode_busy`), capacity min(P / step_s, D / (max_tokens x step_s)); with
+it off, the prefill pool is short (`prefill_busy`), capacity P / step_s. Open-loop streamed
 completions arrive at `--load` x that rate (evenly spaced) for `--duration` seconds, each tried
 once, with distinct prompts (no prefix-cache hits), and each ends in one bucket:
 
     served     200, a full stream ([DONE], a finish_reason); its TTFT (request sent -> first token)
-    refused    429 with a Retry-After and an x-kairos-error, before any byte of a stream
+    refused    429 with a Retry-After and an x-kairos-error, before any byte of a stream (at once, or
+               after waiting at the router until its budget ran out: `refused_after_wait`)
     failed     anything else: another status, a 429 without Retry-After, an error event inside a
                stream, a dropped or hung connection
 
@@ -20,6 +24,7 @@ admitted sub-request by sub-request until the cluster is predicted full, then re
 router's RSS is read before the burst, after it and after the batches.
 
     python -m bench.overload --prefill 2 --decode 2 --step-s 1.0 --load 5 --duration 60 --out o.json
+    python -m bench.overload --decode-guard off ...   # the prefill-pool overload
 """
 
 from __future__ import annotations
@@ -44,9 +49,22 @@ from common.perf_model import load_profile, save_profile
 from kairos.up import Cluster, ClusterSpec
 
 NO_CHUNK_FITS = "0.0001"  # TBT SLO, seconds: no chunk schedule fits, so every request takes the prefill path
-# ... and the decode guard (on as shipped) off: under that SLO no decode step fits either, so the guard
-# would let each decode worker hold one request at a time, and the prefill pool would not be what is short
-NO_CHUNK_ENV = {"KAIROS_TBT_SLO": NO_CHUNK_FITS, "KAIROS_DECODE_ROOM": "false"}
+# With the decode guard on, as shipped (KAIROS_DECODE_ROOM true, decode_beta 0.95): under that SLO no
+# decode step fits either, so each decode worker takes one request at a time (the first on an idle worker
+# has no residents' SLO to keep) and the decode pool is what is short: a decode-pool overload (`decode_busy`)
+GUARD_ENV = {"KAIROS_TBT_SLO": NO_CHUNK_FITS}
+# ... and with the guard off, the prefill pool is what is short: a prefill-pool overload (`prefill_busy`)
+NO_CHUNK_ENV = GUARD_ENV | {"KAIROS_DECODE_ROOM": "false"}
+
+
+def capacity_rps(prefill: int, decode: int, step_s: float, max_tokens: int, guard: bool) -> float:
+    """Requests per second the cluster serves: each prefill worker prefills one prompt a step; with
+    the decode guard on, each decode worker also decodes one request at a time, max_tokens steps."""
+    cap = prefill / step_s
+    return min(cap, decode / (max(1, max_tokens) * step_s)) if guard else cap
+
+
+WAITED_S = 0.5  # a refusal answered later than this came after a wait at the router, not at the door
 
 
 @dataclass
@@ -172,14 +190,20 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
 
-def summarize(outcomes: list[Outcome]) -> dict[str, object]:
+def summarize(outcomes: list[Outcome], budget_s: float | None = None) -> dict[str, object]:
+    """The counts and times of `outcomes`; with `budget_s`, how many were served past it (TTFT as the
+    client measures it: the router's own adds the HTTP path's milliseconds)."""
     kinds = Counter(o.kind for o in outcomes)
     served = [o.ttft_s for o in outcomes if o.kind == "served" and o.ttft_s is not None]
+    over = {} if budget_s is None else {"served_over_budget": sum(t > budget_s for t in served)}
     refused = [o for o in outcomes if o.kind == "refused"]
     return {
         "sent": len(outcomes), "served": kinds["served"], "refused": kinds["refused"], "failed": kinds["failed"],
+        **over,
         "failed_how": dict(Counter(o.detail or str(o.status) for o in outcomes if o.kind == "failed")),
         "refused_codes": dict(Counter(o.detail for o in refused)),
+        # refused after waiting at the router (its wait let in, its budget ran out before it was placed)
+        "refused_after_wait": sum(o.answer_s > WAITED_S for o in refused),
         "retry_after_s": dict(sorted(Counter(int(o.retry_after or 0) for o in refused).items())),
         "refused_answer_s": {"p50": pct([o.answer_s for o in refused], 0.5),
                              "p99": pct([o.answer_s for o in refused], 0.99),
@@ -202,17 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--ttft-slo", type=float, default=5.0, help="the router's TTFT SLO, seconds")
     p.add_argument("--queue-budget", type=float, default=0.0, help="the router's queue_budget (0: the TTFT SLO)")
+    p.add_argument("--decode-guard", choices=("on", "off"), default="on",
+                   help="the router's decode guard (KAIROS_DECODE_ROOM; on as shipped): on, the decode pool is "
+                        "what is short; off, the prefill pool")
+    p.add_argument("--log-requests", action="store_true",
+                   help="the router logs request_done per request (with request_waiting's predicted_ttft_s: "
+                        "how each admitted wait was predicted and how it went)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--batches", type=int, default=10, help="batched requests of max_batch prompts after the burst")
     p.add_argument("--out", help="write the result as JSON here (and every outcome beside it, .rows.json)")
     a = p.parse_args(argv)
     log_dir = tempfile.mkdtemp(prefix="overload-")
     profile = step_profile(Path(log_dir) / "steps.json", a.step_s, a.budget)
-    capacity = a.prefill / a.step_s
+    guard = a.decode_guard == "on"
+    capacity = capacity_rps(a.prefill, a.decode, a.step_s, a.max_tokens, guard)
     spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, profile=profile, kv_transport="modeled",
                                  monitor=False, log_dir=log_dir, policy="kairos",
-                                 router_env=NO_CHUNK_ENV | {"KAIROS_TTFT_SLO": str(a.ttft_slo),
-                                                            "KAIROS_QUEUE_BUDGET": str(a.queue_budget)})
+                                 router_env=(GUARD_ENV if guard else NO_CHUNK_ENV)
+                                 | {"KAIROS_TTFT_SLO": str(a.ttft_slo), "KAIROS_QUEUE_BUDGET": str(a.queue_budget),
+                                    "KAIROS_LOG_REQUESTS": str(a.log_requests).lower()})
     cluster = Cluster(spec)
     try:
         cluster.start(timeout=60)
@@ -231,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = httpx.get(spec.api + "/v1/kairos/stats", timeout=10).json()
     finally:
         cluster.stop(20)
+    budget_s = a.queue_budget if a.queue_budget > 0 else a.ttft_slo
     result: dict[str, object] = {"capacity_rps": capacity, "offered_rps": capacity * a.load,
-                                 "burst_s": round(burst_s, 1), **summarize(outcomes), "after": asdict(probe),
+                                 "burst_s": round(burst_s, 1), **summarize(outcomes, budget_s), "after": asdict(probe),
                                  "router_counts": stats["counts"], "batches": batched, "router_rss_mb": rss,
                                  "load_avg": os.getloadavg(), "logs": log_dir, "args": vars(a)}
     print(json.dumps(result, indent=2))

@@ -98,9 +98,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096
     queue_budget: Annotated[float, doc(
         "admission: a request that cannot be placed at once and whose predicted time to first token (the "
-        "prefill workers' queues and the requests waiting before it, or the rate at which decode room frees) "
-        "is over this many seconds is refused at once with HTTP 429 and a Retry-After from the predicted "
-        "drain time, before any byte of a stream (0: each request's own TTFT SLO, ttft_slo or its body's "
+        "prefill workers' queues and the requests waiting before it, or when the requests holding decode room "
+        "end) is over this many seconds is refused at once with HTTP 429 and a Retry-After from the predicted "
+        "drain time, before any byte of a stream; one let wait that is not placed in time for it is refused "
+        "then (429, still before any byte) (0: each request's own TTFT SLO, ttft_slo or its body's "
         "ttft_slo; -1: never refused on a prediction, it waits up to kv_wait_timeout)")] = 0.0
     client_share: Annotated[float, doc(
         "admission: the fraction of max_in_flight one client (its API key when it sends one other than the "

@@ -243,7 +243,8 @@ async def test_a_full_wait_queue_or_no_waiting_answers_503_at_once() -> None:
 
 
 async def test_waiting_too_long_for_kv_room_fails_with_kv_wait_timeout() -> None:
-    b = Bench("deflect-all", [("decode-0", CAP)], kv_wait_timeout=5.0)
+    # queue_budget -1: no admission budget bounds the wait sooner (tests/test_shed.py pins that)
+    b = Bench("deflect-all", [("decode-0", CAP)], kv_wait_timeout=5.0, queue_budget=-1.0)
     b.submit()
     w = b.submit()
     b.take()
@@ -280,7 +281,9 @@ async def test_a_waiting_request_is_parked_like_the_others_once_no_decode_worker
 
 
 def late() -> Bench:
-    return Bench("kairos", [("prefill-0", 0), ("decode-0", BIG)], late_binding=True, kv_wait_timeout=5.0)
+    # queue_budget -1: waits bounded by kv_wait_timeout only (admission's budget bounds: tests/test_shed.py)
+    return Bench("kairos", [("prefill-0", 0), ("decode-0", BIG)], late_binding=True, kv_wait_timeout=5.0,
+                 queue_budget=-1.0)
 
 
 def long_prompt() -> list[int]:
@@ -569,7 +572,7 @@ async def test_a_rejected_deflection_with_no_kv_room_waits_first_in_line() -> No
 async def test_a_request_put_back_first_in_line_does_not_hold_back_the_timeouts_behind_it() -> None:
     """Changed on purpose (was: only the queue's head was checked, so a request behind one put
     back first in line, with its later deadline, waited past its own kv_wait_timeout)."""
-    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", CAP)], kv_wait_timeout=10.0)
+    b = Bench("deflect-all", [("prefill-0", 0), ("decode-0", CAP)], kv_wait_timeout=10.0, queue_budget=-1.0)
     a = b.submit()
     w = b.submit()  # waits for room until t=10
     assert work(b.take()) == [("decode-0", "deflect", 0)]

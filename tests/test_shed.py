@@ -9,13 +9,17 @@ import math
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 import tests.test_router_pins as pins
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import Overloaded, RequestError
 from common.perf_model import load_profile
+from common.router_core.admission import ROOM_MARGIN
+from common.router_core.requests import Request
 from services.router import openai_schema as schema
+from services.router import openai_serve as serve
 
 BUDGET = pins.BUDGET
 SLOW = m.Sampling(max_tokens=4)
@@ -110,53 +114,169 @@ def no_kv_bench(**overrides: object) -> pins.Bench:
     return b
 
 
-def test_the_first_request_without_kv_room_is_not_predicted_it_waits() -> None:
-    b = no_kv_bench(queue_budget=0.001)
+def test_with_nothing_of_this_router_decoding_the_first_without_kv_room_waits_bounded_by_its_budget() -> None:
+    """No request of this router decodes (another router's fill the decode worker): nothing
+    predicts when room frees, so the request waits, but no longer than its budget from arrival;
+    then it fails as a refusal (429 kv_full, Retry-After) that names the budget."""
+    b = no_kv_bench(queue_budget=0.5)
     r = b.submit()
     assert not r.done and b.stats()["kv_waiting"] == 1
+    # placed after its budget less its lead to a first token, it would miss its budget
+    until = b.core.admission.wait_until(r)
+    assert until == pytest.approx(r.arrival + 0.5 - b.core.admission.lead(len(pins.PROMPT)))
+    assert r.arrival < until < r.arrival + 0.5
+    b.tick(until - 0.01 - b.clock.now)
+    assert not r.done
+    b.tick(0.02)
+    ((code, message),) = pins.errors(r)  # type: ignore[arg-type]
+    assert code == "kv_full" and "in time for its budget of 0.5 s (queue_budget" in message
+    assert serve.error_status(code) == (429, 2.0)  # what was short, as at the door
+    assert b.stats()["counts"]["budget_wait_timeouts"] == 1
 
 
 def test_behind_a_queue_waiting_for_kv_the_wait_is_the_decoding_requests_remaining_tokens() -> None:
-    b = pins.Bench("deflect-all", [("decode-0", 1000)], queue_budget=0.001)  # the fast profile's steps are short
+    b = pins.Bench("deflect-all", [("decode-0", 1000)])  # the budget: each request's TTFT SLO
     b.beat("decode-0")
     # three requests decoding, with 10, 40 and 100 tokens left
     running = [b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=n + 1)) for n in (10, 40, 100)]
     for r in running:
         b.tokens("decode-0", r, [1])
     b.beat("decode-0", kv_used=1000, batch=3)  # and KV full
-    step = b.core.admission.decode_ends()[0] / 10  # the worker's step time
-    assert sorted(b.core.admission.decode_ends()) == pytest.approx([10 * step, 40 * step, 100 * step])
-    first = b.submit()  # the first to wait: no prediction, it waits
+    step = b.core.admission.decode_ends(b.clock.now)[0] / 10  # the worker's step time
+    assert sorted(b.core.admission.decode_ends(b.clock.now)) == pytest.approx([10 * step, 40 * step, 100 * step])
+    first = b.submit(ttft_slo=1000.0)  # a client that accepts the wait: it waits
     assert not first.done
     tokens = len(pins.PROMPT)
-    rest = b.core.admission.alone_s(tokens) + b.core.admission.first_step(tokens)
-    # the second waits for the second request to end: 40 steps, then its own prefill and first step
-    predicted = 40 * step + rest
+    rest = b.core.admission.lead(tokens)
+    assert rest == b.core.admission.alone_s(tokens) + b.core.admission.first_step(tokens)  # nothing measured yet
+    # the second waits for the second request to end: 40 steps (each room seen at a heartbeat: two
+    # rooms, two intervals at most), then its own prefill and first step
+    hb = b.core.cfg.heartbeat_interval
+    predicted = 40 * step + 2 * hb + rest
     with pytest.raises(Overloaded) as e:
-        b.submit()
+        b.submit(ttft_slo=0.001)
     assert e.value.code == "kv_full" and "1 requests wait for room before it" in str(e.value)
     text = str(e.value)
-    assert f"predicted in {40 * step:.1f} s" in text and f"time to first token {predicted:.1f} s" in text
-    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001))
+    assert f"predicted in {40 * step + 2 * hb:.1f} s" in text and f"time to first token {predicted:.1f} s" in text
+    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - 0.001 * (1 - ROOM_MARGIN)))
 
 
 def test_a_queue_longer_than_the_requests_decoding_adds_a_service_time_per_round() -> None:
     """With the decode guard on, a decode pool may hold few requests; a queue that outgrows them is
     predicted too (each round of rooms past the ones decoding now: one request's prefill and its
     max_tokens steps), not left to wait until kv_wait_timeout (the live overload test's 30 s waits)."""
-    b = pins.Bench("deflect-all", [("decode-0", 1000)], queue_budget=0.001)
+    b = pins.Bench("deflect-all", [("decode-0", 1000)])
     b.beat("decode-0")
     running = b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=11))
     b.tokens("decode-0", running, [1])
     b.beat("decode-0", kv_used=1000, batch=1)  # one request decoding, and KV full
-    (end,) = b.core.admission.decode_ends()
-    first = b.submit()  # the first to wait: no prediction, it waits
+    (end,) = b.core.admission.decode_ends(b.clock.now)
+    first = b.submit(ttft_slo=1000.0)  # it waits for the end of the one decoding
     assert not first.done
-    wait = end + b.core.admission.service_s(first)  # the second room: after the first waiter's turn
+    # the second room: after the first waiter's turn (each seen at a heartbeat)
+    wait = end + b.core.admission.service_s(first) + 2 * b.core.cfg.heartbeat_interval
     with pytest.raises(Overloaded) as e:
-        b.submit()
+        b.submit(ttft_slo=0.001)
     assert "1 requests wait for room before it, 1 decode now" in str(e.value)
     assert f"predicted in {wait:.1f} s" in str(e.value)
+
+
+def guarded(**overrides: object) -> tuple[pins.Bench, Request]:
+    """Kairos with the decode guard on, as shipped (decode_room, decode_beta 0.95): one prefill and
+    one decode worker, one request decoding there (10 tokens left), and the decode worker's residents'
+    TBT SLO so strict that no decode step with another request added fits it: decode step time is
+    short, KV is not (the decode worker's KV is nearly empty)."""
+    b = pins.Bench("kairos", [("prefill-0", 0), ("decode-0", pins.BIG)], **overrides)
+    assert b.core.cfg.decode_room and b.core.cfg.decode_beta == 0.95  # the shipped guard
+    b.beat("prefill-0")
+    b.beat("decode-0")
+    running = b.submit(pins.PROMPT[:10], m.Sampling(max_tokens=11))
+    b.tokens("decode-0", running, [1])
+    b.beat("prefill-0")
+    b.beat("decode-0", kv_used=20, batch=1, strictest_tbt_slo=1e-5)
+    return b, running
+
+
+def test_behind_a_queue_waiting_for_decode_step_room_the_429_says_decode_busy_not_kv_full() -> None:
+    """With the decode guard on, what is short is decode step time, not KV: a request refused
+    behind the ones waiting for decode room is refused `decode_busy` (x-kairos-error, the
+    overload_shed line, the rejected metric's label), never `kv_full` (issue 48: the reason named a
+    KV shortage while every decode worker's KV was nearly empty)."""
+    b, _ = guarded()
+    first = b.submit(ttft_slo=1000.0)  # a client that accepts a long wait: it waits for room
+    assert not first.done and b.stats()["kv_waiting"] == 1
+    assert b.stats()["counts"]["decode_room_waited"] == 1
+    with capture_logs() as logs, pytest.raises(Overloaded) as e:
+        b.submit(ttft_slo=0.001)
+    assert e.value.code == "decode_busy", e.value
+    assert "decode step room" in str(e.value) and "KV room" not in str(e.value)
+    (shed,) = [x for x in logs if x["event"] == "overload_shed"]
+    assert shed["code"] == "decode_busy"
+
+
+def test_the_first_request_to_wait_for_decode_room_is_predicted_and_refused_past_its_budget() -> None:
+    """Issue 48: on the shipped defaults (decode guard on) a decode-pool overload served some
+    requests at 18 s because the first to wait for decode room was never predicted. It is: its
+    wait is the soonest end of the requests decoding (their max_tokens at the worker's recent step
+    time), then its prefill and first decode step; past its budget it is refused at once (429
+    decode_busy, Retry-After from the prediction)."""
+    b, _ = guarded()
+    (end,) = b.core.admission.decode_ends(b.clock.now)
+    assert end > 0
+    tokens = len(pins.PROMPT)
+    predicted = end + b.core.cfg.heartbeat_interval + b.core.admission.lead(tokens)  # room seen at a heartbeat
+    slo = predicted / 2
+    with pytest.raises(Overloaded) as e:
+        b.submit(ttft_slo=slo)  # nobody waits before it: the first to wait
+    assert e.value.code == "decode_busy"
+    assert "0 requests wait for room before it, 1 decode now" in str(e.value)
+    assert f"time to first token {predicted:.1f} s" in str(e.value)
+    assert e.value.retry_after_s == max(1.0, math.ceil(predicted - slo * (1 - ROOM_MARGIN)))
+    assert b.stats()["kv_waiting"] == 0 and b.stats()["counts"]["shed"] == 1
+    with pytest.raises(Overloaded):  # a decode-room wait keeps a margin: within the budget, not within 90 % of it
+        b.submit(ttft_slo=predicted / (1 - ROOM_MARGIN) * 0.99)
+    ok = b.submit(ttft_slo=predicted / (1 - ROOM_MARGIN) * 1.01)  # predicted within it: it waits
+    assert not ok.done and b.stats()["kv_waiting"] == 1
+
+
+def test_a_request_let_wait_for_decode_room_fails_fast_at_its_budget_never_served_past_it() -> None:
+    """A prediction can be short (the decode guard keeps the room closed after the request it
+    counted on ends): the request admitted to wait waits at most its budget from arrival (less its
+    lead to a first token), then fails as a refusal (429 decode_busy, Retry-After) instead of
+    waiting kv_wait_timeout (30 s) and being served past its budget."""
+    b, running = guarded()
+    r = b.submit(ttft_slo=1.0)
+    assert not r.done and b.stats()["kv_waiting"] == 1
+    b.tokens("decode-0", running, [1] * 10, "length")  # the one decoding ends ...
+    b.beat("decode-0", kv_used=20, batch=1, strictest_tbt_slo=1e-5)  # ... and another router's takes its room
+    lead = b.core.admission.lead(len(pins.PROMPT))
+    assert 0 < lead < 0.5
+    b.tick(1.0 - lead - 0.01)
+    assert not r.done
+    b.tick(0.02)  # placed now, its first token would come past its budget
+    ((code, message),) = pins.errors(r)  # type: ignore[arg-type]
+    assert code == "decode_busy" and "in time for its budget of 1 s (its TTFT SLO" in message
+    assert serve.error_status(code) == (429, 2.0)
+
+
+def test_while_decode_room_is_short_a_held_request_is_predicted_from_decode_room_too() -> None:
+    """Late binding holds a request while the prefill queue is deep, and decides decode room only
+    after: under a decode-pool overload the held request then waits for decode room as well. While
+    a decision lately found no decode room, a held request's prediction is the later of the prefill
+    pool's and decode room's (before: the prefill pool's alone, so it was let in and waited)."""
+    b, _ = guarded()
+    first = b.submit(ttft_slo=1000.0)  # no decode room: it waits (and decode room is known short) ...
+    assert not first.done and not first.held
+    held_pred = b.core.admission.predict_prefill(first, [])
+    b.core.abort(first, b.clock.now)  # ... and goes (its client left): nobody waits for room now
+    b.beat("decode-0", kv_used=20, batch=1)  # the decode worker's view shows room this instant ...
+    b.beat("prefill-0", queued_tokens=BUDGET)  # ... but the prefill queue is deep: late binding holds the next
+    assert held_pred is not None
+    with pytest.raises(Overloaded) as e:
+        # within the prefill pool's prediction, not decode room's (a TBT SLO no chunk fits: no deflection)
+        b.submit(ttft_slo=held_pred.ttft_s * 2, tbt_slo=pins.NO_SLACK)
+    assert e.value.code == "decode_busy" and "0 requests wait for room before it" in str(e.value)
+    assert "late binding" in str(e.value)  # held, as the policy said
 
 
 def test_one_client_holds_at_most_its_share_of_max_in_flight() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import types
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ import httpx
 from common import config
 from common import messages as m
 from services.router import http
+from services.router import openai_serve as serve
 from services.router.service import Router
 from tests.router_fakes import FakeOutbox, hello
 
@@ -108,3 +110,39 @@ async def test_a_batch_over_the_limit_is_a_400_and_nothing_is_admitted() -> None
         resp = await c.post("/v1/completions", json=body(33))
     assert resp.status_code == 400 and resp.headers["x-kairos-error"] == "batch_too_large"
     assert "retry-after" not in resp.headers and not r.requests
+
+
+async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_byte_not_failed_inside() -> None:
+    """A request let wait at the router (its wait unpredicted, or predicted within its budget) whose
+    budget runs out before it is placed gets a 429 with Retry-After and what was short, not a
+    `200 OK` stream with an error event inside (issue 48: 'never a stream that waits and then
+    fails'): a streamed request's status line waits while the router holds it."""
+    r = router(queue_budget=0.3)
+    r.core.on_message(b"decode-0", m.DecodeHeartbeat(
+        worker_id="decode-0", incarnation="inc-decode-0", seq=1, batch=0, kv_tokens=100_000, kv_free_tokens=0,
+        kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+        token_budget=2048, last_dispatch=0), 1.0)  # KV full, and none of this router's requests decoding
+    async with client(r) as c:
+        task = asyncio.create_task(c.post("/v1/completions", json=body(1, stream=True)))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if r.core.stats()["kv_waiting"] == 1:
+                break
+        assert r.core.stats()["kv_waiting"] == 1 and not task.done()  # waiting, and no status line yet
+        (req,) = r.requests.values()
+        r.core.tick(req.kv_wait_until + 0.01)  # its budget (less its lead to a first token) ran out
+        resp = await asyncio.wait_for(task, 5.0)
+    assert resp.status_code == 429, resp.text
+    assert resp.headers["x-kairos-error"] == "kv_full" and int(resp.headers["retry-after"]) >= 1
+    assert b"data:" not in resp.content and "budget of 0.3 s" in resp.json()["error"]["message"]
+
+
+async def test_a_waiting_stream_whose_request_ended_without_an_event_stops_waiting_for_placement() -> None:
+    """A request aborted while it waits (its client went away: no event is put) must not keep the
+    stream's task polling for a placement that never comes."""
+    r = router(queue_budget=-1.0)
+    req = r.submit([1, 2, 3], m.Sampling(max_tokens=2))
+    req.kv_wait_until = 1e9  # as if waiting in the router's queue
+    req.done = True  # ended by an abort: no event
+    choice = types.SimpleNamespace(req=req)
+    assert await asyncio.wait_for(serve.placed([choice]), 1.0) is None  # type: ignore[list-item]

@@ -37,6 +37,7 @@ from common.policy import (
     Hold,
     KairosConfig,
     KvAwareConfig,
+    NoDecodeRoom,
     NoKvRoom,
     NoWorkers,
     Policy,
@@ -131,6 +132,7 @@ class RouterCore:
             counts=self.counts, dropped=self.dropped, outbox=outbox, metrics=metrics, hooks=hooks,
             wall_offset=wall_offset, log=self.log)
         self.admission = Admission(cfg, self.table, self.requests)
+        self.waiting.room_short = self.admission.room_short
         self.inbound = Inbound(self)
         # the role planner (common/router_core/planner.py): set by a shell that runs it, on the router
         # that leads (`planner.leader`); it ticks with `plan_roles`
@@ -174,19 +176,28 @@ class RouterCore:
         waiting = self.kv_waiting
         waiting.drop_done()
         try:
-            if waiting and self.waiting.blocked():
-                # FIFO: nobody overtakes
-                raise NoKvRoom("requests ahead of it are waiting for decode room (KV, or decode step time)")
+            head = self.waiting.blocker() if waiting else None
+            if head is not None:
+                # FIFO: nobody overtakes; it waits for what the first in line waits for (decode step
+                # time with the decode guard, else KV), and its 429 names that, not always KV
+                if head.short == "decode_busy":
+                    raise NoDecodeRoom(f"requests ahead of it are waiting for decode step room ({head.wait_reason})")
+                raise NoKvRoom(f"requests ahead of it are waiting for KV room ({head.wait_reason})")
             self.dispatch(req, now)
         except NoKvRoom as e:
+            if not isinstance(e, Hold):
+                self.admission.room_short(now)
             self.shed(req, e)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
-                self.metrics.observe_rejected("no_kv_room")
+                self.metrics.observe_rejected("queue_full")
                 raise Unavailable(f"cannot serve now: {e}, and {len(waiting)} requests already wait "
                                   f"for it (limit {self.cfg.kv_wait_max})", retry_after_s=1.0) from e
-            self.waiting.enqueue(req, e, now)
-            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e))
+            self.waiting.enqueue(req, e, now, self.admission.wait_until(req))
+            pred = self.admission.predicted
+            self.log.info("request_waiting", request_id=rid, held=req.held, reason=str(e),
+                          predicted_ttft_s=round(pred.ttft_s, 3) if pred is not None else None,
+                          wait_until_s=round(req.kv_wait_until - now, 3))
         except NoWorkers as e:
             raise NoWorkerYet(f"cannot serve now: {e}", retry_after_s=1.0) from e
         self.requests[rid] = req
@@ -426,7 +437,7 @@ class RouterCore:
         A request arriving with no worker registered is the shell's to hold (`Router.admit`)."""
         if isinstance(e, NoKvRoom):
             req.held, req.wait_reason, req.short = isinstance(e, Hold), str(e), shortage(e)
-            req.kv_wait_until = now + self.cfg.kv_wait_timeout
+            req.kv_wait_until, req.wait_budget = now + self.cfg.kv_wait_timeout, 0.0  # admitted: no budget bound
             self.kv_waiting.appendleft(req)
             self.counts["kv_waited"] += 1
             self.tell_queue(now)

@@ -41,6 +41,10 @@ class Events:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def pending(self) -> list[Event]:
+        """The events not taken yet (not removed)."""
+        return self._items
+
     async def take(self) -> list[Event]:
         """Every event so far, waiting for at least one."""
         while not self._items:
@@ -90,6 +94,8 @@ class Request:
     held: bool = False          # ... because the policy held it (late binding), not for KV room
     wait_reason: str = ""       # why it waits, the policy's words
     short: str = ""             # ... and what is short: prefill_busy, decode_busy or kv_full (admission.shortage)
+    wait_budget: float = 0.0    # > 0: its wait is bounded by its admission budget (seconds from arrival), not
+    # kv_wait_timeout (admission.py's bounded wait)
     client: str = ""            # who sent it (API key, else address): its share of max_in_flight (admission.py)
     engine_cached: int | None = None   # prompt tokens the engine found cached (TokenItem.cached_tokens)
     engine_created: int | None = None  # ... and added to its cache (TokenItem.cache_created_tokens)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 from common import messages as m
 from common.config import RouterConfig
 from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start
-from common.router_core.admission import shortage
+from common.router_core.admission import budget, shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
 from common.wait_queue import SCAN, Outcome, WaitQueue
@@ -78,10 +79,12 @@ class Waiting:
     three things it asks of the core (`Placer`)."""
 
     def __init__(self, cfg: RouterConfig, policy: Policy, table: WorkerTable, counts: Counter[str],
-                 core: Placer, wall_offset: float = 0.0) -> None:
+                 core: Placer, wall_offset: float = 0.0,
+                 room_short: Callable[[float], None] = lambda now: None) -> None:
         self.cfg, self.policy, self.table, self.counts = cfg, policy, table, counts
         self.wall_offset = wall_offset  # wall-clock time = the router's clock + wall_offset
         self.core = core
+        self.room_short = room_short  # told when a retry finds no decode room (Admission.room_short)
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
     def alone_s(self, tokens: int) -> float:
@@ -126,14 +129,21 @@ class Waiting:
         turn = replica_turn((late, at, me), {r: (q.late, q.oldest_at) for r, (_, q) in others.items()})
         return turn * cfg.replica_stagger_ms / 1000.0
 
-    def blocked(self) -> bool:
-        """Does a request wait for KV room (so a new one must queue behind it)? Only held ones: no."""
-        return any(not r.held and not r.done for r in self.queue)
+    def blocker(self) -> Request | None:
+        """The first request waiting for decode room (KV or decode step time; not a held one), which a
+        new request must queue behind; None when none waits for room."""
+        return next((r for r in self.queue if not r.held and not r.done), None)
 
-    def enqueue(self, req: Request, e: NoKvRoom, now: float) -> None:
+    def enqueue(self, req: Request, e: NoKvRoom, now: float, until: float | None = None) -> None:
+        """A new request waits (admission let it): until room opens, at most `kv_wait_timeout`, and
+        at most `until` (admission's `wait_until`: placed later, it would miss the time to first
+        token it was admitted for; it fails then, retryable, instead)."""
         req.held = isinstance(e, Hold)
         req.wait_reason, req.short = str(e), shortage(e)
         req.kv_wait_until = now + self.cfg.kv_wait_timeout
+        b = budget(self.cfg, req)
+        if until is not None and b is not None and until < req.kv_wait_until:
+            req.kv_wait_until, req.wait_budget = max(now, until), b
         self.queue.append(req)
         self.counts["late_held" if req.held else "kv_waited"] += 1
         if isinstance(e, NoDecodeRoom):  # of those waiting for room: the decode step, not the KV
@@ -160,12 +170,13 @@ class Waiting:
                 return Outcome.HELD
             except NoKvRoom as e:
                 req.held, req.wait_reason, req.short = False, str(e), shortage(e)
+                self.room_short(now)
                 return Outcome.NO_ROOM
             except NoWorkers as e:  # no worker left that could take it: parked (RouterCore.unplaced)
                 q.remove(req)
                 self.core.unplaced(req, e, now)
                 return Outcome.REMOVED
-            req.kv_wait_until = 0.0
+            req.kv_wait_until, req.wait_budget = 0.0, 0.0
             req.held = False
             return Outcome.PLACED
 
@@ -186,6 +197,15 @@ class Waiting:
         q.extend(keep)
         for req in gone:
             if req.done:
+                continue
+            if req.wait_budget > 0:  # its budget ran out (admission.py's bounded wait): a refusal, HTTP 429
+                self.counts["budget_wait_timeouts"] += 1
+                which = "queue_budget" if self.cfg.queue_budget > 0 else "its TTFT SLO"
+                self.core.fail(req, f"overloaded: no worker could start it in time for its budget of "
+                                    f"{req.wait_budget:g} s ({which}, from arrival: placed later, its first token "
+                                    f"would come past it); {req.wait_reason}; retry later, or add "
+                                    + ("prefill workers" if req.short == "prefill_busy" else "decode workers"),
+                               req.short, now)
                 continue
             self.counts["kv_wait_timeouts"] += 1
             t = self.cfg.kv_wait_timeout

@@ -263,6 +263,10 @@ class App:
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:
             if p.stream:
+                refused = await serve.placed(choices)  # a request waiting at the router: its status waits
+                if refused is not None:
+                    status, body = refused
+                    raise HttpError(status, body["message"], code=body["code"], retry_after=body["retry_after"])
                 await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint())
             else:
                 status, body = await serve.unary(router, p, choices, self._fingerprint())

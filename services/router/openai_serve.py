@@ -37,9 +37,31 @@ def error_status(code: str) -> tuple[int, float | None]:
     if code in ("router_shutdown", "kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout"):
         # another router, or room that frees, can take it
         return 503, 2.0
+    if code in ("prefill_busy", "decode_busy", "kv_full"):
+        # it waited at the router for room until its budget ran out (admission.py's bounded wait): overload
+        return 429, 2.0
     if code in ("unavailable", "retries_exhausted"):
         return 503, None
     return 500, None
+
+
+PLACED_POLL_S = 0.02  # how often a stream whose request waits at the router looks whether it left the queue
+
+
+async def placed(choices: list[Choice]) -> tuple[int, dict[str, Any]] | None:
+    """Before a stream's status line: while a request waits in the router's queue (no room yet,
+    or late binding holds it), wait until it is placed or fails (bounded by its budget, else
+    kv_wait_timeout); one that failed before any token gets its status (429 with Retry-After when
+    its budget ran out) instead of a `200 OK` with an error inside (status, body as `unary`'s);
+    None: stream it. A request that ended without an event (its client went away) waits no more."""
+    while any(c.req.kv_wait_until > 0 and not c.req.done and not c.req.events.pending() for c in choices):
+        await asyncio.sleep(PLACED_POLL_S)
+    for c in choices:
+        first = c.req.events.pending()
+        if first and first[0].error is not None:
+            status, retry_after = error_status(first[0].error_code)
+            return status, {"message": first[0].error, "code": first[0].error_code, "retry_after": retry_after}
+    return None
 
 
 def feed(router: Router, c: Choice, events: list[Event]) -> None:

@@ -48,6 +48,7 @@ from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router import openapi
+from services.router.edge import DIRECT
 from services.router.errors import error_object
 from services.router.openai_render import Choice
 from services.router.service import Router
@@ -263,7 +264,8 @@ class App:
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:
             if p.stream:
-                await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint())
+                await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint(),
+                                   direct=scope.get("extensions", {}).get(DIRECT))
             else:
                 status, body = await serve.unary(router, p, choices, self._fingerprint())
                 if status != 200:

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from common.router_core.requests import Event
+from services.router.edge import DirectWrite
 from services.router.errors import error_object
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
@@ -111,12 +112,74 @@ def _role_usage(p: Plan, c: Choice) -> dict[str, Any]:
     return {"usage": {"prompt_tokens": pt, "completion_tokens": 0, "total_tokens": pt}}
 
 
+_MARK = "\ue000kairos-text\ue000"  # stands for a chunk's text while its template is made (never escaped)
+_MARK_JSON = _json.encode(_MARK)
+
+
+def plain(p: Plan, choices: list[Choice]) -> bool:
+    """A stream whose middle chunks are text only (the common case): no stop strings, logprobs,
+    tool calls, echo, per-chunk usage or token ids, and a tokenizer whose tokens decode one by one.
+    Its chunks before the last are one template per choice with the new text's JSON string in it
+    (`Plain`): no per-token objects, no dict to build and encode per chunk."""
+    return (not p.stop and p.logprobs is None and p.tool_plan is None and not p.echo and not p.continuous_usage
+            and not p.return_token_ids and all(c.additive for c in choices))
+
+
+class Plain:
+    """The bytes of a plain stream's middle chunk for one choice: `pre + JSON string + post`, cut
+    from the generic chunk rendered with a marker for its text (so the bytes are the generic
+    path's by construction; tests/test_stream_bytes.py checks them against it)."""
+
+    __slots__ = ("post", "pre")
+
+    def __init__(self, whole: bytes) -> None:
+        self.pre, _, self.post = whole.partition(_MARK_JSON)
+
+    def take(self, c: Choice, evs: list[Event]) -> bytes | None:
+        """The chunk for `evs` (tokens only), the choice's state moved on as `Choice.push` and
+        `Choice.delta` would; None where the generic path must render them (an end, an error,
+        logprobs, nothing to show, text that may end inside a character), the state untouched."""
+        if len(evs) == 1:
+            ev = evs[0]
+            if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                    or ev.prompt_logprobs is not None or not ev.token_ids:
+                return None
+            ids = ev.token_ids
+        else:
+            ids = []
+            for ev in evs:
+                if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                        or ev.prompt_logprobs is not None:
+                    return None
+                if ev.token_ids:
+                    ids += ev.token_ids
+            if not ids:
+                return None
+        if c.done or c.sent != len(c.text):
+            return None
+        text = c._decode(ids)
+        if not text or text[-1] == "\ufffd":
+            return None
+        c.ids += ids
+        c.lps += [None] * len(ids)
+        c.full += text
+        c.text = c.full
+        c.sent = len(c.full)
+        c.lps_sent = len(c.ids)
+        return self.pre + _json.encode(text) + self.post
+
+
 async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
-                 headers: list[tuple[bytes, bytes]], fingerprint: str | None = None) -> None:
+                 headers: list[tuple[bytes, bytes]], fingerprint: str | None = None, *,
+                 fast: bool = True, direct: DirectWrite | None = None) -> None:
     """The SSE chunks, as vLLM's server writes them: chat opens with a role chunk per choice (with
     `prompt_token_ids` when return_token_ids is asked); a completion choice's first chunk carries
     its `prompt_token_ids` then; the final chunk of each choice (or the usage chunk, when usage is
-    asked) carries the `system_fingerprint`."""
+    asked) carries the `system_fingerprint`. A plain stream's middle chunks come from a template
+    (`Plain`; `fast=False`: every chunk the generic way, the reference the tests compare with);
+    with one choice and `direct` (the connection's DirectWrite, services/router/edge.py), each is
+    written from the bus reader as its tokens arrive (the request's `Events.sink`), and this task
+    wakes only for what needs it: the end, an error, a socket that must drain."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     req = choices[0].req
     cid = ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id)
@@ -149,11 +212,28 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     offsets = [0] * len(choices)
     tool_streams = [ToolStream(p.tool_plan, p.prompts[c.prompt_index]) for c in choices] \
         if p.tool_plan is not None else []
+    templates: list[Plain] = []
+    if fast and plain(p, choices):
+        if p.chat:
+            templates = [Plain(chunk({"index": c.index, "delta": {"content": _MARK}, "logprobs": None,
+                                      "finish_reason": None, "token_ids": None})) for c in choices]
+        else:
+            templates = [Plain(chunk({"index": c.index, "text": _MARK, "logprobs": None, "finish_reason": None,
+                                      "stop_reason": None, "prompt_token_ids": None, "token_ids": None}))
+                         for c in choices]
     merge = _Merge(choices)
+    events = choices[0].req.events
+    if templates and direct is not None and len(choices) == 1:
+        events.sink = _sink(templates[0], choices[0], direct)
     try:
         while not all(c.done for c in choices):
             i, evs = await merge.next()
             c = choices[i]
+            if templates:
+                body = templates[i].take(c, evs)
+                if body is not None:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    continue
             feed(router, c, evs)
             if c.error is not None:
                 status, _ = error_status(c.error.error_code)
@@ -211,4 +291,18 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             tail = b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
+        events.sink = None
         merge.close()
+
+
+def _sink(template: Plain, c: Choice, direct: DirectWrite) -> Callable[[Event], bool]:
+    """The request's `Events.sink`: a plain token event written at once as its chunk."""
+    def take(ev: Event) -> bool:
+        if not direct.ready():
+            return False
+        body = template.take(c, [ev])
+        if body is None:
+            return False
+        direct.write(body)
+        return True
+    return take

@@ -65,8 +65,15 @@ class DirectWrite:
         return (c.response_started and not c.response_complete and c.chunked_encoding is True
                 and not c.disconnected and not c.flow.write_paused and not c.transport.is_closing())
 
+    def open(self) -> bool:
+        """The response can still take a chunk (started, not over, the client there); `send`
+        would wait for the socket's buffer to drain first, this does not."""
+        c = self._cycle
+        return (c.response_started and not c.response_complete and c.chunked_encoding is True
+                and not c.disconnected and not c.transport.is_closing())
+
     def write(self, body: bytes) -> None:
-        """One body chunk (more to come), as uvicorn frames it; only after `ready()`."""
+        """One body chunk (more to come), as uvicorn frames it; only after `ready()` or `open()`."""
         self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 

@@ -155,11 +155,24 @@ class Plain:
                     ids += ev.token_ids
             if not ids:
                 return None
+        text = self.text_of(c, ids)
+        return None if text is None else self.commit(c, ids, text)
+
+    @staticmethod
+    def text_of(c: Choice, ids: list[int]) -> str | None:
+        """The text `ids` add to the choice's, where it can go out as it is (None: the generic
+        path must render it: the choice ended, text held back, nothing to show, a character
+        that may not be complete)."""
         if c.done or c.sent != len(c.text):
             return None
         text = c._decode(ids)
         if not text or text[-1] == "\ufffd":
             return None
+        return text
+
+    def commit(self, c: Choice, ids: list[int], text: str) -> bytes:
+        """The chunk of `ids` (decoding to `text`), the choice's state moved on as `Choice.push`
+        and `Choice.delta` would."""
         c.ids += ids
         c.lps += [None] * len(ids)
         c.full += text
@@ -167,6 +180,60 @@ class Plain:
         c.sent = len(c.full)
         c.lps_sent = len(c.ids)
         return self.pre + _json.encode(text) + self.post
+
+
+class _Direct:
+    """A single-choice plain stream's token chunks, written from the bus reader (the request's
+    `Events.sink`) without waking its HTTP task: the tokens accepted during one turn of the event
+    loop go out as one chunk (as the generic path joins the events it finds queued), written
+    when the turn's other callbacks are done (`_flush_due`) or before the task writes anything
+    itself (`flush`), so the order on the wire is the order of the events."""
+
+    __slots__ = ("c", "direct", "ids", "template", "texts")
+
+    def __init__(self, template: Plain, c: Choice, direct: DirectWrite) -> None:
+        self.template, self.c, self.direct = template, c, direct
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+
+    def offer(self, ev: Event) -> bool:
+        """Events.sink: True when `ev` is taken (tokens only, the socket writable now)."""
+        ids = ev.token_ids
+        if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                or ev.prompt_logprobs is not None or not ids or not self.direct.ready():
+            return False
+        c = self.c
+        if not self.ids and (c.done or c.sent != len(c.text)):
+            return False
+        text = c._decode(ids)
+        if not text or text[-1] == "\ufffd":
+            return False
+        if not self.ids:
+            _due.append(self)
+            if len(_due) == 1:
+                asyncio.get_running_loop().call_soon(_flush_due)
+        self.ids += ids
+        self.texts.append(text)
+        return True
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        ids, text = self.ids, "".join(self.texts)
+        self.ids, self.texts = [], []
+        body = self.template.commit(self.c, ids, text)
+        if self.direct.open():
+            self.direct.write(body)
+
+
+_due: list[_Direct] = []  # streams with tokens accepted in this turn of the loop
+
+
+def _flush_due() -> None:
+    global _due
+    due, _due = _due, []
+    for d in due:
+        d.flush()
 
 
 async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
@@ -223,12 +290,16 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                          for c in choices]
     merge = _Merge(choices)
     events = choices[0].req.events
-    if templates and direct is not None and len(choices) == 1:
-        events.sink = _sink(templates[0], choices[0], direct)
+    writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
+        and len(choices) == 1 else None
+    if writer is not None:
+        events.sink = writer.offer
     try:
         while not all(c.done for c in choices):
             i, evs = await merge.next()
             c = choices[i]
+            if writer is not None:
+                writer.flush()  # what the bus reader took before these events goes first
             if templates:
                 body = templates[i].take(c, evs)
                 if body is not None:
@@ -292,17 +363,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
         events.sink = None
+        if writer is not None:
+            writer.ids, writer.texts = [], []  # ended (an error, the client gone): nothing more goes out
         merge.close()
 
-
-def _sink(template: Plain, c: Choice, direct: DirectWrite) -> Callable[[Event], bool]:
-    """The request's `Events.sink`: a plain token event written at once as its chunk."""
-    def take(ev: Event) -> bool:
-        if not direct.ready():
-            return False
-        body = template.take(c, [ev])
-        if body is None:
-            return False
-        direct.write(body)
-        return True
-    return take

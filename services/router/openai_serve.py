@@ -209,9 +209,12 @@ class _Direct:
         if not text or text[-1] == "\ufffd":
             return False
         if not self.ids:
+            loop = asyncio.get_running_loop()
+            if _due_on[0] is not loop:  # no flush due on this loop yet (what a closed loop left is dropped)
+                _due.clear()
+                _due_on[0] = loop
+                loop.call_soon(_flush_due)
             _due.append(self)
-            if len(_due) == 1:
-                asyncio.get_running_loop().call_soon(_flush_due)
         self.ids += ids
         self.texts.append(text)
         return True
@@ -227,11 +230,13 @@ class _Direct:
 
 
 _due: list[_Direct] = []  # streams with tokens accepted in this turn of the loop
+_due_on: list[asyncio.AbstractEventLoop | None] = [None]  # the loop their flush is scheduled on
 
 
 def _flush_due() -> None:
-    global _due
-    due, _due = _due, []
+    due = _due[:]
+    _due.clear()
+    _due_on[0] = None
     for d in due:
         d.flush()
 

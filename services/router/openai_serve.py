@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from common.router_core.requests import Event
-from services.router.edge import DirectWrite
 from services.router.errors import error_object
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
@@ -110,6 +109,16 @@ def _role_usage(p: Plan, c: Choice) -> dict[str, Any]:
         return {}
     pt = len(p.prompts[c.prompt_index])
     return {"usage": {"prompt_tokens": pt, "completion_tokens": 0, "total_tokens": pt}}
+
+
+class DirectWrite(Protocol):
+    """A connection's direct writes (services/router/edge.py's DirectWrite; tests pass a fake)."""
+
+    def ready(self) -> bool: ...
+
+    def open(self) -> bool: ...
+
+    def write(self, body: bytes) -> None: ...
 
 
 _MARK = "\ue000kairos-text\ue000"  # stands for a chunk's text while its template is made (never escaped)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -137,12 +138,14 @@ def plain(p: Plan, choices: list[Choice]) -> bool:
 class Plain:
     """The bytes of a plain stream's middle chunk for one choice: `pre + JSON string + post`, cut
     from the generic chunk rendered with a marker for its text (so the bytes are the generic
-    path's by construction; tests/test_stream_bytes.py checks them against it)."""
+    path's by construction; tests/test_stream_bytes.py checks them against it). Cut at its first
+    use: a stream whose only event is its end (one output token) never pays for it."""
 
-    __slots__ = ("post", "pre")
+    __slots__ = ("make", "post", "pre")
 
-    def __init__(self, whole: bytes) -> None:
-        self.pre, _, self.post = whole.partition(_MARK_JSON)
+    def __init__(self, make: Callable[[], bytes]) -> None:
+        self.make: Callable[[], bytes] | None = make  # the generic chunk with the marker for its text
+        self.pre = self.post = b""
 
     def take(self, c: Choice, evs: list[Event]) -> bytes | None:
         """The chunk for `evs` (tokens only), the choice's state moved on as `Choice.push` and
@@ -188,6 +191,9 @@ class Plain:
         c.text = c.full
         c.sent = len(c.full)
         c.lps_sent = len(c.ids)
+        if self.make is not None:
+            self.pre, _, self.post = self.make().partition(_MARK_JSON)
+            self.make = None
         return self.pre + _json.encode(text) + self.post
 
 
@@ -296,12 +302,12 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     templates: list[Plain] = []
     if fast and plain(p, choices):
         if p.chat:
-            templates = [Plain(chunk({"index": c.index, "delta": {"content": _MARK}, "logprobs": None,
-                                      "finish_reason": None, "token_ids": None})) for c in choices]
+            templates = [Plain(partial(chunk, {"index": c.index, "delta": {"content": _MARK}, "logprobs": None,
+                                               "finish_reason": None, "token_ids": None})) for c in choices]
         else:
-            templates = [Plain(chunk({"index": c.index, "text": _MARK, "logprobs": None, "finish_reason": None,
-                                      "stop_reason": None, "prompt_token_ids": None, "token_ids": None}))
-                         for c in choices]
+            templates = [Plain(partial(chunk, {"index": c.index, "text": _MARK, "logprobs": None,
+                                               "finish_reason": None, "stop_reason": None,
+                                               "prompt_token_ids": None, "token_ids": None})) for c in choices]
     merge = _Merge(choices)
     events = choices[0].req.events
     writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \

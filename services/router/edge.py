@@ -49,6 +49,7 @@ CLOSED = Counter("kairos_router_http_connections_closed", "HTTP connections the 
 
 
 DIRECT = "kairos.direct_write"  # the scope extension holding a request's DirectWrite
+_CYCLE = ("response_started", "response_complete", "chunked_encoding", "disconnected", "flow", "transport")
 
 
 class DirectWrite:
@@ -198,7 +199,8 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             self._arm(edge.limits.body_timeout_s, self._body_timeout)
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is not None and cycle.scope is self.scope:  # this request's (not an upgrade's)
+            # this request's cycle (not an upgrade's), of a uvicorn whose cycle has what DirectWrite reads
+            if cycle is not None and cycle.scope is self.scope and all(hasattr(cycle, a) for a in _CYCLE):
                 ext: dict[str, Any] = self.scope.setdefault("extensions", {})
                 ext[DIRECT] = DirectWrite(cycle)
 

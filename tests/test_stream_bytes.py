@@ -1,9 +1,11 @@
 """A plain stream's chunks from their templates (services/router/openai_serve.py `Plain`) are the
 bytes the generic rendering writes, for every kind of request, whichever path each chunk takes.
 
-Each case runs `serve.stream` twice over the same scripted token events (in-process: no socket,
-no clock but a fixed `created`), once with the templates and once without, and compares every
-byte sent; the plain cases also check that the templates did render the middle chunks.
+Each case runs `serve.stream` over the same scripted token events (in-process: no socket, no
+clock but a fixed `created`): without the templates (the reference), with them, and with them
+written the direct way (a fake DirectWrite: every byte the same; with a socket that refuses now
+and then: the same text and end), and checks that the plain cases did use the templates and the
+direct writes. The Events sink's ordering rule has its own test below.
 """
 
 from __future__ import annotations

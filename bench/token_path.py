@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import statistics
 import time
 from typing import Any
 
-import structlog
-
 from common import codec, config
+from common import logging as logs
 from common import messages as m
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direct", choices=("on", "off"), default="on",
                    help="write plain token chunks the direct way (on, as the router does) or the ASGI way")
     a = p.parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    logs.configure("bench", level="warning")  # as the router configures it (a cached logger per module)
     asyncio.run(main_async(a))
     return 0
 

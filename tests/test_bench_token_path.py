@@ -1,4 +1,4 @@
-"""bench/token_path.py runs, both ways, and says what it measured."""
+"""bench/token_path.py (both ways) and bench/request_path.py run and say what they measured."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ def test_token_path_measures_both_endpoints(direct: str, capsys: pytest.CaptureF
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["chat", "completions"]
     assert all("µs of CPU per token" in line and f"direct {direct}" in line for line in out)
+
+
+def test_request_path_times_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import request_path
+
+    assert request_path.main(["--requests", "3", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(stage in out for stage in request_path.STAGES) and "total" in out

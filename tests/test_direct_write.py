@@ -6,6 +6,7 @@ keep-alive connection serves the next request."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -60,3 +61,75 @@ async def test_direct_chunks_reach_the_client_in_order_and_the_connection_serves
     finally:
         server.should_exit = True
         await task
+
+
+class _Socket:
+    """A DirectWrite that takes everything, its bodies into the same list as the ASGI sends'."""
+
+    def __init__(self, out: list[bytes]) -> None:
+        self.out = out
+        self.written = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def open(self) -> bool:
+        return True
+
+    def write(self, body: bytes) -> None:
+        self.written += 1
+        self.out.append(body)
+
+
+async def test_the_http_layer_hands_a_plain_stream_the_connections_direct_write() -> None:
+    """services/router/http.py passes the scope's DirectWrite to the stream: the middle chunks of
+    a plain streamed completion go that way, in order with what goes through `send`."""
+    from common import codec, config
+    from common import messages as m
+    from services.router import http
+    from services.router.service import Router
+    from tests.router_fakes import FakeOutbox, hello
+
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "deflect-all", "profile": "fast",
+                                                              "liveness": 10_000})
+    r = Router(cfg, outbox=FakeOutbox())
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    out: list[bytes] = []
+    sock = _Socket(out)
+    body = b'{"prompt": [5, 6, 7], "max_tokens": 3, "stream": true}'
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.body":
+            out.append(msg["body"])
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("10.0.0.7", 1),
+             "extensions": {DIRECT: sock}}
+    task = asyncio.create_task(http.App(r)(scope, receive, send))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if r.requests:
+            break
+    (req,) = r.requests.values()
+    for k, fin in enumerate([None, None, "length"]):
+        r._on_work_frames([b"decode-0", codec.encode(m.TokenBatch(worker_id="decode-0", items=[
+            m.TokenItem(request_id=req.request_id, attempt=req.attempt, token_ids=[100 + k], finish_reason=fin)]))])
+        for _ in range(5):
+            await asyncio.sleep(0)
+    await asyncio.wait_for(task, 5)
+    # the first two tokens' chunks went the direct way; the last token, which arrives with the
+    # end, goes with it through `send`, one chunk, as vLLM's server and the queued path write it
+    assert sock.written == 2
+    chunks = [json.loads(b[6:])["choices"][0] for b in out if b.startswith(b"data: {")]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [
+        (" " + r.tokenizer.token_text(100), None), (" " + r.tokenizer.token_text(101), None),
+        (" " + r.tokenizer.token_text(102), "length")]
+    assert out[-1] == b"data: [DONE]\n\n"

@@ -212,17 +212,20 @@ class _Direct:
         self.texts: list[str] = []
 
     def offer(self, ev: Event) -> bool:
-        """Events.sink: True when `ev` is taken (tokens only, the socket writable now)."""
+        """Events.sink: True when `ev` is taken (tokens only, the socket writable now). An event
+        refused after others were taken in this turn has them handed back first, so the task
+        renders them with it, as the queued path would (a stream's last tokens and its end, which
+        arrive together, stay one chunk)."""
         ids = ev.token_ids
         if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
                 or ev.prompt_logprobs is not None or not ids or not self.direct.ready():
-            return False
+            return self._refuse()
         c = self.c
         if not self.ids and (c.done or c.sent != len(c.text)):
             return False
         text = c._decode(ids)
         if not text or text[-1] == "\ufffd":
-            return False
+            return self._refuse()
         if not self.ids:
             loop = asyncio.get_running_loop()
             if _due_on[0] is not loop:  # no flush due on this loop yet (what a closed loop left is dropped)
@@ -233,6 +236,12 @@ class _Direct:
         self.ids += ids
         self.texts.append(text)
         return True
+
+    def _refuse(self) -> bool:
+        if self.ids:
+            self.c.req.events.hand_back(Event(token_ids=self.ids))
+            self.ids, self.texts = [], []
+        return False
 
     def flush(self) -> None:
         if not self.ids:

@@ -51,12 +51,6 @@ class Events:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def hand_back(self, ev: Event) -> None:
-        """The sink returns what it had taken and not yet delivered, just before it refuses an
-        event: queued first (the refused event follows it), neither offered again nor waking the
-        consumer (the refused event does)."""
-        self._items.append(ev)
-
     async def take(self) -> list[Event]:
         """Every event so far, waiting for at least one."""
         while not self._items:
@@ -67,6 +61,12 @@ class Events:
                 self._waiter = None
         items, self._items = self._items, []
         return items
+
+    def hand_back(self, ev: Event) -> None:
+        """The sink returns what it had taken and not yet delivered, just before it refuses an
+        event: queued first (the refused event follows it), neither offered again nor waking the
+        consumer (the refused event does)."""
+        self._items.append(ev)
 
 
 @dataclass(slots=True, eq=False)

@@ -261,11 +261,11 @@ class App:
         subs = await self._admit(scope, p)
         req = subs[0]
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
+        serve.DIRECT_WRITE.set(scope.get("extensions", {}).get(DIRECT))  # this request's task only
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:
             if p.stream:
-                await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint(),
-                                   direct=scope.get("extensions", {}).get(DIRECT))
+                await serve.stream(router, send, p, choices, self._headers(req), self._fingerprint())
             else:
                 status, body = await serve.unary(router, p, choices, self._fingerprint())
                 if status != 200:

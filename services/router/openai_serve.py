@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from functools import partial
 from typing import Any, Protocol
 
@@ -121,6 +122,10 @@ class DirectWrite(Protocol):
 
     def write(self, body: bytes) -> None: ...
 
+
+# the connection's DirectWrite (services/router/edge.py), set by the HTTP layer in the request's
+# own task (each request runs in a task of its own: the value is that request's); None: none
+DIRECT_WRITE: ContextVar[DirectWrite | None] = ContextVar("kairos_direct_write", default=None)
 
 _MARK = "\ue000kairos-text\ue000"  # stands for a chunk's text while its template is made (never escaped)
 _MARK_JSON = _json.encode(_MARK)
@@ -273,7 +278,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     its `prompt_token_ids` then; the final chunk of each choice (or the usage chunk, when usage is
     asked) carries the `system_fingerprint`. A plain stream's middle chunks come from a template
     (`Plain`; `fast=False`: every chunk the generic way, the reference the tests compare with);
-    with one choice and `direct` (the connection's DirectWrite, services/router/edge.py), each is
+    with one choice and `direct` (the connection's DirectWrite, services/router/edge.py; by
+    default the one the HTTP layer put in `DIRECT_WRITE` for this request's task), each is
     written from the bus reader as its tokens arrive (the request's `Events.sink`), and this task
     wakes only for what needs it: the end, an error, a socket that must drain."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
@@ -319,6 +325,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                                                "prompt_token_ids": None, "token_ids": None})) for c in choices]
     merge = _Merge(choices)
     events = choices[0].req.events
+    if direct is None:
+        direct = DIRECT_WRITE.get()
     writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
         and len(choices) == 1 else None
     if writer is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from msgspec.structs import replace as msgspec_replace
@@ -27,15 +28,24 @@ class Events:
     """The events of one request, for its one HTTP task: put from the router's callbacks, taken
     all at once by the task. Cheaper than asyncio.Queue (no getter deque, no loop lookup per
     put), which matters at one put per streamed token. Unbounded like the Queue it replaces:
-    a request holds at most its max_tokens tokens plus one end event."""
+    a request holds at most its max_tokens tokens plus one end event.
 
-    __slots__ = ("_items", "_waiter")
+    `sink`: set by a consumer that can take an event at once, synchronously (the HTTP layer's
+    plain streams write a token chunk straight to the client's socket). It is offered an event
+    only while the consumer waits in `take` with nothing queued, so events stay in order; it
+    returns False to have the event queued as usual (an end, an error, a socket that is busy)."""
+
+    __slots__ = ("_items", "_waiter", "sink")
 
     def __init__(self) -> None:
         self._items: list[Event] = []
         self._waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[Event], bool] | None = None
 
     def put_nowait(self, ev: Event) -> None:
+        sink = self.sink
+        if sink is not None and self._waiter is not None and not self._items and sink(ev):
+            return
         self._items.append(ev)
         w = self._waiter
         if w is not None and not w.done():
@@ -55,6 +65,12 @@ class Events:
                 self._waiter = None
         items, self._items = self._items, []
         return items
+
+    def hand_back(self, ev: Event) -> None:
+        """The sink returns what it had taken and not yet delivered, just before it refuses an
+        event: queued first (the refused event follows it), neither offered again nor waking the
+        consumer (the refused event does)."""
+        self._items.append(ev)
 
 
 @dataclass(slots=True, eq=False)

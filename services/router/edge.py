@@ -19,6 +19,13 @@ protocol with these instead:
 
 Closed connections are counted in `kairos_router_http_connections_closed{reason}`; nothing a
 client sends is logged above debug.
+
+Each request's ASGI scope also carries `extensions[DIRECT]`, a `DirectWrite`: a streamed
+response's body chunks written to the socket at once, without the ASGI `send` coroutine (the
+router's plain SSE streams write each token chunk from the bus reader this way: no task switch
+per chunk). It writes only what `send` would write, and refuses (`ready()` False) whenever `send`
+would have to wait or do more: the response not started or over, not chunked, the client gone,
+or the socket's buffer full (then `send` waits for it to drain).
 """
 
 from __future__ import annotations
@@ -39,6 +46,36 @@ log = structlog.get_logger()
 CLOSED = Counter("kairos_router_http_connections_closed", "HTTP connections the router closed or refused at its "
                  "edge: header_timeout, body_timeout, idle_evicted (the connection limit neared), "
                  "client_evicted (its address at its limit), refused_full, refused_client.", ["reason"])
+
+
+DIRECT = "kairos.direct_write"  # the scope extension holding a request's DirectWrite
+_CYCLE = ("response_started", "response_complete", "chunked_encoding", "disconnected", "flow", "transport")
+
+
+class DirectWrite:
+    """One request's response body chunks straight to its connection (see the module's docstring)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+
+    def ready(self) -> bool:
+        """A chunk may be written now, with the bytes and in the order `send` would write it."""
+        c = self._cycle
+        return (c.response_started and not c.response_complete and c.chunked_encoding is True
+                and not c.disconnected and not c.flow.write_paused and not c.transport.is_closing())
+
+    def open(self) -> bool:
+        """The response can still take a chunk (started, not over, the client there); `send`
+        would wait for the socket's buffer to drain first, this does not."""
+        c = self._cycle
+        return (c.response_started and not c.response_complete and c.chunked_encoding is True
+                and not c.disconnected and not c.transport.is_closing())
+
+    def write(self, body: bytes) -> None:
+        """One body chunk (more to come), as uvicorn frames it; only after `ready()` or `open()`."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +198,11 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             self._serving = True
             self._arm(edge.limits.body_timeout_s, self._body_timeout)
             super().on_headers_complete()
+            cycle = self.cycle
+            # this request's cycle (not an upgrade's), of a uvicorn whose cycle has what DirectWrite reads
+            if cycle is not None and cycle.scope is self.scope and all(hasattr(cycle, a) for a in _CYCLE):
+                ext: dict[str, Any] = self.scope.setdefault("extensions", {})
+                ext[DIRECT] = DirectWrite(cycle)
 
         def on_message_complete(self) -> None:
             self._arm(None)

@@ -48,6 +48,7 @@ from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router import openapi
+from services.router.edge import DIRECT
 from services.router.errors import error_object
 from services.router.openai_render import Choice
 from services.router.service import Router
@@ -260,6 +261,7 @@ class App:
         subs = await self._admit(scope, p)
         req = subs[0]
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
+        serve.DIRECT_WRITE.set(scope.get("extensions", {}).get(DIRECT))  # this request's task only
         watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
         try:
             if p.stream:

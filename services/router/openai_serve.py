@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, Protocol
 
 import msgspec
 
@@ -133,12 +135,175 @@ def _role_usage(p: Plan, c: Choice) -> dict[str, Any]:
     return {"usage": {"prompt_tokens": pt, "completion_tokens": 0, "total_tokens": pt}}
 
 
+class DirectWrite(Protocol):
+    """A connection's direct writes (services/router/edge.py's DirectWrite; tests pass a fake)."""
+
+    def ready(self) -> bool: ...
+
+    def open(self) -> bool: ...
+
+    def write(self, body: bytes) -> None: ...
+
+
+# the connection's DirectWrite (services/router/edge.py), set by the HTTP layer in the request's
+# own task (each request runs in a task of its own: the value is that request's); None: none
+DIRECT_WRITE: ContextVar[DirectWrite | None] = ContextVar("kairos_direct_write", default=None)
+
+_MARK = "\ue000kairos-text\ue000"  # stands for a chunk's text while its template is made (never escaped)
+_MARK_JSON = _json.encode(_MARK)
+
+
+def plain(p: Plan, choices: list[Choice]) -> bool:
+    """A stream whose middle chunks are text only (the common case): no stop strings, logprobs,
+    tool calls, echo, per-chunk usage or token ids, and a tokenizer whose tokens decode one by one.
+    Its chunks before the last are one template per choice with the new text's JSON string in it
+    (`Plain`): no per-token objects, no dict to build and encode per chunk."""
+    return (not p.stop and p.logprobs is None and p.tool_plan is None and not p.echo and not p.continuous_usage
+            and not p.return_token_ids and all(c.additive for c in choices))
+
+
+class Plain:
+    """The bytes of a plain stream's middle chunk for one choice: `pre + JSON string + post`, cut
+    from the generic chunk rendered with a marker for its text (so the bytes are the generic
+    path's by construction; tests/test_stream_bytes.py checks them against it). Cut at its first
+    use: a stream whose only event is its end (one output token) never pays for it."""
+
+    __slots__ = ("make", "post", "pre")
+
+    def __init__(self, make: Callable[[], bytes]) -> None:
+        self.make: Callable[[], bytes] | None = make  # the generic chunk with the marker for its text
+        self.pre = self.post = b""
+
+    def take(self, c: Choice, evs: list[Event]) -> bytes | None:
+        """The chunk for `evs` (tokens only), the choice's state moved on as `Choice.push` and
+        `Choice.delta` would; None where the generic path must render them (an end, an error,
+        logprobs, nothing to show, text that may end inside a character), the state untouched."""
+        if len(evs) == 1:
+            ev = evs[0]
+            if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                    or ev.prompt_logprobs is not None or not ev.token_ids:
+                return None
+            ids = ev.token_ids
+        else:
+            ids = []
+            for ev in evs:
+                if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                        or ev.prompt_logprobs is not None:
+                    return None
+                if ev.token_ids:
+                    ids += ev.token_ids
+            if not ids:
+                return None
+        text = self.text_of(c, ids)
+        return None if text is None else self.commit(c, ids, text)
+
+    @staticmethod
+    def text_of(c: Choice, ids: list[int]) -> str | None:
+        """The text `ids` add to the choice's, where it can go out as it is (None: the generic
+        path must render it: the choice ended, text held back, nothing to show, a character
+        that may not be complete)."""
+        if c.done or c.sent != len(c.text):
+            return None
+        text = c._decode(ids)
+        if not text or text[-1] == "\ufffd":
+            return None
+        return text
+
+    def commit(self, c: Choice, ids: list[int], text: str) -> bytes:
+        """The chunk of `ids` (decoding to `text`), the choice's state moved on as `Choice.push`
+        and `Choice.delta` would."""
+        c.ids += ids
+        c.lps += [None] * len(ids)
+        c.full += text
+        c.text = c.full
+        c.sent = len(c.full)
+        c.lps_sent = len(c.ids)
+        if self.make is not None:
+            self.pre, _, self.post = self.make().partition(_MARK_JSON)
+            self.make = None
+        return self.pre + _json.encode(text) + self.post
+
+
+class _Direct:
+    """A single-choice plain stream's token chunks, written from the bus reader (the request's
+    `Events.sink`) without waking its HTTP task: the tokens accepted during one turn of the event
+    loop go out as one chunk (as the generic path joins the events it finds queued), written
+    when the turn's other callbacks are done (`_flush_due`) or before the task writes anything
+    itself (`flush`), so the order on the wire is the order of the events."""
+
+    __slots__ = ("c", "direct", "ids", "template", "texts")
+
+    def __init__(self, template: Plain, c: Choice, direct: DirectWrite) -> None:
+        self.template, self.c, self.direct = template, c, direct
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+
+    def offer(self, ev: Event) -> bool:
+        """Events.sink: True when `ev` is taken (tokens only, the socket writable now). An event
+        refused after others were taken in this turn has them handed back first, so the task
+        renders them with it, as the queued path would (a stream's last tokens and its end, which
+        arrive together, stay one chunk)."""
+        ids = ev.token_ids
+        if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
+                or ev.prompt_logprobs is not None or not ids or not self.direct.ready():
+            return self._refuse()
+        c = self.c
+        if not self.ids and (c.done or c.sent != len(c.text)):
+            return False
+        text = c._decode(ids)
+        if not text or text[-1] == "\ufffd":
+            return self._refuse()
+        if not self.ids:
+            loop = asyncio.get_running_loop()
+            if _due_on[0] is not loop:  # no flush due on this loop yet (what a closed loop left is dropped)
+                _due.clear()
+                _due_on[0] = loop
+                loop.call_soon(_flush_due)
+            _due.append(self)
+        self.ids += ids
+        self.texts.append(text)
+        return True
+
+    def _refuse(self) -> bool:
+        if self.ids:
+            self.c.req.events.hand_back(Event(token_ids=self.ids))
+            self.ids, self.texts = [], []
+        return False
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        ids, text = self.ids, "".join(self.texts)
+        self.ids, self.texts = [], []
+        body = self.template.commit(self.c, ids, text)
+        if self.direct.open():
+            self.direct.write(body)
+
+
+_due: list[_Direct] = []  # streams with tokens accepted in this turn of the loop
+_due_on: list[asyncio.AbstractEventLoop | None] = [None]  # the loop their flush is scheduled on
+
+
+def _flush_due() -> None:
+    due = _due[:]
+    _due.clear()
+    _due_on[0] = None
+    for d in due:
+        d.flush()
+
+
 async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
-                 headers: list[tuple[bytes, bytes]], fingerprint: str | None = None) -> None:
+                 headers: list[tuple[bytes, bytes]], fingerprint: str | None = None, *,
+                 fast: bool = True, direct: DirectWrite | None = None) -> None:
     """The SSE chunks, as vLLM's server writes them: chat opens with a role chunk per choice (with
     `prompt_token_ids` when return_token_ids is asked); a completion choice's first chunk carries
     its `prompt_token_ids` then; the final chunk of each choice (or the usage chunk, when usage is
-    asked) carries the `system_fingerprint`."""
+    asked) carries the `system_fingerprint`. A plain stream's middle chunks come from a template
+    (`Plain`; `fast=False`: every chunk the generic way, the reference the tests compare with);
+    with one choice and `direct` (the connection's DirectWrite, services/router/edge.py; by
+    default the one the HTTP layer put in `DIRECT_WRITE` for this request's task), each is
+    written from the bus reader as its tokens arrive (the request's `Events.sink`), and this task
+    wakes only for what needs it: the end, an error, a socket that must drain."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     req = choices[0].req
     cid = ("chatcmpl-" if p.chat else "cmpl-") + (req.client_request_id or req.request_id)
@@ -171,11 +336,34 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     offsets = [0] * len(choices)
     tool_streams = [ToolStream(p.tool_plan, p.prompts[c.prompt_index]) for c in choices] \
         if p.tool_plan is not None else []
+    templates: list[Plain] = []
+    if fast and plain(p, choices):
+        if p.chat:
+            templates = [Plain(partial(chunk, {"index": c.index, "delta": {"content": _MARK}, "logprobs": None,
+                                               "finish_reason": None, "token_ids": None})) for c in choices]
+        else:
+            templates = [Plain(partial(chunk, {"index": c.index, "text": _MARK, "logprobs": None,
+                                               "finish_reason": None, "stop_reason": None,
+                                               "prompt_token_ids": None, "token_ids": None})) for c in choices]
     merge = _Merge(choices)
+    events = choices[0].req.events
+    if direct is None:
+        direct = DIRECT_WRITE.get()
+    writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
+        and len(choices) == 1 else None
+    if writer is not None:
+        events.sink = writer.offer
     try:
         while not all(c.done for c in choices):
             i, evs = await merge.next()
             c = choices[i]
+            if writer is not None:
+                writer.flush()  # what the bus reader took before these events goes first
+            if templates:
+                body = templates[i].take(c, evs)
+                if body is not None:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    continue
             feed(router, c, evs)
             if c.error is not None:
                 status, _ = error_status(c.error.error_code)
@@ -233,4 +421,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             tail = b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
+        events.sink = None
+        if writer is not None:
+            writer.ids, writer.texts = [], []  # ended (an error, the client gone): nothing more goes out
         merge.close()
+

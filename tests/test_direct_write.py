@@ -1,0 +1,135 @@
+"""services/router/edge.py's DirectWrite on a real uvicorn server (the router's edge protocol, in
+this test's event loop, on loopback): chunks written straight to the socket between ASGI sends
+reach the client in order, framed as uvicorn frames its own, the response ends normally and the
+keep-alive connection serves the next request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import uvicorn
+
+from kairos.up import free_ports
+from services.router.edge import DIRECT, EdgeLimits, edge_protocol
+
+seen: list[tuple[bool, bool]] = []  # per request: (a DirectWrite in the scope, ready() once started)
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    direct = scope.get("extensions", {}).get(DIRECT)
+    assert direct is None or not direct.ready()  # nothing started yet
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"one,", "more_body": True})
+    ready = direct is not None and direct.ready()
+    seen.append((direct is not None, ready))
+    if ready:
+        direct.write(b"two,")
+        direct.write(b"three,")
+    else:
+        await send({"type": "http.response.body", "body": b"two,three,", "more_body": True})
+    await send({"type": "http.response.body", "body": b"four", "more_body": False})
+    assert direct is None or not direct.open()  # over: nothing more may be written
+
+
+async def test_direct_chunks_reach_the_client_in_order_and_the_connection_serves_on() -> None:
+    port = free_ports(1)[0]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", access_log=False,
+                                           log_level="warning", http=edge_protocol(EdgeLimits())))  # type: ignore[arg-type]
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        seen.clear()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(2):  # the second on the same keep-alive connection
+                r = await client.get("/")
+                assert r.status_code == 200 and r.text == "one,two,three,four"
+                assert r.headers["transfer-encoding"] == "chunked"
+        assert seen == [(True, True), (True, True)]
+        # on the wire: each direct chunk framed as uvicorn frames the ones sent the ASGI way
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.0\r\nhost: x\r\n\r\n")
+        raw = await reader.read()
+        writer.close()
+        assert raw.endswith(b"\r\n\r\n4\r\none,\r\n4\r\ntwo,\r\n6\r\nthree,\r\n4\r\nfour\r\n0\r\n\r\n"), raw
+        assert seen[-1] == (True, True)
+    finally:
+        server.should_exit = True
+        await task
+
+
+class _Socket:
+    """A DirectWrite that takes everything, its bodies into the same list as the ASGI sends'."""
+
+    def __init__(self, out: list[bytes]) -> None:
+        self.out = out
+        self.written = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def open(self) -> bool:
+        return True
+
+    def write(self, body: bytes) -> None:
+        self.written += 1
+        self.out.append(body)
+
+
+async def test_the_http_layer_hands_a_plain_stream_the_connections_direct_write() -> None:
+    """services/router/http.py passes the scope's DirectWrite to the stream: the middle chunks of
+    a plain streamed completion go that way, in order with what goes through `send`."""
+    from common import codec, config
+    from common import messages as m
+    from services.router import http
+    from services.router.service import Router
+    from tests.router_fakes import FakeOutbox, hello
+
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "deflect-all", "profile": "fast",
+                                                              "liveness": 10_000})
+    r = Router(cfg, outbox=FakeOutbox())
+    r.core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    out: list[bytes] = []
+    sock = _Socket(out)
+    body = b'{"prompt": [5, 6, 7], "max_tokens": 3, "stream": true}'
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.body":
+            out.append(msg["body"])
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("10.0.0.7", 1),
+             "extensions": {DIRECT: sock}}
+    task = asyncio.create_task(http.App(r)(scope, receive, send))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if r.requests:
+            break
+    (req,) = r.requests.values()
+    for k, fin in enumerate([None, None, "length"]):
+        r._on_work_frames([b"decode-0", codec.encode(m.TokenBatch(worker_id="decode-0", items=[
+            m.TokenItem(request_id=req.request_id, attempt=req.attempt, token_ids=[100 + k], finish_reason=fin)]))])
+        for _ in range(5):
+            await asyncio.sleep(0)
+    await asyncio.wait_for(task, 5)
+    # the first two tokens' chunks went the direct way; the last token, which arrives with the
+    # end, goes with it through `send`, one chunk, as vLLM's server and the queued path write it
+    assert sock.written == 2
+    chunks = [json.loads(b[6:])["choices"][0] for b in out if b.startswith(b"data: {")]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [
+        (" " + r.tokenizer.token_text(100), None), (" " + r.tokenizer.token_text(101), None),
+        (" " + r.tokenizer.token_text(102), "length")]
+    assert out[-1] == b"data: [DONE]\n\n"

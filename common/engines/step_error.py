@@ -253,11 +253,12 @@ class ChunkGuard:
     def margin(self) -> float:
         """What a step beside running decodes is planned with: the measured margin, read at the
         estimator's target, made stricter (relative to the bias, as `stricter_margin`) for the
-        guard's `target`: `DECODE_TARGET` by default, the chance a decode-only step is held to. A step carrying a chunk holds
-        every running decode just as a decode-only step does, and one overrun breaks all of their
-        TBT at once (issue 44: one step of 1.48 x its prediction beside 59 decodes was 2 % of a
-        run's requests), so it gets the same chance, not the per-request `TARGET`. An exact model
-        (margin 1) and a uniform bias (margin = bias) are unchanged."""
+        guard's `target`: `DECODE_TARGET` by default, the chance a decode-only step is held to.
+        A step carrying a chunk holds every running decode just as a decode-only step does, and
+        one overrun breaks all of their TBT at once (issue 44: one step of 1.48 x its prediction
+        beside 59 decodes was 2 % of a run's requests), so it gets the same chance, not the
+        per-request `TARGET`. An exact model (margin 1) and a uniform bias (margin = bias) are
+        unchanged."""
         est = self.estimator
         margin = est.margin()
         bias = est.bias()

@@ -63,7 +63,7 @@ from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_facto
 from common.perf_model import Profile
 from common.policy import Policy
 from common.prefix_hash import chain_ids
-from common.router_core.planner import Flip, PlannerConfig, RolePlanner
+from common.router_core.planner import Flip, PlannerConfig, RolePlanner, ThresholdPlanner, threshold_config
 from common.router_core.ports import NULL_LOG
 from common.traces import TraceRequest
 from common.worker_core.decode import Outcome
@@ -127,8 +127,11 @@ class Simulation:
         # (not on a cluster with no prefill worker: its policy uses none, chunked-prefill say)
         # the planner is router 0's core's; it tells a worker to flip with a SetRole (`set_role`)
         if cfg.planner and cfg.prefill > 0:
-            self.planner = RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
-                                                     pinned=frozenset(cfg.planner_pinned)), log=NULL_LOG)
+            pinned = frozenset(cfg.planner_pinned)
+            self.planner = (ThresholdPlanner(threshold_config(cfg.ttft_slo, cfg.tbt_slo, pinned), log=NULL_LOG)
+                            if cfg.planner_rule == "threshold" else
+                            RolePlanner(PlannerConfig(enabled=True, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                                                      pinned=pinned), log=NULL_LOG))
         self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
         self.flips: list[dict[str, Any]] = []
 

@@ -45,7 +45,17 @@ from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_pa
 from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
-from sim.knobs import TUNED_FORMAT, Setup, add_error_flags, build, error_settings, knob_values, shape, shipped
+from sim.knobs import (
+    TUNED_FORMAT,
+    Setup,
+    add_error_flags,
+    build,
+    error_settings,
+    knob_values,
+    shape,
+    shipped,
+    with_planner,
+)
 from sim.stats import fmt, json_safe, summarize
 
 ENGINE_KNOBS = ("prefill_token_budget", "decode_token_budget", "decode_chunk")
@@ -70,6 +80,7 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
                            "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 1000.0)},
     "disagg-least-loaded": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
     "disagg-round-robin": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
+    "dynamo-planner": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
     "chunked-prefill": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
                         "decode_chunk": (128, 256, 512, 1024, 2048, 4096, 8192)},
     "deflect-all": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
@@ -155,7 +166,7 @@ def _setup(values: dict[str, Any]) -> Setup:
 def evaluate(job: Job, values: dict[str, Any], trace: Sequence[TraceRequest]) -> dict[str, Any]:
     policy, prof = build(job.policy, _setup({**values, **job.fixed}), job.profile)
     n_p, n_d = shape(job.policy, job.sim.prefill, job.sim.decode)
-    cfg = msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d)
+    cfg = with_planner(job.policy, msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d))
     res = simulate(trace, prof, policy, cfg)
     s = summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
     s["prefix_hit_rate"] = res.stats["prefix_hit_rate"]

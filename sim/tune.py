@@ -40,12 +40,12 @@ from rich.table import Table
 from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
-from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
 from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
 from sim.knobs import (
+    SIM_POLICIES,
     TUNED_FORMAT,
     Setup,
     add_error_flags,
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_flags(c)
     add_error_flags(p)  # tune under the model error the policies will be judged in
     s = p.add_argument_group("policies and search")
-    s.add_argument("--policy", action="append", choices=POLICIES, default=None,
+    s.add_argument("--policy", action="append", choices=SIM_POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
@@ -389,7 +389,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     fixed = {"kairos": {"prefix_aware": False}} if args.no_prefix_aware else {}
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     for name in policies:
-        if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
+        if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin",
+                                                                       "dynamo-planner"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
     stress = parse_stress(args.stress)
     jobs = [Job(policy=name, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,

@@ -255,11 +255,12 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     straggler_factor: Annotated[float, doc("sim: step time factor of a straggling step")] = 3.0
     closed_loop: Annotated[bool, doc("decode workers: measure each step against the model and cut in-place "
                                      "prefill chunks so gaps stay within the TBT SLO at the measured error")] = True
-    overrun_target: Annotated[float, doc("decode workers: the chance a step beside an in-place prefill chunk may take "
-                                         "longer than the TBT SLO, read off the measured step error; the SLO holds "
-                                         "per request, and a request meets many such steps: the default, 0.00033 "
-                                         "(common/engines/step_error.py TARGET), plans for about 1 % of requests "
-                                         "over 30 such steps")] = 0.00033
+    overrun_target: Annotated[float, doc("decode workers: the chance of a step over the TBT SLO the measured step "
+                                         "error margin is read at (heartbeats report it; default 0.00033, "
+                                         "common/engines/step_error.py TARGET); a step beside an in-place prefill "
+                                         "chunk is planned for the smaller of this and 2e-5 (DECODE_TARGET, as a "
+                                         "decode-only step): it holds every running decode, and one overrun breaks "
+                                         "all of them")] = 0.00033
     model: Annotated[str, doc("vllm: model directory")] = ""
     served_model_name: Annotated[str, doc("model name reported to the router")] = "kairos-sim"
     metrics_host: Annotated[str, doc("address the worker's /metrics (its engine's metrics) listens on")] = "127.0.0.1"

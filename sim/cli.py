@@ -35,10 +35,10 @@ from rich.table import Table
 from common.config import DEFAULT_PROFILE
 from common.errors import ConfigError
 from common.perf_model import load_profile
-from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, find_bursty_window, load_trace, synthetic, trace_path
 from sim.core import SimConfig, simulate
 from sim.knobs import (
+    SIM_POLICIES,
     Setup,
     add_engine_flags,
     add_error_flags,
@@ -50,6 +50,7 @@ from sim.knobs import (
     setups_from_flags,
     shape,
     shipped,
+    with_planner,
 )
 from sim.load import fastest_prefill, lower_bound, prefill_load
 from sim.stats import fmt, json_safe, summarize
@@ -122,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     add_error_flags(p)
     s = p.add_argument_group("policies and SLOs")
-    s.add_argument("--policy", action="append", choices=POLICIES, default=None,
-                   help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
+    s.add_argument("--policy", action="append", choices=SIM_POLICIES, default=None,
+                   help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)}); dynamo-planner: "
+                        "disagg-least-loaded with a Dynamo-style threshold planner moving workers between roles "
+                        "every 5 s (simulator only)")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
     s.add_argument("--tuned", metavar="FILE", default=None,
@@ -252,12 +255,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     variants = _variants(args)
     for name in policies:
         n_p, n_d = shape(name, args.prefill, args.decode)
-        if n_p == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
+        if n_p == 0 and name in ("disagg-least-loaded", "disagg-round-robin", "dynamo-planner"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
         shapes[name] = f"{n_p}P{n_d}D"
         for suffix, routers, admission in variants:
             label = name + suffix
-            cfgs[label] = msgspec.structs.replace(base, prefill=n_p, decode=n_d, routers=routers, admission=admission)
+            cfgs[label] = with_planner(name, msgspec.structs.replace(base, prefill=n_p, decode=n_d, routers=routers,
+                                                                     admission=admission))
             clusters[label] = shapes[name]
             runs.append((label, name))
     settings = {name: {"cluster": shapes[name],

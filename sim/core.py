@@ -63,7 +63,7 @@ from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_facto
 from common.perf_model import Profile
 from common.policy import Policy
 from common.prefix_hash import chain_ids
-from common.router_core.planner import Flip, RolePlanner, planner_config
+from common.router_core.planner import Flip, RolePlanner, ThresholdPlanner, planner_config, threshold_config
 from common.router_core.ports import NULL_LOG
 from common.traces import TraceRequest
 from common.worker_core.decode import Outcome
@@ -127,8 +127,12 @@ class Simulation:
         # (not on a cluster with no prefill worker: its policy uses none, chunked-prefill say)
         # the planner is router 0's core's; it tells a worker to flip with a SetRole (`set_role`)
         if cfg.planner and cfg.prefill > 0:
-            # (its settings read from the router's configuration, as the live router's are)
-            self.planner = RolePlanner(planner_config(router_config(cfg)), log=NULL_LOG)
+            # (its settings read from the router's configuration, as the live router's are; the
+            # threshold rule is a simulator-only baseline)
+            self.planner = (ThresholdPlanner(threshold_config(cfg.ttft_slo, cfg.tbt_slo, frozenset(cfg.planner_pinned)),
+                                             log=NULL_LOG)
+                            if cfg.planner_rule == "threshold" else
+                            RolePlanner(planner_config(router_config(cfg)), log=NULL_LOG))
         self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
         self.flips: list[dict[str, Any]] = []
 

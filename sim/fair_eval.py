@@ -28,7 +28,8 @@ windows alternating with output-heavy phases; regime fixed at x1, seeds 10 tune,
 Shape: 2P2D (conv: 1P3D, see WORKLOADS), chunked-prefill on the same GPUs as decode workers.
 The slices: trace-time windows [0, 600) s (tune) and [600, 1200) s (report) of the Azure traces;
 seeds 0 (tune) and 1 (report), 600 s each, of the synthetic ones; [200, 450) s (tune) and
-[450, 700) s (report) of the session traces. Policies: POLICIES; chat and agent add kv-aware.
+[450, 700) s (report) of the session traces. Policies: POLICIES; chat and agent add kv-aware, shift and
+shift-code dynamo-planner (disagg-least-loaded with a Dynamo-style threshold role planner, sim/knobs.py).
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ from common.perf_model import Profile, load_profile
 from common.traces import TraceRequest
 from sim.core import SimConfig, simulate
 from sim.fair_report import ABLATION, markdown, not_a_result
-from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape
+from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape, with_planner
 from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
 from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one
-from sim.workloads import POLICIES, SESSION_POLICIES, WORKLOADS, Workload, load
+from sim.workloads import ALL_POLICIES, POLICIES, WORKLOADS, Workload, load
 
 PROBE_POLICY = "disagg-least-loaded"
 REGIME_TTFT = 0.95   # the baseline meets the TTFT SLO for at most this fraction: prefill queues hurt
@@ -135,7 +136,8 @@ def execute(run: Run) -> dict[str, Any]:
     reqs = load(w, run.which, run.scale)
     policy, prof = build(run.policy, run.setup, run.profile)
     n_p, n_d = shape(run.policy, run.sim.prefill, run.sim.decode)
-    res = simulate(reqs, prof, policy, msgspec.structs.replace(run.sim, prefill=n_p, decode=n_d))
+    res = simulate(reqs, prof, policy, with_planner(run.policy, msgspec.structs.replace(run.sim, prefill=n_p,
+                                                                                        decode=n_d)))
     s = summarize(res.records, ttft_slo=run.sim.ttft_slo, tbt_slo=run.sim.tbt_slo)
     s["by_route"] = by_route(res.records, reqs)
     s["by_reason"] = by_reason(res.records, reqs, run.sim.ttft_slo)
@@ -297,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="performance profile; repeat for several (default h100-llama2-70b-tp4)")
     p.add_argument("--workload", action="append", choices=tuple(WORKLOADS), default=None,
                    help=f"repeat for several (default: all of {', '.join(WORKLOADS)})")
-    p.add_argument("--policy", action="append", choices=SESSION_POLICIES, default=None,
+    p.add_argument("--policy", action="append", choices=ALL_POLICIES, default=None,
                    help=f"repeat for several (default: each workload's: {', '.join(POLICIES)}; the session "
-                        "workloads chat and agent add kv-aware)")
+                        "workloads chat and agent add kv-aware, shift and shift-code dynamo-planner)")
     p.add_argument("--regime", action="append", default=[], metavar="WORKLOAD=X",
                    help="use rate scale X as WORKLOAD's regime load instead of the probe's choice")
     p.add_argument("--condition", choices=tuple(CONDITIONS), default="exact",

@@ -24,7 +24,16 @@ from common.engines.settings import EngineSettings
 from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.perf_model import PerfModel, Profile
-from common.policy import NO_PREFILL_POLICIES, ConditionalConfig, KairosConfig, KvAwareConfig, Policy, make_policy
+from common.policy import (
+    NO_PREFILL_POLICIES,
+    POLICIES,
+    ConditionalConfig,
+    KairosConfig,
+    KvAwareConfig,
+    Policy,
+    make_policy,
+)
+from sim.state import SimConfig
 
 TUNED_FORMAT = "kairos-tuned/1"
 
@@ -44,10 +53,36 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
         return Setup(engine=EngineSettings(**e), policy={**self.policy, **over.policy})
 
 
+# Simulator-only baselines: a routing policy of the registry run with a role planner on router 0
+# (the live router runs no planner). name -> (routing policy, SimConfig.planner_rule).
+PLANNED: dict[str, tuple[str, str]] = {
+    # NVIDIA Dynamo's documented planner rule (common/router_core/planner.py ThresholdPlanner) over
+    # Dynamo-style disaggregated least-loaded routing
+    "dynamo-planner": ("disagg-least-loaded", "threshold"),
+}
+SIM_POLICIES: tuple[str, ...] = (*POLICIES, *PLANNED)
+
+
+def routing(name: str) -> str:
+    """The registry policy that routes for `name` (itself, or a planned baseline's)."""
+    return PLANNED[name][0] if name in PLANNED else name
+
+
+def planner_rule(name: str) -> str | None:
+    """The role planner a planned baseline runs with (None: none of its own)."""
+    return PLANNED[name][1] if name in PLANNED else None
+
+
+def with_planner(name: str, sim: SimConfig) -> SimConfig:
+    """`sim` with the planner a planned baseline runs with (unchanged for any other policy)."""
+    rule = planner_rule(name)
+    return msgspec.structs.replace(sim, planner=True, planner_rule=rule) if rule else sim
+
+
 def shape(policy: str, prefill: int, decode: int) -> tuple[int, int]:
     """The cluster a policy runs on for a comparison at the same GPU count: a policy that uses
     no prefill worker gets every worker as a decode worker (2P2D -> 0P4D)."""
-    if policy in NO_PREFILL_POLICIES:
+    if routing(policy) in NO_PREFILL_POLICIES:
         return 0, prefill + decode
     return prefill, decode
 
@@ -74,7 +109,7 @@ def build(name: str, setup: Setup, profile: Profile, default_model: PerfModel | 
     """The policy object and the profile (with the engine settings applied) of one setup."""
     cfg = policy_config(name, setup.policy)
     try:
-        policy = make_policy(name, kairos=cfg if isinstance(cfg, KairosConfig) else None,
+        policy = make_policy(routing(name), kairos=cfg if isinstance(cfg, KairosConfig) else None,
                              conditional=cfg if isinstance(cfg, ConditionalConfig) else None,
                              kv_aware=cfg if isinstance(cfg, KvAwareConfig) else None,
                              default_model=default_model or profile.model)
@@ -148,9 +183,9 @@ def add_error_flags(p: argparse.ArgumentParser) -> None:
                    help="decode workers measure their step error and cut in-place chunks to keep gaps within the "
                         "TBT SLO (default on; off: the router's plan alone, as before)")
     e.add_argument("--overrun-target", type=float, default=TARGET, metavar="P",
-                   help="decode workers plan each step beside an in-place prefill chunk for this chance of taking "
-                        "longer than the TBT SLO (default %(default)g: the SLO holds per request, which meets many "
-                        "such steps; this is about 1 %% of requests over 30 of them; 0.01 was the default before)")
+                   help="the chance of a step over the TBT SLO a worker reads its measured error margin at "
+                        "(default %(default)g); a step beside an in-place prefill chunk is planned for the smaller "
+                        "of this and 2e-5, as a decode-only step: it holds every running decode (issue 44)")
     e.add_argument("--bias-correction", choices=("on", "off"), default="on",
                    help="routers scale each worker's model by the median step error its heartbeats report, so "
                         "TTFT predictions and chunk costs follow what the engine really does (default on)")

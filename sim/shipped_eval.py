@@ -27,10 +27,21 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.perf_model import load_profile
-from common.policy import NO_PREFILL_POLICIES, POLICIES
+from common.policy import NO_PREFILL_POLICIES
 from sim.core import SimConfig, simulate
 from sim.fair_eval import CONDITIONS
-from sim.knobs import Setup, add_engine_flags, add_policy_flags, build, load_tuned, setups_from_flags, shipped
+from sim.knobs import (
+    SIM_POLICIES,
+    Setup,
+    add_engine_flags,
+    add_policy_flags,
+    build,
+    load_tuned,
+    routing,
+    setups_from_flags,
+    shipped,
+    with_planner,
+)
 from sim.stats import json_safe, summarize
 from sim.workloads import WORKLOADS, load
 
@@ -66,8 +77,8 @@ def run_cell(c: Cell) -> dict[str, Any]:
     reqs = load(w, w.report, c.rate)
     prof_obj = load_profile(c.profile)
     policy, prof = build(c.policy, c.setup, prof_obj)
-    sim = SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1, planner=c.planner,
-                    **CONDITIONS[c.condition])
+    sim = with_planner(c.policy, SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1,
+                                           planner=c.planner, **CONDITIONS[c.condition]))
     res = simulate(reqs, prof, policy, sim)
     s = summarize(res.records, ttft_slo=sim.ttft_slo, tbt_slo=sim.tbt_slo)
     held = res.stats.get("held")
@@ -87,7 +98,8 @@ def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
         for cond in args.condition:
             for policy in args.policy:
                 setup = shipped(policy, flags[policy], tuned.get(policy))
-                splits = dict.fromkeys((0, p + d) if policy in NO_PREFILL_POLICIES else (p, d) for p, d in args.split)
+                splits = dict.fromkeys((0, p + d) if routing(policy) in NO_PREFILL_POLICIES else (p, d)
+                                       for p, d in args.split)
                 for n_p, n_d in splits:
                     for x in args.rate:
                         out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup,
@@ -138,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", action="append", choices=tuple(WORKLOADS), required=True, help="repeat for several")
-    p.add_argument("--policy", action="append", choices=POLICIES, required=True, help="repeat for several")
+    p.add_argument("--policy", action="append", choices=SIM_POLICIES, required=True,
+                   help="repeat for several; dynamo-planner: disagg-least-loaded with a Dynamo-style threshold "
+                        "planner moving workers between roles (simulator only, sim/knobs.py PLANNED)")
     p.add_argument("--split", action="append", type=parse_split, default=None,
                    help="cluster split NPMD, repeat for several (default 2P2D)")
     p.add_argument("--condition", action="append", choices=tuple(CONDITIONS), default=None,

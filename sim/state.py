@@ -43,7 +43,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     straggler_p: float = 0.0   # fraction of steps that straggle
     straggler_factor: float = 3.0  # step time factor of a straggler
     closed_loop: bool = True   # decode workers measure their step error and cut chunks to it (ChunkGuard)
-    overrun_target: float = TARGET  # ... planning each step beside a chunk for this chance of overrunning the SLO
+    overrun_target: float = TARGET  # ... the margin read at this chance (steps beside chunks: DECODE_TARGET at most)
     bias_correction: bool = True  # routers scale each worker's model by its measured step bias (heartbeats)
     seed: int = 0
     kv_wait_timeout: float = 30.0  # seconds a request may wait for KV room before it is rejected
@@ -64,6 +64,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # finishes what it holds), then its engine is out `planner_switch_s` seconds and rejoins under the
     # new role with an empty prefix cache (its measured step error kept: the same GPU)
     planner: bool = False
+    # which: "roles" (Kairos's, RolePlanner) or "threshold" (a Dynamo-style baseline, ThresholdPlanner)
+    planner_rule: str = "roles"
     planner_switch_s: float = 2.0
     planner_pinned: tuple[str, ...] = ()
 
@@ -78,6 +80,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("hash_block_tokens must be >= 1")
         if self.routers < 1:
             raise ValueError("need at least one router")
+        if self.planner_rule not in ("roles", "threshold"):
+            raise ValueError(f"planner_rule must be roles or threshold (got {self.planner_rule!r})")
         if self.planner_switch_s < 0:
             raise ValueError("planner_switch_s must be >= 0")
         if not 0.0 < self.overrun_target < 0.5:

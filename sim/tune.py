@@ -40,12 +40,22 @@ from rich.table import Table
 from common.engines.settings import EngineSettings
 from common.errors import ConfigError
 from common.perf_model import Profile, load_profile
-from common.policy import POLICIES
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
 from sim.cli import add_prefix_flags
 from sim.cli import build_parser as sim_parser
 from sim.core import SimConfig, simulate
-from sim.knobs import TUNED_FORMAT, Setup, add_error_flags, build, error_settings, knob_values, shape, shipped
+from sim.knobs import (
+    SIM_POLICIES,
+    TUNED_FORMAT,
+    Setup,
+    add_error_flags,
+    build,
+    error_settings,
+    knob_values,
+    shape,
+    shipped,
+    with_planner,
+)
 from sim.stats import fmt, json_safe, summarize
 
 ENGINE_KNOBS = ("prefill_token_budget", "decode_token_budget", "decode_chunk")
@@ -70,6 +80,7 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
                            "prefill_busy_threshold": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 1000.0)},
     "disagg-least-loaded": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
     "disagg-round-robin": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
+    "dynamo-planner": {"prefill_token_budget": (256, 512, 1024, 2048, 4096, 8192, 16384)},
     "chunked-prefill": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
                         "decode_chunk": (128, 256, 512, 1024, 2048, 4096, 8192)},
     "deflect-all": {"decode_token_budget": (128, 256, 512, 1024, 2048, 4096, 8192),
@@ -155,7 +166,7 @@ def _setup(values: dict[str, Any]) -> Setup:
 def evaluate(job: Job, values: dict[str, Any], trace: Sequence[TraceRequest]) -> dict[str, Any]:
     policy, prof = build(job.policy, _setup({**values, **job.fixed}), job.profile)
     n_p, n_d = shape(job.policy, job.sim.prefill, job.sim.decode)
-    cfg = msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d)
+    cfg = with_planner(job.policy, msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d))
     res = simulate(trace, prof, policy, cfg)
     s = summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
     s["prefix_hit_rate"] = res.stats["prefix_hit_rate"]
@@ -281,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_flags(c)
     add_error_flags(p)  # tune under the model error the policies will be judged in
     s = p.add_argument_group("policies and search")
-    s.add_argument("--policy", action="append", choices=POLICIES, default=None,
+    s.add_argument("--policy", action="append", choices=SIM_POLICIES, default=None,
                    help=f"repeat for several (default: {', '.join(DEFAULT_POLICIES)})")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
@@ -378,7 +389,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     fixed = {"kairos": {"prefix_aware": False}} if args.no_prefix_aware else {}
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     for name in policies:
-        if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin"):
+        if shape(name, args.prefill, args.decode)[0] == 0 and name in ("disagg-least-loaded", "disagg-round-robin",
+                                                                       "dynamo-planner"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
     stress = parse_stress(args.stress)
     jobs = [Job(policy=name, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,

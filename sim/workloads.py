@@ -31,6 +31,10 @@ from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_pa
 POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
 # the session workloads add kv-aware: Dynamo's KV router cost, the baseline built for prefix reuse
 SESSION_POLICIES = ("kairos", "kv-aware", "conditional-disagg", "disagg-least-loaded", "chunked-prefill")
+# the shifting workloads add the Dynamo-style threshold planner (sim/knobs.py PLANNED): the baseline
+# that moves workers between roles as the mix shifts
+SHIFT_POLICIES = (*POLICIES, "dynamo-planner")
+ALL_POLICIES = (*SESSION_POLICIES, "dynamo-planner")  # every policy some workload compares
 SYNTH_DURATION = 600.0
 
 
@@ -89,12 +93,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     # (the probe's rule looks at the prefill pool alone, which is not what these phases stress)
     Workload("shift", "shifting mix (phases of long prompts, long answers, code bursts), 2P2D", "shift",
              (0.5, 0.75, 1.0, 1.25), {"phases": ("prompt", "output", "burst"), "seeds": (10, 11)},
-             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5),
+             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5), policies=SHIFT_POLICIES,
              regime_why="fixed: the synthetic phases' rates are set so that x1 loads each pool at its "
                         "phase (sim/workloads.py PHASES)"),
     Workload("shift-code", "Azure code trace windows alternating with output-heavy phases, 2P2D", "shift",
              (0.5, 0.75, 1.0, 1.25), {"phases": ("code", "output"), "seeds": (10, 11)},
-             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5),
+             tune=10, report=11, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5), policies=SHIFT_POLICIES,
              regime_why="fixed: as shift; the code windows at x0.35 (the code workload's H100 regime)"),
     _session("chat", 2.0, (0.375, 0.5, 0.75, 1.0), 0.75, 0.25,
              "multi-turn chat sessions (2 sessions/s at x1, prefix caching on)"),

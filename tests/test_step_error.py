@@ -104,8 +104,8 @@ def test_the_decode_room_margin_is_the_same_lognormal_read_at_the_decode_target(
 
 def test_a_smaller_overrun_target_makes_overruns_rarer() -> None:
     error = StepError(noise=0.1)
-    per_step = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01)), error, steps=20_000)
-    per_request = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01 / 30)), error, steps=20_000)
+    per_step = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01), None), error, steps=20_000)
+    per_request = overrun_share(ChunkGuard(MODEL, StepErrorEstimator(target=0.01 / 30), None), error, steps=20_000)
     assert per_request < per_step / 4, (per_request, per_step)
 
 
@@ -389,3 +389,33 @@ def test_the_guard_also_cuts_a_planned_prefill_whose_schedule_ran_out_but_not_an
 
     assert first_chunk(deque()) == largest_chunk(SLO / 1.3, 0) < default  # planned, ran out: cut
     assert first_chunk(None) == default  # never planned: the engine's default, as the baselines run
+
+
+def test_a_step_beside_a_chunk_is_held_to_the_decode_steps_overrun_chance() -> None:
+    """Issue 44: a step carrying an in-place chunk holds every running decode, as a decode-only
+    step does, and one overrun breaks all of their TBT at once (one step 1.48 x its prediction
+    beside 59 decodes was 2 % of a run's requests). So the chunk guard plans it with the measured
+    margin made stricter for DECODE_TARGET (relative to the bias), and the router plans a
+    deflection's chunks to the same (`step_budget`); an exact model and a uniform bias change nothing."""
+    from common.policy.kairos import step_budget
+
+    src = StepError(noise=0.1).source(0, random.Random(11))
+    est = StepErrorEstimator()
+    for _ in range(3000):
+        est.observe(0.05, 0.05 * src.factor(0.0))
+    guard = ChunkGuard(MODEL, est)
+    assert guard.margin() == pytest.approx(est.bias() * stricter_margin(est.margin() / est.bias()))
+    assert guard.margin() > est.margin() * 1.04  # about 1.50 against 1.40 at 10 % noise
+    planned = largest_chunk(SLO / est.margin())  # what fitted the per-request TARGET alone
+    chi = guard.fit(BATCH, KV, [], planned, 0, SLO)
+    assert chi < planned
+    assert MODEL.step_time(BATCH, KV, [(chi, 0)]) <= SLO / guard.margin() < MODEL.step_time(BATCH, KV, [(chi + 1, 0)])
+    assert not guard.fits(BATCH, KV, [], planned, 0, SLO)
+    assert step_budget(0.9, 1.4, SLO) == pytest.approx(SLO / stricter_margin(1.4))
+    assert step_budget(0.9, 1.0, SLO) == pytest.approx(0.9 * SLO)  # exact: beta x the SLO, as before
+    exact, slow = StepErrorEstimator(), StepErrorEstimator()
+    for _ in range(600):
+        exact.observe(0.05, 0.05)
+        slow.observe(0.05, 0.05 * 1.15)
+    assert ChunkGuard(MODEL, exact).margin() == 1.0
+    assert ChunkGuard(MODEL, slow).margin() == pytest.approx(1.15)  # a bias is not a spread

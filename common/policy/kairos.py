@@ -83,9 +83,11 @@ from common.policy.schedule import (
 
 def step_budget(beta: float, margin: float, slo: float) -> float:
     """The step time a deflection's chunks are planned to: beta x the TBT SLO, or less where the
-    worker measures its steps running slower than the model (its margin: measured / predicted
-    at the 99th percentile), so that a planned step overruns the SLO about 1 % of the time."""
-    return min(beta, 1.0 / margin) * slo if margin > 0 else beta * slo
+    worker measures its steps running slower than the model (its margin: measured / predicted,
+    read at `TARGET`, left beside the bias), made stricter for `DECODE_TARGET` as the decode
+    worker's chunk guard plans the step (`ChunkGuard.margin`): a step with a chunk holds every
+    running decode, and one overrun breaks all of them at once."""
+    return min(beta, 1.0 / stricter_margin(margin)) * slo if margin > 0 else beta * slo
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,6 +37,17 @@ With several routers one decides at a time: the router whose name (its incarnati
 among the routers alive (`leader`; a router learns the others from its workers' heartbeats, which
 name the routers each worker is registered with); the others measure nothing and flip nothing.
 The simulator runs it on router 0.
+
+`ThresholdPlanner` is a baseline, not Kairos's planner: the rule NVIDIA Dynamo's planner
+documents, written from that description (no code of Dynamo's), on a fixed number of workers.
+Every `THRESHOLD_EVERY_S` [5 s] it compares the estimated TTFT (the mean predicted prefill queue
+plus one full-budget prefill step) and ITL (the decode workers' recent step time) of the
+samples taken since its last decision (one a second) with their SLAs: a role whose estimate is
+above its SLA wants +1 worker, one below 0.8 of it can give one up (-1). With the worker count
+fixed, +1 for one role is -1 for the other: a worker moves toward the role that wants more
+(prefill +1 / decode 0 or -1, prefill 0 / decode -1, and the mirror images), never below one
+worker per role, one flip at a time; no dwell, no hysteresis besides the 0.8-1.0 band. The
+simulator runs it with `disagg-least-loaded` routing (`dynamo-planner` in sim/knobs.py).
 """
 
 from __future__ import annotations
@@ -113,6 +124,7 @@ class Load:
     waits_decode: int        # requests waiting at the router for decode room or KV
     waits_prefill: int       # ... for a prefill worker (held by late binding)
     workers: tuple[WorkerLoad, ...] = ()
+    prefill_step_s: float = 0.0  # mean over prefill workers: one full-budget prefill step (ThresholdPlanner)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +300,7 @@ class RolePlanner:
 def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     """The load a router sees now: its worker table's routable workers and its wait queue."""
     q_s: list[float] = []
+    full_s: list[float] = []
     step_s: list[float] = []
     workers: list[WorkerLoad] = []
     for e in table.workers.values():
@@ -299,6 +312,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             budget = max(e.hello.token_budget, 1)
             full = e.model.step_time(0, 0, [(budget, 0)])  # a full-budget prefill step
             q_s.append(queued / budget * full + (hb.busy_s if hb is not None else 0.0))
+            full_s.append(full)
             workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued)))
         else:
             batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
@@ -312,4 +326,78 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             waits_d += 1
     return Load(prefill_queue_s=sum(q_s) / len(q_s) if q_s else 0.0,
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
-                waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers))
+                waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
+                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0)
+
+
+THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions
+THRESHOLD_LOW = 0.8       # ... an estimate below this share of its SLA can give up a worker
+
+
+def threshold_config(ttft_slo: float, tbt_slo: float, pinned: frozenset[str] = frozenset()) -> PlannerConfig:
+    """The settings `ThresholdPlanner` runs with: a sample a second, decisions every
+    THRESHOLD_EVERY_S over that interval's samples, no dwell and no gap between flips."""
+    return PlannerConfig(enabled=True, interval_s=1.0, window_s=THRESHOLD_EVERY_S, min_dwell_s=0.0,
+                         min_gap_s=0.0, ttft_slo=ttft_slo, tbt_slo=tbt_slo, pinned=pinned)
+
+
+class ThresholdPlanner(RolePlanner):
+    """A Dynamo-style threshold planner (a baseline; see the module docstring)."""
+
+    def __init__(self, cfg: PlannerConfig, *, log: Log | None = None, every_s: float = THRESHOLD_EVERY_S,
+                 low: float = THRESHOLD_LOW) -> None:
+        super().__init__(cfg, log=log)
+        if every_s < cfg.interval_s or not 0.0 < low < 1.0:
+            raise ValueError("threshold planner: every_s must be at least interval_s and low in (0, 1)")
+        self.every_s = every_s
+        self.low = low
+        self.decided_at = -float("inf")
+
+    @staticmethod
+    def _wants(est: float, sla: float, low: float) -> int:
+        return 1 if est > sla else -1 if est < low * sla else 0
+
+    def observe(self, load: Load, now: float) -> Flip | None:
+        cfg = self.cfg
+        if not cfg.enabled:
+            return None
+        for w in load.workers:
+            seen = self.since.get(w.worker_id)
+            if seen is None or seen[0] != w.role:
+                self.since[w.worker_id] = (w.role, now)
+        self.samples.append((now, load))
+        while self.samples and self.samples[0][0] <= now - self.every_s:
+            self.samples.popleft()
+        if self.pending is not None or now - self.decided_at < self.every_s - 1e-9:
+            return None
+        self.decided_at = now
+        s = [x for _, x in self.samples]
+        ttft = sum(x.prefill_queue_s + x.prefill_step_s for x in s) / len(s)
+        itl = sum(x.decode_step_s for x in s) / len(s)
+        want_p, want_d = self._wants(ttft, cfg.ttft_slo, self.low), self._wants(itl, cfg.tbt_slo, self.low)
+        n_p = sum(1 for w in load.workers if w.role == PREFILL)
+        n_d = sum(1 for w in load.workers if w.role == DECODE)
+        evidence = {"ttft_est_s": round(ttft, 4), "itl_est_s": round(itl, 4), "prefill_wants": want_p,
+                    "decode_wants": want_d, "prefill_workers": n_p, "decode_workers": n_d}
+        if want_p == want_d:
+            return None
+        to, frm, n_from, lo = ((PREFILL, DECODE, n_d, cfg.min_decode) if want_p > want_d
+                               else (DECODE, PREFILL, n_p, max(cfg.min_prefill, 1)))
+        if n_from - 1 < lo:
+            return None
+        ok = [w for w in load.workers if w.role == frm and w.worker_id not in cfg.pinned]
+        if not ok:
+            return None
+        pick = min(ok, key=lambda w: (w.load, w.worker_id))
+        reason = f"{to}_short" if (want_p if to == PREFILL else want_d) > 0 else f"{frm}_spare"
+        flip = Flip(worker_id=pick.worker_id, to=to, reason=reason, evidence=evidence)
+        self.pending = flip
+        self.last_flip_at = now
+        self.flips[reason] = self.flips.get(reason, 0) + 1
+        self.log.info("role_flip_decided", worker=pick.worker_id, frm=frm, to=to, reason=reason,
+                      planner="threshold", worker_load=pick.load, **evidence)
+        return flip
+
+    def flip_done(self, worker_id: str, role: m.Role, now: float) -> None:
+        super().flip_done(worker_id, role, now)
+        self.decided_at = now  # the next decision an interval after the new shape starts

@@ -104,7 +104,7 @@ class WorkerService(abc.ABC):
         self.left = False
         self._beat_now = asyncio.Event()
         self._hello_now = first.hello_now
-        self._answered = first.answered    # the router answered a Hello (Welcome or Refused)
+        self.answered = first.answered    # the router answered a Hello (Welcome or Refused)
         self.bus: WorkerBus                # the first router's sockets
         self.core = self.make_core(self.engine_info())
         self.counters = self.core.counters  # the core's, and the shell's own below
@@ -200,7 +200,7 @@ class WorkerService(abc.ABC):
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._on_signal(), name="signals"),
-                         tg.create_task(self._heartbeat_loop(), name="heartbeat"),
+                         tg.create_task(self.heartbeat_loop(), name="heartbeat"),
                          tg.create_task(self.engine.run(), name="engine"),
                          tg.create_task(self.refit_loop(), name="refit"),
                          tg.create_task(self.loop_lag.run(), name="loop-lag"),
@@ -322,7 +322,7 @@ class WorkerService(abc.ABC):
                 link.welcomed.clear()
                 link.hello_now.set()
 
-    async def _heartbeat_loop(self) -> None:
+    async def heartbeat_loop(self) -> None:
         while True:
             try:
                 await asyncio.wait_for(self._beat_now.wait(), timeout=self.hb_interval)

@@ -158,7 +158,7 @@ def deflection(rid: str, budget: float, schedule: tuple[int, ...] = (1000, 1000)
 async def test_decode_worker_rejects_a_deflection_that_does_not_fit_beside_the_accepted_one(
         decode: tuple[DecodeWorker, FakeRouter]) -> None:
     w, router = decode
-    await asyncio.wait_for(w._answered.wait(), 10)  # welcomed: it knows the router's incarnation
+    await asyncio.wait_for(w.answered.wait(), 10)  # welcomed: it knows the router's incarnation
     # back to back, no engine step between them: the first is accepted and still prefilling
     await w.on_message(deflection("first", 0.00085))
     await w.on_message(deflection("second", 0.00085, dispatch=2))

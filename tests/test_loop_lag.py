@@ -102,6 +102,6 @@ async def test_a_workers_heartbeat_carries_its_worst_lag_since_the_last_one() ->
 
     w.bus = Bus()  # type: ignore[assignment]
     w.loop_lag.observe(0.2)
-    await asyncio.wait_for(w._heartbeat_loop(), 5)
+    await asyncio.wait_for(w.heartbeat_loop(), 5)
     assert beats[0].loop_lag_ms == 200.0
     assert beats[1].loop_lag_ms == 0.0  # taken by the first beat

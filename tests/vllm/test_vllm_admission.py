@@ -62,7 +62,7 @@ async def decode(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         h = await router.until(lambda x: isinstance(x, m.Hello), timeout=300)
         assert isinstance(h, m.Hello) and h.coeffs == PROFILE.model.to_coeffs()
         await router.send(m.Welcome(router_incarnation="fake", heartbeat_interval_s=0.1))
-        await asyncio.wait_for(w._answered.wait(), 30)
+        await asyncio.wait_for(w.answered.wait(), 30)
         yield w, router
     finally:
         w.stop.set()

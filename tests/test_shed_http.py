@@ -12,6 +12,7 @@ import types
 from typing import Any
 
 import httpx
+import pytest
 
 from common import config
 from common import messages as m
@@ -112,7 +113,8 @@ async def test_a_batch_over_the_limit_is_a_400_and_nothing_is_admitted() -> None
     assert "retry-after" not in resp.headers and not r.requests
 
 
-async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_byte_not_failed_inside() -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
+async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_byte_not_failed_inside(path: str) -> None:
     """A request let wait at the router (its wait unpredicted, or predicted within its budget) whose
     budget runs out before it is placed gets a 429 with Retry-After and what was short, not a
     `200 OK` stream with an error event inside (issue 48: 'never a stream that waits and then
@@ -123,7 +125,9 @@ async def test_a_stream_that_waited_past_its_budget_is_refused_429_before_any_by
         kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
         token_budget=2048, last_dispatch=0), 1.0)  # KV full, and none of this router's requests decoding
     async with client(r) as c:
-        task = asyncio.create_task(c.post("/v1/completions", json=body(1, stream=True)))
+        req_body = body(1, stream=True) if path == "/v1/completions" else \
+            {"input": "hello", "max_output_tokens": 2, "stream": True}
+        task = asyncio.create_task(c.post(path, json=req_body))
         for _ in range(200):
             await asyncio.sleep(0.005)
             if r.core.stats()["kv_waiting"] == 1:

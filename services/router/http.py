@@ -304,6 +304,10 @@ class App:
         watcher = asyncio.create_task(self._watch_disconnect(receive, [req]))
         try:
             if p.stream:
+                refused = await serve.placed([c])  # as a completion's stream: its status waits while it waits
+                if refused is not None:
+                    status, out = refused
+                    raise HttpError(status, out["message"], code=out["code"], retry_after=out["retry_after"])
                 await responses.stream(router, send, p, c, answer, self._headers(req))
             else:
                 status, out = await responses.unary(router, p, c, answer)

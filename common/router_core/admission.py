@@ -27,8 +27,10 @@ before any byte of a stream), not queued until a fixed timeout:
 - **Bounded wait.** A request admitted to wait (its prediction within the budget, or none) waits
   at most until its budget from arrival less its lead (`kv_wait_timeout` when that is sooner):
   placed later, it would miss the time to first token it was admitted for, so it fails then with a
-  retryable 503 (`prefill_wait_timeout`, `decode_wait_timeout`, `kv_wait_timeout`: what was short)
-  instead of being served past its budget (waiting.py).
+  429 and what was short (`prefill_busy`, `decode_busy`, `kv_full`; Retry-After) instead of being
+  served past its budget (waiting.py). Only `kv_wait_timeout` ends a wait with no budget
+  (`queue_budget` -1) or one for other reasons (its worker lost): a retryable 503
+  (`prefill_wait_timeout`, `decode_wait_timeout`, `kv_wait_timeout`: what was short).
 - **Client shares.** One client (its API key, else its address; the HTTP shell names it) holds at
   most `client_share` x `max_in_flight` requests in flight, so one client or one batched request
   cannot take every slot; code `client_share`.

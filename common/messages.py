@@ -311,6 +311,12 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None         # top logprobs per output token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for every prompt token (reported by whoever prefills)
     structured: StructuredOutputs | None = None  # response_format / structured_outputs / tool_choice
+    # a streamed answer the router writes as text deltas: its tokenizer's fingerprint
+    # (common/tokenizer.py `fingerprint`); a decode worker whose own tokenizer has the same one sends
+    # each TokenItem's text delta with its ids (`TokenItem.text`), so the router does not decode
+    # them; "": ids only. `text_keep_special`: decode with the special tokens (skip_special_tokens off)
+    text: str = ""
+    text_keep_special: bool = False
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -457,6 +463,10 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     # RequestOutput.num_cached_tokens; for a handoff, the prefill engine's hits); None: not reported
     cached_tokens: int | None = None
     cache_created_tokens: int | None = None  # ... and the prompt tokens it added to that cache
+    # the text these tokens add to the output as the router would stream it (Sampling.text asked it
+    # and the worker's tokenizer matches): the ids' decode, less a character still incomplete at the
+    # end (it comes with a later item); None: the router decodes the ids itself
+    text: str | None = None
 
 
 class TokenBatch(Msg, frozen=True):

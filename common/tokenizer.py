@@ -50,6 +50,8 @@ class Tokenizer(Protocol):
 class SimpleTokenizer:
     vocab_size = 32000
     eos_token_id: int | None = 2
+    fingerprint = "simple"  # the same vocabulary everywhere (TextStream: router and worker agree)
+    additive = True  # the decode of a sequence is the decodes of its tokens, joined
     _split = re.compile(r"\w+|[^\w\s]")
 
     def __init__(self) -> None:
@@ -101,6 +103,19 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = int(self._tok.vocab_size)
         self.eos_token_id = self._tok.eos_token_id
+        self.additive = False  # byte-level: a character may span tokens, and decoding may join them
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        """What identifies this tokenizer's decoding (TextStream: a decode worker sends text only
+        to a router whose tokenizer has the same one): its full serialized definition, hashed."""
+        import hashlib
+
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        spec = backend.to_str() if backend is not None else repr(sorted(self._tok.get_vocab().items()))
+        extra = repr((type(self._tok).__name__, self._tok.all_special_ids,
+                      getattr(self._tok, "clean_up_tokenization_spaces", None)))
+        return "hf:" + hashlib.sha256((spec + extra).encode()).hexdigest()[:32]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
@@ -173,6 +188,45 @@ class HFTokenizer:
                                                       **(kwargs or {}))
             return text
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+
+
+class TextStream:
+    """One output's text deltas as the router streams them (services/router/openai_render.py
+    `Choice` without stop strings: the whole decode so far, less a character still incomplete at
+    its end, minus what went out before), kept where the tokens are made: a decode worker sends each
+    delta with its ids (`TokenItem.text`) and the router writes it without decoding. The same
+    arithmetic as the router's, so a delta is the router's own, byte for byte; a tokenizer whose
+    tokens decode one by one (`additive`) extends the text, another decodes the whole output again
+    at each step, as the router did."""
+
+    __slots__ = ("full", "ids", "sent", "skip", "tok")
+
+    def __init__(self, tok: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self.tok, self.skip = tok, skip_special_tokens
+        self.ids: list[int] = []
+        self.full = ""
+        self.sent = 0
+
+    def push(self, ids: list[int]) -> str:
+        """The text `ids` add that may go out now ("" while a character is incomplete)."""
+        if getattr(self.tok, "additive", False):
+            self.full += self.tok.decode(ids, skip_special_tokens=self.skip)
+        else:
+            self.ids += ids
+            self.full = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+        full = self.full
+        end = len(full.rstrip("\ufffd")) if full.endswith("\ufffd") else len(full)
+        if end <= self.sent:
+            return ""
+        out = full[self.sent:end]
+        self.sent = end
+        return out
+
+
+def fingerprint(tok: Tokenizer) -> str:
+    """The tokenizer's identity for text deltas (Sampling.text); "" for one without (no deltas)."""
+    fp = getattr(tok, "fingerprint", "")
+    return fp if isinstance(fp, str) else ""
 
 
 def make_tokenizer(spec: str) -> Tokenizer:

@@ -19,7 +19,7 @@ import pytest
 from common import messages as m
 from common.config import RouterConfig
 from common.router_core.requests import Event, Events, Request
-from common.tokenizer import SimpleTokenizer
+from common.tokenizer import SimpleTokenizer, TextStream, fingerprint
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router.openai_render import Choice
@@ -68,15 +68,19 @@ class _Direct:
 
 
 async def _run(body: dict[str, Any], chat: bool, script: list[list[Event]], fast: bool,
-               monkeypatch: pytest.MonkeyPatch, direct: bool = False, refuse: bool = False
-               ) -> tuple[list[bytes], int]:
+               monkeypatch: pytest.MonkeyPatch, direct: bool = False, refuse: bool = False,
+               tok: Any = TOK, worker_text: bool = False) -> tuple[list[bytes], int]:
     """The bodies `stream` sends for `script` (each batch put to every request, then the loop
     turns), and how many chunks the templates rendered (with `direct`: how many went straight
-    to the fake socket)."""
+    to the fake socket). `worker_text`: each event carries the text a decode worker sends with
+    its ids when the plan asks for it (Sampling.text: common/tokenizer.py TextStream), as
+    common/worker_core/decode.py makes it."""
     monkeypatch.setattr(serve.time, "time", lambda: 1_700_000_000.0)
-    p = _plan(body, chat)
+    p = schema.plan(schema.decode(json.dumps(body).encode(), chat=chat), RouterConfig(), tok)
     reqs = _requests(p)
-    choices = [Choice(i, i // p.n, r, p, TOK) for i, r in enumerate(reqs)]
+    choices = [Choice(i, i // p.n, r, p, tok) for i, r in enumerate(reqs)]
+    worker = [TextStream(tok, skip_special_tokens=not r.sampling.text_keep_special)
+              if worker_text and r.sampling.text == fingerprint(tok) else None for r in reqs]
     sent: list[bytes] = []
     rendered = 0
     take = serve.Plain.take
@@ -95,11 +99,12 @@ async def _run(body: dict[str, Any], chat: bool, script: list[list[Event]], fast
 
     async def produce() -> None:
         for batch in script:
-            for r in reqs:
+            for r, w in zip(reqs, worker, strict=True):
                 for ev in batch:
+                    text = w.push(ev.token_ids) if w is not None and ev.token_ids is not None else None
                     r.events.put_nowait(Event(token_ids=list(ev.token_ids) if ev.token_ids else ev.token_ids,
                                               finish_reason=ev.finish_reason, logprobs=ev.logprobs,
-                                              error=ev.error, error_code=ev.error_code))
+                                              error=ev.error, error_code=ev.error_code, text=text))
             for _ in range(5):
                 await asyncio.sleep(0)
 
@@ -202,3 +207,83 @@ async def test_the_sink_is_offered_an_event_only_while_the_consumer_waits_with_n
     events.put_nowait(e3)  # refused: queued, the consumer woken
     events.put_nowait(e4)  # e3 not taken yet: queued behind it, not offered
     assert await waiting == [e3, e4] and taken == [e2]
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer in miniature (what Hugging Face's are, for decoding): one token per
+    UTF-8 byte (ids 3..258), so a character may span tokens and a prefix's decode ends in U+FFFD;
+    ids 0-2 special; and, as `clean_up_tokenization_spaces` does, " ." decodes as "." (the decode
+    of a longer output is not always the shorter one's decode extended)."""
+
+    vocab_size = 259
+    eos_token_id = 2
+    fingerprint = "bytes-test"
+    additive = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + b for b in text.encode()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytes(i - 3 for i in ids if i >= 3).decode(errors="replace").replace(" .", ".")
+        return out if skip_special_tokens else "".join("<s>" for i in ids if i < 3) + out
+
+    def token_str(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def render_chat(self, messages: list[dict[str, object]], **kw: Any) -> str:
+        return "\n".join(f"{msg['role']}: {msg.get('content') or ''}" for msg in messages) + "\nassistant:"
+
+
+BYTES = ByteTokenizer()
+UTF = BYTES.encode("héllo wörld ✓ . ok 🙂 .")
+
+
+def _byte_script() -> list[list[Event]]:
+    """UTF's tokens one or a few at a time (characters split across events), then the end."""
+    out: list[list[Event]] = []
+    i = 0
+    for k, step in enumerate([1, 2, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1, 1, 2, 1, 3, 1, 1, 1, 2, 1, 1, 1, 1]):
+        if i >= len(UTF):
+            break
+        out.append([_ev(UTF[i:i + step])] if k % 5 else [_ev(UTF[i:i + 1]), _ev(UTF[i + 1:i + step])])
+        i += step
+    out.append([_ev(UTF[i:], "length")])
+    return out
+
+
+BYTE_CASES: list[tuple[str, bool, dict[str, Any]]] = [
+    ("chat", True, {"messages": [{"role": "user", "content": "hi"}]}),
+    ("completion", False, {"prompt": "hi"}),
+    ("completion usage", False, {"prompt": "hi", "stream_options": {"include_usage": True}}),
+    ("chat n=2", True, {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+    ("completion special tokens", False, {"prompt": "hi", "skip_special_tokens": False}),
+    ("completion stop string", False, {"prompt": "hi", "stop": ["ok"]}),
+]
+
+
+@pytest.mark.parametrize(("name", "chat", "body"), BYTE_CASES, ids=[c[0] for c in BYTE_CASES])
+async def test_worker_text_writes_the_generic_bytes_for_a_byte_level_tokenizer(
+        name: str, chat: bool, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer whose tokens do not decode one by one (Hugging Face's) takes the template path
+    only with the decode worker's text deltas, and writes the bytes the router's own decoding
+    writes, with characters split across tokens and a decode that rewrites what came before."""
+    body = {"model": RouterConfig().served_model_name, "max_tokens": 64, "stream": True, **body}
+    script = _byte_script()
+    want, _ = await _run(body, chat, script, False, monkeypatch, tok=BYTES)
+    assert "✓".encode() in b"".join(want)  # characters split across tokens, whole again
+    # without the worker's text, a byte-level tokenizer stays on the generic path
+    _, rendered = await _run(body, chat, script, True, monkeypatch, tok=BYTES)
+    assert rendered == 0
+    got, rendered = await _run(body, chat, script, True, monkeypatch, tok=BYTES, worker_text=True)
+    assert got == want
+    got_direct, written = await _run(body, chat, script, True, monkeypatch, direct=True, tok=BYTES, worker_text=True)
+    assert got_direct == want
+    got_some, _ = await _run(body, chat, script, True, monkeypatch, direct=True, refuse=True, tok=BYTES,
+                             worker_text=True)
+    assert got_some == want
+    if "stop" in name:  # a stop string: the router must see the text itself, no deltas asked
+        assert rendered == 0 and written == 0
+    elif "n=2" in name:
+        assert rendered > 0
+    else:
+        assert rendered > 0 and written > 0, "the worker's text should put a byte-level stream on the fast path"

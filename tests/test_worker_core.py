@@ -9,6 +9,7 @@ from common import messages as m
 from common.engines.base import EngineLoad, EngineRequest, Prefilled
 from common.perf_model import load_profile
 from common.policy.admission import REJECTED_REASON
+from common.tokenizer import SimpleTokenizer
 from common.worker_core import DecodeCore, EngineInfo, PrefillCore
 
 MODEL = load_profile("a100-dsv2-lite").model
@@ -334,3 +335,31 @@ def test_decode_heartbeats_echo_every_router_replicas_queue() -> None:
     core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=0.0, late=False, waiting=0))  # emptied
     assert ports.beats == 3
     assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 0.0, False, 0), m.RouterQueue("rb", 9.0, True, 1)]
+
+
+def test_text_deltas_go_with_the_tokens_only_to_a_router_with_the_same_tokenizer() -> None:
+    """A request whose router asked for text with this worker's tokenizer (Sampling.text) gets each
+    item's text delta; another tokenizer's, a resumed request or a plain one gets ids only; the
+    text kept per request goes at its end or cancel."""
+    tok = SimpleTokenizer()
+    core, ports = decode_core(tokenizer=tok)
+    ids = tok.encode("the model and the cache")
+
+    def work(rid: str, text: str, resume: int = 0) -> m.DecodeWork:
+        return m.DecodeWork(request_id=rid, attempt=0, dispatch=1, mode="deflect", prompt_token_ids=[1] * 8,
+                            sampling=m.Sampling(max_tokens=10, text=text), tbt_slo=0.1, deadline_s=30.0,
+                            resume_tokens=resume)
+
+    for rid, text, resume in (("a", "simple", 0), ("other", "hf:0123", 0), ("resumed", "simple", 2), ("ids", "", 0),
+                              ("cancelled", "simple", 0)):
+        assert core.on_work(work(rid, text, resume), 0.0, idle(), None) == "started"
+    rids = ["a", "other", "resumed", "ids", "cancelled"]
+    core.on_tokens([m.TokenItem(request_id=r, attempt=0, token_ids=ids[:2]) for r in rids], 0.01)
+    core.on_cancel(m.Cancel(request_id="cancelled"))
+    core.on_tokens([m.TokenItem(request_id=r, attempt=0, token_ids=ids[2:], finish_reason="length")
+                    for r in rids[:4]], 0.01)
+    batches = [x for x in ports.sent if isinstance(x, m.TokenBatch)]
+    texts = [{it.request_id: it.text for it in b.items} for b in batches]
+    assert texts[0] == {"a": " the model", "other": None, "resumed": None, "ids": None, "cancelled": " the model"}
+    assert texts[1] == {"a": " and the cache", "other": None, "resumed": None, "ids": None}
+    assert core.texts == {}

@@ -186,7 +186,7 @@ class Inbound:
             req.n_out += len(it.token_ids)
             req.out_ids += it.token_ids
             req.events.put_nowait(Event(token_ids=it.token_ids, logprobs=it.logprobs,
-                                        prompt_logprobs=it.prompt_logprobs))
+                                        prompt_logprobs=it.prompt_logprobs, text=it.text))
             if it.finish_reason is not None:
                 self.core.finish(req, it.finish_reason, now)
         if freed and self.core.waiting.queue:

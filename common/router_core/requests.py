@@ -22,6 +22,7 @@ class Event:
     prompt_logprobs: list[m.TokenLogprobs | None] | None = None
     error: str | None = None
     error_code: str = ""
+    text: str | None = None  # the text token_ids add, from the decode worker (TokenItem.text); None: decode them
 
 
 class Events:

@@ -37,6 +37,7 @@ from common import tracing
 from common.engines.base import EngineLoad, EngineRequest
 from common.perf_model import PerfModel
 from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection
+from common.tokenizer import TextStream, Tokenizer, fingerprint
 from common.worker_core.base import EngineInfo, WorkerCore
 from common.worker_core.ports import NULL_LOG, Log, WorkerPorts
 
@@ -59,8 +60,13 @@ class DecodeCore(WorkerCore):
 
     def __init__(self, worker_id: str, incarnation: str, info: EngineInfo, ports: WorkerPorts, *, model: str,
                  kv_transport: str = "modeled", kv_handoff_timeout: float = 30.0, deflect_admission: bool = True,
-                 list_held: bool = True, log: Log = NULL_LOG) -> None:
+                 list_held: bool = True, log: Log = NULL_LOG, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(worker_id, incarnation, info, ports, model=model, kv_transport=kv_transport, log=log)
+        # the model's tokenizer, when this worker can decode its outputs: a request whose router asks
+        # for text deltas with the same tokenizer (Sampling.text) gets them with its ids (TextStream)
+        self.tokenizer = tokenizer
+        self.text_fp = fingerprint(tokenizer) if tokenizer is not None else ""
+        self.texts: dict[str, tuple[int, TextStream]] = {}  # request -> (attempt, its text so far)
         self.kv_handoff_timeout = kv_handoff_timeout
         self.deflect_admission = deflect_admission
         self.list_held = list_held  # its heartbeats list the deflections it holds
@@ -255,6 +261,8 @@ class DecodeCore(WorkerCore):
         fb, self.fallbacks = self.fallbacks, []
         if not items and not fb:
             return
+        if self.text_fp:
+            items = [self._with_text(it) for it in items]
         self.ports.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s,
                                      kv_fallback=[rid for rid, _ in fb], kv_fallback_reasons=[why for _, why in fb]))
         changed = False
@@ -269,6 +277,24 @@ class DecodeCore(WorkerCore):
         if changed:
             self.ports.beat_now()
 
+    def _with_text(self, it: m.TokenItem) -> m.TokenItem:
+        """`it` with its text delta (`TokenItem.text`) when its router asked for it with this
+        worker's tokenizer; a resumed request (its earlier output is in its prompt) gets none: its
+        text depends on tokens this worker did not make."""
+        rid = it.request_id
+        entry = self.texts.get(rid)
+        if entry is None or entry[0] != it.attempt:
+            w = self.active.get(rid)
+            if w is None or w.attempt != it.attempt or w.sampling.text != self.text_fp or w.resume_tokens \
+                    or self.tokenizer is None:
+                return it
+            entry = self.texts[rid] = (it.attempt, TextStream(self.tokenizer,
+                                                              skip_special_tokens=not w.sampling.text_keep_special))
+        text = entry[1].push(it.token_ids)
+        if it.finish_reason is not None:
+            del self.texts[rid]
+        return msgspec.structs.replace(it, text=text)
+
     def on_cancel(self, c: m.Cancel) -> bool:
         """The router cancels a request (attempt -1: whichever it holds). True if it held it."""
         w = self.active.get(c.request_id) or (p.work if (p := self.pending.get(c.request_id)) else None)
@@ -279,11 +305,13 @@ class DecodeCore(WorkerCore):
         return True
 
     def forget(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
         self.prefilled(request_id)
         self.active.pop(request_id, None)
         self.pending.pop(request_id, None)
 
     def drop(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
         self.prefilled(request_id)
         p = self.pending.pop(request_id, None)
         if p is not None:

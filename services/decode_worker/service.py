@@ -34,6 +34,7 @@ from common.engines.base import EngineRequest
 from common.kv import KvError, KvReceiver, receiver_from_config, transfer_key
 from common.perf_model import PerfModel
 from common.policy.admission import Accepted
+from common.tokenizer import SimpleTokenizer, Tokenizer, make_tokenizer
 from common.worker import WorkerService
 from common.worker_core import DecodeCore, EngineInfo, Pending
 
@@ -56,7 +57,22 @@ class DecodeWorker(WorkerService):
     def make_core(self, info: EngineInfo) -> DecodeCore:
         return DecodeCore(self.worker_id, self.incarnation, info, self, model=self.cfg.served_model_name,
                           kv_transport=self.cfg.kv_transport, kv_handoff_timeout=self.cfg.kv_handoff_timeout,
-                          deflect_admission=self.cfg.deflect_admission, log=self.log)
+                          deflect_admission=self.cfg.deflect_admission, log=self.log,
+                          tokenizer=self._tokenizer())
+
+    def _tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, to send text deltas with the tokens (the router then writes them
+        without decoding): the simulated engine's word tokenizer, or the vLLM model's own; None (ids
+        only, the router decodes) where it cannot be loaded here."""
+        if self.cfg.engine == "sim":
+            return SimpleTokenizer()
+        try:
+            return make_tokenizer(self.cfg.model) if self.cfg.model else None
+        except Exception as e:  # ConfigError, or whatever transformers raises: the router decodes instead
+            self.log.warning("worker_tokenizer_unavailable", model=self.cfg.model,
+                             error=f"{type(e).__name__}: {e}"[:300],
+                             effect="token ids only; the router decodes the text itself")
+            return None
 
     # the core's ledgers, read by operators and tests
     @property

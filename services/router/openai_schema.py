@@ -17,7 +17,7 @@ import msgspec
 from common import messages as m
 from common.config import RouterConfig
 from common.errors import RequestError
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, fingerprint
 from services.router.openai_bodies import (
     MAX_LOGPROBS,
     MAX_STOP,
@@ -327,6 +327,11 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
         repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens, logit_bias=bias,
         allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps,
         structured=grammar)
+    if body.stream and not stop and logprobs is None and tool_plan is None and not echo \
+            and not (so and so.continuous_usage_stats) and not body.return_token_ids and fingerprint(tok):
+        # a plain stream (services/router/openai_serve.py `plain`): the decode worker sends each
+        # token's text with it, so the router writes it without decoding
+        base = msgspec.structs.replace(base, text=fingerprint(tok), text_keep_special=not skip_special)
     if n > 1 and base.temperature < 1e-5:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     samplings = [base if body.seed is None else msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]

@@ -155,11 +155,12 @@ _MARK_JSON = _json.encode(_MARK)
 
 def plain(p: Plan, choices: list[Choice]) -> bool:
     """A stream whose middle chunks are text only (the common case): no stop strings, logprobs,
-    tool calls, echo, per-chunk usage or token ids, and a tokenizer whose tokens decode one by one.
+    tool calls, echo, per-chunk usage or token ids, and a tokenizer whose tokens decode one by one
+    or text deltas asked of the decode worker (Sampling.text: it decodes, `Event.text`).
     Its chunks before the last are one template per choice with the new text's JSON string in it
     (`Plain`): no per-token objects, no dict to build and encode per chunk."""
     return (not p.stop and p.logprobs is None and p.tool_plan is None and not p.echo and not p.continuous_usage
-            and not p.return_token_ids and all(c.additive for c in choices))
+            and not p.return_token_ids and all(c.additive or c.req.sampling.text for c in choices))
 
 
 class Plain:
@@ -184,27 +185,42 @@ class Plain:
                     or ev.prompt_logprobs is not None or not ev.token_ids:
                 return None
             ids = ev.token_ids
+            given = ev.text
         else:
             ids = []
+            texts: list[str] | None = []
             for ev in evs:
                 if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
                         or ev.prompt_logprobs is not None:
                     return None
                 if ev.token_ids:
                     ids += ev.token_ids
+                    if texts is not None:
+                        if ev.text is None:
+                            texts = None
+                        else:
+                            texts.append(ev.text)
             if not ids:
                 return None
-        text = self.text_of(c, ids)
+            given = "".join(texts) if texts is not None else None
+        text = self.text_of(c, ids, given)
         return None if text is None else self.commit(c, ids, text)
 
     @staticmethod
-    def text_of(c: Choice, ids: list[int]) -> str | None:
+    def text_of(c: Choice, ids: list[int], given: str | None = None) -> str | None:
         """The text `ids` add to the choice's, where it can go out as it is (None: the generic
         path must render it: the choice ended, text held back, nothing to show, a character
-        that may not be complete)."""
+        that may not be complete). `given`: the decode worker's text of them (Event.text), the
+        choice's own delta (common/tokenizer.py TextStream), so nothing is decoded here; without
+        it only a tokenizer whose tokens decode one by one can go this way."""
         if c.done or c.sent != len(c.text):
             return None
-        text = c._decode(ids)
+        if given is not None:
+            text = given
+        elif c.additive:
+            text = c._decode(ids)
+        else:
+            return None
         if not text or text[-1] == "\ufffd":
             return None
         return text
@@ -250,7 +266,11 @@ class _Direct:
         c = self.c
         if not self.ids and (c.done or c.sent != len(c.text)):
             return False
-        text = c._decode(ids)
+        text = ev.text
+        if text is None:
+            if not c.additive:
+                return self._refuse()
+            text = c._decode(ids)
         if not text or text[-1] == "\ufffd":
             return self._refuse()
         if not self.ids:
@@ -266,7 +286,7 @@ class _Direct:
 
     def _refuse(self) -> bool:
         if self.ids:
-            self.c.req.events.hand_back(Event(token_ids=self.ids))
+            self.c.req.events.hand_back(Event(token_ids=self.ids, text="".join(self.texts)))
             self.ids, self.texts = [], []
         return False
 

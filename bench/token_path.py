@@ -2,6 +2,8 @@
 
     python -m bench.token_path                    # 32 streams x 100 tokens, 7 repeats, chat and completions
     python -m bench.token_path --direct off       # the queued path: each stream's task wakes per event
+    python -m bench.token_path --worker-text off  # the router decodes each token's text itself
+    python -m bench.token_path --tokenizer bytes  # a byte-level tokenizer (as Hugging Face's decode)
 
 One router (the `fast` profile, deflect-all, one decode worker registered, no bus) admits
 --streams streaming requests and runs each one's SSE rendering (services/router/openai_serve.py
@@ -10,7 +12,12 @@ through the router's work-socket handler (`Router._on_work_frames`: msgspec deco
 token bookkeeping, the events to each stream) with the loop turning between frames, as between
 two engine steps. What is timed (the process's CPU clock) is that handling and the streams'
 rendering and writes; the write itself is a no-op (`--direct on`: the connection's DirectWrite,
-services/router/edge.py; `off`: the ASGI send), so the socket's syscall is not in the figure:
+services/router/edge.py; `off`: the ASGI send), so the socket's syscall is not in the figure.
+Each TokenItem carries its text delta as a decode worker sends it (`--worker-text on`, when the
+code has `TokenItem.text`; made before the clock starts: it is the worker's work); `--tokenizer
+bytes`: one token per byte, decoded as a byte-level tokenizer decodes (a prefix may end inside a
+character), whose streams took the generic path, decoding the whole output at every token, before
+the worker sent the text. `kairos bench-router` measures the whole process with its sockets:
 `kairos bench-router` measures the whole process with its sockets. Prints the median and the
 lowest CPU microseconds per token over --repeat runs.
 """
@@ -43,6 +50,31 @@ class _Outbox:
         pass
 
 
+class _Bytes:
+    """A byte-level tokenizer in miniature: one token per UTF-8 byte (ids 3..258), ids 0-2 special;
+    decoding is what a byte-level tokenizer's is (the bytes joined, then read as UTF-8)."""
+
+    vocab_size = 259
+    eos_token_id = 2
+    fingerprint = "bytes-bench"
+    additive = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + b for b in text.encode()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+    def token_str(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def render_chat(self, messages: list[dict[str, object]], **kw: Any) -> str:
+        return "\n".join(f"{msg['role']}: {msg.get('content') or ''}" for msg in messages) + "\nassistant:"
+
+
+_TEXT = "the router writes what the decode worker made, über alles ✓ "
+
+
 class _Socket:
     """A DirectWrite whose socket takes everything at once."""
 
@@ -56,11 +88,14 @@ class _Socket:
         pass
 
 
-async def one_run(chat: bool, streams: int, tokens: int, direct: bool) -> float:
+async def one_run(chat: bool, streams: int, tokens: int, direct: bool, worker_text: bool = True,
+                  tokenizer: str = "simple") -> float:
     """CPU µs per token of one run."""
     cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "deflect-all", "profile": "fast",
                                                               "liveness": 10_000})
     r = Router(cfg, outbox=_Outbox())
+    if tokenizer == "bytes":
+        r.tokenizer = _Bytes()  # type: ignore[assignment]
     r.core.on_message(b"decode-0", m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="decode-0", role="decode",
                                            incarnation="inc-0", engine="sim", model="kairos-sim", token_budget=2048,
                                            kv_capacity_tokens=1_000_000, max_batch=streams), time.monotonic())
@@ -81,8 +116,18 @@ async def one_run(chat: bool, streams: int, tokens: int, direct: bool) -> float:
         tasks.append(asyncio.create_task(serve.stream(r, send, p, [Choice(0, 0, req, p, r.tokenizer)], [], "fp",
                                                       **kw)))
     await asyncio.sleep(0)
+    out = r.tokenizer.encode(_TEXT) if tokenizer == "bytes" else [100 + k for k in range(50)]
+    ids = [out[k % len(out)] for k in range(tokens)]
+    texts: list[str | None] = [None] * tokens
+    stream_text = getattr(p.samplings[0], "text", "")
+    if worker_text and stream_text:  # what the decode worker sends with each token (common/worker_core/decode.py)
+        from common.tokenizer import TextStream  # (only in trees that have it)
+
+        ts = TextStream(r.tokenizer, skip_special_tokens=not p.samplings[0].text_keep_special)
+        texts = [ts.push([t]) for t in ids]
+    kw_text = [{"text": t} if t is not None else {} for t in texts]
     frames = [[b"decode-0", codec.encode(m.TokenBatch(worker_id="decode-0", items=[
-        m.TokenItem(request_id=q.request_id, attempt=q.attempt, token_ids=[100 + k % 50]) for q in reqs]))]
+        m.TokenItem(request_id=q.request_id, attempt=q.attempt, token_ids=[ids[k]], **kw_text[k]) for q in reqs]))]
         for k in range(tokens)]
     t0 = time.process_time()
     for f in frames:
@@ -98,9 +143,11 @@ async def one_run(chat: bool, streams: int, tokens: int, direct: bool) -> float:
 
 async def main_async(a: argparse.Namespace) -> None:
     for chat in (True, False):
-        xs = [await one_run(chat, a.streams, a.tokens, a.direct == "on") for _ in range(a.repeat)]
+        xs = [await one_run(chat, a.streams, a.tokens, a.direct == "on", a.worker_text == "on", a.tokenizer)
+              for _ in range(a.repeat)]
         print(f"{'chat' if chat else 'completions'}: {statistics.median(xs):.2f} µs of CPU per token (median of "
-              f"{a.repeat}; lowest {min(xs):.2f}), {a.streams} streams x {a.tokens} tokens, direct {a.direct}")
+              f"{a.repeat}; lowest {min(xs):.2f}), {a.streams} streams x {a.tokens} tokens, direct {a.direct}, "
+              f"worker text {a.worker_text}, tokenizer {a.tokenizer}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=7, help="runs per endpoint (default 7)")
     p.add_argument("--direct", choices=("on", "off"), default="on",
                    help="write plain token chunks the direct way (on, as the router does) or the ASGI way")
+    p.add_argument("--worker-text", choices=("on", "off"), default="on",
+                   help="tokens come with their text from the decode worker (on, as a worker that has the "
+                        "model's tokenizer sends them) or as ids only, decoded by the router (off)")
+    p.add_argument("--tokenizer", choices=("simple", "bytes"), default="simple",
+                   help="simple: the word tokenizer (tokens decode one by one); bytes: a byte-level one, as a "
+                        "Hugging Face model's")
     a = p.parse_args(argv)
     logs.configure("bench", level="warning")  # as the router configures it (a cached logger per module)
     asyncio.run(main_async(a))

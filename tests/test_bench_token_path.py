@@ -22,6 +22,16 @@ def test_token_path_measures_both_endpoints(direct: str, capsys: pytest.CaptureF
     assert all("µs of CPU per token" in line and f"direct {direct}" in line for line in out)
 
 
+@pytest.mark.parametrize("tokenizer", ["simple", "bytes"])
+@pytest.mark.parametrize("text", ["on", "off"])
+def test_token_path_with_and_without_the_workers_text(tokenizer: str, text: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert token_path.main(["--streams", "2", "--tokens", "40", "--repeat", "1", "--worker-text", text,
+                            "--tokenizer", tokenizer]) == 0
+    out = [line for line in capsys.readouterr().out.splitlines() if "per token" in line]
+    assert len(out) == 2 and all(f"worker text {text}, tokenizer {tokenizer}" in line for line in out)
+
+
 def test_request_path_times_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
     from bench import request_path
 

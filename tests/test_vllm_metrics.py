@@ -75,3 +75,44 @@ def test_kv_usage_per_decode_worker(scraped: str) -> None:
     kv = families(scraped)["vllm:kv_cache_usage_perc"]
     samples = {s.labels["engine"]: s.value for s in kv.samples}
     assert set(samples) == {"decode-0"} and all(0.0 <= v <= 1.0 for v in samples.values())
+
+
+def test_request_ends_are_folded_into_the_series_before_any_scrape_reads_them() -> None:
+    """observe_finished keeps a tuple; the next collection (a scrape, or get_sample_value) folds it
+    in first: the counts, sums and buckets one observation per value gives."""
+    import types
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    from common import messages as m
+
+    model = "fold-test"
+    lv = {"model_name": model, "engine": vllm_metrics.ENGINE}
+
+    def req(first: float | None, gaps: list[float], n_out: int) -> Any:
+        return types.SimpleNamespace(prompt_token_ids=[1] * 16, n_out=n_out, sampling=m.Sampling(max_tokens=50),
+                                     arrival=100.0, decided_at=100.002, prefill=None, first_token_at=first,
+                                     last_token_at=(first or 0.0) + sum(gaps), gaps=gaps)
+
+    vllm_metrics.observe_finished(model, req(100.004, [0.02, 0.03, 0.2], 4), "length")
+    vllm_metrics.observe_finished(model, req(None, [], 0), "abort")
+    vllm_metrics.observe_finished(model, req(100.004, [], 1), None)  # failed: not vLLM's to count
+    assert model in generate_latest().decode()  # a scrape sees them at once
+
+    def v(name: str, **extra: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {**lv, **extra})
+
+    assert v("vllm:request_success_total", finished_reason="length") == 1
+    assert v("vllm:request_success_total", finished_reason="abort") == 1
+    assert v("vllm:prompt_tokens_total") == 32 and v("vllm:generation_tokens_total") == 4
+    assert v("vllm:time_to_first_token_seconds_count") == 1
+    assert v("vllm:time_to_first_token_seconds_bucket", le="0.005") == 1
+    assert v("vllm:time_to_first_token_seconds_bucket", le="0.001") == 0
+    assert v("vllm:inter_token_latency_seconds_count") == 3
+    assert v("vllm:inter_token_latency_seconds_bucket", le="0.025") == 1
+    assert v("vllm:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    assert v("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25 / 3)
+    assert v("vllm:request_queue_time_seconds_count") == 2 and v("vllm:e2e_request_latency_seconds_count") == 2
+    assert v("vllm:request_prefill_time_seconds_sum") == pytest.approx(0.002)
+    assert v("vllm:request_params_max_tokens_bucket", le="50.0") == 2
+    assert vllm_metrics._pending == []

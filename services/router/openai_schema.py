@@ -53,7 +53,7 @@ class Plan(msgspec.Struct, kw_only=True):
     chat: bool
     model: str
     prompts: list[list[int]]
-    prompt_texts: list[str]
+    prompt_texts: list[str]       # completions: each prompt's text ("" for token ids unless echo shows them)
     samplings: list[m.Sampling]   # one per choice (n of them); the same for every prompt
     stream: bool
     include_usage: bool
@@ -209,7 +209,9 @@ def _completion_prompts(body: CompletionBody, tok: Tokenizer) -> tuple[list[list
             if any(t < 0 or t >= tok.vocab_size for t in x):
                 raise RequestError(f"token ids in 'prompt' must be in [0, {tok.vocab_size})", param="prompt")
             prompts.append(x)
-            texts.append(tok.decode(x, skip_special_tokens=False))
+            # the prompt's text is shown only by echo: decoding it for every request was a third of
+            # the plan's CPU (py-spy, bench/request_path.py)
+            texts.append(tok.decode(x, skip_special_tokens=False) if body.echo else "")
     return prompts, texts
 
 
@@ -319,6 +321,10 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
     so = body.stream_options
     if so is not None and not body.stream and (so.include_usage or so.continuous_usage_stats):
         raise RequestError("'stream_options' needs 'stream': true", param="stream_options")
+    # a plain stream (services/router/openai_serve.py `plain`): the decode worker sends each token's
+    # text with it (common/tokenizer.py TextStream), so the router writes it without decoding
+    text_fp = fingerprint(tok) if body.stream and not stop and logprobs is None and tool_plan is None and not echo \
+        and not (so and so.continuous_usage_stats) and not body.return_token_ids else ""
     base = m.Sampling(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, ignore_eos=body.ignore_eos, seed=body.seed,
@@ -326,12 +332,7 @@ def plan(body: CompletionBody | ChatBody, cfg: RouterConfig, tok: Tokenizer, too
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, min_tokens=body.min_tokens, logit_bias=bias,
         allowed_token_ids=tuple(body.allowed_token_ids or ()), logprobs=logprobs, prompt_logprobs=plps,
-        structured=grammar)
-    if body.stream and not stop and logprobs is None and tool_plan is None and not echo \
-            and not (so and so.continuous_usage_stats) and not body.return_token_ids and fingerprint(tok):
-        # a plain stream (services/router/openai_serve.py `plain`): the decode worker sends each
-        # token's text with it, so the router writes it without decoding
-        base = msgspec.structs.replace(base, text=fingerprint(tok), text_keep_special=not skip_special)
+        structured=grammar, text=text_fp, text_keep_special=bool(text_fp) and not skip_special)
     if n > 1 and base.temperature < 1e-5:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     samplings = [base if body.seed is None else msgspec.structs.replace(base, seed=body.seed + i) for i in range(n)]

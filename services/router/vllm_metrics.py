@@ -68,6 +68,24 @@ def one_two_five(max_value: int) -> list[int]:
 TOKEN_BUCKETS = one_two_five(TOKEN_BUCKETS_MAX)
 
 
+class _Fold:
+    """Folds the requests ended since the last scrape into the series below before they are
+    collected: registered before them, so the registry collects it first (its own output is
+    nothing). A request's end costs a tuple on a list (`observe_finished`), not 11 histogram
+    observations and 3 counter increments, each taking a lock and walking its buckets (about
+    20-35 µs per request on the 2-core VM, the largest single item of a request's end)."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        fold()
+        return iter(())
+
+
+REGISTRY.register(_Fold())
+
+
 def _hist(name: str, text: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
     return Histogram(name, text, LABELS, buckets=buckets)
 
@@ -141,35 +159,68 @@ def attach(router: Router) -> None:
         c.labels(model, ENGINE)
 
 
+# requests ended and not yet folded into the series: (model, finished_reason, prompt tokens, output
+# tokens, max_tokens, e2e, queue, ttft or None, decode, inter-token gaps)
+_pending: list[tuple[str, str, int, int, int, float, float, float | None, float, list[float]]] = []
+FOLD_AT = 1024  # fold at once past this many (memory stays bounded between scrapes)
+
+
 def observe_finished(model: str, req: Request, finished_reason: str | None) -> None:
     """A request's end. `finished_reason` is "stop", "length" or "abort" (the client went away);
-    None for a request that failed (Kairos counts those in kairos_router_requests_total{outcome})."""
+    None for a request that failed (Kairos counts those in kairos_router_requests_total{outcome}).
+    Kept as one tuple, folded into the series at the next scrape (`fold`)."""
     if finished_reason is None:
         return
-    lv = (model, ENGINE)
-    child(SUCCESS, *lv, finished_reason).inc()
-    n_prompt, n_out = len(req.prompt_token_ids), req.n_out
-    child(PROMPT_TOKENS, *lv).inc(n_prompt)
-    child(GEN_TOKENS, *lv).inc(n_out)
-    child(PROMPT_LEN, *lv).observe(n_prompt)
-    child(GEN_LEN, *lv).observe(n_out)
-    child(MAX_GEN, *lv).observe(n_out)
-    child(MAX_TOKENS, *lv).observe(req.sampling.max_tokens)
-    end = req.last_token_at if req.n_out else 0.0
-    child(E2E, *lv).observe(max(0.0, time.monotonic() - req.arrival))
+    now = time.monotonic()
     queue = max(0.0, req.decided_at - req.arrival) if req.decided_at else 0.0
     if req.prefill is not None:
         queue += max(0.0, req.prefill.queue_s)
-    child(QUEUE, *lv).observe(queue)
-    if req.first_token_at is None:
+    first = req.first_token_at
+    n_out = req.n_out
+    end = req.last_token_at if n_out else 0.0
+    gaps = req.gaps
+    _pending.append((model, finished_reason, len(req.prompt_token_ids), n_out, req.sampling.max_tokens,
+                     max(0.0, now - req.arrival), queue, None if first is None else first - req.arrival,
+                     0.0 if first is None else max(0.0, end - first),
+                     gaps if len(gaps) <= MAX_GAPS_OBSERVED else gaps[:MAX_GAPS_OBSERVED]))
+    if len(_pending) >= FOLD_AT:
+        fold()
+
+
+def fold() -> None:
+    """The requests ended since the last fold, into vLLM's series: the same counts and sums one
+    observation per value gives (common/promfast.py `observe_many`), a bucket increment per
+    bucket touched."""
+    if not _pending:
         return
-    ttft = req.first_token_at - req.arrival
-    child(TTFT, *lv).observe(max(0.0, ttft))
-    prefill = max(0.0, ttft - queue)
-    decode = max(0.0, end - req.first_token_at)
-    child(PREFILL, *lv).observe(prefill)
-    child(DECODE, *lv).observe(decode)
-    child(INFERENCE, *lv).observe(prefill + decode)
-    if n_out > 1:
-        child(TPOT, *lv).observe(decode / (n_out - 1))
-    observe_many(child(ITL, *lv), req.gaps[:MAX_GAPS_OBSERVED])
+    batch = _pending[:]
+    del _pending[:]
+    by_model: dict[str, list[tuple[str, str, int, int, int, float, float, float | None, float, list[float]]]] = {}
+    for e in batch:
+        by_model.setdefault(e[0], []).append(e)
+    for model, ends in by_model.items():
+        lv = (model, ENGINE)
+        reasons: dict[str, int] = {}
+        for e in ends:
+            reasons[e[1]] = reasons.get(e[1], 0) + 1
+        for reason, k in reasons.items():
+            child(SUCCESS, *lv, reason).inc(k)
+        prompts = [e[2] for e in ends]
+        outs = [e[3] for e in ends]
+        child(PROMPT_TOKENS, *lv).inc(sum(prompts))
+        child(GEN_TOKENS, *lv).inc(sum(outs))
+        observe_many(child(PROMPT_LEN, *lv), prompts)
+        observe_many(child(GEN_LEN, *lv), outs)
+        observe_many(child(MAX_GEN, *lv), outs)
+        observe_many(child(MAX_TOKENS, *lv), [e[4] for e in ends])
+        observe_many(child(E2E, *lv), [e[5] for e in ends])
+        observe_many(child(QUEUE, *lv), [e[6] for e in ends])
+        started = [(e, e[7]) for e in ends if e[7] is not None]
+        prefills = [max(0.0, ttft - e[6]) for e, ttft in started]
+        decodes = [e[8] for e, _ in started]
+        observe_many(child(TTFT, *lv), [max(0.0, ttft) for _, ttft in started])
+        observe_many(child(PREFILL, *lv), prefills)
+        observe_many(child(DECODE, *lv), decodes)
+        observe_many(child(INFERENCE, *lv), [a + b for a, b in zip(prefills, decodes, strict=True)])
+        observe_many(child(TPOT, *lv), [e[8] / (e[3] - 1) for e, _ in started if e[3] > 1])
+        observe_many(child(ITL, *lv), [g for e, _ in started for g in e[9]])

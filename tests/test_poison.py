@@ -319,3 +319,29 @@ async def test_kv_kept_for_a_pull_is_named_in_hello_and_dropped_if_the_router_fo
                                     sampling=SAMPLING, decode_worker="d", deadline_s=30.0))
     await router.until(lambda x: isinstance(x, m.PrefillDone) and x.request_id == "next")
     assert list(w.kv_out) == ["next"]  # "kept" freed; "next" still waits for its reader
+
+
+async def test_the_live_decode_worker_sends_the_text_its_router_asks_for(
+        decode: tuple[DecodeWorker, FakeRouter]) -> None:
+    """Not poison: the real decode worker (the simulated engine's word tokenizer) sends each token's
+    text with its ids when the work asks for it with that tokenizer's fingerprint, and ids only
+    otherwise (common/worker_core/decode.py, common/tokenizer.py TextStream)."""
+    from common.tokenizer import SimpleTokenizer
+
+    _, router = decode
+    tok = SimpleTokenizer()
+    for rid, text in (("texted", tok.fingerprint), ("plain", "")):
+        await router.send(m.DecodeWork(request_id=rid, attempt=0, dispatch=1, mode="deflect",
+                                       prompt_token_ids=[1, 2, 3], tbt_slo=0.1, deadline_s=30.0,
+                                       sampling=m.Sampling(max_tokens=5, ignore_eos=True, text=text)))
+        items: list[m.TokenItem] = []
+        while not items or items[-1].finish_reason is None:
+            b = await router.until(lambda x: isinstance(x, m.TokenBatch))
+            assert isinstance(b, m.TokenBatch)
+            items += [it for it in b.items if it.request_id == rid]
+        ids = [t for it in items for t in it.token_ids]
+        assert len(ids) == 5
+        if text:
+            assert "".join(it.text or "" for it in items) == tok.decode(ids) and all(it.text for it in items)
+        else:
+            assert all(it.text is None for it in items)

@@ -102,6 +102,10 @@ async def _run(body: dict[str, Any], chat: bool, script: list[list[Event]], fast
             for r, w in zip(reqs, worker, strict=True):
                 for ev in batch:
                     text = w.push(ev.token_ids) if w is not None and ev.token_ids is not None else None
+                    if ev.token_ids is not None and ev.finish_reason is None and ev.error is None \
+                            and ev.logprobs is None:  # as common/router_core/inbound.py puts tokens alone
+                        r.events.put_tokens(list(ev.token_ids), text)
+                        continue
                     r.events.put_nowait(Event(token_ids=list(ev.token_ids) if ev.token_ids else ev.token_ids,
                                               finish_reason=ev.finish_reason, logprobs=ev.logprobs,
                                               error=ev.error, error_code=ev.error_code, text=text))
@@ -112,7 +116,7 @@ async def _run(body: dict[str, Any], chat: bool, script: list[list[Event]], fast
     producer = asyncio.create_task(produce())
     await serve.stream(_Router(), send, p, choices, [], "fp-1", fast=fast, direct=writer)  # type: ignore[arg-type]
     await producer
-    assert all(r.events.sink is None for r in reqs)
+    assert all(r.events.sink is None and r.events.tokens is None for r in reqs)
     return sent, writer.written if writer is not None else rendered
 
 
@@ -207,6 +211,17 @@ async def test_the_sink_is_offered_an_event_only_while_the_consumer_waits_with_n
     events.put_nowait(e3)  # refused: queued, the consumer woken
     events.put_nowait(e4)  # e3 not taken yet: queued behind it, not offered
     assert await waiting == [e3, e4] and taken == [e2]
+    # tokens alone (Events.tokens, no Event made): the same rule
+    got: list[list[int]] = []
+    events.tokens = lambda ids, text: ids != [7] and not got.append(ids)
+    events.put_tokens([5], "x")  # nobody waits: queued, as an Event
+    assert got == [] and [(e.token_ids, e.text) for e in await events.take()] == [([5], "x")]
+    waiting = asyncio.create_task(events.take())
+    await asyncio.sleep(0)
+    events.put_tokens([6], None)  # taken
+    events.put_tokens([7], None)  # refused: queued, the consumer woken
+    events.put_tokens([8], None)  # queued behind it
+    assert [e.token_ids for e in await waiting] == [[7], [8]] and got == [[6]]
 
 
 class ByteTokenizer:

@@ -185,8 +185,11 @@ class Inbound:
                 req.engine_cached, req.engine_created = it.cached_tokens, it.cache_created_tokens
             req.n_out += len(it.token_ids)
             req.out_ids += it.token_ids
-            req.events.put_nowait(Event(token_ids=it.token_ids, logprobs=it.logprobs,
-                                        prompt_logprobs=it.prompt_logprobs, text=it.text))
+            if it.logprobs is None and it.prompt_logprobs is None:  # the common case: no Event made on the way
+                req.events.put_tokens(it.token_ids, it.text)
+            else:
+                req.events.put_nowait(Event(token_ids=it.token_ids, logprobs=it.logprobs,
+                                            prompt_logprobs=it.prompt_logprobs, text=it.text))
             if it.finish_reason is not None:
                 self.core.finish(req, it.finish_reason, now)
         if freed and self.core.waiting.queue:

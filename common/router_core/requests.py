@@ -34,19 +34,33 @@ class Events:
     `sink`: set by a consumer that can take an event at once, synchronously (the HTTP layer's
     plain streams write a token chunk straight to the client's socket). It is offered an event
     only while the consumer waits in `take` with nothing queued, so events stay in order; it
-    returns False to have the event queued as usual (an end, an error, a socket that is busy)."""
+    returns False to have the event queued as usual (an end, an error, a socket that is busy).
+    `tokens`: the same consumer's way for new tokens alone (no logprobs, no end: `put_tokens`),
+    offered their ids and text without an Event made for them (one per streamed token otherwise)."""
 
-    __slots__ = ("_items", "_waiter", "sink")
+    __slots__ = ("_items", "_waiter", "sink", "tokens")
 
     def __init__(self) -> None:
         self._items: list[Event] = []
         self._waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[Event], bool] | None = None
+        self.tokens: Callable[[list[int], str | None], bool] | None = None
 
     def put_nowait(self, ev: Event) -> None:
         sink = self.sink
         if sink is not None and self._waiter is not None and not self._items and sink(ev):
             return
+        self._queue(ev)
+
+    def put_tokens(self, ids: list[int], text: str | None) -> None:
+        """New tokens and their text (None: not given), nothing else: `put_nowait(Event(token_ids=ids,
+        text=text))`, offered to `tokens` first, under the same rule as `sink`."""
+        take = self.tokens
+        if take is not None and self._waiter is not None and not self._items and take(ids, text):
+            return
+        self._queue(Event(token_ids=ids, text=text))
+
+    def _queue(self, ev: Event) -> None:
         self._items.append(ev)
         w = self._waiter
         if w is not None and not w.done():

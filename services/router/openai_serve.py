@@ -260,14 +260,18 @@ class _Direct:
         refused after others were taken in this turn has them handed back first, so the task
         renders them with it, as the queued path would (a stream's last tokens and its end, which
         arrive together, stay one chunk)."""
-        ids = ev.token_ids
         if ev.finish_reason is not None or ev.error is not None or ev.logprobs is not None \
-                or ev.prompt_logprobs is not None or not ids or not self.direct.ready():
+                or ev.prompt_logprobs is not None or not ev.token_ids:
+            return self._refuse()
+        return self.tokens(ev.token_ids, ev.text)
+
+    def tokens(self, ids: list[int], text: str | None) -> bool:
+        """Events.tokens: new tokens alone (`offer` without the Event), under the same rules."""
+        if not ids or not self.direct.ready():
             return self._refuse()
         c = self.c
         if not self.ids and (c.done or c.sent != len(c.text)):
             return False
-        text = ev.text
         if text is None:
             if not c.additive:
                 return self._refuse()
@@ -373,7 +377,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
         and len(choices) == 1 else None
     if writer is not None:
-        events.sink = writer.offer
+        events.sink, events.tokens = writer.offer, writer.tokens
     try:
         while not all(c.done for c in choices):
             i, evs = await merge.next()
@@ -442,7 +446,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             tail = b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
-        events.sink = None
+        events.sink = events.tokens = None
         if writer is not None:
             writer.ids, writer.texts = [], []  # ended (an error, the client gone): nothing more goes out
         merge.close()

@@ -113,6 +113,7 @@ class WorkerLoad:
     worker_id: str
     role: m.Role
     load: float  # prefill: queued prompt tokens; decode: running sequences
+    decodes: int = 0  # prefill: the requests it decodes itself (route retain), which its drain waits for
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class Load:
     waits_prefill: int       # ... for a prefill worker (held by late binding)
     workers: tuple[WorkerLoad, ...] = ()
     prefill_step_s: float = 0.0  # mean over prefill workers: one full-budget prefill step (ThresholdPlanner)
+    retained: int = 0        # requests prefill workers decode themselves (route retain): the decode pool was full
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +191,9 @@ class RolePlanner:
         """Note since when each worker holds its role, and keep the sample."""
         for w in load.workers:
             seen = self.since.get(w.worker_id)
-            if seen is None or seen[0] != w.role:
+            if seen is None:  # the dwell counts from a role change the planner saw, not from its first look
+                self.since[w.worker_id] = (w.role, -float("inf"))
+            elif seen[0] != w.role:
                 self.since[w.worker_id] = (w.role, now)
         self.samples.append((now, load))
 
@@ -259,8 +263,8 @@ class RolePlanner:
             # no decode worker had room to prefill it in place, a decode shortage
             return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
 
-        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or (x.waits_prefill and not prefill_wait(x)))
-                       / n,
+        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
+                                       or (x.waits_prefill and not prefill_wait(x))) / n,
                        prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
                        step=sum(x.decode_step_s for x in s) / n / cfg.tbt_slo,
                        queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
@@ -270,7 +274,9 @@ class RolePlanner:
     def _want(self, j: _Judged) -> tuple[m.Role | None, str]:
         cfg = self.cfg
         decode_short = j.decode_wait >= cfg.wait_hi or j.step >= cfg.step_hi
-        prefill_short = j.prefill_wait >= cfg.wait_hi or j.queue >= cfg.queue_hi
+        # a burst that makes requests wait for a prefill worker while the queue stays short on average
+        # is absorbed where it is (decode workers prefill in place); only a queue that lasts takes one
+        prefill_short = j.queue >= cfg.queue_hi or (j.prefill_wait >= cfg.wait_hi and j.queue >= cfg.queue_lo)
         if decode_short and not prefill_short:
             return DECODE, "decode_short"
         if prefill_short and not decode_short:
@@ -298,7 +304,8 @@ class RolePlanner:
         frm = PREFILL if to == DECODE else DECODE
         ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned
               and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
-        return min(ok, key=lambda w: (w.load, w.worker_id)) if ok else None
+        # the shortest drain: a prefill worker waits for the requests it decodes itself, then its queue
+        return min(ok, key=lambda w: (w.decodes, w.load, w.worker_id)) if ok else None
 
 
 def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
@@ -307,6 +314,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     full_s: list[float] = []
     step_s: list[float] = []
     workers: list[WorkerLoad] = []
+    retained = 0
     for e in table.workers.values():
         if e.draining or e.unreachable:
             continue
@@ -317,7 +325,9 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             full = e.model.step_time(0, 0, [(budget, 0)])  # a full-budget prefill step
             q_s.append(queued / budget * full + (hb.busy_s if hb is not None else 0.0))
             full_s.append(full)
-            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued)))
+            decodes = hb.decodes if isinstance(hb, m.PrefillHeartbeat) else 0
+            retained += decodes
+            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued), decodes))
         else:
             batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
             step_s.append(hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0)
@@ -331,7 +341,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     return Load(prefill_queue_s=sum(q_s) / len(q_s) if q_s else 0.0,
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
                 waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
-                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0)
+                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained)
 
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions

@@ -17,19 +17,27 @@ The rules (`PlannerConfig`, defaults in brackets):
 - Evidence is the samples of the last `window_s` [30 s] taken since the last flip ended (a flip
   changes the load; the planner judges the new shape on its own samples only), and at least
   half a window of them.
-- Toward decode when the decode pool is short: requests waited for decode room or KV in at
+- Toward decode when the decode pool is short: requests waited for decode room or KV, or prefill
+  workers decoded requests themselves (route retain: no decode worker could take them; nothing
+  waits then and the guard keeps the steps short, so this is the shortage's only sign), in at
   least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
   the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
-  held because no decode worker had room to prefill it in place), or the decode step took at least `step_hi` [0.9] of
+  held because no decode worker had room to prefill it in place), or the decode step took at
+  least `step_hi` [0.9] of
   the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
   scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
-- Toward prefill when the prefill pool is short (prefill waits in >= `wait_hi` of the samples
-  or the queue at >= `queue_hi` [0.5] of the TTFT SLO) and the decode pool can spare a worker
-  (decode waits in <= `wait_lo`, the step scaled to one decode worker fewer <= `step_lo` [0.6]).
+- Toward prefill when the prefill pool is short (the queue at >= `queue_hi` [0.5] of the TTFT
+  SLO on average, or prefill waits in >= `wait_hi` of the samples with the queue at >= `queue_lo`
+  on average: a burst whose queue is short on average is absorbed by decode workers prefilling in
+  place, and a worker moved for it drains its decodes only to be needed back) and the decode pool
+  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step scaled
+  to one decode worker fewer <= `step_lo` [0.6]).
 - The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
-  role at least `min_dwell_s` [60 s] after it took it (or since the planner first saw it), flips
-  are `min_gap_s` [30 s] apart at least and one at a time, each role keeps between
+  role at least `min_dwell_s` [60 s] after a role change the planner saw (none before its first),
+  flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one
+  whose drain is shortest: a prefill worker with the fewest requests it decodes itself, then the
+  shortest queue; a decode worker with the fewest running), each role keeps between
   `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers never
   move, and `enabled` False turns the planner off (it then decides nothing at all).
 

@@ -61,9 +61,33 @@ def test_flips_toward_decode_when_decode_waits_dominate_and_back_when_prefill_do
 def test_calm_load_and_the_gap_between_thresholds_flip_nothing() -> None:
     p = RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=0.0))
     assert run(p, CALM, fleet(2, 2), 0.0, 300.0)[0] == []
-    # decode steps at 0.8 of the SLO: between step_lo and step_hi, no waits: no flip either way
-    between = dict(CALM, decode_step_s=0.08)
-    assert run(p, between, fleet(2, 2), 300.0, 600.0)[0] == []
+    # decode steps at 0.8 of the SLO: between step_lo and step_hi, no waits, and a prefill pool that
+    # cannot spare a worker (its queue at 0.15 of the TTFT SLO would be 0.3 with one fewer): no flip
+    between = dict(CALM, decode_step_s=0.08, prefill_queue_s=0.3)
+    assert run(RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=0.0)), between, fleet(2, 2), 0.0, 300.0)[0] == []
+    # ... nor with the decode-leaning rule off
+    assert run(RolePlanner(cfg(min_dwell_s=0.0, decode_lean=False)), dict(CALM, decode_step_s=0.08), fleet(2, 2),
+               0.0, 300.0)[0] == []
+
+
+def test_a_busy_decode_pool_takes_a_prefill_worker_the_prefill_pool_can_spare_before_it_is_short() -> None:
+    # decode steps at 0.7 of the SLO (under step_hi: not short yet), nothing waits, prefill queue at 0.05
+    busy = dict(CALM, decode_step_s=0.07)
+    flips, _ = run(RolePlanner(cfg()), busy, fleet(2, 2), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_busy")]
+    # never the last prefill worker, and not when one fewer would leave the queue past queue_lo
+    assert run(RolePlanner(cfg()), busy, fleet(1, 3), 0.0, 300.0)[0] == []
+    assert run(RolePlanner(cfg()), dict(busy, prefill_queue_s=0.3), fleet(2, 2), 0.0, 300.0)[0] == []
+
+
+def test_the_decode_step_is_judged_as_the_guard_plans_it() -> None:
+    # under step noise the guard keeps the measured step at ~0.6 of the SLO when the pool is full; planned
+    # with its margin (x1.5) it is 0.9 of the SLO: short
+    noisy = dict(CALM, decode_step_s=0.06, decode_step_planned_s=0.09, prefill_queue_s=0.3)
+    flips, _ = run(RolePlanner(cfg()), noisy, fleet(3, 1), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+    measured = RolePlanner(cfg(decode_lean=False))  # (0.6 of the SLO is busy enough to lean)
+    assert run(measured, dict(noisy, decode_step_planned_s=None), fleet(3, 1), 0.0, 60.0)[0] == []
 
 
 def test_off_switch_bounds_and_pins() -> None:
@@ -174,6 +198,11 @@ def test_measure_reads_the_requests_each_prefill_worker_decodes() -> None:
         core.on_message(wid.encode(), hello(wid, role), 0.0)  # type: ignore[arg-type]
     core.on_message(b"p0", m.PrefillHeartbeat(worker_id="p0", incarnation="inc-p0", seq=1, queued_tokens=100,
                                               queued_requests=1, token_budget=2048, decodes=7), 0.0)
+    core.on_message(b"d0", m.DecodeHeartbeat(
+        worker_id="d0", incarnation="inc-d0", seq=1, batch=90, kv_tokens=1000, kv_free_tokens=90_000,
+        kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+        token_budget=2048, step_ms_p50=60.0, step_margin=1.65, step_bias=1.1), 0.0)
     load = measure(core.table, [])
     assert load.retained == 7
+    assert load.decode_step_s == pytest.approx(0.06) and load.decode_step_planned_s == pytest.approx(0.09)
     assert [(w.worker_id, w.decodes) for w in load.workers if w.role == "prefill"] == [("p0", 7)]

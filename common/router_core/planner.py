@@ -97,6 +97,7 @@ class PlannerConfig:
     step_lo: float = 0.6
     queue_hi: float = 0.5
     queue_lo: float = 0.25
+    decode_lean: bool = True
     ttft_slo: float = 2.0
     tbt_slo: float = 0.1
 
@@ -135,6 +136,14 @@ class Load:
     workers: tuple[WorkerLoad, ...] = ()
     prefill_step_s: float = 0.0  # mean over prefill workers: one full-budget prefill step (ThresholdPlanner)
     retained: int = 0        # requests prefill workers decode themselves (route retain): the decode pool was full
+    # mean over decode workers: the recent decode step as the decode guard plans it (the median step
+    # times its measured margin over its bias; the step itself with an exact model): what RolePlanner
+    # judges, since under step noise the guard keeps the measured step well under the SLO when full
+    decode_step_planned_s: float | None = None
+
+    @property
+    def step_judged_s(self) -> float:
+        return self.decode_step_s if self.decode_step_planned_s is None else self.decode_step_planned_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +283,7 @@ class RolePlanner:
         return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
                                        or (x.waits_prefill and not prefill_wait(x))) / n,
                        prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
-                       step=sum(x.decode_step_s for x in s) / n / cfg.tbt_slo,
+                       step=sum(x.step_judged_s for x in s) / n / cfg.tbt_slo,
                        queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
                        n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
                        n_decode=sum(1 for w in load.workers if w.role == DECODE))
@@ -289,6 +298,11 @@ class RolePlanner:
             return DECODE, "decode_short"
         if prefill_short and not decode_short:
             return PREFILL, "prefill_short"
+        if cfg.decode_lean and not prefill_short and j.step >= cfg.step_lo and j.n_prefill > 1 and (
+                j.prefill_wait <= cfg.wait_lo and j.queue * j.n_prefill / (j.n_prefill - 1) <= cfg.queue_lo):
+            # decode-leaning: a busy decode pool takes a prefill worker the prefill pool can spare before
+            # it is short, while that worker's drain is short (it decodes little of its own yet)
+            return DECODE, "decode_busy"
         return None, ""
 
     def _blocked(self, to: m.Role, j: _Judged, now: float) -> str:
@@ -321,6 +335,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     q_s: list[float] = []
     full_s: list[float] = []
     step_s: list[float] = []
+    planned_s: list[float] = []
     workers: list[WorkerLoad] = []
     retained = 0
     for e in table.workers.values():
@@ -338,7 +353,10 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued), decodes))
         else:
             batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
-            step_s.append(hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0)
+            step = hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0
+            step_s.append(step)
+            ratio = hb.step_margin / hb.step_bias if isinstance(hb, m.DecodeHeartbeat) and hb.step_bias > 0 else 1.0
+            planned_s.append(step * max(1.0, ratio))
             workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
     waits_d = waits_p = 0
     for r in waiting:
@@ -349,7 +367,8 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     return Load(prefill_queue_s=sum(q_s) / len(q_s) if q_s else 0.0,
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
                 waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
-                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained)
+                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained,
+                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0)
 
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions

@@ -32,7 +32,7 @@ def test_output_heavy_traffic_moves_a_prefill_worker_to_decode_and_loses_no_requ
     sim = _run(("output",), 2, 2, 40.0, planner=True)
     res = sim.result  # type: ignore[attr-defined]
     flips = res.stats["role_flips"]
-    assert flips and flips[0]["to"] == "decode" and flips[0]["reason"] == "decode_short"
+    assert flips and flips[0]["to"] == "decode" and flips[0]["reason"] in ("decode_busy", "decode_short")
     assert res.stats["final_split"] == "1P3D"
     assert [w.wid for w in sim.decode][-1] == flips[0]["worker"]  # the same worker, now a decode worker
     served = [r for r in res.records if not r.rejected]

@@ -73,9 +73,16 @@ def parse_split(text: str) -> tuple[int, int]:
     return n_p, n_d
 
 
+def slice_arg(text: str) -> str:
+    """--slice: 'report', 'tune' or a seed."""
+    if text in ("report", "tune") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"report, tune or a seed (an integer), not {text!r}")
+
+
 def run_cell(c: Cell) -> dict[str, Any]:
     w = WORKLOADS[c.workload]
-    reqs = load(w, w.tune if c.slice == "tune" else w.report, c.rate)
+    reqs = load(w, w.tune if c.slice == "tune" else w.report if c.slice == "report" else int(c.slice), c.rate)
     prof_obj = load_profile(c.profile)
     policy, prof = build(c.policy, c.setup, prof_obj)
     sim = with_planner(c.policy, SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1,
@@ -161,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model error (sim/fair_eval.py CONDITIONS), repeat for several (default exact)")
     p.add_argument("--rate", action="append", type=float, default=None,
                    help="rate scale of the report slice, repeat for several (default 1)")
-    p.add_argument("--slice", choices=("report", "tune"), default="report",
-                   help="which slice of each workload: report (the default, what results are quoted on) or "
-                        "tune (to diagnose or tune on, never to report)")
+    p.add_argument("--slice", type=slice_arg, default="report",
+                   help="which slice of each workload: report (the default, what results are quoted on), "
+                        "tune (to diagnose or tune on, never to report), or a seed (an integer: another "
+                        "draw of a synthetic or shifting workload, neither slice)")
     p.add_argument("--profile", default="h100-llama2-70b-tp4", help="performance profile (default h100-llama2-70b-tp4)")
     p.add_argument("--tuned", default=None, help="settings from `kairos tune` or fair_eval instead of the shipped ones")
     p.add_argument("--goodput-at", type=float, default=0.9,
@@ -184,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         args.split = args.split or [(2, 2)]
         args.condition = args.condition or ["exact"]
         args.rate = args.rate or [1.0]
+        if args.slice.isdigit():
+            bad = [w for w in args.workload if not isinstance(WORKLOADS[w].report, int)]
+            if bad:
+                raise ConfigError(f"--slice {args.slice}: a seed is a slice of a synthetic or shifting workload "
+                                  f"only, not of {', '.join(bad)} (use report or tune)")
         tuned = load_tuned(args.tuned) if args.tuned else {}
         load_profile(args.profile)
     except (ConfigError, ValueError, OSError) as e:

@@ -150,7 +150,7 @@ class Load:
 class Flip:
     worker_id: str
     to: m.Role
-    reason: str              # decode_short or prefill_short
+    reason: str              # decode_short, decode_busy (leaning: see `_want`) or prefill_short
     evidence: dict[str, float] = field(default_factory=dict)
 
 

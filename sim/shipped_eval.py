@@ -4,12 +4,12 @@ at fixed cluster splits, under the fair evaluation's model-error conditions.
     python -m sim.shipped_eval --workload shift --split 2P2D --split 1P3D --condition exact \\
         --policy kairos --policy chunked-prefill --rate 1 --out results/shift.json
 
-Every (policy, split, condition, rate) is one simulation of the workload's REPORT slice (never
-its tune slice: sim/workloads.py). A policy that uses no prefill worker (chunked-prefill) runs
-every GPU of the split as a decode worker (2P2D -> 0P4D), once per GPU count. Settings: each
-policy's shipped ones (sim/knobs.py SHIPPED; the profile's budgets for the others), under a
-`kairos tune` / fair_eval file with --tuned, under the knob flags of `kairos sim` (--decode-room
-off, ...). With several --rate values, each row's goodput is
+Every (policy, split, condition, rate) is one simulation of the workload's REPORT slice (the tune
+slice with --slice tune: to diagnose on, never to report; sim/workloads.py). A policy that uses
+no prefill worker (chunked-prefill) runs every GPU of the split as a decode worker (2P2D -> 0P4D),
+once per GPU count. Settings: each policy's shipped ones (sim/knobs.py SHIPPED; the profile's
+budgets for the others), under a `kairos tune` / fair_eval file with --tuned, under the knob
+flags of `kairos sim` (--decode-room off, ...). With several --rate values, each row's goodput is
 the highest rate at which it keeps --goodput-at (default 90 %) both-SLO attainment. Prints a
 markdown table (and writes JSON with --out): both-SLO and TBT attainment (TBT over the requests
 served, by each one's largest gap), P95 TTFT, requests rejected.
@@ -57,6 +57,7 @@ class Cell:
     profile: str
     setup: Setup
     planner: bool = False
+    slice: str = "report"
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -72,9 +73,16 @@ def parse_split(text: str) -> tuple[int, int]:
     return n_p, n_d
 
 
+def slice_arg(text: str) -> str:
+    """--slice: 'report', 'tune' or a seed."""
+    if text in ("report", "tune") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"report, tune or a seed (an integer), not {text!r}")
+
+
 def run_cell(c: Cell) -> dict[str, Any]:
     w = WORKLOADS[c.workload]
-    reqs = load(w, w.report, c.rate)
+    reqs = load(w, w.tune if c.slice == "tune" else w.report if c.slice == "report" else int(c.slice), c.rate)
     prof_obj = load_profile(c.profile)
     policy, prof = build(c.policy, c.setup, prof_obj)
     sim = with_planner(c.policy, SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1,
@@ -84,7 +92,8 @@ def run_cell(c: Cell) -> dict[str, Any]:
     held = res.stats.get("held")
     return {"workload": c.workload, "policy": c.policy,
             "cluster": f"{c.prefill}P{c.decode}D" + ("+planner" if c.planner else ""),
-            "condition": c.condition, "rate": c.rate, "requests": s["requests"], "rejected": s["rejected"],
+            "condition": c.condition, "rate": c.rate, "slice": c.slice, "requests": s["requests"],
+            "rejected": s["rejected"],
             "slo_attainment": s["slo_attainment"], "tbt_slo_attainment": s["tbt_slo_attainment"],
             "ttft_slo_attainment": s["ttft_slo_attainment"], "ttft_p95": s["ttft_p95"], "tbt_p99": s["tbt_p99"],
             "deflection_rate": s.get("deflection_rate"), "held": held, "routes": s.get("routes", {}),
@@ -103,7 +112,7 @@ def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
                 for n_p, n_d in splits:
                     for x in args.rate:
                         out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup,
-                                        planner=args.planner == "on" and n_p > 0))
+                                        planner=args.planner == "on" and n_p > 0, slice=args.slice))
     return out
 
 
@@ -159,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model error (sim/fair_eval.py CONDITIONS), repeat for several (default exact)")
     p.add_argument("--rate", action="append", type=float, default=None,
                    help="rate scale of the report slice, repeat for several (default 1)")
+    p.add_argument("--slice", type=slice_arg, default="report",
+                   help="which slice of each workload: report (the default, what results are quoted on), "
+                        "tune (to diagnose or tune on, never to report), or a seed (an integer: another "
+                        "draw of a synthetic or shifting workload, neither slice)")
     p.add_argument("--profile", default="h100-llama2-70b-tp4", help="performance profile (default h100-llama2-70b-tp4)")
     p.add_argument("--tuned", default=None, help="settings from `kairos tune` or fair_eval instead of the shipped ones")
     p.add_argument("--goodput-at", type=float, default=0.9,
@@ -179,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         args.split = args.split or [(2, 2)]
         args.condition = args.condition or ["exact"]
         args.rate = args.rate or [1.0]
+        if args.slice.isdigit():
+            bad = [w for w in args.workload if not isinstance(WORKLOADS[w].report, int)]
+            if bad:
+                raise ConfigError(f"--slice {args.slice}: a seed is a slice of a synthetic or shifting workload "
+                                  f"only, not of {', '.join(bad)} (use report or tune)")
         tuned = load_tuned(args.tuned) if args.tuned else {}
         load_profile(args.profile)
     except (ConfigError, ValueError, OSError) as e:

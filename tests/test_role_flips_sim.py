@@ -14,14 +14,15 @@ from sim.workloads import shifting
 PROFILE = load_profile("h100-llama2-70b-tp4")
 
 
-def _run(phases: tuple[str, ...], n_p: int, n_d: int, duration: float, planner: bool) -> Simulation:
+def _run(phases: tuple[str, ...], n_p: int, n_d: int, duration: float, planner: bool, speed: float = 2.0) -> Simulation:
     policy, prof = build("kairos", shipped("kairos", Setup(), None), PROFILE)
     sim = Simulation(prof, policy, SimConfig(prefill=n_p, decode=n_d, planner=planner))
     if planner:  # a short window and no dwell: the test's trace is short
         sim.planner = RolePlanner(PlannerConfig(enabled=True, interval_s=1.0, window_s=4.0, min_dwell_s=0.0,
                                                 min_gap_s=10.0))
-    # twice the phase's rate (16 requests/s): two decode workers are short within seconds
-    trace = [msgspec.structs.replace(r, t=r.t / 2) for r in shifting(phases, 3, duration=duration, phase_s=duration)]
+    # twice the phase's rate (output: 16 requests/s): two decode workers are short within seconds
+    trace = [msgspec.structs.replace(r, t=r.t / speed)
+             for r in shifting(phases, 3, duration=duration, phase_s=duration)]
     res = sim.run(trace)
     sim.result = res  # type: ignore[attr-defined]
     return sim
@@ -31,7 +32,7 @@ def test_output_heavy_traffic_moves_a_prefill_worker_to_decode_and_loses_no_requ
     sim = _run(("output",), 2, 2, 40.0, planner=True)
     res = sim.result  # type: ignore[attr-defined]
     flips = res.stats["role_flips"]
-    assert flips and flips[0]["to"] == "decode" and flips[0]["reason"] == "decode_short"
+    assert flips and flips[0]["to"] == "decode" and flips[0]["reason"] in ("decode_busy", "decode_short")
     assert res.stats["final_split"] == "1P3D"
     assert [w.wid for w in sim.decode][-1] == flips[0]["worker"]  # the same worker, now a decode worker
     served = [r for r in res.records if not r.rejected]
@@ -48,7 +49,9 @@ def test_without_the_planner_the_split_stays() -> None:
 
 
 def test_prompt_heavy_traffic_moves_a_decode_worker_to_prefill_after_it_finishes_its_decodes() -> None:
-    sim = _run(("prompt",), 1, 3, 60.0, planner=True)
+    # six times the phase's rate (12 long prompts a second): the prefill queue stays long (twice or three
+    # times that rate is a burst the decode workers absorb by prefilling in place: no flip)
+    sim = _run(("prompt",), 1, 3, 60.0, planner=True, speed=6.0)
     res = sim.result  # type: ignore[attr-defined]
     flips = res.stats["role_flips"]
     assert flips and flips[0]["to"] == "prefill" and flips[0]["reason"] == "prefill_short"

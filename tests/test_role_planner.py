@@ -49,7 +49,7 @@ def test_flips_toward_decode_when_decode_waits_dominate_and_back_when_prefill_do
     assert len(flips) == 1  # one at a time: none while the first is carried out
     at, f = flips[0]
     assert (f.worker_id, f.to, f.reason) == ("p0", "decode", "decode_short")  # the least loaded prefill worker
-    assert at >= 60.0  # the dwell: the planner first saw p0 at 0
+    assert at == 10.0  # half a window of evidence; no dwell before a worker's first flip (it never changed role)
     assert any(e == "role_flip" and kw["reason"] == "decode_short" for e, kw in log.lines)
     p.flip_done("p0", "decode", t)
     after = (WorkerLoad("p1", "prefill", 0.0), WorkerLoad("p0", "decode", 0.0), *fleet(0, 2))
@@ -61,9 +61,33 @@ def test_flips_toward_decode_when_decode_waits_dominate_and_back_when_prefill_do
 def test_calm_load_and_the_gap_between_thresholds_flip_nothing() -> None:
     p = RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=0.0))
     assert run(p, CALM, fleet(2, 2), 0.0, 300.0)[0] == []
-    # decode steps at 0.8 of the SLO: between step_lo and step_hi, no waits: no flip either way
-    between = dict(CALM, decode_step_s=0.08)
-    assert run(p, between, fleet(2, 2), 300.0, 600.0)[0] == []
+    # decode steps at 0.8 of the SLO: between step_lo and step_hi, no waits, and a prefill pool that
+    # cannot spare a worker (its queue at 0.15 of the TTFT SLO would be 0.3 with one fewer): no flip
+    between = dict(CALM, decode_step_s=0.08, prefill_queue_s=0.3)
+    assert run(RolePlanner(cfg(min_dwell_s=0.0, min_gap_s=0.0)), between, fleet(2, 2), 0.0, 300.0)[0] == []
+    # ... nor with the decode-leaning rule off
+    assert run(RolePlanner(cfg(min_dwell_s=0.0, decode_lean=False)), dict(CALM, decode_step_s=0.08), fleet(2, 2),
+               0.0, 300.0)[0] == []
+
+
+def test_a_busy_decode_pool_takes_a_prefill_worker_the_prefill_pool_can_spare_before_it_is_short() -> None:
+    # decode steps at 0.7 of the SLO (under step_hi: not short yet), nothing waits, prefill queue at 0.05
+    busy = dict(CALM, decode_step_s=0.07)
+    flips, _ = run(RolePlanner(cfg()), busy, fleet(2, 2), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_busy")]
+    # never the last prefill worker, and not when one fewer would leave the queue past queue_lo
+    assert run(RolePlanner(cfg()), busy, fleet(1, 3), 0.0, 300.0)[0] == []
+    assert run(RolePlanner(cfg()), dict(busy, prefill_queue_s=0.3), fleet(2, 2), 0.0, 300.0)[0] == []
+
+
+def test_the_decode_step_is_judged_as_the_guard_plans_it() -> None:
+    # under step noise the guard keeps the measured step at ~0.6 of the SLO when the pool is full; planned
+    # with its margin (x1.5) it is 0.9 of the SLO: short
+    noisy = dict(CALM, decode_step_s=0.06, decode_step_planned_s=0.09, prefill_queue_s=0.3)
+    flips, _ = run(RolePlanner(cfg()), noisy, fleet(3, 1), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+    measured = RolePlanner(cfg(decode_lean=False))  # (0.6 of the SLO is busy enough to lean)
+    assert run(measured, dict(noisy, decode_step_planned_s=None), fleet(3, 1), 0.0, 60.0)[0] == []
 
 
 def test_off_switch_bounds_and_pins() -> None:
@@ -131,3 +155,54 @@ def test_the_router_core_sends_set_role_and_the_workers_hello_under_its_new_role
                                                        reason="drained"), t)
     core.on_message(flip.worker_id.encode(), hello(flip.worker_id, "decode"), t + 2.0)
     assert planner.pending is None and core.table.count("decode") == 3 and core.counts["role_flips"] == 1
+
+
+def test_requests_a_prefill_worker_decodes_itself_are_decode_shortage_evidence() -> None:
+    # the third path (route retain) hides the decode pool's shortage from the wait queue: nothing waits,
+    # the steps stay under the guard's limit, but prefill workers decode what no decode worker could take
+    spilled = dict(prefill_queue_s=0.05, decode_step_s=0.05, waits_decode=0, waits_prefill=0, retained=12)
+    flips, _ = run(RolePlanner(cfg()), spilled, fleet(2, 2), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+    assert flips[0][1].evidence["decode_wait_share"] == 1.0
+    # ... and they keep a decode worker from leaving for prefill while they last
+    assert run(RolePlanner(cfg()), dict(PREFILL_SHORT, retained=3), fleet(2, 2), 0.0, 300.0)[0] == []
+    assert run(RolePlanner(cfg()), PREFILL_SHORT, fleet(2, 2), 0.0, 300.0)[0]  # (without them it goes)
+
+
+def test_the_prefill_worker_with_the_fewest_own_decodes_moves_first() -> None:
+    # its drain waits for the requests it decodes itself: the one with fewer drains sooner
+    workers = (WorkerLoad("p0", "prefill", 0.0, decodes=40), WorkerLoad("p1", "prefill", 5000.0, decodes=2),
+               *fleet(0, 2))
+    flips, _ = run(RolePlanner(cfg()), DECODE_SHORT, workers, 0.0, 60.0)
+    assert [f.worker_id for _, f in flips] == ["p1"]
+
+
+def test_the_dwell_counts_from_a_role_change_the_planner_saw() -> None:
+    p = RolePlanner(cfg(min_gap_s=0.0))
+    flips, t = run(p, DECODE_SHORT, fleet(3, 1), 0.0, 15.0)
+    assert [(at, f.worker_id) for at, f in flips] == [(10.0, "p0")]
+    p.flip_done("p0", "decode", t)
+    moved = (WorkerLoad("p0", "decode", 0.0), *fleet(3, 1)[1:])
+    back, _ = run(p, PREFILL_SHORT, moved, t, t + 120.0)
+    # p0 came back as a decode worker at 15 s: it stays there min_dwell_s, d0 (never moved) may go at once
+    assert [f.worker_id for _, f in back] == ["d0"] and back[0][0] < t + 60.0
+
+
+def test_measure_reads_the_requests_each_prefill_worker_decodes() -> None:
+    from common import messages as m
+    from common.router_core.planner import measure
+    from tests.router_fakes import hello, make_core
+
+    core, _ = make_core("kairos")
+    for wid, role in (("p0", "prefill"), ("d0", "decode")):
+        core.on_message(wid.encode(), hello(wid, role), 0.0)  # type: ignore[arg-type]
+    core.on_message(b"p0", m.PrefillHeartbeat(worker_id="p0", incarnation="inc-p0", seq=1, queued_tokens=100,
+                                              queued_requests=1, token_budget=2048, decodes=7), 0.0)
+    core.on_message(b"d0", m.DecodeHeartbeat(
+        worker_id="d0", incarnation="inc-d0", seq=1, batch=90, kv_tokens=1000, kv_free_tokens=90_000,
+        kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=0.1,
+        token_budget=2048, step_ms_p50=60.0, step_margin=1.65, step_bias=1.1), 0.0)
+    load = measure(core.table, [])
+    assert load.retained == 7
+    assert load.decode_step_s == pytest.approx(0.06) and load.decode_step_planned_s == pytest.approx(0.09)
+    assert [(w.worker_id, w.decodes) for w in load.workers if w.role == "prefill"] == [("p0", 7)]

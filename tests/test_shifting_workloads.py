@@ -67,3 +67,21 @@ def test_shipped_eval_reads_splits_and_takes_goodput_as_the_highest_rate_kept() 
     gp = goodput(rows, 0.9)
     assert gp[("shift", "kairos", "2P2D", "exact")] == 1.0
     assert gp[("shift", "chunked-prefill", "2P2D", "exact")] is None
+
+
+def test_shipped_eval_runs_the_slice_it_is_asked_for() -> None:
+    import argparse
+
+    import pytest
+
+    from sim.shipped_eval import build_parser, cells, main, slice_arg
+
+    assert [slice_arg(x) for x in ("report", "tune", "13")] == ["report", "tune", "13"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        slice_arg("seed13")
+    args = build_parser().parse_args(["--workload", "shift", "--policy", "kairos", "--slice", "tune"])
+    args.split, args.condition, args.rate = [(2, 2)], ["exact"], [1.0]
+    (cell,) = cells(args, {})
+    assert cell.slice == "tune"
+    assert build_parser().parse_args(["--workload", "shift", "--policy", "kairos"]).slice == "report"
+    assert main(["--workload", "code", "--policy", "kairos", "--slice", "13"]) == 2  # a trace has no seeds

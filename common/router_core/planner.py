@@ -17,19 +17,27 @@ The rules (`PlannerConfig`, defaults in brackets):
 - Evidence is the samples of the last `window_s` [30 s] taken since the last flip ended (a flip
   changes the load; the planner judges the new shape on its own samples only), and at least
   half a window of them.
-- Toward decode when the decode pool is short: requests waited for decode room or KV in at
+- Toward decode when the decode pool is short: requests waited for decode room or KV, or prefill
+  workers decoded requests themselves (route retain: no decode worker could take them; nothing
+  waits then and the guard keeps the steps short, so this is the shortage's only sign), in at
   least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
   the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
-  held because no decode worker had room to prefill it in place), or the decode step took at least `step_hi` [0.9] of
+  held because no decode worker had room to prefill it in place), or the decode step took at
+  least `step_hi` [0.9] of
   the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
   scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
-- Toward prefill when the prefill pool is short (prefill waits in >= `wait_hi` of the samples
-  or the queue at >= `queue_hi` [0.5] of the TTFT SLO) and the decode pool can spare a worker
-  (decode waits in <= `wait_lo`, the step scaled to one decode worker fewer <= `step_lo` [0.6]).
+- Toward prefill when the prefill pool is short (the queue at >= `queue_hi` [0.5] of the TTFT
+  SLO on average, or prefill waits in >= `wait_hi` of the samples with the queue at >= `queue_lo`
+  on average: a burst whose queue is short on average is absorbed by decode workers prefilling in
+  place, and a worker moved for it drains its decodes only to be needed back) and the decode pool
+  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step scaled
+  to one decode worker fewer <= `step_lo` [0.6]).
 - The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
-  role at least `min_dwell_s` [60 s] after it took it (or since the planner first saw it), flips
-  are `min_gap_s` [30 s] apart at least and one at a time, each role keeps between
+  role at least `min_dwell_s` [60 s] after a role change the planner saw (none before its first),
+  flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one
+  whose drain is shortest: a prefill worker with the fewest requests it decodes itself, then the
+  shortest queue; a decode worker with the fewest running), each role keeps between
   `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers never
   move, and `enabled` False turns the planner off (it then decides nothing at all).
 
@@ -89,6 +97,7 @@ class PlannerConfig:
     step_lo: float = 0.6
     queue_hi: float = 0.5
     queue_lo: float = 0.25
+    decode_lean: bool = True
     ttft_slo: float = 2.0
     tbt_slo: float = 0.1
 
@@ -113,6 +122,7 @@ class WorkerLoad:
     worker_id: str
     role: m.Role
     load: float  # prefill: queued prompt tokens; decode: running sequences
+    decodes: int = 0  # prefill: the requests it decodes itself (route retain), which its drain waits for
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +135,22 @@ class Load:
     waits_prefill: int       # ... for a prefill worker (held by late binding)
     workers: tuple[WorkerLoad, ...] = ()
     prefill_step_s: float = 0.0  # mean over prefill workers: one full-budget prefill step (ThresholdPlanner)
+    retained: int = 0        # requests prefill workers decode themselves (route retain): the decode pool was full
+    # mean over decode workers: the recent decode step as the decode guard plans it (the median step
+    # times its measured margin over its bias; the step itself with an exact model): what RolePlanner
+    # judges, since under step noise the guard keeps the measured step well under the SLO when full
+    decode_step_planned_s: float | None = None
+
+    @property
+    def step_judged_s(self) -> float:
+        return self.decode_step_s if self.decode_step_planned_s is None else self.decode_step_planned_s
 
 
 @dataclass(frozen=True, slots=True)
 class Flip:
     worker_id: str
     to: m.Role
-    reason: str              # decode_short or prefill_short
+    reason: str              # decode_short, decode_busy (leaning: see `_want`) or prefill_short
     evidence: dict[str, float] = field(default_factory=dict)
 
 
@@ -189,7 +208,9 @@ class RolePlanner:
         """Note since when each worker holds its role, and keep the sample."""
         for w in load.workers:
             seen = self.since.get(w.worker_id)
-            if seen is None or seen[0] != w.role:
+            if seen is None:  # the dwell counts from a role change the planner saw, not from its first look
+                self.since[w.worker_id] = (w.role, -float("inf"))
+            elif seen[0] != w.role:
                 self.since[w.worker_id] = (w.role, now)
         self.samples.append((now, load))
 
@@ -259,10 +280,10 @@ class RolePlanner:
             # no decode worker had room to prefill it in place, a decode shortage
             return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
 
-        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or (x.waits_prefill and not prefill_wait(x)))
-                       / n,
+        return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
+                                       or (x.waits_prefill and not prefill_wait(x))) / n,
                        prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
-                       step=sum(x.decode_step_s for x in s) / n / cfg.tbt_slo,
+                       step=sum(x.step_judged_s for x in s) / n / cfg.tbt_slo,
                        queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
                        n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
                        n_decode=sum(1 for w in load.workers if w.role == DECODE))
@@ -270,11 +291,18 @@ class RolePlanner:
     def _want(self, j: _Judged) -> tuple[m.Role | None, str]:
         cfg = self.cfg
         decode_short = j.decode_wait >= cfg.wait_hi or j.step >= cfg.step_hi
-        prefill_short = j.prefill_wait >= cfg.wait_hi or j.queue >= cfg.queue_hi
+        # a burst that makes requests wait for a prefill worker while the queue stays short on average
+        # is absorbed where it is (decode workers prefill in place); only a queue that lasts takes one
+        prefill_short = j.queue >= cfg.queue_hi or (j.prefill_wait >= cfg.wait_hi and j.queue >= cfg.queue_lo)
         if decode_short and not prefill_short:
             return DECODE, "decode_short"
         if prefill_short and not decode_short:
             return PREFILL, "prefill_short"
+        if cfg.decode_lean and not prefill_short and j.step >= cfg.step_lo and j.n_prefill > 1 and (
+                j.prefill_wait <= cfg.wait_lo and j.queue * j.n_prefill / (j.n_prefill - 1) <= cfg.queue_lo):
+            # decode-leaning: a busy decode pool takes a prefill worker the prefill pool can spare before
+            # it is short, while that worker's drain is short (it decodes little of its own yet)
+            return DECODE, "decode_busy"
         return None, ""
 
     def _blocked(self, to: m.Role, j: _Judged, now: float) -> str:
@@ -298,7 +326,8 @@ class RolePlanner:
         frm = PREFILL if to == DECODE else DECODE
         ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned
               and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
-        return min(ok, key=lambda w: (w.load, w.worker_id)) if ok else None
+        # the shortest drain: a prefill worker waits for the requests it decodes itself, then its queue
+        return min(ok, key=lambda w: (w.decodes, w.load, w.worker_id)) if ok else None
 
 
 def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
@@ -306,7 +335,9 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     q_s: list[float] = []
     full_s: list[float] = []
     step_s: list[float] = []
+    planned_s: list[float] = []
     workers: list[WorkerLoad] = []
+    retained = 0
     for e in table.workers.values():
         if e.draining or e.unreachable:
             continue
@@ -317,10 +348,15 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             full = e.model.step_time(0, 0, [(budget, 0)])  # a full-budget prefill step
             q_s.append(queued / budget * full + (hb.busy_s if hb is not None else 0.0))
             full_s.append(full)
-            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued)))
+            decodes = hb.decodes if isinstance(hb, m.PrefillHeartbeat) else 0
+            retained += decodes
+            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued), decodes))
         else:
             batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
-            step_s.append(hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0)
+            step = hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0
+            step_s.append(step)
+            ratio = hb.step_margin / hb.step_bias if isinstance(hb, m.DecodeHeartbeat) and hb.step_bias > 0 else 1.0
+            planned_s.append(step * max(1.0, ratio))
             workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
     waits_d = waits_p = 0
     for r in waiting:
@@ -331,7 +367,8 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     return Load(prefill_queue_s=sum(q_s) / len(q_s) if q_s else 0.0,
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
                 waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
-                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0)
+                prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained,
+                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0)
 
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions

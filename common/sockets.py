@@ -440,7 +440,8 @@ class Inbox:
     none. The router asks for a few milliseconds while no request is in flight, when nothing
     latency-bound travels on its work socket: a fleet's heartbeats, which arrive spread out
     (2,560 a second from 256 workers), are then read in batches instead of one per wakeup. While
-    paused the socket's FD is not watched; a send ends the pause at once (its reply may matter).
+    paused the socket's FD is not watched; a send ends the pause at once (its reply may matter),
+    and `catch_up` reads what waits at once (a request arrived: its decision needs it).
     """
 
     def __init__(self, sock: zmq.asyncio.Socket, on_frames: Callable[..., None], *,
@@ -494,6 +495,17 @@ class Inbox:
                     self._loop.remove_reader(self._fd)
                     self._paused = self._loop.call_at(due, self._resume_read)
                     return
+        self._read()
+
+    def catch_up(self) -> None:
+        """If reads are paused (`idle_gap`), read what is queued now, before returning: a request
+        arrived at an idle router, and its decision must see every heartbeat that came since the
+        last read, as it would had each been read as it came. Nothing to do otherwise (not
+        paused, every message has been read as it came)."""
+        if self._paused is None or self._closed:
+            return
+        self._paused.cancel()
+        self._resume()
         self._read()
 
     def _resume(self) -> None:

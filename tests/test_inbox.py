@@ -83,3 +83,29 @@ async def test_catch_up_reads_what_waits_during_a_pause_at_once() -> None:
         peer.close(0)
         router.close(0)
         ctx.term()
+
+
+async def test_catch_up_reads_past_one_batch() -> None:
+    """More waiting than one read takes (`batch`): `catch_up` goes on reading until none is left."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://inbox-catch-up-batches")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"w1")
+    peer.connect("inproc://inbox-catch-up-batches")
+    got: list[list[bytes]] = []
+    inbox = Inbox(router, got.append, batch=2, idle_gap=lambda: 3600.0)
+    try:
+        await peer.send(b"first")
+        assert await _until(lambda: len(got) == 1)
+        for i in range(7):
+            await peer.send(b"hb%d" % i)
+        await asyncio.sleep(0.05)
+        assert len(got) == 1
+        inbox.catch_up()
+        assert [f[1] for f in got[1:]] == [b"hb%d" % i for i in range(7)]  # four reads of two, at once
+    finally:
+        inbox.close()
+        peer.close(0)
+        router.close(0)
+        ctx.term()

@@ -437,10 +437,11 @@ class Inbox:
     `failed`, which the owner awaits (so it ends the process, as a loop would).
 
     `idle_gap`: called at each wakeup, the least time (seconds) between two reads now, 0 for
-    none. The router asks for a few milliseconds while no request is in flight, when nothing
+    none. The router asks for `idle_read_ms` (50 ms) while no request is in flight, when nothing
     latency-bound travels on its work socket: a fleet's heartbeats, which arrive spread out
     (2,560 a second from 256 workers), are then read in batches instead of one per wakeup. While
-    paused the socket's FD is not watched; a send ends the pause at once (its reply may matter).
+    paused the socket's FD is not watched; a send ends the pause at once (its reply may matter),
+    and `catch_up` reads what waits at once (a request arrived: its decision needs it).
     """
 
     def __init__(self, sock: zmq.asyncio.Socket, on_frames: Callable[..., None], *,
@@ -495,6 +496,22 @@ class Inbox:
                     self._paused = self._loop.call_at(due, self._resume_read)
                     return
         self._read()
+
+    def catch_up(self, max_batches: int = 16) -> None:
+        """If reads are paused (`idle_gap`), read what is queued now, before returning: a request
+        arrived at an idle router, and its decision must see every heartbeat that came since the
+        last read, as it would had each been read as it came. Up to `max_batches` reads of `batch`
+        messages (what is left then is read on the loop's next pass, as usual). Nothing to do
+        otherwise (not paused, every message has been read as it came)."""
+        if self._paused is None or self._closed:
+            return
+        self._paused.cancel()
+        self._resume()
+        self._read()
+        for _ in range(max_batches - 1):
+            if not self._scheduled:  # the last read ended with nothing more queued
+                return
+            self._read()  # a full batch: more may wait (the read scheduled meanwhile finds what is left)
 
     def _resume(self) -> None:
         self._paused = None

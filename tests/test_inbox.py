@@ -53,3 +53,59 @@ async def test_reads_every_message_and_spaces_reads_only_while_asked() -> None:
         peer.close(0)
         router.close(0)
         ctx.term()
+
+
+async def test_catch_up_reads_what_waits_during_a_pause_at_once() -> None:
+    """A request arriving at an idle router: `catch_up` folds in every message that came during the
+    pause before it returns (its decision sees the fleet as it is), and does nothing when not paused."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://inbox-catch-up")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"w1")
+    peer.connect("inproc://inbox-catch-up")
+    got: list[list[bytes]] = []
+    inbox = Inbox(router, got.append, idle_gap=lambda: 3600.0)
+    try:
+        inbox.catch_up()  # not paused: nothing to do
+        await peer.send(b"first")
+        assert await _until(lambda: len(got) == 1)
+        for i in range(4):
+            await peer.send(b"hb%d" % i)
+        await asyncio.sleep(0.05)
+        assert len(got) == 1  # paused for the gap
+        inbox.catch_up()
+        assert [f[1] for f in got] == [b"first", b"hb0", b"hb1", b"hb2", b"hb3"]  # read before it returned
+        inbox.catch_up()  # nothing more waits: harmless
+        assert len(got) == 5
+    finally:
+        inbox.close()
+        peer.close(0)
+        router.close(0)
+        ctx.term()
+
+
+async def test_catch_up_reads_past_one_batch() -> None:
+    """More waiting than one read takes (`batch`): `catch_up` goes on reading until none is left."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://inbox-catch-up-batches")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"w1")
+    peer.connect("inproc://inbox-catch-up-batches")
+    got: list[list[bytes]] = []
+    inbox = Inbox(router, got.append, batch=2, idle_gap=lambda: 3600.0)
+    try:
+        await peer.send(b"first")
+        assert await _until(lambda: len(got) == 1)
+        for i in range(7):
+            await peer.send(b"hb%d" % i)
+        await asyncio.sleep(0.05)
+        assert len(got) == 1
+        inbox.catch_up()
+        assert [f[1] for f in got[1:]] == [b"hb%d" % i for i in range(7)]  # four reads of two, at once
+    finally:
+        inbox.close()
+        peer.close(0)
+        router.close(0)
+        ctx.term()

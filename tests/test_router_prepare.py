@@ -122,3 +122,35 @@ async def test_an_idle_router_leaves_heartbeats_to_the_next_decision(monkeypatch
         assert len(builds) == n + (1 if when_idle else 2)
     finally:
         r.close()
+
+
+async def test_a_request_at_an_idle_router_decides_on_the_heartbeats_not_yet_read() -> None:
+    """While idle the work socket is read only every `idle_read_ms` (Inbox's idle gap): a request that
+    arrives in a pause has the inbox catch up first, so its decision sees the heartbeats that came
+    since the last read (here decode-1 became busy, so the request goes to decode-0)."""
+    r = make_router(prepare_interval_ms=0)
+
+    class PausedInbox:  # what Inbox.catch_up does for the router: the waiting frames are handled now
+        caught_up = 0
+
+        def catch_up(self) -> None:
+            self.caught_up += 1
+            frame(r, b"decode-0", _beat("decode-0", 2, 0))
+            frame(r, b"decode-1", _beat("decode-1", 2, 60))
+
+    try:
+        frame(r, b"decode-0", hello("decode-0"))
+        frame(r, b"decode-1", hello("decode-1"))
+        frame(r, b"prefill-0", hello("prefill-0", role="prefill"))
+        frame(r, b"decode-0", _beat("decode-0", 1, 60))
+        frame(r, b"decode-1", _beat("decode-1", 1, 0))
+        inbox = PausedInbox()
+        r._inbox = inbox  # type: ignore[assignment]
+        req = r.submit([1, 2, 3] * 300, SAMPLING)
+        assert inbox.caught_up == 1
+        assert req.decision is not None and req.decision.decode_worker == "decode-0"
+        r.submit([4, 5, 6] * 300, SAMPLING)
+        assert inbox.caught_up == 1  # a request in flight: every message is read as it comes, nothing waits
+    finally:
+        r._inbox = None
+        r.close()

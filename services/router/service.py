@@ -186,6 +186,10 @@ class Router:
         if not self.accepting:
             metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
+        if self._inbox is not None and not self.requests:
+            # idle, the work socket is read only every idle_read_ms: fold in the heartbeats that
+            # came since the last read, so that this decision sees the fleet as it is now
+            self._inbox.catch_up()
         return self.core.submit(prompt_ids, sampling, time.monotonic(), ttft_slo=ttft_slo, tbt_slo=tbt_slo,
                                 request_id=request_id, cached_tokens=cached_tokens, client=client,
                                 traceparent=traceparent, tracestate=tracestate)

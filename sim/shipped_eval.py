@@ -4,15 +4,18 @@ at fixed cluster splits, under the fair evaluation's model-error conditions.
     python -m sim.shipped_eval --workload shift --split 2P2D --split 1P3D --condition exact \\
         --policy kairos --policy chunked-prefill --rate 1 --out results/shift.json
 
-Every (policy, split, condition, rate) is one simulation of the workload's REPORT slice (never
-its tune slice: sim/workloads.py). A policy that uses no prefill worker (chunked-prefill) runs
+Every (policy, split, condition, rate) is one simulation of the workload's REPORT slice (its
+tune slice with --slice tune, to find out why a policy loses without looking at the slice it
+is judged on: sim/workloads.py). A policy that uses no prefill worker (chunked-prefill) runs
 every GPU of the split as a decode worker (2P2D -> 0P4D), once per GPU count. Settings: each
 policy's shipped ones (sim/knobs.py SHIPPED; the profile's budgets for the others), under a
 `kairos tune` / fair_eval file with --tuned, under the knob flags of `kairos sim` (--decode-room
 off, ...). With several --rate values, each row's goodput is
 the highest rate at which it keeps --goodput-at (default 90 %) both-SLO attainment. Prints a
 markdown table (and writes JSON with --out): both-SLO and TBT attainment (TBT over the requests
-served, by each one's largest gap), P95 TTFT, requests rejected.
+served, by each one's largest gap), P95 TTFT, requests rejected; the JSON rows also count where
+the misses are (`misses`: TTFT only, TBT only, both, rejected; by route) and the decode steps
+that ran past the TBT SLO.
 """
 
 from __future__ import annotations
@@ -57,6 +60,26 @@ class Cell:
     profile: str
     setup: Setup
     planner: bool = False
+    slice: str = "report"
+
+
+def misses(records: list[Any], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """Where a run's requests missed: TTFT only, TBT only (largest gap), both, rejected (never
+    served), in all and by route (the route a served request took; "none" for the rejected)."""
+    out: dict[str, Any] = {"ttft": 0, "tbt": 0, "both": 0, "rejected": 0, "by_route": {}}
+    for r in records:
+        if r.rejected or r.ttft is None:
+            kind = "rejected"
+        else:
+            late = r.ttft > ttft_slo
+            gap = len(r.tbt_gaps) > 0 and max(r.tbt_gaps) > tbt_slo
+            if not late and not gap:
+                continue
+            kind = "both" if late and gap else "ttft" if late else "tbt"
+        out[kind] += 1
+        by = out["by_route"].setdefault(r.route or "none", {})
+        by[kind] = by.get(kind, 0) + 1
+    return out
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -74,7 +97,7 @@ def parse_split(text: str) -> tuple[int, int]:
 
 def run_cell(c: Cell) -> dict[str, Any]:
     w = WORKLOADS[c.workload]
-    reqs = load(w, w.report, c.rate)
+    reqs = load(w, w.tune if c.slice == "tune" else w.report, c.rate)
     prof_obj = load_profile(c.profile)
     policy, prof = build(c.policy, c.setup, prof_obj)
     sim = with_planner(c.policy, SimConfig(prefill=c.prefill, decode=c.decode, ttft_slo=2.0, tbt_slo=0.1,
@@ -82,13 +105,15 @@ def run_cell(c: Cell) -> dict[str, Any]:
     res = simulate(reqs, prof, policy, sim)
     s = summarize(res.records, ttft_slo=sim.ttft_slo, tbt_slo=sim.tbt_slo)
     held = res.stats.get("held")
-    return {"workload": c.workload, "policy": c.policy,
+    return {"workload": c.workload, "slice": c.slice, "policy": c.policy,
             "cluster": f"{c.prefill}P{c.decode}D" + ("+planner" if c.planner else ""),
             "condition": c.condition, "rate": c.rate, "requests": s["requests"], "rejected": s["rejected"],
             "slo_attainment": s["slo_attainment"], "tbt_slo_attainment": s["tbt_slo_attainment"],
             "ttft_slo_attainment": s["ttft_slo_attainment"], "ttft_p95": s["ttft_p95"], "tbt_p99": s["tbt_p99"],
             "deflection_rate": s.get("deflection_rate"), "held": held, "routes": s.get("routes", {}),
-            "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split")}
+            "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split"),
+            "misses": misses(res.records, sim.ttft_slo, sim.tbt_slo),
+            "decode_steps_over_tbt_slo": res.stats["decode_steps_over_tbt_slo"]}
 
 
 def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
@@ -103,7 +128,7 @@ def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
                 for n_p, n_d in splits:
                     for x in args.rate:
                         out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup,
-                                        planner=args.planner == "on" and n_p > 0))
+                                        planner=args.planner == "on" and n_p > 0, slice=args.slice))
     return out
 
 
@@ -134,7 +159,8 @@ def table(rows: list[dict[str, Any]], gp: dict[tuple[str, ...], float | None] | 
     lines = [head + (" goodput |" if gp else ""), "|" + "---|" * (10 + (1 if gp else 0))]
     for r in rows:
         p95 = r["ttft_p95"]
-        cell = (f"| {r['workload']} | {r['condition']} | {r['policy']} | {r['cluster']} | x{r['rate']:g} | "
+        wl = r["workload"] + (" (tune slice)" if r.get("slice") == "tune" else "")
+        cell = (f"| {wl} | {r['condition']} | {r['policy']} | {r['cluster']} | x{r['rate']:g} | "
                 f"{_pct(r['slo_attainment'])} | {_pct(r['tbt_slo_attainment'])} | "
                 f"{'inf' if p95 is None or p95 == float('inf') else f'{p95:.2f}'} | {r['rejected']} | "
                 f"{_flips(r)} |")
@@ -158,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--condition", action="append", choices=tuple(CONDITIONS), default=None,
                    help="model error (sim/fair_eval.py CONDITIONS), repeat for several (default exact)")
     p.add_argument("--rate", action="append", type=float, default=None,
-                   help="rate scale of the report slice, repeat for several (default 1)")
+                   help="rate scale of the slice, repeat for several (default 1)")
+    p.add_argument("--slice", choices=("report", "tune"), default="report",
+                   help="which slice of the workload: report (what results are judged on) or tune (to "
+                        "diagnose a loss without looking at the report slice) (default report)")
     p.add_argument("--profile", default="h100-llama2-70b-tp4", help="performance profile (default h100-llama2-70b-tp4)")
     p.add_argument("--tuned", default=None, help="settings from `kairos tune` or fair_eval instead of the shipped ones")
     p.add_argument("--goodput-at", type=float, default=0.9,

@@ -199,7 +199,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                 "its first token is predicted within the TTFT SLO (engines that cannot decode on "
                                 "a prefill worker, vLLM's, are never sent one)")] = True
     retain_chunk: Annotated[int, doc("kairos retain: the prefill chunk (tokens) a prefill worker must keep room for "
-                                     "beside the requests it decodes")] = 512
+                                     "beside the requests it decodes (64: on an A100 a chunk of 512 beside even one "
+                                     "decode takes longer than a 100 ms TBT SLO, so the path never opened there)")] = 64
     retain_max: Annotated[int, doc("kairos retain: requests a prefill worker decodes at most")] = 64
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "

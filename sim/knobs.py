@@ -269,7 +269,7 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
 # steps keep the prefill queues' TTFT predictable.
 SHIPPED: dict[str, Setup] = {"kairos": Setup(engine=EngineSettings(prefill_token_budget=2048, decode_token_budget=2048),
                                              policy={"alpha": 1.6, "late_binding": True, "decode_room": True,
-                                                     "decode_beta": 0.95, "retain": True})}
+                                                     "decode_beta": 0.95, "retain": True, "retain_chunk": 64})}
 
 
 def setups_from_flags(args: argparse.Namespace, policies: list[str]) -> dict[str, Setup]:

@@ -12,7 +12,9 @@ budgets for the others), under a `kairos tune` / fair_eval file with --tuned, un
 flags of `kairos sim` (--decode-room off, ...). With several --rate values, each row's goodput is
 the highest rate at which it keeps --goodput-at (default 90 %) both-SLO attainment. Prints a
 markdown table (and writes JSON with --out): both-SLO and TBT attainment (TBT over the requests
-served, by each one's largest gap), P95 TTFT, requests rejected.
+served, by each one's largest gap), P95 TTFT, requests rejected; the JSON rows also count where
+the misses are (`misses`: TTFT only, TBT only, both, rejected; by route) and the decode steps
+that ran past the TBT SLO.
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ class Cell:
     slice: str = "report"
 
 
+def misses(records: list[Any], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """Where a run's requests missed: TTFT only, TBT only (largest gap), both, rejected (never
+    served), in all and by route (the route a served request took; "none" for the rejected)."""
+    out: dict[str, Any] = {"ttft": 0, "tbt": 0, "both": 0, "rejected": 0, "by_route": {}}
+    for r in records:
+        if r.rejected or r.ttft is None:
+            kind = "rejected"
+        else:
+            late = r.ttft > ttft_slo
+            gap = len(r.tbt_gaps) > 0 and max(r.tbt_gaps) > tbt_slo
+            if not late and not gap:
+                continue
+            kind = "both" if late and gap else "ttft" if late else "tbt"
+        out[kind] += 1
+        by = out["by_route"].setdefault(r.route or "none", {})
+        by[kind] = by.get(kind, 0) + 1
+    return out
+
+
 def parse_split(text: str) -> tuple[int, int]:
     """'2P2D' -> (2, 2)."""
     t = text.strip().upper()
@@ -90,14 +111,16 @@ def run_cell(c: Cell) -> dict[str, Any]:
     res = simulate(reqs, prof, policy, sim)
     s = summarize(res.records, ttft_slo=sim.ttft_slo, tbt_slo=sim.tbt_slo)
     held = res.stats.get("held")
-    return {"workload": c.workload, "policy": c.policy,
+    return {"workload": c.workload, "slice": c.slice, "policy": c.policy,
             "cluster": f"{c.prefill}P{c.decode}D" + ("+planner" if c.planner else ""),
-            "condition": c.condition, "rate": c.rate, "slice": c.slice, "requests": s["requests"],
+            "condition": c.condition, "rate": c.rate, "requests": s["requests"],
             "rejected": s["rejected"],
             "slo_attainment": s["slo_attainment"], "tbt_slo_attainment": s["tbt_slo_attainment"],
             "ttft_slo_attainment": s["ttft_slo_attainment"], "ttft_p95": s["ttft_p95"], "tbt_p99": s["tbt_p99"],
             "deflection_rate": s.get("deflection_rate"), "held": held, "routes": s.get("routes", {}),
-            "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split")}
+            "role_flips": len(res.stats.get("role_flips", [])), "final_split": res.stats.get("final_split"),
+            "misses": misses(res.records, sim.ttft_slo, sim.tbt_slo),
+            "decode_steps_over_tbt_slo": res.stats["decode_steps_over_tbt_slo"]}
 
 
 def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
@@ -143,7 +166,9 @@ def table(rows: list[dict[str, Any]], gp: dict[tuple[str, ...], float | None] | 
     lines = [head + (" goodput |" if gp else ""), "|" + "---|" * (10 + (1 if gp else 0))]
     for r in rows:
         p95 = r["ttft_p95"]
-        cell = (f"| {r['workload']} | {r['condition']} | {r['policy']} | {r['cluster']} | x{r['rate']:g} | "
+        sl = str(r.get("slice", "report"))
+        wl = r["workload"] + (" (tune slice)" if sl == "tune" else f" (seed {sl})" if sl.isdigit() else "")
+        cell = (f"| {wl} | {r['condition']} | {r['policy']} | {r['cluster']} | x{r['rate']:g} | "
                 f"{_pct(r['slo_attainment'])} | {_pct(r['tbt_slo_attainment'])} | "
                 f"{'inf' if p95 is None or p95 == float('inf') else f'{p95:.2f}'} | {r['rejected']} | "
                 f"{_flips(r)} |")

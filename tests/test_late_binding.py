@@ -166,7 +166,7 @@ def test_the_switch_reaches_kairos_up_and_the_router_config() -> None:
     router_env, _ = knob_env(parser().parse_args(["--late-binding", "on", "--late-depth", "2", "--late-order",
                                                   "fifo"]))
     shipped = {"KAIROS_ALPHA": "1.6", "KAIROS_DECODE_ROOM": "true", "KAIROS_DECODE_BETA": "0.95",  # SHIPPED
-               "KAIROS_RETAIN": "true"}
+               "KAIROS_RETAIN": "true", "KAIROS_RETAIN_CHUNK": "64"}
     assert router_env == {"KAIROS_LATE_BINDING": "true", "KAIROS_LATE_DEPTH": "2.0", "KAIROS_LATE_ORDER": "fifo",
                           **shipped}
     assert knob_env(parser().parse_args(["--late-binding", "off"]))[0] == {"KAIROS_LATE_BINDING": "false", **shipped}

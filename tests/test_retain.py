@@ -82,6 +82,32 @@ def test_policy_does_not_retain_past_the_prefill_worker_s_tbt_room_kv_or_ttft() 
         decide(ClusterView(prefill=(prefill(decodes=4, kv=4000),), decode=(full_decode(),)), retain_max=4)
 
 
+def test_shipped_settings_open_the_third_path_on_an_a100_too() -> None:
+    """The shipped `retain_chunk` is 64, not 512: on the A100 profile a 512-token chunk beside even
+    one decode takes longer than the 100 ms TBT SLO, so a prefill worker could never keep room for
+    it and the path never opened there (issue 44: under 10 % noise the A100's two decode workers
+    held their decode room while the prefill workers sat 60 % idle). The shipped router and the
+    simulator take the same setting."""
+    from common.config import RouterConfig
+    from sim.knobs import Setup, build, shipped
+
+    a100 = load_profile("a100-llama2-70b-tp4")
+    am = a100.model
+    assert am.step_time(1, 1024, [(512, 512)]) > SLO  # the premise: 512 never fits beside a decode
+    assert RouterConfig().retain_chunk == 64
+    full = msgspec.structs.replace(full_decode(), model=am)
+    assert am.decode_time(257, 601_024) > SLO
+    worker = msgspec.structs.replace(prefill(decodes=2, kv=2_000), model=am, token_budget=a100.prefill_token_budget)
+    view = ClusterView(prefill=(worker,), decode=(full,))
+    req = rq(400, 500)
+    policy, _ = build("kairos", shipped("kairos", Setup()), a100)
+    d = policy.decide(req, view, 0.0)
+    assert (d.route, d.prefill_worker) == ("retain", "prefill-0")
+    old, _ = build("kairos", shipped("kairos", Setup(policy={"retain_chunk": 512})), a100)
+    with pytest.raises(NoDecodeRoom):
+        old.decide(req, view, 0.0)
+
+
 # ------------------------------------------------------------------ the batcher's prefill role
 
 

@@ -85,3 +85,27 @@ def test_shipped_eval_runs_the_slice_it_is_asked_for() -> None:
     assert cell.slice == "tune"
     assert build_parser().parse_args(["--workload", "shift", "--policy", "kairos"]).slice == "report"
     assert main(["--workload", "code", "--policy", "kairos", "--slice", "13"]) == 2  # a trace has no seeds
+
+
+def test_shipped_eval_runs_the_tune_slice_when_asked_and_says_where_the_misses_are() -> None:
+    from sim.shipped_eval import build_parser, cells, misses, table
+    from sim.stats import RequestTiming
+
+    args = build_parser().parse_args(["--workload", "shift", "--policy", "kairos", "--slice", "tune"])
+    args.split, args.condition, args.rate = [(2, 2)], ["noise"], [0.35]
+    assert [c.slice for c in cells(args, {})] == ["tune"]
+    args = build_parser().parse_args(["--workload", "shift", "--policy", "kairos"])
+    args.split, args.condition, args.rate = [(2, 2)], ["noise"], [0.35]
+    assert [c.slice for c in cells(args, {})] == ["report"]  # what results are judged on, unless asked
+    recs = [RequestTiming(ttft=0.5, tbt_gaps=[0.05, 0.06], route="disagg"),   # met both
+            RequestTiming(ttft=3.0, tbt_gaps=[0.05], route="disagg"),         # late first token
+            RequestTiming(ttft=0.5, tbt_gaps=[0.05, 0.12], route="deflect"),  # one gap over
+            RequestTiming(ttft=3.0, tbt_gaps=[0.12], route="retain"),         # both
+            RequestTiming(ttft=None, rejected=True)]
+    got = misses(recs, 2.0, 0.1)
+    assert (got["ttft"], got["tbt"], got["both"], got["rejected"]) == (1, 1, 1, 1)
+    assert got["by_route"] == {"disagg": {"ttft": 1}, "deflect": {"tbt": 1}, "retain": {"both": 1},
+                               "none": {"rejected": 1}}
+    row = {"workload": "shift", "slice": "tune", "condition": "noise", "policy": "kairos", "cluster": "2P2D",
+           "rate": 0.35, "slo_attainment": 0.8, "tbt_slo_attainment": 1.0, "ttft_p95": 3.0, "rejected": 1}
+    assert "| shift (tune slice) |" in table([row], None)

@@ -38,7 +38,7 @@ from sim.core import SimConfig
 from sim.fair_eval import CONDITIONS, Run, execute, timed_tune
 from sim.knobs import Setup, shipped
 from sim.stats import json_safe
-from sim.tune import GRIDS, OBJECTIVE, SPLIT, Job
+from sim.tune import GRIDS, OBJECTIVE, OFF, SPLIT, Job, _brief, defaults, evaluate, score
 from sim.workloads import WORKLOADS, load
 
 # The reduced grids: besides each policy's default (evaluated first; the profile's budgets 8192 /
@@ -71,7 +71,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=int, default=1, help="coordinate-descent passes at most (default 1)")
     p.add_argument("--no-kairos", action="store_true", help="leave out the shipped Kairos 2P2D row")
     p.add_argument("--out", required=True, help="JSON file for the rows, rewritten after each policy")
+    p.add_argument("--edges", metavar="RESULT.json", default=None,
+                   help="run nothing else: for each tuned row of RESULT (this tool's output), try one value past "
+                        "each knob whose tuned value is the smallest or largest tried (the next one of the full "
+                        "grid, sim/tune.py GRIDS) on the tune slice, and where one scores better, report it on the "
+                        "report slice; writes the rows to --out")
     return p
+
+
+def beyond(policy: str, knob: str, value: Any, tried: set[Any]) -> list[Any]:
+    """The full grid's next value past `value` where it is the smallest or largest tried."""
+    full = sorted(v for v in GRIDS[policy].get(knob, ()) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and v != OFF.get(knob))
+    nums = sorted(v for v in tried if isinstance(v, (int, float)) and not isinstance(v, bool) and v != OFF.get(knob))
+    if value == OFF.get(knob) or not nums or value not in full:
+        return []
+    out = []
+    i = full.index(value)
+    if value <= nums[0] and i > 0:
+        out.append(full[i - 1])
+    if value >= nums[-1] and i + 1 < len(full):
+        out.append(full[i + 1])
+    return [v for v in out if v not in tried]
+
+
+def edges_pass(result: dict[str, Any], profile: Any, log: Any) -> list[dict[str, Any]]:
+    """One step past the reduced grid's edges for every tuned row of `result` (see --edges)."""
+    rows = []
+    for r in result["rows"]:
+        if not r.get("tuned"):
+            continue
+        pol, name, cond = r["policy"], r["workload"], r["condition"]
+        w = WORKLOADS[name]
+        sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[cond])
+        job = Job(policy=pol, profile=profile, sim=sim, tune_trace=load(w, w.tune, 1.0),
+                  report_trace=load(w, w.report, 1.0), grid=BOUNDED[pol], passes=1, stress=(1.0,))
+        best = {**defaults(job), **r["engine"], **r["knobs"], SPLIT: r["split"]["prefill"]}
+        best_s, tried_more = r["tune"], []
+        start = defaults(job)
+        for knob, vals in BOUNDED[pol].items():
+            if knob == SPLIT:
+                continue
+            for v in beyond(pol, knob, best[knob], {*vals, start[knob]}):
+                cand = {**best, knob: v}
+                s = evaluate(job, cand, job.tune_trace)
+                tried_more.append({"knob": knob, "value": v, "tune": _brief(s)})
+                if score(s) > score(best_s):
+                    best, best_s = cand, _brief(s)
+        row = {"workload": name, "condition": cond, "policy": pol, "tried": tried_more,
+               "before": {"tune": r["tune"], "report": r["report"]}}
+        if best_s is not r["tune"]:
+            row.update(setting={k: v for k, v in best.items()}, tune=best_s,
+                       report=_brief(evaluate(job, best, job.report_trace)))
+        rows.append(row)
+        tried_text = [(t["knob"], t["value"], round(t["tune"]["slo_attainment"], 4)) for t in tried_more]
+        better = (f"better: {row['setting']} report {row['report']['slo_attainment']}" if "setting" in row
+                  else "none better")
+        log(f"{name} {cond} {pol}: tried {tried_text}; {better}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
+
+    if args.edges:
+        res = json.loads(Path(args.edges).read_text())
+        rows = edges_pass(res, profile, log)
+        _write(Path(args.out), {"command": "python -m sim.fair_bounded " + " ".join(sys.argv[1:] if argv is None
+                                                                                    else argv),
+                                "from": args.edges, "rows": rows, "wall_s": time.monotonic() - t0})
+        return 0
 
     out: dict[str, Any] = {
         "command": "python -m sim.fair_bounded " + " ".join(sys.argv[1:] if argv is None else argv),

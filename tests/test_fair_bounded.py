@@ -43,3 +43,16 @@ def test_bounded_tunes_the_split_on_the_tune_slice_and_reports_on_the_other(
     assert row["cluster"] == "1P3D" and row["evaluated"] == 3
     assert row["report"]["requests"] == len(slices[11]) and row["tune"]["requests"] == len(slices[10])
     assert res["passes"] == 1 and res["stress"] == [1.0] and "wall_s" in res
+
+
+def test_edges_steps_one_value_past_the_reduced_grid_never_past_the_full_one() -> None:
+    """--edges: a tuned value that is the smallest (largest) tried gets the full grid's next one
+    down (up); a value inside what was tried, an "off" value or the full grid's end get none."""
+    tried = {512, 768, 1024}
+    assert fair_bounded.beyond("chunked-prefill", "decode_token_budget", 512, tried) == [256]
+    assert fair_bounded.beyond("chunked-prefill", "decode_token_budget", 768, tried) == []
+    assert fair_bounded.beyond("chunked-prefill", "decode_token_budget", 1024, tried) == [2048]
+    assert fair_bounded.beyond("disagg-least-loaded", "prefill_token_budget", 16384, {2048, 8192, 16384}) == []
+    assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 2.0, {2.0, 1000.0}) == [1.0, 4.0]
+    assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 1000.0, {2.0, 1000.0}) == []
+    assert fair_bounded.beyond("conditional-disagg", "eff_isl_threshold", 0, {0, 2048}) == []

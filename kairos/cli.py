@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("services.monitor.__main__", "run the monitor (metrics, dashboard)"),
     "sim": ("sim.cli", "discrete-event simulation of a trace under one or more policies"),
     "sessions": ("common.sessions", "write a multi-turn chat or agentic trace with prefix hash_ids"),
-    "tune": ("sim.tune", "tune each policy's knobs on one trace slice, report them on another"),
+    "tune": ("sim.tune", "tune each policy's split and knobs on one trace slice, report them on another"),
     "plan": ("sim.plan", "the fewest GPUs, split and settings that meet an SLO on your trace (simulated)"),
     "bench": ("kairos.loadgen", "replay a trace against an OpenAI-compatible endpoint"),
     "bench-router": ("bench.router_throughput", "measure the router's throughput and added latency"),

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (default 2.0)")
     s.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds (default 0.1)")
     s.add_argument("--tuned", metavar="FILE", default=None,
-                   help="per-policy engine settings and knobs from `kairos tune --out FILE`")
+                   help="per-policy engine settings, knobs and split from `kairos tune --out FILE` (a tuned "
+                        "split is used when --prefill + --decode is the worker total it was tuned on)")
     add_policy_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="write results JSON here")
@@ -253,8 +254,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     shapes: dict[str, str] = {}
     runs: list[tuple[str, str]] = []  # (label, policy)
     variants = _variants(args)
+    splits = tuned_splits(args.tuned, args.prefill + args.decode) if args.tuned else {}
     for name in policies:
-        n_p, n_d = shape(name, args.prefill, args.decode)
+        n_p, n_d = shape(name, *splits.get(name, (args.prefill, args.decode)))
         if n_p == 0 and name in ("disagg-least-loaded", "disagg-round-robin", "dynamo-planner"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
         shapes[name] = f"{n_p}P{n_d}D"
@@ -329,6 +331,19 @@ def resolve_setups(args: argparse.Namespace, policies: list[str]) -> dict[str, S
     return {name: shipped(name, flags[name], tuned.get(name)) for name in policies}
 
 
+def tuned_splits(path: str, workers: int) -> dict[str, tuple[int, int]]:
+    """Per policy, the (prefill, decode) split `kairos tune` chose for it, where it searched the
+    split on `workers` GPUs in all (a file tuned at a fixed split, or on another worker total,
+    gives none: the run's --prefill/--decode hold)."""
+    meta = json.loads(Path(path).read_text())  # load_tuned has checked it
+    out: dict[str, tuple[int, int]] = {}
+    for name, entry in meta["policies"].items():
+        sp = entry.get("split") if isinstance(entry, dict) else None
+        if isinstance(sp, dict) and sp.get("searched") and sp.get("prefill", 0) + sp.get("decode", 0) == workers:
+            out[name] = (int(sp["prefill"]), int(sp["decode"]))
+    return out
+
+
 def _tuned_note(console: Console, args: argparse.Namespace, profile: str, policies: list[str]) -> None:
     """Say which policies the tuned file covers, and where it was tuned for another setting."""
     meta = json.loads(Path(args.tuned).read_text())  # load_tuned has checked it
@@ -337,10 +352,16 @@ def _tuned_note(console: Console, args: argparse.Namespace, profile: str, polici
     console.print(f"tuned settings from {args.tuned} for: {', '.join(covered) or 'none'}"
                   + (f"; flags and defaults for: {', '.join(rest)}" if rest else ""))
     cluster = f"{args.prefill}P{args.decode}D"
+    splits = tuned_splits(args.tuned, args.prefill + args.decode)
     for key, here in (("profile", profile), ("cluster", cluster), ("trace", args.trace)):
         there = meta.get(key)
+        if key == "cluster" and there is not None and splits:
+            there = None if sum(int(x) for x in there.rstrip("D").split("P")) == args.prefill + args.decode else there
         if there is not None and there != here:
             console.print(f"[yellow]note: {args.tuned} was tuned for {key} {there}, this run uses {here}[/]")
+    moved = {n: f"{p}P{d}D" for n, (p, d) in splits.items() if n in policies and (p, d) != (args.prefill, args.decode)}
+    if moved:
+        console.print("tuned splits (same worker total): " + ", ".join(f"{n} {c}" for n, c in moved.items()))
 
 
 def _plots(folder: Path, sweep: list[dict[str, Any]], cdfs: list[tuple[float, dict[str, list[float]]]],

@@ -58,7 +58,7 @@ from sim.fair_report import ABLATION, markdown, not_a_result
 from sim.knobs import TUNED_FORMAT, Setup, build, knob_values, shape, with_planner
 from sim.load import peak_load, prefill_load
 from sim.stats import RequestTiming, _pct_with_unserved, json_safe, summarize
-from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one
+from sim.tune import GRIDS, OBJECTIVE, Job, _setup, parse_stress, tune_one, with_split
 from sim.workloads import ALL_POLICIES, POLICIES, WORKLOADS, Workload, load
 
 PROBE_POLICY = "disagg-least-loaded"
@@ -195,13 +195,15 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
     policies = workload_policies(w, args.policy)
     log(f"{w.name}: regime x{regime:g} ({chosen_by}; {time.monotonic() - t0:.0f} s); tuning {', '.join(policies)}")
     tune_trace, report_trace = load(w, w.tune, regime), load(w, w.report, regime)
+    search_split = getattr(args, "search_split", False)
     jobs = [Job(policy=p, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[p], passes=args.passes, stress=args.stress) for p in policies]
+                grid=with_split(p, GRIDS[p], w.prefill + w.decode) if search_split else GRIDS[p],
+                passes=args.passes, stress=args.stress) for p in policies]
     tuned = dict(zip(policies, pmap(timed_tune, jobs, args.jobs), strict=True))
     log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
     setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
     scales = sorted({round(regime * m, 4) for m in (w.sweep or SWEEP)})
-    runs = [Run(w, w.report, x, p, setups[p], profile, sim) for x in scales for p in policies]
+    runs = [Run(w, w.report, x, p, setups[p], profile, tuned_sim(sim, tuned[p])) for x in scales for p in policies]
     outs = pmap(execute, runs, args.jobs)
     sweep: list[dict[str, Any]] = []
     for x in scales:
@@ -223,6 +225,15 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
             "wall_s": time.monotonic() - t0}
 
 
+def tuned_sim(sim: SimConfig, entry: dict[str, Any]) -> SimConfig:
+    """`sim` at the split the tuner chose for one policy (`entry`: its tune_one result), where it
+    searched one; else `sim` as it is."""
+    sp = entry.get("split")
+    if not sp or not sp.get("searched"):
+        return sim
+    return msgspec.structs.replace(sim, prefill=int(sp["prefill"]), decode=int(sp["decode"]))
+
+
 # what an ablation row keeps of a run's summary (the report's columns and the goodput)
 _ABLATION_KEPT = ("requests", "rejected", "slo_attainment", "ttft_slo_attainment", "tbt_slo_attainment",
                   "ttft_p50", "ttft_p95", "ttft_p99", "deflection_rate")
@@ -237,7 +248,7 @@ def ablate(w: Workload, profile: Profile, sim: SimConfig, tuned: dict[str, Any],
     if k is None or not knob_values("kairos", _setup({**k["engine"], **k["policy"]})).get("late_binding"):
         return
     setup = _setup({**k["engine"], **k["policy"], "late_binding": False})
-    runs = [Run(w, w.report, pt["rate_scale"], "kairos", setup, profile, sim) for pt in sweep]
+    runs = [Run(w, w.report, pt["rate_scale"], "kairos", setup, profile, tuned_sim(sim, k)) for pt in sweep]
     for pt, o in zip(sweep, pmap(execute, runs, jobs), strict=True):
         pt.setdefault("ablation", {})[ABLATION] = {key: o.get(key) for key in _ABLATION_KEPT}
 
@@ -311,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stress", default="1,2",
                    help="tune at these multiples of the regime load on the tune slice, objective averaged "
                         "(`kairos tune --stress`; default 1,2: bursts twice as dense as the slice's own)")
+    p.add_argument("--search-split", action="store_true",
+                   help="also tune each policy's split (xPyD, the workload's worker total fixed; `kairos tune`'s "
+                        "default) and report it there; default: every policy at the workload's split, as the "
+                        "published tables")
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default="results/fair-eval",
                    help="folder for results JSON, tuned files and tables.md (default results/fair-eval)")
@@ -373,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_slo": sim.ttft_slo, "tbt_slo": sim.tbt_slo,
             "condition": args.condition, "model_error": CONDITIONS[args.condition],
             "objective": OBJECTIVE, "passes": args.passes, "sweep_multiples": SWEEP,
+            "split_searched": args.search_split,
             "tune_stress": list(args.stress),
             "regime_rule": {"ttft_at_most": REGIME_TTFT, "tbt_at_least": REGIME_TBT, "peak_load_at_least": 1.0,
                             "probe_policy": PROBE_POLICY},

@@ -4,8 +4,11 @@
                 --policy disagg-least-loaded --policy chunked-prefill --rate-scale 1 --out tuned.json
     kairos sim  --trace code --start 1200 --duration 600 --tuned tuned.json
 
-Each policy's knobs (its engine's token budgets and its own knobs, see GRIDS) are searched on the
-tune slice, and the best setting is then run once on the report slice, which never overlaps the
+Each policy's knobs (its engine's token budgets and its own knobs, see GRIDS; for Kairos also the
+decode guard: the decode room on/off and its `decode_beta`, and the third path on/off) and its
+split (how many of the --prefill + --decode workers are prefill workers, the total fixed; every
+xPyD with x, y >= 1, for every policy that uses prefill workers; --fixed-split holds it) are
+searched on the tune slice, and the best setting is then run once on the report slice, which never overlaps the
 tune slice: no policy is judged on the data it was tuned on. Kairos goes through the same search.
 
 Objective: the fraction of requests that meet both SLOs (TTFT, and TBT by the largest gap) first;
@@ -15,10 +18,12 @@ is visible. With --stress 1,2 the tune slice is also replayed at twice its rate 
 as dense) and the objective averaged over both, for every policy alike: a tune slice calmer than
 the traffic a policy will meet otherwise tunes it for calm traffic. The report slice is untouched.
 
-Search: coordinate descent over a small grid, from the defaults (the profile's budgets, the
-policy's default knobs): each knob in turn is set to its best value with the others fixed, and
-the passes repeat until none changes (at most --passes). Every evaluated setting is cached. A
-policy that uses no prefill worker runs on the same number of GPUs as decode workers only.
+Search: coordinate descent over a small grid, from the defaults (the given split, the profile's
+budgets, the policy's shipped knobs): each knob in turn is set to its best value with the others
+fixed, the split first, and the passes repeat until none changes (at most --passes). Every
+evaluated setting is cached. A policy that uses no prefill worker runs on the same number of GPUs
+as decode workers only. The tuned split is in the file (`cluster`, `split`); `kairos sim --tuned`
+runs each policy at it when its worker total is the file's.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ from sim.knobs import (
 from sim.stats import fmt, json_safe, summarize
 
 ENGINE_KNOBS = ("prefill_token_budget", "decode_token_budget", "decode_chunk")
+# The split: how many of the fixed worker total are prefill workers (the rest decode). A cluster
+# knob, neither an engine setting nor a policy's; searched for every policy with prefill workers.
+SPLIT = "prefill_workers"
+SPLIT_POLICIES = ("kairos", "conditional-disagg", "disagg-least-loaded", "disagg-round-robin", "dynamo-planner",
+                  "kv-aware")
 OBJECTIVE = ("maximize both-SLO attainment (TTFT <= ttft_slo and largest TBT gap <= tbt_slo); "
              "ties: lower P95 TTFT, rejected requests counting as infinite")
 
@@ -72,7 +82,7 @@ GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {
                "max_deflections": (1, 2, 4, 8, 16),
                "candidates": ((2048, 1024, 512, 256, 128), (1024, 768, 512, 384, 256, 128, 64)),
                "late_binding": (False, True), "late_depth": (0.125, 0.25, 0.5, 1.0, 2.0, 4.0),
-               "decode_room": (False, True), "decode_beta": (0.85, 0.9, 0.95, 0.98)},
+               "decode_room": (False, True), "decode_beta": (0.85, 0.9, 0.95, 0.98), "retain": (False, True)},
     "conditional-disagg": {"prefill_token_budget": (512, 1024, 2048, 4096, 8192),
                            "decode_token_budget": (128, 256, 512, 1024, 2048, 4096),
                            "decode_chunk": (128, 256, 512, 1024, 2048, 4096),
@@ -99,6 +109,8 @@ def edges(grid: dict[str, tuple[Any, ...]], chosen: dict[str, Any]) -> list[str]
     outside it (the starting value kept): the optimum may lie beyond, so widen that grid."""
     out = []
     for knob, vals in grid.items():
+        if knob == SPLIT:  # 1 and total-1 are the only splits there are: never "beyond"
+            continue
         nums = sorted(v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
                       and v != OFF.get(knob))
         v = chosen.get(knob)
@@ -114,7 +126,7 @@ DEFAULT_PROFILE: str = sim_parser().get_default("profile")
 SHORT = {"prefill_token_budget": "P budget", "decode_token_budget": "D budget", "decode_chunk": "D chunk",
          "max_deflections": "max defl", "eff_isl_threshold": "isl <", "prefill_busy_threshold": "busy >",
          "eff_isl_ratio_threshold": "isl ratio <", "late_binding": "late", "late_depth": "late depth",
-         "decode_room": "room", "decode_beta": "room beta"}
+         "decode_room": "room", "decode_beta": "room beta", "retain": "retain", SPLIT: "prefill workers"}
 
 
 class Slices(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,12 +172,39 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
 def _setup(values: dict[str, Any]) -> Setup:
     engine = {k: v for k, v in values.items() if k in ENGINE_KNOBS}
-    return Setup(engine=EngineSettings(**engine), policy={k: v for k, v in values.items() if k not in ENGINE_KNOBS})
+    return Setup(engine=EngineSettings(**engine),
+                 policy={k: v for k, v in values.items() if k not in ENGINE_KNOBS and k != SPLIT})
+
+
+def split_grid(policy: str, workers: int) -> dict[str, tuple[Any, ...]]:
+    """The split knob's values for `policy` on `workers` GPUs: every xPyD with x, y >= 1 (first in
+    the search, so the other knobs are tuned at the best split); none for a policy that runs
+    without prefill workers (chunked-prefill, deflect-all: every GPU a decode worker)."""
+    if policy not in SPLIT_POLICIES or workers < 3:
+        return {}
+    return {SPLIT: tuple(range(1, workers))}
+
+
+def with_split(policy: str, grid: dict[str, tuple[Any, ...]], workers: int) -> dict[str, tuple[Any, ...]]:
+    """`grid` with the split searched first (unless it names its own split values)."""
+    if SPLIT in grid:
+        return dict(grid)
+    return {**split_grid(policy, workers), **grid}
+
+
+def cluster(job: Job, values: dict[str, Any]) -> tuple[int, int]:
+    """The (prefill, decode) workers one setting runs on: its split, the worker total fixed."""
+    total = job.sim.prefill + job.sim.decode
+    n_p = int(values.get(SPLIT, job.sim.prefill))
+    if not 1 <= n_p < total and SPLIT in values:
+        raise ConfigError(f"{job.policy}: split of {n_p} prefill workers out of {total}: "
+                          "each role needs at least one worker")
+    return shape(job.policy, n_p, total - n_p)
 
 
 def evaluate(job: Job, values: dict[str, Any], trace: Sequence[TraceRequest]) -> dict[str, Any]:
     policy, prof = build(job.policy, _setup({**values, **job.fixed}), job.profile)
-    n_p, n_d = shape(job.policy, job.sim.prefill, job.sim.decode)
+    n_p, n_d = cluster(job, values)
     cfg = with_planner(job.policy, msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d))
     res = simulate(trace, prof, policy, cfg)
     s = summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
@@ -183,7 +222,8 @@ def defaults(job: Job) -> dict[str, Any]:
     """The starting point: what the policy ships with (sim/knobs.py SHIPPED, else the profile's
     budgets and the policy's config defaults), for the knobs searched."""
     setup = shipped(job.policy, Setup())
-    start = {**msgspec.structs.asdict(setup.engine.resolved(job.profile)), **knob_values(job.policy, setup)}
+    start = {**msgspec.structs.asdict(setup.engine.resolved(job.profile)), **knob_values(job.policy, setup),
+             SPLIT: job.sim.prefill}
     unknown = set(job.grid) - set(start)
     if unknown:
         raise ConfigError(f"{job.policy}: cannot search unknown knob(s) {', '.join(sorted(unknown))}")
@@ -240,7 +280,10 @@ def tune_one(job: Job) -> dict[str, Any]:
     start = run(defaults(job))
     setup = _setup({**best, **job.fixed})
     out = {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
-           "cluster": "{}P{}D".format(*shape(job.policy, job.sim.prefill, job.sim.decode)),
+           "cluster": "{}P{}D".format(*cluster(job, best)),
+           "split": {"prefill": int(best.get(SPLIT, job.sim.prefill)),
+                     "decode": job.sim.prefill + job.sim.decode - int(best.get(SPLIT, job.sim.prefill)),
+                     "searched": SPLIT in job.grid},
            "tune": _brief(best_s), "report": _brief(report), "defaults_tune": _brief(start),
            "evaluated": len(cache), "edges": edges(job.grid, best)}
     if "stress" in best_s:
@@ -284,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     c.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    c.add_argument("--fixed-split", action="store_true",
+                   help="hold the split at --prefill/--decode (default: search every xPyD with the same worker "
+                        "total, for every policy that uses prefill workers; the split is tuned first)")
     c.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"performance profile name or .json path (default {DEFAULT_PROFILE}, as kairos sim)")
     c.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats (default 0.1)")
@@ -339,6 +385,8 @@ def load_slices(args: argparse.Namespace) -> tuple[Slices, list[TraceRequest], l
 
 def _knobs_text(name: str, entry: dict[str, Any], grid: dict[str, tuple[Any, ...]]) -> str:
     vals = {**entry["engine"], **entry["policy"]}
+    if "split" in entry:
+        vals[SPLIT] = entry["split"]["prefill"]
     def text(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:g}"
@@ -356,7 +404,8 @@ def _table(out: dict[str, Any], title: str) -> Table:
         tab.add_column(col, justify="left" if col in ("policy", "best setting (searched knobs)") else "right")
     for name, e in out["policies"].items():
         t, r = e["tune"], e["report"]
-        tab.add_row(name, e["cluster"], _knobs_text(name, e, GRIDS[name]), str(e["evaluated"]),
+        grid = {k: tuple(v) for k, v in out.get("grids", {}).get(name, GRIDS[name]).items()}
+        tab.add_row(name, e["cluster"], _knobs_text(name, e, grid), str(e["evaluated"]),
                     fmt(t["slo_attainment"], "%"), fmt(t["ttft_p95"]), fmt(r["slo_attainment"], "%"),
                     fmt(r["ttft_p95"]), fmt(r["ttft_slo_attainment"], "%"), fmt(r["tbt_slo_attainment"], "%"),
                     fmt(r["tbt_p99_slo_attainment"], "%"), str(r["rejected"]))
@@ -393,8 +442,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                                                        "dynamo-planner"):
             raise ConfigError(f"policy {name} needs prefill workers: use --prefill 1 or more")
     stress = parse_stress(args.stress)
+    workers = args.prefill + args.decode
+    grids = {name: GRIDS[name] if args.fixed_split else with_split(name, GRIDS[name], workers) for name in policies}
     jobs = [Job(policy=name, profile=profile, sim=sim, tune_trace=tune_trace, report_trace=report_trace,
-                grid=GRIDS[name], passes=args.passes, fixed=fixed.get(name, {}), stress=stress) for name in policies]
+                grid=grids[name], passes=args.passes, fixed=fixed.get(name, {}), stress=stress) for name in policies]
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
             results = list(pool.map(tune_one, jobs))
@@ -409,8 +460,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                    "unit": "seed" if isinstance(slices.tune, int) else "seconds of trace time, [start, end)"},
         "requests": {"tune": len(tune_trace), "report": len(report_trace)},
         "objective": OBJECTIVE, "method": f"coordinate descent over GRIDS, at most {args.passes} passes",
-        "stress": list(stress),
-        "grids": {name: {k: list(v) for k, v in GRIDS[name].items()} for name in policies},
+        "stress": list(stress), "split_searched": not args.fixed_split,
+        "grids": {name: {k: list(v) for k, v in grids[name].items()} for name in policies},
         "date": datetime.date.today().isoformat(),
         "policies": dict(zip(policies, results, strict=True))}
     path = Path(args.out)

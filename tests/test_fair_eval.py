@@ -301,3 +301,51 @@ def test_the_committed_tuned_files_load_with_every_knob_known() -> None:
         tuned = load_tuned(str(f))
         assert set(tuned) == {"kairos", "conditional-disagg", "disagg-least-loaded", "chunked-prefill"}, f
         assert tuned["kairos"].policy["late_binding"] is True, f
+
+
+def test_search_split_tunes_each_policys_split_and_reports_it_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m sim.fair_eval --search-split`: each policy's tuner gets the split as its first
+    knob (the workload's worker total fixed), and its report sweep runs at the split it chose;
+    without the flag every policy stays at the workload's split (the published tables)."""
+    import argparse
+
+    from common.perf_model import load_profile
+    from sim import fair_eval
+    from sim.core import SimConfig
+    from sim.tune import SPLIT
+    from sim.workloads import WORKLOADS
+
+    grids: dict[str, Any] = {}
+    ran: list[tuple[str, int, int]] = []
+    keep = {"requests": 1, "prefill_load": 0.0, "peak_load": 0.0, "slo_attainment": 1.0, "ttft_p95": 1.0,
+            "tbt_slo_attainment": 1.0, "ttft_slo_attainment": 1.0, "tbt_p99": 0.05,
+            "sim": {"decode_busy": 0.0, "prefill_busy": 0.0}}
+
+    def tune(job: Any) -> dict[str, Any]:
+        grids[job.policy] = job.grid
+        searched = SPLIT in job.grid
+        p = 1 if searched else job.sim.prefill
+        return {"engine": {}, "policy": {}, "cluster": f"{p}P{4 - p}D",
+                "split": {"prefill": p, "decode": 4 - p, "searched": searched}}
+
+    def execute(run: Any) -> dict[str, Any]:
+        if run.which == run.workload.report:  # not the probe (disagg-least-loaded on the tune slice, 2P2D)
+            ran.append((run.policy, run.sim.prefill, run.sim.decode))
+        return dict(keep)
+
+    monkeypatch.setattr(fair_eval, "timed_tune", tune)
+    monkeypatch.setattr(fair_eval, "execute", execute)
+    monkeypatch.setattr(fair_eval, "load", lambda *a: [])
+    w = WORKLOADS["shift"]
+    sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1)
+    prof = load_profile("h100-llama2-70b-tp4")
+    for flag, want in ((True, (1, 3)), (False, (2, 2))):
+        grids.clear()
+        ran.clear()
+        args = argparse.Namespace(regime={}, policy=["disagg-least-loaded", "chunked-prefill"], passes=1,
+                                  stress=(1.0,), jobs=1, search_split=flag)
+        fair_eval.evaluate_workload(w, prof, sim, args, lambda _msg: None)
+        assert (SPLIT in grids["disagg-least-loaded"]) is flag and SPLIT not in grids["chunked-prefill"]
+        report = {(p, n_p, n_d) for p, n_p, n_d in ran if p == "disagg-least-loaded"}
+        assert report == {("disagg-least-loaded", *want)}, report
+    assert "--search-split" in fair_eval.build_parser().format_help()

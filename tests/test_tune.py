@@ -119,9 +119,11 @@ def test_tune_then_sim_reproduces_the_report_slice(tmp_path: Path, monkeypatch: 
     out = tmp_path / "tuned.json"
     policies = ["chunked-prefill", "disagg-least-loaded", "kairos", "conditional-disagg"]
     argv = ["--trace", "synthetic", "--rate", "4", "--duration", "40", "--seed", "3",
-            *(a for p in policies for a in ("--policy", p)), "--passes", "1", "--out", str(out), "--quiet"]
+            *(a for p in policies for a in ("--policy", p)), "--passes", "1", "--out", str(out), "--quiet",
+            "--fixed-split"]
     # the whole grid is 90 simulations (62 s on 2 cores); what this proves (the file's settings and
-    # figures are what `kairos sim` reproduces) holds for any grid, so each knob gets two values
+    # figures are what `kairos sim` reproduces) holds for any grid, so each knob gets two values; the
+    # split is held (its search and replay: test_tune_searches_the_split_with_the_worker_total_fixed)
     monkeypatch.setattr(tune, "GRIDS", small_grids(tune.DEFAULT_PROFILE, policies))
     assert tune.main(argv) == 0
     tuned = json.loads(out.read_text())
@@ -362,3 +364,84 @@ def test_tune_searches_the_decode_guard_and_its_margin(tmp_path: Path) -> None:
     f = tuned_file(tmp_path, {"kairos": {"engine": {}, "policy": {"decode_room": True, "decode_beta": 0.85}}})
     k = simulations(["--tuned", str(f)], ["kairos"])["kairos"]
     assert isinstance(k.policy, Kairos) and (k.policy.cfg.decode_room, k.policy.cfg.decode_beta) == (True, 0.85)
+
+
+def _decode_heavy_trace(tmp_path: Path) -> Path:
+    """40 s of the shifting workloads' output-heavy phase (8 req/s, answers of ~500 tokens) as a
+    JSON-lines file: two decode workers step past a 45 ms TBT SLO, three do not."""
+    from sim.workloads import PHASES
+
+    rate, arrival, cv, lengths = PHASES["output"]
+    rows = [(r.t, r) for r in synthetic(rate=rate, duration=20, arrival=arrival, cv=cv, seed=3, **lengths)]  # type: ignore[arg-type]
+    rows += [(20.0 + r.t, r) for r in synthetic(rate=rate, duration=20, arrival=arrival, cv=cv, seed=4,
+                                                 **lengths)]  # type: ignore[arg-type]
+    f = tmp_path / "decode-heavy.jsonl"
+    f.write_text("".join(json.dumps({"timestamp": round(t * 1000.0, 3), "input_length": r.input_length,
+                                     "output_length": r.output_length}) + "\n" for t, r in rows))
+    return f
+
+
+def test_tune_searches_the_split_with_the_worker_total_fixed(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: `kairos tune` searches the split (prefill vs decode workers of a fixed total). On
+    decode-heavy traffic 1P3D keeps a 45 ms TBT that 2P2D cannot: the tuner leaves the given 2P2D
+    for it, writes it, and `kairos sim --tuned` replays the report slice there with the same figures;
+    --fixed-split holds 2P2D."""
+    trace = _decode_heavy_trace(tmp_path)
+    monkeypatch.setattr(tune, "GRIDS", {"disagg-least-loaded": {"prefill_token_budget": (8192,)}})
+    out = tmp_path / "tuned.json"
+    argv = ["--trace", str(trace), "--duration", "20", "--profile", "h100-llama2-70b-tp4", "--tbt-slo", "0.045",
+            "--policy", "disagg-least-loaded", "--passes", "1", "--quiet", "--out", str(out)]
+    assert tune.main(argv) == 0
+    tuned = json.loads(out.read_text())
+    e = tuned["policies"]["disagg-least-loaded"]
+    assert tuned["grids"]["disagg-least-loaded"][tune.SPLIT] == [1, 2, 3] and tuned["split_searched"] is True
+    assert e["cluster"] == "1P3D" and e["split"] == {"prefill": 1, "decode": 3, "searched": True}
+    assert e["tune"]["slo_attainment"] > e["defaults_tune"]["slo_attainment"] + 0.5  # 2P2D: under 10 %
+    assert e["evaluated"] == 3 and e["edges"] == []  # the split's ends are bounds, not grid edges
+    res = tmp_path / "res.json"
+    cmd = tune.replay_command(tune.build_parser().parse_args(argv), out).split()
+    assert "--prefill" in cmd and cmd[cmd.index("--prefill") + 1] == "2"  # the given shape: the file moves it
+    assert sim_cli.main([*cmd[2:], "--out", str(res), "--quiet"]) == 0
+    got = json.loads(res.read_text())
+    assert got["config"]["settings"]["disagg-least-loaded"]["cluster"] == "1P3D"
+    for k in ("slo_attainment", "ttft_p95", "tbt_slo_attainment", "rejected"):
+        assert got["policies"]["disagg-least-loaded"][k] == e["report"][k], k
+    # another worker total: the tuned split does not apply
+    assert sim_cli.tuned_splits(str(out), 5) == {} and sim_cli.tuned_splits(str(out), 4) == {
+        "disagg-least-loaded": (1, 3)}
+    assert tune.main([*argv, "--fixed-split"]) == 0
+    held = json.loads(out.read_text())["policies"]["disagg-least-loaded"]
+    assert held["cluster"] == "2P2D" and held["split"]["searched"] is False and held["evaluated"] == 1
+
+
+def test_tune_can_choose_a_split_and_a_decode_guard_off_the_shipped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kairos's search covers its split (first), the decode room, decode_beta and the third path,
+    from the shipped values: when another split and guard score better, the tuner takes them and
+    reports them (an objective that prefers 1P3D, decode_beta 0.85 and the retain path off)."""
+    prof = load_profile("h100-llama2-70b-tp4")
+    grid = tune.with_split("kairos", tune.GRIDS["kairos"], 4)
+    assert next(iter(grid)) == tune.SPLIT and grid[tune.SPLIT] == (1, 2, 3)
+    assert {"decode_room", "decode_beta", "retain"} <= set(grid)
+    assert tune.with_split("chunked-prefill", tune.GRIDS["chunked-prefill"], 4) == tune.GRIDS["chunked-prefill"]
+    keep = dict.fromkeys(tune.KEEP, 0.0)
+
+    def fake(job: tune.Job, values: dict[str, Any], trace: Any) -> dict[str, Any]:
+        good = (values[tune.SPLIT] == 1) + (values["decode_beta"] == 0.85) + (values["retain"] is False)
+        return {**keep, "slo_attainment": 0.5 + good / 10, "ttft_p95": 1.0}
+
+    monkeypatch.setattr(tune, "evaluate", fake)
+    job = tune.Job(policy="kairos", profile=prof, sim=SimConfig(prefill=2, decode=2), tune_trace=[],
+                   report_trace=[], grid=grid, passes=1)
+    start = tune.defaults(job)
+    assert (start[tune.SPLIT], start["decode_room"], start["decode_beta"], start["retain"]) == (2, True, 0.95, True)
+    out = tune.tune_one(job)
+    assert out["cluster"] == "1P3D" and out["split"] == {"prefill": 1, "decode": 3, "searched": True}
+    assert out["policy"]["decode_beta"] == 0.85 and out["policy"]["retain"] is False
+    assert tune.SPLIT not in out["policy"]  # the split is the cluster's, never a policy knob
+    assert out["tune"]["slo_attainment"] == pytest.approx(0.8)
+
+
+def test_tune_help_says_it_searches_the_split_and_the_decode_guard() -> None:
+    text = tune.build_parser().format_help()
+    assert "--fixed-split" in text and "split" in text and "decode room" in text and "decode_beta" in text

@@ -93,6 +93,44 @@ def test_a_replica_first_in_line_takes_the_room_at_once() -> None:
     assert later == [] and len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
 
 
+def test_in_its_turn_a_replica_places_none_that_another_replicas_older_request_comes_before() -> None:
+    """The burst minute of the code trace (issue 47 item 6): the replica first in turn used to
+    place its whole queue, its newer requests ahead of other replicas' older ones, which then
+    went past their latest start and waited out the burst. In its turn it places its requests
+    only up to the other replicas' first waiting one, as one router's queue would; the rest go
+    at a later retry, once nothing older waits elsewhere."""
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(2, clock, later)
+    first_at = clock.now
+    core.submit([0] * 1000, m.Sampling(max_tokens=100), clock.advance(1.0))  # a newer one, waits behind it
+    assert len(core.kv_waiting) == 2
+    box.take()
+    # room for both; replica "ra" waits with a request between this replica's two
+    between = m.RouterQueue(router="ra", oldest_at=first_at + 0.5, late=False, waiting=1)
+    core.on_message(b"decode-0", _beat(2, KV, [between]), clock.advance(0.1))
+    assert later == []  # this replica's first request is the oldest: its turn is now
+    assert len(_dispatched(box)) == 1 and len(core.kv_waiting) == 1  # the newer one gave way to "ra"'s
+    assert core.queue_told == (False, first_at + 1.0)
+    # "ra" placed its request: the next heartbeat echoes nothing waiting there; the newer one goes
+    core.on_message(b"decode-0", _beat(3, KV, [m.RouterQueue(router="ra", oldest_at=0.0, late=False, waiting=0)]),
+                    clock.advance(0.01))
+    assert len(_dispatched(box)) == 1 and len(core.kv_waiting) == 0
+
+
+def test_an_echo_older_than_the_wait_timeout_holds_no_replica_back() -> None:
+    """A decode worker echoes a replica's last QueueHead for ever, a gone replica's too; a first
+    request that arrived more than kv_wait_timeout ago cannot be waiting any more: ignored."""
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(2, clock, later)
+    core.submit([0] * 1000, m.Sampling(max_tokens=100), clock.advance(1.0))
+    box.take()
+    gone = m.RouterQueue(router="ra", oldest_at=clock.now - 31.0, late=True, waiting=3)  # kv_wait_timeout 30 s
+    core.on_message(b"decode-0", _beat(2, KV, [gone]), clock.advance(0.1))
+    assert later == [] and len(_dispatched(box)) == 2 and len(core.kv_waiting) == 0
+
+
 def test_one_router_decides_at_once_and_tells_no_worker() -> None:
     clock = Clock()
     later: list[float] = []

@@ -16,7 +16,10 @@ A waiting request that no live worker could take at all any more is parked inste
 replicas, a retry that a worker's heartbeat starts waits for this replica's turn among them
 (`replica_turn`: in one router's retry order), so that each decides after the others'
 dispatches show; each replica tells the decode workers the request it would decide first
-(`QueueHead`), and their heartbeats echo every replica's. The queue and its
+(`QueueHead`), and their heartbeats echo every replica's. In its turn a replica places its own
+requests only up to the first another replica waits with (one router's queue would decide that
+one next; at least one, so that a stale echo slows a replica, never stops it): the first replica
+in turn does not take the whole room for requests newer than the others'. The queue and its
 retry are common/wait_queue.py's; what is the router's here is how a request is tried and
 failed. The simulator runs this class as part of the core (sim/router.py), on its own timing of
 retries.
@@ -109,6 +112,22 @@ class Waiting:
             return [0.0] * len(head)
         return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
 
+    def _others(self, now: float) -> dict[str, tuple[bool, float]]:
+        """The other replicas' first waiting requests, as the decode workers' heartbeats last echoed
+        them (`DecodeHeartbeat.queues`; arrival 0.0: none waits there). One that arrived more than
+        `kv_wait_timeout` ago cannot be waiting any more (its replica failed it or is gone, and a
+        decode worker echoes a gone replica's last word for ever): left out."""
+        me = self.table.me
+        oldest = now + self.wall_offset - self.cfg.kv_wait_timeout
+        others: dict[str, tuple[float, m.RouterQueue]] = {}  # router -> (heartbeat time, its first request)
+        for w in self.table.workers.values():
+            hb = w.hb
+            if isinstance(hb, m.DecodeHeartbeat) and hb.queues:
+                for q in hb.queues:
+                    if q.router != me and (q.router not in others or w.hb_at >= others[q.router][0]):
+                        others[q.router] = (w.hb_at, q)
+        return {r: (q.late, q.oldest_at) for r, (_, q) in others.items() if q.oldest_at >= oldest}
+
     def turn_delay(self, now: float) -> float:
         """Seconds until this replica's turn at room a heartbeat may show (`replica_turn`); 0 with
         one router, or when nothing waits here."""
@@ -118,15 +137,7 @@ class Waiting:
         late, at = self.first(now)
         if at == 0.0:
             return 0.0
-        me = self.table.me
-        others: dict[str, tuple[float, m.RouterQueue]] = {}  # router -> (heartbeat time, its first request)
-        for w in self.table.workers.values():
-            hb = w.hb
-            if isinstance(hb, m.DecodeHeartbeat) and hb.queues:
-                for q in hb.queues:
-                    if q.router != me and (q.router not in others or w.hb_at >= others[q.router][0]):
-                        others[q.router] = (w.hb_at, q)
-        turn = replica_turn((late, at, me), {r: (q.late, q.oldest_at) for r, (_, q) in others.items()})
+        turn = replica_turn((late, at, self.table.me), self._others(now))
         return turn * cfg.replica_stagger_ms / 1000.0
 
     def blocker(self) -> Request | None:
@@ -156,13 +167,33 @@ class Waiting:
         if not q:
             return
         policy = self.policy
+        # with replicas: the first request another replica waits with, in one router's retry order
+        # (as the decode workers' heartbeats echo it); in its turn this replica places its own only
+        # up to it, and at least one (so that a stale echo slows it, never stops it)
+        cfg = self.cfg
+        bound: tuple[bool, float, str] | None = None
+        if cfg.replicas > 1 and cfg.replica_stagger_ms > 0.0:
+            heads = [(late, at, r) for r, (late, at) in self._others(now).items() if at > 0.0]
+            bound = min(heads, default=None)
+        me = self.table.me
+        placed = 0
+        latest: dict[str, float] = {}
 
         def order(head: list[Request]) -> list[int]:
-            return policy.retry_order(self._latest(head), now)
+            ls = self._latest(head)
+            for r, t in zip(head, ls, strict=True):
+                latest[r.request_id] = t
+            return policy.retry_order(ls, now)
 
         def place(req: Request) -> Outcome:
+            nonlocal placed
             if req.done:
                 return Outcome.GONE
+            if bound is not None and placed:
+                key = (policy.orders_waiting() and latest.get(req.request_id, 0.0) <= now,
+                       req.arrival + self.wall_offset, me)
+                if key > bound:  # another replica's first request comes before it: that one's turn first
+                    return Outcome.NO_ROOM
             try:
                 self.core.dispatch(req, now)
             except Hold as e:
@@ -178,6 +209,7 @@ class Waiting:
                 return Outcome.REMOVED
             req.kv_wait_until, req.wait_budget = 0.0, 0.0
             req.held = False
+            placed += 1
             return Outcome.PLACED
 
         q.retry(order, place)

@@ -65,7 +65,7 @@ vLLM): a producer role recomputes a request preempted while its hand-off is pend
 scheduling, which Kairos turns off, or pipeline parallelism) and exports a KV-fetch gauge; NIXL
 refuses consumer and kv_both roles with prefill context parallelism (such an engine keeps its
 role) and logs once that kv_both is deprecated in favour of the per-instance roles. It costs
-nothing measurable on the step path (docs/operations.md, "vLLM workers change role in place");
+nothing measurable on the step path (docs/operations.md, "Role changes");
 the one difference at start is that a prefill engine loads the tokenizer too (a decode engine
 needs it for structured outputs). `switch_role` then moves the engine between roles in place
 when it holds nothing (the worker drained it): the same AsyncLLM, weights, KV and prefix cache

@@ -173,8 +173,12 @@ def test_a_vllm_prefill_worker_becomes_a_decode_worker_in_place_under_load(clust
     assert len(decoded_by(moved)) >= 3 and all(r.headers["x-kairos-route"] == "disagg" for r in decoded_by(moved))
     _, s = cluster.get("/v1/kairos/stats")
     assert s["counts"]["completed"] >= len(answers) and not s["counts"].get("failed"), s["counts"]
-    router_log = _events(Path(cluster.spec.log_dir, "router.log"))
-    done = [x for x in router_log if x.get("event") == "request_done"]
+    for _ in range(100):  # the router writes a request's line as it ends: let the last ones land
+        router_log = _events(Path(cluster.spec.log_dir, "router.log"))
+        done = [x for x in router_log if x.get("event") == "request_done"]
+        if len(done) >= len(answers):
+            break
+        time.sleep(0.1)
     assert len(done) == len(answers) and all(x["outcome"] == "ok" and not x["kv_fallback"] for x in done), done
     assert any(x["prefill_worker"] == moved for x in done)  # it prefilled before the flip (min dwell)
     # the flip: the router's decision, the worker's drain, the engine switched in place

@@ -300,10 +300,14 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
     vllm_kv_cache_mib: Annotated[int, doc("vllm: KV cache size, MiB")] = 256
     vllm_token_budget: Annotated[int, doc("vllm: max_num_batched_tokens")] = 512
     vllm_max_batch: Annotated[int, doc("vllm: max_num_seqs, the most requests in one batch")] = 64
-    vllm_side_channel_host: Annotated[str, doc("vllm prefill workers: the address decode workers reach this host's NIXL side channel on")] = "127.0.0.1"
+    vllm_side_channel_host: Annotated[str, doc("vllm prefill workers (and decode workers the role planner may move, vllm_kv_both): the address decode workers reach this host's NIXL side channel on")] = "127.0.0.1"
     vllm_side_channel_port: Annotated[int, doc("vllm prefill workers: NIXL side-channel port (0: any free port; set one to open it in a firewall)")] = 0
     vllm_side_channel_bind: Annotated[str, doc("vllm prefill workers: address the NIXL side channel listens on (empty: the side-channel host; 0.0.0.0 when that host is a DNS name)")] = ""
     vllm_kv_buffer_device: Annotated[str, doc("vllm: NIXL KV buffer device (empty: the platform's, cuda on GPUs; cpu stages KV through host memory)")] = ""
+    vllm_kv_both: Annotated[bool, doc(
+        "vllm: start the engine in vLLM's kv_both KV role (it both produces and consumes KV over NIXL), so a SetRole "
+        "from the router's role planner switches the worker between prefill and decode in place, engine kept; "
+        "false: kv_producer (prefill) or kv_consumer (decode), and the worker refuses role changes")] = True
     vllm_profile: Annotated[str, doc(
         "vllm: the step-time model the worker reports to the routers: 'measured' (this engine's own: the profile "
         "stored in profile_store for its model, device, parallelism, dtype and quantization, measured by a short "

@@ -142,9 +142,9 @@ class SetRole(Msg, frozen=True):
     worker to `role`. The worker drains what the change would break (it takes no new work, says
     Goodbye "role_change" to every router, finishes what it holds), then says Goodbye "drained"
     and Hello again under the new role, on the same engine. Handled by the worker core
-    (`WorkerCore.set_role`); the simulator's workers act on it, the live services do not yet
-    (the live services log it as unexpected: the simulated engine changes role in place; live, the
-    service must rebuild its core, and vLLM needs an engine in the kv_both role)."""
+    (`WorkerCore.set_role`); the simulator's workers and the live ones act on it (common/worker.py:
+    the simulated engine and a vLLM engine in the kv_both KV role change role in place; a vLLM
+    engine started as kv_producer/kv_consumer refuses, `role_change_refused`)."""
 
     role: Role
     reason: str = ""

@@ -28,9 +28,11 @@ A SetRole (the router's role planner) drains the same way (Goodbye "role_change"
 what it holds finishes within `drain_timeout`, the rest is handed back), then `run` returns with
 `next_role` set: the engine has taken the new role in place (`Engine.switch_role`, no restart)
 and the caller (services/roles.py) builds the other role's service on the same engine and the
-same router connections (`previous`), which says Hello under the new role. An engine that
-cannot change role (vLLM) refuses the SetRole with a log line (`role_change_refused`) and keeps
-serving in its role; the router's planner abandons the flip after planner_flip_timeout_s.
+same router connections (`previous`), which says Hello under the new role. The simulated engine
+and a vLLM engine started in the kv_both KV role (vllm_kv_both, the default) change role so; an
+engine that cannot (vLLM started as kv_producer/kv_consumer) refuses the SetRole with a log line
+(`role_change_refused`, with the engine's reason) and keeps serving in its role; the router's
+planner abandons the flip after planner_flip_timeout_s.
 """
 
 from __future__ import annotations
@@ -430,9 +432,9 @@ class WorkerService(abc.ABC):
         holds finishes or is handed back), then `run` returns for the new role's service."""
         if not self.engine.can_switch_role:
             self.log.error("role_change_refused", role=self.role, to=msg.role, reason=msg.reason,
-                           error=f"the {self.engine.name} engine cannot change role in place (vLLM's kv_both role "
-                                 "is not supported here); it keeps serving as a " + self.role + " worker",
-                           fix="pin this worker (the router's planner_pin) or turn the planner off (planner)")
+                           error=f"{self.engine.role_fixed()}; it keeps serving as a {self.role} worker",
+                           fix="pin this worker (the router's planner_pin) or turn the planner off (planner); "
+                               "a vllm worker changes role in place when started with vllm_kv_both on (the default)")
             return
         if self.stop.is_set():  # leaving already
             self.log.info("role_change_ignored", role=self.role, to=msg.role, stopping=True)

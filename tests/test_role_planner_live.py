@@ -158,7 +158,8 @@ def test_a_flip_whose_worker_never_comes_back_is_abandoned_and_the_planner_goes_
 
 
 class NoSwitchEngine(SimEngine):
-    can_switch_role = False  # as vLLM's (switch_role, were it called, would switch: the shell must not call it)
+    # as a vLLM engine started with --no-vllm-kv-both (switch_role would switch: the shell must not call it)
+    can_switch_role = False
 
 
 async def _worker(engine: SimEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[RoleSwitching, Fake, Any, Any]:

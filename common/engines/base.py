@@ -109,9 +109,10 @@ class Engine(abc.ABC):
     # prefill role: it can decode a request itself after its prefill (mode "retain", route "retain";
     # the simulated engine). One that cannot reports no KV free for it, so no router sends it one
     can_retain: ClassVar[bool] = False
-    # it can take the other role in place, holding nothing (`switch_role`; the simulated engine):
-    # the worker then drains, switches and registers again under the new role without a restart
-    can_switch_role: ClassVar[bool] = False
+    # it can take the other role in place, holding nothing (`switch_role`; the simulated engine, and
+    # vllm started in its kv_both KV role): the worker then drains, switches and registers again
+    # under the new role without a restart. An instance may say otherwise than its class (vllm)
+    can_switch_role: bool = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None
@@ -129,8 +130,12 @@ class Engine(abc.ABC):
     def switch_role(self, role: Literal["prefill", "decode"]) -> str:
         """Take the other role in place, holding nothing (the role planner: the worker drained
         first), without a restart. Returns why it cannot ("": it did); this one cannot."""
-        return (f"the {self.name} engine cannot change role without a restart (vLLM's kv_both role is not "
-                "supported here)")
+        return self.role_fixed()
+
+    def role_fixed(self) -> str:
+        """Why this engine cannot change role in place (`can_switch_role` False), for the worker's
+        `role_change_refused` line."""
+        return f"the {self.name} engine cannot change role without a restart"
 
     @abc.abstractmethod
     async def run(self) -> None:

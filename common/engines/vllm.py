@@ -56,6 +56,23 @@ address decode hosts reach; `side_channel_bind` (default: the same) is what the 
 e.g. 0.0.0.0 when the advertised name is a DNS name or a container's network alias; the
 prefill engine then rewrites `remote_host` in the params it returns to the advertised address.
 
+Role changes (kv_both). An engine starts in vLLM's `kv_both` KV role by default (vllm_kv_both):
+with vLLM 0.32's pull NixlConnector the direction of each transfer is the request's own
+(`do_remote_decode` makes a request a producer's, `do_remote_prefill` a consumer's), so one engine
+can prefill for others and read others' KV. What kv_role still changes there (read in the pinned
+vLLM): a producer role recomputes a request preempted while its hand-off is pending
+(`requires_kv_delivery`), a consumer role defers freeing blocks when batches overlap (async
+scheduling, which Kairos turns off, or pipeline parallelism) and exports a KV-fetch gauge; NIXL
+refuses consumer and kv_both roles with prefill context parallelism (such an engine keeps its
+role) and logs once that kv_both is deprecated in favour of the per-instance roles. It costs
+nothing measurable on the step path (docs/operations.md, "Role changes");
+the one difference at start is that a prefill engine loads the tokenizer too (a decode engine
+needs it for structured outputs). `switch_role` then moves the engine between roles in place
+when it holds nothing (the worker drained it): the same AsyncLLM, weights, KV and prefix cache
+and NIXL side channel; only what Kairos does per role changes (which requests `add` takes,
+their sampling, the load it reports). The token budget and the in-place chunk
+(long_prefill_token_threshold) stay those it started with: vLLM fixes them at start.
+
 Because the scheduler lives in the core process, chunk schedules
 travel with each request (`extra_args`), and per-step records come back from the scheduler
 over a ZeroMQ PUSH/PULL pair (ipc, in a private temp dir); vLLM's iteration details arrive
@@ -183,7 +200,7 @@ class VllmEngine(Engine):
                  cache_root: str | None = None, kv_transfer: bool = True, engine_id: str | None = None,
                  kv_buffer_device: str = "", side_channel_bind: str = "",
                  otlp_traces_endpoint: str = "", engine_args: dict[str, Any] | None = None,
-                 profile_store: str | None = None) -> None:
+                 profile_store: str | None = None, kv_both: bool = True) -> None:
         super().__init__()
         # no profile and a store: start() loads this engine's measured profile, or measures it (measured.py)
         self.profile_store = profile_store
@@ -194,6 +211,12 @@ class VllmEngine(Engine):
         # vLLM engine arguments the operator gave (vllm_args.parse: vLLM's names, Kairos's owned ones
         # already refused); those Kairos also has a setting for win over it
         self.engine_args = dict(engine_args or {})
+        # vLLM's kv_both KV role: the engine produces and consumes KV, so it takes either role in place
+        # (switch_role; see the module docstring, "Role changes"); off: kv_producer or kv_consumer.
+        # vLLM's NixlConnector refuses kv_both with prefill context parallelism: such an engine keeps its role
+        pcp = int(self.engine_args.get("prefill_context_parallel_size") or 1)
+        self.kv_both = kv_both and kv_transfer and pcp == 1
+        self.can_switch_role = self.kv_both
         max_batch = int(self.engine_args.get("max_num_seqs") or max_batch)
         max_model_len = int(self.engine_args.get("max_model_len") or max_model_len)
         if token_budget <= max_batch:
@@ -281,7 +304,8 @@ class VllmEngine(Engine):
         cache = self._llm.vllm_config.cache_config
         self.block_size = int(cache.block_size)
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
-        _log.info("vllm_engine_started", role=self.role, model=self.model_dir, seconds=round(time.monotonic() - t0, 2),
+        _log.info("vllm_engine_started", role=self.role, kv_role=self.kv_role if self.kv_transfer else None,
+                  model=self.model_dir, seconds=round(time.monotonic() - t0, 2), pid=os.getpid(),
                   kv_capacity_tokens=self.kv_capacity_tokens, block_size=self.block_size,
                   side_channel=f"{self.side_channel_host}:{self.side_channel_port}" if self.kv_transfer else None,
                   side_channel_bind=self.side_channel_bind if self.kv_transfer else None,
@@ -327,7 +351,7 @@ class VllmEngine(Engine):
                     kv_cfg = KVTransferConfig(
                         kv_connector=KV_CONNECTOR, kv_connector_module_path=KV_CONNECTOR_MODULE,
                         kv_connector_extra_config={PROGRESS_THREAD_KEY: not on_cpu},
-                        kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
+                        kv_role=self.kv_role,
                         kv_load_failure_policy="fail", engine_id=self.engine_id,
                         kv_buffer_device=self.kv_buffer_device)
                 args = AsyncEngineArgs(**self.engine_kwargs(on_cpu, step_channel, kv_cfg, KVEventsConfig))
@@ -354,7 +378,9 @@ class VllmEngine(Engine):
             # the prefix cache's events, kept in the core process (no publisher socket):
             # KairosScheduler translates them and sends them with its step records
             kv_events_config=events_cls(enable_kv_cache_events=True, publisher="null") if self.prefix_caching else None,
-            seed=self.seed, skip_tokenizer_init=self.role == "prefill", enable_logging_iteration_details=True,
+            # a prefill engine needs no tokenizer, unless it may become a decode engine (kv_both)
+            seed=self.seed, skip_tokenizer_init=self.role == "prefill" and not self.kv_both,
+            enable_logging_iteration_details=True,
             disable_log_stats=True, scheduler_cls=SCHEDULER_CLS, async_scheduling=False,
             kv_transfer_config=kv_cfg)
         if "gpu_memory_utilization" not in user and "kv_cache_memory_bytes" not in user:
@@ -364,6 +390,40 @@ class VllmEngine(Engine):
             kw["otlp_traces_endpoint"] = self.otlp_traces_endpoint
         kw["additional_config"] = {**(user.get("additional_config") or {}), "kairos": {"step_channel": step_channel}}
         return kw
+
+    @property
+    def kv_role(self) -> str:
+        """vLLM's KVTransferConfig.kv_role for this engine."""
+        if self.kv_both:
+            return "kv_both"
+        return "kv_producer" if self.role == "prefill" else "kv_consumer"
+
+    def role_fixed(self) -> str:
+        if not self.kv_transfer:
+            return "the vllm engine runs without a KV connector (kv_transfer off), so it cannot change role"
+        if int(self.engine_args.get("prefill_context_parallel_size") or 1) > 1:
+            return (f"the vllm engine was started with kv_role {self.kv_role}: vLLM's NIXL connector refuses "
+                    "kv_both with --prefill-context-parallel-size above 1")
+        return (f"the vllm engine was started with kv_role {self.kv_role} (vllm_kv_both off), which it keeps "
+                "until it restarts")
+
+    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+        """Take `role` in place: the same AsyncLLM, its KV cache, prefix cache and NIXL side channel
+        (KV of finished prefills still leased to decode engines stays readable). Only what the
+        role decides here changes: which requests `add` takes, their sampling and the load report.
+        The step-time figures of the other role go; the prefix cache is reported afresh (whole)."""
+        if role == self.role:
+            return ""
+        if not self.can_switch_role:
+            return self.role_fixed()
+        if self._held:
+            return f"the engine still holds {len(self._held)} requests (the worker drains before it changes role)"
+        _log.info("vllm_role_switched", role=role, previous=self.role, kv_role=self.kv_role,
+                  engine_id=self.engine_id, token_budget=self.token_budget)
+        self.role = role
+        self._step_ms.clear()
+        self._prefix_resync = True  # the new role's reporter starts empty: send it everything the cache holds
+        return ""
 
     def _stat_logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -889,7 +949,7 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       profile_store=str(Path(cfg.profile_store) if cfg.profile_store else default_store()) if own
                       else None,
                       prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint,
-                      engine_args=engine_args)
+                      engine_args=engine_args, kv_both=cfg.vllm_kv_both)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -333,6 +333,7 @@ class Simulation:
     def _step_boundary(self, w: PrefillWorker | DecodeWorker, now: float) -> None:
         """`w`'s step ended: a flip under way may end its drain or take its new role (at a step
         boundary: what it keeps moves between steps), else its next step starts."""
+        w.busy = False  # (until `_start` plans the next)
         if self.flipping is not None and self.flipping[0] is w:
             if self._swap_due:
                 self._swap_due = False

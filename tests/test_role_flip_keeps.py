@@ -17,7 +17,7 @@ from sim.core import SimConfig, Simulation
 from sim.knobs import Setup, build, shipped
 from sim.workloads import shifting
 from tests.router_fakes import hello, make_core
-from tests.test_worker_core import MODEL, SAMPLING, Ports, deflection, handoff, idle, pwork
+from tests.test_worker_core import MODEL, Ports, deflection, handoff, idle, pwork
 
 INFO = EngineInfo(engine="fake", token_budget=2048, kv_capacity_tokens=10_000, max_batch=64, max_model_len=16384)
 
@@ -86,7 +86,6 @@ def test_without_keep_a_flip_still_drains_what_runs() -> None:
 
 
 def test_the_batcher_of_the_new_role_takes_over_a_running_decode() -> None:
-    old = Batcher(role="prefill", token_budget=2048, max_batch=8, kv_capacity_tokens=10_000, default_chunk=512)
     seq = Seq(request_id="r", attempt=0, prompt_len=100, max_tokens=10, computed=100, generated=3, retain=True)
     new = Batcher(role="decode", token_budget=2048, max_batch=8, kv_capacity_tokens=10_000, default_chunk=512)
     new.adopt(seq)
@@ -154,8 +153,8 @@ def _flip_run(keep: bool) -> tuple[Simulation, object]:
     prof_ = load_profile("h100-llama2-70b-tp4")
     policy, prof = build("kairos", shipped("kairos", Setup(), None), prof_)
     sim = Simulation(prof, policy, SimConfig(prefill=2, decode=1, planner=True, planner_keep=keep))
-    sim.planner = FlipAt(8.0)
-    trace = [msgspec.structs.replace(r, t=r.t / 2.0) for r in shifting(("output",), 3, duration=12.0, phase_s=12.0)]
+    sim.planner = FlipAt(6.0)
+    trace = [msgspec.structs.replace(r, t=r.t / 2.0) for r in shifting(("output",), 3, duration=24.0, phase_s=24.0)]
     return sim, sim.run(trace)
 
 
@@ -168,3 +167,8 @@ def test_in_the_simulator_a_flip_keeps_the_decodes_streaming_with_no_gap_over_th
     slo = SimConfig().tbt_slo
     assert max(max(r.tbt_gaps) for r in records if r.tbt_gaps) <= slo  # exact model: the guard's plan holds
     assert res.stats["final_split"] == "1P2D"  # type: ignore[attr-defined]
+    assert any(w.wid == flips[0]["worker"] for w in sim.decode)
+    # the same flip finishing those decodes first (SimConfig.planner_keep off): the drain they cost
+    _, drained = _flip_run(keep=False)
+    flip = drained.stats["role_flips"][0]  # type: ignore[attr-defined]
+    assert flip["kept"] == 0 and flip["drain_s"] > 10.0

@@ -156,6 +156,10 @@ class WorkerCore(abc.ABC):
             return []
         return self.running_decodes()
 
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        """The work message of each request it keeps across a role change (`kept`), as it took it."""
+        return []
+
     def adopt(self, old: WorkerCore) -> list[str]:
         """Take over `old`'s kept requests (the same engine's core of the other role, drained for
         a flip that keeps its decodes). Returns their ids (the new Hello's `held` names them)."""

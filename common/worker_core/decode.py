@@ -307,17 +307,18 @@ class DecodeCore(WorkerCore):
         prefilling and handoffs waiting for their KV are what its drain waits for."""
         return [(rid, w.attempt) for rid, w in self.active.items() if rid not in self.in_prefill]
 
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return [self.active[rid] for rid, _ in self.kept()]
+
     def adopt(self, old: WorkerCore) -> list[str]:
         """Take over the running decodes a prefill core of this engine kept across its flip to
         decode: they are this worker's handoffs from now on (the engine holds their KV)."""
-        from common.worker_core.prefill import PrefillCore  # (prefill.py does not import this module)
-
-        if not isinstance(old, PrefillCore):
-            return super().adopt(old)
         ids = []
-        for rid, attempt in old.kept():
-            pw = old.work[rid]
-            self.active[rid] = m.DecodeWork(request_id=rid, attempt=attempt, dispatch=pw.dispatch, mode="handoff",
+        for pw in old.kept_work():
+            if not isinstance(pw, m.PrefillWork):
+                return super().adopt(old)
+            rid = pw.request_id
+            self.active[rid] = m.DecodeWork(request_id=rid, attempt=pw.attempt, dispatch=pw.dispatch, mode="handoff",
                                             prompt_token_ids=pw.prompt_token_ids, sampling=pw.sampling,
                                             tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
                                             prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,

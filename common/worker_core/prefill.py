@@ -219,20 +219,21 @@ class PrefillCore(WorkerCore):
         worker's own (its queued and running prefills, hand-offs included, are what the drain waits for)."""
         return [(rid, self.work[rid].attempt) for rid in self.streaming if rid in self.work]
 
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return [self.work[rid] for rid, _ in self.kept()]
+
     def adopt(self, old: WorkerCore) -> list[str]:
         """Take over the running decodes a decode core of this engine kept across its flip to
         prefill: they are requests this worker decodes itself (route "retain") from now on."""
-        from common.worker_core.decode import DecodeCore
-
-        if not isinstance(old, DecodeCore):
-            return super().adopt(old)
-        kept = old.kept()
+        kept = old.kept_work()
         if kept and not self.can_retain:
             raise ValueError("this engine cannot decode on a prefill worker: a flip to prefill must not keep decodes")
         ids = []
-        for rid, attempt in kept:
-            dw = old.active[rid]
-            self.work[rid] = m.PrefillWork(request_id=rid, attempt=attempt, dispatch=dw.dispatch,
+        for dw in kept:
+            if not isinstance(dw, m.DecodeWork):
+                return super().adopt(old)
+            rid = dw.request_id
+            self.work[rid] = m.PrefillWork(request_id=rid, attempt=dw.attempt, dispatch=dw.dispatch,
                                            prompt_token_ids=dw.prompt_token_ids, sampling=dw.sampling,
                                            decode_worker=self.worker_id, deadline_s=dw.deadline_s,
                                            cached_tokens=dw.cached_tokens, retain=True, tbt_slo=dw.tbt_slo,

@@ -449,6 +449,8 @@ class Simulation:
         w.now = now
         bye = w.core.hand_back()  # holds nothing but what it keeps: hands nothing back
         if kept:  # its running decodes go on; it takes its new role `planner_switch_s` later
+            if isinstance(w, PrefillWorker):
+                self.routers.handed_off(w, frozenset(rid for rid, _ in kept))
             self.routers.tell(w, bye, now)  # ("role_switch": every router keeps it, draining)
             self._switching = now
             self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)

@@ -168,6 +168,9 @@ def test_in_the_simulator_a_flip_keeps_the_decodes_streaming_with_no_gap_over_th
     assert max(max(r.tbt_gaps) for r in records if r.tbt_gaps) <= slo  # exact model: the guard's plan holds
     assert res.stats["final_split"] == "1P2D"  # type: ignore[attr-defined]
     assert any(w.wid == flips[0]["worker"] for w in sim.decode)
+    core = sim.routers.replicas[0].core  # nothing re-dispatched behind the flip: no second attempt, none left
+    assert not core.requests and not core.kv_waiting
+    assert core.counts["redispatched"] == 0 and core.counts["migrated"] == 0
     # the same flip finishing those decodes first (SimConfig.planner_keep off): the drain they cost
     _, drained = _flip_run(keep=False)
     flip = drained.stats["role_flips"][0]  # type: ignore[attr-defined]

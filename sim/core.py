@@ -134,6 +134,10 @@ class Simulation:
                             if cfg.planner_rule == "threshold" else
                             RolePlanner(planner_config(router_config(cfg)), log=NULL_LOG))
         self.flipping: tuple[Worker, Flip, float] | None = None  # the worker draining for a flip, since when
+        # a flip that keeps running decodes: its drain is over (since then), the worker steps them on
+        # in its old role until it rejoins; the swap waits for a step boundary (`_swap_due`)
+        self._switching: float | None = None
+        self._swap_due = False
         self.flips: list[dict[str, Any]] = []
 
     @property
@@ -289,9 +293,7 @@ class Simulation:
             self.routers.prefill_done(w, now)
         if out.tokens:
             self._tokens(w, out, now)
-        self._start(w, now)
-        if self.flipping is not None and self.flipping[0] is w:
-            self._drain_check(w, now)
+        self._step_boundary(w, now)
 
     def _tokens(self, w: PrefillWorker | DecodeWorker, out: StepOutcome, now: float) -> None:
         """A step's tokens and finished requests, on a decode worker or on a prefill worker that
@@ -310,6 +312,8 @@ class Simulation:
                         # it reserves no step time any more; its next heartbeat lists it no more
                         w.core.prefilled(r.rid)
                         self._soon(w, now)
+                    else:  # a request it decodes itself streams: a flip to decode keeps it
+                        w.core.first_token(r.rid)
                     self.routers.first_token(w, r, now)
             r.last = now
             r.ntok += 1
@@ -324,9 +328,20 @@ class Simulation:
     def _decode_done(self, w: DecodeWorker, plan: StepPlan, now: float) -> None:
         self._touch(w, now)
         self._tokens(w, w.batcher.commit(plan), now)
-        self._start(w, now)
+        self._step_boundary(w, now)
+
+    def _step_boundary(self, w: PrefillWorker | DecodeWorker, now: float) -> None:
+        """`w`'s step ended: a flip under way may end its drain or take its new role (at a step
+        boundary: what it keeps moves between steps), else its next step starts."""
+        w.busy = False  # (until `_start` plans the next)
         if self.flipping is not None and self.flipping[0] is w:
+            if self._swap_due:
+                self._swap_due = False
+                self._rejoin(w, self._switching or now, now)
+                return
             self._drain_check(w, now)
+        if not w.retired:
+            self._start(w, now)
 
     def _kv_landed(self, r: Req, now: float) -> None:
         """`r`'s KV reached its decode worker: the core starts the handoff it kept room for."""
@@ -414,7 +429,7 @@ class Simulation:
         w = next(x for x in (*self.prefill, *self.decode) if x.wid == wid)
         self._touch(w, now)
         w.now = now
-        bye = w.core.set_role(msg)
+        bye = w.core.set_role(msg, keep=self.cfg.planner_keep)
         if bye is None or planner is None or planner.pending is None:
             return
         self.flipping = (w, planner.pending, now)
@@ -424,12 +439,22 @@ class Simulation:
     def _drain_check(self, w: Worker, now: float) -> None:
         """The flipping worker holds nothing any more: it leaves its role, and its engine rejoins
         under the other `planner_switch_s` later."""
-        if w.retired or w.busy or len(w.batcher) or not w.core.drained(now):
-            return  # (retired: drained already, its engine out until it rejoins)
+        if w.retired or self._switching is not None or not w.core.drained(now):
+            return  # (retired or switching: drained already, until it rejoins)
+        kept = w.core.kept()
+        if (len(w.batcher) != len(kept)) if kept else (w.busy or len(w.batcher)):
+            return  # (keeping: its engine steps them on meanwhile)
         assert self.flipping is not None and self.flipping[0] is w
         self._touch(w, now)
         w.now = now
-        bye = w.core.hand_back()  # holds nothing: hands nothing back
+        bye = w.core.hand_back()  # holds nothing but what it keeps: hands nothing back
+        if kept:  # its running decodes go on; it takes its new role `planner_switch_s` later
+            if isinstance(w, PrefillWorker):
+                self.routers.handed_off(w, frozenset(rid for rid, _ in kept))
+            self.routers.tell(w, bye, now)  # ("role_switch": every router keeps it, draining)
+            self._switching = now
+            self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
+            return
         if isinstance(w, PrefillWorker):
             self.routers.handed_off(w)
         self.routers.tell(w, bye, now)
@@ -443,9 +468,33 @@ class Simulation:
         self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
 
     def _rejoin(self, old: Worker, drained_at: float, now: float) -> None:
+        """The flipped worker says Hello under its new role: a new core (and batcher, its prefix
+        cache empty) on the same engine; what a keeping flip kept moves to it, between steps."""
         assert self.flipping is not None
         _, flip, started = self.flipping
         h = self.cfg.heartbeat_interval
+        moved = []
+        if not old.retired:  # a flip that kept running decodes: they move to the new role now
+            if old.busy:
+                self._swap_due = True  # at the end of the step in flight (`_step_boundary`)
+                return
+            self._touch(old, now)
+            kept = old.core.kept()
+            if len(kept) != len(old.batcher):
+                raise RuntimeError(f"simulated worker {old.wid} switching with {len(old.batcher)} requests "
+                                   f"in its engine, {len(kept)} kept")
+            for rid, _ in kept:
+                seq = old.batcher.remove(rid)
+                assert seq is not None
+                moved.append(seq)
+            old.retired = True
+            if isinstance(old, PrefillWorker):
+                self.prefill.remove(old)
+            elif isinstance(old, DecodeWorker):
+                self.decode.remove(old)
+                del self._d_by_id[old.wid]
+            self.routers.worker_left(old)
+            self._switching = None
         new: Worker
         if flip.to == "decode":
             new = self._new_decode(old.wid, old.phase, old.estimator)
@@ -457,13 +506,21 @@ class Simulation:
         if h > 0:  # its heartbeats keep their phase
             new.next_hb = old.phase + (math.floor((now - old.phase) / h) + 1) * h
         new.now = now
+        for seq in moved:
+            new.batcher.adopt(seq)
+            if isinstance(new, DecodeWorker):
+                seq.user.decode_worker = new.wid  # type: ignore[attr-defined]
+        new.core.adopt(old.core)
         self.routers.worker_joined(new, now)
         self._snapshot(new, now)
         self.flipping = None  # (router 0's planner saw its Hello under the new role: the flip is over)
         self.flips.append({"at": round(started, 3), "worker": new.wid, "to": flip.to, "reason": flip.reason,
                            "drain_s": round(drained_at - started, 3), "out_s": round(now - started, 3),
+                           "kept": len(moved),
                            **flip.evidence})
         self.retry_at(now)  # waiting requests may fit on it
+        if moved:
+            self._start(new, now)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:

@@ -418,15 +418,16 @@ class Routers:
             rt.core.on_message(w.wid.encode(), msg, now)
             rt.flush(now)
 
-    def handed_off(self, w: PrefillWorker) -> None:
+    def handed_off(self, w: PrefillWorker, keep: frozenset[str] = frozenset()) -> None:
         """Prefill worker `w` holds nothing: what its entry on a router still holds are prefills it
         finished, which the simulator tells no router of (no PrefillDone: the hand-off is modelled
         engine-side); the PrefillDone each would have sent takes it off the entry, as live, so
-        that its departure re-dispatches nothing."""
+        that its departure re-dispatches nothing. `keep`: the requests it decodes itself and keeps
+        across a role flip (they stay)."""
         for rt in self.replicas:
             e = rt.core.table.workers.get(w.wid)
             if e is not None:
-                e.holding.clear()
+                e.holding.intersection_update(keep)
 
     def worker_left(self, w: Worker) -> None:
         for rt in self.replicas:

@@ -67,6 +67,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # which: "roles" (Kairos's, RolePlanner) or "threshold" (a Dynamo-style baseline, ThresholdPlanner)
     planner_rule: str = "roles"
     planner_switch_s: float = 2.0
+    # a flip keeps the worker's running decodes (common/worker_core `set_role(keep=True)`): they go on
+    # stepping through the drain and the switch and the new role's core takes them over; the drain
+    # waits only for what the new role cannot do, and for `planner_switch_s` after it the worker
+    # takes no new work (False: it finishes them first, and its engine is out meanwhile)
+    planner_keep: bool = True
     planner_pinned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -178,6 +178,29 @@ class Batcher:
                 self._pin(seq, hits)
         self._trim()  # its KV reservation, too, takes room from the cached blocks
 
+    def adopt(self, seq: Seq) -> None:
+        """Take over a running decode from this engine's batcher of its other role (a role flip
+        that keeps its decodes: the engine holds their KV). It decodes here from the next step:
+        decode role, in the running batch; prefill role, as a request it decodes itself (route
+        "retain"). Its KV stays reserved; it pins nothing in this batcher's prefix cache (the
+        flip's lost prefix cache: what the old role cached is not found here)."""
+        if seq.prefilling:
+            raise ValueError(f"request {seq.request_id} is still prefilling: only running decodes move")
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id} is already in this batch")
+        seq.pinned = 0
+        seq.schedule = None
+        self._by_id[seq.request_id] = seq
+        self.kv_reserved += seq.kv_reserve
+        if self.role == "prefill":
+            seq.retain = True
+            self.decoding.append(seq)
+        else:
+            seq.retain = False
+            self.running.append(seq)
+        if self.cache is not None:
+            self._trim()
+
     def remove(self, request_id: str) -> Seq | None:
         seq = self._by_id.pop(request_id, None)
         if seq is None:

@@ -85,7 +85,9 @@ class Membership:
         is_new = known is None or known.incarnation != h.incarnation or known.role != h.role
         entry, old = self.table.register(h, identity, now)
         entry.key = self.gate.key  # under CURVE: the key it registered with, the only one it may speak with
-        if old is not None:
+        if old is not None and old.incarnation == h.incarnation:
+            self.role_changed(old, entry, h, now)
+        elif old is not None:
             self.log.warning("worker_restarted", worker=h.worker_id, old_incarnation=old.incarnation,
                         incarnation=h.incarnation)
             self.worker_gone(old, "restarted", now)
@@ -101,6 +103,26 @@ class Membership:
                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
         if not entry.draining:
             self.hooks.worker_joined()  # requests held at admission try again
+
+    def role_changed(self, old: WorkerEntry, entry: WorkerEntry, h: m.Hello, now: float) -> None:
+        """The same worker (same incarnation) says Hello under its other role: a role flip whose
+        worker kept its running decodes (they go on streaming from it; `h.held` names them). Each
+        of them the router still tracks on this worker moves to the new entry, and its record
+        says it decodes here, past its prefill; whatever else the old entry held is re-dispatched
+        (the worker no longer has it). Nothing is counted lost: the worker left one role for the other."""
+        held = set(h.held)
+        kept = [rid for rid in old.holding if rid in held and self._tracks(rid, h.worker_id)]
+        for rid in kept:
+            entry.holding.add(rid)
+            req = self.core.requests[rid]
+            req.decode_worker = h.worker_id
+            req.prefill_done = h.role == "decode" or req.prefill_done
+        old.holding.difference_update(kept)
+        self.prefix.forget(old.worker_id)
+        self.metrics.observe_departed(old.role)
+        self.log.info("worker_role_changed", worker=h.worker_id, role=h.role, old_role=old.role, kept=len(kept),
+                      redispatched=len(old.holding))
+        self.requeue_held(old, f"changed role to {h.role}", now)
 
     def refuse(self, identity: bytes, h: m.Hello, reason: str) -> None:
         self.counts["workers_refused"] += 1
@@ -197,7 +219,8 @@ class Membership:
             req = self.core.requests.get(rid)
             if req is None or req.done:
                 continue
-            if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id):
+            if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id) \
+                    and req.decode_worker != w.worker_id:  # (a request it decodes itself: route retain)
                 continue
             self.core.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
 

@@ -38,6 +38,7 @@ class WorkerCore(abc.ABC):
         self.last_dispatch = 0            # the highest dispatch number it has seen (heartbeats acknowledge it)
         self.draining = False
         self.new_role: m.Role | None = None  # a role change under way (`set_role`): the role it drains for
+        self.keep_running = False  # ... and it keeps its running decodes across it (`set_role(keep=True)`)
         self.counters: dict[str, int] = {"refused": 0}
 
     # -- what it holds ----------------------------------------------------------------------
@@ -122,25 +123,55 @@ class WorkerCore(abc.ABC):
         self.ports.beat_now()
         return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation)
 
-    def set_role(self, msg: m.SetRole) -> m.Goodbye | None:
+    def set_role(self, msg: m.SetRole, *, keep: bool = False) -> m.Goodbye | None:
         """The router's role planner moves it to `msg.role`: it drains as for leaving (no new work,
         refused "worker_draining"; what it holds finishes here) and the Goodbye ("role_change") to
         send every router is returned; when `drained`, `hand_back` gives the "drained" Goodbye and
         the shell builds the core of the new role on the same engine and says Hello again. None:
-        nothing to do (that is its role already, or it is draining)."""
+        nothing to do (that is its role already, or it is draining).
+
+        `keep` (the engine keeps running its decodes through the switch): the drain does not wait
+        for the requests it decodes now (`kept`): they go on streaming, and the new role's core
+        takes them over (`adopt`) as its own running decodes; the drain waits only for what the
+        new role cannot do (prefills not started or under way, KV hand-offs in flight)."""
         if msg.role == self.role or self.draining:
             self.log.info("role_change_ignored", role=self.role, to=msg.role, draining=self.draining)
             return None
         self.new_role = msg.role
+        self.keep_running = keep
         self.draining = True
         self.log.info("role_change_started", role=self.role, to=msg.role, reason=msg.reason,
-                      holding=len(self.held_requests()))
+                      holding=len(self.held_requests()), keeping=len(self.kept()))
         self.ports.beat_now()
         return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="role_change")
 
+    def running_decodes(self) -> list[tuple[str, int]]:
+        """(request_id, attempt) of the requests it decodes now, past their first token: what a
+        role flip that keeps its decodes hands to the new role's core."""
+        return []
+
+    def kept(self) -> list[tuple[str, int]]:
+        """What a role change under way keeps running across it (empty unless `set_role(keep=True)`)."""
+        if self.new_role is None or not self.keep_running:
+            return []
+        return self.running_decodes()
+
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        """The work message of each request it keeps across a role change (`kept`), as it took it."""
+        return []
+
+    def adopt(self, old: WorkerCore) -> list[str]:
+        """Take over `old`'s kept requests (the same engine's core of the other role, drained for
+        a flip that keeps its decodes). Returns their ids (the new Hello's `held` names them)."""
+        if old.kept():
+            raise NotImplementedError(f"a {self.role} worker cannot take over a {old.role} worker's decodes")
+        return []
+
     def drained(self, now: float) -> bool:
-        """Whether the drain has nothing left to wait for at `now`."""
-        return not self.held_requests() and not self.drain_pending(now)
+        """Whether the drain has nothing left to wait for at `now` (what it keeps across a role
+        change, `kept`, it does not wait for)."""
+        kept = set(self.kept())
+        return not any(h not in kept for h in self.held_requests()) and not self.drain_pending(now)
 
     def drain_pending(self, now: float) -> bool:
         """Whether the drain must still wait, at `now`, for something beyond `held_requests`."""
@@ -148,10 +179,14 @@ class WorkerCore(abc.ABC):
 
     def hand_back(self) -> m.Goodbye:
         """The drain's time is up: abort what it still holds and hand each back to its router
-        (RequestFailed, retryable); the Goodbye to send every router after them."""
-        left = self.held_requests()
+        (RequestFailed, retryable); the Goodbye to send every router after them: "drained" (it
+        leaves), or, when a role change keeps running decodes (`kept`), "role_switch" (it stays
+        registered, draining, until its Hello under the new role names them in `held`)."""
+        kept = set(self.kept())
+        left = [h for h in self.held_requests() if h not in kept]
         for rid, attempt in left:
             self.ports.abort(rid)
             self.fail(rid, attempt, "worker_draining")
-        self.log.info("drain_finished", handed_back=len(left))
-        return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="drained")
+        self.log.info("drain_finished", handed_back=len(left), kept=len(kept))
+        return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation,
+                         reason="role_switch" if kept else "drained")

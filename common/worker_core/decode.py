@@ -74,6 +74,7 @@ class DecodeCore(WorkerCore):
         self.active: dict[str, m.DecodeWork] = {}
         self.accepted: dict[str, Accepted] = {}
         self.held: dict[str, m.HeldDeflection] = {}
+        self.in_prefill: set[str] = set()  # deflections in `active` not yet past their first token
         self.queues: dict[str, m.RouterQueue] = {}  # router -> its oldest waiting request (QueueHead), echoed
         self.fallbacks: list[tuple[str, str]] = []  # (request, why) prefilled in place since the last TokenBatch
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0, replanned=0)
@@ -190,6 +191,8 @@ class DecodeCore(WorkerCore):
                                               trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return False
         self.active[w.request_id] = w
+        if mode == "deflect":
+            self.in_prefill.add(w.request_id)
         if mode == "deflect" and w.step_budget_s > 0 and schedule:
             planned = self.planned_model(w, model)
             if planned is not None:
@@ -246,6 +249,7 @@ class DecodeCore(WorkerCore):
     def prefilled(self, request_id: str) -> bool:
         """A deflection's prefill is over (its first token) or it left: it reserves nothing any
         more. True if it was one that did."""
+        self.in_prefill.discard(request_id)
         self.held.pop(request_id, None)
         return self.accepted.pop(request_id, None) is not None
 
@@ -267,6 +271,7 @@ class DecodeCore(WorkerCore):
                                      kv_fallback=[rid for rid, _ in fb], kv_fallback_reasons=[why for _, why in fb]))
         changed = False
         for it in items:
+            self.in_prefill.discard(it.request_id)
             if self.accepted and self.prefilled(it.request_id):
                 changed = True  # every router sees at once that it holds one deflection less
             if it.finish_reason is not None:
@@ -294,6 +299,34 @@ class DecodeCore(WorkerCore):
         if it.finish_reason is not None:
             del self.texts[rid]
         return msgspec.structs.replace(it, text=text)
+
+    # -- a role flip that keeps the running decodes ------------------------------------------------
+    def running_decodes(self) -> list[tuple[str, int]]:
+        """Its requests past their first token (handoffs, deflections prefilled): a flip to prefill
+        keeps them as the prefill worker's own decodes (route "retain"); deflections still
+        prefilling and handoffs waiting for their KV are what its drain waits for."""
+        return [(rid, w.attempt) for rid, w in self.active.items() if rid not in self.in_prefill]
+
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return [self.active[rid] for rid, _ in self.kept()]
+
+    def adopt(self, old: WorkerCore) -> list[str]:
+        """Take over the running decodes a prefill core of this engine kept across its flip to
+        decode: they are this worker's handoffs from now on (the engine holds their KV)."""
+        ids = []
+        for pw in old.kept_work():
+            if not isinstance(pw, m.PrefillWork):
+                return super().adopt(old)
+            rid = pw.request_id
+            self.active[rid] = m.DecodeWork(request_id=rid, attempt=pw.attempt, dispatch=pw.dispatch, mode="handoff",
+                                            prompt_token_ids=pw.prompt_token_ids, sampling=pw.sampling,
+                                            tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
+                                            prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,
+                                            traceparent=pw.traceparent, tracestate=pw.tracestate)
+            ids.append(rid)
+        self.counters["adopted"] = self.counters.get("adopted", 0) + len(ids)
+        self.log.info("role_change_kept", role=self.role, frm=old.role, requests=len(ids))
+        return ids
 
     def on_cancel(self, c: m.Cancel) -> bool:
         """The router cancels a request (attempt -1: whichever it holds). True if it held it."""

@@ -40,6 +40,7 @@ class PrefillCore(WorkerCore):
         self.targets: dict[tuple[str, int], m.KvTarget] = {}
         self.kv_out: dict[str, float] = {}  # request -> when it stops waiting for the decode side's read
         self.decoding: set[str] = set()  # retained requests (route "retain") it decodes now
+        self.streaming: set[str] = set()  # ... of which, those past their first token
         self.counters.update(prefilled=0, kv_transfers=0, kv_failures=0, retained=0, finished=0)
 
     def heartbeat(self, load: EngineLoad, model: PerfModel | None, *, coeffs: m.Coeffs | None = None,
@@ -89,6 +90,7 @@ class PrefillCore(WorkerCore):
         if old is not None:  # a re-dispatch of something it still holds: the old attempt stops
             self.ports.abort(w.request_id)
             self.decoding.discard(w.request_id)
+            self.streaming.discard(w.request_id)
         if why := self.too_long(len(w.prompt_token_ids)):
             self.refuse(w.request_id, w.attempt, why, invalid=True)
             return False
@@ -120,6 +122,7 @@ class PrefillCore(WorkerCore):
             return False
         del self.work[c.request_id]
         self.decoding.discard(c.request_id)
+        self.streaming.discard(c.request_id)
         self.forget_target(c.request_id, w.attempt)
         self.ports.abort(c.request_id)
         self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
@@ -128,6 +131,7 @@ class PrefillCore(WorkerCore):
     def drop(self, request_id: str) -> None:
         self.kv_out.pop(request_id, None)
         self.decoding.discard(request_id)
+        self.streaming.discard(request_id)
         w = self.work.pop(request_id, None)
         if w is not None:
             self.forget_target(request_id, w.attempt)
@@ -136,6 +140,7 @@ class PrefillCore(WorkerCore):
 
     def forget(self, request_id: str) -> None:
         self.decoding.discard(request_id)
+        self.streaming.discard(request_id)
         w = self.work.pop(request_id, None)
         if w is not None:
             self.forget_target(request_id, w.attempt)
@@ -188,15 +193,54 @@ class PrefillCore(WorkerCore):
         self.ports.send(m.TokenBatch(worker_id=self.worker_id, items=items, step_s=step_s))
         changed = False
         for it in items:
+            self.first_token(it.request_id)
             if it.finish_reason is not None:
                 self.finished(it.request_id)
                 changed = True
         if changed:
             self.ports.beat_now()
 
+    def first_token(self, request_id: str) -> None:
+        """A retained request's prefill is over: it streams (a flip to decode keeps it, `kept`)."""
+        if request_id in self.decoding:
+            self.streaming.add(request_id)
+
     def finished(self, request_id: str) -> None:
         """A retained request's last token."""
         if request_id in self.decoding:
             self.decoding.discard(request_id)
+            self.streaming.discard(request_id)
             self.work.pop(request_id, None)
             self.counters["finished"] += 1
+
+    # -- a role flip that keeps the running decodes ------------------------------------------------
+    def running_decodes(self) -> list[tuple[str, int]]:
+        """The retained requests past their first token: a flip to decode keeps them as the decode
+        worker's own (its queued and running prefills, hand-offs included, are what the drain waits for)."""
+        return [(rid, self.work[rid].attempt) for rid in self.streaming if rid in self.work]
+
+    def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return [self.work[rid] for rid, _ in self.kept()]
+
+    def adopt(self, old: WorkerCore) -> list[str]:
+        """Take over the running decodes a decode core of this engine kept across its flip to
+        prefill: they are requests this worker decodes itself (route "retain") from now on."""
+        kept = old.kept_work()
+        if kept and not self.can_retain:
+            raise ValueError("this engine cannot decode on a prefill worker: a flip to prefill must not keep decodes")
+        ids = []
+        for dw in kept:
+            if not isinstance(dw, m.DecodeWork):
+                return super().adopt(old)
+            rid = dw.request_id
+            self.work[rid] = m.PrefillWork(request_id=rid, attempt=dw.attempt, dispatch=dw.dispatch,
+                                           prompt_token_ids=dw.prompt_token_ids, sampling=dw.sampling,
+                                           decode_worker=self.worker_id, deadline_s=dw.deadline_s,
+                                           cached_tokens=dw.cached_tokens, retain=True, tbt_slo=dw.tbt_slo,
+                                           traceparent=dw.traceparent, tracestate=dw.tracestate)
+            self.decoding.add(rid)
+            self.streaming.add(rid)
+            ids.append(rid)
+        self.counters["adopted"] = self.counters.get("adopted", 0) + len(ids)
+        self.log.info("role_change_kept", role=self.role, frm=old.role, requests=len(ids))
+        return ids

@@ -104,6 +104,15 @@ def test_off_switch_bounds_and_pins() -> None:
     assert run(both, DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
 
 
+def test_a_bound_of_zero_moves_the_last_worker_only_when_its_pool_is_idle() -> None:
+    # min_prefill 0 lets the last prefill worker go; with a prefill queue it cannot be spared (none would
+    # be left to carry it), and the check must not divide by the zero workers left
+    zero = cfg(min_dwell_s=0.0, min_prefill=0)
+    assert run(RolePlanner(zero), DECODE_SHORT, fleet(1, 3), 0.0, 300.0)[0] == []
+    flips, _ = run(RolePlanner(zero), dict(DECODE_SHORT, prefill_queue_s=0.0), fleet(1, 3), 0.0, 300.0)
+    assert [(f.worker_id, f.to) for _, f in flips][:1] == [("p0", "decode")]
+
+
 def test_no_flip_that_would_starve_the_other_role() -> None:
     # decode short, but the prefill queue at 0.2 of the TTFT SLO would be 0.4 with one prefill worker fewer
     p = RolePlanner(cfg(min_dwell_s=0.0))

@@ -60,6 +60,7 @@ simulator runs it with `disagg-least-loaded` routing (`dynamo-planner` in sim/kn
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -316,9 +317,9 @@ class RolePlanner:
             return f"min_{PREFILL if to == DECODE else DECODE}"
         if n_to + 1 > hi_to:
             return f"max_{to}"
-        if to == DECODE and (j.prefill_wait > cfg.wait_lo or j.queue * n_from / (n_from - 1) > cfg.queue_lo):
+        if to == DECODE and (j.prefill_wait > cfg.wait_lo or _one_fewer(j.queue, n_from) > cfg.queue_lo):
             return "prefill_cannot_spare"  # one prefill worker fewer would make it the bottleneck
-        if to == PREFILL and (j.decode_wait > cfg.wait_lo or j.step * n_from / (n_from - 1) > cfg.step_lo):
+        if to == PREFILL and (j.decode_wait > cfg.wait_lo or _one_fewer(j.step, n_from) > cfg.step_lo):
             return "decode_cannot_spare"
         return ""
 
@@ -438,3 +439,11 @@ class ThresholdPlanner(RolePlanner):
     def flip_done(self, worker_id: str, role: m.Role, now: float) -> None:
         super().flip_done(worker_id, role, now)
         self.decided_at = now  # the next decision an interval after the new shape starts
+
+
+def _one_fewer(per_worker: float, n: int) -> float:
+    """A pool's load per worker with one worker fewer (n workers now). With one left (a bound of 0
+    allows moving it), any load at all is more than none can carry."""
+    if n > 1:
+        return per_worker * n / (n - 1)
+    return math.inf if per_worker > 0 else 0.0

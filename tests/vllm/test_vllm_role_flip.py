@@ -73,6 +73,9 @@ async def test_two_engines_swap_roles_in_place_and_hand_kv_the_other_way(pd: PD)
     p, d, out = pd.prefill, pd.decode, pd.out
     saved = (p.on_tokens, p.on_kv_fallback, p.on_prefilled, d.on_tokens, d.on_kv_fallback, d.on_prefilled)
     llms = (p._llm, d._llm)
+    # the session's engine pair is shared: other modules' tests leave their own (deliberate) KV
+    # failures in these lists, so only what this test adds is checked
+    seen = (len(out.fallbacks), len(out.failed), len(pd.prefill_failed))
     try:
         before = await pd.run_prefill("swap-before", PROMPT_A)
         assert p.switch_role("decode") == "" and p.role == "decode"
@@ -82,7 +85,11 @@ async def test_two_engines_swap_roles_in_place_and_hand_kv_the_other_way(pd: PD)
         assert d.switch_role("prefill") == "" and d.role == "prefill"
         p.on_tokens, p.on_kv_fallback = d.on_tokens, d.on_kv_fallback
         d.on_prefilled = p.on_prefilled
-        assert await p.reset_prefix_cache() and await d.reset_prefix_cache()
+        # best effort: vLLM refuses the reset while a producer still pins blocks for a reader that
+        # never came (test_vllm_engine's hung transfer, until NIXL's abort timeout); PROMPT_B is
+        # shorter than a block, so no cache can serve it and the chunk check below holds either way
+        await p.reset_prefix_cache()
+        await d.reset_prefix_cache()
         pd.prefill, pd.decode = d, p  # run_prefill / run_decode on the new roles
         after = await pd.run_prefill("swap-after", PROMPT_B)
         assert after.kv_params["remote_port"] == d.side_channel_port  # produced by the former decode engine
@@ -91,14 +98,15 @@ async def test_two_engines_swap_roles_in_place_and_hand_kv_the_other_way(pd: PD)
         # the former prefill engine computed only the last prompt token: the rest came over NIXL
         assert [(chi, k) for r in p.step_records for (key, chi, k) in r.chunks if key == "swap-after:0"] \
             == [(1, len(PROMPT_B) - 1)]
-        assert out.fallbacks == [] and out.failed == [] and pd.prefill_failed == []
+        assert (out.fallbacks[seen[0]:], out.failed[seen[1]:], pd.prefill_failed[seen[2]:]) == ([], [], [])
         assert (p._llm, d._llm) == llms and not p._llm.errored and not d._llm.errored  # the same engines, alive
     finally:
         pd.prefill, pd.decode = p, d
         await _idle(p, d)
         assert p.switch_role("prefill") == "" and d.switch_role("decode") == ""
         p.on_tokens, p.on_kv_fallback, p.on_prefilled, d.on_tokens, d.on_kv_fallback, d.on_prefilled = saved
-        assert await p.reset_prefix_cache() and await d.reset_prefix_cache()
+        await p.reset_prefix_cache()  # best effort, as above
+        await d.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")

@@ -458,6 +458,11 @@ class Simulation:
         if isinstance(w, PrefillWorker):
             self.routers.handed_off(w)
         self.routers.tell(w, bye, now)
+        self._retire(w)
+        self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
+
+    def _retire(self, w: Worker) -> None:
+        """A flipped worker leaves its old role: out of its pool and the routers' tables."""
         w.retired = True
         if isinstance(w, PrefillWorker):
             self.prefill.remove(w)
@@ -465,7 +470,6 @@ class Simulation:
             self.decode.remove(w)
             del self._d_by_id[w.wid]
         self.routers.worker_left(w)
-        self._push(now + self.cfg.planner_switch_s, _REJOIN, w, now)
 
     def _rejoin(self, old: Worker, drained_at: float, now: float) -> None:
         """The flipped worker says Hello under its new role: a new core (and batcher, its prefix
@@ -487,13 +491,7 @@ class Simulation:
                 seq = old.batcher.remove(rid)
                 assert seq is not None
                 moved.append(seq)
-            old.retired = True
-            if isinstance(old, PrefillWorker):
-                self.prefill.remove(old)
-            elif isinstance(old, DecodeWorker):
-                self.decode.remove(old)
-                del self._d_by_id[old.wid]
-            self.routers.worker_left(old)
+            self._retire(old)
             self._switching = None
         new: Worker
         if flip.to == "decode":

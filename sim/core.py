@@ -374,8 +374,8 @@ class Simulation:
             t = w.beat_at
         return t
 
-    def retry_at(self, t: float, replica: int | None = None) -> None:
-        self._push(t, _RETRY, replica, None)
+    def retry_at(self, t: float, replica: int | None = None, turn: bool = False) -> None:
+        self._push(t, _RETRY, replica, turn)
 
     def give_up_at(self, t: float, r: Req) -> None:
         self._push(t, _GIVE_UP, r, None)
@@ -558,7 +558,7 @@ class Simulation:
                 elif kind == _XFER:
                     self._kv_landed(obj, now)
                 elif kind == _RETRY:
-                    routers.retry(now, obj)
+                    routers.retry(now, obj, plan)
                 elif kind == _BEAT:
                     self._beat(obj, now)
                 elif kind == _REJOIN:

@@ -33,7 +33,8 @@ have opened: at every heartbeat, deflection first token and request end live) is
 the wait queue is retried when what frees room becomes visible: a decode worker's finished
 requests at its next heartbeat, a prefill worker's finished prefill at its next heartbeat (if
 the policy holds requests), a deflection's first token at once (its ledger slot, if held
-requests wait; that replica's queue only). At a heartbeat every replica hears, the replicas take
+requests wait; that replica's queue only, out of turn; with replicas, every replica's at its
+turn at the worker's next heartbeat too). At a heartbeat every replica hears, the replicas take
 turns as live (common/router_core/waiting.py, `replica_turn`): each replica's `QueueHead` reaches
 the decode workers' cores at once and their heartbeats echo it; a replica whose turn is later
 retries `replica_stagger_ms` later (`Routers.retry`), when the workers' prompt heartbeats
@@ -50,8 +51,9 @@ The interface, router to engines (`Engines`, implemented by sim/core.py's `Simul
                                     turns it away (its RequestFailed then waits in `w.outbox`)
     prefill_work(p, work, r, now)   prefill worker P's core queues PrefillWork `work` of `r`
     next_heartbeat(w, now)          when W's next heartbeat (periodic or prompt) reaches the routers
-    retry_at(t, i), give_up_at(t, r)  timers: retry the wait queues (replica i's; None: each replica's
-                                    at its turn); give up on `r` if still waiting
+    retry_at(t, i, turn), give_up_at(t, r)  timers: retry the wait queues (replica i's, at its turn
+                                    or not; None: each replica's at its turn); give up on `r` if
+                                    still waiting
     set_role(wid, msg, now)         worker WID got a SetRole (router 0's role planner): it drains to change role
 Engines to routers (`Routers`): heartbeat(w, stored, removed, now) (a heartbeat made at `now`, with
 the prefix cache's changes), first_token(w, r, now) (a deflection's first token), finished(w, r,
@@ -91,7 +93,7 @@ class Engines(Protocol):
     def decode_work(self, w: DecodeWorker, work: m.DecodeWork, r: Req, now: float) -> str: ...
     def prefill_work(self, p: PrefillWorker, work: m.PrefillWork, r: Req, now: float) -> bool: ...
     def next_heartbeat(self, w: Worker, now: float) -> float: ...
-    def retry_at(self, t: float, replica: int | None = None) -> None: ...
+    def retry_at(self, t: float, replica: int | None = None, turn: bool = False) -> None: ...
     def give_up_at(self, t: float, r: Req) -> None: ...
     def set_role(self, wid: str, msg: m.SetRole, now: float) -> None: ...
 
@@ -225,10 +227,11 @@ class SimRouter:
         if r.rejected:
             self.reqs.pop(r.rid, None)
 
-    def retry(self, now: float) -> None:
-        """Decide the waiting requests again (the core's wait queue)."""
+    def retry(self, now: float, turn: bool = False) -> None:
+        """Decide the waiting requests again (the core's wait queue); `turn`: at this replica's turn
+        at room a heartbeat showed (`RouterCore.retry_now`)."""
         self.engines.deliver_all(now)
-        self.core.retry_now(now)
+        self.core.retry_now(now, turn=turn)
         self.flush(now)
         for creq in itertools.islice(self.core.kv_waiting, SCAN):
             if creq.held:
@@ -393,6 +396,12 @@ class Routers:
 
     def first_token(self, w: Worker, r: Req, now: float) -> None:
         self.replicas[r.router].first_token(w, r, now)
+        if len(self.replicas) > 1 and self.holding() and self.replicas[r.router].core.waiting.turn_delay(now) > 0.0:
+            # an older request waits at another replica: the replica that heard of the freed
+            # deflection slot at once places none of its own past it (waiting.py); the slot shows
+            # to every replica at `w`'s next heartbeat, which, as live (every heartbeat retries at
+            # the replica's turn), the replicas take their turns at
+            self._retry_at_heartbeat(w, now)
 
     def finished(self, w: Worker, r: Req, now: float) -> None:
         self.replicas[r.router].finished(w, r, now)
@@ -448,14 +457,16 @@ class Routers:
     def arrive(self, r: Req, now: float) -> None:
         self.replicas[r.router].submit(r, now)
 
-    def retry(self, now: float, replica: int | None = None) -> None:
+    def retry(self, now: float, replica: int | None = None, turn: bool = False) -> None:
         """Decide the wait queues again: replica `replica`'s, or (None: at a heartbeat that may show
         room, which every replica hears at once) each replica's at its turn (common/router_core/
         waiting.py, `replica_turn`: the replica with the oldest waiting request first, the next
-        `replica_stagger_ms` later, when the workers' prompt heartbeats show what the first sent)."""
+        `replica_stagger_ms` later, when the workers' prompt heartbeats show what the first sent).
+        `turn`: replica `replica`'s retry is its turn at such a heartbeat (else room only it heard
+        of: `Waiting.retry`)."""
         if replica is not None:
             if self.replicas[replica].waiting:
-                self.replicas[replica].retry(now)
+                self.replicas[replica].retry(now, turn=turn)
             return
         if len(self.replicas) > 1:
             self.engines.deliver_all(now)
@@ -464,9 +475,9 @@ class Routers:
                 continue
             delay = rt.core.waiting.turn_delay(now)
             if delay > 0.0:
-                self.engines.retry_at(now + delay, rt.i)
+                self.engines.retry_at(now + delay, rt.i, turn=True)
             else:
-                rt.retry(now)
+                rt.retry(now, turn=True)
 
     def give_up(self, r: Req, now: float) -> bool:
         return self.replicas[r.router].give_up(r, now)

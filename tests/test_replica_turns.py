@@ -77,7 +77,7 @@ def test_a_replica_behind_an_older_request_of_another_waits_its_turn() -> None:
     older = m.RouterQueue(router="ra", oldest_at=clock.now - 0.5, late=False, waiting=2)
     core.on_message(b"decode-0", _beat(2, KV, [older]), clock.advance(0.1))
     assert later == [0.003] and len(core.kv_waiting) == 1 and not _dispatched(box)
-    core.retry_now(clock.advance(0.003))  # its turn (the shell's timer)
+    core.retry_now(clock.advance(0.003), turn=True)  # its turn (the shell's timer)
     assert len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
     assert core.queue_told == (False, 0.0)  # and the workers were told: nothing waits here now
 
@@ -118,6 +118,27 @@ def test_in_its_turn_a_replica_places_none_that_another_replicas_older_request_c
     assert len(_dispatched(box)) == 1 and len(core.kv_waiting) == 0
 
 
+def test_out_of_turn_a_replica_places_none_past_another_replicas_older_request() -> None:
+    """Room only this replica hears of at once (its own deflection's first token, its own
+    request's end: `retry_waiting` without a heartbeat) is the other replicas' room too: one
+    router would give it to the oldest request wherever it waits. The burst minute of the code
+    trace (issue 47 item 6): placing at least one of its own there, the replica whose deflection
+    ended took the slot from older requests at the others (144 of 343 placements), which went
+    past their latest start and waited out the burst. Out of turn it now places none past the
+    other replica's first request; at its turn at the next heartbeat, as before, at least one."""
+    clock = Clock()
+    later: list[float] = []
+    core, box = _waiting(2, clock, later)
+    box.take()
+    older = m.RouterQueue(router="ra", oldest_at=clock.now - 0.5, late=False, waiting=1)
+    core.on_message(b"decode-0", _beat(2, KV, [older]), clock.advance(0.1))
+    assert later == [0.003] and not _dispatched(box)  # "ra" first: this replica's turn in 3 ms
+    core.retry_waiting(clock.advance(0.001))  # before its turn: room only it heard of
+    assert not _dispatched(box) and len(core.kv_waiting) == 1
+    core.retry_now(clock.advance(0.002), turn=True)  # its turn: at least one
+    assert len(_dispatched(box)) == 1 and len(core.kv_waiting) == 0
+
+
 def test_an_echo_older_than_the_wait_timeout_holds_no_replica_back() -> None:
     """A decode worker echoes a replica's last QueueHead for ever, a gone replica's too; a first
     request that arrived more than kv_wait_timeout ago cannot be waiting any more: ignored."""
@@ -145,7 +166,9 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     """The code trace's burst (350 requests of the headline slice, x0.35, 2P2D, Kairos as
     shipped): four replicas deciding at once at each heartbeat's room book one decode worker's
     slack several times over (its admission turns the rest away to the prefill queues) and
-    fill the late-binding depth several times over; taking turns they decide nearer one router."""
+    fill the late-binding depth several times over; taking turns they decide nearer one router,
+    and, placing none of their own out of turn past an older request of another replica, as one
+    router within a percent."""
     prof0 = load_profile("h100-llama2-70b-tp4")
     full = load_trace(trace_path("code"), start=600, duration=600, rate_scale=0.35)
     burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
@@ -160,8 +183,10 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     one, one_rejected = run(1, 3.0)
     blind, blind_rejected = run(4, 0.0)
     turns, turns_rejected = run(4, 3.0)
-    assert turns > blind + 0.1 and turns > one - 0.1
-    assert turns_rejected <= one_rejected < blind_rejected / 5
+    # (both SLOs: one router 84.6 %, turns 84.3 %, blind 55.1 %; before the out-of-turn rule
+    # (waiting.py) turns gave 78.0 %; deflections turned away: 7, 8, 107)
+    assert turns > blind + 0.1 and turns > one - 0.02
+    assert turns_rejected <= one_rejected + 2 < blind_rejected / 5
 
 
 async def test_the_live_router_takes_its_turn_on_its_timer() -> None:

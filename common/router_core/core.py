@@ -264,11 +264,12 @@ class RouterCore:
         if delay > 0.0 and self.hooks.retry_later is not None:
             self.hooks.retry_later(delay)
         else:
-            self.retry_now(now)
+            self.retry_now(now, turn=heartbeat)
 
-    def retry_now(self, now: float) -> None:
-        """Decide the waiting requests again now (and tell the decode workers if the first changed)."""
-        self.waiting.retry(now)
+    def retry_now(self, now: float, turn: bool = False) -> None:
+        """Decide the waiting requests again now (and tell the decode workers if the first changed);
+        `turn`: at this replica's turn at room a heartbeat showed (`Waiting.retry`)."""
+        self.waiting.retry(now, turn)
         self.tell_queue(now)
 
     def tell_queue(self, now: float) -> None:

@@ -19,7 +19,11 @@ dispatches show; each replica tells the decode workers the request it would deci
 (`QueueHead`), and their heartbeats echo every replica's. In its turn a replica places its own
 requests only up to the first another replica waits with (one router's queue would decide that
 one next; at least one, so that a stale echo slows a replica, never stops it): the first replica
-in turn does not take the whole room for requests newer than the others'. The queue and its
+in turn does not take the whole room for requests newer than the others'. Out of turn (room only
+this replica hears of at once: its own deflection's first token, its own request's end) it places
+none past that request: the room is the others' too, and the worker's next heartbeat shows it to
+every replica, which then take their turns at it (one router would give it to the oldest request,
+wherever it waits). The queue and its
 retry are common/wait_queue.py's; what is the router's here is how a request is tried and
 failed. The simulator runs this class as part of the core (sim/router.py), on its own timing of
 retries.
@@ -160,8 +164,11 @@ class Waiting:
         if isinstance(e, NoDecodeRoom):  # of those waiting for room: the decode step, not the KV
             self.counts["decode_room_waited"] += 1
 
-    def retry(self, now: float) -> None:
-        """Decide the waiting requests again (see the module docstring)."""
+    def retry(self, now: float, turn: bool = False) -> None:
+        """Decide the waiting requests again (see the module docstring). `turn`: at this replica's
+        turn at room a worker's heartbeat showed every replica (`replica_turn`); else at room only
+        this replica heard of (its own deflection's first token or request's end), where, with
+        replicas, it places none that another replica's first waiting request comes before."""
         q = self.queue
         q.drop_done()
         if not q:
@@ -169,7 +176,8 @@ class Waiting:
         policy = self.policy
         # with replicas: the first request another replica waits with, in one router's retry order
         # (as the decode workers' heartbeats echo it); in its turn this replica places its own only
-        # up to it, and at least one (so that a stale echo slows it, never stops it)
+        # up to it, and at least one (so that a stale echo slows it, never stops it); out of turn,
+        # none past it (the room shows to every replica at the worker's next heartbeat: theirs too)
         cfg = self.cfg
         bound: tuple[bool, float, str] | None = None
         if cfg.replicas > 1 and cfg.replica_stagger_ms > 0.0:
@@ -189,7 +197,7 @@ class Waiting:
             nonlocal placed
             if req.done:
                 return Outcome.GONE
-            if bound is not None and placed:
+            if bound is not None and (placed or not turn):
                 key = (policy.orders_waiting() and latest.get(req.request_id, 0.0) <= now,
                        req.arrival + self.wall_offset, me)
                 if key > bound:  # another replica's first request comes before it: that one's turn first

@@ -281,7 +281,7 @@ class Router:
 
     def _take_turn(self) -> None:
         self._turn = None
-        self.core.retry_now(time.monotonic())
+        self.core.retry_now(time.monotonic(), turn=True)
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False

@@ -91,6 +91,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -407,7 +408,7 @@ class VllmEngine(Engine):
         return (f"the vllm engine was started with kv_role {self.kv_role} (vllm_kv_both off), which it keeps "
                 "until it restarts")
 
-    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+    def switch_role(self, role: Literal["prefill", "decode"], keep: Collection[str] = ()) -> str:
         """Take `role` in place: the same AsyncLLM, its KV cache, prefix cache and NIXL side channel
         (KV of finished prefills still leased to decode engines stays readable). Only what the
         role decides here changes: which requests `add` takes, their sampling and the load report.
@@ -416,6 +417,8 @@ class VllmEngine(Engine):
             return ""
         if not self.can_switch_role:
             return self.role_fixed()
+        if keep:  # (keeps_decodes is False: the worker drains its decodes before the switch)
+            return "the vllm engine does not keep running decodes across a role switch"
         if self._held:
             return f"the engine still holds {len(self._held)} requests (the worker drains before it changes role)"
         _log.info("vllm_role_switched", role=role, previous=self.role, kv_role=self.kv_role,

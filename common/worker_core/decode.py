@@ -318,8 +318,10 @@ class DecodeCore(WorkerCore):
             if not isinstance(pw, m.PrefillWork):
                 return super().adopt(old)
             rid = pw.request_id
+            # no text deltas (`_with_text`): its earlier tokens went out as ids alone, the router decodes them all
             self.active[rid] = m.DecodeWork(request_id=rid, attempt=pw.attempt, dispatch=pw.dispatch, mode="handoff",
-                                            prompt_token_ids=pw.prompt_token_ids, sampling=pw.sampling,
+                                            prompt_token_ids=pw.prompt_token_ids,
+                                            sampling=msgspec.structs.replace(pw.sampling, text=""),
                                             tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
                                             prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,
                                             traceparent=pw.traceparent, tracestate=pw.tracestate)

@@ -46,7 +46,7 @@ def _pick(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -134,7 +134,8 @@ def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     t0 = time.time()
     try:
         subprocess.run(cmd, check=True, timeout=a.duration / a.rate_scale * 3 + 600)
-        _, stats = c.get("/v1/kairos/stats")
+        _, got = c.get("/v1/kairos/stats")
+        stats: dict[str, Any] = got if isinstance(got, dict) else {}
     finally:
         c.stop(30)
     bench = json.loads((out / "bench.json").read_text())

@@ -34,8 +34,9 @@ engine that cannot (vLLM started as kv_producer/kv_consumer) refuses the SetRole
 (`role_change_refused`, with the engine's reason) and keeps serving in its role; the router's
 planner abandons the flip after planner_flip_timeout_s.
 
-An engine whose step loop runs on through the switch (`Engine.keeps_decodes`: the simulated
-engine) keeps its running decodes across the flip, as the simulator does: the core's
+An engine that steps its running decodes on through the switch (`Engine.keeps_decodes`: the
+simulated engine; vLLM in kv_both, whose requests are tasks of their own) keeps them across the
+flip, as the simulator does: the core's
 `set_role(keep=True)` drains only what the new role cannot do (prefills, hand-offs, deflections
 still prefilling), its Goodbye is "role_switch" (the routers keep it, draining), the engine
 switches between two steps of its running loop with the kept requests (`between_steps`,
@@ -43,7 +44,9 @@ switches between two steps of its running loop with the kept requests (`between_
 the engine's callbacks move to it) and says Hello under the same incarnation naming them in
 `held` (router core `role_changed`): they stream on, token for token, none handed back or
 re-dispatched. A SIGTERM during such a flip turns it into a departure (`leave_instead`: the drain
-waits for everything). vLLM's engine drains its decodes first (its prefill role does not decode).
+waits for everything). A vLLM prefill worker decodes nothing of its own (route "retain" is the
+simulated engine's), so only its flip to prefill has decodes to keep; in the prefill role it
+takes no new one.
 """
 
 from __future__ import annotations

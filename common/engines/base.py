@@ -115,11 +115,11 @@ class Engine(abc.ABC):
     # vllm started in its kv_both KV role): the worker then drains, switches and registers again
     # under the new role without a restart. An instance may say otherwise than its class (vllm)
     can_switch_role: bool = False
-    # ... and its step loop runs on through the switch, keeping the running decodes it is told to
-    # (`switch_role(role, keep=...)` between two steps, `between_steps`): the worker's role flip then
-    # keeps them streaming instead of draining them (common/worker_core `set_role(keep=True)`). Such
-    # an engine decodes in either role (`can_retain`): a decode worker's decodes go on there too
-    keeps_decodes: ClassVar[bool] = False
+    # ... and it goes on stepping the running decodes it is told to keep through the switch
+    # (`switch_role(role, keep=...)` between two steps, `between_steps`), in either role: the
+    # worker's role flip then keeps them streaming instead of draining them (common/worker_core
+    # `set_role(keep=True)`). An instance may say otherwise than its class (vllm: only in kv_both)
+    keeps_decodes: bool = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None

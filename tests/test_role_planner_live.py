@@ -158,8 +158,8 @@ def test_a_flip_whose_worker_never_comes_back_is_abandoned_and_the_planner_goes_
 
 
 class DrainingEngine(SimEngine):
-    # as a vLLM engine in kv_both: it switches in place, its step loop stopped, holding nothing (the
-    # worker drains its decodes first); the simulated engine keeps them (tests/test_role_flip_keeps_live.py)
+    # an engine that switches in place only holding nothing (keeps_decodes off): the worker drains its
+    # decodes first; the simulated engine and vLLM in kv_both keep them (tests/test_role_flip_keeps_live.py)
     keeps_decodes = False
 
 

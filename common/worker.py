@@ -33,12 +33,27 @@ and a vLLM engine started in the kv_both KV role (vllm_kv_both, the default) cha
 engine that cannot (vLLM started as kv_producer/kv_consumer) refuses the SetRole with a log line
 (`role_change_refused`, with the engine's reason) and keeps serving in its role; the router's
 planner abandons the flip after planner_flip_timeout_s.
+
+An engine that steps its running decodes on through the switch (`Engine.keeps_decodes`: the
+simulated engine; vLLM in kv_both, whose requests are tasks of their own) keeps them across the
+flip, as the simulator does: the core's
+`set_role(keep=True)` drains only what the new role cannot do (prefills, hand-offs, deflections
+still prefilling), its Goodbye is "role_switch" (the routers keep it, draining), the engine
+switches between two steps of its running loop with the kept requests (`between_steps`,
+`switch_role(keep=...)`), the new service's core adopts them (`adopt`, in its constructor, where
+the engine's callbacks move to it) and says Hello under the same incarnation naming them in
+`held` (router core `role_changed`): they stream on, token for token, none handed back or
+re-dispatched. A SIGTERM during such a flip turns it into a departure (`leave_instead`: the drain
+waits for everything). A vLLM prefill worker decodes nothing of its own (route "retain" is the
+simulated engine's), so only its flip to prefill has decodes to keep; in the prefill role it
+takes no new one.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -76,7 +91,10 @@ _REFUSAL_FIX = {
 class WorkerService(abc.ABC):
     role: m.Role
     worker_id: str
+    incarnation: str
     links: list[RouterLink]
+    origins: Origins
+    core: WorkerCore
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, *, previous: WorkerService | None = None) -> None:
         """`previous`: the service of this worker's other role it takes over from after a role
@@ -85,10 +103,16 @@ class WorkerService(abc.ABC):
         self.engine = engine
         self.worker_id = (previous.worker_id if previous is not None
                           else cfg.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}")
-        self.incarnation = uuid.uuid4().hex[:12]
+        # a flip that keeps its running decodes says Hello under the same incarnation: the routers
+        # take that for the same worker in its other role (router core `role_changed`), still decoding them
+        keeping = previous is not None and previous.core.keep_running
+        self.incarnation = previous.incarnation if keeping and previous is not None else uuid.uuid4().hex[:12]
         self.log = structlog.get_logger().bind(worker=self.worker_id)
         self.stop = asyncio.Event()
         self.engine_started = previous is not None
+        # the engine's step loop: this service's, or, after a flip that kept running decodes, the
+        # previous service's, still running (`between_steps` switched it in place)
+        self.engine_task: asyncio.Task[None] | None = previous.engine_task if previous is not None else None
         self.next_role: m.Role | None = None  # set by a SetRole: the role `run` hands over to when it returns
         self.signalled = asyncio.Event()  # SIGTERM/SIGINT: leave, even in the middle of a role change
         if previous is not None:
@@ -98,7 +122,7 @@ class WorkerService(abc.ABC):
                 link.answered.clear()
         else:
             self.links = [RouterLink(i, c) for i, c in enumerate(router_addresses(cfg))]
-        self.origins = Origins(self.links)
+        self.origins = previous.origins if previous is not None else Origins(self.links)
         first = self.links[0]
         self.welcomed = first.welcomed    # the first router's (the only one, without replicas)
         self.hb_interval = cfg.heartbeat_interval
@@ -109,6 +133,10 @@ class WorkerService(abc.ABC):
         self.answered = first.answered    # the router answered a Hello (Welcome or Refused)
         self.bus: WorkerBus                # the first router's sockets
         self.core = self.make_core(self.engine_info())
+        if previous is not None and previous.core.kept():
+            # (synchronous with the subclass binding the engine's callbacks to this core: every
+            # token of a kept request goes to exactly one of the two cores)
+            self.core.adopt(previous.core)
         self.counters = self.core.counters  # the core's, and the shell's own below
         self.counters.update(bad_frames=0, handler_errors=0, dropped_on_welcome=0)
         self.fitted: m.Coeffs | None = None  # online refit of the engine's step-time model
@@ -199,11 +227,13 @@ class WorkerService(abc.ABC):
         await self.setup()
         buses = [link.bus if link.bus is not None else link.open(self.worker_id) for link in self.links]
         self.bus = buses[0]
+        if self.engine_task is None or self.engine_task.done():
+            self.engine_task = asyncio.create_task(self.engine.run(), name="engine")
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._on_signal(), name="signals"),
                          tg.create_task(self.heartbeat_loop(), name="heartbeat"),
-                         tg.create_task(self.engine.run(), name="engine"),
+                         tg.create_task(self._watch_engine(self.engine_task), name="engine"),
                          tg.create_task(self.refit_loop(), name="refit"),
                          tg.create_task(self.loop_lag.run(), name="loop-lag"),
                          *[tg.create_task(c, name=n) for n, c in self.extra_loops()]]
@@ -218,14 +248,14 @@ class WorkerService(abc.ABC):
             if self.signalled.is_set() and self.next_role is not None:  # told to stop while changing role
                 self.log.info("role_change_dropped", role=self.role, to=self.next_role, reason="stopping")
                 self.next_role = None
-            if self.next_role is not None:  # the engine's step loop is stopped: it takes the new role
-                why = self.engine.switch_role(self.next_role)
-                if why:
-                    self.log.error("role_change_failed", role=self.role, to=self.next_role, error=why,
-                                   action="the worker exits; its supervisor starts it again in its configured role")
-                    self.next_role = None
+            if self.next_role is not None:
+                await self._switch_engine(self.next_role)
+            if self.next_role is None and self.core.kept():  # leaving after all: what it kept goes back
+                self.core.leave_instead()
+                await self._to_all(self.core.hand_back())
         finally:
             if self.next_role is None:
+                await self._stop_engine()
                 for bus in buses:
                     bus.close()
             await self.teardown()
@@ -242,8 +272,41 @@ class WorkerService(abc.ABC):
     def extra_loops(self) -> list[tuple[str, Any]]:
         return []
 
+    async def _watch_engine(self, task: asyncio.Task[None]) -> None:
+        """The engine's step loop, as a task of this service: what it raises stops the service.
+        Cancelled, it leaves the loop running (`_stop_engine` stops it; a flip that keeps its
+        decodes hands it to the next role's service)."""
+        await asyncio.wait([task])
+        task.result()
+        raise RuntimeError("the engine's step loop returned")
+
+    async def _stop_engine(self) -> None:
+        task = self.engine_task
+        if task is None or task.done():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _switch_engine(self, role: m.Role) -> None:
+        """The engine takes `role` in place. A flip that keeps its running decodes switches it
+        between two steps of its running loop, with the requests the core keeps (they step on in
+        the new role, the next service's core adopts them); any other flip stops the loop first
+        (the engine holds nothing then). On failure `next_role` is cleared: the worker leaves."""
+        if self.core.keep_running:
+            async with self.engine.between_steps():
+                why = self.engine.switch_role(role, keep=[rid for rid, _ in self.core.kept()])
+        else:
+            await self._stop_engine()
+            why = self.engine.switch_role(role)
+        if why:
+            self.log.error("role_change_failed", role=self.role, to=role, error=why,
+                           action="the worker exits; its supervisor starts it again in its configured role")
+            self.next_role = None
+
     async def _on_signal(self) -> None:
         await self.signalled.wait()
+        self.core.leave_instead()  # (a role change under way that kept its decodes: it drains them now)
         self.stop.set()
 
     async def setup(self) -> None:
@@ -258,7 +321,8 @@ class WorkerService(abc.ABC):
         if self.next_role is None:  # (a role change said its Goodbye "role_change" already)
             await self._to_all(self.core.start_drain())
         deadline = time.monotonic() + self.cfg.drain_timeout
-        while (self.held_requests() or self.drain_pending()) and time.monotonic() < deadline:
+        # (a role change that keeps its running decodes waits only for the rest: core `drained`)
+        while not self.core.drained(time.monotonic()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         bye = self.core.hand_back()  # what is left goes back to its router (RequestFailed, retryable)
         self.left = True  # no more heartbeats: the router must not take us for a worker to re-register
@@ -439,7 +503,7 @@ class WorkerService(abc.ABC):
         if self.stop.is_set():  # leaving already
             self.log.info("role_change_ignored", role=self.role, to=msg.role, stopping=True)
             return
-        bye = self.core.set_role(msg)
+        bye = self.core.set_role(msg, keep=self.engine.keeps_decodes)
         if bye is None:
             return
         self.next_role = msg.role

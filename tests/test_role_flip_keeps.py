@@ -175,3 +175,28 @@ def test_in_the_simulator_a_flip_keeps_the_decodes_streaming_with_no_gap_over_th
     _, drained = _flip_run(keep=False)
     flip = drained.stats["role_flips"][0]  # type: ignore[attr-defined]
     assert flip["kept"] == 0 and flip["drain_s"] > 10.0
+
+
+def test_a_worker_stopped_during_a_keeping_flip_keeps_nothing_and_drains_or_hands_back_all() -> None:
+    ports = Ports()
+    core = DecodeCore("decode-0", "inc", INFO, ports, model="m")
+    assert core.on_work(handoff("h", 100), 0.0, idle(), MODEL) == "pending"
+    assert core.kv_arrived("h", 0) is not None
+    core.admit(handoff("h", 100), "handoff", (), MODEL)
+    core.set_role(m.SetRole(role="prefill", reason="prefill_short"), keep=True)
+    assert core.kept() == [("h", 0)] and core.drained(0.0)
+    core.leave_instead()  # SIGTERM: the worker leaves instead of changing role
+    assert core.kept() == [] and not core.drained(0.0)  # the drain waits for the running decode again
+    bye = core.hand_back()  # ... until drain_timeout: then it goes back to its router, retryable
+    assert bye.reason == "drained" and ports.aborted == ["h"] and [f.request_id for f in ports.failed()] == ["h"]
+
+
+def test_a_handoff_whose_kv_is_still_verified_is_not_kept_the_drain_waits_for_it() -> None:
+    ports = Ports()
+    core = DecodeCore("decode-0", "inc", INFO, ports, model="m")
+    core.active["v"] = handoff("v", 100)  # the NIXL shell verifies its KV: held, not in the engine yet
+    core.landing.add("v")
+    core.set_role(m.SetRole(role="prefill", reason="prefill_short"), keep=True)
+    assert core.kept() == [] and not core.drained(0.0)
+    core.landing.discard("v")  # verified: the shell admits it to the engine; now it decodes
+    assert core.kept() == [("v", 0)] and core.drained(0.0)

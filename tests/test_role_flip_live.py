@@ -70,6 +70,9 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_no_request_is_l
     events = [x.get("event") for x in worker_log]
     assert events.count("worker_starting") == 1  # the process was not restarted: its service changed role
     assert events.index("role_change_started") < events.index("role_changed") < events.index("role_started")
-    metrics = httpx.get(api + "/metrics", timeout=10).text
+    gauge = f'kairos_router_worker_role{{role="decode",worker="{moved}"}} 1.0'
+    until = time.monotonic() + 10  # (the gauge is set on the router's telemetry tick: wait for the next one)
+    while gauge not in (metrics := httpx.get(api + "/metrics", timeout=10).text) and time.monotonic() < until:
+        time.sleep(0.2)
     assert 'kairos_router_role_flips_total{from_role="prefill",reason="decode_short",to_role="decode"} 1.0' in metrics
-    assert f'kairos_router_worker_role{{role="decode",worker="{moved}"}} 1.0' in metrics
+    assert gauge in metrics

@@ -157,6 +157,12 @@ def test_a_flip_whose_worker_never_comes_back_is_abandoned_and_the_planner_goes_
 # ------------------------------------------------------------------ the worker
 
 
+class DrainingEngine(SimEngine):
+    # an engine that switches in place only holding nothing (keeps_decodes off): the worker drains its
+    # decodes first; the simulated engine and vLLM in kv_both keep them (tests/test_role_flip_keeps_live.py)
+    keeps_decodes = False
+
+
 class NoSwitchEngine(SimEngine):
     # as a vLLM engine started with --no-vllm-kv-both (switch_role would switch: the shell must not call it)
     can_switch_role = False
@@ -188,7 +194,7 @@ def finished(rid: str) -> Any:
 
 async def test_a_worker_drains_switches_its_engine_in_place_and_rejoins_under_its_new_role(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = SimEngine("decode", load_profile("fast"))
+    engine = DrainingEngine("decode", load_profile("fast"))
     proc, fake, task, ctx = await _worker(engine, monkeypatch)
     first = proc.worker
     try:
@@ -244,7 +250,7 @@ async def test_an_engine_that_cannot_change_role_refuses_set_role_and_keeps_serv
 
 
 async def test_a_worker_told_to_stop_while_it_changes_role_stops(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = SimEngine("decode", load_profile("fast"))
+    engine = DrainingEngine("decode", load_profile("fast"))
     proc, fake, task, ctx = await _worker(engine, monkeypatch)
     first = proc.worker
     try:

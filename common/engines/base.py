@@ -3,7 +3,8 @@
 A worker service owns the sockets; the engine owns the batch. The service calls `add`,
 `abort` and `load`; the engine calls back `on_tokens` (decode role: new tokens of one step)
 and `on_prefilled` (prefill role: a prompt's KV is complete). `run()` is the step loop, a
-task in the service's TaskGroup; it returns when cancelled.
+task the worker watches; it returns when cancelled (an engine that `keeps_decodes` runs it on
+through a role switch: the worker of the new role takes the same task over).
 
 What an engine may or may not do is declared here, with defaults that mean "not supported", and
 the worker calls it plainly: `on_failed` and `on_kv_fallback` (callbacks an engine that never
@@ -16,7 +17,8 @@ configured kv_transport).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import msgspec
@@ -113,6 +115,11 @@ class Engine(abc.ABC):
     # vllm started in its kv_both KV role): the worker then drains, switches and registers again
     # under the new role without a restart. An instance may say otherwise than its class (vllm)
     can_switch_role: bool = False
+    # ... and it goes on stepping the running decodes it is told to keep through the switch
+    # (`switch_role(role, keep=...)` between two steps, `between_steps`), in either role: the
+    # worker's role flip then keeps them streaming instead of draining them (common/worker_core
+    # `set_role(keep=True)`). An instance may say otherwise than its class (vllm: only in kv_both)
+    keeps_decodes: bool = False
 
     def __init__(self) -> None:
         self.on_tokens: TokensCallback = lambda items, step_s: None
@@ -127,10 +134,18 @@ class Engine(abc.ABC):
     async def start(self) -> None:
         """Load weights, allocate caches (may take long; the worker registers only after)."""
 
-    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+    def switch_role(self, role: Literal["prefill", "decode"], keep: Collection[str] = ()) -> str:
         """Take the other role in place, holding nothing (the role planner: the worker drained
-        first), without a restart. Returns why it cannot ("": it did); this one cannot."""
+        first) but the running decodes named in `keep` (only an engine that `keeps_decodes`, and
+        only inside `between_steps`), without a restart. Returns why it cannot ("": it did); this
+        one cannot."""
         return self.role_fixed()
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self) -> AsyncIterator[None]:
+        """Hold the step loop between two steps while the body runs (a role switch that keeps
+        running decodes moves them between roles there); no step loop of its own here."""
+        yield
 
     def role_fixed(self) -> str:
         """Why this engine cannot change role in place (`can_switch_role` False), for the worker's

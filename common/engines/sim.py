@@ -22,10 +22,12 @@ same way (logprob -1.0). Temperature and penalties do not change the synthetic t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import zlib
 from collections import deque
+from collections.abc import AsyncIterator, Collection
 from typing import Literal
 
 from common.engines.base import Engine, EngineLoad, EngineRequest, Prefilled, PrefixEvents
@@ -70,6 +72,7 @@ class SimEngine(Engine):
     name = "sim"
     can_retain = True
     can_switch_role = True
+    keeps_decodes = True
 
     def __init__(self, role: Literal["prefill", "decode"], profile: Profile, *, time_scale: float = 1.0,
                  max_queue_requests: int = 1024, prefix_block_tokens: int = 0, step_error: StepError | None = None,
@@ -101,6 +104,7 @@ class SimEngine(Engine):
         self._inflight_end = 0.0  # time.monotonic() when the step in flight ends, as modeled
         self._resume: dict[str, int] = {}  # request -> output tokens streamed before it came here
         self._reqs: dict[str, EngineRequest] = {}
+        self._step = asyncio.Lock()  # held by the step loop for a step (plan to emit): `between_steps`
 
     def _take_role(self, role: Literal["prefill", "decode"]) -> None:
         """What the role decides: the token budget, the KV it offers, and a new batcher (with an
@@ -117,16 +121,39 @@ class SimEngine(Engine):
                                else self.token_budget, prefix_cache=cache, guard=self.guard)
         self._step_ms.clear()  # the other role's step times say nothing of this one's
 
-    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+    def switch_role(self, role: Literal["prefill", "decode"], keep: Collection[str] = ()) -> str:
+        """Take `role` in place: a new batcher (its prefix cache empty). The running decodes named
+        in `keep` move to it (`Batcher.adopt`: their KV stays reserved, their output goes on at the
+        same position, token for token) and decode there from the next step; anything else held
+        refuses the switch. With its step loop running, call it only inside `between_steps`."""
         if role == self.role:
             return ""
-        if len(self.batcher):
-            return f"the engine still holds {len(self.batcher)} requests (the worker drains before it changes role)"
-        self._take_role(role)  # (its step loop is stopped: the worker switches between two runs of it)
-        self._inflight = None
-        self._reqs.clear()
-        self._resume.clear()
+        old = self.batcher
+        moving = [s for s in (*old.running, *old.waiting, *old.decoding) if s.request_id in keep]
+        if len(moving) != len(old):
+            return (f"the engine still holds {len(old) - len(moving)} requests it does not keep "
+                    "(the worker drains before it changes role)")
+        if self._inflight is not None:
+            return "a step is in flight (switch between steps)"
+        if busy := [s.request_id for s in moving if s.prefilling]:
+            return f"requests {busy[:3]} are still prefilling: only running decodes move to the new role"
+        for seq in moving:
+            old.remove(seq.request_id)
+        self._take_role(role)
+        for seq in moving:
+            self.batcher.adopt(seq)
+        kept = {s.request_id for s in moving}
+        self._reqs = {rid: r for rid, r in self._reqs.items() if rid in kept}
+        self._resume = {rid: n for rid, n in self._resume.items() if rid in kept}
+        if moving:
+            self._wake.set()
         return ""
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self) -> AsyncIterator[None]:
+        """Hold the step loop between two steps (the step in flight, if any, ends first)."""
+        async with self._step:
+            yield
 
     # -- Engine interface -----------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -204,31 +231,37 @@ class SimEngine(Engine):
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
-            plan = self.batcher.plan()
-            if plan is None:
+            async with self._step:  # (a role switch waits here for the step in flight: `between_steps`)
+                plan = self.batcher.plan()
+                if plan is not None:
+                    deadline = await self._run_step(loop, plan, deadline)
+                    continue
                 self._wake.clear()
-                await self._wake.wait()
-                deadline = loop.time()
-                continue
-            pred = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
-            started = loop.time()
-            dt = pred if self.exact else pred * self.error.factor(started)
-            self._inflight, self._inflight_end = plan, time.monotonic() + dt
-            if self.role == "prefill":
-                t_now = time.monotonic()
-                for seq, _, _ in plan.chunks:
-                    if seq.prefill_started is None:
-                        seq.prefill_started = t_now
-            # keep the modeled cadence: sleep to an absolute deadline so callback time is not added
-            deadline = max(deadline, started - dt) + dt
-            await asyncio.sleep(max(0.0, deadline - loop.time()))
-            elapsed = loop.time() - started
-            self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
-            self.step_errors.observe(pred, elapsed, time.monotonic())
-            self._step_ms.append(elapsed * 1000.0)
-            self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
-            self._inflight = None
-            self._emit(plan, elapsed)
+            await self._wake.wait()
+            deadline = loop.time()
+
+    async def _run_step(self, loop: asyncio.AbstractEventLoop, plan: StepPlan, deadline: float) -> float:
+        """One step: sleep its modeled time, then commit it. Returns the next step's deadline."""
+        pred = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
+        started = loop.time()
+        dt = pred if self.exact else pred * self.error.factor(started)
+        self._inflight, self._inflight_end = plan, time.monotonic() + dt
+        if self.role == "prefill":
+            t_now = time.monotonic()
+            for seq, _, _ in plan.chunks:
+                if seq.prefill_started is None:
+                    seq.prefill_started = t_now
+        # keep the modeled cadence: sleep to an absolute deadline so callback time is not added
+        deadline = max(deadline, started - dt) + dt
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        elapsed = loop.time() - started
+        self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
+        self.step_errors.observe(pred, elapsed, time.monotonic())
+        self._step_ms.append(elapsed * 1000.0)
+        self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
+        self._inflight = None
+        self._emit(plan, elapsed)
+        return deadline
 
     def _emit(self, plan: StepPlan, step_s: float) -> None:
         out = self.batcher.commit(plan)

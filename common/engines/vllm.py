@@ -68,9 +68,12 @@ role) and logs once that kv_both is deprecated in favour of the per-instance rol
 nothing measurable on the step path (docs/operations.md, "Role changes");
 the one difference at start is that a prefill engine loads the tokenizer too (a decode engine
 needs it for structured outputs). `switch_role` then moves the engine between roles in place
-when it holds nothing (the worker drained it): the same AsyncLLM, weights, KV and prefix cache
-and NIXL side channel; only what Kairos does per role changes (which requests `add` takes,
-their sampling, the load it reports). The token budget and the in-place chunk
+when it holds nothing but the decodes the worker keeps (the worker drained the rest): the same
+AsyncLLM, weights, KV and prefix cache and NIXL side channel; only what Kairos does per role
+changes (which requests `add` takes, their sampling, the load it reports). Each request is a
+task of its own streaming from vLLM, so a decode running when a decode engine switches to the
+prefill role streams on to its end there (`keeps_decodes`; the prefill role reports it in its
+load's batch); it takes no new decode in that role. The token budget and the in-place chunk
 (long_prefill_token_threshold) stay those it started with: vLLM fixes them at start.
 
 Because the scheduler lives in the core process, chunk schedules
@@ -91,6 +94,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -217,6 +221,9 @@ class VllmEngine(Engine):
         pcp = int(self.engine_args.get("prefill_context_parallel_size") or 1)
         self.kv_both = kv_both and kv_transfer and pcp == 1
         self.can_switch_role = self.kv_both
+        # its requests are tasks of their own, not a batch of Kairos's: a decode streaming when the
+        # engine switches to prefill goes on (`switch_role(keep=...)`); it only takes no new one there
+        self.keeps_decodes = self.kv_both
         max_batch = int(self.engine_args.get("max_num_seqs") or max_batch)
         max_model_len = int(self.engine_args.get("max_model_len") or max_model_len)
         if token_budget <= max_batch:
@@ -407,7 +414,7 @@ class VllmEngine(Engine):
         return (f"the vllm engine was started with kv_role {self.kv_role} (vllm_kv_both off), which it keeps "
                 "until it restarts")
 
-    def switch_role(self, role: Literal["prefill", "decode"]) -> str:
+    def switch_role(self, role: Literal["prefill", "decode"], keep: Collection[str] = ()) -> str:
         """Take `role` in place: the same AsyncLLM, its KV cache, prefix cache and NIXL side channel
         (KV of finished prefills still leased to decode engines stays readable). Only what the
         role decides here changes: which requests `add` takes, their sampling and the load report.
@@ -416,10 +423,13 @@ class VllmEngine(Engine):
             return ""
         if not self.can_switch_role:
             return self.role_fixed()
-        if self._held:
-            return f"the engine still holds {len(self._held)} requests (the worker drains before it changes role)"
+        others = [rid for rid in self._held if rid not in keep]
+        if others:
+            return f"the engine still holds {len(others)} requests (the worker drains before it changes role)"
+        if busy := [rid for rid, h in self._held.items() if h.req.mode == "prefill"]:
+            return f"requests {busy[:3]} are prefills: only decodes stream on in the new role"
         _log.info("vllm_role_switched", role=role, previous=self.role, kv_role=self.kv_role,
-                  engine_id=self.engine_id, token_budget=self.token_budget)
+                  engine_id=self.engine_id, token_budget=self.token_budget, kept=len(self._held))
         self.role = role
         self._step_ms.clear()
         self._prefix_resync = True  # the new role's reporter starts empty: send it everything the cache holds
@@ -588,9 +598,14 @@ class VllmEngine(Engine):
         p50 = steps[len(steps) // 2] if steps else 0.0
         mx = steps[-1] if steps else 0.0
         if self.role == "prefill":
+            prefills = [h for h in held if h.req.mode == "prefill"]
+            kept = [h for h in held if h.req.mode != "prefill"]  # decodes kept across a switch from decode
             return self.step_errors.fill(EngineLoad(
-                queued_tokens=sum(h.remaining for h in held), queued_requests=len(held), step_ms_p50=p50,
-                step_ms_max=mx, steps=self.steps, step_bias=self.estimator.bias()), time.monotonic())
+                queued_tokens=sum(h.remaining for h in prefills), queued_requests=len(prefills), step_ms_p50=p50,
+                step_ms_max=mx, steps=self.steps, step_bias=self.estimator.bias(),
+                batch=len(kept), kv_tokens=sum(h.prompt_len + h.generated for h in kept),
+                strictest_tbt_slo=min((h.req.tbt_slo for h in kept), default=None),
+                step_margin=self.estimator.margin()), time.monotonic())
         decoding = [h for h in held if h.generated > 0]
         prefilling = [h for h in held if h.generated == 0 and h.in_place]
         remaining = sum(h.remaining for h in prefilling)
@@ -614,7 +629,7 @@ class VllmEngine(Engine):
 
         s = req.sampling
         kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
-        if self.role == "prefill":
+        if self.role == "prefill" and req.mode != "handoff":  # (a handoff kept across a switch decodes)
             return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
                                   prompt_logprobs=s.prompt_logprobs, output_kind=kind, extra_args=extra)
         in_place = req.mode == "deflect" or "kv_transfer_params" not in extra

@@ -145,6 +145,14 @@ class WorkerCore(abc.ABC):
         self.ports.beat_now()
         return m.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason="role_change")
 
+    def leave_instead(self) -> None:
+        """The worker is told to stop (SIGTERM) during a role change that keeps its decodes: it
+        keeps nothing now; its drain waits for everything it holds and hands back the rest."""
+        if self.keep_running:
+            self.log.info("role_change_keeps_nothing", role=self.role, to=self.new_role, reason="stopping",
+                          running=len(self.running_decodes()))
+        self.keep_running = False
+
     def running_decodes(self) -> list[tuple[str, int]]:
         """(request_id, attempt) of the requests it decodes now, past their first token: what a
         role flip that keeps its decodes hands to the new role's core."""

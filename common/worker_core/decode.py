@@ -75,6 +75,7 @@ class DecodeCore(WorkerCore):
         self.accepted: dict[str, Accepted] = {}
         self.held: dict[str, m.HeldDeflection] = {}
         self.in_prefill: set[str] = set()  # deflections in `active` not yet past their first token
+        self.landing: set[str] = set()  # handoffs in `active` whose KV the shell verifies (not in the engine yet)
         self.queues: dict[str, m.RouterQueue] = {}  # router -> its oldest waiting request (QueueHead), echoed
         self.fallbacks: list[tuple[str, str]] = []  # (request, why) prefilled in place since the last TokenBatch
         self.counters.update(deflected=0, handoffs=0, kv_fallbacks=0, finished=0, deflect_rejected=0, replanned=0)
@@ -305,7 +306,8 @@ class DecodeCore(WorkerCore):
         """Its requests past their first token (handoffs, deflections prefilled): a flip to prefill
         keeps them as the prefill worker's own decodes (route "retain"); deflections still
         prefilling and handoffs waiting for their KV are what its drain waits for."""
-        return [(rid, w.attempt) for rid, w in self.active.items() if rid not in self.in_prefill]
+        return [(rid, w.attempt) for rid, w in self.active.items()
+                if rid not in self.in_prefill and rid not in self.landing]
 
     def kept_work(self) -> list[m.PrefillWork | m.DecodeWork]:
         return [self.active[rid] for rid, _ in self.kept()]
@@ -318,8 +320,10 @@ class DecodeCore(WorkerCore):
             if not isinstance(pw, m.PrefillWork):
                 return super().adopt(old)
             rid = pw.request_id
+            # no text deltas (`_with_text`): its earlier tokens went out as ids alone, the router decodes them all
             self.active[rid] = m.DecodeWork(request_id=rid, attempt=pw.attempt, dispatch=pw.dispatch, mode="handoff",
-                                            prompt_token_ids=pw.prompt_token_ids, sampling=pw.sampling,
+                                            prompt_token_ids=pw.prompt_token_ids,
+                                            sampling=msgspec.structs.replace(pw.sampling, text=""),
                                             tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
                                             prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,
                                             traceparent=pw.traceparent, tracestate=pw.tracestate)
@@ -339,12 +343,14 @@ class DecodeCore(WorkerCore):
 
     def forget(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
+        self.landing.discard(request_id)
         self.prefilled(request_id)
         self.active.pop(request_id, None)
         self.pending.pop(request_id, None)
 
     def drop(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
+        self.landing.discard(request_id)
         self.prefilled(request_id)
         p = self.pending.pop(request_id, None)
         if p is not None:

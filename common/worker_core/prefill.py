@@ -225,9 +225,7 @@ class PrefillCore(WorkerCore):
     def adopt(self, old: WorkerCore) -> list[str]:
         """Take over the running decodes a decode core of this engine kept across its flip to
         prefill: they are requests this worker decodes itself (route "retain") from now on."""
-        kept = old.kept_work()
-        if kept and not self.can_retain:
-            raise ValueError("this engine cannot decode on a prefill worker: a flip to prefill must not keep decodes")
+        kept = old.kept_work()  # (its engine steps them on: it kept them, `can_retain` or not)
         ids = []
         for dw in kept:
             if not isinstance(dw, m.DecodeWork):

@@ -230,6 +230,7 @@ class DecodeWorker(WorkerService):
         w = p.work
         active = self.core.active
         active[w.request_id] = w  # held (for drain and cancel) while we verify
+        self.core.landing.add(w.request_id)  # (not yet a running decode: a role flip's drain waits for it)
         try:
             await self.rx.wait(p.key, self.cfg.kv_timeout, tokens=len(w.prompt_token_ids),
                                bytes_per_token=self.rx.layout.bytes_per_token)
@@ -239,6 +240,7 @@ class DecodeWorker(WorkerService):
             return
         finally:
             self.core.release(p)
+            self.core.landing.discard(w.request_id)
         if active.pop(w.request_id, None) is not None:  # not cancelled meanwhile
             self.core.admit(w, "handoff", (), self.step_model(), kv=kv)
 

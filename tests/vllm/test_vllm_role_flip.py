@@ -109,6 +109,40 @@ async def test_two_engines_swap_roles_in_place_and_hand_kv_the_other_way(pd: PD)
         await d.reset_prefix_cache()
 
 
+KEEP_TOKENS = 300  # a stream long enough to be running when the switch comes (the first 16: WANT_A)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_decode_engine_switched_to_prefill_streams_its_running_decode_to_the_end(pd: PD) -> None:
+    """A flip that keeps its decodes (`keeps_decodes`, kv_both): a decode streaming when the
+    decode engine takes the prefill role goes on there to its last token (it is its own vLLM
+    request task), reported as the prefill role's decode batch; what the worker does not keep
+    refuses the switch. Switched back at the end, holding nothing, for the modules that share it."""
+    d, out = pd.decode, pd.out
+    seen = (len(out.fallbacks), len(out.failed))
+    rid = "keep-across"
+    assert d.keeps_decodes
+    try:
+        d.add(request(rid, PROMPT_A, max_tokens=KEEP_TOKENS))
+        for _ in range(4000):
+            if out.tokens.get(rid):
+                break
+            await asyncio.sleep(0.005)
+        # (no await from here to the load: the stream cannot move meanwhile)
+        assert rid in d.held() and rid not in out.finish and len(out.tokens[rid]) < KEEP_TOKENS
+        assert "holds 1 requests" in d.switch_role("prefill", keep=["another"]) and d.role == "decode"
+        assert d.switch_role("prefill", keep=[rid]) == "" and d.role == "prefill"
+        load = d.load()
+        assert (load.batch, load.queued_requests) == (1, 0) and load.kv_tokens > len(PROMPT_A)
+        toks = await out.wait(rid, 120)
+        assert len(toks) == KEEP_TOKENS and toks[:len(WANT_A)] == WANT_A and out.finish[rid] == "length"
+        assert (out.fallbacks[seen[0]:], out.failed[seen[1]:]) == ([], [])
+        assert not d._llm.errored
+    finally:
+        await _idle(d)
+        assert d.switch_role("decode") == "" and d.role == "decode"
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec.ephemeral(prefill=2, decode=1, engine="vllm", model=str(tiny_model),

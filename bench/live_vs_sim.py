@@ -1,0 +1,220 @@
+"""One slice of a shifting workload, live and simulated: does the live system do what `kairos sim` says?
+
+    python -m bench.live_vs_sim --out DIR [--workload shift-code --start 100 --duration 150 --rate-scale 0.75]
+    scripts/live-vs-sim.sh DIR            (the same, niced)
+
+Writes the workload's report slice (sim/workloads.py, its seed 11) as JSON lines (DIR/trace.jsonl),
+then replays trace time [start, start + duration) at `rate-scale`:
+
+- simulated: `kairos sim --trace DIR/trace.jsonl ... --planner on` (Kairos, its shipped settings);
+- live: a `kairos up` cluster of the same shape (simulated engines on the same profile, the same
+  policy and settings, the role planner on, modeled KV transfers, no monitor), driven by `kairos
+  bench` with the same slice; then the router's log (`role_flip`, `role_flip_done`, one
+  `request_done` line per request) and the workers' (`role_change_kept`).
+
+Prints, for each side: requests, completed, rejected, TTFT SLO %, TBT % (every gap within the SLO,
+over served requests), TBT % on each request's P99 gap, both-SLO %, and the role flips (when,
+which worker, to which role, why, how many running decodes it kept). The live side twice: as the
+client measured it (`kairos bench`: its own clock, so a client short of CPU counts its own lateness)
+and as the router recorded it (`request_done`: TTFT and each request's P99 gap, not its max gap).
+Also the host's load average before and after and the client's send lag: a loaded host starves
+the live side, never the simulated one. The summary goes to DIR/live-vs-sim.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.sessions import write_jsonl
+from kairos.up import Cluster, ClusterSpec
+from sim.workloads import WORKLOADS, load
+
+KEYS = ("requests", "completed", "rejected", "ttft_slo_attainment", "tbt_slo_attainment",
+        "tbt_p99_slo_attainment", "slo_attainment")
+
+
+def _pick(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary.get(k) for k in KEYS}
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def router_view(router_log: list[dict[str, Any]], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """The requests as the router recorded them (`request_done`): TTFT and each one's P99 gap."""
+    done = [e for e in router_log if e.get("event") == "request_done"]
+    ok = [e for e in done if e.get("outcome") == "ok"]
+    ttft = [e for e in ok if e.get("ttft_s") is not None and e["ttft_s"] <= ttft_slo]
+    tbt = [e for e in ok if (e.get("tbt_p99_s") or 0.0) <= tbt_slo]
+    both = [e for e in ttft if (e.get("tbt_p99_s") or 0.0) <= tbt_slo]
+    n = len(done)
+    return {"requests": n, "completed": len(ok), "outcomes": _count(e.get("outcome") for e in done),
+            "ttft_slo_attainment": len(ttft) / n if n else None,
+            "tbt_p99_slo_attainment": len(tbt) / len(ok) if ok else None,
+            "slo_attainment_p99": len(both) / n if n else None,
+            "migrated": sum(1 for e in done if e.get("migrations")),
+            "retried": sum(1 for e in done if (e.get("attempts") or 1) > 1)}
+
+
+def _count(xs: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in xs:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
+
+def live_flips(router_log: list[dict[str, Any]], worker_logs: dict[str, list[dict[str, Any]]],
+               t0: float) -> list[dict[str, Any]]:
+    """Each flip the live router decided, with when (seconds after the replay began), its reason,
+    how long until the worker was back, and how many running decodes the worker kept."""
+    flips = []
+    for e in router_log:
+        if e.get("event") != "role_flip":
+            continue
+        at = _ts(e)
+        done = next((x for x in router_log if x.get("event") == "role_flip_done" and x.get("worker") == e["worker"]
+                     and _ts(x) >= at), None)
+        kept = [x.get("requests") for x in worker_logs.get(e["worker"], [])
+                if x.get("event") == "role_change_kept" and _ts(x) >= at]
+        flips.append({"at": round(at - t0, 1), "worker": e["worker"], "to": e.get("to"), "reason": e.get("reason"),
+                      "back_after_s": round(_ts(done) - at, 2) if done else None, "kept": kept[0] if kept else 0})
+    return flips
+
+
+def _ts(e: dict[str, Any] | None) -> float:
+    """A log line's wall time in seconds (structlog's ISO timestamp)."""
+    from datetime import datetime
+
+    if not e or "timestamp" not in e:
+        return 0.0
+    return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def run_sim(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "kairos.cli", "sim", "--trace", str(trace), "--start", str(a.start),
+           "--duration", str(a.duration), "--rate-scale", str(a.rate_scale), "--prefill", str(a.prefill),
+           "--decode", str(a.decode), "--profile", a.profile, "--policy", "kairos", "--planner", "on",
+           "--out", str(out / "sim.json")]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    k = json.loads((out / "sim.json").read_text())["policies"]["kairos"]
+    flips = [{"at": f["at"], "worker": f["worker"], "to": f["to"], "reason": f["reason"],
+              "back_after_s": f["out_s"], "kept": f["kept"]} for f in k.get("sim", {}).get("role_flips", [])]
+    return {"summary": _pick(k), "flips": flips, "final_split": k.get("sim", {}).get("final_split"),
+            "command": " ".join(cmd[2:])}
+
+
+def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
+    logs = out / "kairos-logs"
+    spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, engine="sim", profile=a.profile,
+                                 policy="kairos", kv_transport="modeled", monitor=False, log_dir=str(logs),
+                                 router_env={"KAIROS_PLANNER": "true", "KAIROS_LOG_REQUESTS": "true"})
+    c = Cluster(spec)
+    c.start(timeout=300)
+    load_before = os.getloadavg()
+    cmd = [sys.executable, "-m", "kairos.loadgen", "--url", spec.api + "/v1", "--trace", str(trace),
+           "--start", str(a.start), "--duration", str(a.duration), "--rate-scale", str(a.rate_scale),
+           "--no-progress", "--quiet", "--out", str(out / "bench.json")]
+    t0 = time.time()
+    try:
+        subprocess.run(cmd, check=True, timeout=a.duration / a.rate_scale * 3 + 600)
+        _, got = c.get("/v1/kairos/stats")
+        stats: dict[str, Any] = got if isinstance(got, dict) else {}
+    finally:
+        c.stop(30)
+    bench = json.loads((out / "bench.json").read_text())
+    router_log = _lines(logs / "router.log")
+    workers = {p.stem: _lines(p) for p in logs.glob("*.log") if p.stem.startswith(("prefill-", "decode-"))}
+    return {"summary": _pick(bench), "router": router_view(router_log, bench["ttft_slo"], bench["tbt_slo"]),
+            "flips": live_flips(router_log, workers, t0), "final_roles": {w: v["role"] for w, v in
+                                                                         stats.get("workers", {}).items()},
+            "router_failed": stats.get("counts", {}).get("failed", 0),
+            "send_lag_p99_s": bench.get("send_lag_p99"), "errors": bench.get("errors"),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()], "command": " ".join(cmd[2:])}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def table(res: dict[str, Any]) -> str:
+    rows = ["| | requests | completed | rejected | TTFT % | TBT % (max gap) | TBT % (P99 gap) | both % | flips |",
+            "|---|---|---|---|---|---|---|---|---|"]
+
+    def flips(fs: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{f['worker']} -> {f['to']} ({f['reason']}) at {f['at']} s, back after "
+                         f"{f['back_after_s']} s, kept {f['kept']}" for f in fs) or "none"
+
+    for side in ("live", "sim"):
+        s = res[side]["summary"]
+        rows.append(f"| {side} (client)" if side == "live" else f"| {side}")
+        rows[-1] += (f" | {s['requests']} | {s['completed']} | {s['rejected']} | {_pct(s['ttft_slo_attainment'])} | "
+                     f"{_pct(s['tbt_slo_attainment'])} | {_pct(s['tbt_p99_slo_attainment'])} | "
+                     f"{_pct(s['slo_attainment'])} | {flips(res[side]['flips'])} |")
+        if side == "live":
+            r = res["live"]["router"]
+            rows.append(f"| live (router's records) | {r['requests']} | {r['completed']} | - | "
+                        f"{_pct(r['ttft_slo_attainment'])} | - | {_pct(r['tbt_p99_slo_attainment'])} | "
+                        f"{_pct(r['slo_attainment_p99'])} (P99 gap) | migrated {r['migrated']}, retried "
+                        f"{r['retried']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the trace, the logs, the results and the summary")
+    p.add_argument("--workload", default="shift-code", choices=sorted(w for w in WORKLOADS if
+                                                                      WORKLOADS[w].trace == "shift"),
+                   help="a shifting workload of sim/workloads.py (its report slice, seed 11); default shift-code")
+    p.add_argument("--start", type=float, default=100.0, help="slice start, seconds of trace time (default 100: "
+                   "the end of shift-code's code phase, then its output-heavy phase)")
+    p.add_argument("--duration", type=float, default=150.0, help="slice length, seconds of trace time (default 150)")
+    p.add_argument("--rate-scale", type=float, default=0.75, help="time compression (default 0.75)")
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--profile", default="h100-llama2-70b-tp4")
+    p.add_argument("--sim-only", action="store_true", help="the simulated side only (seconds)")
+    a = p.parse_args(argv)
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    w = WORKLOADS[a.workload]
+    trace = out / "trace.jsonl"
+    write_jsonl(load(w, w.report, 1.0), trace)
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "workload": a.workload, "slice": [a.start, a.start + a.duration], "rate_scale": a.rate_scale,
+        "shape": f"{a.prefill}P{a.decode}D", "profile": a.profile, "sim": run_sim(a, trace, out)}
+    if not a.sim_only:
+        res["live"] = run_live(a, trace, out)
+    (out / "live-vs-sim.json").write_text(json.dumps(res, indent=2))
+    if a.sim_only:
+        print(json.dumps(res["sim"], indent=2))
+        return 0
+    print(table(res))
+    live = res["live"]
+    print(f"\nload average before/after the live run: {live['load_average_before']} / {live['load_average_after']}; "
+          f"client send lag p99 {live['send_lag_p99_s']} s; errors {live['errors']}; final roles "
+          f"{live['final_roles']}\nsummary: {out / 'live-vs-sim.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

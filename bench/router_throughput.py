@@ -175,6 +175,43 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
     return summarize_stacks(raw.read_text(), raw_path=str(raw))
 
 
+_READS = ("read", "readv", "recvfrom", "recvmsg", "recvmmsg")
+_WRITES = ("write", "writev", "sendto", "sendmsg", "sendmmsg")
+
+
+def parse_strace_counts(text: str) -> dict[str, int]:
+    """Calls by syscall from `strace -c` output."""
+    calls: dict[str, int] = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 5 and f[0].replace(".", "", 1).isdigit() and f[3].isdigit() and f[-1] != "total":
+            calls[f[-1]] = int(f[3])
+    return calls
+
+
+def strace_counts(pid: int, seconds: float, out_dir: Path) -> dict[str, Any]:
+    """`strace -c -f` on `pid` (every thread) for `seconds`: calls by syscall, and the reads and writes."""
+    exe = shutil.which("strace")
+    if exe is None:
+        return {"error": "strace not installed"}
+    out = out_dir / "router-strace.txt"
+    proc = subprocess.Popen([exe, "-c", "-f", "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    time.sleep(seconds)
+    proc.send_signal(2)  # strace prints its summary when interrupted
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"error": "strace did not stop"}
+    if not out.exists():
+        return {"error": f"strace failed ({proc.returncode}): {err.decode(errors='replace').strip()[-400:]}"}
+    calls = parse_strace_counts(out.read_text())
+    return {"calls": calls, "reads": sum(calls.get(k, 0) for k in _READS),
+            "writes": sum(calls.get(k, 0) for k in _WRITES), "epoll_waits": calls.get("epoll_wait", 0),
+            "raw": str(out)}
+
+
 # ---------------------------------------------------------------------------------- command line
 
 
@@ -218,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also sample the router with py-spy during a request step at RATE req/s")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a token step at RATE req/s")
+    p.add_argument("--strace-tokens", type=float, default=None, metavar="RATE",
+                   help="also count the router's syscalls (strace -c -f) during a token step at RATE req/s: reads "
+                        "and writes per output token (the router runs slower under strace: that step's CPU figures "
+                        "are not comparable)")
     p.add_argument("--liveness", type=int, default=50,
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
@@ -231,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "you, on PATH: bench/peers.py says how; a missing one is skipped with a line)")
     p.add_argument("--peer-policy", default="round_robin",
                    help="the peers' routing policy (default round_robin, their cheapest)")
+    p.add_argument("--peer-backend", default="burst,paced", metavar="MODES",
+                   help="how the peers' mock backends write a stream, each mode measured and reported on its own: "
+                        "burst (every event at once, as before) and paced (one event per stream per engine step, the "
+                        "profile's decode step, one backend per --decode worker, as Kairos's simulated engine "
+                        "writes); default burst,paced")
     p.add_argument("--log-dir", default="", help="cluster logs (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write results JSON here")
     return p
@@ -283,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         if not phases <= {"latency", "requests", "tokens", "heartbeats"}:
             raise ConfigError(f"unknown phase in {args.phases!r}")
         hb_workers = parse_workers(args.workers)
+        if args.peers:
+            from bench.peers import parse_modes
+
+            parse_modes(args.peer_backend)
         all_cpus = sorted(os.sched_getaffinity(0))
         router_cpus = sorted(parse_cpus(args.router_cpus)) if args.router_cpus else []
         other_cpus = sorted(parse_cpus(args.other_cpus)) if args.other_cpus else \
@@ -373,6 +423,24 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("_rows")
             results[key] = {"step": s, "profile": prof}
             _print_profile(console, key, rate, s, prof)
+        if args.strace_tokens is not None:
+            counts: dict[str, Any] = {}
+            sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "strace_tokens"
+            sdir.mkdir(parents=True, exist_ok=True)
+
+            def strace_during(d: float, _c: dict[str, Any] = counts, _dir: Path = sdir) -> None:
+                _c.update(strace_counts(bench.router_pid, d, _dir))
+
+            s = bench.step(args.strace_tokens, args.step, max_tokens=args.stream_tokens,
+                           prompt_tokens=args.prompt_tokens, during=strace_during)
+            s.pop("_rows")
+            n_tok = s["output_tokens"] or 0
+            per = {k: counts[k] / n_tok for k in ("reads", "writes", "epoll_waits") if k in counts and n_tok}
+            results["strace_tokens"] = {"step": s, "counts": counts, "per_output_token": per}
+            console.print(f"router syscalls at {args.strace_tokens:g} req/s x {args.stream_tokens} tokens: "
+                          + (counts["error"] if "error" in counts else
+                             ", ".join(f"{k} {v:.3f}" for k, v in per.items()) + " per output token "
+                             f"({n_tok} tokens; SSE events {s['tokens']})"))
     except (RuntimeError, TimeoutError) as e:
         console.print(f"[red]kairos bench-router: {e}[/]")
         return 1

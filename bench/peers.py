@@ -2,22 +2,22 @@
 
 Each peer (sglang-router, vllm-router: Rust routers with a Python launcher) runs pinned to the
 router's CPUs in front of mock OpenAI backends (bench/reference_app.py, on the other CPUs), and
-the same load generator
-processes drive it with the same request-rate and token-rate steps as Kairos's router in the
+the same load generator processes drive it with the same request-rate and token-rate steps as Kairos's router in the
 same run. Measured per peer: its process's CPU per request and per streamed token (all threads,
 CPU-time clock, its idle use subtracted), the carried rate, and TTFT p50 at the latency phase's rate;
 the same TTFT straight to one backend is the floor both are compared against.
 
 How the backends write a stream (`--peer-backend`, both by default, each reported on its own):
 - burst: two backends, each answering a completion with every SSE event at once (one socket
-  write per event in one turn of its loop), so a peer reads many events per read and relays them
-  in few writes (strace on sglang-router at 50 req/s x 100 tokens, 2026-12-06: 0.2 reads from
-  its backends and 0.36 writes to its clients per token). Kairos's router gets its tokens one
-  engine step at a time instead, so this is not like for like.
+  write per event in one turn of its loop), so a peer reads many events per read (sglang-router
+  at 50 req/s x 100 tokens, 2026-12-06, syscalls counted by perf: 0.07 reads and 1.0 writes per
+  token; 0.79 and 1.2 with paced backends). Kairos's router gets its tokens one engine step at a
+  time instead, so this mode alone is not like for like.
 - paced: as many backends as Kairos has decode workers (--decode), each writing as an engine
   does: one event per stream in flight every step, the step being the profile's decode step
-  (0.5 ms for `fast`, times --time-scale) on the simulated engine's cadence. At 50 req/s that
-  is about one token per read for a peer, as Kairos's router gets about one token per bus message.
+  (0.5 ms for `fast`, times --time-scale) on the simulated engine's absolute-deadline cadence
+  (asyncio's sleep: about 0.63 ms a step on average). At 50 req/s that is about one token per
+  read for a peer, as Kairos's router gets about one token per bus message.
 
 What differs, and is said with every figure: a peer parses the body's JSON, picks a backend and
 relays its bytes; Kairos's router validates the request field by field, decides the route with
@@ -203,55 +203,61 @@ def _ratios(kairos: dict[str, Any], peer: dict[str, Any], phase: str, per: str,
 
 
 def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
-                n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int]) -> dict[str, Any]:
+                n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int],
+                mode: str = "burst") -> dict[str, Any]:
     """Every peer in `names` (skipped where not installed), measured at Kairos's offered rates in
-    front of backends in each --peer-backend mode, and Kairos's ratio to each: CPU per request and
-    per token at each rate both ran, TTFT p50 over the backend floor at the latency rate.
-    `modes[mode]` holds each mode's floor and peers; `backend` and `peers` are the first mode's."""
+    front of backends in `mode` (MODES), and Kairos's ratio to each: CPU per request and per token
+    at each rate both ran, TTFT p50 over the backend floor at the latency rate."""
     rates = [s["offered_rate"] for s in kairos.get("requests", {}).get("steps", [])]
     token_rates = [s["offered_rate"] for s in kairos.get("tokens", {}).get("steps", [])]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kairos-bench-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    modes = parse_modes(getattr(args, "peer_backend", "burst"))
-    out: dict[str, Any] = {"policy": args.peer_policy, "modes": {}}
+    out: dict[str, Any] = {"policy": args.peer_policy, "backend_mode": mode, "peers": {}}
+    n_backends, step_s = backend_mode(mode, args)
+    console.print(f"backends {mode}: {n_backends}, "
+                  f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}")
+    console.print("backend alone (the floor a router adds to):")
+    floor = measure(console, args, None, rates=rates, token_rates=token_rates, n_clients=n_clients,
+                    router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
+    out["backend"] = floor
+    floor_ttft = floor["latency"]["ttft_p50"]
     # Kairos's: client TTFT over the engines' modeled time, per request (the latency phase's added_p50)
     out["kairos_added_ttft_p50_s"] = (kairos.get("latency") or {}).get("added_p50")
-    for mode in modes:
-        n_backends, step_s = backend_mode(mode, args)
-        console.print(f"backend alone, {mode} ({n_backends} backends"
-                      f"{f', one event per stream every {step_s * 1e3:g} ms' if step_s else ', every event at once'})"
-                      f" (the floor a router adds to):")
-        floor = measure(console, args, None, rates=rates, token_rates=token_rates, n_clients=n_clients,
+    for name in names:
+        if name not in PEERS:
+            console.print(f"[yellow]peer {name}: unknown (known: {', '.join(PEERS)}); skipped[/]")
+            out["peers"][name] = {"skipped": "unknown peer"}
+            continue
+        if find(name) is None:
+            console.print(f"[yellow]peer {name}: not installed, skipped. To include it: {INSTALL}[/]")
+            out["peers"][name] = {"skipped": "not installed"}
+            continue
+        console.print(f"peer {name} (policy {args.peer_policy}) on CPUs {list(router_cpus) or 'any'}:")
+        try:
+            m = measure(console, args, name, rates=rates, token_rates=token_rates, n_clients=n_clients,
                         router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
-        got: dict[str, Any] = {}
-        out["modes"][mode] = {"backend": floor, "peers": got}
-        floor_ttft = floor["latency"]["ttft_p50"]
-        for name in names:
-            if name not in PEERS:
-                console.print(f"[yellow]peer {name}: unknown (known: {', '.join(PEERS)}); skipped[/]")
-                got[name] = {"skipped": "unknown peer"}
-                continue
-            if find(name) is None:
-                console.print(f"[yellow]peer {name}: not installed, skipped. To include it: {INSTALL}[/]")
-                got[name] = {"skipped": "not installed"}
-                continue
-            console.print(f"peer {name} (policy {args.peer_policy}) on CPUs {list(router_cpus) or 'any'}, "
-                          f"backends {mode}:")
-            try:
-                m = measure(console, args, name, rates=rates, token_rates=token_rates, n_clients=n_clients,
-                            router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
-            except (RuntimeError, TimeoutError) as e:
-                console.print(f"[red]peer {name}: {e} (its log: {log_dir / f'{name}-{mode}.log'})[/]")
-                got[name] = {"skipped": f"failed: {e}"}
-                continue
-            p_ttft = m["latency"]["ttft_p50"]
-            m["added_ttft_p50_s"] = p_ttft - floor_ttft if p_ttft is not None and floor_ttft is not None else None
-            m["kairos_over_peer_per_request"] = _ratios(kairos, m, "requests", "request", rates)
-            m["kairos_over_peer_per_token"] = _ratios(kairos, m, "tokens", "token", token_rates)
-            m["kairos_over_peer_per_output_token"] = _ratios(kairos, m, "tokens", "output_token", token_rates)
-            got[name] = m
-    first = out["modes"][modes[0]]
-    out["backend"], out["peers"] = first["backend"], first["peers"]
+        except (RuntimeError, TimeoutError) as e:
+            console.print(f"[red]peer {name}: {e} (its log: {log_dir / f'{name}-{mode}.log'})[/]")
+            out["peers"][name] = {"skipped": f"failed: {e}"}
+            continue
+        p_ttft = m["latency"]["ttft_p50"]
+        m["added_ttft_p50_s"] = p_ttft - floor_ttft if p_ttft is not None and floor_ttft is not None else None
+        m["kairos_over_peer_per_request"] = _ratios(kairos, m, "requests", "request", rates)
+        m["kairos_over_peer_per_token"] = _ratios(kairos, m, "tokens", "token", token_rates)
+        m["kairos_over_peer_per_output_token"] = _ratios(kairos, m, "tokens", "output_token", token_rates)
+        out["peers"][name] = m
+    return out
+
+
+def peers_phases(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
+                 n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int]) -> dict[str, Any]:
+    """`peers_phase` in each --peer-backend mode: the first mode's result, with every other mode's
+    whole result under `other_modes[mode]`."""
+    modes = parse_modes(getattr(args, "peer_backend", "burst"))
+    runs = [peers_phase(console, args, names, kairos, n_clients=n_clients, router_cpus=router_cpus,
+                        other_cpus=other_cpus, mode=mode) for mode in modes]
+    out = runs[0]
+    out["other_modes"] = {r["backend_mode"]: r for r in runs[1:]}
     return out
 
 
@@ -267,18 +273,26 @@ def parse_modes(text: str) -> list[str]:
 def print_summary(console: Console, peers: dict[str, Any]) -> None:
     console.print(f"Kairos's added TTFT p50 (client TTFT over the engines' modeled time): "
                   f"{fmt(peers.get('kairos_added_ttft_p50_s'), 1e3, 2)} ms")
-    modes = peers.get("modes") or {"burst": {"peers": peers["peers"]}}
-    for mode, got in modes.items():
-        for name, m in got["peers"].items():
-            if "skipped" in m:
-                console.print(f"peer {name} ({mode}): skipped ({m['skipped']})")
-                continue
-            req = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
-                            for x in m["kairos_over_peer_per_request"])
-            tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
-                            for x in m["kairos_over_peer_per_token"])
-            out_tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
-                                for x in m["kairos_over_peer_per_output_token"])
-            console.print(f"peer {name} (backends {mode}): added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} "
-                          f"ms (over the backend alone); Kairos's CPU per request over its: {req}; per SSE event: "
-                          f"{tok}; per output token: {out_tok}")
+    for name, m in peers["peers"].items():
+        if "skipped" in m:
+            console.print(f"peer {name}: skipped ({m['skipped']})")
+            continue
+        req = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                        for x in m["kairos_over_peer_per_request"])
+        tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                        for x in m["kairos_over_peer_per_token"])
+        out_tok = ", ".join(f"{x['offered_rate']:g}/s {fmt(x['ratio'], digits=2)}x"
+                            for x in m["kairos_over_peer_per_output_token"])
+        console.print(f"peer {name}: added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} ms (over the backend "
+                      f"alone); Kairos's CPU per request over its: {req}; per SSE event: {tok}; "
+                      f"per output token: {out_tok}")
+
+
+def print_modes_summary(console: Console, peers: dict[str, Any]) -> None:
+    """`print_summary` for every mode `peers_phases` ran, each under a line naming its backends."""
+    for mode, got in [(peers.get("backend_mode", "burst"), peers), *peers.get("other_modes", {}).items()]:
+        n_backends = got["backend"].get("backends", 2)
+        step_s = got["backend"].get("backend_step_s", 0.0)
+        console.print(f"with the peers' backends {mode} ({n_backends} backends, "
+                      f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}):")
+        print_summary(console, got)

@@ -177,38 +177,35 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
 
 _READS = ("read", "readv", "recvfrom", "recvmsg", "recvmmsg")
 _WRITES = ("write", "writev", "sendto", "sendmsg", "sendmmsg")
+_WAITS = ("epoll_wait", "epoll_pwait", "poll", "ppoll")
 
 
-def parse_strace_counts(text: str) -> dict[str, int]:
-    """Calls by syscall from `strace -c` output."""
+def parse_perf_counts(text: str) -> dict[str, int]:
+    """Calls by syscall from `perf stat -x,` output over syscalls:sys_enter_* tracepoints."""
     calls: dict[str, int] = {}
     for line in text.splitlines():
-        f = line.split()
-        if len(f) >= 5 and f[0].replace(".", "", 1).isdigit() and f[3].isdigit() and f[-1] != "total":
-            calls[f[-1]] = int(f[3])
+        f = line.split(",")
+        if len(f) >= 3 and f[0].strip().isdigit() and f[2].startswith("syscalls:sys_enter_"):
+            calls[f[2].removeprefix("syscalls:sys_enter_")] = int(f[0])
     return calls
 
 
-def strace_counts(pid: int, seconds: float, out_dir: Path) -> dict[str, Any]:
-    """`strace -c -f` on `pid` (every thread) for `seconds`: calls by syscall, and the reads and writes."""
-    exe = shutil.which("strace")
+def syscall_counts(pid: int, seconds: float, out_dir: Path) -> dict[str, Any]:
+    """The syscalls of `pid` (every thread) for `seconds`, counted in the kernel by `perf stat` on
+    the syscall tracepoints (no ptrace: the router runs at its own speed): calls by syscall, and
+    its reads, writes and waits."""
+    exe = shutil.which("perf")
     if exe is None:
-        return {"error": "strace not installed"}
-    out = out_dir / "router-strace.txt"
-    proc = subprocess.Popen([exe, "-c", "-f", "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    time.sleep(seconds)
-    proc.send_signal(2)  # strace prints its summary when interrupted
-    try:
-        _, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return {"error": "strace did not stop"}
-    if not out.exists():
-        return {"error": f"strace failed ({proc.returncode}): {err.decode(errors='replace').strip()[-400:]}"}
-    calls = parse_strace_counts(out.read_text())
+        return {"error": "perf not installed (linux-tools)"}
+    events = ",".join(f"syscalls:sys_enter_{n}" for n in (*_READS, *_WRITES, *_WAITS))
+    out = out_dir / "router-syscalls.txt"
+    proc = subprocess.run([exe, "stat", "-x", ",", "-e", events, "-p", str(pid), "-o", str(out), "--", "sleep",
+                           f"{seconds:g}"], capture_output=True, text=True, timeout=seconds + 30)
+    calls = parse_perf_counts(out.read_text()) if out.exists() else {}
+    if proc.returncode != 0 or not calls:
+        return {"error": f"perf stat failed ({proc.returncode}): {proc.stderr.strip()[-400:]}"}
     return {"calls": calls, "reads": sum(calls.get(k, 0) for k in _READS),
-            "writes": sum(calls.get(k, 0) for k in _WRITES), "epoll_waits": calls.get("epoll_wait", 0),
+            "writes": sum(calls.get(k, 0) for k in _WRITES), "waits": sum(calls.get(k, 0) for k in _WAITS),
             "raw": str(out)}
 
 
@@ -255,10 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also sample the router with py-spy during a request step at RATE req/s")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a token step at RATE req/s")
-    p.add_argument("--strace-tokens", type=float, default=None, metavar="RATE",
-                   help="also count the router's syscalls (strace -c -f) during a token step at RATE req/s: reads "
-                        "and writes per output token (the router runs slower under strace: that step's CPU figures "
-                        "are not comparable)")
+    p.add_argument("--syscalls-tokens", type=float, default=None, metavar="RATE",
+                   help="also count the router's syscalls during a token step at RATE req/s (perf stat on the "
+                        "syscall tracepoints, all threads): reads, writes and waits per output token")
     p.add_argument("--liveness", type=int, default=50,
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
@@ -423,21 +419,22 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("_rows")
             results[key] = {"step": s, "profile": prof}
             _print_profile(console, key, rate, s, prof)
-        if args.strace_tokens is not None:
+        if args.syscalls_tokens is not None:
             counts: dict[str, Any] = {}
-            sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "strace_tokens"
+            sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "syscalls_tokens"
             sdir.mkdir(parents=True, exist_ok=True)
 
-            def strace_during(d: float, _c: dict[str, Any] = counts, _dir: Path = sdir) -> None:
-                _c.update(strace_counts(bench.router_pid, d, _dir))
+            def count_during(d: float, _c: dict[str, Any] = counts, _dir: Path = sdir) -> None:
+                _c.update(syscall_counts(bench.router_pid, d, _dir))
 
-            s = bench.step(args.strace_tokens, args.step, max_tokens=args.stream_tokens,
-                           prompt_tokens=args.prompt_tokens, during=strace_during)
+            s = bench.step(args.syscalls_tokens, args.step, max_tokens=args.stream_tokens,
+                           prompt_tokens=args.prompt_tokens, during=count_during)
             s.pop("_rows")
+            # the count covers the sending window; the streams still running after it are not in it
             n_tok = s["output_tokens"] or 0
-            per = {k: counts[k] / n_tok for k in ("reads", "writes", "epoll_waits") if k in counts and n_tok}
-            results["strace_tokens"] = {"step": s, "counts": counts, "per_output_token": per}
-            console.print(f"router syscalls at {args.strace_tokens:g} req/s x {args.stream_tokens} tokens: "
+            per = {k: counts[k] / n_tok for k in ("reads", "writes", "waits") if k in counts and n_tok}
+            results["syscalls_tokens"] = {"step": s, "counts": counts, "per_output_token": per}
+            console.print(f"router syscalls at {args.syscalls_tokens:g} req/s x {args.stream_tokens} tokens: "
                           + (counts["error"] if "error" in counts else
                              ", ".join(f"{k} {v:.3f}" for k, v in per.items()) + " per output token "
                              f"({n_tok} tokens; SSE events {s['tokens']})"))
@@ -458,13 +455,13 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]kairos bench-router: reference app: {e}[/]")
             return 1
     if args.peers:
-        from bench.peers import peers_phase, print_summary
+        from bench.peers import peers_phases, print_modes_summary
 
-        results["peers"] = peers_phase(console, args, [n.strip() for n in args.peers.split(",") if n.strip()],
+        results["peers"] = peers_phases(console, args, [n.strip() for n in args.peers.split(",") if n.strip()],
                                        results, n_clients=n_clients, router_cpus=router_cpus, other_cpus=other_cpus)
     _print_summary(console, results)
     if args.peers:
-        print_summary(console, results["peers"])
+        print_modes_summary(console, results["peers"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results: {args.out}")

@@ -103,15 +103,14 @@ def test_peer_backend_modes(tmp_path: Path) -> None:
     assert n == 4 and step == pytest.approx(2 * 0.0005, rel=1e-3)  # the fast profile: 0.5 ms a step, scaled
 
 
-def test_strace_counts_are_parsed() -> None:
-    from bench.router_throughput import parse_strace_counts
+def test_syscall_counts_are_parsed() -> None:
+    from bench.router_throughput import parse_perf_counts
 
-    text = """% time     seconds  usecs/call     calls    errors syscall
------- ----------- ----------- --------- --------- ----------------
- 14.40    0.189602           9     19569           writev
-  6.25    0.082318           7     10783        34 recvfrom
-  0.00    0.000000           0         2           socket
------- ----------- ----------- --------- --------- ----------------
-100.00    1.361645          20     66544       532 total
+    text = """# started on Sun Dec  6 16:45:00 2026
+
+10783,,syscalls:sys_enter_recvfrom,5001234,100.00,,
+19569,,syscalls:sys_enter_writev,5001234,100.00,,
+0,,syscalls:sys_enter_sendmsg,5001234,100.00,,
+<not counted>,,syscalls:sys_enter_read,0,0.00,,
 """
-    assert parse_strace_counts(text) == {"writev": 19569, "recvfrom": 10783, "socket": 2}
+    assert parse_perf_counts(text) == {"recvfrom": 10783, "writev": 19569, "sendmsg": 0}

@@ -1,12 +1,23 @@
 """The routers users would pick instead, measured like Kairos's: `kairos bench-router --peers ...`.
 
 Each peer (sglang-router, vllm-router: Rust routers with a Python launcher) runs pinned to the
-router's CPUs in front of two mock OpenAI backends (bench/reference_app.py, on the other CPUs:
-they answer every completion with a fixed SSE stream at once), and the same load generator
-processes drive it with the same request-rate and token-rate steps as Kairos's router in the
+router's CPUs in front of mock OpenAI backends (bench/reference_app.py, on the other CPUs), and
+the same load generator processes drive it with the same request-rate and token-rate steps as Kairos's router in the
 same run. Measured per peer: its process's CPU per request and per streamed token (all threads,
 CPU-time clock, its idle use subtracted), the carried rate, and TTFT p50 at the latency phase's rate;
 the same TTFT straight to one backend is the floor both are compared against.
+
+How the backends write a stream (`--peer-backend`, both by default, each reported on its own):
+- burst: two backends, each answering a completion with every SSE event at once (one socket
+  write per event in one turn of its loop), so a peer reads many events per read (sglang-router
+  at 50 req/s x 100 tokens, 2026-12-06, syscalls counted by perf: 0.07 reads and 1.0 writes per
+  token; 0.79 and 1.2 with paced backends). Kairos's router gets its tokens one engine step at a
+  time instead, so this mode alone is not like for like.
+- paced: as many backends as Kairos has decode workers (--decode), each writing as an engine
+  does: one event per stream in flight every step, the step being the profile's decode step
+  (0.5 ms for `fast`, times --time-scale) on the simulated engine's absolute-deadline cadence
+  (asyncio's sleep: about 0.63 ms a step on average). At 50 req/s that is about one token per
+  read for a peer, as Kairos's router gets about one token per bus message.
 
 What differs, and is said with every figure: a peer parses the body's JSON, picks a backend and
 relays its bytes; Kairos's router validates the request field by field, decides the route with
@@ -41,6 +52,7 @@ from typing import Any
 from rich.console import Console
 
 from bench.steps import Bench, Clients, fmt, request_steps, sustained, token_steps, wait_port
+from common.errors import ConfigError
 from kairos.up import free_ports
 
 INSTALL = ("python -m venv /opt/peers && /opt/peers/bin/pip install sglang-router==0.3.2 vllm-router==0.1.17; "
@@ -97,37 +109,55 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(5)
 
 
+MODES = ("burst", "paced")
+
+
+def backend_mode(mode: str, args: argparse.Namespace) -> tuple[int, float]:
+    """(backends, step seconds) for a --peer-backend mode: burst, two backends writing every event
+    at once (step 0); paced, one backend per Kairos decode worker, one event per stream per step of
+    the profile's decode step."""
+    if mode == "burst":
+        return 2, 0.0
+    from common.perf_model import load_profile
+
+    model = load_profile(getattr(args, "profile", "fast")).model
+    return max(1, int(getattr(args, "decode", 4))), model.step_time(1, 0) * float(getattr(args, "time_scale", 1.0))
+
+
 def measure(console: Console, args: argparse.Namespace, target: str | None, *, rates: Sequence[float],
             token_rates: Sequence[float], n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int],
-            log_dir: Path) -> dict[str, Any]:
+            log_dir: Path, mode: str = "burst") -> dict[str, Any]:
     """One peer (`target`: its name), or with None the backend alone (the TTFT floor): the
-    latency step, the request-rate and token-rate steps; the measured process's CPU."""
-    ports = free_ports(4)
+    latency step, the request-rate and token-rate steps; the measured process's CPU. `mode`: how
+    the backends write a stream (MODES)."""
+    n_backends, step_s = backend_mode(mode, args)
+    ports = free_ports(n_backends + 2)
     model_dir = log_dir / "stub-model"
     write_stub_tokenizer(model_dir)
+    pace = ["--step-s", repr(step_s)] if step_s > 0 else []
     backends = [_pinned([sys.executable, "-m", "bench.reference_app", "--port", str(p), "--model-path",
-                         str(model_dir)], other_cpus) for p in ports[:2]]
+                         str(model_dir), *pace], other_cpus) for p in ports[:n_backends]]
     procs: list[subprocess.Popen[bytes]] = []
     clients: Clients | None = None
     try:
         for cmd in backends:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for p, port in zip(procs, ports[:2], strict=True):
+        for p, port in zip(procs, ports[:n_backends], strict=True):
             wait_port(port, p)
         if target is None:
             port, pid = ports[0], procs[0].pid
         else:
             exe = find(target)
             assert exe is not None
-            cmd = PEERS[target](exe, ports[2], ports[3], [f"http://127.0.0.1:{p}" for p in ports[:2]],
+            cmd = PEERS[target](exe, ports[-2], ports[-1], [f"http://127.0.0.1:{p}" for p in ports[:n_backends]],
                                 args.peer_policy)
-            with open(log_dir / f"{target}.log", "wb") as logf:
+            with open(log_dir / f"{target}-{mode}.log", "wb") as logf:
                 peer = subprocess.Popen(_pinned(cmd, router_cpus), stdout=logf, stderr=subprocess.STDOUT,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
             procs.append(peer)
-            wait_port(ports[2], peer, timeout=60)
-            port, pid = ports[2], peer.pid
-        label = target or "backend"
+            wait_port(ports[-2], peer, timeout=60)
+            port, pid = ports[-2], peer.pid
+        label = f"{target or 'backend'} ({mode})"
         clients = Clients(n_clients, "127.0.0.1", port, args.connections, other_cpus, model=MODEL)
         bench = Bench(None, clients, console, pid=pid)
         for _ in range(20):  # a peer routes once it has seen its backends healthy
@@ -138,7 +168,8 @@ def measure(console: Console, args: argparse.Namespace, target: str | None, *, r
         lat = bench.step(args.moderate_rate, max(args.step, 5.0), max_tokens=16, prompt_tokens=128)
         lat.pop("_rows")
         console.print(f"  {label}: TTFT p50 {fmt(lat['ttft_p50'], 1e3, 2)} ms at {args.moderate_rate:g} req/s")
-        out: dict[str, Any] = {"idle_cpu": idle, "latency": lat}
+        out: dict[str, Any] = {"backend_mode": mode, "backends": n_backends, "backend_step_s": step_s,
+                               "idle_cpu": idle, "latency": lat}
         if target is not None:
             out["requests"] = {"steps": request_steps(bench, console, args, rates, label, "CPU",
                                                       stop_past_saturation=False)}
@@ -172,18 +203,22 @@ def _ratios(kairos: dict[str, Any], peer: dict[str, Any], phase: str, per: str,
 
 
 def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
-                n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int]) -> dict[str, Any]:
-    """Every peer in `names` (skipped where not installed), measured at Kairos's offered rates, and
-    Kairos's ratio to each: CPU per request and per token at each rate both ran, TTFT p50 over the
-    backend floor at the latency rate."""
+                n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int],
+                mode: str = "burst") -> dict[str, Any]:
+    """Every peer in `names` (skipped where not installed), measured at Kairos's offered rates in
+    front of backends in `mode` (MODES), and Kairos's ratio to each: CPU per request and per token
+    at each rate both ran, TTFT p50 over the backend floor at the latency rate."""
     rates = [s["offered_rate"] for s in kairos.get("requests", {}).get("steps", [])]
     token_rates = [s["offered_rate"] for s in kairos.get("tokens", {}).get("steps", [])]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kairos-bench-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    out: dict[str, Any] = {"policy": args.peer_policy, "peers": {}}
+    out: dict[str, Any] = {"policy": args.peer_policy, "backend_mode": mode, "peers": {}}
+    n_backends, step_s = backend_mode(mode, args)
+    console.print(f"backends {mode}: {n_backends}, "
+                  f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}")
     console.print("backend alone (the floor a router adds to):")
     floor = measure(console, args, None, rates=rates, token_rates=token_rates, n_clients=n_clients,
-                    router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir)
+                    router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
     out["backend"] = floor
     floor_ttft = floor["latency"]["ttft_p50"]
     # Kairos's: client TTFT over the engines' modeled time, per request (the latency phase's added_p50)
@@ -200,9 +235,9 @@ def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str]
         console.print(f"peer {name} (policy {args.peer_policy}) on CPUs {list(router_cpus) or 'any'}:")
         try:
             m = measure(console, args, name, rates=rates, token_rates=token_rates, n_clients=n_clients,
-                        router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir)
+                        router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
         except (RuntimeError, TimeoutError) as e:
-            console.print(f"[red]peer {name}: {e} (its log: {log_dir / (name + '.log')})[/]")
+            console.print(f"[red]peer {name}: {e} (its log: {log_dir / f'{name}-{mode}.log'})[/]")
             out["peers"][name] = {"skipped": f"failed: {e}"}
             continue
         p_ttft = m["latency"]["ttft_p50"]
@@ -212,6 +247,27 @@ def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str]
         m["kairos_over_peer_per_output_token"] = _ratios(kairos, m, "tokens", "output_token", token_rates)
         out["peers"][name] = m
     return out
+
+
+def peers_phases(console: Console, args: argparse.Namespace, names: Sequence[str], kairos: dict[str, Any], *,
+                 n_clients: int, router_cpus: Sequence[int], other_cpus: Sequence[int]) -> dict[str, Any]:
+    """`peers_phase` in each --peer-backend mode: the first mode's result, with every other mode's
+    whole result under `other_modes[mode]`."""
+    modes = parse_modes(getattr(args, "peer_backend", "burst"))
+    runs = [peers_phase(console, args, names, kairos, n_clients=n_clients, router_cpus=router_cpus,
+                        other_cpus=other_cpus, mode=mode) for mode in modes]
+    out = runs[0]
+    out["other_modes"] = {r["backend_mode"]: r for r in runs[1:]}
+    return out
+
+
+def parse_modes(text: str) -> list[str]:
+    """--peer-backend: a comma-separated list of MODES, in the order to run them."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"--peer-backend: expected a comma-separated list of {', '.join(MODES)}, got {text!r}")
+    return list(dict.fromkeys(modes))
 
 
 def print_summary(console: Console, peers: dict[str, Any]) -> None:
@@ -230,3 +286,13 @@ def print_summary(console: Console, peers: dict[str, Any]) -> None:
         console.print(f"peer {name}: added TTFT p50 {fmt(m.get('added_ttft_p50_s'), 1e3, 2)} ms (over the backend "
                       f"alone); Kairos's CPU per request over its: {req}; per SSE event: {tok}; "
                       f"per output token: {out_tok}")
+
+
+def print_modes_summary(console: Console, peers: dict[str, Any]) -> None:
+    """`print_summary` for every mode `peers_phases` ran, each under a line naming its backends."""
+    for mode, got in [(peers.get("backend_mode", "burst"), peers), *peers.get("other_modes", {}).items()]:
+        n_backends = got["backend"].get("backends", 2)
+        step_s = got["backend"].get("backend_step_s", 0.0)
+        console.print(f"with the peers' backends {mode} ({n_backends} backends, "
+                      f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}):")
+        print_summary(console, got)

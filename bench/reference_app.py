@@ -53,6 +53,60 @@ class _Body(msgspec.Struct):
 _decode = msgspec.json.Decoder(_Body).decode
 
 
+class _Stream:
+    __slots__ = ("done", "left", "send")
+
+    def __init__(self, send: Send, n: int, done: asyncio.Future[None]) -> None:
+        self.send, self.left, self.done = send, n, done
+
+
+class Engine:
+    """Paced mode: one step every `step_s` for every stream in flight, one event per stream per step."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.streams: list[_Stream] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def stream(self, send: Send, n: int) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.streams.append(_Stream(send, n, done))
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._run())
+        await done
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        try:
+            while self.streams:
+                batch, self.streams = self.streams, []  # the step's plan: who arrives now joins the next
+                started = loop.time()
+                deadline = max(deadline, started - self.step_s) + self.step_s  # the simulated engine's cadence
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+                still = []
+                for st in batch:
+                    st.left -= 1
+                    try:
+                        if st.left > 0:
+                            await st.send({"type": "http.response.body", "body": _TOKEN, "more_body": True})
+                            still.append(st)
+                            continue
+                        await st.send({"type": "http.response.body", "body": _LAST + _DONE, "more_body": False})
+                    except Exception as e:
+                        if not st.done.done():
+                            st.done.set_exception(e)
+                        continue
+                    if not st.done.done():
+                        st.done.set_result(None)
+                self.streams = still + self.streams
+        finally:
+            self.task = None
+
+
+_engine: Engine | None = None  # set by --step-s
+
+
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] != "http":
         return
@@ -77,6 +131,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.body", "body": b""})
         return
     await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+    if _engine is not None:
+        await _engine.stream(send, n)
+        return
     for _ in range(n - 1):
         await send({"type": "http.response.body", "body": _TOKEN, "more_body": True})
     await send({"type": "http.response.body", "body": _LAST + _DONE, "more_body": False})
@@ -87,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", default="", help="the local directory a peer router loads a tokenizer from")
+    p.add_argument("--step-s", type=float, default=0.0, metavar="S",
+                   help="write each stream as an engine does: one event per stream every S seconds (default 0: "
+                        "every event at once)")
     args = p.parse_args(argv)
+    if args.step_s < 0:
+        p.error(f"--step-s must be 0 (every event at once) or a step time in seconds, got {args.step_s}")
+    global _engine
+    _engine = Engine(args.step_s) if args.step_s > 0 else None
     set_model(args.model_path or "reference")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=False,
                                            log_level="warning", http="httptools"))

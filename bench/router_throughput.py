@@ -175,6 +175,40 @@ def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, nati
     return summarize_stacks(raw.read_text(), raw_path=str(raw))
 
 
+_READS = ("read", "readv", "recvfrom", "recvmsg", "recvmmsg")
+_WRITES = ("write", "writev", "sendto", "sendmsg", "sendmmsg")
+_WAITS = ("epoll_wait", "epoll_pwait", "poll", "ppoll")
+
+
+def parse_perf_counts(text: str) -> dict[str, int]:
+    """Calls by syscall from `perf stat -x,` output over syscalls:sys_enter_* tracepoints."""
+    calls: dict[str, int] = {}
+    for line in text.splitlines():
+        f = line.split(",")
+        if len(f) >= 3 and f[0].strip().isdigit() and f[2].startswith("syscalls:sys_enter_"):
+            calls[f[2].removeprefix("syscalls:sys_enter_")] = int(f[0])
+    return calls
+
+
+def syscall_counts(pid: int, seconds: float, out_dir: Path) -> dict[str, Any]:
+    """The syscalls of `pid` (every thread) for `seconds`, counted in the kernel by `perf stat` on
+    the syscall tracepoints (no ptrace: the router runs at its own speed): calls by syscall, and
+    its reads, writes and waits."""
+    exe = shutil.which("perf")
+    if exe is None:
+        return {"error": "perf not installed (linux-tools)"}
+    events = ",".join(f"syscalls:sys_enter_{n}" for n in (*_READS, *_WRITES, *_WAITS))
+    out = out_dir / "router-syscalls.txt"
+    proc = subprocess.run([exe, "stat", "-x", ",", "-e", events, "-p", str(pid), "-o", str(out), "--", "sleep",
+                           f"{seconds:g}"], capture_output=True, text=True, timeout=seconds + 30)
+    calls = parse_perf_counts(out.read_text()) if out.exists() else {}
+    if proc.returncode != 0 or not calls:
+        return {"error": f"perf stat failed ({proc.returncode}): {proc.stderr.strip()[-400:]}"}
+    return {"calls": calls, "reads": sum(calls.get(k, 0) for k in _READS),
+            "writes": sum(calls.get(k, 0) for k in _WRITES), "waits": sum(calls.get(k, 0) for k in _WAITS),
+            "raw": str(out)}
+
+
 # ---------------------------------------------------------------------------------- command line
 
 
@@ -218,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also sample the router with py-spy during a request step at RATE req/s")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a token step at RATE req/s")
+    p.add_argument("--syscalls-tokens", type=float, default=None, metavar="RATE",
+                   help="also count the router's syscalls during a token step at RATE req/s (perf stat on the "
+                        "syscall tracepoints, all threads): reads, writes and waits per output token")
     p.add_argument("--liveness", type=int, default=50,
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
@@ -231,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "you, on PATH: bench/peers.py says how; a missing one is skipped with a line)")
     p.add_argument("--peer-policy", default="round_robin",
                    help="the peers' routing policy (default round_robin, their cheapest)")
+    p.add_argument("--peer-backend", default="burst,paced", metavar="MODES",
+                   help="how the peers' mock backends write a stream, each mode measured and reported on its own: "
+                        "burst (every event at once, as before) and paced (one event per stream per engine step, the "
+                        "profile's decode step, one backend per --decode worker, as Kairos's simulated engine "
+                        "writes); default burst,paced")
     p.add_argument("--log-dir", default="", help="cluster logs (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write results JSON here")
     return p
@@ -283,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         if not phases <= {"latency", "requests", "tokens", "heartbeats"}:
             raise ConfigError(f"unknown phase in {args.phases!r}")
         hb_workers = parse_workers(args.workers)
+        if args.peers:
+            from bench.peers import parse_modes
+
+            parse_modes(args.peer_backend)
         all_cpus = sorted(os.sched_getaffinity(0))
         router_cpus = sorted(parse_cpus(args.router_cpus)) if args.router_cpus else []
         other_cpus = sorted(parse_cpus(args.other_cpus)) if args.other_cpus else \
@@ -373,6 +419,25 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("_rows")
             results[key] = {"step": s, "profile": prof}
             _print_profile(console, key, rate, s, prof)
+        if args.syscalls_tokens is not None:
+            counts: dict[str, Any] = {}
+            sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "syscalls_tokens"
+            sdir.mkdir(parents=True, exist_ok=True)
+
+            def count_during(d: float, _c: dict[str, Any] = counts, _dir: Path = sdir) -> None:
+                _c.update(syscall_counts(bench.router_pid, d, _dir))
+
+            s = bench.step(args.syscalls_tokens, args.step, max_tokens=args.stream_tokens,
+                           prompt_tokens=args.prompt_tokens, during=count_during)
+            s.pop("_rows")
+            # the count covers the sending window; the streams still running after it are not in it
+            n_tok = s["output_tokens"] or 0
+            per = {k: counts[k] / n_tok for k in ("reads", "writes", "waits") if k in counts and n_tok}
+            results["syscalls_tokens"] = {"step": s, "counts": counts, "per_output_token": per}
+            console.print(f"router syscalls at {args.syscalls_tokens:g} req/s x {args.stream_tokens} tokens: "
+                          + (counts["error"] if "error" in counts else
+                             ", ".join(f"{k} {v:.3f}" for k, v in per.items()) + " per output token "
+                             f"({n_tok} tokens; SSE events {s['tokens']})"))
     except (RuntimeError, TimeoutError) as e:
         console.print(f"[red]kairos bench-router: {e}[/]")
         return 1
@@ -390,13 +455,13 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]kairos bench-router: reference app: {e}[/]")
             return 1
     if args.peers:
-        from bench.peers import peers_phase, print_summary
+        from bench.peers import peers_phases, print_modes_summary
 
-        results["peers"] = peers_phase(console, args, [n.strip() for n in args.peers.split(",") if n.strip()],
+        results["peers"] = peers_phases(console, args, [n.strip() for n in args.peers.split(",") if n.strip()],
                                        results, n_clients=n_clients, router_cpus=router_cpus, other_cpus=other_cpus)
     _print_summary(console, results)
     if args.peers:
-        print_summary(console, results["peers"])
+        print_modes_summary(console, results["peers"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results: {args.out}")

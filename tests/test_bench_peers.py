@@ -5,10 +5,12 @@ nothing), and the backend the peers sit in front of answers their health and dis
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ from rich.console import Console
 
 from bench import peers
 from bench.steps import wait_port
+from common.errors import ConfigError
 from kairos.up import free_port
 
 
@@ -57,3 +60,57 @@ def test_the_backend_answers_a_peers_probes_with_a_local_model(tmp_path: Path) -
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_paced_backend_writes_one_event_per_stream_per_step() -> None:
+    """--step-s: every stream in flight gets one event per engine step (the last with [DONE]), and a
+    stream that arrives while a step runs joins the one after it, as on Kairos's simulated engine
+    (the step's plan is made before its sleep)."""
+    from bench.reference_app import _DONE, _LAST, _TOKEN, Engine
+
+    sent: list[tuple[str, bytes]] = []
+
+    def sender(name: str) -> Any:
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append((name, msg["body"]))
+        return send
+
+    async def run() -> None:
+        eng = Engine(0.001)
+        a = asyncio.ensure_future(eng.stream(sender("a"), 3))
+        b = asyncio.ensure_future(eng.stream(sender("b"), 2))
+        await asyncio.sleep(0)  # both are in the first step's plan
+        while not sent:
+            await asyncio.sleep(0.0005)
+        # arrives after the first step's writes, while the second (planned then) sleeps: joins the third
+        c = asyncio.ensure_future(eng.stream(sender("c"), 1))
+        await asyncio.gather(a, b, c)
+        assert eng.task is None and not eng.streams  # the loop ends when idle
+
+    asyncio.run(run())
+    assert sent == [("a", _TOKEN), ("b", _TOKEN), ("a", _TOKEN), ("b", _LAST + _DONE), ("a", _LAST + _DONE),
+                    ("c", _LAST + _DONE)]
+
+
+def test_peer_backend_modes(tmp_path: Path) -> None:
+    assert peers.parse_modes("paced, burst,paced") == ["paced", "burst"]
+    for bad in ("", "bursty", "burst,x"):
+        with pytest.raises(ConfigError, match="--peer-backend"):
+            peers.parse_modes(bad)
+    args = argparse.Namespace(profile="fast", decode=4, time_scale=2.0)
+    assert peers.backend_mode("burst", args) == (2, 0.0)
+    n, step = peers.backend_mode("paced", args)
+    assert n == 4 and step == pytest.approx(2 * 0.0005, rel=1e-3)  # the fast profile: 0.5 ms a step, scaled
+
+
+def test_syscall_counts_are_parsed() -> None:
+    from bench.router_throughput import parse_perf_counts
+
+    text = """# started on Sun Dec  6 16:45:00 2026
+
+10783,,syscalls:sys_enter_recvfrom,5001234,100.00,,
+19569,,syscalls:sys_enter_writev,5001234,100.00,,
+0,,syscalls:sys_enter_sendmsg,5001234,100.00,,
+<not counted>,,syscalls:sys_enter_read,0,0.00,,
+"""
+    assert parse_perf_counts(text) == {"recvfrom": 10783, "writev": 19569, "sendmsg": 0}

@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from structlog.testing import capture_logs
 
@@ -78,3 +79,28 @@ async def test_request_done_only_when_asked() -> None:
     with capture_logs() as logs:
         _finish_one(log_level="debug")
     assert [e["log_level"] for e in logs if e["event"] == "request_done"] == ["debug"]
+
+
+def test_observe_many_in_bulk_counts_as_observe_does() -> None:
+    """From BULK values on numpy finds the buckets (a list or an array, as vLLM's fold passes every
+    token's gap): the same bucket counts, values on a bound included, and the same sum to rounding."""
+    import numpy as np
+
+    from common.promfast import BULK
+
+    rng = random.Random(11)
+    bounds = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
+    values = [rng.choice([0.0, 0.001, 0.0025, 1.0, 5.0, -1.0, math.inf, rng.random() * 0.02, rng.expovariate(100)])
+              for _ in range(3 * BULK)]
+    one, many, arr = CollectorRegistry(), CollectorRegistry(), CollectorRegistry()
+    hs = [Histogram("gap", "gaps", ["route"], buckets=bounds, registry=r) for r in (one, many, arr)]
+    for v in values:
+        hs[0].labels("deflect").observe(v)
+    observe_many(child(hs[1], "deflect"), values)
+    observe_many(child(hs[2], "deflect"), np.array(values))
+    observe_many(child(hs[2], "deflect"), np.array([]))
+    a = _series(one)
+    for b in (_series(many), _series(arr)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == (pytest.approx(a[k]) if k[0] == "gap_sum" else a[k]), k

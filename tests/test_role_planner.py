@@ -215,3 +215,35 @@ def test_measure_reads_the_requests_each_prefill_worker_decodes() -> None:
     assert load.retained == 7
     assert load.decode_step_s == pytest.approx(0.06) and load.decode_step_planned_s == pytest.approx(0.09)
     assert [(w.worker_id, w.decodes) for w in load.workers if w.role == "prefill"] == [("p0", 7)]
+
+
+def test_an_idle_decode_pool_on_a_slow_gpu_is_not_busy() -> None:
+    # A100 under step noise: a lone sequence's step, planned with its margin, is 0.62 of the SLO (the
+    # weights read every step). Above that fixed cost the pool uses nothing: no decode_busy flip
+    idle = dict(CALM, decode_step_s=0.044, decode_step_planned_s=0.062, decode_step_floor_s=0.062)
+    assert run(RolePlanner(cfg()), idle, fleet(2, 2), 0.0, 300.0)[0] == []
+    # the same step with a fixed cost of 0.03: 0.46 of the room above it, still under step_lo ...
+    assert run(RolePlanner(cfg()), dict(idle, decode_step_floor_s=0.03), fleet(2, 2), 0.0, 300.0)[0] == []
+    # ... and with a batch that fills the room above the fixed cost, busy
+    full = dict(idle, decode_step_planned_s=0.09)
+    flips, _ = run(RolePlanner(cfg()), full, fleet(2, 2), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_busy")]
+
+
+def test_a_decode_load_that_rises_is_judged_on_its_recent_samples() -> None:
+    # an output-heavy phase starts: 20 s of an idle decode pool, then its step climbs toward the SLO
+    steps = [0.03] * 4 + [0.03, 0.05, 0.07, 0.08, 0.09]
+    p, q = RolePlanner(cfg()), RolePlanner(cfg(recent=1.0))  # recent=1.0: the window's mean only, as before
+    at = {}
+    for planner, name in ((p, "recent"), (q, "window")):
+        for i, s in enumerate(steps):
+            f = planner.observe(Load(workers=fleet(2, 2), **dict(CALM, decode_step_s=s, decode_step_floor_s=0.03)),
+                                5.0 * i)  # type: ignore[arg-type]
+            if f is not None:
+                at[name] = (5.0 * i, f.reason)
+                break
+    # the last half window's mean at 40 s, of the room above the 0.03 fixed cost: (0.57 + 0.71 + 0.86) / 3
+    assert at["recent"] == (40.0, "decode_busy")
+    assert "window" not in at  # the window's mean (0.35 at 40 s) had not reached step_lo yet
+    with pytest.raises(ValueError, match="recent"):
+        PlannerConfig(recent=0.0)

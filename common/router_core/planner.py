@@ -99,6 +99,7 @@ class PlannerConfig:
     queue_hi: float = 0.5
     queue_lo: float = 0.25
     decode_lean: bool = True
+    recent: float = 0.5
     ttft_slo: float = 2.0
     tbt_slo: float = 0.1
 
@@ -109,6 +110,8 @@ class PlannerConfig:
             raise ValueError("planner: min_dwell_s and min_gap_s must be >= 0")
         if not (0 <= self.min_prefill <= self.max_prefill and 1 <= self.min_decode <= self.max_decode):
             raise ValueError("planner: need 0 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode")
+        if not 0 < self.recent <= 1:
+            raise ValueError("planner: recent must be in (0, 1] (the share of the window a rising step is judged on)")
         for lo, hi, what in ((self.wait_lo, self.wait_hi, "wait"), (self.step_lo, self.step_hi, "step"),
                              (self.queue_lo, self.queue_hi, "queue")):
             if not 0 <= lo < hi:
@@ -141,6 +144,10 @@ class Load:
     # times its measured margin over its bias; the step itself with an exact model): what RolePlanner
     # judges, since under step noise the guard keeps the measured step well under the SLO when full
     decode_step_planned_s: float | None = None
+    # mean over decode workers: the step of a lone sequence, scaled as the planned step is (the fixed
+    # cost every step pays, weights read; 0: unknown). RolePlanner judges the step above it: an idle
+    # decode pool on a slow GPU steps at well over half the SLO and is not busy for that
+    decode_step_floor_s: float = 0.0
 
     @property
     def step_judged_s(self) -> float:
@@ -281,10 +288,19 @@ class RolePlanner:
             # no decode worker had room to prefill it in place, a decode shortage
             return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
 
+        def step(xs: list[Load]) -> float:
+            # the share of the step's room above its fixed cost that the decodes use: that part grows
+            # with the batch (and shrinks with one decode worker more); the fixed part never does
+            above = sum(max(0.0, x.step_judged_s - x.decode_step_floor_s) for x in xs) / len(xs)
+            return above / max(cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs), 1e-9)
+
+        # a decode load that rises is judged on its recent samples (the last `recent` of the window):
+        # an output-heavy phase fills the decode pool within seconds, the window's mean follows late
+        recent = max(1, int(len(s) * cfg.recent))
         return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
                                        or (x.waits_prefill and not prefill_wait(x))) / n,
                        prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
-                       step=sum(x.step_judged_s for x in s) / n / cfg.tbt_slo,
+                       step=max(step(s), step(s[-recent:])),
                        queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
                        n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
                        n_decode=sum(1 for w in load.workers if w.role == DECODE))
@@ -337,6 +353,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     full_s: list[float] = []
     step_s: list[float] = []
     planned_s: list[float] = []
+    floor_s: list[float] = []
     workers: list[WorkerLoad] = []
     retained = 0
     for e in table.workers.values():
@@ -358,6 +375,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             step_s.append(step)
             ratio = hb.step_margin / hb.step_bias if isinstance(hb, m.DecodeHeartbeat) and hb.step_bias > 0 else 1.0
             planned_s.append(step * max(1.0, ratio))
+            floor_s.append(e.model.step_time(1, 0) * max(1.0, ratio))
             workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
     waits_d = waits_p = 0
     for r in waiting:
@@ -369,7 +387,8 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
                 waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
                 prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained,
-                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0)
+                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0,
+                decode_step_floor_s=sum(floor_s) / len(floor_s) if floor_s else 0.0)
 
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions

@@ -99,7 +99,7 @@ class PlannerConfig:
     queue_hi: float = 0.5
     queue_lo: float = 0.25
     decode_lean: bool = True
-    recent: float = 0.5
+    recent: float = 0.34
     ttft_slo: float = 2.0
     tbt_slo: float = 0.1
 
@@ -294,8 +294,9 @@ class RolePlanner:
             above = sum(max(0.0, x.step_judged_s - x.decode_step_floor_s) for x in xs) / len(xs)
             return above / max(cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs), 1e-9)
 
-        # a decode load that rises is judged on its recent samples (the last `recent` of the window):
-        # an output-heavy phase fills the decode pool within seconds, the window's mean follows late
+        # a decode load that rises is judged on its recent samples (the last `recent` share of the
+        # window, two of its six samples by default): an output-heavy phase fills the decode pool
+        # within seconds, the window's mean follows late
         recent = max(1, int(len(s) * cfg.recent))
         return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
                                        or (x.waits_prefill and not prefill_wait(x))) / n,

@@ -22,17 +22,19 @@ The rules (`PlannerConfig`, defaults in brackets):
   waits then and the guard keeps the steps short, so this is the shortage's only sign), in at
   least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
   the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
-  held because no decode worker had room to prefill it in place), or the decode step took at
-  least `step_hi` [0.9] of
-  the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
+  held because no decode worker had room to prefill it in place), or the decode step used at
+  least `step_hi` [0.9] of the TBT SLO's room above the step's fixed cost (a lone sequence's step:
+  the weights read every step, which no batch size changes) on average over the window or over
+  its last `recent` [0.34: two of six samples] share (a decode load that rises is judged as it
+  is now); and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
   scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
 - Toward prefill when the prefill pool is short (the queue at >= `queue_hi` [0.5] of the TTFT
   SLO on average, or prefill waits in >= `wait_hi` of the samples with the queue at >= `queue_lo`
   on average: a burst whose queue is short on average is absorbed by decode workers prefilling in
   place, and a worker moved for it drains its decodes only to be needed back) and the decode pool
-  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step scaled
-  to one decode worker fewer <= `step_lo` [0.6]).
+  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step, judged
+  as above, scaled to one decode worker fewer <= `step_lo` [0.6]).
 - The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
   role at least `min_dwell_s` [60 s] after a role change the planner saw (none before its first),
   flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one

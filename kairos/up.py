@@ -584,13 +584,13 @@ def parser() -> argparse.ArgumentParser:
                         "(default 30; 0: at once). A request predicted to wait past its TTFT SLO is refused "
                         "before that, at once, with HTTP 429 and Retry-After (the router's queue_budget: "
                         "KAIROS_QUEUE_BUDGET or --config; -1 turns that off)")
-    p.add_argument("--planner", choices=("on", "off"), default="off",
+    p.add_argument("--planner", choices=("on", "off"), default=None,
                    help="the role planner (as `kairos sim --planner`): the router moves workers between the prefill "
                         "and decode roles when the measured load says the other role is the bottleneck; a worker "
-                        "drains, its engine switches in place and it registers again (the simulated engine; vLLM "
-                        "workers refuse, saying so). Its bounds (KAIROS_PLANNER_MIN_GAP_S, _MAX_DECODE, "
-                        "_MIN_PREFILL, ...: `kairos router --help`) come from the environment or --config "
-                        "(default off)")
+                        "drains, its engine switches in place and it registers again (the simulated engine, vLLM "
+                        "in kv_both; other vLLM workers refuse, saying so). Its bounds (KAIROS_PLANNER_MIN_GAP_S, "
+                        "_MAX_DECODE, _MIN_PREFILL, ...: `kairos router --help`) come from the environment or --config "
+                        "(default: the router's, on; KAIROS_PLANNER or --config may set it)")
     p.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
                    help="a worker the planner never moves (e.g. prefill-0); repeat for several")
     p.add_argument("--config", metavar="FILE", default=None,
@@ -759,8 +759,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
-    if a.planner == "on":
-        router_env[ENV_PREFIX + "PLANNER"] = "true"
+    if a.planner is not None:
+        router_env[ENV_PREFIX + "PLANNER"] = "true" if a.planner == "on" else "false"
     if a.planner_pin:
         router_env[ENV_PREFIX + "PLANNER_PIN"] = ",".join(a.planner_pin)
     err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it

@@ -184,6 +184,12 @@ def leader(routers: Iterable[str]) -> str:
     return min(routers, default="")
 
 
+def shipped_planner(policy: str) -> bool:
+    """Whether a router running routing policy `policy` plans roles by default: Kairos as the
+    router ships it (RouterConfig.planner); the baselines, compared at fixed splits, never."""
+    return policy == "kairos" and RouterConfig().planner
+
+
 def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> PlannerConfig:
     """The planner's settings from a router's configuration (the live router's and the
     simulator's alike); `enabled` overrides cfg.planner. Bad settings are a ConfigError naming them."""

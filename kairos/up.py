@@ -44,6 +44,7 @@ from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES, policy_help
+from common.router_core.planner import shipped_planner
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
@@ -590,7 +591,8 @@ def parser() -> argparse.ArgumentParser:
                         "drains, its engine switches in place and it registers again (the simulated engine, vLLM "
                         "in kv_both; other vLLM workers refuse, saying so). Its bounds (KAIROS_PLANNER_MIN_GAP_S, "
                         "_MAX_DECODE, _MIN_PREFILL, ...: `kairos router --help`) come from the environment or --config "
-                        "(default: the router's, on; KAIROS_PLANNER or --config may set it)")
+                        "(default: on for kairos, as the router ships it; off for the other policies, which keep "
+                        "their split as in `kairos sim`)")
     p.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
                    help="a worker the planner never moves (e.g. prefill-0); repeat for several")
     p.add_argument("--config", metavar="FILE", default=None,
@@ -761,6 +763,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
     if a.planner is not None:
         router_env[ENV_PREFIX + "PLANNER"] = "true" if a.planner == "on" else "false"
+    elif not shipped_planner(a.policy):  # a baseline keeps its split, as in `kairos sim`
+        router_env[ENV_PREFIX + "PLANNER"] = "false"
     if a.planner_pin:
         router_env[ENV_PREFIX + "PLANNER_PIN"] = ",".join(a.planner_pin)
     err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it

@@ -247,3 +247,32 @@ def test_a_decode_load_that_rises_is_judged_on_its_recent_samples() -> None:
     assert "window" not in at  # the window's mean (0.35 at 40 s) had not reached step_lo yet
     with pytest.raises(ValueError, match="recent"):
         PlannerConfig(recent=0.0)
+
+
+def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> None:
+    """One default for the live router, `kairos up` and the simulator: Kairos plans roles as the
+    router ships it, a baseline keeps its fixed split; `--planner on/off` sets it for any policy."""
+    from common.config import RouterConfig
+    from common.perf_model import load_profile
+    from common.policy import make_policy
+    from common.router_core.planner import shipped_planner
+    from kairos.up import parser, spec_from_args
+    from sim.core import Simulation
+    from sim.state import SimConfig
+
+    assert RouterConfig().planner is True
+    assert shipped_planner("kairos") and not shipped_planner("disagg-least-loaded")
+
+    def env(*argv: str) -> str | None:
+        return spec_from_args(parser().parse_args(["--no-monitor", *argv])).router_env.get("KAIROS_PLANNER")
+
+    assert env() is None  # the router's own default: on
+    assert env("--policy", "disagg-least-loaded") == "false"
+    assert env("--policy", "disagg-least-loaded", "--planner", "on") == "true"
+    assert env("--planner", "off") == "false"
+    prof = load_profile("h100-llama2-70b-tp4")
+    for name, on in (("kairos", True), ("disagg-least-loaded", False)):
+        sim = Simulation(prof, make_policy(name, default_model=prof.model), SimConfig())
+        assert (sim.planner is not None) is on and sim.cfg.planner is on
+    off = Simulation(prof, make_policy("kairos", default_model=prof.model), SimConfig(planner=False))
+    assert off.planner is None

@@ -276,3 +276,13 @@ def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> 
         assert (sim.planner is not None) is on and sim.cfg.planner is on
     off = Simulation(prof, make_policy("kairos", default_model=prof.model), SimConfig(planner=False))
     assert off.planner is None
+
+
+def test_a_tbt_slo_under_the_steps_fixed_cost_is_a_decode_shortage() -> None:
+    # the SLO (10 us) is under a lone sequence's step (1 ms): no room above the fixed cost at all,
+    # every decode step passes it: the decode pool is short (as a step at >= step_hi of the SLO is)
+    tight = dict(CALM, decode_step_s=0.001, decode_step_floor_s=0.001)
+    flips, _ = run(RolePlanner(cfg(tbt_slo=0.00001)), tight, fleet(2, 1), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+    idle = dict(tight, decode_step_s=0.0)  # ... but a pool that has not stepped yet is not
+    assert run(RolePlanner(cfg(tbt_slo=0.00001)), idle, fleet(2, 1), 0.0, 60.0)[0] == []

@@ -300,7 +300,10 @@ class RolePlanner:
             # the share of the step's room above its fixed cost that the decodes use: that part grows
             # with the batch (and shrinks with one decode worker more); the fixed part never does
             above = sum(max(0.0, x.step_judged_s - x.decode_step_floor_s) for x in xs) / len(xs)
-            return above / max(cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs), 1e-9)
+            room = cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs)
+            if room <= 0:  # a lone sequence's step already passes the SLO: any decoding is over it
+                return math.inf if any(x.step_judged_s > 0 for x in xs) else 0.0
+            return above / room
 
         # a decode load that rises is judged on its recent samples (the last `recent` share of the
         # window, two of its six samples by default): an output-heavy phase fills the decode pool

@@ -215,7 +215,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     planner: Annotated[bool, doc("the role planner (common/router_core/planner.py): move workers between the prefill "
                                  "and decode roles when the measured load says the other role is the bottleneck; "
                                  "with several routers only the one whose incarnation sorts first among those the "
-                                 "workers report decides (`kairos sim --planner on` runs the same)")] = False
+                                 "workers report decides (`kairos sim` runs the same; on by default: "
+                                 "KAIROS_PLANNER=false or `kairos up --planner off` turns it off)")] = True
     planner_interval_s: Annotated[float, doc("role planner: seconds between its load samples")] = 5.0
     planner_window_s: Annotated[float, doc("role planner: seconds of samples a decision is judged on")] = 30.0
     planner_min_dwell_s: Annotated[float, doc("role planner: seconds a worker keeps a role before it may move")] = 60.0

@@ -44,6 +44,7 @@ from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES, policy_help
+from common.router_core.planner import shipped_planner
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
@@ -584,13 +585,14 @@ def parser() -> argparse.ArgumentParser:
                         "(default 30; 0: at once). A request predicted to wait past its TTFT SLO is refused "
                         "before that, at once, with HTTP 429 and Retry-After (the router's queue_budget: "
                         "KAIROS_QUEUE_BUDGET or --config; -1 turns that off)")
-    p.add_argument("--planner", choices=("on", "off"), default="off",
+    p.add_argument("--planner", choices=("on", "off"), default=None,
                    help="the role planner (as `kairos sim --planner`): the router moves workers between the prefill "
                         "and decode roles when the measured load says the other role is the bottleneck; a worker "
-                        "drains, its engine switches in place and it registers again (the simulated engine; vLLM "
-                        "workers refuse, saying so). Its bounds (KAIROS_PLANNER_MIN_GAP_S, _MAX_DECODE, "
-                        "_MIN_PREFILL, ...: `kairos router --help`) come from the environment or --config "
-                        "(default off)")
+                        "drains, its engine switches in place and it registers again (the simulated engine, vLLM "
+                        "in kv_both; other vLLM workers refuse, saying so). Its bounds (KAIROS_PLANNER_MIN_GAP_S, "
+                        "_MAX_DECODE, _MIN_PREFILL, ...: `kairos router --help`) come from the environment or --config "
+                        "(default: on for kairos, as the router ships it; off for the other policies, which keep "
+                        "their split as in `kairos sim`)")
     p.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
                    help="a worker the planner never moves (e.g. prefill-0); repeat for several")
     p.add_argument("--config", metavar="FILE", default=None,
@@ -759,8 +761,10 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
-    if a.planner == "on":
-        router_env[ENV_PREFIX + "PLANNER"] = "true"
+    if a.planner is not None:
+        router_env[ENV_PREFIX + "PLANNER"] = "true" if a.planner == "on" else "false"
+    elif not shipped_planner(a.policy):  # a baseline keeps its split, as in `kairos sim`
+        router_env[ENV_PREFIX + "PLANNER"] = "false"
     if a.planner_pin:
         router_env[ENV_PREFIX + "PLANNER_PIN"] = ",".join(a.planner_pin)
     err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it

@@ -111,10 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "rejected (default 30; 0: reject at once)")
     c.add_argument("--kv-wait-max", type=int, default=1024,
                    help="requests waiting for KV room before new ones are rejected at once (default 1024)")
-    c.add_argument("--planner", choices=("on", "off"), default="off",
+    c.add_argument("--planner", choices=("on", "off"), default=None,
                    help="the role planner (common/router_core/planner.py): router 0 moves workers between the prefill "
                         "and decode roles when measured load says the other role is short; a flip drains the worker, "
-                        "keeps it out --planner-switch-s and rejoins it with an empty prefix cache (default off)")
+                        "keeps it out --planner-switch-s and rejoins it with an empty prefix cache (default: on for "
+                        "kairos, as the router ships it; off for the baselines, which keep their split; on/off: every "
+                        "policy)")
     c.add_argument("--planner-switch-s", type=float, default=2.0, metavar="SECONDS",
                    help="seconds a flipped worker's engine is out between its drain and its rejoin (default 2)")
     c.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
@@ -243,7 +245,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
                      replica_stagger_ms=args.replica_stagger_ms,
-                     prompt_beat=args.prompt_beat, planner=args.planner == "on",
+                     prompt_beat=args.prompt_beat, planner=None if args.planner is None else args.planner == "on",
                      planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin))
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)

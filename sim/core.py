@@ -63,7 +63,14 @@ from common.engines.step_error import ChunkGuard, StepErrorEstimator, bias_facto
 from common.perf_model import Profile
 from common.policy import Policy
 from common.prefix_hash import chain_ids
-from common.router_core.planner import Flip, RolePlanner, ThresholdPlanner, planner_config, threshold_config
+from common.router_core.planner import (
+    Flip,
+    RolePlanner,
+    ThresholdPlanner,
+    planner_config,
+    shipped_planner,
+    threshold_config,
+)
 from common.router_core.ports import NULL_LOG
 from common.traces import TraceRequest
 from common.worker_core.decode import Outcome
@@ -94,6 +101,8 @@ class Simulation:
     def __init__(self, profile: Profile, policy: Policy, cfg: SimConfig) -> None:
         self.profile = profile
         self.policy = policy
+        if cfg.planner is None:  # the router's default for Kairos; the baselines keep their fixed split
+            cfg = msgspec.structs.replace(cfg, planner=shipped_planner(policy.name))
         self.cfg = cfg
         model = profile.model
         self.model = model

@@ -30,6 +30,7 @@ from typing import Any
 from common.errors import ConfigError
 from common.perf_model import load_profile
 from common.policy import NO_PREFILL_POLICIES
+from common.router_core.planner import shipped_planner
 from sim.core import SimConfig, simulate
 from sim.fair_eval import CONDITIONS
 from sim.knobs import (
@@ -134,8 +135,9 @@ def cells(args: argparse.Namespace, tuned: dict[str, Setup]) -> list[Cell]:
                                        for p, d in args.split)
                 for n_p, n_d in splits:
                     for x in args.rate:
+                        on = shipped_planner(routing(policy)) if args.planner is None else args.planner == "on"
                         out.append(Cell(wname, policy, n_p, n_d, cond, x, args.profile, setup,
-                                        planner=args.planner == "on" and n_p > 0, slice=args.slice))
+                                        planner=on and n_p > 0, slice=args.slice))
     return out
 
 
@@ -201,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned", default=None, help="settings from `kairos tune` or fair_eval instead of the shipped ones")
     p.add_argument("--goodput-at", type=float, default=0.9,
                    help="goodput: the highest --rate with at least this both-SLO attainment (default 0.9)")
-    p.add_argument("--planner", choices=("on", "off"), default="off",
+    p.add_argument("--planner", choices=("on", "off"), default=None,
                    help="the role planner in every run with prefill workers (common/router_core/planner.py; "
-                        "rows then say how many flips and the split at the end) (default off)")
+                        "rows then say how many flips and the split at the end) (default: on for kairos, as the "
+                        "router ships it, off for the baselines, which keep their split; on/off: every policy)")
     p.add_argument("--jobs", type=int, default=2, help="parallel simulation processes (default 2)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     add_engine_flags(p)

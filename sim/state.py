@@ -62,8 +62,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the role planner (common/router_core/planner.py), run by router 0: workers move between the
     # prefill and decode roles as the load asks; a flip drains the worker (it takes no new work and
     # finishes what it holds), then its engine is out `planner_switch_s` seconds and rejoins under the
-    # new role with an empty prefix cache (its measured step error kept: the same GPU)
-    planner: bool = False
+    # new role with an empty prefix cache (its measured step error kept: the same GPU). None: as the
+    # router ships it (RouterConfig.planner, on) for Kairos, off for the baselines (fixed splits);
+    # True / False: on / off whatever the policy
+    planner: bool | None = None
     # which: "roles" (Kairos's, RolePlanner) or "threshold" (a Dynamo-style baseline, ThresholdPlanner)
     planner_rule: str = "roles"
     planner_switch_s: float = 2.0

@@ -12,6 +12,11 @@ from kairos.up import Cluster, ClusterSpec
 
 def start_cluster(tmp: Path, **kw: object) -> Cluster:
     kw.setdefault("monitor", False)
+    # the role planner is on by default; a test's cluster keeps the split it asked for (a flip
+    # mid-test would move what it checks) unless the test sets KAIROS_PLANNER itself
+    env = dict(kw.get("router_env") or {})  # type: ignore[call-overload]
+    env.setdefault("KAIROS_PLANNER", "false")
+    kw["router_env"] = env
     spec = ClusterSpec.ephemeral(log_dir=str(tmp), **kw)
     c = Cluster(spec)
     c.start(timeout=60)  # a failed start stops what it started

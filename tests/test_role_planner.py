@@ -215,3 +215,74 @@ def test_measure_reads_the_requests_each_prefill_worker_decodes() -> None:
     assert load.retained == 7
     assert load.decode_step_s == pytest.approx(0.06) and load.decode_step_planned_s == pytest.approx(0.09)
     assert [(w.worker_id, w.decodes) for w in load.workers if w.role == "prefill"] == [("p0", 7)]
+
+
+def test_an_idle_decode_pool_on_a_slow_gpu_is_not_busy() -> None:
+    # A100 under step noise: a lone sequence's step, planned with its margin, is 0.62 of the SLO (the
+    # weights read every step). Above that fixed cost the pool uses nothing: no decode_busy flip
+    idle = dict(CALM, decode_step_s=0.044, decode_step_planned_s=0.062, decode_step_floor_s=0.062)
+    assert run(RolePlanner(cfg()), idle, fleet(2, 2), 0.0, 300.0)[0] == []
+    # the same step with a fixed cost of 0.03: 0.46 of the room above it, still under step_lo ...
+    assert run(RolePlanner(cfg()), dict(idle, decode_step_floor_s=0.03), fleet(2, 2), 0.0, 300.0)[0] == []
+    # ... and with a batch that fills the room above the fixed cost, busy
+    full = dict(idle, decode_step_planned_s=0.09)
+    flips, _ = run(RolePlanner(cfg()), full, fleet(2, 2), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_busy")]
+
+
+def test_a_decode_load_that_rises_is_judged_on_its_recent_samples() -> None:
+    # an output-heavy phase starts: 20 s of an idle decode pool, then its step climbs toward the SLO
+    steps = [0.03] * 4 + [0.03, 0.05, 0.07, 0.08, 0.09]
+    p, q = RolePlanner(cfg()), RolePlanner(cfg(recent=1.0))  # recent=1.0: the window's mean only, as before
+    at = {}
+    for planner, name in ((p, "recent"), (q, "window")):
+        for i, s in enumerate(steps):
+            f = planner.observe(Load(workers=fleet(2, 2), **dict(CALM, decode_step_s=s, decode_step_floor_s=0.03)),
+                                5.0 * i)  # type: ignore[arg-type]
+            if f is not None:
+                at[name] = (5.0 * i, f.reason)
+                break
+    # the last two samples' mean at 35 s, of the room above the 0.03 fixed cost: (0.57 + 0.71) / 2
+    assert at["recent"] == (35.0, "decode_busy")
+    assert "window" not in at  # the window's mean (0.35 at 40 s) had not reached step_lo yet
+    with pytest.raises(ValueError, match="recent"):
+        PlannerConfig(recent=0.0)
+
+
+def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> None:
+    """One default for the live router, `kairos up` and the simulator: Kairos plans roles as the
+    router ships it, a baseline keeps its fixed split; `--planner on/off` sets it for any policy."""
+    from common.config import RouterConfig
+    from common.perf_model import load_profile
+    from common.policy import make_policy
+    from common.router_core.planner import shipped_planner
+    from kairos.up import parser, spec_from_args
+    from sim.core import Simulation
+    from sim.state import SimConfig
+
+    assert RouterConfig().planner is True
+    assert shipped_planner("kairos") and not shipped_planner("disagg-least-loaded")
+
+    def env(*argv: str) -> str | None:
+        return spec_from_args(parser().parse_args(["--no-monitor", *argv])).router_env.get("KAIROS_PLANNER")
+
+    assert env() is None  # the router's own default: on
+    assert env("--policy", "disagg-least-loaded") == "false"
+    assert env("--policy", "disagg-least-loaded", "--planner", "on") == "true"
+    assert env("--planner", "off") == "false"
+    prof = load_profile("h100-llama2-70b-tp4")
+    for name, on in (("kairos", True), ("disagg-least-loaded", False)):
+        sim = Simulation(prof, make_policy(name, default_model=prof.model), SimConfig())
+        assert (sim.planner is not None) is on and sim.cfg.planner is on
+    off = Simulation(prof, make_policy("kairos", default_model=prof.model), SimConfig(planner=False))
+    assert off.planner is None
+
+
+def test_a_tbt_slo_under_the_steps_fixed_cost_is_a_decode_shortage() -> None:
+    # the SLO (10 us) is under a lone sequence's step (1 ms): no room above the fixed cost at all,
+    # every decode step passes it: the decode pool is short (as a step at >= step_hi of the SLO is)
+    tight = dict(CALM, decode_step_s=0.001, decode_step_floor_s=0.001)
+    flips, _ = run(RolePlanner(cfg(tbt_slo=0.00001)), tight, fleet(2, 1), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+    idle = dict(tight, decode_step_s=0.0)  # ... but a pool that has not stepped yet is not
+    assert run(RolePlanner(cfg(tbt_slo=0.00001)), idle, fleet(2, 1), 0.0, 60.0)[0] == []

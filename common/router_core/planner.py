@@ -22,17 +22,19 @@ The rules (`PlannerConfig`, defaults in brackets):
   waits then and the guard keeps the steps short, so this is the shortage's only sign), in at
   least `wait_hi` [20 %] of the samples (a request late binding held for a prefill worker while
   the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
-  held because no decode worker had room to prefill it in place), or the decode step took at
-  least `step_hi` [0.9] of
-  the TBT SLO on average; and the prefill pool can spare a worker: requests waited for a
+  held because no decode worker had room to prefill it in place), or the decode step used at
+  least `step_hi` [0.9] of the TBT SLO's room above the step's fixed cost (a lone sequence's step:
+  the weights read every step, which no batch size changes) on average over the window or over
+  its last `recent` [0.34: two of six samples] share (a decode load that rises is judged as it
+  is now); and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
   scaled to one prefill worker fewer, is at most `queue_lo` [0.25] of the TTFT SLO.
 - Toward prefill when the prefill pool is short (the queue at >= `queue_hi` [0.5] of the TTFT
   SLO on average, or prefill waits in >= `wait_hi` of the samples with the queue at >= `queue_lo`
   on average: a burst whose queue is short on average is absorbed by decode workers prefilling in
   place, and a worker moved for it drains its decodes only to be needed back) and the decode pool
-  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step scaled
-  to one decode worker fewer <= `step_lo` [0.6]).
+  can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step, judged
+  as above, scaled to one decode worker fewer <= `step_lo` [0.6]).
 - The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
   role at least `min_dwell_s` [60 s] after a role change the planner saw (none before its first),
   flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one
@@ -99,6 +101,7 @@ class PlannerConfig:
     queue_hi: float = 0.5
     queue_lo: float = 0.25
     decode_lean: bool = True
+    recent: float = 0.34
     ttft_slo: float = 2.0
     tbt_slo: float = 0.1
 
@@ -109,6 +112,8 @@ class PlannerConfig:
             raise ValueError("planner: min_dwell_s and min_gap_s must be >= 0")
         if not (0 <= self.min_prefill <= self.max_prefill and 1 <= self.min_decode <= self.max_decode):
             raise ValueError("planner: need 0 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode")
+        if not 0 < self.recent <= 1:
+            raise ValueError("planner: recent must be in (0, 1] (the share of the window a rising step is judged on)")
         for lo, hi, what in ((self.wait_lo, self.wait_hi, "wait"), (self.step_lo, self.step_hi, "step"),
                              (self.queue_lo, self.queue_hi, "queue")):
             if not 0 <= lo < hi:
@@ -141,6 +146,10 @@ class Load:
     # times its measured margin over its bias; the step itself with an exact model): what RolePlanner
     # judges, since under step noise the guard keeps the measured step well under the SLO when full
     decode_step_planned_s: float | None = None
+    # mean over decode workers: the step of a lone sequence, scaled as the planned step is (the fixed
+    # cost every step pays, weights read; 0: unknown). RolePlanner judges the step above it: an idle
+    # decode pool on a slow GPU steps at well over half the SLO and is not busy for that
+    decode_step_floor_s: float = 0.0
 
     @property
     def step_judged_s(self) -> float:
@@ -173,6 +182,12 @@ class _Judged:
 def leader(routers: Iterable[str]) -> str:
     """Which router plans, of those alive: the first by name (every router computes the same)."""
     return min(routers, default="")
+
+
+def shipped_planner(policy: str) -> bool:
+    """Whether a router running routing policy `policy` plans roles by default: Kairos as the
+    router ships it (RouterConfig.planner); the baselines, compared at fixed splits, never."""
+    return policy == "kairos" and RouterConfig().planner
 
 
 def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> PlannerConfig:
@@ -281,10 +296,23 @@ class RolePlanner:
             # no decode worker had room to prefill it in place, a decode shortage
             return x.waits_prefill > 0 and x.prefill_queue_s >= cfg.queue_lo * cfg.ttft_slo
 
+        def step(xs: list[Load]) -> float:
+            # the share of the step's room above its fixed cost that the decodes use: that part grows
+            # with the batch (and shrinks with one decode worker more); the fixed part never does
+            above = sum(max(0.0, x.step_judged_s - x.decode_step_floor_s) for x in xs) / len(xs)
+            room = cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs)
+            if room <= 0:  # a lone sequence's step already passes the SLO: any decoding is over it
+                return math.inf if any(x.step_judged_s > 0 for x in xs) else 0.0
+            return above / room
+
+        # a decode load that rises is judged on its recent samples (the last `recent` share of the
+        # window, two of its six samples by default): an output-heavy phase fills the decode pool
+        # within seconds, the window's mean follows late
+        recent = max(1, int(len(s) * cfg.recent))
         return _Judged(decode_wait=sum(1 for x in s if x.waits_decode > 0 or x.retained > 0
                                        or (x.waits_prefill and not prefill_wait(x))) / n,
                        prefill_wait=sum(1 for x in s if prefill_wait(x)) / n,
-                       step=sum(x.step_judged_s for x in s) / n / cfg.tbt_slo,
+                       step=max(step(s), step(s[-recent:])),
                        queue=sum(x.prefill_queue_s for x in s) / n / cfg.ttft_slo,
                        n_prefill=sum(1 for w in load.workers if w.role == PREFILL),
                        n_decode=sum(1 for w in load.workers if w.role == DECODE))
@@ -337,6 +365,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
     full_s: list[float] = []
     step_s: list[float] = []
     planned_s: list[float] = []
+    floor_s: list[float] = []
     workers: list[WorkerLoad] = []
     retained = 0
     for e in table.workers.values():
@@ -358,6 +387,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             step_s.append(step)
             ratio = hb.step_margin / hb.step_bias if isinstance(hb, m.DecodeHeartbeat) and hb.step_bias > 0 else 1.0
             planned_s.append(step * max(1.0, ratio))
+            floor_s.append(e.model.step_time(1, 0) * max(1.0, ratio))
             workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
     waits_d = waits_p = 0
     for r in waiting:
@@ -369,7 +399,8 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
                 decode_step_s=sum(step_s) / len(step_s) if step_s else 0.0,
                 waits_decode=waits_d, waits_prefill=waits_p, workers=tuple(workers),
                 prefill_step_s=sum(full_s) / len(full_s) if full_s else 0.0, retained=retained,
-                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0)
+                decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0,
+                decode_step_floor_s=sum(floor_s) / len(floor_s) if floor_s else 0.0)
 
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions

@@ -24,7 +24,9 @@ def monitor_url(c: Cluster) -> str:
 
 
 def start_monitored(tmp: Path, **kw: object) -> Cluster:
-    """2 prefill + 2 decode workers on the default (A100-like) profile, policy kairos, monitor on."""
+    """2 prefill + 2 decode workers on the default (A100-like) profile, policy kairos, monitor on;
+    the role planner off unless the test sets KAIROS_PLANNER (a flip would move what it checks)."""
+    kw["router_env"] = {"KAIROS_PLANNER": "false", **dict(kw.get("router_env") or {})}  # type: ignore[call-overload]
     c = Cluster(ClusterSpec.ephemeral(log_dir=str(tmp), **kw))
     try:
         c.start(timeout=60)

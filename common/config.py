@@ -212,11 +212,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                       "cached prompt tokens to the policy (off: every prompt counts whole)")] = True
     prefix_index_blocks: Annotated[int, doc("prefix index: most block hashes remembered (least recently seen "
                                             "dropped first)")] = 1 << 20
-    planner: Annotated[bool, doc("the role planner (common/router_core/planner.py): move workers between the prefill "
+    planner: Annotated[bool | None, doc("the role planner (common/router_core/planner.py): move workers between the prefill "
                                  "and decode roles when the measured load says the other role is the bottleneck; "
                                  "with several routers only the one whose incarnation sorts first among those the "
-                                 "workers report decides (`kairos sim` runs the same; on by default: "
-                                 "KAIROS_PLANNER=false or `kairos up --planner off` turns it off)")] = True
+                                 "workers report decides (`kairos sim` runs the same). Unset: on when the policy is "
+                                 "kairos, off for a baseline policy (compared at its fixed split); "
+                                 "KAIROS_PLANNER=false or `kairos up --planner off` turns it off")] = None
     planner_interval_s: Annotated[float, doc("role planner: seconds between its load samples")] = 5.0
     planner_window_s: Annotated[float, doc("role planner: seconds of samples a decision is judged on")] = 30.0
     planner_min_dwell_s: Annotated[float, doc("role planner: seconds a worker keeps a role before it may move")] = 60.0
@@ -370,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct],
         if values:
             help_text += ": " + "; ".join(f"{v} ({what})" if what else v for v, what in values.items())
         text = f"{help_text} (default: {default!r}; env {env})".replace("%", "%%")  # argparse formats help with %
-        if base is bool:
+        if base is bool or base == bool | None:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, metavar=name.upper(), help=text,
@@ -411,7 +412,7 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        if base is bool:
+        if base is bool or base == bool | None:
             data[name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             data[name] = raw

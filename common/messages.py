@@ -98,6 +98,7 @@ class Hello(Msg, frozen=True):
     max_model_len: int = 0        # longest prompt + output the engine takes (0: no limit)
     kv_block_tokens: int = 0      # tokens per KV block, where KV moves in blocks (nixl)
     held: list[str] = []          # request ids the worker holds now (the router answers which to drop)
+    fixed_role: bool = False      # its engine cannot change role in place: the role planner never moves it
 
 
 class Welcome(Msg, frozen=True):

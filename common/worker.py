@@ -340,7 +340,8 @@ class WorkerService(abc.ABC):
         held = self.held_ids()
         if link is not None and len(self.links) > 1:  # only what this router sent: it names what it no longer tracks
             held = [rid for rid in held if self.origins.of(rid) is link]
-        return self.core.hello(held=held, coeffs=self.coeffs(), **self.extra_hello())
+        return self.core.hello(held=held, coeffs=self.coeffs(), fixed_role=not self.engine.can_switch_role,
+                               **self.extra_hello())
 
     async def _hello_loop(self, link: RouterLink) -> None:
         assert link.bus is not None

@@ -104,6 +104,17 @@ def test_off_switch_bounds_and_pins() -> None:
     assert run(both, DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
 
 
+def test_a_worker_whose_engine_cannot_change_role_is_never_moved() -> None:
+    # a vLLM worker without kv_both says so in its Hello (fixed_role): the planner moves another, or
+    # none, instead of asking it and waiting planner_flip_timeout_s for a refusal
+    one_fixed = (WorkerLoad("p0", "prefill", 0.0, fixed=True), WorkerLoad("p1", "prefill", 1000.0),
+                 *fleet(0, 2))
+    flips, _ = run(RolePlanner(cfg(min_dwell_s=0.0)), DECODE_SHORT, one_fixed, 0.0, 300.0)
+    assert [f.worker_id for _, f in flips] == ["p1"]
+    all_fixed = tuple(WorkerLoad(w.worker_id, w.role, w.load, fixed=True) for w in fleet(2, 2))
+    assert run(RolePlanner(cfg(min_dwell_s=0.0)), DECODE_SHORT, all_fixed, 0.0, 300.0)[0] == []
+
+
 def test_a_bound_of_zero_moves_the_last_worker_only_when_its_pool_is_idle() -> None:
     # min_prefill 0 lets the last prefill worker go; with a prefill queue it cannot be spared (none would
     # be left to carry it), and the check must not divide by the zero workers left
@@ -255,13 +266,17 @@ def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> 
     from common.config import RouterConfig
     from common.perf_model import load_profile
     from common.policy import make_policy
-    from common.router_core.planner import shipped_planner
+    from common.router_core.planner import planner_on, shipped_planner
     from kairos.up import parser, spec_from_args
     from sim.core import Simulation
     from sim.state import SimConfig
 
-    assert RouterConfig().planner is True
+    assert RouterConfig().planner is None  # unset: the policy's default
     assert shipped_planner("kairos") and not shipped_planner("disagg-least-loaded")
+    # a router started by hand (compose, Kubernetes) with a baseline policy keeps its split unless told
+    assert planner_on(RouterConfig()) and not planner_on(RouterConfig(policy="disagg-least-loaded"))
+    assert planner_on(RouterConfig(policy="disagg-least-loaded", planner=True))
+    assert not planner_on(RouterConfig(planner=False))
 
     def env(*argv: str) -> str | None:
         return spec_from_args(parser().parse_args(["--no-monitor", *argv])).router_env.get("KAIROS_PLANNER")

@@ -242,6 +242,8 @@ async def test_an_engine_that_cannot_change_role_refuses_set_role_and_keeps_serv
         await fake.until(finished("after"))
         assert not [x for x in fake.got if isinstance(x, m.Goodbye)] and proc.worker is first
         assert not first.draining and first.next_role is None and first.engine.role == "decode"
+        # its Hello says so, and the router's planner leaves it alone (test_role_planner)
+        assert [x.fixed_role for x in fake.got if isinstance(x, m.Hello)][:1] == [True]
     finally:
         proc.worker.stop.set()
         assert await asyncio.wait_for(task, 10) == 0

@@ -40,8 +40,9 @@ The rules (`PlannerConfig`, defaults in brackets):
   flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one
   whose drain is shortest: a prefill worker with the fewest requests it decodes itself, then the
   shortest queue; a decode worker with the fewest running), each role keeps between
-  `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers never
-  move, and `enabled` False turns the planner off (it then decides nothing at all).
+  `min_prefill`/`min_decode` [1] and `max_prefill`/`max_decode` workers, `pinned` workers and
+  those whose engine cannot change role in place (Hello.fixed_role: a vLLM worker without
+  kv_both) never move, and `enabled` False turns the planner off (it then decides nothing at all).
 
 With several routers one decides at a time: the router whose name (its incarnation) sorts first
 among the routers alive (`leader`; a router learns the others from its workers' heartbeats, which
@@ -129,6 +130,7 @@ class WorkerLoad:
     role: m.Role
     load: float  # prefill: queued prompt tokens; decode: running sequences
     decodes: int = 0  # prefill: the requests it decodes itself (route retain), which its drain waits for
+    fixed: bool = False  # its engine cannot change role in place (Hello.fixed_role): never moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +187,14 @@ def leader(routers: Iterable[str]) -> str:
 
 
 def shipped_planner(policy: str) -> bool:
-    """Whether a router running routing policy `policy` plans roles by default: Kairos as the
-    router ships it (RouterConfig.planner); the baselines, compared at fixed splits, never."""
-    return policy == "kairos" and RouterConfig().planner
+    """Whether a router running routing policy `policy` plans roles by default (RouterConfig.planner
+    unset): Kairos does; the baselines, compared at fixed splits, never."""
+    return policy == "kairos"
+
+
+def planner_on(cfg: RouterConfig) -> bool:
+    """Whether a router with configuration `cfg` plans roles: as set, else its policy's default."""
+    return shipped_planner(cfg.policy) if cfg.planner is None else cfg.planner
 
 
 def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> PlannerConfig:
@@ -195,7 +202,7 @@ def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> Planner
     simulator's alike); `enabled` overrides cfg.planner. Bad settings are a ConfigError naming them."""
     try:
         return PlannerConfig(
-            enabled=cfg.planner if enabled is None else enabled, interval_s=cfg.planner_interval_s,
+            enabled=planner_on(cfg) if enabled is None else enabled, interval_s=cfg.planner_interval_s,
             window_s=cfg.planner_window_s, min_dwell_s=cfg.planner_min_dwell_s, min_gap_s=cfg.planner_min_gap_s,
             min_prefill=cfg.planner_min_prefill, max_prefill=cfg.planner_max_prefill,
             min_decode=cfg.planner_min_decode, max_decode=cfg.planner_max_decode,
@@ -353,7 +360,7 @@ class RolePlanner:
 
     def _pick(self, load: Load, to: m.Role, now: float) -> WorkerLoad | None:
         frm = PREFILL if to == DECODE else DECODE
-        ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned
+        ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned and not w.fixed
               and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
         # the shortest drain: a prefill worker waits for the requests it decodes itself, then its queue
         return min(ok, key=lambda w: (w.decodes, w.load, w.worker_id)) if ok else None
@@ -380,7 +387,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             full_s.append(full)
             decodes = hb.decodes if isinstance(hb, m.PrefillHeartbeat) else 0
             retained += decodes
-            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued), decodes))
+            workers.append(WorkerLoad(e.worker_id, PREFILL, float(queued), decodes, e.hello.fixed_role))
         else:
             batch = hb.batch if isinstance(hb, m.DecodeHeartbeat) else 0
             step = hb.step_ms_p50 / 1000.0 if isinstance(hb, m.DecodeHeartbeat) else 0.0
@@ -388,7 +395,7 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
             ratio = hb.step_margin / hb.step_bias if isinstance(hb, m.DecodeHeartbeat) and hb.step_bias > 0 else 1.0
             planned_s.append(step * max(1.0, ratio))
             floor_s.append(e.model.step_time(1, 0) * max(1.0, ratio))
-            workers.append(WorkerLoad(e.worker_id, DECODE, float(batch)))
+            workers.append(WorkerLoad(e.worker_id, DECODE, float(batch), fixed=e.hello.fixed_role))
     waits_d = waits_p = 0
     for r in waiting:
         if r.short == "prefill_busy":
@@ -454,7 +461,7 @@ class ThresholdPlanner(RolePlanner):
                                else (DECODE, PREFILL, n_p, max(cfg.min_prefill, 1)))
         if n_from - 1 < lo:
             return None
-        ok = [w for w in load.workers if w.role == frm and w.worker_id not in cfg.pinned]
+        ok = [w for w in load.workers if w.role == frm and w.worker_id not in cfg.pinned and not w.fixed]
         if not ok:
             return None
         pick = min(ok, key=lambda w: (w.load, w.worker_id))

@@ -60,17 +60,19 @@ class WorkerCore(abc.ABC):
 
     # -- registration -----------------------------------------------------------------------
     def hello(self, *, held: list[str] | None = None, coeffs: m.Coeffs | None = None,
-              kv_agent: m.KvAgentInfo | None = None, kv_block_tokens: int | None = None) -> m.Hello:
+              kv_agent: m.KvAgentInfo | None = None, kv_block_tokens: int | None = None,
+              fixed_role: bool = False) -> m.Hello:
         """What it registers with: its engine's settings, the step-time model it asks to be
         predicted with (`coeffs`; None: the router's profile) and what it holds (`held`; None:
-        everything)."""
+        everything); `fixed_role`: its engine cannot change role in place (the planner leaves it)."""
         i = self.info
         return m.Hello(protocol=m.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
                        incarnation=self.incarnation, engine=i.engine, model=self.model, token_budget=i.token_budget,
                        kv_capacity_tokens=i.kv_capacity_tokens, max_batch=i.max_batch, coeffs=coeffs,
                        kv_transport=self.kv_transport, kv_agent=kv_agent,
                        held=self.held_ids() if held is None else held, max_model_len=i.max_model_len,
-                       kv_block_tokens=i.block_size if kv_block_tokens is None else kv_block_tokens)
+                       kv_block_tokens=i.block_size if kv_block_tokens is None else kv_block_tokens,
+                       fixed_role=fixed_role)
 
     def welcomed(self, drop: list[str]) -> int:
         """The router's Welcome named requests it no longer tracks (it restarted, or re-dispatched

@@ -15,6 +15,7 @@ from common import config, logging
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
 from common.policy import REGISTRY
+from common.router_core.planner import planner_on
 from common.service import HttpServer, install_signals, listen_socket, run
 from common.startup import guard
 from services.router.edge import EdgeLimits, edge_protocol
@@ -147,7 +148,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                 stop.set()
             else:
                 log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy,
-                         planner="on" if cfg.planner else "off", **router.cost_model())
+                         planner="on" if planner_on(cfg) else "off", **router.cost_model())
                 if ready is not None:
                     ready.set()
             await stop.wait()

@@ -24,7 +24,7 @@ from common.config import RouterConfig
 from common.errors import NoWorkerYet, Unavailable
 from common.loop_lag import LoopLag
 from common.router_core.core import RouterCore
-from common.router_core.planner import RolePlanner, planner_config
+from common.router_core.planner import RolePlanner, planner_config, planner_on
 from common.router_core.ports import Hooks, Outbox
 from common.router_core.requests import Request
 from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
@@ -55,7 +55,7 @@ class Router:
             hooks=Hooks(request_done=self._request_done, views_changed=self.prepare_soon,
                         worker_joined=self._wake_held, retry_later=self._retry_later),
             wall_offset=time.time() - time.monotonic(), opened_at=time.monotonic())
-        if cfg.planner:  # the role planner: the core ticks it (on the router that leads)
+        if planner_on(cfg):  # the role planner: the core ticks it (on the router that leads)
             core.planner = RolePlanner(planner_config(cfg), log=log)
         # the core's parts, named as the HTTP layer, /metrics and the tests read them
         self.incarnation, self.profile, self.policy = core.incarnation, core.profile, core.policy

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
 
 import pytest
@@ -26,7 +27,7 @@ uvloop = pytest.importorskip("uvloop")
 def test_sleeps_last_at_least_their_time_under_uvloop() -> None:
     async def run() -> list[float]:
         t = PreciseTimer()
-        assert t.precise  # Linux: a timerfd
+        assert t.precise or not sys.platform.startswith("linux")  # Linux: a timerfd (elsewhere asyncio.sleep)
         out = []
         try:
             for _ in range(40):

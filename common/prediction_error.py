@@ -14,6 +14,7 @@ relative errors with REL_ERROR_BUCKETS.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from typing import TYPE_CHECKING, TypedDict
 
@@ -50,7 +51,13 @@ class ErrorWindow:
         if window_s <= 0 or maxlen <= 0:
             raise ValueError("window_s and maxlen must be positive")
         self.window_s = window_s
-        self._errs: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (when, signed relative error)
+        self.maxlen = maxlen
+        self._errs: deque[tuple[float, float]] = deque()  # (when, signed relative error), oldest first
+        # the same errors kept sorted, signed and absolute, as they come and go: a summary reads its
+        # quantiles off them instead of sorting the window (a worker's engine load is asked for at
+        # every request it is sent, and a step has changed the window since the last time)
+        self._signed: list[float] = []
+        self._absolute: list[float] = []
         self.total = 0  # errors observed since the start, the window's and older
         self._cached: tuple[tuple[int, int], ErrorSummary | None] = ((0, 0), None)  # heartbeats ask often
 
@@ -59,13 +66,22 @@ class ErrorWindow:
         err = relative_error(predicted, measured)
         if err is None:
             return None
+        if len(self._errs) >= self.maxlen:
+            self._drop_oldest()
         self._errs.append((now, err))
+        insort(self._signed, err)
+        insort(self._absolute, abs(err))
         self.total += 1
         return err
 
+    def _drop_oldest(self) -> None:
+        _, err = self._errs.popleft()
+        del self._signed[bisect_left(self._signed, err)]
+        del self._absolute[bisect_left(self._absolute, abs(err))]
+
     def _trim(self, now: float) -> None:
         while self._errs and self._errs[0][0] < now - self.window_s:
-            self._errs.popleft()
+            self._drop_oldest()
 
     def errors(self, now: float) -> list[float]:
         """The window's signed relative errors, oldest first."""
@@ -74,15 +90,14 @@ class ErrorWindow:
 
     def summary(self, now: float) -> ErrorSummary | None:
         """Median and p90 of the absolute error and the median signed error; None with no errors."""
-        errs = self.errors(now)
-        key = (self.total, len(errs))
+        self._trim(now)
+        key = (self.total, len(self._errs))
         if key == self._cached[0]:
             return self._cached[1]
         out = None
-        if errs:
-            absolute = sorted(abs(e) for e in errs)
-            signed = sorted(errs)
-            out = ErrorSummary(n=len(errs), median=_quantile(absolute, 0.5), p90=_quantile(absolute, 0.9),
+        if self._errs:
+            absolute, signed = self._absolute, self._signed
+            out = ErrorSummary(n=len(signed), median=_quantile(absolute, 0.5), p90=_quantile(absolute, 0.9),
                                bias=_quantile(signed, 0.5))
         self._cached = (key, out)
         return out

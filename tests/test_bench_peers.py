@@ -39,6 +39,8 @@ def test_a_missing_peer_is_skipped_with_how_to_install_it(tmp_path: Path, monkey
     assert "sglang-router: not installed, skipped" in text and "pip install sglang-router" in text
     floor = out["backend"]["latency"]  # the backend alone was still measured: the floor
     assert floor["completed"] > 0 and not floor["errors"] and out["kairos_added_ttft_p50_s"] == 0.003
+    # like the peers' figure, Kairos's less the backend's own TTFT (the client and an HTTP turn)
+    assert out["kairos_added_ttft_over_floor_p50_s"] == pytest.approx(0.003 - floor["ttft_p50"])
 
 
 def test_the_backend_answers_a_peers_probes_with_a_local_model(tmp_path: Path) -> None:

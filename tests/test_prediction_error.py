@@ -55,6 +55,28 @@ def test_maxlen_bounds_the_window() -> None:
         ErrorWindow(window_s=0)
 
 
+def test_the_summary_kept_sorted_is_the_windows_own() -> None:
+    """Kept sorted as errors come, leave by age and fall off maxlen: the same quantiles as
+    sorting the window each time (ties, negative and positive errors)."""
+    import random
+
+    rng = random.Random(7)
+    w = ErrorWindow(window_s=5.0, maxlen=50)
+    now = 0.0
+    for i in range(2000):
+        now += rng.choice((0.001, 0.01, 0.1, 1.0))
+        w.observe(1.0, rng.choice((0.5, 1.0, 2.0, rng.uniform(0.2, 3.0))), now)
+        if i % 7 == 0:
+            errs = w.errors(now)
+            s = w.summary(now)
+            assert s is not None and s["n"] == len(errs) <= 50
+            absolute, signed = sorted(abs(e) for e in errs), sorted(errs)
+            assert (s["median"], s["p90"], s["bias"]) == (absolute[int(0.5 * len(errs))],
+                                                         absolute[min(len(errs) - 1, int(0.9 * len(errs)))],
+                                                         signed[int(0.5 * len(errs))])
+    assert w.summary(now + 10.0) is None and w.errors(now + 10.0) == []
+
+
 def test_heartbeats_carry_the_engines_step_error() -> None:
     w = ErrorWindow()
     for meas in (1.0, 1.1, 1.2, 1.3):

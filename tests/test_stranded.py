@@ -151,6 +151,13 @@ async def test_the_router_gives_memory_back_when_it_falls_idle(monkeypatch: Any)
         r.core.abort(req, 0.0)
         await asyncio.sleep(0.1)
         assert trims == [1]  # once, not every idle round
+        # a steady load of short requests, none in flight when a round looks: not idle
+        for _ in range(30):
+            r.core.abort(r.submit([1, 2, 3], SAMPLING), 0.0)
+            await asyncio.sleep(0.002)
+        assert trims == [1]
+        await asyncio.sleep(0.1)
+        assert trims == [1, 1]  # the load stopped: given back once
     finally:
         loop.cancel()
         r.close()

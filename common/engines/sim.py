@@ -37,6 +37,7 @@ from common.engines.step_error import TARGET, ChunkGuard, StepError, StepErrorEs
 from common.errors import Overloaded
 from common.messages import Coeffs, Sampling, TokenItem, TokenLogprobs
 from common.perf_model import Profile, StepSample
+from common.precise_timer import PreciseTimer
 from common.prediction_error import STEP_ERROR_MAXLEN, STEP_ERROR_WINDOW_S, ErrorWindow
 from common.prefix_hash import block_hashes
 from common.tokenizer import SimpleTokenizer
@@ -228,24 +229,31 @@ class SimEngine(Engine):
 
     # -- the step loop ----------------------------------------------------------------------
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time()
+        # time.monotonic(), not loop.time(): uvloop's is whole milliseconds, cached per loop turn
+        deadline = time.monotonic()
+        timer = PreciseTimer()  # asyncio.sleep waits whole milliseconds: a 0.5 ms step would take 1 ms
+        try:
+            await self._steps(deadline, timer)
+        finally:
+            timer.close()
+
+    async def _steps(self, deadline: float, timer: PreciseTimer) -> None:
         while True:
             async with self._step:  # (a role switch waits here for the step in flight: `between_steps`)
                 plan = self.batcher.plan()
                 if plan is not None:
-                    deadline = await self._run_step(loop, plan, deadline)
+                    deadline = await self._run_step(timer, plan, deadline)
                     continue
                 self._wake.clear()
             await self._wake.wait()
-            deadline = loop.time()
+            deadline = time.monotonic()
 
-    async def _run_step(self, loop: asyncio.AbstractEventLoop, plan: StepPlan, deadline: float) -> float:
+    async def _run_step(self, timer: PreciseTimer, plan: StepPlan, deadline: float) -> float:
         """One step: sleep its modeled time, then commit it. Returns the next step's deadline."""
         pred = self.model.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) * self.time_scale
-        started = loop.time()
+        started = time.monotonic()
         dt = pred if self.exact else pred * self.error.factor(started)
-        self._inflight, self._inflight_end = plan, time.monotonic() + dt
+        self._inflight, self._inflight_end = plan, started + dt
         if self.role == "prefill":
             t_now = time.monotonic()
             for seq, _, _ in plan.chunks:
@@ -253,8 +261,8 @@ class SimEngine(Engine):
                     seq.prefill_started = t_now
         # keep the modeled cadence: sleep to an absolute deadline so callback time is not added
         deadline = max(deadline, started - dt) + dt
-        await asyncio.sleep(max(0.0, deadline - loop.time()))
-        elapsed = loop.time() - started
+        await timer.sleep_until(deadline)
+        elapsed = time.monotonic() - started
         self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
         self.step_errors.observe(pred, elapsed, time.monotonic())
         self._step_ms.append(elapsed * 1000.0)

@@ -275,6 +275,7 @@ class Bench:
         errors["not_finished"] = sent - len(rows)
         errors = +errors
         ttft = [r[0] for r in ok if r[0] is not None]
+        e2e = [r[1] for r in ok if r[1] is not None]
         tokens = sum(r[2] for r in ok)
         wall = b["t"] - a["t"]
         router_cpu = b["router"] - a["router"]
@@ -287,6 +288,14 @@ class Bench:
             "completed_rate": len(ok) / span, "errors": dict(errors),
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttft_max": max(ttft) if ttft else None,
             "max_gap_p99": _pct([r[3] for r in ok], 99),
+            # the client's mean inter-token time per request, first token to last (joined events
+            # count each token they hold), and its median and p99 over the requests
+            "itl_p50": _pct(itl := [(r[1] - r[0]) / (max_tokens - 1) for r in ok
+                                    if r[0] is not None and r[1] is not None and max_tokens > 1], 50),
+            "itl_p99": _pct(itl, 99),
+            # open streams on average over the span (Little's law: each request's time open, send
+            # to last token, summed over the span)
+            "open_streams": sum(e2e) / span if e2e else None,
             "tokens": tokens, "tokens_per_s": tokens / span,
             "router_cpu": router_cpu / wall, "workers_cpu": (b["workers"] - a["workers"]) / wall,
             "clients_cpu": sum(o["cpu_s"] for o in outs) / wall,

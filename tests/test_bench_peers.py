@@ -160,3 +160,5 @@ def test_a_step_reports_the_clients_itl_and_open_streams() -> None:
     assert s["itl_p50"] == pytest.approx(0.015) and s["itl_p99"] == pytest.approx(0.02, rel=0.02)
     assert s["open_streams"] == pytest.approx((1.01 + 2.02 + 1.53) / 4.0)
     assert s["errors"] == {"timeout": 1}
+    # 3 requests over the 4 s span less their median lifetime (1.53 s): not 3 / 4
+    assert s["carried_rate"] == pytest.approx(3 / (4.0 - 1.53))

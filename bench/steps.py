@@ -297,9 +297,9 @@ class Bench:
             "itl_p50": _pct(itl := [(r[1] - r[0]) / (max_tokens - 1) for r in ok
                                     if r[0] is not None and r[1] is not None and max_tokens > 1], 50),
             "itl_p99": _pct(itl, 99),
-            # open streams on average over the span (Little's law: each request's time open, send
-            # to last token, summed over the span)
-            "open_streams": sum(e2e) / span if e2e else None,
+            # streams open at once while the step sends (Little's law: the rate it sent at times a
+            # request's mean time open, send to last token)
+            "open_streams": sum(e2e) / duration if e2e else None,
             "tokens": tokens, "tokens_per_s": tokens / span,
             "router_cpu": router_cpu / wall, "workers_cpu": (b["workers"] - a["workers"]) / wall,
             "clients_cpu": sum(o["cpu_s"] for o in outs) / wall,

@@ -141,8 +141,8 @@ def test_paced_backends_step_as_the_clusters_engines_under_time_scale(tmp_path: 
 
 def test_a_step_reports_the_clients_itl_and_open_streams() -> None:
     """Bench.step: each request's mean inter-token time (first token to last over max_tokens - 1,
-    however many tokens an SSE event joined), its median and p99, and the mean number of streams
-    open over the step (the time each was open, summed, over the span)."""
+    however many tokens an SSE event joined), its median and p99, and the number of streams open at
+    once while it sends (the time each was open, summed, over the sending window)."""
     import os
 
     from bench.steps import Bench
@@ -158,7 +158,7 @@ def test_a_step_reports_the_clients_itl_and_open_streams() -> None:
     s = Bench(None, FakeClients(), Console(), pid=os.getpid()).step(
         10, 0.05, max_tokens=101, prompt_tokens=8)  # type: ignore[arg-type]
     assert s["itl_p50"] == pytest.approx(0.015) and s["itl_p99"] == pytest.approx(0.02, rel=0.02)
-    assert s["open_streams"] == pytest.approx((1.01 + 2.02 + 1.53) / 4.0)
+    assert s["open_streams"] == pytest.approx((1.01 + 2.02 + 1.53) / 0.05)
     assert s["errors"] == {"timeout": 1}
     # 3 requests over the 4 s span less their median lifetime (1.53 s): not 3 / 4
     assert s["carried_rate"] == pytest.approx(3 / (4.0 - 1.53))

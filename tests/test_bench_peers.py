@@ -116,3 +116,51 @@ def test_syscall_counts_are_parsed() -> None:
 <not counted>,,syscalls:sys_enter_read,0,0.00,,
 """
     assert parse_perf_counts(text) == {"recvfrom": 10783, "writev": 19569, "sendmsg": 0}
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_paced_backends_step_as_the_clusters_engines_under_time_scale(tmp_path: Path, scale: float) -> None:
+    """One source for the step on both sides: bench-router's --time-scale reaches the decode
+    workers' simulated engines (through the cluster's environment) and the peers' paced backends
+    alike, and both step as the profile says, scaled (x40: the fast profile's 0.5 ms -> 20 ms)."""
+    from bench.router_throughput import build_parser
+    from common.config import WorkerConfig, load
+    from common.engines import make_engine
+    from common.perf_model import PerfModel
+    from kairos.up import Cluster, ClusterSpec
+
+    args = build_parser().parse_args(["--time-scale", f"{scale:g}", "--decode", "3"])
+    spec = ClusterSpec.ephemeral(prefill=1, decode=args.decode, profile=args.profile, time_scale=args.time_scale,
+                                 monitor=False, log_dir=str(tmp_path))
+    worker = next(s for n, s in Cluster(spec).services.items() if n.startswith("decode"))
+    engine = make_engine(load(WorkerConfig, env=worker.env), "decode")
+    engine_step = PerfModel.from_coeffs(engine.coeffs()).step_time(1, 0)  # one stream decoding: what it sleeps
+    n, step = peers.backend_mode("paced", args)
+    assert n == 3
+    assert step == pytest.approx(engine_step, rel=1e-9)
+    assert step == pytest.approx(scale * 0.0005, rel=1e-3)
+
+
+def test_a_step_reports_the_clients_itl_and_open_streams() -> None:
+    """Bench.step: each request's mean inter-token time (first token to last over max_tokens - 1,
+    however many tokens an SSE event joined), its median and p99, and the number of streams open at
+    once while it sends (the time each was open, summed, over the sending window)."""
+    import os
+
+    from bench.steps import Bench
+
+    rows = [(0.01, 1.01, 101, 0.02, None, "", ""), (0.02, 2.02, 30, 0.5, None, "", ""),
+            (0.03, 1.53, 101, 0.02, None, "", ""), (None, None, 0, 0.0, "timeout", "", "")]
+
+    class FakeClients:
+        def run(self, step: Any) -> list[dict[str, Any]]:
+            return [{"sent": 4, "results": rows, "pool_waits": 0, "cpu_s": 0.0, "cpu_send_s": 0.0,
+                     "lag_max": 0.0, "span": 4.0}]
+
+    s = Bench(None, FakeClients(), Console(), pid=os.getpid()).step(
+        10, 0.05, max_tokens=101, prompt_tokens=8)  # type: ignore[arg-type]
+    assert s["itl_p50"] == pytest.approx(0.015) and s["itl_p99"] == pytest.approx(0.02, rel=0.02)
+    assert s["open_streams"] == pytest.approx((1.01 + 2.02 + 1.53) / 0.05)
+    assert s["errors"] == {"timeout": 1}
+    # 3 requests over the 4 s span less their median lifetime (1.53 s): not 3 / 4
+    assert s["carried_rate"] == pytest.approx(3 / (4.0 - 1.53))

@@ -75,6 +75,26 @@ def test_decode_to_prefill_keeps_what_streams_as_its_own_decodes() -> None:
     assert set(new.work) == {"d"}
 
 
+def test_a_resumed_request_stays_a_resumed_request_across_flips_both_ways() -> None:
+    """A migrated request (its prompt ends with output already streamed, `resume_tokens`) kept by
+    a flip keeps saying so in the new role's books, and back: the next core never takes its
+    prompt's tail for its own output (text deltas, a re-dispatch in place)."""
+    ports = Ports()
+    core = DecodeCore("w", "inc", INFO, ports, model="m")
+    dw = msgspec.structs.replace(deflection("r", (100,), 0.0), resume_tokens=7)
+    assert core.on_work(dw, 0.0, idle(), MODEL) == "started"
+    assert ports.started[-1].resume_tokens == 7
+    core.prefilled("r")
+    core.set_role(m.SetRole(role="prefill", reason="prefill_short"), keep=True)
+    assert core.drained(0.0) and core.hand_back().reason == "role_switch"
+    pre = PrefillCore("w", "inc", INFO, ports, model="m")
+    assert pre.adopt(core) == ["r"] and pre.work["r"].resume_tokens == 7
+    pre.set_role(m.SetRole(role="decode", reason="decode_short"), keep=True)
+    assert pre.drained(0.0) and pre.hand_back().reason == "role_switch"
+    back = DecodeCore("w", "inc", INFO, ports, model="m")
+    assert back.adopt(pre) == ["r"] and back.active["r"].resume_tokens == 7
+
+
 def test_without_keep_a_flip_still_drains_what_runs() -> None:
     ports = Ports()
     core = PrefillCore("prefill-0", "inc", INFO, ports, model="m")

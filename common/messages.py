@@ -356,6 +356,9 @@ class PrefillWork(Msg, frozen=True):
     # router as a decode worker does (TokenBatch), its running decodes within `tbt_slo`
     retain: bool = False
     tbt_slo: float = 0.1
+    # route "retain" of a migrated request: the last resume_tokens prompt ids are output already
+    # streamed (as DecodeWork.resume_tokens; the engine continues the stream at that position)
+    resume_tokens: int = 0
 
 
 class PrefillDone(Msg, frozen=True):

@@ -13,13 +13,15 @@ from typing import Any
 
 import pytest
 
+from common import config
 from common import messages as m
 from common.engines.base import EngineRequest
 from common.engines.sim import SimEngine, synthetic_token
 from common.perf_model import load_profile
+from common.policy import ClusterView, Decision, Policy, RequestSpec
 from common.router_core.core import RouterCore
 from common.router_core.requests import Event, Request
-from tests.router_fakes import hello, make_core
+from tests.router_fakes import FakeOutbox, hello, make_core
 
 NOW = 1000.0  # the router core's time in these tests (it reads no clock)
 
@@ -197,3 +199,78 @@ async def test_a_request_with_a_grammar_is_resumed_with_its_grammar() -> None:
     _, work1 = work_for(sent, rid, 1)
     assert work1.resume_tokens == 2 and work1.sampling.structured == grammar and work1.sampling.max_tokens == 6
     assert req.migrations == 1 and not req.done
+
+
+class _RetainWhenNoDecode(Policy):
+    """A policy for the test below: deflect to the decode worker while there is one; with none,
+    the third path (route "retain": the prefill worker decodes the request itself)."""
+
+    name = "retain-when-no-decode"
+
+    def decide(self, req: RequestSpec, view: ClusterView, now: float) -> Decision:
+        if view.decode:
+            return Decision(route="deflect", decode_worker=view.decode[0].worker_id, prefill_worker=None,
+                            reason="test")
+        wid = view.prefill[0].worker_id
+        return Decision(route="retain", decode_worker=wid, prefill_worker=wid, reason="decode_pool_full")
+
+
+async def test_a_request_resumed_by_route_retain_continues_its_stream_on_the_prefill_worker() -> None:
+    """The chaos run's wrong text (kill decode-0 with the planner on): a streaming request whose
+    decode worker died was resumed by route "retain" on a prefill worker, whose PrefillWork did not
+    say which prompt tokens were output already streamed; the engine started the output over (the
+    client saw its first tokens twice). The PrefillWork carries `resume_tokens`, the prefill
+    worker core passes them to its engine, which continues at the client's position."""
+    from common.engines.base import EngineLoad
+    from common.worker_core import EngineInfo, PrefillCore
+    from tests.test_retain import Ports
+
+    cfg = config.load(config.RouterConfig, env={}, overrides={"profile": "fast"})
+    box = FakeOutbox()
+    r = RouterCore(cfg, box, policy=_RetainWhenNoDecode())
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        r.on_message(wid.encode(), hello(wid, role), NOW)  # type: ignore[arg-type]
+    sent = box.sent
+    sent.clear()
+    prompt = list(range(100, 140))
+    req = r.submit(prompt, m.Sampling(max_tokens=10), NOW)
+    rid = req.request_id
+    assert work_for(sent, rid, 0)[0] == "decode-0"
+    want = [synthetic_token(rid, i) for i in range(10)]
+    r.on_message(b"decode-0", tokens("decode-0", rid, 0, want[:4]), NOW)
+    sent.clear()
+
+    lose(r, "decode-0")
+
+    pws = [msg for w, msg in sent if isinstance(msg, m.PrefillWork) and w == "prefill-0"]
+    assert len(pws) == 1 and pws[0].retain and pws[0].attempt == 1
+    assert pws[0].prompt_token_ids == prompt + want[:4] and pws[0].resume_tokens == 4
+    # the prefill worker core starts it in its engine as a continuation ...
+    ports = Ports()
+    core = PrefillCore("prefill-0", "inc", EngineInfo(engine="sim", token_budget=2048, kv_capacity_tokens=100_000,
+                                                      max_batch=8), ports, model="m")
+    assert core.on_work(pws[0], EngineLoad(kv_free_tokens=100_000))
+    started = ports.started[-1]
+    assert (started.mode, started.resume_tokens) == ("retain", 4)
+    # ... and the simulated prefill engine decodes it from there: the client sees each token once
+    engine = SimEngine("prefill", load_profile("fast"), time_scale=0.001)
+    out: list[m.TokenItem] = []
+    done = asyncio.Event()
+
+    def on_tokens(items: list[m.TokenItem], step_s: float) -> None:
+        out.extend(items)
+        if any(it.finish_reason for it in items):
+            done.set()
+
+    engine.on_tokens = on_tokens
+    engine.add(started)
+    task = asyncio.create_task(engine.run())
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        task.cancel()
+    for item in out:
+        r.on_message(b"prefill-0", m.TokenBatch(worker_id="prefill-0", items=[item]), NOW)
+    events = drain(req)
+    assert [t for ev in events for t in (ev.token_ids or [])] == want
+    assert req.done and req.outcome == "ok" and req.n_out == 10 and req.migrations == 1

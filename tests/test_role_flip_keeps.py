@@ -75,6 +75,26 @@ def test_decode_to_prefill_keeps_what_streams_as_its_own_decodes() -> None:
     assert set(new.work) == {"d"}
 
 
+def test_a_resumed_request_stays_a_resumed_request_across_flips_both_ways() -> None:
+    """A migrated request (its prompt ends with output already streamed, `resume_tokens`) kept by
+    a flip keeps saying so in the new role's books, and back: the next core never takes its
+    prompt's tail for its own output (text deltas, a re-dispatch in place)."""
+    ports = Ports()
+    core = DecodeCore("w", "inc", INFO, ports, model="m")
+    dw = msgspec.structs.replace(deflection("r", (100,), 0.0), resume_tokens=7)
+    assert core.on_work(dw, 0.0, idle(), MODEL) == "started"
+    assert ports.started[-1].resume_tokens == 7
+    core.prefilled("r")
+    core.set_role(m.SetRole(role="prefill", reason="prefill_short"), keep=True)
+    assert core.drained(0.0) and core.hand_back().reason == "role_switch"
+    pre = PrefillCore("w", "inc", INFO, ports, model="m")
+    assert pre.adopt(core) == ["r"] and pre.work["r"].resume_tokens == 7
+    pre.set_role(m.SetRole(role="decode", reason="decode_short"), keep=True)
+    assert pre.drained(0.0) and pre.hand_back().reason == "role_switch"
+    back = DecodeCore("w", "inc", INFO, ports, model="m")
+    assert back.adopt(pre) == ["r"] and back.active["r"].resume_tokens == 7
+
+
 def test_without_keep_a_flip_still_drains_what_runs() -> None:
     ports = Ports()
     core = PrefillCore("prefill-0", "inc", INFO, ports, model="m")
@@ -126,6 +146,38 @@ def test_the_router_moves_the_kept_requests_to_the_new_role_and_redispatches_onl
     core.on_message(b"d0", m.TokenBatch(worker_id="d0", items=[m.TokenItem(kept.request_id, kept.attempt, [6],
                                                                            "length")]), 5.0)
     assert kept.done and kept.request_id not in core.requests and core.counts["completed"] == 1
+
+
+def test_a_keeping_flip_that_outlasts_the_liveness_window_leaves_one_source_of_tokens() -> None:
+    """keep44's open question: the worker's switch stalls past the liveness window, so the router
+    declares the old entry lost and resumes the kept request elsewhere (next attempt) while the
+    worker goes on decoding it and says Hello naming it. The client must still get one stream:
+    the old attempt's tokens are dropped, the Welcome tells the worker to drop it."""
+    core, box = make_core("deflect-all")
+    for wid, role in (("d0", "decode"), ("d1", "decode"), ("p0", "prefill")):
+        core.on_message(wid.encode(), hello(wid, role), 0.0)
+    reqs = [core.submit([1] * 50, m.Sampling(max_tokens=6), 0.1 + i * 0.01) for i in range(2)]
+    kept = next(r for r in reqs if r.decode_worker == "d0")
+    rid = kept.request_id
+    core.on_message(b"d0", m.TokenBatch(worker_id="d0", items=[m.TokenItem(rid, 0, [1, 2])]), 0.2)
+    core.on_message(b"d0", m.Goodbye(worker_id="d0", incarnation="inc-d0", reason="role_change"), 0.3)
+    core.on_message(b"d0", m.Goodbye(worker_id="d0", incarnation="inc-d0", reason="role_switch"), 0.4)
+    for w in ("d1", "p0"):  # (they stay alive)
+        core.table.workers[w].last_seen = 5.0
+    box.take()
+    core.tick(5.0)  # d0 silent past the liveness window: lost, its kept request resumed on d1
+    assert "d0" not in core.table.workers and kept.attempt == 1 and kept.decode_worker == "d1"
+    resumed = [msg for peer, msg in box.take() if isinstance(msg, m.DecodeWork) and peer == "d1"]
+    assert [(w.request_id, w.resume_tokens) for w in resumed] == [(rid, 2)]
+    # the worker, switched, says Hello still naming it: told to drop it
+    core.on_message(b"d0", hello("d0", "prefill", held=[rid]), 5.1)
+    welcome = [msg for peer, msg in box.take() if peer == "d0" and isinstance(msg, m.Welcome)]
+    assert welcome and welcome[-1].drop == [rid]
+    # its tokens (old attempt) before it dropped it never reach the client; d1's do
+    core.on_message(b"d0", m.TokenBatch(worker_id="d0", items=[m.TokenItem(rid, 0, [3])]), 5.2)
+    core.on_message(b"d1", m.TokenBatch(worker_id="d1", items=[m.TokenItem(rid, 1, [3, 4, 5, 6], "length")]), 5.3)
+    got = [t for ev in kept.events._items for t in (ev.token_ids or [])]
+    assert got == [1, 2, 3, 4, 5, 6] and kept.done and kept.outcome == "ok"
 
 
 # ------------------------------------------------------------------ the simulator

@@ -99,8 +99,8 @@ class Dispatcher:
             self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
                                              prompt_token_ids=prompt, sampling=sampling, decode_worker=dw.worker_id,
                                              deadline_s=remaining, cached_tokens=req.cached_tokens, retain=True,
-                                             tbt_slo=req.tbt_slo, traceparent=req.traceparent,
-                                             tracestate=req.tracestate))
+                                             tbt_slo=req.tbt_slo, resume_tokens=req.resume_from,
+                                             traceparent=req.traceparent, tracestate=req.tracestate))
         elif decision.route == "deflect":
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",

@@ -7,10 +7,11 @@ through a prefill worker) with the prompt plus every token already sent as the n
 the tokens left as max_tokens (`Request.work`). The new decode worker prefills that and
 continues the stream at the position the client has reached; a greedy engine produces exactly
 the tokens the first worker would have (the simulated engine continues its synthetic sequence
-from `DecodeWork.resume_tokens`). Tokens of the old attempt that still arrive (a frozen worker
-waking up) are dropped by the attempt check in the router, so the client sees one stream with
-no token repeated or missing, the usage counts every token once, and finish_reason is the
-final worker's.
+from `DecodeWork.resume_tokens`, or `PrefillWork.resume_tokens` when a prefill worker decodes
+it itself, route "retain": without them it started the output over). Tokens of the old
+attempt that still arrive (a frozen worker waking up) are dropped by the attempt check in the
+router, so the client sees one stream with no token repeated or missing, the usage counts
+every token once, and finish_reason is the final worker's.
 
 A request with a grammar (`Sampling.structured`: response_format, structured_outputs, tool
 calls) is resumed the same way: the vLLM decode engine's grammar first accepts the output already

@@ -326,7 +326,8 @@ class DecodeCore(WorkerCore):
                                             sampling=msgspec.structs.replace(pw.sampling, text=""),
                                             tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
                                             prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,
-                                            traceparent=pw.traceparent, tracestate=pw.tracestate)
+                                            resume_tokens=pw.resume_tokens, traceparent=pw.traceparent,
+                                            tracestate=pw.tracestate)
             ids.append(rid)
         self.counters["adopted"] = self.counters.get("adopted", 0) + len(ids)
         self.log.info("role_change_kept", role=self.role, frm=old.role, requests=len(ids))

@@ -105,6 +105,7 @@ class PrefillCore(WorkerCore):
                                               prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
                                               mode="retain" if w.retain else "prefill", tbt_slo=w.tbt_slo,
                                               cached_tokens=w.cached_tokens,
+                                              resume_tokens=w.resume_tokens if w.retain else 0,
                                               trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return False
         self.work[w.request_id] = w
@@ -235,7 +236,8 @@ class PrefillCore(WorkerCore):
                                            prompt_token_ids=dw.prompt_token_ids, sampling=dw.sampling,
                                            decode_worker=self.worker_id, deadline_s=dw.deadline_s,
                                            cached_tokens=dw.cached_tokens, retain=True, tbt_slo=dw.tbt_slo,
-                                           traceparent=dw.traceparent, tracestate=dw.tracestate)
+                                           resume_tokens=dw.resume_tokens, traceparent=dw.traceparent,
+                                           tracestate=dw.tracestate)
             self.decoding.add(rid)
             self.streaming.add(rid)
             ids.append(rid)

@@ -297,6 +297,32 @@ def test_a_plan_made_for_a_prefix_the_worker_does_not_hold_is_redone_with_full_s
     assert ports3.started[-1].chunk_schedule == (512, 94) and core3.counters["replanned"] == 0
 
 
+def test_a_plan_for_a_one_token_remainder_is_redone_with_chunks_that_fit_the_step_budget() -> None:
+    """The router believed 5,999 of 6,000 prompt tokens cached here and planned one 1-token chunk; the
+    worker holds 3,008. Continued with the router's chunk size that is 2,992 one-token steps (a client
+    saw nothing for 60 s, wrong44's chaos run); the plan continues with chunks of CONTINUATION_CHUNK,
+    or the largest whose step beside the running decodes fits the step budget if that is less."""
+    from common.worker_core.decode import CONTINUATION_CHUNK
+
+    core, ports = decode_core()
+    load = idle(free=20_000)
+    budget = FAST.step_time(0, 0, [(256, 6000)]) * 1.01
+    w = m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect", prompt_token_ids=[1] * 6000,
+                     sampling=m.Sampling(max_tokens=10), tbt_slo=0.1, deadline_s=30.0,
+                     chunk_schedule=(1,), step_budget_s=budget)
+    assert core.on_work(w, 0.0, load, FAST, own_cached=3008) == "started"
+    sched = ports.started[-1].chunk_schedule
+    assert sum(sched) == 6000 - 3008 and sched[0] == 1 and set(sched[1:-1]) == {CONTINUATION_CHUNK}
+    # a step budget that fits fewer tokens than that: the largest chunk that fits, never one token
+    core2, ports2 = decode_core()
+    small = FAST.step_time(0, 0, [(20, 6000)]) * 1.001
+    assert core2.on_work(msgspec.structs.replace(w, step_budget_s=small), 0.0, load, FAST, own_cached=3008) \
+        == "started"
+    sched2 = ports2.started[-1].chunk_schedule
+    assert sum(sched2) == 2992 and 1 < max(sched2[1:]) < CONTINUATION_CHUNK
+    assert all(FAST.step_time(load.batch, load.kv_tokens, [(c, 6000)]) <= small for c in sched2)
+
+
 def test_replan_cuts_or_continues_the_routers_chunks() -> None:
     from common.worker_core.decode import replan
 

@@ -9,7 +9,7 @@ continuation is the engine's own.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -62,7 +62,14 @@ def drain(req: Request) -> list[Event]:
 
 async def decode_on_sim(work: m.DecodeWork) -> list[m.TokenItem]:
     """Run the DecodeWork on a real simulated decode engine (as the decode worker would) to the end."""
-    engine = SimEngine("decode", load_profile("fast"), time_scale=0.001)
+    return await run_on_sim("decode", EngineRequest(
+        request_id=work.request_id, attempt=work.attempt, prompt_token_ids=work.prompt_token_ids,
+        sampling=work.sampling, mode="deflect", resume_tokens=work.resume_tokens))
+
+
+async def run_on_sim(role: Literal["prefill", "decode"], request: EngineRequest) -> list[m.TokenItem]:
+    """Run one request on a real simulated engine in `role` to its end; the token items it emitted."""
+    engine = SimEngine(role, load_profile("fast"), time_scale=0.001)
     out: list[m.TokenItem] = []
     done = asyncio.Event()
 
@@ -72,8 +79,7 @@ async def decode_on_sim(work: m.DecodeWork) -> list[m.TokenItem]:
             done.set()
 
     engine.on_tokens = on_tokens
-    engine.add(EngineRequest(request_id=work.request_id, attempt=work.attempt, prompt_token_ids=work.prompt_token_ids,
-                             sampling=work.sampling, mode="deflect", resume_tokens=work.resume_tokens))
+    engine.add(request)
     task = asyncio.create_task(engine.run())
     try:
         await asyncio.wait_for(done.wait(), 10)
@@ -253,23 +259,7 @@ async def test_a_request_resumed_by_route_retain_continues_its_stream_on_the_pre
     started = ports.started[-1]
     assert (started.mode, started.resume_tokens) == ("retain", 4)
     # ... and the simulated prefill engine decodes it from there: the client sees each token once
-    engine = SimEngine("prefill", load_profile("fast"), time_scale=0.001)
-    out: list[m.TokenItem] = []
-    done = asyncio.Event()
-
-    def on_tokens(items: list[m.TokenItem], step_s: float) -> None:
-        out.extend(items)
-        if any(it.finish_reason for it in items):
-            done.set()
-
-    engine.on_tokens = on_tokens
-    engine.add(started)
-    task = asyncio.create_task(engine.run())
-    try:
-        await asyncio.wait_for(done.wait(), 10)
-    finally:
-        task.cancel()
-    for item in out:
+    for item in await run_on_sim("prefill", started):
         r.on_message(b"prefill-0", m.TokenBatch(worker_id="prefill-0", items=[item]), NOW)
     events = drain(req)
     assert [t for ev in events for t in (ev.token_ids or [])] == want

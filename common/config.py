@@ -357,6 +357,11 @@ def _field_help(cls: type[msgspec.Struct]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _is_flag(base: Any) -> bool:
+    """A field set on or off (`--x` / `--no-x`, env true/false): bool, or bool | None (unset: a default decided elsewhere)."""
+    return base is bool or base == bool | None
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct],
                   choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
     """One flag per field of `cls`. `choices`: field -> {value: what it is}, the only values the
@@ -371,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct],
         if values:
             help_text += ": " + "; ".join(f"{v} ({what})" if what else v for v, what in values.items())
         text = f"{help_text} (default: {default!r}; env {env})".replace("%", "%%")  # argparse formats help with %
-        if base is bool or base == bool | None:
+        if _is_flag(base):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, metavar=name.upper(), help=text,
@@ -412,7 +417,7 @@ def load(cls: type[T], *, args: argparse.Namespace | None = None, env: Mapping[s
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        if base is bool or base == bool | None:
+        if _is_flag(base):
             data[name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             data[name] = raw

@@ -44,7 +44,6 @@ from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES, policy_help
-from common.router_core.planner import shipped_planner
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
@@ -761,10 +760,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         router_env[ENV_PREFIX + "KV_WAIT_TIMEOUT"] = str(a.kv_wait_timeout)
     if a.prefix_cache == "off":
         router_env[ENV_PREFIX + "PREFIX_CACHE"] = worker_env[ENV_PREFIX + "PREFIX_CACHE"] = "false"
-    if a.planner is not None:
+    if a.planner is not None:  # unset: the router's default by policy (`planner_on`), as in `kairos sim`
         router_env[ENV_PREFIX + "PLANNER"] = "true" if a.planner == "on" else "false"
-    elif not shipped_planner(a.policy):  # a baseline keeps its split, as in `kairos sim`
-        router_env[ENV_PREFIX + "PLANNER"] = "false"
     if a.planner_pin:
         router_env[ENV_PREFIX + "PLANNER_PIN"] = ",".join(a.planner_pin)
     err = error_settings(a)  # model error of the simulated engine, as `kairos sim` takes it

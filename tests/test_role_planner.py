@@ -264,6 +264,7 @@ def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> 
     """One default for the live router, `kairos up` and the simulator: Kairos plans roles as the
     router ships it, a baseline keeps its fixed split; `--planner on/off` sets it for any policy."""
     from common.config import RouterConfig
+    from common.config import load as load_config
     from common.perf_model import load_profile
     from common.policy import make_policy
     from common.router_core.planner import planner_on, shipped_planner
@@ -278,13 +279,16 @@ def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> 
     assert planner_on(RouterConfig(policy="disagg-least-loaded", planner=True))
     assert not planner_on(RouterConfig(planner=False))
 
-    def env(*argv: str) -> str | None:
-        return spec_from_args(parser().parse_args(["--no-monitor", *argv])).router_env.get("KAIROS_PLANNER")
+    def plans(*argv: str) -> bool:
+        """Whether the router `kairos up` starts with these flags plans roles (its environment, loaded)."""
+        a = parser().parse_args(["--no-monitor", *argv])
+        env = {**spec_from_args(a).router_env, "KAIROS_POLICY": a.policy}
+        return planner_on(load_config(RouterConfig, env=env))
 
-    assert env() is None  # the router's own default: on
-    assert env("--policy", "disagg-least-loaded") == "false"
-    assert env("--policy", "disagg-least-loaded", "--planner", "on") == "true"
-    assert env("--planner", "off") == "false"
+    assert plans()  # the router's own default for kairos: on
+    assert not plans("--policy", "disagg-least-loaded")
+    assert plans("--policy", "disagg-least-loaded", "--planner", "on")
+    assert not plans("--planner", "off")
     prof = load_profile("h100-llama2-70b-tp4")
     for name, on in (("kairos", True), ("disagg-least-loaded", False)):
         sim = Simulation(prof, make_policy(name, default_model=prof.model), SimConfig())

@@ -186,6 +186,11 @@ def leader(routers: Iterable[str]) -> str:
     return min(routers, default="")
 
 
+def movable(w: WorkerLoad, cfg: PlannerConfig) -> bool:
+    """Whether a planner may move worker `w`: not pinned, and its engine can change role in place."""
+    return w.worker_id not in cfg.pinned and not w.fixed
+
+
 def shipped_planner(policy: str) -> bool:
     """Whether a router running routing policy `policy` plans roles by default (RouterConfig.planner
     unset): Kairos does; the baselines, compared at fixed splits, never."""
@@ -360,7 +365,7 @@ class RolePlanner:
 
     def _pick(self, load: Load, to: m.Role, now: float) -> WorkerLoad | None:
         frm = PREFILL if to == DECODE else DECODE
-        ok = [w for w in load.workers if w.role == frm and w.worker_id not in self.cfg.pinned and not w.fixed
+        ok = [w for w in load.workers if w.role == frm and movable(w, self.cfg)
               and now - self.since.get(w.worker_id, (frm, now))[1] >= self.cfg.min_dwell_s]
         # the shortest drain: a prefill worker waits for the requests it decodes itself, then its queue
         return min(ok, key=lambda w: (w.decodes, w.load, w.worker_id)) if ok else None
@@ -461,7 +466,7 @@ class ThresholdPlanner(RolePlanner):
                                else (DECODE, PREFILL, n_p, max(cfg.min_prefill, 1)))
         if n_from - 1 < lo:
             return None
-        ok = [w for w in load.workers if w.role == frm and w.worker_id not in cfg.pinned and not w.fixed]
+        ok = [w for w in load.workers if w.role == frm and movable(w, cfg)]
         if not ok:
             return None
         pick = min(ok, key=lambda w: (w.load, w.worker_id))

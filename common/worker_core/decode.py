@@ -145,7 +145,7 @@ class DecodeCore(WorkerCore):
         if own_cached is not None and w.chunk_schedule and own_cached != (planned := self.planned_cached(w)):
             work = len(w.prompt_token_ids) - own_cached
             w = msgspec.structs.replace(w, chunk_schedule=replan(
-                w.chunk_schedule, work, min(CONTINUATION_CHUNK, self.fitting_chunk(w, load, model, work))))
+                w.chunk_schedule, work, self.fitting_chunk(w, load, model, min(work, CONTINUATION_CHUNK))))
             self.counters["replanned"] += 1
             self.log.info("deflection_replanned", request_id=w.request_id, planned_cached=planned,
                           own_cached=own_cached, chunk_schedule=list(w.chunk_schedule))
@@ -157,14 +157,14 @@ class DecodeCore(WorkerCore):
             return "rejected"
         return "started" if self.admit(w, "deflect", w.chunk_schedule, model) else "refused"
 
-    def fitting_chunk(self, w: m.DecodeWork, load: EngineLoad, model: PerfModel | None, work: int) -> int:
-        """The largest prefill chunk (at most `work` and the engine's token budget) whose step beside
+    def fitting_chunk(self, w: m.DecodeWork, load: EngineLoad, model: PerfModel | None, most: int) -> int:
+        """The largest prefill chunk (at most `most` and the engine's token budget) whose step beside
         the running decodes fits `w`'s step budget, judged at the prompt's full length (its last,
         dearest chunk); the token budget when there is no model or budget to judge by. A plan redone
-        for a prefix the worker does not hold continues with chunks of at least this size, up to
-        CONTINUATION_CHUNK (a plan made for a one-token remainder would otherwise prefill one token
-        per step)."""
-        most = max(1, min(work, self.info.token_budget or work))
+        for a prefix the worker does not hold continues with chunks of at least this size, asked for
+        up to CONTINUATION_CHUNK (a plan made for a one-token remainder would otherwise prefill one
+        token per step)."""
+        most = max(1, min(most, self.info.token_budget or most))
         planned = self.planned_model(w, model)
         if planned is None or w.step_budget_s <= 0:
             return most

@@ -8,7 +8,6 @@ continuation is the engine's own.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 import pytest
@@ -22,6 +21,7 @@ from common.policy import ClusterView, Decision, Policy, RequestSpec
 from common.router_core.core import RouterCore
 from common.router_core.requests import Event, Request
 from tests.router_fakes import FakeOutbox, hello, make_core
+from tests.sim_engine_run import run_to_end
 
 NOW = 1000.0  # the router core's time in these tests (it reads no clock)
 
@@ -69,23 +69,7 @@ async def decode_on_sim(work: m.DecodeWork) -> list[m.TokenItem]:
 
 async def run_on_sim(role: Literal["prefill", "decode"], request: EngineRequest) -> list[m.TokenItem]:
     """Run one request on a real simulated engine in `role` to its end; the token items it emitted."""
-    engine = SimEngine(role, load_profile("fast"), time_scale=0.001)
-    out: list[m.TokenItem] = []
-    done = asyncio.Event()
-
-    def on_tokens(items: list[m.TokenItem], step_s: float) -> None:
-        out.extend(items)
-        if any(it.finish_reason for it in items):
-            done.set()
-
-    engine.on_tokens = on_tokens
-    engine.add(request)
-    task = asyncio.create_task(engine.run())
-    try:
-        await asyncio.wait_for(done.wait(), 10)
-    finally:
-        task.cancel()
-    return out
+    return await run_to_end(SimEngine(role, load_profile("fast"), time_scale=0.001), request)
 
 
 @pytest.mark.parametrize("policy", ["deflect-all", "disagg-least-loaded"])

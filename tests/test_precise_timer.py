@@ -20,6 +20,7 @@ from common.engines.sim import SimEngine
 from common.messages import Sampling, TokenItem
 from common.perf_model import load_profile
 from common.precise_timer import PreciseTimer
+from tests.sim_engine_run import run_to_end
 
 uvloop = pytest.importorskip("uvloop")
 
@@ -115,14 +116,8 @@ def test_the_simulated_engine_sleeps_to_deadlines_a_modeled_step_apart(monkeypat
 
     async def run() -> SimEngine:
         e = SimEngine("decode", profile)
-        done = asyncio.Event()
-        e.on_tokens = lambda items, s: done.set() if any(i.finish_reason for i in items) else None
-        task = asyncio.create_task(e.run())
-        e.add(EngineRequest(request_id="r", attempt=0, prompt_token_ids=list(range(128)), mode="deflect",
-                            sampling=Sampling(max_tokens=4, ignore_eos=True)))
-        await asyncio.wait_for(done.wait(), 10)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await run_to_end(e, EngineRequest(request_id="r", attempt=0, prompt_token_ids=list(range(128)),
+                                          mode="deflect", sampling=Sampling(max_tokens=4, ignore_eos=True)))
         return e
 
     e = uvloop.run(run())

@@ -19,6 +19,7 @@ from common.worker_core import DecodeCore, EngineInfo, PrefillCore
 from services.monitor import top
 from services.monitor.service import Monitor
 from tests.monitor.conftest import parse_metrics, value
+from tests.sim_engine_run import run_to_end
 from tests.test_worker_core import Ports
 
 T0 = 1_800_000_000.0
@@ -94,14 +95,8 @@ def test_heartbeats_carry_the_engines_step_error() -> None:
 def test_the_simulated_engine_books_every_step() -> None:
     async def run() -> SimEngine:
         e = SimEngine("decode", load_profile("a100-dsv2-lite"), time_scale=0.01)
-        done = asyncio.Event()
-        e.on_tokens = lambda items, s: done.set() if any(i.finish_reason for i in items) else None
-        task = asyncio.create_task(e.run())
-        e.add(EngineRequest(request_id="r", attempt=0, prompt_token_ids=list(range(300)), mode="deflect",
-                            sampling=Sampling(max_tokens=8, ignore_eos=True)))
-        await asyncio.wait_for(done.wait(), 10)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await run_to_end(e, EngineRequest(request_id="r", attempt=0, prompt_token_ids=list(range(300)),
+                                          mode="deflect", sampling=Sampling(max_tokens=8, ignore_eos=True)))
         return e
 
     e = asyncio.run(run())

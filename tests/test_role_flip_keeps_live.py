@@ -11,45 +11,24 @@ still running when the SetRole comes.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
-import zmq
-import zmq.asyncio
 
-from common import config
 from common import messages as m
-from common import worker as worker_mod
 from common.engines.sim import SimEngine, synthetic_token, token_key
 from common.perf_model import load_profile
 from services.decode_worker.service import DecodeWorker
 from services.prefill_worker.service import PrefillWorker
 from services.roles import RoleSwitching
 from tests.test_replica_links import Fake
+from tests.test_role_planner_live import _stop, _worker, finished
 
 TOKENS = 400
 
 
-async def _worker(role: m.Role, monkeypatch: pytest.MonkeyPatch) -> tuple[RoleSwitching, Fake, Any, Any]:
-    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
-    ctx = zmq.asyncio.Context()
-    fake = Fake(ctx, "A")
-    cfg = config.load(config.WorkerConfig, env={}, overrides={
-        "router_host": "127.0.0.1", "work_port": fake.work_port, "heartbeat_port": fake.hb_port,
-        "kv_transport": "modeled", "worker_id": "decode-r", "refit_interval": 0, "drain_timeout": 30.0})
-    engine = SimEngine(role, load_profile("fast"), time_scale=10.0)
-    service = DecodeWorker(cfg, engine) if role == "decode" else PrefillWorker(cfg, engine)
-    proc = RoleSwitching(cfg, role, service)
-    task = asyncio.create_task(proc.run())
-    hi = await fake.until(lambda x: isinstance(x, m.Hello))
-    assert isinstance(hi, m.Hello) and hi.role == role
-    await fake.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.05))
-    return proc, fake, task, ctx
-
-
-def finished(rid: str) -> Any:
-    return lambda x: isinstance(x, m.TokenBatch) and any(i.request_id == rid and i.finish_reason for i in x.items)
+async def _started(role: m.Role, monkeypatch: pytest.MonkeyPatch) -> tuple[RoleSwitching, Fake, Any, Any]:
+    return await _worker(SimEngine(role, load_profile("fast"), time_scale=10.0), monkeypatch)
 
 
 def tokens_of(got: list[m.Msg], rid: str) -> list[int]:
@@ -95,16 +74,9 @@ def _check_stream(fake: Fake, rid: str, hello: m.Hello) -> None:
     assert all(x.worker_id == "decode-r" for x in fake.got if isinstance(x, m.TokenBatch))
 
 
-async def _stop(proc: RoleSwitching, fake: Fake, task: Any, ctx: Any) -> None:
-    proc.worker.stop.set()
-    assert await asyncio.wait_for(task, 10) == 0
-    fake.close()
-    ctx.term()
-
-
 async def test_a_decode_worker_flipped_to_prefill_keeps_streaming_its_decodes(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    proc, fake, task, ctx = await _worker("decode", monkeypatch)
+    proc, fake, task, ctx = await _started("decode", monkeypatch)
     try:
         await fake.send(m.DecodeWork(request_id="running", attempt=0, dispatch=1, mode="deflect",
                                      prompt_token_ids=[1, 2, 3], deadline_s=30.0, tbt_slo=0.1,
@@ -126,7 +98,7 @@ async def test_a_decode_worker_flipped_to_prefill_keeps_streaming_its_decodes(
 
 async def test_a_prefill_worker_flipped_to_decode_keeps_streaming_the_requests_it_decodes_itself(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    proc, fake, task, ctx = await _worker("prefill", monkeypatch)
+    proc, fake, task, ctx = await _started("prefill", monkeypatch)
     try:
         await fake.send(m.PrefillWork(request_id="mine", attempt=0, dispatch=1, prompt_token_ids=[1] * 64,
                                       sampling=m.Sampling(max_tokens=TOKENS, ignore_eos=True),

@@ -25,6 +25,7 @@ from common.perf_model import load_profile
 from common.router_core.core import RouterCore
 from common.router_core.planner import RolePlanner, planner_config
 from services.decode_worker.service import DecodeWorker
+from services.prefill_worker.service import PrefillWorker
 from services.roles import RoleSwitching
 from tests.router_fakes import FakeOutbox, hello
 from tests.test_replica_links import Fake
@@ -169,18 +170,28 @@ class NoSwitchEngine(SimEngine):
 
 
 async def _worker(engine: SimEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[RoleSwitching, Fake, Any, Any]:
+    """A worker process (its role the engine's) against a fake router, registered and welcomed."""
     monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
     ctx = zmq.asyncio.Context()
     fake = Fake(ctx, "A")
     cfg = config.load(config.WorkerConfig, env={}, overrides={
         "router_host": "127.0.0.1", "work_port": fake.work_port, "heartbeat_port": fake.hb_port,
         "kv_transport": "modeled", "worker_id": "decode-r", "refit_interval": 0, "drain_timeout": 30.0})
-    proc = RoleSwitching(cfg, "decode", DecodeWorker(cfg, engine))
+    service = DecodeWorker(cfg, engine) if engine.role == "decode" else PrefillWorker(cfg, engine)
+    proc = RoleSwitching(cfg, engine.role, service)
     task = asyncio.create_task(proc.run())
     hi = await fake.until(lambda x: isinstance(x, m.Hello))
-    assert isinstance(hi, m.Hello) and hi.role == "decode"
+    assert isinstance(hi, m.Hello) and hi.role == engine.role
     await fake.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.05))
     return proc, fake, task, ctx
+
+
+async def _stop(proc: RoleSwitching, fake: Fake, task: Any, ctx: Any) -> None:
+    """Stop the worker process `_worker` started (it exits 0) and its fake router."""
+    proc.worker.stop.set()
+    assert await asyncio.wait_for(task, 10) == 0
+    fake.close()
+    ctx.term()
 
 
 def decode_work(rid: str, dispatch: int, max_tokens: int) -> m.DecodeWork:
@@ -226,10 +237,7 @@ async def test_a_worker_drains_switches_its_engine_in_place_and_rejoins_under_it
         hb2 = await fake.beat_until(lambda x: isinstance(x, m.PrefillHeartbeat))
         assert isinstance(hb2, m.PrefillHeartbeat) and hb2.routers == ["A"] and hb2.incarnation == again.incarnation
     finally:
-        proc.worker.stop.set()
-        assert await asyncio.wait_for(task, 10) == 0
-        fake.close()
-        ctx.term()
+        await _stop(proc, fake, task, ctx)
 
 
 async def test_an_engine_that_cannot_change_role_refuses_set_role_and_keeps_serving(
@@ -245,10 +253,7 @@ async def test_an_engine_that_cannot_change_role_refuses_set_role_and_keeps_serv
         # its Hello says so, and the router's planner leaves it alone (test_role_planner)
         assert [x.fixed_role for x in fake.got if isinstance(x, m.Hello)][:1] == [True]
     finally:
-        proc.worker.stop.set()
-        assert await asyncio.wait_for(task, 10) == 0
-        fake.close()
-        ctx.term()
+        await _stop(proc, fake, task, ctx)
 
 
 async def test_a_worker_told_to_stop_while_it_changes_role_stops(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -217,8 +217,7 @@ def peers_phase(console: Console, args: argparse.Namespace, names: Sequence[str]
     log_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"policy": args.peer_policy, "backend_mode": mode, "peers": {}}
     n_backends, step_s = backend_mode(mode, args)
-    console.print(f"backends {mode}: {n_backends}, "
-                  f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}")
+    console.print(f"backends {mode}: {n_backends}, {writes(step_s)}")
     console.print("backend alone (the floor a router adds to):")
     floor = measure(console, args, None, rates=rates, token_rates=token_rates, n_clients=n_clients,
                     router_cpus=router_cpus, other_cpus=other_cpus, log_dir=log_dir, mode=mode)
@@ -273,6 +272,11 @@ def peers_phases(console: Console, args: argparse.Namespace, names: Sequence[str
     return out
 
 
+def writes(step_s: float) -> str:
+    """How a backend with step `step_s` (0: burst) writes a stream, for the report."""
+    return f"one event per stream every {step_s * 1e3:g} ms" if step_s else "every event at once"
+
+
 def parse_modes(text: str) -> list[str]:
     """--peer-backend: a comma-separated list of MODES, in the order to run them."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
@@ -307,6 +311,5 @@ def print_modes_summary(console: Console, peers: dict[str, Any]) -> None:
     for mode, got in [(peers.get("backend_mode", "burst"), peers), *peers.get("other_modes", {}).items()]:
         n_backends = got["backend"].get("backends", 2)
         step_s = got["backend"].get("backend_step_s", 0.0)
-        console.print(f"with the peers' backends {mode} ({n_backends} backends, "
-                      f"{f'one event per stream every {step_s * 1e3:g} ms' if step_s else 'every event at once'}):")
+        console.print(f"with the peers' backends {mode} ({n_backends} backends, {writes(step_s)}):")
         print_summary(console, got)

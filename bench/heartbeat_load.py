@@ -31,7 +31,7 @@ from bench.steps import cpu_seconds, summarize_stacks, wait_port
 from common import codec
 from common import messages as m
 from common.perf_model import load_profile
-from kairos.up import free_ports
+from common.ports import free_ports
 
 
 def parse_workers(text: str) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from common.engines.base import EngineRequest, Prefilled
 from common.messages import KvHandle, Sampling, TokenItem
-from kairos.up import free_port
+from common.ports import free_port
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int, mode: str, kv: dict[str, Any] | None = None) -> EngineRequest:

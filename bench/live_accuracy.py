@@ -30,7 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kairos.up import Cluster, ClusterSpec, free_ports
+from common.ports import free_ports
+from kairos.up import Cluster, ClusterSpec
 
 
 def _q(values: list[float], q: float) -> float | None:

@@ -56,7 +56,7 @@ from rich.console import Console
 
 from bench.steps import Bench, Clients, fmt, request_steps, sustained, token_steps, wait_port
 from common.errors import ConfigError
-from kairos.up import free_ports
+from common.ports import free_ports
 
 INSTALL = ("python -m venv /opt/peers && /opt/peers/bin/pip install sglang-router==0.3.2 vllm-router==0.1.17; "
            "then put /opt/peers/bin on PATH")

@@ -473,7 +473,7 @@ def reference_phase(console: Console, args: argparse.Namespace, rates: Sequence[
                     router_steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The request-rate steps again against bench/reference_app.py on the router's CPUs, and the
     router's CPU per request as a ratio to the reference's at each offered rate."""
-    from kairos.up import free_port
+    from common.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "bench.reference_app", "--port", str(port)]

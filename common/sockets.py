@@ -238,6 +238,9 @@ class RouterBus:
         self.cfg = cfg
         # each allowed worker key -> the worker id it may register (None: any); empty without CURVE
         self.key_ids: dict[str, str | None] = worker_key_ids(cfg) if cfg.curve_keys_dir else {}
+        # set before anything can fail: close() reads it (a failed bind once raised AttributeError here,
+        # which hid the bind error itself)
+        self.monitors: list[tuple[str, zmq.asyncio.Socket]] = []
         self.ctx = zmq.asyncio.Context()
         self.auth = start_authenticator(self.ctx, cfg, on_key_refused)
         self.work = self.ctx.socket(zmq.ROUTER)
@@ -261,7 +264,6 @@ class RouterBus:
                                   "--work-port and --telemetry-port (KAIROS_WORK_PORT, KAIROS_TELEMETRY_PORT)") from e
         # under CURVE, a handshake that fails before ZAP is asked (a peer without CURVE, or a
         # garbled greeting) is seen only by a socket monitor: `handshake_failures` reads them
-        self.monitors: list[tuple[str, zmq.asyncio.Socket]] = []
         if cfg.curve_keys_dir:
             events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             self.monitors = [(WORKER_DOMAIN, self.work.get_monitor_socket(events)),

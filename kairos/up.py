@@ -44,6 +44,7 @@ from common.engines.step_error import TARGET
 from common.errors import ConfigError
 from common.logging import configure as configure_logging
 from common.policy import POLICIES, policy_help
+from common.ports import free_ports
 from kairos.passthrough import passthrough
 from kairos.supervisor import RestartPolicy, Supervisor
 from sim.knobs import (
@@ -66,21 +67,6 @@ PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports. Every socket stays bound until all are picked: ports picked
-    one at a time (bind to 0, close) can come back twice, and a cluster given the same port for two
-    of its buses fails to start ("Address already in use")."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def check_ports_free(spec: ClusterSpec) -> None:

@@ -19,7 +19,7 @@ from rich.console import Console
 from bench import peers
 from bench.steps import wait_port
 from common.errors import ConfigError
-from kairos.up import free_port
+from common.ports import free_port
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:

@@ -34,10 +34,11 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the compose 
 
 from common import config  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
+from common.ports import free_ports  # noqa: E402
 from common.router_link import router_addresses  # noqa: E402
 from kairos import health  # noqa: E402
 from kairos.cli import COMMANDS  # noqa: E402
-from kairos.up import Cluster, ClusterSpec, Service, free_ports, kairos_cmd  # noqa: E402
+from kairos.up import Cluster, ClusterSpec, Service, kairos_cmd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"

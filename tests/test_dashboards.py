@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kairos.up import Cluster, free_ports
+from common.ports import free_ports
+from kairos.up import Cluster
 from tests.monitor.conftest import send_burst, start_monitored, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from kairos.up import free_ports
+from common.ports import free_ports
 from services.router.edge import DIRECT, EdgeLimits, edge_protocol
 
 seen: list[tuple[bool, bool]] = []  # per request: (a DirectWrite in the scope, ready() once started)

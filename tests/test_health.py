@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from common.ports import free_port
 from kairos import health
-from kairos.up import Cluster, free_port
+from kairos.up import Cluster
 
 Routes = dict[str, tuple[int, Any]]
 

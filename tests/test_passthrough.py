@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from common.errors import ConfigError
+from common.ports import free_ports
 from kairos.passthrough import passthrough
-from kairos.up import Cluster, free_ports, parser, spec_from_args
+from kairos.up import Cluster, parser, spec_from_args
 
 
 def test_each_setting_reaches_the_services_that_have_it(tmp_path: Path) -> None:

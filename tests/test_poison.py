@@ -23,7 +23,7 @@ from common import messages as m
 from common import worker as worker_mod
 from common.engines.sim import SimEngine
 from common.perf_model import load_profile
-from kairos.up import free_port
+from common.ports import free_port
 from services.decode_worker.service import DecodeWorker
 from services.prefill_worker.service import PrefillWorker
 

@@ -22,9 +22,9 @@ from common import worker as worker_mod
 from common.engines.sim import SimEngine
 from common.errors import ConfigError
 from common.perf_model import load_profile
+from common.ports import free_port
 from common.router_link import Origins, RouterLink, router_addresses
 from common.sockets import telemetry_endpoints
-from kairos.up import free_port
 from services.decode_worker.service import DecodeWorker
 
 SAMPLING = m.Sampling(max_tokens=3, ignore_eos=True)

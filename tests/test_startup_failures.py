@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kairos.up import free_port
+from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,21 @@ def test_router_port_in_use() -> None:
         line = run("services.router", "--http-port", str(port), *bus_args())
     assert line["event"] == "http_failed_to_start" and line["port"] == port and line["service"] == "router"
     assert "--http-port" in line["fix"]
+
+
+@pytest.mark.parametrize("which", ["--work-port", "--telemetry-port"])
+def test_router_bus_port_in_use(which: str) -> None:
+    """The router's bus cannot bind: one bus_failed_to_start line (CI once got an AttributeError
+    from the clean-up instead, which hid the bind error)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        other = "--telemetry-port" if which == "--work-port" else "--work-port"
+        line = run("services.router", "--http-port", str(free_port()), which, str(port), other, str(free_port()),
+                   "--metrics-port", "0")
+    assert line["event"] == "bus_failed_to_start" and line["service"] == "router", line
+    assert "Address already in use" in line["error"] and "--work-port" in line["fix"], line
 
 
 def test_monitor_port_in_use() -> None:

@@ -18,8 +18,8 @@ import pytest
 from common import codec, config
 from common import messages as m
 from common.errors import RequestError
+from common.ports import free_port
 from common.router_core.requests import Request
-from kairos.up import free_port
 from services.router import metrics
 from services.router.service import Router
 from tests.router_fakes import Clock, FakeOutbox, make_core

@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
-from kairos.up import Cluster, ClusterSpec, free_ports, parser, spec_from_args
+from common.ports import free_ports
+from kairos.up import Cluster, ClusterSpec, parser, spec_from_args
 from tests.conftest import start_cluster
 
 

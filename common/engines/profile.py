@@ -107,7 +107,8 @@ async def _profile(args: argparse.Namespace) -> Profile:
         what = f"the simulated engine timed by profile {src.name!r} (time_scale {args.time_scale:g})"
         prefill = None
     else:
-        from common.engines.vllm import VllmEngine, free_port
+        from common.engines.vllm import VllmEngine
+        from common.ports import free_port
 
         model = args.model
         if not model:

@@ -87,9 +87,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -108,6 +106,7 @@ from common.engines.step_error import TARGET, StepErrorEstimator
 from common.errors import ConfigError, KvTransferError, Overloaded
 from common.messages import Coeffs, StructuredOutputs, TokenItem, TokenLogprobs
 from common.perf_model import PerfModel, Profile, StepSample, fit
+from common.ports import free_port
 from common.prediction_error import STEP_ERROR_MAXLEN, STEP_ERROR_WINDOW_S, ErrorWindow
 
 if TYPE_CHECKING:
@@ -966,25 +965,3 @@ def make_vllm_engine(cfg: WorkerConfig, role: Literal["prefill", "decode"]) -> V
                       prefix_caching=cfg.prefix_cache, otlp_traces_endpoint=cfg.otlp_traces_endpoint,
                       engine_args=engine_args, kv_both=cfg.vllm_kv_both)
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` for the NIXL side channel, which vLLM binds only once the
-    model is loaded (seconds later). Picked below the kernel's ephemeral range where possible: a
-    port from that range can meanwhile become any outgoing connection's source port, and vLLM's
-    listener thread then dies with "Address already in use" while the worker waits for it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    rng = random.Random()
-    for _ in range(50 if low > 12000 else 0):
-        port = rng.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from common.ports import LOWEST, ephemeral_low
 from tests.chaos.load import Tally, run_load
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
@@ -35,8 +36,10 @@ WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 def free_port_run(n: int) -> int:
     """The first of n consecutive free loopback ports (the bus takes three in a row)."""
     rng = random.Random()
+    low = ephemeral_low()  # below the kernel's ephemeral range (common/ports.py says why)
+    top = low - n if low > LOWEST + 1000 else 60000
     for _ in range(200):
-        base = rng.randrange(20000, 60000)
+        base = rng.randrange(LOWEST, top)
         socks = []
         try:
             for i in range(n):

@@ -20,7 +20,8 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from kairos.up import Cluster, ClusterSpec, free_port
+from common.ports import free_port
+from kairos.up import Cluster, ClusterSpec
 from tests.vllm.test_real_clients import timed_trace
 
 WORKLOADS = {

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from common.ports import free_port
 from kairos.passthrough import passthrough
-from kairos.up import Cluster, ClusterSpec, free_port
+from kairos.up import Cluster, ClusterSpec
 from tests.vllm.helpers import PD, VLLM_MISSING, Collector
 
 

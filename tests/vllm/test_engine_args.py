@@ -29,7 +29,7 @@ import pytest
 
 from common import config
 from common.errors import ConfigError
-from kairos.up import free_port
+from common.ports import free_port
 from tests.vllm.helpers import PD, VLLM_MISSING, Collector, request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")]

@@ -20,7 +20,7 @@ from common import worker as worker_mod
 from common.perf_model import load_profile
 from common.policy.admission import REJECTED_REASON
 from common.policy.schedule import reserved_step_cost
-from kairos.up import free_port
+from common.ports import free_port
 from services.decode_worker.service import DecodeWorker
 from tests.test_poison import FakeRouter
 from tests.vllm.helpers import VLLM_MISSING

@@ -148,7 +148,9 @@ def router_incarnations(url: str, n: int, prefill: int, decode: int, timeout: fl
     while time.monotonic() - t0 < timeout:
         try:
             body = get_json(url + "/ready")
-            if body.get("prefill_workers", 0) >= prefill and body.get("decode_workers", 0) >= decode:
+            # every worker registered, whatever its role now: the role planner (on by default) may
+            # have moved one during the rolling restart (a 2P2D stack can be 1P3D here)
+            if body.get("prefill_workers", 0) + body.get("decode_workers", 0) >= prefill + decode:
                 seen.add(str(body["router"]))
         except (OSError, ValueError, KeyError):
             pass

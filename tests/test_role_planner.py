@@ -297,11 +297,13 @@ def test_the_planner_is_on_by_default_for_kairos_and_off_for_the_baselines() -> 
     assert off.planner is None
 
 
-def test_a_tbt_slo_under_the_steps_fixed_cost_is_a_decode_shortage() -> None:
-    # the SLO (10 us) is under a lone sequence's step (1 ms): no room above the fixed cost at all,
-    # every decode step passes it: the decode pool is short (as a step at >= step_hi of the SLO is)
+def test_a_step_floor_over_the_tbt_slo_is_no_reason_to_flip() -> None:
+    # the SLO (10 us) is under a lone sequence's step (1 ms): no room above the fixed cost at all.
+    # One decode worker more cannot lower that floor, so the step is no evidence for a flip (a loaded
+    # host's step margins once put the floor past the SLO and the planner took a prefill worker)
     tight = dict(CALM, decode_step_s=0.001, decode_step_floor_s=0.001)
-    flips, _ = run(RolePlanner(cfg(tbt_slo=0.00001)), tight, fleet(2, 1), 0.0, 60.0)
+    assert run(RolePlanner(cfg(tbt_slo=0.00001)), tight, fleet(2, 1), 0.0, 60.0)[0] == []
+    # ... while requests waiting for decode room still are
+    waiting = dict(tight, waits_decode=3)
+    flips, _ = run(RolePlanner(cfg(tbt_slo=0.00001)), waiting, fleet(2, 1), 0.0, 60.0)
     assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
-    idle = dict(tight, decode_step_s=0.0)  # ... but a pool that has not stepped yet is not
-    assert run(RolePlanner(cfg(tbt_slo=0.00001)), idle, fleet(2, 1), 0.0, 60.0)[0] == []

@@ -5,10 +5,12 @@ worker can prefill it in place now).
 A request waiting for KV room blocks the queue (FIFO: nobody overtakes it). Held requests do
 not: a new arrival is still decided at once. The queue is decided again when room may have
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
-`SCAN` waiting requests, in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
-KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the code naming what was
-short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`, `kv_wait_timeout`;
+`SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
+stand: `Waiting.head`), in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
+still meet their TTFT SLO, `latest_start`, by arrival), past the held
+ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
+HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
+`kv_wait_timeout`;
 `worker_lost_midstream` for one that had streamed tokens before it lost its worker). A new request
 predicted to wait past its budget is not queued at all (admission.py: HTTP 429).
 A waiting request that no live worker could take at all any more is parked instead
@@ -31,7 +33,6 @@ retries.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -43,7 +44,7 @@ from common.policy.kairos import latest_start
 from common.router_core.admission import budget, shortage
 from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
-from common.wait_queue import SCAN, Outcome, WaitQueue
+from common.wait_queue import Outcome, WaitQueue
 
 
 def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, float]]) -> int:
@@ -100,10 +101,22 @@ class Waiting:
                  if w.role == "prefill"]
         return min(times, default=0.0)
 
+    def late(self, now: float) -> Callable[[Request], bool] | None:
+        """Under the policy's wait order (late binding), whether a waiting request can no longer
+        meet its TTFT SLO whatever it were sent to (its SLO is over), which the order tries last
+        (`WaitQueue.head` looks past them); None (no order but FIFO): every one counts."""
+        if not self.policy.orders_waiting():
+            return None
+        return lambda r: r.arrival + r.ttft_slo <= now
+
+    def head(self, now: float) -> list[Request]:
+        """The waiting requests a retry now would decide again (`WaitQueue.head`)."""
+        return self.queue.head(self.late(now))
+
     def first(self, now: float) -> tuple[bool, float]:
         """The request a retry now would decide first: (whether it can no longer meet its TTFT
         SLO, its arrival on the wall clock); (False, 0.0) when none waits."""
-        head = [r for r in itertools.islice(self.queue, SCAN) if not r.done]
+        head = [r for r in self.head(now) if not r.done]
         if not head:
             return False, 0.0
         latest = self._latest(head)
@@ -220,7 +233,7 @@ class Waiting:
             placed += 1
             return Outcome.PLACED
 
-        q.retry(order, place)
+        q.retry(order, place, self.late(now))
 
     def expire(self, now: float) -> None:
         """Fail the waiting requests past their wait timeout, each with what it waited for."""

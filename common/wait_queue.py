@@ -5,7 +5,8 @@ Two kinds of request wait in it, in arrival order: one that found no decode work
 (`held` False), and one the policy holds back (Kairos's late binding, `held` True: the prefill
 queues are deep and no decode worker can prefill it in place now). A request waiting for KV room
 blocks the queue: a new arrival queues behind it (FIFO, nobody overtakes). Held requests do not
-block it. When room may have opened, `retry` decides again the first `scan` waiting requests, in
+block it. When room may have opened, `retry` decides again the first `scan` waiting requests (with
+the caller's `late`, the first `scan` that can still meet their SLO, wherever they stand: `head`), in
 the order the caller gives (the policy's `retry_order`), going past held ones and stopping at the
 first that still finds no room. The queue holds at most `limit` requests; what happens to one that
 waits too long is the owner's (the router fails it, the simulator rejects it).
@@ -57,10 +58,34 @@ class WaitQueue(deque[W]):
         """A new request that cannot be placed must be refused: `limit` already wait."""
         return len(self) >= self.limit
 
-    def retry(self, order: Callable[[list[W]], Iterable[int]], place: Callable[[W], Outcome]) -> None:
-        """Decide the first `scan` waiting requests again: `order(head)` gives the indices into
+    def head(self, late: Callable[[W], bool] | None = None) -> list[W]:
+        """The waiting requests a retry decides again, in queue order: the first `scan`; with
+        `late` (a request that can no longer meet its TTFT SLO, which the caller's order tries
+        last), the first `scan` that are not late wherever they stand in the queue, then as many
+        late ones, from the head, as leave `scan` in all. Under a sustained overload more than
+        `scan` requests can wait past their SLO at the head of the queue: a head of the first
+        `scan` alone would then hold only those, the retry would place them first, and every
+        request behind them would miss its SLO too, however soon the room came."""
+        if late is None:
+            return list(itertools.islice(self, self.scan))
+        early: list[tuple[int, W]] = []
+        overdue: list[tuple[int, W]] = []
+        for i, r in enumerate(self):
+            if not late(r):
+                early.append((i, r))
+                if len(early) == self.scan:
+                    break
+            elif len(overdue) < self.scan:
+                overdue.append((i, r))
+        picked = early + overdue[:self.scan - len(early)]
+        picked.sort(key=lambda x: x[0])
+        return [r for _, r in picked]
+
+    def retry(self, order: Callable[[list[W]], Iterable[int]], place: Callable[[W], Outcome],
+              late: Callable[[W], bool] | None = None) -> None:
+        """Decide the waiting requests `head(late)` again: `order(head)` gives the indices into
         `head` (the requests in queue order) to try, in that order; `place(request)` tries one."""
-        head = list(itertools.islice(self, self.scan))
+        head = self.head(late)
         if not head:
             return
         for i in order(head):

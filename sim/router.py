@@ -64,7 +64,6 @@ prefill_done(w, now).
 from __future__ import annotations
 
 import copy
-import itertools
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -79,7 +78,6 @@ from common.policy import ClusterView, Decision, Hold, Policy
 from common.router_core.core import RouterCore
 from common.router_core.ports import Hooks, NullLog
 from common.router_core.requests import Request
-from common.wait_queue import SCAN
 from sim.state import MODEL, DecodeWorker, Level, PrefillWorker, Req, SimConfig, Worker, router_name
 
 _SAMPLING: dict[int, m.Sampling] = {}
@@ -171,9 +169,10 @@ class SimRouter:
     def waiting(self) -> int:
         return len(self.core.kv_waiting)
 
-    def holding(self) -> bool:
-        """Does the policy hold a request the next retry could place (among the first SCAN)?"""
-        return any(r.held for r in itertools.islice(self.core.kv_waiting, SCAN))
+    def holding(self, now: float) -> bool:
+        """Does the policy hold a request the next retry could place (among those it decides again:
+        `Waiting.head`)?"""
+        return any(r.held for r in self.core.waiting.head(now))
 
     def view(self, now: float) -> ClusterView:
         """What the policy would see now."""
@@ -195,7 +194,7 @@ class SimRouter:
         creq = self.creqs[r.rid]
         self.core.on_message(w.wid.encode(), m.TokenBatch(worker_id=w.wid, items=[
             m.TokenItem(r.rid, creq.attempt, [0])]), now)
-        if self.cfg.ledger and self.holding():
+        if self.cfg.ledger and self.holding(now):
             self.engines.retry_at(now, self.i)  # a deflection slot freed, seen at once (by this router)
 
     def finished(self, w: Worker, r: Req, now: float) -> None:
@@ -233,7 +232,7 @@ class SimRouter:
         self.engines.deliver_all(now)
         self.core.retry_now(now, turn=turn)
         self.flush(now)
-        for creq in itertools.islice(self.core.kv_waiting, SCAN):
+        for creq in self.core.waiting.head(now):
             if creq.held:
                 self.reqs[creq.request_id].was_held = True
 
@@ -370,8 +369,8 @@ class Routers:
     def waiting(self) -> int:
         return sum(rt.waiting for rt in self.replicas)
 
-    def holding(self) -> bool:
-        return any(rt.holding() for rt in self.replicas)
+    def holding(self, now: float) -> bool:
+        return any(rt.holding(now) for rt in self.replicas)
 
     def decision_ns(self) -> list[int]:
         return [int(us * 1e3) for rt in self.replicas for us in rt.out.decision_us]
@@ -396,7 +395,7 @@ class Routers:
 
     def first_token(self, w: Worker, r: Req, now: float) -> None:
         self.replicas[r.router].first_token(w, r, now)
-        if len(self.replicas) > 1 and self.holding() and self.replicas[r.router].core.waiting.turn_delay(now) > 0.0:
+        if len(self.replicas) > 1 and self.holding(now) and self.replicas[r.router].core.waiting.turn_delay(now) > 0.0:
             # an older request waits at another replica: the replica that heard of the freed
             # deflection slot at once places none of its own past it (waiting.py); the slot shows
             # to every replica at `w`'s next heartbeat, which, as live (every heartbeat retries at
@@ -411,7 +410,7 @@ class Routers:
             self._retry_at_heartbeat(w, now)
 
     def prefill_done(self, w: PrefillWorker, now: float) -> None:
-        if self.holding():
+        if self.holding(now):
             self._retry_at_heartbeat(w, now)  # its shorter queue shows at its next heartbeat
 
     def _retry_at_heartbeat(self, w: Worker, now: float) -> None:

@@ -5,10 +5,12 @@ worker can prefill it in place now).
 A request waiting for KV room blocks the queue (FIFO: nobody overtakes it). Held requests do
 not: a new arrival is still decided at once. The queue is decided again when room may have
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
-`SCAN` waiting requests, in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, by arrival), past the held ones, up to the first that still waits for
-KV room. Every waiting request is bounded by `kv_wait_timeout` (then HTTP 503, the code naming what was
-short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`, `kv_wait_timeout`;
+`SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
+stand: `Waiting.head`), in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
+still meet their TTFT SLO, `latest_start`, a held one's less the shortest prefill queue, by arrival), past the held
+ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
+HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
+`kv_wait_timeout`;
 `worker_lost_midstream` for one that had streamed tokens before it lost its worker). A new request
 predicted to wait past its budget is not queued at all (admission.py: HTTP 429).
 A waiting request that no live worker could take at all any more is parked instead
@@ -31,7 +33,6 @@ retries.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -42,8 +43,8 @@ from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start
 from common.router_core.admission import budget, shortage
 from common.router_core.requests import Request
-from common.router_core.workers import WorkerTable
-from common.wait_queue import SCAN, Outcome, WaitQueue
+from common.router_core.workers import WorkerEntry, WorkerTable
+from common.wait_queue import Outcome, WaitQueue
 
 
 def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, float]]) -> int:
@@ -64,6 +65,16 @@ def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, fl
     requests have waited. Taking turns `replica_stagger_ms` apart, each decides after the ones
     before it have dispatched and the workers' heartbeats have said so."""
     return sum(1 for r, (late, at) in others.items() if at > 0.0 and (late, at, r) < mine)
+
+
+def _queue_s(w: WorkerEntry) -> float:
+    """A prefill worker's predicted queue as its last heartbeat says: the tokens it holds, at
+    full-budget steps, after the step in flight (0 before its first heartbeat)."""
+    hb = w.hb
+    if not isinstance(hb, m.PrefillHeartbeat):
+        return 0.0
+    budget = max(w.hello.token_budget, 1)
+    return hb.queued_tokens / budget * w.model.step_time(0, 0, [(budget, 0)]) + hb.busy_s
 
 
 class Placer(Protocol):
@@ -94,16 +105,31 @@ class Waiting:
         self.room_short = room_short  # told when a retry finds no decode room (Admission.room_short)
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
-    def alone_s(self, tokens: int) -> float:
-        """The prompt's prefill time on the fastest idle prefill worker (0 when none is live)."""
-        times = [w.model.prefill_exec(tokens, w.hello.token_budget) for w in self.table.workers.values()
-                 if w.role == "prefill"]
+    def alone_s(self, tokens: int, queued: bool = False) -> float:
+        """The prompt's prefill time on the fastest idle prefill worker (0 when none is live); with
+        `queued`, the soonest a prefill worker could have it prefilled if it were sent now: its
+        predicted queue (the tokens it holds, at full-budget steps, after the step in flight, as its
+        last heartbeat says) and then the prompt's own prefill, on the worker where that is shortest."""
+        times = [(_queue_s(w) if queued else 0.0) + w.model.prefill_exec(tokens, w.hello.token_budget)
+                 for w in self.table.workers.values() if w.role == "prefill"]
         return min(times, default=0.0)
+
+    def late(self, now: float) -> Callable[[Request], bool] | None:
+        """Under the policy's wait order (late binding), whether a waiting request can no longer
+        meet its TTFT SLO whatever it were sent to (its SLO is over), which the order tries last
+        (`WaitQueue.head` looks past them); None (no order but FIFO): every one counts."""
+        if not self.policy.orders_waiting():
+            return None
+        return lambda r: r.arrival + r.ttft_slo <= now
+
+    def head(self, now: float) -> list[Request]:
+        """The waiting requests a retry now would decide again (`WaitQueue.head`)."""
+        return self.queue.head(self.late(now))
 
     def first(self, now: float) -> tuple[bool, float]:
         """The request a retry now would decide first: (whether it can no longer meet its TTFT
         SLO, its arrival on the wall clock); (False, 0.0) when none waits."""
-        head = [r for r in itertools.islice(self.queue, SCAN) if not r.done]
+        head = [r for r in self.head(now) if not r.done]
         if not head:
             return False, 0.0
         latest = self._latest(head)
@@ -114,7 +140,13 @@ class Waiting:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
         if not self.policy.orders_waiting():
             return [0.0] * len(head)
-        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
+        # a held request waits because the prefill queues are deep (and no decode worker can prefill
+        # it in place): placed, it queues at a prefill worker, and can meet its SLO only if it starts
+        # that much earlier. Judged on its prefill alone, under an overload the retry would try first
+        # the held requests whose SLO runs out in that queue (each misses it by the queue) while the
+        # ones behind them, which could still make it, wait on
+        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids), queued=r.held))
+                for r in head]
 
     def _others(self, now: float) -> dict[str, tuple[bool, float]]:
         """The other replicas' first waiting requests, as the decode workers' heartbeats last echoed
@@ -220,7 +252,7 @@ class Waiting:
             placed += 1
             return Outcome.PLACED
 
-        q.retry(order, place)
+        q.retry(order, place, self.late(now))
 
     def expire(self, now: float) -> None:
         """Fail the waiting requests past their wait timeout, each with what it waited for."""

@@ -1,0 +1,179 @@
+"""Which waiting request the router core tries first when room opens under an overload
+(common/router_core/waiting.py, common/wait_queue.py; the simulator runs the same core). Fake
+clock, no sockets: a `Waiting` over a stub worker table and a placer that has room for a given
+number of requests.
+
+Issue 44, shift-code under 10 % step noise (tune slice): past the decode pool's capacity, two
+rules turned a deficit of a few per cent into every request missing its TTFT SLO: the retry
+decided only the first SCAN requests, all of them already past their SLO, and a held request's
+latest start left out the prefill queue it would join."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from common import config
+from common import messages as m
+from common.perf_model import load_profile
+from common.policy import Hold, NoDecodeRoom, NoWorkers, Policy
+from common.policy.kairos import KairosConfig, retry_order
+from common.router_core.requests import Request
+from common.router_core.waiting import Waiting
+from common.router_core.workers import WorkerTable
+from common.wait_queue import SCAN, Outcome, WaitQueue
+
+SLO = 2.0
+BUDGET = 2048
+
+
+class SlackOrder:
+    """Kairos's wait order (late binding on, `late_order` "slack"): the policy side `Waiting` asks."""
+
+    cfg = KairosConfig(late_binding=True)
+
+    def orders_waiting(self) -> bool:
+        return True
+
+    def retry_order(self, latest: list[float], now: float) -> list[int]:
+        return retry_order(self.cfg, latest, now)
+
+
+@dataclass
+class Entry:
+    """What `Waiting` reads of a worker table entry."""
+
+    worker_id: str
+    role: str
+    model: Any
+    hello: Any
+    hb: Any = None
+    draining: bool = False
+
+
+@dataclass
+class Table:
+    workers: dict[str, Entry] = field(default_factory=dict)
+    me: str = "router-0"
+
+
+class Placer:
+    """Room for `room` requests; then every request waits for decode room (or stays held)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.placed: list[str] = []
+
+    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
+        if self.room <= 0:
+            raise Hold("prefill queues deep") if req.held else NoDecodeRoom("no decode room")
+        self.room -= 1
+        self.placed.append(req.request_id)
+
+    def fail(self, req: Request, message: str, code: str, now: float) -> None:
+        raise AssertionError(f"{req.request_id} failed: {message}")
+
+    def unplaced(self, req: Request, e: NoWorkers, now: float) -> None:
+        raise AssertionError(f"{req.request_id} unplaced")
+
+
+def prefill_worker(queued_tokens: int) -> Entry:
+    model = load_profile("fast").model
+    hb = m.PrefillHeartbeat(worker_id="p0", incarnation="i", seq=1, queued_tokens=queued_tokens,
+                            queued_requests=1 if queued_tokens else 0, token_budget=BUDGET)
+    return Entry("p0", "prefill", model, m.Hello(protocol=m.PROTOCOL_VERSION, worker_id="p0", role="prefill",
+                                                 incarnation="i", engine="sim", model="kairos-sim",
+                                                 token_budget=BUDGET, kv_capacity_tokens=100_000, max_batch=64),
+                 hb)
+
+
+def waiting(room: int, queued_tokens: int = 0) -> tuple[Waiting, Placer]:
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast"})
+    placer = Placer(room)
+    table = Table({"p0": prefill_worker(queued_tokens)})
+    return Waiting(cfg, cast(Policy, SlackOrder()), cast(WorkerTable, table), Counter(), placer), placer
+
+
+def request(rid: str, arrival: float, *, prompt: int = 64, held: bool = False) -> Request:
+    return Request(request_id=rid, prompt_token_ids=[1] * prompt, sampling=m.Sampling(max_tokens=16),
+                   ttft_slo=SLO, tbt_slo=0.1, arrival=arrival, deadline=arrival + 600.0, held=held,
+                   kv_wait_until=arrival + 600.0)
+
+
+def test_the_retry_looks_past_more_than_scan_requests_whose_slo_is_over() -> None:
+    # a sustained overload: SCAN + 6 requests at the head waited past their TTFT SLO; one that
+    # arrived just now can still make it. Room opens for one: it goes to the one that can make it
+    # (the late ones are tried after it), not to the oldest late one, which would make it late too
+    w, placer = waiting(room=1)
+    now = 100.0
+    late = [request(f"late{i}", arrival=90.0 + i * 0.01) for i in range(SCAN + 6)]
+    fresh = request("fresh", arrival=now - 0.2)
+    w.queue.extend([*late, fresh])
+    assert w.first(now) == (False, fresh.arrival)  # what a replica's turn is decided by, too
+    w.retry(now)
+    assert placer.placed == ["fresh"]
+    assert len(w.queue) == SCAN + 6 and fresh not in w.queue
+    # room for more: the late ones then go, oldest first
+    placer.room = 2
+    w.retry(now)
+    assert placer.placed == ["fresh", "late0", "late1"]
+
+
+def test_a_held_request_that_its_prefill_queue_would_make_late_goes_after_one_that_can_make_it() -> None:
+    # the prefill worker holds three budgets: about 0.2 s of queue on the fast profile. `old` is held
+    # (late binding: the queue is deep) and, judged on its prefill alone, could still start; placed
+    # now it would wait in that queue past its SLO. `young`, held too, can make it: it goes first
+    w, placer = waiting(room=1, queued_tokens=3 * BUDGET)
+    e = w.table.workers["p0"]
+    queue_s = 3 * e.model.step_time(0, 0, [(BUDGET, 0)])
+    alone = e.model.prefill_exec(64, BUDGET)
+    now = 100.0
+    old = request("old", arrival=now - SLO + alone + queue_s / 2, held=True)
+    young = request("young", arrival=now - 0.1, held=True)
+    w.queue.extend([old, young])
+    w.retry(now)
+    assert placer.placed == ["young"]
+    assert list(w.queue) == [old] and old.held
+    assert w.alone_s(64) == alone and w.alone_s(64, queued=True) == alone + queue_s
+
+
+def test_a_request_waiting_for_decode_room_is_judged_on_its_prefill_alone() -> None:
+    # not held: it waits for a decode worker, where it may well be prefilled in place (no prefill
+    # queue); the oldest that can still make it goes first, as before
+    w, placer = waiting(room=1, queued_tokens=3 * BUDGET)
+    e = w.table.workers["p0"]
+    queue_s = 3 * e.model.step_time(0, 0, [(BUDGET, 0)])
+    alone = e.model.prefill_exec(64, BUDGET)
+    now = 100.0
+    old = request("old", arrival=now - SLO + alone + queue_s / 2)
+    young = request("young", arrival=now - 0.1)
+    w.queue.extend([old, young])
+    w.retry(now)
+    assert placer.placed == ["old"]
+
+
+@dataclass(eq=False)
+class R:
+    name: str
+    late: bool = False
+    held: bool = False
+    done: bool = False
+
+
+def test_the_head_without_late_ones_is_the_first_scan_in_queue_order() -> None:
+    q: WaitQueue[R] = WaitQueue(1000, scan=3)
+    rs = [R("a", late=True), R("b"), R("c", late=True), R("d"), R("e"), R("f")]
+    q.extend(rs)
+    assert [r.name for r in q.head()] == ["a", "b", "c"]  # no predicate: as before
+    assert [r.name for r in q.head(lambda r: r.late)] == ["b", "d", "e"]  # the first 3 not late
+    q2: WaitQueue[R] = WaitQueue(1000, scan=4)
+    q2.extend(rs[:4])
+    assert [r.name for r in q2.head(lambda r: r.late)] == ["a", "b", "c", "d"]  # room left: late ones too
+
+    def place(r: R) -> Outcome:
+        return Outcome.PLACED if r.name == "d" else Outcome.NO_ROOM
+
+    q.retry(lambda head: [1, 0, 2], place, lambda r: r.late)  # tries d first
+    assert [r.name for r in q] == ["a", "b", "c", "e", "f"]
+

@@ -120,39 +120,6 @@ def test_the_retry_looks_past_more_than_scan_requests_whose_slo_is_over() -> Non
     assert placer.placed == ["fresh", "late0", "late1"]
 
 
-def test_a_held_request_that_its_prefill_queue_would_make_late_goes_after_one_that_can_make_it() -> None:
-    # the prefill worker holds three budgets: about 0.2 s of queue on the fast profile. `old` is held
-    # (late binding: the queue is deep) and, judged on its prefill alone, could still start; placed
-    # now it would wait in that queue past its SLO. `young`, held too, can make it: it goes first
-    w, placer = waiting(room=1, queued_tokens=3 * BUDGET)
-    e = w.table.workers["p0"]
-    queue_s = 3 * e.model.step_time(0, 0, [(BUDGET, 0)])
-    alone = e.model.prefill_exec(64, BUDGET)
-    now = 100.0
-    old = request("old", arrival=now - SLO + alone + queue_s / 2, held=True)
-    young = request("young", arrival=now - 0.1, held=True)
-    w.queue.extend([old, young])
-    w.retry(now)
-    assert placer.placed == ["young"]
-    assert list(w.queue) == [old] and old.held
-    assert w.alone_s(64) == alone and w.alone_s(64, queued=True) == alone + queue_s
-
-
-def test_a_request_waiting_for_decode_room_is_judged_on_its_prefill_alone() -> None:
-    # not held: it waits for a decode worker, where it may well be prefilled in place (no prefill
-    # queue); the oldest that can still make it goes first, as before
-    w, placer = waiting(room=1, queued_tokens=3 * BUDGET)
-    e = w.table.workers["p0"]
-    queue_s = 3 * e.model.step_time(0, 0, [(BUDGET, 0)])
-    alone = e.model.prefill_exec(64, BUDGET)
-    now = 100.0
-    old = request("old", arrival=now - SLO + alone + queue_s / 2)
-    young = request("young", arrival=now - 0.1)
-    w.queue.extend([old, young])
-    w.retry(now)
-    assert placer.placed == ["old"]
-
-
 @dataclass(eq=False)
 class R:
     name: str

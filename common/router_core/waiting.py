@@ -7,7 +7,7 @@ not: a new arrival is still decided at once. The queue is decided again when roo
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
 stand: `Waiting.head`), in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, a held one's less the shortest prefill queue, by arrival), past the held
+still meet their TTFT SLO, `latest_start`, by arrival), past the held
 ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
 HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
 `kv_wait_timeout`;
@@ -43,7 +43,7 @@ from common.policy import Hold, NoDecodeRoom, NoKvRoom, NoWorkers, Policy
 from common.policy.kairos import latest_start
 from common.router_core.admission import budget, shortage
 from common.router_core.requests import Request
-from common.router_core.workers import WorkerEntry, WorkerTable
+from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
 
 
@@ -65,16 +65,6 @@ def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, fl
     requests have waited. Taking turns `replica_stagger_ms` apart, each decides after the ones
     before it have dispatched and the workers' heartbeats have said so."""
     return sum(1 for r, (late, at) in others.items() if at > 0.0 and (late, at, r) < mine)
-
-
-def _queue_s(w: WorkerEntry) -> float:
-    """A prefill worker's predicted queue as its last heartbeat says: the tokens it holds, at
-    full-budget steps, after the step in flight (0 before its first heartbeat)."""
-    hb = w.hb
-    if not isinstance(hb, m.PrefillHeartbeat):
-        return 0.0
-    budget = max(w.hello.token_budget, 1)
-    return hb.queued_tokens / budget * w.model.step_time(0, 0, [(budget, 0)]) + hb.busy_s
 
 
 class Placer(Protocol):
@@ -105,13 +95,10 @@ class Waiting:
         self.room_short = room_short  # told when a retry finds no decode room (Admission.room_short)
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
-    def alone_s(self, tokens: int, queued: bool = False) -> float:
-        """The prompt's prefill time on the fastest idle prefill worker (0 when none is live); with
-        `queued`, the soonest a prefill worker could have it prefilled if it were sent now: its
-        predicted queue (the tokens it holds, at full-budget steps, after the step in flight, as its
-        last heartbeat says) and then the prompt's own prefill, on the worker where that is shortest."""
-        times = [(_queue_s(w) if queued else 0.0) + w.model.prefill_exec(tokens, w.hello.token_budget)
-                 for w in self.table.workers.values() if w.role == "prefill"]
+    def alone_s(self, tokens: int) -> float:
+        """The prompt's prefill time on the fastest idle prefill worker (0 when none is live)."""
+        times = [w.model.prefill_exec(tokens, w.hello.token_budget) for w in self.table.workers.values()
+                 if w.role == "prefill"]
         return min(times, default=0.0)
 
     def late(self, now: float) -> Callable[[Request], bool] | None:
@@ -140,13 +127,7 @@ class Waiting:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
         if not self.policy.orders_waiting():
             return [0.0] * len(head)
-        # a held request waits because the prefill queues are deep (and no decode worker can prefill
-        # it in place): placed, it queues at a prefill worker, and can meet its SLO only if it starts
-        # that much earlier. Judged on its prefill alone, under an overload the retry would try first
-        # the held requests whose SLO runs out in that queue (each misses it by the queue) while the
-        # ones behind them, which could still make it, wait on
-        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids), queued=r.held))
-                for r in head]
+        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
 
     def _others(self, now: float) -> dict[str, tuple[bool, float]]:
         """The other replicas' first waiting requests, as the decode workers' heartbeats last echoed

@@ -159,13 +159,13 @@ def latency_breakdown(step: dict[str, Any], tele: Telemetry, model: PerfModel, p
 # ---------------------------------------------------------------------------------- py-spy
 
 
-def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, native: bool = False
-           ) -> dict[str, Any] | None:
+def py_spy(pid: int, seconds: float, out_dir: Path, cpus: Sequence[int], *, native: bool = False,
+           hz: int = 200) -> dict[str, Any] | None:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(exe).exists():
         return {"error": "py-spy not installed (pip install py-spy)"}
     raw = out_dir / "router-pyspy.txt"
-    cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "200",
+    cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(hz),
            "--format", "raw", "--gil", "--output", str(raw), *(["--native"] if native else ["--nonblocking"])]
     if cpus:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router liveness (x 0.1 s heartbeats) before a silent worker is dropped; generous by default "
                         "so a CPU-starved worker on a shared machine is not declared dead mid-run (default 50)")
     p.add_argument("--native", action="store_true", help="py-spy: include native frames (libzmq, uvloop)")
+    p.add_argument("--py-spy-hz", type=int, default=200, metavar="HZ",
+                   help="py-spy: samples per second (default 200; 1000 sees more of a short request's frames, "
+                        "at more of the sampler's own CPU on the machine)")
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
                    help="one more environment variable for the router(s), e.g. KAIROS_LOG_REQUESTS=1 (repeatable)")
     p.add_argument("--log-level", default="info",
@@ -413,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
 
             def during(d: float, _prof: dict[str, Any] = prof, _dir: Path = out_dir) -> None:
-                _prof.update(py_spy(bench.router_pid, d, _dir, other_cpus, native=args.native) or {})
+                _prof.update(py_spy(bench.router_pid, d, _dir, other_cpus, native=args.native,
+                                      hz=args.py_spy_hz) or {})
 
             s = bench.step(rate, args.step, max_tokens=tokens, prompt_tokens=args.prompt_tokens, during=during)
             s.pop("_rows")

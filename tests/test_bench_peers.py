@@ -164,3 +164,29 @@ def test_a_step_reports_the_clients_itl_and_open_streams() -> None:
     assert s["errors"] == {"timeout": 1}
     # 3 requests over the 4 s span less their median lifetime (1.53 s): not 3 / 4
     assert s["carried_rate"] == pytest.approx(3 / (4.0 - 1.53))
+
+
+def test_kairos_added_ttft_is_never_counted_over_a_paced_floor() -> None:
+    """A paced backend's TTFT holds its own first step, which the engines' modeled time already took
+    off Kairos's figure: against paced backends Kairos's added TTFT uses the burst run's HTTP floor
+    (or none), never the paced floor (that took the step off twice: 0.20 ms for 1.16 ms)."""
+    def run(mode: str, floor: float, peer_added: float) -> dict[str, Any]:
+        k_added = 0.00211  # client TTFT over the modeled engine time
+        return {"backend_mode": mode, "kairos_added_ttft_p50_s": k_added,
+                "kairos_added_ttft_over_floor_p50_s": k_added - floor if mode == "burst" else None,
+                "peers": {"vllm-router": {"added_ttft_p50_s": peer_added,
+                                          "kairos_added_ttft_above_peer_s": None},
+                          "sglang-router": {"skipped": "not installed"}}}
+
+    burst, paced = run("burst", 0.00040, 0.00055), run("paced", 0.00151, 0.00040)
+    peers.settle_added_ttft([paced, burst])
+    assert paced["kairos_added_ttft_over_floor_p50_s"] == pytest.approx(0.00171)  # the HTTP floor's figure
+    assert paced["peers"]["vllm-router"]["kairos_added_ttft_above_peer_s"] == pytest.approx(0.00131)
+    assert paced["kairos_added_ttft_floor"] == "burst"
+    assert burst["kairos_added_ttft_over_floor_p50_s"] == pytest.approx(0.00171)  # unchanged
+    assert "kairos_added_ttft_floor" not in burst
+    alone = run("paced", 0.00151, 0.00040)
+    peers.settle_added_ttft([alone])  # no burst run: no figure rather than a wrong one
+    assert alone["kairos_added_ttft_over_floor_p50_s"] is None
+    assert alone["peers"]["vllm-router"]["kairos_added_ttft_above_peer_s"] is None
+    assert alone["kairos_added_ttft_floor"].startswith("none")

@@ -128,8 +128,9 @@ async def test_the_http_layer_hands_a_plain_stream_the_connections_direct_write(
     # the first two tokens' chunks went the direct way; the last token, which arrives with the
     # end, goes with it through `send`, one chunk, as vLLM's server and the queued path write it
     assert sock.written == 2
-    chunks = [json.loads(b[6:])["choices"][0] for b in out if b.startswith(b"data: {")]
+    events = [e for e in b"".join(out).split(b"\n\n") if e]
+    chunks = [json.loads(e[6:])["choices"][0] for e in events if e.startswith(b"data: {")]
     assert [(c["text"], c["finish_reason"]) for c in chunks] == [
         (" " + r.tokenizer.token_text(100), None), (" " + r.tokenizer.token_text(101), None),
         (" " + r.tokenizer.token_text(102), "length")]
-    assert out[-1] == b"data: [DONE]\n\n"
+    assert events[-1] == b"data: [DONE]" and out[-1].startswith(b"data: {")  # the last chunk with the end: one body

@@ -302,3 +302,25 @@ async def test_worker_text_writes_the_generic_bytes_for_a_byte_level_tokenizer(
         assert rendered > 0
     else:
         assert rendered > 0 and written > 0, "the worker's text should put a byte-level stream on the fast path"
+
+
+@pytest.mark.parametrize(("name", "chat", "body", "script"), PLAIN + GENERIC, ids=[c[0] for c in PLAIN + GENERIC])
+async def test_a_streams_last_chunk_goes_out_with_its_end(name: str, chat: bool, body: dict[str, Any],
+                                                         script: list[list[Event]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final chunk (the one with the finish reason), the usage chunk and `[DONE]` are one body:
+    one write and one ASGI message at a stream's end, not two; the events are the same bytes."""
+    body = {"model": RouterConfig().served_model_name, "max_tokens": 8, "stream": True, **body}
+    sent, _ = await _run(body, chat, script, True, monkeypatch)
+    events = [e for e in sent[-1].split(b"\n\n") if e]
+    if "error" in name:
+        assert events[-1] == b"data: [DONE]" and b"kairos_error" in events[0]
+        return
+    usage = "usage" in name  # include_usage: the usage chunk comes after the final one
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) == 2 + usage  # one final chunk: the last choice's (the others' went before)
+    finish = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    assert any(c.get("finish_reason") for f in finish for c in f["choices"]), "the final chunk goes with [DONE]"
+    if usage:
+        assert finish[-1]["choices"] == [] and finish[-1]["usage"]["completion_tokens"] > 0
+    assert not any(b"[DONE]" in b for b in sent[:-1])

@@ -95,10 +95,13 @@ def serving_limit(table: WorkerTable) -> int:
     return _decode_limit(table, "max_model_len")
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 def too_small(table: WorkerTable, prompt_tokens: int) -> frozenset[str]:
     """Workers whose max_model_len leaves no room for this prompt plus one output token."""
-    return frozenset(w.worker_id for w in table.workers.values()
-                     if 0 < w.hello.max_model_len <= prompt_tokens)
+    out = [w.worker_id for w in table.workers.values() if 0 < w.hello.max_model_len <= prompt_tokens]
+    return frozenset(out) if out else _NONE  # none, as a rule: no set built per request
 
 
 def kv_limit(table: WorkerTable) -> int:

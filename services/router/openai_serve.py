@@ -372,6 +372,7 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                                                "prompt_token_ids": None, "token_ids": None})) for c in choices]
     merge = _Merge(choices)
     events = choices[0].req.events
+    last = b""  # the last choice's final chunk, written with the stream's end
     if direct is None:
         direct = DIRECT_WRITE.get()
     writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
@@ -437,13 +438,17 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                        "stop_reason": c.stop_reason if fin is not None else None, "prompt_token_ids": prompt_ids,
                        "token_ids": ids if p.return_token_ids else None}
             top = {"system_fingerprint": fingerprint} if fin is not None and not p.include_usage else {}
-            await send({"type": "http.response.body", "body": chunk(out, c, **top), "more_body": True})
-        tail = b""
+            body = chunk(out, c, **top)
+            if fin is not None and all(x.done for x in choices):
+                last = body  # the stream's last chunk goes out with its end: one write, not two
+                continue
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        tail = last
         if p.include_usage:
             u = usage(p, choices, details=router.cfg.enable_prompt_tokens_details, stream=True)
             u = {k: v for k, v in u.items() if v is not None}
             final = {**head, "choices": [], "usage": u, "system_fingerprint": fingerprint}
-            tail = b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
+            tail += b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
     finally:
         events.sink = events.tokens = None

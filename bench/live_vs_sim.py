@@ -16,11 +16,12 @@ then replays trace time [start, start + duration) at `rate-scale`:
 `--time-scale K` runs both sides as the same scenario K times slower, so that the live cluster
 needs 1/K of the CPU per simulated second (two cores shared by the router, four workers and the
 client keep up): every modeled step and KV transfer x K (`kairos up --time-scale`, `kairos sim
---time-scale`), the TTFT and TBT SLOs x K, the trace's arrivals K times further apart (rate-scale
-/ K), and the periods that are part of the scenario x K on both sides: the workers' heartbeat
-(and with it the router's liveness window, 10 heartbeats), the KV wait timeout and the role
-planner's interval, window, dwell, gap and flip timeout (sim/router.py `router_periods`). Times
-in the output are the slowed ones; attainments compare directly with an unscaled run's.
+--time-scale`), the TTFT and TBT SLOs x K, the trace's arrivals K times further apart (rate-scale /
+K), and the periods that are part of the scenario x K on both sides: the workers' heartbeat (and
+with it the router's liveness window, 10 heartbeats), the KV wait timeout, the router's request
+deadline (live; the simulator has none) and the role planner's interval, window, dwell, gap and
+flip timeout (sim/router.py `router_periods`). Times in the output are the slowed ones; attainments
+compare directly with an unscaled run's.
 
 Prints, for each side: requests, completed, rejected, TTFT SLO %, TBT % (every gap within the SLO,
 over served requests), TBT % on each request's P99 gap, both-SLO %, and the role flips (when,
@@ -165,9 +166,11 @@ def run_sim(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
 def scaled_env(k: float, ttft_slo: float = TTFT_SLO, tbt_slo: float = TBT_SLO) -> dict[str, str]:
     """The live router's settings for the scenario `k` times slower, as `kairos sim --time-scale k`
     sets the simulated router's: the SLOs, the heartbeat interval the router asks its workers for
-    (its liveness window is 10 of them), the KV wait timeout and the role planner's periods."""
+    (its liveness window is 10 of them), the KV wait timeout, a request's deadline (300 s: a
+    2,000-token answer at K = 4 takes over 700 s) and the role planner's periods."""
     env = {"KAIROS_TTFT_SLO": repr(ttft_slo * k), "KAIROS_TBT_SLO": repr(tbt_slo * k),
-           "KAIROS_HEARTBEAT_INTERVAL": repr(0.1 * k), "KAIROS_KV_WAIT_TIMEOUT": repr(30.0 * k)}
+           "KAIROS_HEARTBEAT_INTERVAL": repr(0.1 * k), "KAIROS_KV_WAIT_TIMEOUT": repr(30.0 * k),
+           "KAIROS_REQUEST_TIMEOUT": repr(300.0 * k)}
     env.update({"KAIROS_" + name.upper(): repr(v) for name, v in router_periods(k).items()})
     return env
 

@@ -1,6 +1,7 @@
 """One slice of a shifting workload, live and simulated: does the live system do what `kairos sim` says?
 
     python -m bench.live_vs_sim --out DIR [--workload shift-code --start 100 --duration 150 --rate-scale 0.75]
+                                          [--time-scale K]
     scripts/live-vs-sim.sh DIR            (the same, niced)
 
 Writes the workload's report slice (sim/workloads.py, its seed 11) as JSON lines (DIR/trace.jsonl),
@@ -12,13 +13,25 @@ then replays trace time [start, start + duration) at `rate-scale`:
   bench` with the same slice; then the router's log (`role_flip`, `role_flip_done`, one
   `request_done` line per request) and the workers' (`role_change_kept`).
 
+`--time-scale K` runs both sides as the same scenario K times slower, so that the live cluster
+needs 1/K of the CPU per simulated second (two cores shared by the router, four workers and the
+client keep up): every modeled step and KV transfer x K (`kairos up --time-scale`, `kairos sim
+--time-scale`), the TTFT and TBT SLOs x K, the trace's arrivals K times further apart (rate-scale /
+K), and the periods that are part of the scenario x K on both sides: the workers' heartbeat (and
+with it the router's liveness window, 10 heartbeats), the KV wait timeout, the router's request
+deadline (live; the simulator has none) and the role planner's interval, window, dwell, gap and
+flip timeout (sim/router.py `router_periods`). Times in the output are the slowed ones; attainments
+compare directly with an unscaled run's.
+
 Prints, for each side: requests, completed, rejected, TTFT SLO %, TBT % (every gap within the SLO,
 over served requests), TBT % on each request's P99 gap, both-SLO %, and the role flips (when,
 which worker, to which role, why, how many running decodes it kept). The live side twice: as the
 client measured it (`kairos bench`: its own clock, so a client short of CPU counts its own lateness)
-and as the router recorded it (`request_done`: TTFT and each request's P99 gap, not its max gap).
-Also the host's load average before and after and the client's send lag: a loaded host starves
-the live side, never the simulated one. The summary goes to DIR/live-vs-sim.json.
+and as the router recorded it (`request_done`: TTFT, each request's largest and P99 gap, taken where
+the workers' tokens arrive). Then where the client's extra misses come from: for each request the
+client saw miss TBT, its largest gap on the client against the router's (`gaps`). Also the host's
+load average before and after and the client's send lag: a loaded host starves the live side, never
+the simulated one. The summary goes to DIR/live-vs-sim.json.
 """
 
 from __future__ import annotations
@@ -35,8 +48,10 @@ from typing import Any
 
 from common.sessions import write_jsonl
 from kairos.up import Cluster, ClusterSpec
+from sim.router import router_periods
 from sim.workloads import WORKLOADS, load
 
+TTFT_SLO, TBT_SLO = 2.0, 0.1  # `kairos sim`'s and `kairos bench`'s defaults
 KEYS = ("requests", "completed", "rejected", "ttft_slo_attainment", "tbt_slo_attainment",
         "tbt_p99_slo_attainment", "slo_attainment")
 
@@ -58,19 +73,47 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def router_view(router_log: list[dict[str, Any]], ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
-    """The requests as the router recorded them (`request_done`): TTFT and each one's P99 gap."""
+    """The requests as the router recorded them (`request_done`): TTFT and each one's largest and
+    P99 gap (as the simulator's and the client's TBT %: every gap within the SLO, over served requests)."""
     done = [e for e in router_log if e.get("event") == "request_done"]
     ok = [e for e in done if e.get("outcome") == "ok"]
     ttft = [e for e in ok if e.get("ttft_s") is not None and e["ttft_s"] <= ttft_slo]
     tbt = [e for e in ok if (e.get("tbt_p99_s") or 0.0) <= tbt_slo]
-    both = [e for e in ttft if (e.get("tbt_p99_s") or 0.0) <= tbt_slo]
+    tbt_max = [e for e in ok if (e.get("tbt_max_s") or 0.0) <= tbt_slo]
+    both = [e for e in ttft if (e.get("tbt_max_s") or 0.0) <= tbt_slo]
     n = len(done)
     return {"requests": n, "completed": len(ok), "outcomes": _count(e.get("outcome") for e in done),
             "ttft_slo_attainment": len(ttft) / n if n else None,
+            "tbt_slo_attainment": len(tbt_max) / len(ok) if ok else None,
             "tbt_p99_slo_attainment": len(tbt) / len(ok) if ok else None,
-            "slo_attainment_p99": len(both) / n if n else None,
+            "slo_attainment": len(both) / n if n else None,
             "migrated": sum(1 for e in done if e.get("migrations")),
             "retried": sum(1 for e in done if (e.get("attempts") or 1) > 1)}
+
+
+def gap_sources(records: list[dict[str, Any]], router_log: list[dict[str, Any]], tbt_slo: float) -> dict[str, Any]:
+    """Where the client's TBT misses come from: for each request the client served with a gap past
+    the SLO, its largest gap as the client saw it against the router's (`request_done` tbt_max_s,
+    taken where the worker's tokens arrive: the engine's step and the worker -> router delivery).
+    `router_too`: the router saw a gap past the SLO as well (the step or the delivery to the router);
+    `client_only`: the router's gaps were all within it (router -> client, or the client itself)."""
+    done = {e.get("request_id"): e for e in router_log if e.get("event") == "request_done"}
+    miss = [r for r in records if r.get("error") is None and r.get("gaps") and max(r["gaps"]) > tbt_slo]
+    pairs = [(max(r["gaps"]), done[r["request_id"]].get("tbt_max_s") or 0.0) for r in miss
+             if r.get("request_id") in done]
+    extra = sorted(c - g for c, g in pairs)
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+
+    gaps = sorted(g for r in records if r.get("error") is None for g in r.get("gaps") or ())
+    return {"client_misses": len(miss), "joined": len(pairs),
+            "router_too": sum(1 for _, g in pairs if g > tbt_slo),
+            "client_only": sum(1 for _, g in pairs if g <= tbt_slo),
+            "client_max_gap_p50": pct(sorted(c for c, _ in pairs), 0.5),
+            "router_max_gap_p50": pct(sorted(g for _, g in pairs), 0.5),
+            "client_minus_router_max_gap_p50": pct(extra, 0.5), "client_minus_router_max_gap_p90": pct(extra, 0.9),
+            "client_gap_p50": pct(gaps, 0.5), "client_gap_p99": pct(gaps, 0.99)}
 
 
 def _count(xs: Any) -> dict[str, int]:
@@ -111,7 +154,7 @@ def run_sim(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kairos.cli", "sim", "--trace", str(trace), "--start", str(a.start),
            "--duration", str(a.duration), "--rate-scale", str(a.rate_scale), "--prefill", str(a.prefill),
            "--decode", str(a.decode), "--profile", a.profile, "--policy", "kairos", "--planner", "on",
-           "--out", str(out / "sim.json")]
+           "--time-scale", str(a.time_scale), "--out", str(out / "sim.json")]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     k = json.loads((out / "sim.json").read_text())["policies"]["kairos"]
     flips = [{"at": f["at"], "worker": f["worker"], "to": f["to"], "reason": f["reason"],
@@ -120,20 +163,35 @@ def run_sim(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
             "command": " ".join(cmd[2:])}
 
 
+def scaled_env(k: float, ttft_slo: float = TTFT_SLO, tbt_slo: float = TBT_SLO) -> dict[str, str]:
+    """The live router's settings for the scenario `k` times slower, as `kairos sim --time-scale k`
+    sets the simulated router's: the SLOs, the heartbeat interval the router asks its workers for
+    (its liveness window is 10 of them), the KV wait timeout, a request's deadline (300 s: a
+    2,000-token answer at K = 4 takes over 700 s) and the role planner's periods."""
+    env = {"KAIROS_TTFT_SLO": repr(ttft_slo * k), "KAIROS_TBT_SLO": repr(tbt_slo * k),
+           "KAIROS_HEARTBEAT_INTERVAL": repr(0.1 * k), "KAIROS_KV_WAIT_TIMEOUT": repr(30.0 * k),
+           "KAIROS_REQUEST_TIMEOUT": repr(300.0 * k)}
+    env.update({"KAIROS_" + name.upper(): repr(v) for name, v in router_periods(k).items()})
+    return env
+
+
 def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     logs = out / "kairos-logs"
+    k = a.time_scale
     spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, engine="sim", profile=a.profile,
                                  policy="kairos", kv_transport="modeled", monitor=False, log_dir=str(logs),
-                                 router_env={"KAIROS_PLANNER": "true", "KAIROS_LOG_REQUESTS": "true"})
+                                 time_scale=k, router_env={"KAIROS_PLANNER": "true", "KAIROS_LOG_REQUESTS": "true",
+                                                           **scaled_env(k)})
     c = Cluster(spec)
     c.start(timeout=300)
     load_before = os.getloadavg()
     cmd = [sys.executable, "-m", "kairos.loadgen", "--url", spec.api + "/v1", "--trace", str(trace),
-           "--start", str(a.start), "--duration", str(a.duration), "--rate-scale", str(a.rate_scale),
-           "--no-progress", "--quiet", "--out", str(out / "bench.json")]
+           "--start", str(a.start), "--duration", str(a.duration), "--rate-scale", repr(a.rate_scale / k),
+           "--ttft-slo", repr(TTFT_SLO * k), "--tbt-slo", repr(TBT_SLO * k), "--timeout", repr(300.0 * k),
+           "--records", "--no-progress", "--quiet", "--out", str(out / "bench.json")]
     t0 = time.time()
     try:
-        subprocess.run(cmd, check=True, timeout=a.duration / a.rate_scale * 3 + 600)
+        subprocess.run(cmd, check=True, timeout=a.duration / a.rate_scale * k * 3 + 600)
         _, got = c.get("/v1/kairos/stats")
         stats: dict[str, Any] = got if isinstance(got, dict) else {}
     finally:
@@ -142,6 +200,7 @@ def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     router_log = _lines(logs / "router.log")
     workers = {p.stem: _lines(p) for p in logs.glob("*.log") if p.stem.startswith(("prefill-", "decode-"))}
     return {"summary": _pick(bench), "router": router_view(router_log, bench["ttft_slo"], bench["tbt_slo"]),
+            "gaps": gap_sources(bench.get("records") or [], router_log, bench["tbt_slo"]),
             "flips": live_flips(router_log, workers, t0), "final_roles": {w: v["role"] for w, v in
                                                                          stats.get("workers", {}).items()},
             "router_failed": stats.get("counts", {}).get("failed", 0),
@@ -171,9 +230,9 @@ def table(res: dict[str, Any]) -> str:
         if side == "live":
             r = res["live"]["router"]
             rows.append(f"| live (router's records) | {r['requests']} | {r['completed']} | - | "
-                        f"{_pct(r['ttft_slo_attainment'])} | - | {_pct(r['tbt_p99_slo_attainment'])} | "
-                        f"{_pct(r['slo_attainment_p99'])} (P99 gap) | migrated {r['migrated']}, retried "
-                        f"{r['retried']} |")
+                        f"{_pct(r['ttft_slo_attainment'])} | {_pct(r['tbt_slo_attainment'])} | "
+                        f"{_pct(r['tbt_p99_slo_attainment'])} | {_pct(r['slo_attainment'])} | migrated "
+                        f"{r['migrated']}, retried {r['retried']} |")
     return "\n".join(rows)
 
 
@@ -190,8 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--profile", default="h100-llama2-70b-tp4")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="both sides as the same scenario K times slower (steps, KV transfers, SLOs, arrival gaps, "
+                        "heartbeats and the planner's periods x K), so that the live cluster needs 1/K of the CPU "
+                        "per simulated second (default 1)")
     p.add_argument("--sim-only", action="store_true", help="the simulated side only (seconds)")
     a = p.parse_args(argv)
+    if not a.time_scale > 0:
+        p.error("--time-scale must be positive (1: the profile's own timing)")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     w = WORKLOADS[a.workload]
@@ -201,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "workload": a.workload, "slice": [a.start, a.start + a.duration], "rate_scale": a.rate_scale,
+        "time_scale": a.time_scale,
         "shape": f"{a.prefill}P{a.decode}D", "profile": a.profile, "sim": run_sim(a, trace, out)}
     if not a.sim_only:
         res["live"] = run_live(a, trace, out)
@@ -211,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(res))
     live = res["live"]
     print(f"\nload average before/after the live run: {live['load_average_before']} / {live['load_average_after']}; "
-          f"client send lag p99 {live['send_lag_p99_s']} s; errors {live['errors']}; final roles "
+          f"client send lag p99 {live['send_lag_p99_s']} s; errors {live['errors']}; client's TBT misses against "
+          f"the router's gaps {live['gaps']}; final roles "
           f"{live['final_roles']}\nsummary: {out / 'live-vs-sim.json'}")
     return 0
 

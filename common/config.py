@@ -248,7 +248,7 @@ class WorkerConfig(BusConfig, frozen=True, kw_only=True):
                                 "the one router at router_host, work_port, heartbeat_port")] = ""
     engine: Annotated[str, doc("sim (simulated, timed by the profile) or vllm")] = "sim"
     profile: Annotated[str, doc("performance profile of the simulated engine (name or .json path)")] = DEFAULT_PROFILE
-    time_scale: Annotated[float, doc("sim: multiply every modeled step time by this (0.001: near-zero steps)")] = 1.0
+    time_scale: Annotated[float, doc("sim: multiply every modeled step time and KV transfer time by this (0.001: near-zero steps)")] = 1.0
     step_noise: Annotated[float, doc("sim: sigma of a mean-1 lognormal error on every step (model error; 0: none)")] = 0.0
     step_scale: Annotated[float, doc("sim: every step takes this times the profile's time (1.15: 15 % slower)")] = 1.0
     step_speed: Annotated[float, doc("sim: this worker's own step time factor (a mixed fleet)")] = 1.0

@@ -139,6 +139,13 @@ class PerfModel(msgspec.Struct, frozen=True, kw_only=True):
             a3=self.a3 * factor, a4=self.a4 * factor, a5=self.a5 * factor, a6=self.a6 * factor,
             a7=self.a7 * factor)
 
+    def slowed(self, factor: float) -> PerfModel:
+        """Every modeled time times `factor`: each step (`scaled`) and the KV transfer (its fixed
+        cost and its time per byte). The simulated engine's `time_scale` and `kairos sim
+        --time-scale`: the same device run `factor` times slower, not a slower GPU on the same link."""
+        return msgspec.structs.replace(self.scaled(factor), xfer_t0=self.xfer_t0 * factor,
+                                       xfer_bandwidth=self.xfer_bandwidth / factor)
+
 
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
     """A named, fitted device+model profile with the engine limits it was measured under."""

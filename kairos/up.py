@@ -531,7 +531,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transport", default="nixl", choices=["nixl", "modeled"],
                    help="sim: how KV moves from prefill to decode workers: real bytes over NIXL (default), or "
                         "modeled (time only, no NIXL needed)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim: scale every modeled step time (default 1)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="sim: scale every modeled step time and KV transfer time (default 1)")
     p.add_argument("--log-dir", default="kairos-logs", help="one JSON log file per service here (default kairos-logs)")
     p.add_argument("--log-level", default="info",
                    help="log level of every service and of kairos up itself: debug, info, warning, error "

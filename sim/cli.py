@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a flipped worker's engine is out between its drain and its rejoin (default 2)")
     c.add_argument("--planner-pin", action="append", default=[], metavar="WORKER",
                    help="a worker the planner never moves (e.g. prefill-0); repeat for several")
+    c.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="the same scenario K times slower, as `kairos up --time-scale K` runs it live: every "
+                        "modeled step and KV transfer x K (as on the live simulated engine), the TTFT and TBT SLOs, "
+                        "--heartbeat-interval, --kv-wait-timeout, --planner-switch-s, --slow-every, --slow-for and "
+                        "the role planner's periods x K, the trace's arrivals K times further apart (--rate-scale / "
+                        "K); reported times are the slowed ones (default 1)")
     add_prefix_flags(c)
     add_engine_flags(p)
     add_error_flags(p)
@@ -234,8 +240,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def stretched(args: argparse.Namespace) -> None:
+    """--time-scale K: turn the flags into the same scenario K times slower (in place): the SLOs,
+    the heartbeat interval, the KV wait timeout, the flip's engine-out time and the slow periods'
+    spacing and length x K, the arrival
+    rates / K. The steps and KV transfers (the profile's model, `PerfModel.slowed`) and the router's periods
+    (SimConfig.time_scale) are scaled where they are built. Not scaled, as live: the workers' 2 ms
+    state beat (--prompt-beat; live, a real coalescing delay) and the step-error estimator's 120 s
+    window (common/prediction_error.py, live and simulated alike)."""
+    k = args.time_scale
+    if not k > 0:
+        raise ConfigError("--time-scale must be positive (1: the profile's own timing)")
+    if k == 1.0:
+        return
+    args.ttft_slo *= k
+    args.tbt_slo *= k
+    args.heartbeat_interval *= k
+    args.kv_wait_timeout *= k
+    args.planner_switch_s *= k
+    args.slow_every *= k
+    args.slow_for *= k
+    args.rate_scale = ",".join(repr(x / k) for x in _floats(args.rate_scale, "--rate-scale"))
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
+    stretched(args)
     profile = load_profile(args.profile)
+    if args.time_scale != 1.0:
+        profile = msgspec.structs.replace(profile, model=profile.model.slowed(args.time_scale))
     scales = _floats(args.rate_scale, "--rate-scale")
     if any(x <= 0 for x in scales):
         raise ConfigError("--rate-scale values must be positive")
@@ -246,7 +278,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
                      replica_stagger_ms=args.replica_stagger_ms,
                      prompt_beat=args.prompt_beat, planner=None if args.planner is None else args.planner == "on",
-                     planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin))
+                     planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin),
+                     time_scale=args.time_scale)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:
@@ -312,6 +345,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "replica_stagger_ms": args.replica_stagger_ms,
         "prompt_beat": args.prompt_beat,
         "planner": args.planner, "planner_switch_s": args.planner_switch_s, "planner_pinned": args.planner_pin,
+        "time_scale": args.time_scale,
         "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}

@@ -103,13 +103,28 @@ def router_config(cfg: SimConfig) -> RouterConfig:
     """The live router's settings for a simulated replica: the simulation's SLOs, ledger, wait
     queue, prefix index, bias correction and replicas; no limit on requests in flight or their duration
     (a run's load is the trace's), liveness never checked (simulated workers do not fail)."""
-    return RouterConfig(served_model_name=MODEL, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
-                        replicas=cfg.routers, replica_stagger_ms=cfg.replica_stagger_ms,
-                        heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
-                        kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
-                        prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
-                        max_in_flight=1 << 30, request_timeout=1e12, queue_budget=cfg.queue_budget, client_share=1.0,
-                        planner=bool(cfg.planner), planner_pin=",".join(cfg.planner_pinned))
+    rc = RouterConfig(served_model_name=MODEL, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo,
+                      replicas=cfg.routers, replica_stagger_ms=cfg.replica_stagger_ms,
+                      heartbeat_interval=cfg.heartbeat_interval or 0.1, ledger=cfg.ledger,
+                      kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
+                      prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
+                      max_in_flight=1 << 30, request_timeout=1e12, queue_budget=cfg.queue_budget, client_share=1.0,
+                      planner=bool(cfg.planner), planner_pin=",".join(cfg.planner_pinned))
+    return msgspec.structs.replace(rc, **router_periods(cfg.time_scale)) if cfg.time_scale != 1.0 else rc
+
+
+def router_periods(k: float) -> dict[str, float]:
+    """The router's wall-clock periods that belong to the scenario, as RouterConfig settings, `k`
+    times their defaults: the role planner's sampling interval, evidence window, dwell, gap
+    between flips and flip timeout. A scenario run K times slower (every step, SLO, arrival gap
+    and heartbeat x K) is the same scenario only if these stretch too; `bench.live_vs_sim
+    --time-scale` gives the live router the same values (as KAIROS_* variables)."""
+    d = RouterConfig()
+    return {name: float(getattr(d, name)) * k for name in ROUTER_PERIODS}
+
+
+ROUTER_PERIODS = ("planner_interval_s", "planner_window_s", "planner_min_dwell_s", "planner_min_gap_s",
+                  "planner_flip_timeout_s")
 
 
 class _StrictLog(NullLog):

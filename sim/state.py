@@ -75,6 +75,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # takes no new work (False: it finishes them first, and its engine is out meanwhile)
     planner_keep: bool = True
     planner_pinned: tuple[str, ...] = ()
+    # the router's own periods x this: the role planner's interval, window, dwell, gap between flips
+    # and flip timeout (RouterConfig.planner_*_s). `kairos sim --time-scale K` sets it with the rest of a
+    # scenario K times slower (steps, SLOs, arrivals, heartbeats: sim/cli.py `stretched`), as
+    # `bench.live_vs_sim --time-scale K` sets the live router's
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -89,6 +94,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("need at least one router")
         if self.planner_rule not in ("roles", "threshold"):
             raise ValueError(f"planner_rule must be roles or threshold (got {self.planner_rule!r})")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
         if self.planner_switch_s < 0:
             raise ValueError("planner_switch_s must be >= 0")
         if not 0.0 < self.overrun_target < 0.5:

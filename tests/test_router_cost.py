@@ -57,9 +57,11 @@ def _finish_one(**overrides: Any) -> str:
     r, _ = shell(**overrides)
     r.core.on_message(b"decode-0", hello("decode-0", "decode"), time.monotonic())
     req = r.submit(PROMPT, SAMPLING)
-    for ids, finish in (([5, 6], None), ([7], "length")):
+    now = time.monotonic()
+    for ids, finish, dt in (([5, 6], None, 0.0), ([7], None, 0.01), ([8], "length", 0.25)):
+        now += dt
         batch = m.TokenBatch(worker_id="decode-0", items=[m.TokenItem(req.request_id, 0, ids, finish)])
-        r.core.on_message(b"decode-0", batch, time.monotonic())
+        r.core.on_message(b"decode-0", batch, now)
     assert req.done
     return req.request_id
 
@@ -73,7 +75,9 @@ async def test_request_done_only_when_asked() -> None:
         rid = _finish_one(log_requests=True)
     done = [e for e in logs if e["event"] == "request_done"]
     assert len(done) == 1 and done[0]["log_level"] == "info"
-    assert done[0]["request_id"] == rid and done[0]["output_tokens"] == 3 and done[0]["outcome"] == "ok"
+    assert done[0]["request_id"] == rid and done[0]["output_tokens"] == 4 and done[0]["outcome"] == "ok"
+    # the largest gap between token batches as the router saw them (issue 44's TBT check), beside the P99
+    assert done[0]["tbt_max_s"] == pytest.approx(0.25) and done[0]["tbt_p50_s"] == pytest.approx(0.25)
     assert done[0]["waited_for"] is None  # placed at once: it waited for nothing
 
     with capture_logs() as logs:

@@ -217,7 +217,9 @@ class SimEngine(Engine):
         return seq.cached if seq is not None else 0
 
     def coeffs(self) -> Coeffs:
-        return self.model.scaled(self.time_scale).to_coeffs() if self.time_scale != 1.0 else self.model.to_coeffs()
+        # what the worker models (its KV hand-off sleeps the transfer time of these) and the router
+        # predicts with: every modeled time x time_scale, the KV transfer's too
+        return self.model.slowed(self.time_scale).to_coeffs() if self.time_scale != 1.0 else self.model.to_coeffs()
 
     def load(self) -> EngineLoad:
         steps = sorted(self._step_ms)

@@ -325,7 +325,8 @@ class Router:
               ttft_s=round(rec.ttft_s, 4) if rec.ttft_s is not None else None,
               ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
               tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
-              tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4), e2e_s=round(rec.e2e_s, 4),
+              tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4),
+              tbt_max_s=rec.tbt_max_s and round(rec.tbt_max_s, 4), e2e_s=round(rec.e2e_s, 4),
               outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback,
               waited_for=req.wait_reason or None)
 

@@ -228,6 +228,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     planner_min_decode: Annotated[int, doc("role planner: decode workers it always leaves (at least 1)")] = 1
     planner_max_decode: Annotated[int, doc("role planner: decode workers it never goes above")] = 1 << 20
     planner_pin: Annotated[str, doc("role planner: workers it never moves, comma separated ids (e.g. prefill-0)")] = ""
+    planner_step_hi: Annotated[float, doc(
+        "role planner: a decode step (planned with its error margin) using this share of the TBT SLO's room above "
+        "a lone sequence's step makes the decode pool short (it takes a prefill worker)")] = 0.9
+    planner_step_lo: Annotated[float, doc(
+        "role planner: ... at or above this share a decode worker is not given up, and a busy decode pool may "
+        "take a prefill worker the prefill pool can spare (below planner_step_hi: the gap is the hysteresis)")] = 0.6
     planner_flip_timeout_s: Annotated[float, doc("role planner: a flipped worker not back under its new role after "
                                                  "this many seconds (it died, or its engine cannot change role) ends "
                                                  "the flip as abandoned, logged, and the planner goes on")] = 180.0

@@ -3,8 +3,9 @@ on the simulated engine, separate processes): while requests stream, the planner
 pool short and moves a prefill worker to the decode role; the worker drains, its engine switches
 in place (same process) and it registers as a decode worker; every request completes.
 
-Not timing-sensitive: the TBT SLO is set far below any decode step, so once anything has been
-decoded the decode pool is short on every sample, whatever the machine's load; the prefill pool
+Not timing-sensitive: the planner's step threshold is set far below any batch's share of the TBT
+SLO's room (planner_step_hi 1e-9), so once a batch of more than one sequence has been decoded the
+decode pool is short on every sample, whatever the machine's load; the prefill pool
 is idle enough to spare one worker, and planner_min_prefill keeps the last one. The test sends
 requests until the flip is done (bounded), then a few more, and checks all of them.
 """
@@ -30,7 +31,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = start_cluster(tmp, prefill=2, decode=1, profile="fast", policy="disagg-least-loaded", kv_transport="modeled",
                       router_env={"KAIROS_PLANNER": "true", "KAIROS_PLANNER_INTERVAL_S": "0.25",
                                   "KAIROS_PLANNER_WINDOW_S": "1", "KAIROS_PLANNER_MIN_DWELL_S": "0",
-                                  "KAIROS_PLANNER_MIN_GAP_S": "0", "KAIROS_TBT_SLO": "0.00001"})
+                                  "KAIROS_PLANNER_MIN_GAP_S": "0", "KAIROS_PLANNER_STEP_HI": "1e-9",
+                                  "KAIROS_PLANNER_STEP_LO": "1e-10"})
     yield c
     c.stop(15)
 

@@ -212,7 +212,7 @@ def planner_config(cfg: RouterConfig, *, enabled: bool | None = None) -> Planner
             min_prefill=cfg.planner_min_prefill, max_prefill=cfg.planner_max_prefill,
             min_decode=cfg.planner_min_decode, max_decode=cfg.planner_max_decode,
             pinned=frozenset(w.strip() for w in cfg.planner_pin.split(",") if w.strip()),
-            ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
+            step_hi=cfg.planner_step_hi, step_lo=cfg.planner_step_lo, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
     except ValueError as e:
         raise ConfigError(str(e), key="planner",
                           fix="check the planner_* settings (kairos router --help lists them)") from e

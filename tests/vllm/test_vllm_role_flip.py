@@ -156,7 +156,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                                              "KAIROS_LOG_REQUESTS": "1",
                                              # the moved worker prefills for 3 s at least before it may move
                                              "KAIROS_PLANNER_WINDOW_S": "1", "KAIROS_PLANNER_MIN_DWELL_S": "3",
-                                             "KAIROS_PLANNER_MIN_GAP_S": "0", "KAIROS_TBT_SLO": "0.00001"})
+                                             "KAIROS_PLANNER_MIN_GAP_S": "0", "KAIROS_PLANNER_STEP_HI": "1e-9",
+                                             "KAIROS_PLANNER_STEP_LO": "1e-10"})
     c = Cluster(spec)
     c.start(timeout=300)
     yield c

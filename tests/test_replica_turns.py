@@ -189,6 +189,28 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     assert turns_rejected <= one_rejected + 2 < blind_rejected / 5
 
 
+def test_sim_replicas_with_the_live_admission_serve_as_one_router() -> None:
+    """The same burst with the admission the live router ships (queue_budget 0: a request
+    predicted past its TTFT SLO is refused on arrival, one let wait is refused once it can no
+    longer make it): four replicas predicting from their own wait queues alone admitted requests
+    one router's queue would put past their budget, and served them late (served P95 TTFT 1.658 s
+    against one router's 1.374 s); counting the other replicas' waiting requests, as the decode
+    workers echo them, 1.405 s."""
+    prof0 = load_profile("h100-llama2-70b-tp4")
+    full = load_trace(trace_path("code"), start=600, duration=600, rate_scale=0.35)
+    burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
+
+    def run(routers: int) -> tuple[float, int]:
+        policy, prof = build("kairos", shipped("kairos", Setup(), None), prof0)
+        res = simulate(burst, prof, policy, SimConfig(routers=routers, queue_budget=0.0))
+        s = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)
+        return s["ttft_p95_served"], s["rejected"]
+
+    (one, one_refused), (four, four_refused) = run(1), run(4)
+    assert one_refused > 0  # the admission acts here (59 refused with one router, 51 with four)
+    assert four <= 1.1 * one and four_refused <= one_refused + 5
+
+
 async def test_the_live_router_takes_its_turn_on_its_timer() -> None:
     """The live shell's `retry_later`: the turn comes on the event loop's timer (no sleep races:
     the heartbeat is handled synchronously, and the timer is due before the test's sleep ends)."""

@@ -231,12 +231,14 @@ class HeldDeflection(msgspec.Struct, frozen=True, array_like=True):
 class RouterQueue(msgspec.Struct, frozen=True, array_like=True):
     """A router replica's wait queue as it last told a decode worker (`QueueHead`): its
     incarnation, the arrival (wall clock, seconds) of the request it would decide first (0.0:
-    none waits), whether that one can no longer meet its TTFT SLO, and how many wait."""
+    none waits), whether that one can no longer meet its TTFT SLO, how many wait and their prompt
+    tokens (what the other replicas' admission counts before a new request of theirs)."""
 
     router: str
     oldest_at: float
     late: bool
     waiting: int
+    waiting_tokens: int = 0
 
 
 class DecodeHeartbeat(Msg, frozen=True):
@@ -444,6 +446,7 @@ class QueueHead(Msg, frozen=True):
     oldest_at: float  # its arrival, wall clock, seconds; 0.0: nothing waits
     late: bool        # it can no longer meet its TTFT SLO (late binding decides those last)
     waiting: int
+    waiting_tokens: int = 0  # the prompt tokens of the requests waiting (the others' admission counts them)
 
 
 class Cancel(Msg, frozen=True):

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "rejected (default 30; 0: reject at once)")
     c.add_argument("--kv-wait-max", type=int, default=1024,
                    help="requests waiting for KV room before new ones are rejected at once (default 1024)")
+    c.add_argument("--queue-budget", type=float, default=-1.0, metavar="SECONDS",
+                   help="the router's admission shedding (queue_budget, common/router_core/admission.py): a request "
+                        "predicted to wait past it is refused on arrival, one let wait is refused once it can no "
+                        "longer make it (both count as rejected); 0: each request's TTFT SLO, what the live router "
+                        "ships; default -1: off, so that a run measures what queueing does to every request")
     c.add_argument("--planner", choices=("on", "off"), default=None,
                    help="the role planner (common/router_core/planner.py): router 0 moves workers between the prefill "
                         "and decode roles when measured load says the other role is short; a flip drains the worker, "
@@ -257,6 +262,8 @@ def stretched(args: argparse.Namespace) -> None:
     args.tbt_slo *= k
     args.heartbeat_interval *= k
     args.kv_wait_timeout *= k
+    if args.queue_budget > 0:  # 0 (each request's TTFT SLO, scaled above) and -1 (off) mean the same at any K
+        args.queue_budget *= k
     args.planner_switch_s *= k
     args.slow_every *= k
     args.slow_for *= k
@@ -274,7 +281,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     base = SimConfig(prefill=args.prefill, decode=args.decode, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                      heartbeat_interval=args.heartbeat_interval, ledger=not args.no_ledger,
                      **error_settings(args), seed=args.seed, kv_wait_timeout=args.kv_wait_timeout,
-                     kv_wait_max=args.kv_wait_max, prefix_cache=args.prefix_cache == "on",
+                     kv_wait_max=args.kv_wait_max, queue_budget=args.queue_budget,
+                     prefix_cache=args.prefix_cache == "on",
                      hash_block_tokens=args.hash_block_tokens, held_list=not args.no_held_list,
                      replica_stagger_ms=args.replica_stagger_ms,
                      prompt_beat=args.prompt_beat, planner=None if args.planner is None else args.planner == "on",
@@ -346,7 +354,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         "prompt_beat": args.prompt_beat,
         "planner": args.planner, "planner_switch_s": args.planner_switch_s, "planner_pinned": args.planner_pin,
         "time_scale": args.time_scale,
-        "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "tuned": args.tuned,
+        "kv_wait_timeout": args.kv_wait_timeout, "kv_wait_max": args.kv_wait_max, "queue_budget": args.queue_budget,
+        "tuned": args.tuned,
         "prefix_cache": args.prefix_cache, "hash_block_tokens": args.hash_block_tokens,
         "settings": settings, "date": datetime.date.today().isoformat()}
     result = {"config": config, "lower_bound": sweep[0]["lower_bound"], "policies": sweep[0]["policies"],

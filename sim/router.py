@@ -97,6 +97,7 @@ class Engines(Protocol):
 
 
 WAIT_TIMEOUTS = ("kv_wait_timeout", "prefill_wait_timeout", "decode_wait_timeout")  # common/router_core/waiting.py
+BUDGET_TIMEOUTS = ("prefill_busy", "decode_busy", "kv_full")  # a wait past its budget (queue_budget >= 0): a 429
 
 
 def router_config(cfg: SimConfig) -> RouterConfig:
@@ -275,9 +276,10 @@ class SimRouter:
         r = self.reqs.pop(creq.request_id)
         self.creqs.pop(creq.request_id, None)
         if finished_reason is None:
-            # nothing else fails a request in the simulator: it waited too long, or every worker it
-            # was sent to turned it away (kv_full) as many times as the router tries
-            if creq.outcome not in (*WAIT_TIMEOUTS, "retries_exhausted"):
+            # nothing else fails a request in the simulator: it waited too long (its wait timeout, or
+            # with queue_budget >= 0 past where it could make its budget), or every worker it was sent
+            # to turned it away (kv_full) as many times as the router tries
+            if creq.outcome not in (*WAIT_TIMEOUTS, *BUDGET_TIMEOUTS, "retries_exhausted"):
                 raise RuntimeError(f"the router core failed request {creq.request_id} in the simulator: "
                                    f"{creq.outcome}")
             now = rec.at
@@ -287,6 +289,9 @@ class SimRouter:
             r.waited = now - r.arrival
             if creq.outcome == "retries_exhausted":
                 _reject(r, f"rejected: turned away by every decode worker it was sent to ({creq.attempt + 1} attempts)")
+                return
+            if creq.outcome in BUDGET_TIMEOUTS:
+                _reject(r, f"rejected: could no longer make its budget waiting ({creq.outcome}: {creq.wait_reason})")
                 return
             what = "a worker to take it" if creq.held else "KV room"
             _reject(r, f"rejected: waited {self.cfg.kv_wait_timeout:g} s for {what} ({creq.wait_reason})")

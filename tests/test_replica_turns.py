@@ -14,6 +14,7 @@ import msgspec
 
 from common import messages as m
 from common.config import RouterConfig
+from common.errors import Overloaded
 from common.perf_model import load_profile
 from common.router_core.core import RouterCore
 from common.router_core.ports import Hooks
@@ -79,7 +80,7 @@ def test_a_replica_behind_an_older_request_of_another_waits_its_turn() -> None:
     assert later == [0.003] and len(core.kv_waiting) == 1 and not _dispatched(box)
     core.retry_now(clock.advance(0.003), turn=True)  # its turn (the shell's timer)
     assert len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
-    assert core.queue_told == (False, 0.0)  # and the workers were told: nothing waits here now
+    assert core.queue_told == (False, 0.0, 0, 0)  # and the workers were told: nothing waits here now
 
 
 def test_a_replica_first_in_line_takes_the_room_at_once() -> None:
@@ -111,7 +112,7 @@ def test_in_its_turn_a_replica_places_none_that_another_replicas_older_request_c
     core.on_message(b"decode-0", _beat(2, KV, [between]), clock.advance(0.1))
     assert later == []  # this replica's first request is the oldest: its turn is now
     assert len(_dispatched(box)) == 1 and len(core.kv_waiting) == 1  # the newer one gave way to "ra"'s
-    assert core.queue_told == (False, first_at + 1.0)
+    assert core.queue_told[:3] == (False, first_at + 1.0, 1)
     # "ra" placed its request: the next heartbeat echoes nothing waiting there; the newer one goes
     core.on_message(b"decode-0", _beat(3, KV, [m.RouterQueue(router="ra", oldest_at=0.0, late=False, waiting=0)]),
                     clock.advance(0.01))
@@ -188,6 +189,28 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     assert turns_rejected <= one_rejected + 2 < blind_rejected / 5
 
 
+def test_sim_replicas_with_the_live_admission_serve_as_one_router() -> None:
+    """The same burst with the admission the live router ships (queue_budget 0: a request
+    predicted past its TTFT SLO is refused on arrival, one let wait is refused once it can no
+    longer make it): four replicas predicting from their own wait queues alone admitted requests
+    one router's queue would put past their budget, and served them late (served P95 TTFT 1.658 s
+    against one router's 1.374 s); counting the other replicas' waiting requests, as the decode
+    workers echo them, 1.405 s."""
+    prof0 = load_profile("h100-llama2-70b-tp4")
+    full = load_trace(trace_path("code"), start=600, duration=600, rate_scale=0.35)
+    burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
+
+    def run(routers: int) -> tuple[float, int]:
+        policy, prof = build("kairos", shipped("kairos", Setup(), None), prof0)
+        res = simulate(burst, prof, policy, SimConfig(routers=routers, queue_budget=0.0))
+        s = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)
+        return s["ttft_p95_served"], s["rejected"]
+
+    (one, one_refused), (four, four_refused) = run(1), run(4)
+    assert one_refused > 0  # the admission acts here (59 refused with one router, 51 with four)
+    assert four <= 1.1 * one and four_refused <= one_refused + 5
+
+
 async def test_the_live_router_takes_its_turn_on_its_timer() -> None:
     """The live shell's `retry_later`: the turn comes on the event loop's timer (no sleep races:
     the heartbeat is handled synchronously, and the timer is due before the test's sleep ends)."""
@@ -208,3 +231,42 @@ async def test_the_live_router_takes_its_turn_on_its_timer() -> None:
         assert len(router.kv_waiting) == 0 and [x for _, x in out if isinstance(x, m.DecodeWork)]
     finally:
         router.close()
+
+
+def test_admission_counts_the_requests_waiting_at_the_other_replicas_before_a_new_one() -> None:
+    """Live, on the code trace's burst minute, four replicas served requests past their TTFT SLO
+    that one router refuses at the door (issue 47 item 6): each replica predicted a held
+    request's wait from the prefill backlog and its *own* wait queue, so a replica whose
+    queue was short admitted a request one router's whole queue would put past its budget; it
+    waited, and was served late or refused after waiting. The decode workers echo how many wait
+    at each replica and their prompt tokens; admission counts those before a new request, as one
+    router's queue would hold them. One router (no replicas) counts nothing more."""
+    from tests import test_router_pins as pins
+    from tests.test_shed import held_one, late, prefill_rate
+
+    rate = prefill_rate()
+
+    def refused(replicas: int, others_tokens: int) -> bool:
+        b = late(queue_budget=1.0, replicas=replicas)
+        step = 0.5 * pins.BUDGET / rate + b.core.admission.first_step(pins.BUDGET)
+        queued = int(rate * (0.9 - step)) - pins.BUDGET  # alone, a held request's first token in 0.9 s
+        b.beat("prefill-0", queued_tokens=queued)
+        # another replica waits with 3 requests, 0.2 s of prefill work (echoed by the decode worker)
+        q = m.RouterQueue(router="ra", oldest_at=b.clock.now - 0.5, late=False, waiting=3,
+                          waiting_tokens=others_tokens)
+        b.hear("decode-0", m.DecodeHeartbeat(worker_id="decode-0", incarnation=b.incarnations["decode-0"], seq=9,
+                                             batch=0, kv_tokens=0, kv_free_tokens=pins.BIG,
+                                             kv_capacity_tokens=pins.BIG, resident_prefill_tokens=0, deflections=0,
+                                             strictest_tbt_slo=None, token_budget=pins.BUDGET, queues=[q]))
+        try:
+            r = held_one(b)
+        except Overloaded as e:
+            assert e.code == "prefill_busy" and "3 of them at other router replicas" in str(e)
+            return True
+        assert not r.done and b.stats()["held"] == 1  # type: ignore[attr-defined]
+        return False
+
+    others = int(rate * 0.2)
+    assert refused(4, others)       # 0.9 s + 0.2 s of the others' queued prompts: past the 1 s budget
+    assert not refused(4, 0)        # nothing waits there (only the count, no tokens): within it
+    assert not refused(1, others)   # one router: no other replica's queue counts (it has none)

@@ -363,6 +363,17 @@ def test_decode_heartbeats_echo_every_router_replicas_queue() -> None:
     assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 0.0, False, 0), m.RouterQueue("rb", 9.0, True, 1)]
 
 
+def test_a_change_in_how_many_wait_goes_with_the_next_heartbeat_not_a_prompt_one() -> None:
+    """How many wait at a replica and their prompt tokens (what the other replicas' admission
+    counts, common/router_core/admission.py) are echoed too; a change of those alone, with the
+    same first request, rides on the next heartbeat instead of asking for one."""
+    core, ports = decode_core()
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=7.0, late=False, waiting=1, waiting_tokens=900))
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=7.0, late=False, waiting=3, waiting_tokens=5000))
+    assert ports.beats == 1
+    assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 7.0, False, 3, 5000)]
+
+
 def test_text_deltas_go_with_the_tokens_only_to_a_router_with_the_same_tokenizer() -> None:
     """A request whose router asked for text with this worker's tokenizer (Sampling.text) gets each
     item's text delta; another tokenizer's, a resumed request or a plain one gets ids only; the

@@ -10,7 +10,9 @@ before any byte of a stream), not queued until a fixed timeout:
   `retry_after_s` is the predicted time for the backlog to drain to where a new request fits:
   - held (`Hold`: the prefill queues are deep and no decode worker can prefill it in place): the
     prefill pool must first work through the tokens it holds (its views, ledger included) and the
-    tokens of the requests waiting before it, then its own prompt, at the pool's rate (each
+    tokens of the requests waiting before it (with router replicas, those waiting at the other
+    replicas too, as the decode workers' heartbeats echo their queues: one router's queue would
+    hold them before it), then its own prompt, at the pool's rate (each
     prefill worker's token budget per step time at a full budget, from its performance model),
     half a prefill step (it starts at a step boundary), then the decode step that gives its first
     token (on a busy decode worker, after half of the one in flight); code `prefill_busy`;
@@ -178,14 +180,18 @@ class Admission:
         (`ROOM_SHORT_S`), requests that late binding holds wait for decode room too."""
         self.room_short_until = now + ROOM_SHORT_S
 
-    def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request]) -> Shortage | None:
+    def predict(self, req: Request, e: NoKvRoom, ahead: Iterable[Request],
+                others: tuple[int, int] = (0, 0)) -> Shortage | None:
         """`req`'s predicted time to first token if it waits (`e`: why it cannot be placed now;
-        `ahead`: the requests already waiting), or None where nothing predicts it. A held one is
+        `ahead`: the requests already waiting; `others`: how many wait at the other router
+        replicas and their prompt tokens), or None where nothing predicts it. A held one is
         predicted from the prefill pool and, while decode room is short too (a decision found none
-        lately: `room_short`), from decode room, whichever is later."""
+        lately: `room_short`), from decode room, whichever is later. The others' requests count
+        for the prefill pool only: decode room is predicted from when this router's own requests
+        end, and it does not see the others' end."""
         ahead = [r for r in ahead if not r.done]
         if isinstance(e, Hold):
-            held = self.predict_prefill(req, ahead)
+            held = self.predict_prefill(req, ahead, others)
             if req.arrival >= self.room_short_until:
                 return held
             room = self.predict_room(req, NoDecodeRoom(str(e)), ahead)
@@ -194,21 +200,25 @@ class Admission:
             return held
         return self.predict_room(req, e, ahead)
 
-    def predict_prefill(self, req: Request, waiting: list[Request]) -> Shortage | None:
-        """Held (late binding): the prefill pool's backlog, and the prompts waiting before it."""
+    def predict_prefill(self, req: Request, waiting: list[Request],
+                        others: tuple[int, int] = (0, 0)) -> Shortage | None:
+        """Held (late binding): the prefill pool's backlog, and the prompts waiting before it (here,
+        and `others`: at the other router replicas, how many and their tokens)."""
         tokens = len(req.prompt_token_ids)
         rate = self.prefill_rate()
         if rate <= 0:
             return None
         view = self.table.view(use_ledger=self.cfg.ledger)
         queued = sum(p.queued_tokens for p in view.prefill)
-        before = sum(len(r.prompt_token_ids) for r in waiting)
+        n_others, t_others = others
+        before = sum(len(r.prompt_token_ids) for r in waiting) + t_others
         # a prompt placed on a busy prefill worker starts at its next step: half a step later on average
         half_step = 0.5 * min(p.model.prefill_exec(p.token_budget, p.token_budget) for p in view.prefill)
         ttft = (queued + before + tokens) / rate + half_step + self.first_step(tokens)
+        at_others = f", {n_others} of them at other router replicas" if n_others else ""
         return Shortage(ttft, "prefill_busy",
-                        f"the prefill workers hold {queued} prompt tokens and {len(waiting)} requests "
-                        f"({before} tokens) wait before it, at {rate:.0f} tokens/s")
+                        f"the prefill workers hold {queued} prompt tokens and {len(waiting) + n_others} requests "
+                        f"({before} tokens{at_others}) wait before it, at {rate:.0f} tokens/s")
 
     def predict_room(self, req: Request, e: NoKvRoom, waiting: list[Request]) -> Shortage | None:
         """No decode room (KV, or decode step time): when the requests holding room end."""
@@ -265,16 +275,17 @@ class Admission:
             out.append(left)
         return out
 
-    def over_budget(self, req: Request, e: NoKvRoom, ahead: Iterable[Request]) \
-            -> tuple[Shortage, float, float] | None:
+    def over_budget(self, req: Request, e: NoKvRoom, ahead: Iterable[Request], *,
+                    others: tuple[int, int] = (0, 0)) -> tuple[Shortage, float, float] | None:
         """(the shortage, the budget, Retry-After in seconds) when `req` is predicted to wait past
-        its budget, else None. Retry-After is how long the backlog takes to drain to where a
-        request like it fits (at least 1 s)."""
+        its budget, else None (`predict`: `others`, what waits at the other router replicas).
+        Retry-After is how long the backlog takes to drain to where a request like it fits (at
+        least 1 s)."""
         budget = self.budget(req)
         self.predicted = None
         if budget is None:
             return None
-        s = self.predicted = self.predict(req, e, ahead)
+        s = self.predicted = self.predict(req, e, ahead, others)
         if s is None:
             return None
         # decode room frees in steps (a request's end, seen at a heartbeat), so a wait predicted

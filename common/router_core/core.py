@@ -122,7 +122,9 @@ class RouterCore:
         self.ended: Counter[str] = Counter()
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
         self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self, wall_offset)
-        self.queue_told = (False, 0.0)  # the first waiting request last told the decode workers (`tell_queue`)
+        # what `tell_queue` last told the decode workers: the first waiting request (late, arrival), how many
+        # wait and their prompt tokens
+        self.queue_told: tuple[bool, float, int, int] = (False, 0.0, 0, 0)
         self.kv_waiting = self.waiting.queue
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, self, metrics=metrics, log=self.log)
@@ -187,7 +189,7 @@ class RouterCore:
         except NoKvRoom as e:
             if not isinstance(e, Hold):
                 self.admission.room_short(now)
-            self.shed(req, e)
+            self.shed(req, e, now)
             if waiting.full() or self.cfg.kv_wait_timeout <= 0:
                 self.counts["unavailable"] += 1
                 self.metrics.observe_rejected("queue_full")
@@ -208,10 +210,12 @@ class RouterCore:
         self.counts["accepted"] += 1
         return req
 
-    def shed(self, req: Request, e: NoKvRoom) -> None:
+    def shed(self, req: Request, e: NoKvRoom, now: float) -> None:
         """A new request that cannot be placed now: refuse it (Overloaded, HTTP 429) if its
-        predicted time to first token is past its budget (admission.py), else return (it waits)."""
-        over = self.admission.over_budget(req, e, self.kv_waiting)
+        predicted time to first token is past its budget (admission.py), else return (it waits).
+        With router replicas, the requests the others' queues hold (as the decode workers echo
+        them) wait before it too."""
+        over = self.admission.over_budget(req, e, self.kv_waiting, others=self.waiting.others_waiting(now))
         if over is None:
             return
         s, budget, retry = over
@@ -274,17 +278,22 @@ class RouterCore:
 
     def tell_queue(self, now: float) -> None:
         """With router replicas (`replicas` > 1): tell every decode worker when the request this
-        router's wait queue would decide first changed (`Waiting.first`); their heartbeats echo it
-        to the other replicas, which take their turns at the room a heartbeat shows by it
-        (waiting.py, `replica_turn`)."""
+        router's wait queue would decide first changed (`Waiting.first`), or how many wait (and
+        their prompt tokens); their heartbeats echo it to the other replicas, which take their
+        turns at the room a heartbeat shows by the first (waiting.py, `replica_turn`) and count
+        the rest before a new request of theirs when admission predicts its wait (admission.py),
+        as one router's queue would have them before it."""
         if self.cfg.replicas <= 1:
             return
         first = self.waiting.first(now)
-        if first == self.queue_told:
+        waiting = self.kv_waiting
+        live = [r for r in waiting if not r.done]
+        told = (*first, len(live), sum(len(r.prompt_token_ids) for r in live))
+        if told == self.queue_told:
             return
-        self.queue_told = first
+        self.queue_told = told
         msg = m.QueueHead(router_incarnation=self.incarnation, late=first[0], oldest_at=first[1],
-                          waiting=len(self.kv_waiting))
+                          waiting=told[2], waiting_tokens=told[3])
         for w in self.table.workers.values():
             if w.role == "decode" and not w.unreachable:
                 self.outbox.send(w.identity, msg)  # a worker that misses it hears the next change

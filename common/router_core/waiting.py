@@ -129,21 +129,33 @@ class Waiting:
             return [0.0] * len(head)
         return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
 
-    def _others(self, now: float) -> dict[str, tuple[bool, float]]:
-        """The other replicas' first waiting requests, as the decode workers' heartbeats last echoed
-        them (`DecodeHeartbeat.queues`; arrival 0.0: none waits there). One that arrived more than
-        `kv_wait_timeout` ago cannot be waiting any more (its replica failed it or is gone, and a
-        decode worker echoes a gone replica's last word for ever): left out."""
+    def _queues(self, now: float) -> list[m.RouterQueue]:
+        """The other replicas' wait queues, as the decode workers' heartbeats last echoed them
+        (`DecodeHeartbeat.queues`; the newest heartbeat's word for each). One whose first request
+        arrived more than `kv_wait_timeout` ago cannot be waiting any more (its replica failed it or
+        is gone, and a decode worker echoes a gone replica's last word for ever): left out."""
         me = self.table.me
         oldest = now + self.wall_offset - self.cfg.kv_wait_timeout
-        others: dict[str, tuple[float, m.RouterQueue]] = {}  # router -> (heartbeat time, its first request)
+        others: dict[str, tuple[float, m.RouterQueue]] = {}  # router -> (heartbeat time, its queue)
         for w in self.table.workers.values():
             hb = w.hb
             if isinstance(hb, m.DecodeHeartbeat) and hb.queues:
                 for q in hb.queues:
                     if q.router != me and (q.router not in others or w.hb_at >= others[q.router][0]):
                         others[q.router] = (w.hb_at, q)
-        return {r: (q.late, q.oldest_at) for r, (_, q) in others.items() if q.oldest_at >= oldest}
+        return [q for _, q in others.values() if q.oldest_at >= oldest]
+
+    def _others(self, now: float) -> dict[str, tuple[bool, float]]:
+        """The other replicas' first waiting requests (`_queues`; arrival 0.0: none waits there)."""
+        return {q.router: (q.late, q.oldest_at) for q in self._queues(now)}
+
+    def others_waiting(self, now: float) -> tuple[int, int]:
+        """How many requests wait at the other replicas, and their prompt tokens (`_queues`): one
+        router's queue would hold them too, before a request arriving now; (0, 0) with one router."""
+        if self.cfg.replicas <= 1:
+            return 0, 0
+        qs = [q for q in self._queues(now) if q.oldest_at > 0.0]
+        return sum(q.waiting for q in qs), sum(q.waiting_tokens for q in qs)
 
     def turn_delay(self, now: float) -> float:
         """Seconds until this replica's turn at room a heartbeat may show (`replica_turn`); 0 with

@@ -111,10 +111,15 @@ class DecodeCore(WorkerCore):
             step_err_p50=load.step_err_p50, step_err_p90=load.step_err_p90)
 
     def on_queue_head(self, q: m.QueueHead) -> None:
-        """A router replica's oldest waiting request changed: the next heartbeat (soon) echoes it
-        to every router (common/router_core/waiting.py, `replica_turn`)."""
-        self.queues[q.router_incarnation] = m.RouterQueue(q.router_incarnation, q.oldest_at, q.late, q.waiting)
-        self.ports.beat_now()
+        """A router replica's wait queue changed: the next heartbeat echoes it to every router;
+        when the request it would decide first changed, soon (common/router_core/waiting.py,
+        `replica_turn`); when only how many wait changed (what the others' admission counts,
+        admission.py), with the next heartbeat that comes anyway."""
+        old = self.queues.get(q.router_incarnation)
+        self.queues[q.router_incarnation] = m.RouterQueue(q.router_incarnation, q.oldest_at, q.late, q.waiting,
+                                                          q.waiting_tokens)
+        if old is None or (old.oldest_at, old.late) != (q.oldest_at, q.late):
+            self.ports.beat_now()
 
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [

@@ -328,7 +328,8 @@ class Router:
               tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4),
               tbt_max_s=rec.tbt_max_s and round(rec.tbt_max_s, 4), e2e_s=round(rec.e2e_s, 4),
               outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback,
-              waited_for=req.wait_reason or None)
+              waited_for=req.wait_reason or None,
+              placed_s=round(req.decided_at - req.arrival, 4) if req.decision is not None else None)
 
     def _trace_done(self, t: tracing.Tracing, req: Request, rec: m.RequestRecord) -> None:
         """The request's router spans, written at its end from the times the core kept: queueing

@@ -64,7 +64,7 @@ log = structlog.get_logger()
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -264,7 +264,7 @@ class Cluster:
         with open(svc.log_path, "ab") as out:
             svc.proc = subprocess.Popen(svc.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent, pass_fds=fds)
+                                        preexec_fn=die_with_parent, pass_fds=fds)
         if self.log_events:
             log.info("service_started", service=name, pid=svc.proc.pid, log=str(svc.log_path))
 

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from common.ports import free_port
-from kairos.up import Cluster, ClusterSpec
+from kairos.up import Cluster, ClusterSpec, die_with_parent
 from tests.vllm.test_real_clients import timed_trace
 
 WORKLOADS = {
@@ -41,7 +41,7 @@ def vllm_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
            "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", model.name]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from common.ports import free_port
 from kairos.passthrough import passthrough
-from kairos.up import Cluster, ClusterSpec
+from kairos.up import Cluster, ClusterSpec, die_with_parent
 from tests.vllm.helpers import PD, VLLM_MISSING, Collector
 
 
@@ -127,8 +127,11 @@ def run_vllm_server(tiny_model: Path, log_dir: Path, *extra_args: str) -> Iterat
            "--served-model-name", tiny_model.name, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
            *extra_args]
     with open(log, "wb") as out:
+        # its own session (a signal to the test's group does not reach it mid-request), but it dies
+        # with this process: a test run stopped from outside (scripts/test-all.sh stops the vLLM tier
+        # when another tier fails) once left the server running, a model loaded, after CI ended
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         # 1-2 minutes alone; up to 4 seen on 2 shared CI cores beside a Kairos cluster's two engines

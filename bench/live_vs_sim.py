@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.config import RouterConfig
 from common.sessions import write_jsonl
 from kairos.up import Cluster, ClusterSpec
 from sim.router import router_periods
@@ -168,9 +169,10 @@ def scaled_env(k: float, ttft_slo: float = TTFT_SLO, tbt_slo: float = TBT_SLO) -
     sets the simulated router's: the SLOs, the heartbeat interval the router asks its workers for
     (its liveness window is 10 of them), the KV wait timeout, a request's deadline (300 s: a
     2,000-token answer at K = 4 takes over 700 s) and the role planner's periods."""
+    d = RouterConfig()
     env = {"KAIROS_TTFT_SLO": repr(ttft_slo * k), "KAIROS_TBT_SLO": repr(tbt_slo * k),
-           "KAIROS_HEARTBEAT_INTERVAL": repr(0.1 * k), "KAIROS_KV_WAIT_TIMEOUT": repr(30.0 * k),
-           "KAIROS_REQUEST_TIMEOUT": repr(300.0 * k)}
+           "KAIROS_HEARTBEAT_INTERVAL": repr(d.heartbeat_interval * k),
+           "KAIROS_KV_WAIT_TIMEOUT": repr(d.kv_wait_timeout * k), "KAIROS_REQUEST_TIMEOUT": repr(d.request_timeout * k)}
     env.update({"KAIROS_" + name.upper(): repr(v) for name, v in router_periods(k).items()})
     return env
 
@@ -187,7 +189,8 @@ def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     load_before = os.getloadavg()
     cmd = [sys.executable, "-m", "kairos.loadgen", "--url", spec.api + "/v1", "--trace", str(trace),
            "--start", str(a.start), "--duration", str(a.duration), "--rate-scale", repr(a.rate_scale / k),
-           "--ttft-slo", repr(TTFT_SLO * k), "--tbt-slo", repr(TBT_SLO * k), "--timeout", repr(300.0 * k),
+           "--ttft-slo", repr(TTFT_SLO * k), "--tbt-slo", repr(TBT_SLO * k),
+           "--timeout", repr(RouterConfig().request_timeout * k),
            "--records", "--no-progress", "--quiet", "--out", str(out / "bench.json")]
     t0 = time.time()
     try:

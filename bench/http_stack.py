@@ -31,22 +31,20 @@ import time
 from pathlib import Path
 
 from bench.rawclient import Pool, post
+from bench.steps import cpu_seconds, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of `pid` and its children."""
-    pids = [pid]
+    """CPU seconds (user + system) of `pid` and its children (`bench.steps.cpu_seconds` each)."""
     kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    pids += [int(k) for k in kids]
     total = 0.0
-    for p in pids:
+    for p in [pid, *(int(k) for k in kids)]:
         try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += cpu_seconds(p)
         except OSError:
-            continue
-        total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+            continue  # a child that ended between pgrep and here
     return total
 
 
@@ -82,19 +80,6 @@ async def drive(port: int, rate: float, seconds: float) -> tuple[int, int, float
     return len(tasks), len(ok), ttft[len(ttft) // 2] if ttft else None
 
 
-async def wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(200):
-        if proc.poll() is not None:
-            raise SystemExit(f"bench.http_stack: the server exited ({proc.returncode}) before listening")
-        try:
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            w.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise SystemExit(f"bench.http_stack: nothing listens on {port} after 10 s")
-
-
 async def run(a: argparse.Namespace) -> dict[str, list[float]]:
     from common.ports import free_port
 
@@ -105,7 +90,7 @@ async def run(a: argparse.Namespace) -> dict[str, list[float]]:
             port = free_port()
             proc = server(kind, port, a.granian)
             try:
-                await wait_port(port, proc)
+                wait_port(port, proc, timeout=10.0)  # nothing else runs on this loop yet
                 await drive(port, 50, 1.0)  # warm-up
                 await asyncio.sleep(0.5)
                 c0, w0 = tree_cpu(proc.pid), time.perf_counter()

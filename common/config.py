@@ -153,6 +153,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "open HTTP connections from one address; past it that address's longest-idle one is closed, or the new "
         "one refused (429) when all are busy. Behind a gateway or balancer that funnels every client through "
         "one address, raise it to http_max_connections")] = 4096
+    forwarded_allow_ips: Annotated[str, doc(
+        "proxies whose X-Forwarded-For / X-Forwarded-Proto the router believes, comma separated addresses or "
+        "networks, * for any: a request through one of them counts against its forwarded client's "
+        "admission share (client_share; connection limits always count the proxy's own address); from any "
+        "other peer the headers are ignored, so a client cannot pose as many. Empty: believe none (and skip "
+        "the header parsing). Default: a proxy on the same host")] = "127.0.0.1,::1"
     enable_prompt_tokens_details: Annotated[bool, doc(
         "report usage.prompt_tokens_details (cached_tokens: prompt tokens the engine found in its prefix "
         "cache), as vLLM's server flag of the same name; off by default there too")] = False

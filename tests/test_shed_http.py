@@ -150,3 +150,31 @@ async def test_a_waiting_stream_whose_request_ended_without_an_event_stops_waiti
     req.done = True  # ended by an abort: no event
     choice = types.SimpleNamespace(req=req)
     assert await asyncio.wait_for(serve.placed([choice]), 1.0) is None  # type: ignore[list-item]
+
+
+async def through(app: Any, peer: str, forwarded: str) -> str:
+    """The client key the router books a request under, sent from `peer` with X-Forwarded-For."""
+    r = app.app.router if hasattr(app, "app") else app.router
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(peer, 1234)),
+                                 base_url="http://router") as c:
+        task = asyncio.create_task(c.post("/v1/completions", json=body(1),
+                                          headers={"x-forwarded-for": forwarded}))
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if r.core.admission.clients:
+                break
+        task.cancel()
+    keys = list(r.core.admission.clients)
+    assert len(keys) == 1, keys
+    return keys[0]
+
+
+async def test_x_forwarded_for_counts_only_from_the_proxies_the_router_trusts() -> None:
+    # the default trusts a proxy on the same host: its clients are told apart
+    assert await through(http.asgi_app(router(), "127.0.0.1,::1"), "127.0.0.1", "10.9.9.9") == "addr:10.9.9.9"
+    # from any other peer the header is ignored: a client cannot pose as many to escape its share
+    assert await through(http.asgi_app(router(), "127.0.0.1,::1"), "10.0.0.7", "10.9.9.9") == "addr:10.0.0.7"
+    # a balancer on another network, named by its network
+    assert await through(http.asgi_app(router(), "10.0.0.0/8"), "10.0.0.7", "192.0.2.5") == "addr:192.0.2.5"
+    # empty: believe no one, not even the host itself
+    assert await through(http.asgi_app(router(), ""), "127.0.0.1", "10.9.9.9") == "addr:127.0.0.1"

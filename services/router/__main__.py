@@ -19,7 +19,7 @@ from common.router_core.planner import planner_on
 from common.service import HttpServer, install_signals, listen_socket, run
 from common.startup import guard
 from services.router.edge import EdgeLimits, edge_protocol
-from services.router.http import App
+from services.router.http import asgi_app
 from services.router.service import Router
 
 
@@ -131,7 +131,8 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
     edge = edge_protocol(EdgeLimits(header_timeout_s=cfg.http_header_timeout_s, body_timeout_s=cfg.http_body_timeout_s,
                                     max_connections=cfg.http_max_connections,
                                     max_per_client=cfg.http_max_connections_per_client))
-    server = HttpServer(uvicorn.Config(App(router), host=cfg.http_host, port=cfg.http_port, lifespan="off",
+    server = HttpServer(uvicorn.Config(asgi_app(router, cfg.forwarded_allow_ips), host=cfg.http_host,
+                                       port=cfg.http_port, lifespan="off", proxy_headers=False,
                                        access_log=False, log_level="warning", http=edge,
                                        timeout_graceful_shutdown=5, backlog=4096))
     try:

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from common.errors import Overloaded, RequestError, Unavailable
 from common.router_core.requests import Event, Request
@@ -435,3 +436,13 @@ class App:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def asgi_app(router: Router, forwarded_allow_ips: str) -> Any:
+    """The router's ASGI app as served: `App`, behind uvicorn's X-Forwarded-For handling for the
+    proxies `forwarded_allow_ips` names (the router's setting of that name; empty: none, and no
+    middleware at all). Built here rather than by uvicorn's own `proxy_headers` so that the
+    trusted proxies are the router's setting, not uvicorn's FORWARDED_ALLOW_IPS environment."""
+    app = App(router)
+    hosts = [h.strip() for h in forwarded_allow_ips.split(",") if h.strip()]
+    return ProxyHeadersMiddleware(app, trusted_hosts=hosts) if hosts else app  # type: ignore[arg-type]

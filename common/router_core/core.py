@@ -589,10 +589,10 @@ class RouterCore:
         ms = round(allowance * 1000.0, 1)
         if abs(ms - self.delivery_logged) >= 1.0:  # a line when it moves by a millisecond or more
             self.delivery_logged = ms
-            self.log.info("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
-                          measured_ms=round(d.measured_s * 1000.0, 1), samples=len(d.samples),
-                          plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1),
-                          capped=d.capped(slo))
+            say = self.log.warning if d.capped(slo) else self.log.info
+            say("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
+                measured_ms=round(d.measured_s * 1000.0, 1), samples=len(d.samples),
+                plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1), capped=d.capped(slo))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

@@ -129,7 +129,7 @@ def gap_sources(records: list[dict[str, Any]], router_log: list[dict[str, Any]],
 
 def delivery_view(router_log: list[dict[str, Any]]) -> dict[str, Any]:
     """The live router's TBT delivery allowance (its `delivery_allowance` lines, written when it
-    moves by 1 ms): the configured part, the largest measured part and allowance seen, the last."""
+    moves by 1 ms, at most every 10 s): the configured part, the largest measured part and allowance seen, the last."""
     lines = [e for e in router_log if e.get("event") == "delivery_allowance"]
     if not lines:
         return {}

@@ -27,8 +27,8 @@ def test_measured_part_is_a_high_quantile_of_the_extra_gap_once_enough_samples_a
     assert d.measured_s == 0.0  # too few samples
     for i in range(2000):
         d.observe(0.002 if i % 10 else 0.010)  # 10 % of the tokens 10 ms late: the P99 is 10 ms
-    assert d.measured_s == pytest.approx(0.010)
-    assert d.plan_slo(0.1) == pytest.approx(0.090)
+    assert 0.010 <= d.measured_s <= 0.010 + 1.01 * dl.BIN_S  # to the histogram's bin, rounded up
+    assert d.plan_slo(0.1) == pytest.approx(0.1 - d.measured_s)
     for _ in range(dl.WINDOW + dl.RECOMPUTE_EVERY):
         d.observe(-0.005)  # writes sooner than the steps (batched tokens): count as 0, and the window moves on
     assert d.measured_s == 0.0 and d.plan_slo(0.1) == 0.1
@@ -84,10 +84,10 @@ def test_a_measured_10_ms_delivery_jitter_lowers_the_step_the_decode_guard_admit
     assert slo == 0.1
     assert [(peer, type(x).__name__) for peer, x in sent] == [("decode-0", "DecodeWork"), ("prefill-0", "PrefillWork")]
     slo, sent = _two_requests(0.010)
-    assert slo == pytest.approx(0.090)
+    assert slo == pytest.approx(0.090, abs=1.01 * dl.BIN_S)
     assert [(peer, type(x).__name__) for peer, x in sent] == [("prefill-0", "PrefillWork")]
     kept = sent[0][1]
-    assert isinstance(kept, m.PrefillWork) and kept.retain and kept.tbt_slo == pytest.approx(0.090)
+    assert isinstance(kept, m.PrefillWork) and kept.retain and kept.tbt_slo == slo
 
 
 def test_the_worker_plans_its_chunks_beside_decodes_to_the_budget_its_work_carries() -> None:
@@ -121,7 +121,50 @@ def test_the_http_layer_samples_each_write_gap_less_the_worker_s_step() -> None:
     step(clock.advance(0.5), 0.05)
     assert req.step_s < 0  # the first token: no gap of the worker's
     wrote(d, req, clock.now + 0.001)
-    assert not d.samples
-    step(clock.advance(0.05), 0.05)
-    wrote(d, req, clock.now + 0.013)  # written 12 ms later than the first was, after a 50 ms step
-    assert list(d.samples) == [pytest.approx(0.012)]
+    assert d.samples == 0
+    for i in range(dl.RECOMPUTE_EVERY):
+        step(clock.advance(0.05), 0.05)  # 50 ms steps, every other one written 12 ms later than the last
+        wrote(d, req, clock.now + 0.001 + (0.012 if i % 2 == 0 else 0.0))
+    assert d.samples == dl.RECOMPUTE_EVERY
+    assert d.measured_s == pytest.approx(0.012, abs=1.01 * dl.BIN_S) and req.write_gap_max == pytest.approx(0.062)
+
+
+def test_the_allowance_in_force_is_a_gauge_and_a_log_line_when_it_moves() -> None:
+    from common import config
+    from common.router_core.core import RouterCore
+
+    class Log:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, dict[str, object]]] = []
+
+        def _log(self, event: str, **kw: object) -> None:
+            self.events.append((event, kw))
+
+        debug = info = warning = error = _log
+
+        def named(self, event: str) -> list[dict[str, object]]:
+            return [kw for e, kw in self.events if e == event]
+
+    class Gauge:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def set_delivery_allowance(self, seconds: float) -> None:
+            self.values.append(seconds)
+
+        def __getattr__(self, name: str) -> object:
+            return lambda *a, **k: None
+
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast",
+                                                               "tbt_delivery_allowance_ms": 4.0})
+    gauge, log = Gauge(), Log()
+    core = RouterCore(cfg, FakeOutbox(), metrics=gauge, log=log)  # type: ignore[arg-type]
+    core.telemetry(100.0)
+    for _ in range(dl.RECOMPUTE_EVERY):
+        core.delivery.observe(0.006)
+    core.telemetry(101.0)  # moved, but within 10 s of the last line: the gauge only
+    core.telemetry(111.0)
+    assert gauge.values[0] == pytest.approx(0.004) and gauge.values[-1] == pytest.approx(0.010, abs=1.01 * dl.BIN_S)
+    lines = log.named("delivery_allowance")
+    assert [x["configured_ms"] for x in lines] == [4.0, 4.0] and lines[0]["plan_tbt_ms"] == 96.0
+    assert lines[1]["measured_ms"] == pytest.approx(6.0, abs=0.3) and lines[1]["samples"] == dl.RECOMPUTE_EVERY

@@ -58,6 +58,7 @@ from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
 
 NO_HOOKS = Hooks()
+DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
 
 
@@ -112,6 +113,7 @@ class RouterCore:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.delivery_logged = -1.0  # the allowance (ms) the last delivery_allowance line said
+        self.delivery_logged_at = -DELIVERY_LOG_S  # ... and when
         self.requests: dict[str, Request] = {}
         self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
         self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
@@ -488,6 +490,7 @@ class RouterCore:
         p = self.planner
         if p is None or p.pending is not None:
             return None
+        p.tbt_budget = self.delivery.plan_slo(self.cfg.tbt_slo)  # the step room it judges: what steps are planned to
         flip = p.observe(measure(self.table, self.kv_waiting), now)
         if flip is None:
             return None
@@ -587,11 +590,12 @@ class RouterCore:
         allowance = d.total_s(slo)
         self.metrics.set_delivery_allowance(allowance)
         ms = round(allowance * 1000.0, 1)
-        if abs(ms - self.delivery_logged) >= 1.0:  # a line when it moves by a millisecond or more
-            self.delivery_logged = ms
+        # a line when it moved by a millisecond or more, at most every DELIVERY_LOG_S (the gauge follows it)
+        if abs(ms - self.delivery_logged) >= 1.0 and now - self.delivery_logged_at >= DELIVERY_LOG_S:
+            self.delivery_logged, self.delivery_logged_at = ms, now
             say = self.log.warning if d.capped(slo) else self.log.info
             say("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
-                measured_ms=round(d.measured_s * 1000.0, 1), samples=len(d.samples),
+                measured_ms=round(d.measured_s * 1000.0, 1), samples=d.samples,
                 plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1), capped=d.capped(slo))
 
     # ------------------------------------------------------------------ introspection

@@ -13,7 +13,8 @@ Two parts, added:
 - measured (`observe`): per stream, the router's gap between two socket writes of its tokens less
   the step time the worker reported for the later token (`TokenBatch.step_s`): what the worker's
   loop, the bus and the router's loop and write add, which the worker's step timing does not see.
-  A high quantile (`QUANTILE`) of the last `WINDOW` samples, counted once `MIN_SAMPLES` are in.
+  A high quantile (`QUANTILE`) of the last `WINDOW` samples (to `BIN_S`, rounded up), counted
+  once `MIN_SAMPLES` are in.
   Only the live router's HTTP layer feeds it: the simulator has no delivery path, so its measured
   part is 0 and its results are those of the configured part alone.
 - configured (`RouterConfig.tbt_delivery_allowance_ms`): what the router cannot see (the network
@@ -31,38 +32,58 @@ import math
 from collections import deque
 
 QUANTILE = 0.99  # of the measured extra gap, per token
-WINDOW = 4096  # the last this many samples (tokens written with a previous write on their stream)
+WINDOW = 16384  # the last this many samples (tokens written with a previous write on their stream)
 MIN_SAMPLES = 256  # fewer: the measured part is 0
-RECOMPUTE_EVERY = 256  # samples between two recomputations of the quantile (a sort of WINDOW floats)
+RECOMPUTE_EVERY = 256  # samples between two readings of the quantile off the histogram
+BIN_S = 0.00025  # the histogram's resolution: a quarter of a millisecond (the quantile is a bin's upper edge)
+BINS = 800  # up to 200 ms; a sample past it counts in the last bin
 CAP = 0.5  # the allowance, configured and measured, is at most this fraction of the TBT SLO
 
 
 class DeliveryAllowance:
-    """The allowance in force: `configured_s` + the measured quantile (see the module docstring)."""
+    """The allowance in force: `configured_s` + the measured quantile (see the module docstring).
+    The window is kept as its samples' bins (a ring) and a histogram of them, so a sample costs
+    O(1) and a reading of the quantile a scan of `BINS` counts."""
 
-    __slots__ = ("_since", "configured_s", "measured", "measured_s", "samples")
+    __slots__ = ("_counts", "_ring", "_since", "configured_s", "measured", "measured_s")
 
     def __init__(self, configured_s: float = 0.0, *, measured: bool = True) -> None:
         if not configured_s >= 0.0 or math.isinf(configured_s):
             raise ValueError(f"tbt_delivery_allowance_ms must be a finite number >= 0 (got {configured_s * 1000:g})")
         self.configured_s = configured_s
         self.measured = measured  # off: `observe` keeps nothing (the configured part alone)
-        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self._ring: deque[int] = deque()
+        self._counts = [0] * BINS
         self.measured_s = 0.0
-        self._since = 0  # samples since the quantile was last computed
+        self._since = 0  # samples since the quantile was last read
+
+    @property
+    def samples(self) -> int:
+        """Samples in the window."""
+        return len(self._ring)
 
     def observe(self, extra_s: float) -> None:
         """One token's write gap less its step time (negative: its write came sooner; kept as 0)."""
         if not self.measured:
             return
-        self.samples.append(extra_s if extra_s > 0.0 else 0.0)
+        b = min(BINS - 1, int(extra_s / BIN_S)) if extra_s > 0.0 else 0
+        ring, counts = self._ring, self._counts
+        ring.append(b)
+        counts[b] += 1
+        if len(ring) > WINDOW:
+            counts[ring.popleft()] -= 1
         self._since += 1
         if self._since >= RECOMPUTE_EVERY:
             self._since = 0
-            n = len(self.samples)
+            n = len(ring)
             if n >= MIN_SAMPLES:
-                s = sorted(self.samples)
-                self.measured_s = s[min(n - 1, math.ceil(QUANTILE * n) - 1)]
+                k = math.ceil(QUANTILE * n)  # the k-th smallest sample's bin
+                seen = 0
+                for i, c in enumerate(counts):
+                    seen += c
+                    if seen >= k:
+                        self.measured_s = (i + 1) * BIN_S if i else 0.0
+                        break
 
     def total_s(self, slo: float) -> float:
         """The allowance taken off a TBT SLO of `slo` seconds (capped at `CAP` x it)."""

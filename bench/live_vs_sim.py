@@ -29,7 +29,10 @@ which worker, to which role, why, how many running decodes it kept). The live si
 client measured it (`kairos bench`: its own clock, so a client short of CPU counts its own lateness)
 and as the router recorded it (`request_done`: TTFT, each request's largest and P99 gap, taken where
 the workers' tokens arrive). Then where the client's extra misses come from: for each request the
-client saw miss TBT, its largest gap on the client against the router's (`gaps`). Also the host's
+client saw miss TBT, its largest gap on the client against the router's where the tokens arrived
+(`tbt_max_s`) and where the router wrote them to the socket (`write_gap_max_s`; `gaps`), and the
+TBT delivery allowance the live router planned with (`delivery`; `--tbt-delivery-allowance-ms`
+gives both sides the same configured part, common/router_core/delivery.py). Also the host's
 load average before and after and the client's send lag: a loaded host starves the live side, never
 the simulated one. The summary goes to DIR/live-vs-sim.json.
 """

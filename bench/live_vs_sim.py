@@ -29,7 +29,10 @@ which worker, to which role, why, how many running decodes it kept). The live si
 client measured it (`kairos bench`: its own clock, so a client short of CPU counts its own lateness)
 and as the router recorded it (`request_done`: TTFT, each request's largest and P99 gap, taken where
 the workers' tokens arrive). Then where the client's extra misses come from: for each request the
-client saw miss TBT, its largest gap on the client against the router's (`gaps`). Also the host's
+client saw miss TBT, its largest gap on the client against the router's where the tokens arrived
+(`tbt_max_s`) and where the router wrote them to the socket (`write_gap_max_s`; `gaps`), and the
+TBT delivery allowance the live router planned with (`delivery`; `--tbt-delivery-allowance-ms`
+gives both sides the same configured part, common/router_core/delivery.py). Also the host's
 load average before and after and the client's send lag: a loaded host starves the live side, never
 the simulated one. The summary goes to DIR/live-vs-sim.json.
 """
@@ -100,9 +103,13 @@ def gap_sources(records: list[dict[str, Any]], router_log: list[dict[str, Any]],
     `client_only`: the router's gaps were all within it (router -> client, or the client itself)."""
     done = {e.get("request_id"): e for e in router_log if e.get("event") == "request_done"}
     miss = [r for r in records if r.get("error") is None and r.get("gaps") and max(r["gaps"]) > tbt_slo]
-    pairs = [(max(r["gaps"]), done[r["request_id"]].get("tbt_max_s") or 0.0) for r in miss
-             if r.get("request_id") in done]
+    joined = [(max(r["gaps"]), done[r["request_id"]]) for r in miss if r.get("request_id") in done]
+    pairs = [(c, e.get("tbt_max_s") or 0.0) for c, e in joined]
     extra = sorted(c - g for c, g in pairs)
+    # the router's own socket writes (`write_gap_max_s`: every write but the stream's last chunk):
+    # between the token's arrival and its write (router) or after the write (network, client)
+    writes = [(c, e.get("tbt_max_s") or 0.0, e["write_gap_max_s"]) for c, e in joined
+              if e.get("write_gap_max_s") is not None]
 
     def pct(xs: list[float], q: float) -> float | None:
         return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
@@ -114,7 +121,25 @@ def gap_sources(records: list[dict[str, Any]], router_log: list[dict[str, Any]],
             "client_max_gap_p50": pct(sorted(c for c, _ in pairs), 0.5),
             "router_max_gap_p50": pct(sorted(g for _, g in pairs), 0.5),
             "client_minus_router_max_gap_p50": pct(extra, 0.5), "client_minus_router_max_gap_p90": pct(extra, 0.9),
+            "with_write_gaps": len(writes),
+            "write_minus_router_max_gap_p50": pct(sorted(w - g for _, g, w in writes), 0.5),
+            "write_minus_router_max_gap_p90": pct(sorted(w - g for _, g, w in writes), 0.9),
+            "client_minus_write_max_gap_p50": pct(sorted(c - w for c, _, w in writes), 0.5),
+            "client_minus_write_max_gap_p90": pct(sorted(c - w for c, _, w in writes), 0.9),
+            "write_past_slo": sum(1 for _, _, w in writes if w > tbt_slo),
             "client_gap_p50": pct(gaps, 0.5), "client_gap_p99": pct(gaps, 0.99)}
+
+
+def delivery_view(router_log: list[dict[str, Any]]) -> dict[str, Any]:
+    """The live router's TBT delivery allowance (its `delivery_allowance` lines, written when it
+    moves by 1 ms, at most every 10 s): the configured part, the largest measured part and allowance seen, the last."""
+    lines = [e for e in router_log if e.get("event") == "delivery_allowance"]
+    if not lines:
+        return {}
+    return {"configured_ms": lines[-1].get("configured_ms"),
+            "measured_ms_max": max(e.get("measured_ms") or 0.0 for e in lines),
+            "allowance_ms_max": max(e.get("allowance_ms") or 0.0 for e in lines),
+            "last": {k: lines[-1].get(k) for k in ("allowance_ms", "measured_ms", "samples", "plan_tbt_ms")}}
 
 
 def _count(xs: Any) -> dict[str, int]:
@@ -155,7 +180,8 @@ def run_sim(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kairos.cli", "sim", "--trace", str(trace), "--start", str(a.start),
            "--duration", str(a.duration), "--rate-scale", str(a.rate_scale), "--prefill", str(a.prefill),
            "--decode", str(a.decode), "--profile", a.profile, "--policy", "kairos", "--planner", "on",
-           "--time-scale", str(a.time_scale), "--out", str(out / "sim.json")]
+           "--time-scale", str(a.time_scale), "--tbt-delivery-allowance-ms", repr(a.tbt_delivery_allowance_ms),
+           "--out", str(out / "sim.json")]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     k = json.loads((out / "sim.json").read_text())["policies"]["kairos"]
     flips = [{"at": f["at"], "worker": f["worker"], "to": f["to"], "reason": f["reason"],
@@ -183,6 +209,8 @@ def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, engine="sim", profile=a.profile,
                                  policy="kairos", kv_transport="modeled", monitor=False, log_dir=str(logs),
                                  time_scale=k, router_env={"KAIROS_PLANNER": "true", "KAIROS_LOG_REQUESTS": "true",
+                                                           "KAIROS_TBT_DELIVERY_ALLOWANCE_MS":
+                                                               repr(a.tbt_delivery_allowance_ms),
                                                            **scaled_env(k)})
     c = Cluster(spec)
     c.start(timeout=300)
@@ -204,6 +232,7 @@ def run_live(a: argparse.Namespace, trace: Path, out: Path) -> dict[str, Any]:
     workers = {p.stem: _lines(p) for p in logs.glob("*.log") if p.stem.startswith(("prefill-", "decode-"))}
     return {"summary": _pick(bench), "router": router_view(router_log, bench["ttft_slo"], bench["tbt_slo"]),
             "gaps": gap_sources(bench.get("records") or [], router_log, bench["tbt_slo"]),
+            "delivery": delivery_view(router_log),
             "flips": live_flips(router_log, workers, t0), "final_roles": {w: v["role"] for w, v in
                                                                          stats.get("workers", {}).items()},
             "router_failed": stats.get("counts", {}).get("failed", 0),
@@ -256,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="both sides as the same scenario K times slower (steps, KV transfers, SLOs, arrival gaps, "
                         "heartbeats and the planner's periods x K), so that the live cluster needs 1/K of the CPU "
                         "per simulated second (default 1)")
+    p.add_argument("--tbt-delivery-allowance-ms", type=float, default=0.0, metavar="MS",
+                   help="the router's configured TBT delivery allowance, on both sides (live: "
+                        "KAIROS_TBT_DELIVERY_ALLOWANCE_MS; simulated: kairos sim --tbt-delivery-allowance-ms): decode "
+                        "steps are planned to the TBT SLO less it (live, less the measured part too). Not scaled by "
+                        "--time-scale (default 0)")
     p.add_argument("--sim-only", action="store_true", help="the simulated side only (seconds)")
     a = p.parse_args(argv)
     if not a.time_scale > 0:
@@ -269,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "workload": a.workload, "slice": [a.start, a.start + a.duration], "rate_scale": a.rate_scale,
-        "time_scale": a.time_scale,
+        "time_scale": a.time_scale, "tbt_delivery_allowance_ms": a.tbt_delivery_allowance_ms,
         "shape": f"{a.prefill}P{a.decode}D", "profile": a.profile, "sim": run_sim(a, trace, out)}
     if not a.sim_only:
         res["live"] = run_live(a, trace, out)
@@ -281,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     live = res["live"]
     print(f"\nload average before/after the live run: {live['load_average_before']} / {live['load_average_after']}; "
           f"client send lag p99 {live['send_lag_p99_s']} s; errors {live['errors']}; client's TBT misses against "
-          f"the router's gaps {live['gaps']}; final roles "
+          f"the router's gaps {live['gaps']}; delivery allowance {live['delivery']}; final roles "
           f"{live['final_roles']}\nsummary: {out / 'live-vs-sim.json'}")
     return 0
 

@@ -93,6 +93,17 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     default_max_tokens: Annotated[int, doc("max_tokens when the client gives none")] = 256
     ttft_slo: Annotated[float, doc("default TTFT SLO, seconds")] = 2.0
     tbt_slo: Annotated[float, doc("default TBT SLO, seconds")] = 0.1
+    tbt_delivery_allowance_ms: Annotated[float, doc(
+        "milliseconds of every token's gap the decode guard leaves for delivery beyond what the router measures: "
+        "the network and the client's read, which the router cannot see. Steps are planned to the TBT SLO less "
+        "this and the measured part (the router's write gap less the worker's step, P99; see "
+        "tbt_delivery_measured), at most half the SLO in all. Raise it when clients see TBT misses the router's "
+        "request_done records (tbt_max_s) do not; the allowance in force is the router's "
+        "kairos_tbt_delivery_allowance_seconds gauge and its delivery_allowance log lines")] = 0.0
+    tbt_delivery_measured: Annotated[bool, doc(
+        "add the measured delivery delay to tbt_delivery_allowance_ms: the P99 of the router's gap between two "
+        "socket writes of a stream's tokens less the step time the worker reported (the worker's loop, the bus, "
+        "the router's loop and write); off: the configured part alone")] = True
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1
     liveness: Annotated[int, doc("a worker silent for liveness x heartbeat_interval is declared dead")] = 10
     max_in_flight: Annotated[int, doc("admission limit: requests in flight before HTTP 429")] = 4096

@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--heartbeat-interval, --kv-wait-timeout, --planner-switch-s, --slow-every, --slow-for and "
                         "the role planner's periods x K, the trace's arrivals K times further apart (--rate-scale / "
                         "K); reported times are the slowed ones (default 1)")
+    c.add_argument("--tbt-delivery-allowance-ms", type=float, default=0.0, metavar="MS",
+                   help="the router's configured TBT delivery allowance (KAIROS_TBT_DELIVERY_ALLOWANCE_MS): "
+                        "decode steps are planned to the TBT SLO less this many milliseconds; give the value a "
+                        "live router runs with to compare with it (its measured part is 0 here: no HTTP layer). "
+                        "Not scaled by --time-scale (a wall-clock delay; default 0)")
     add_prefix_flags(c)
     add_engine_flags(p)
     add_error_flags(p)
@@ -287,7 +292,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                      replica_stagger_ms=args.replica_stagger_ms,
                      prompt_beat=args.prompt_beat, planner=None if args.planner is None else args.planner == "on",
                      planner_switch_s=args.planner_switch_s, planner_pinned=tuple(args.planner_pin),
-                     time_scale=args.time_scale)
+                     time_scale=args.time_scale, tbt_delivery_allowance_ms=args.tbt_delivery_allowance_ms)
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))
     setups = resolve_setups(args, policies)
     if args.tuned:

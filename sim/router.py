@@ -110,7 +110,8 @@ def router_config(cfg: SimConfig) -> RouterConfig:
                       kv_wait_timeout=cfg.kv_wait_timeout, kv_wait_max=cfg.kv_wait_max,
                       prefix_cache=cfg.prefix_cache, bias_correction=cfg.bias_correction,
                       max_in_flight=1 << 30, request_timeout=1e12, queue_budget=cfg.queue_budget, client_share=1.0,
-                      planner=bool(cfg.planner), planner_pin=",".join(cfg.planner_pinned))
+                      planner=bool(cfg.planner), planner_pin=",".join(cfg.planner_pinned),
+                      tbt_delivery_allowance_ms=cfg.tbt_delivery_allowance_ms, tbt_delivery_measured=False)
     return msgspec.structs.replace(rc, **router_periods(cfg.time_scale)) if cfg.time_scale != 1.0 else rc
 
 

@@ -80,6 +80,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # scenario K times slower (steps, SLOs, arrivals, heartbeats: sim/cli.py `stretched`), as
     # `bench.live_vs_sim --time-scale K` sets the live router's
     time_scale: float = 1.0
+    # the router's configured TBT delivery allowance (RouterConfig.tbt_delivery_allowance_ms;
+    # common/router_core/delivery.py): steps are planned to the TBT SLO less it. The measured part
+    # is 0 here (no HTTP layer writes tokens), so a run compares with a live router given the same
+    # configured allowance. Not scaled by time_scale (a wall-clock delay)
+    tbt_delivery_allowance_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -96,6 +101,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"planner_rule must be roles or threshold (got {self.planner_rule!r})")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if not self.tbt_delivery_allowance_ms >= 0:
+            raise ValueError("tbt_delivery_allowance_ms must be >= 0")
         if self.planner_switch_s < 0:
             raise ValueError("planner_switch_s must be >= 0")
         if not 0.0 < self.overrun_target < 0.5:

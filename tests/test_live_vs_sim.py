@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.live_vs_sim import gap_sources, router_view, scaled_env
+from bench.live_vs_sim import delivery_view, gap_sources, router_view, scaled_env
 from common import config
 from sim.router import ROUTER_PERIODS
 
@@ -33,6 +33,30 @@ def test_gap_sources_splits_client_misses_by_what_the_router_saw() -> None:
     g = gap_sources(records, log, 0.1)
     assert (g["client_misses"], g["joined"], g["router_too"], g["client_only"]) == (2, 2, 1, 1)
     assert g["client_minus_router_max_gap_p90"] == pytest.approx(0.11)
+
+
+def test_gap_sources_splits_client_only_misses_at_the_router_s_socket_write() -> None:
+    """With the router's write gaps (`write_gap_max_s`): a miss the router's write already shows
+    (router loop or write) against one that came after the write (network, client)."""
+    log = [{**_done("a", 0.05, 0.09), "write_gap_max_s": 0.092},   # written on time: the client read late
+           {**_done("b", 0.05, 0.09), "write_gap_max_s": 0.104}]   # the write itself late
+    records = [{"request_id": "a", "error": None, "gaps": [0.05, 0.105]},
+               {"request_id": "b", "error": None, "gaps": [0.05, 0.106]}]
+    g = gap_sources(records, log, 0.1)
+    assert (g["client_only"], g["with_write_gaps"], g["write_past_slo"]) == (2, 2, 1)
+    assert g["client_minus_write_max_gap_p90"] == pytest.approx(0.013)
+    assert g["write_minus_router_max_gap_p90"] == pytest.approx(0.014)
+
+
+def test_delivery_view_reads_the_router_s_allowance_lines() -> None:
+    log = [{"event": "delivery_allowance", "allowance_ms": 0.0, "configured_ms": 5.0, "measured_ms": 0.0},
+           {"event": "delivery_allowance", "allowance_ms": 9.0, "configured_ms": 5.0, "measured_ms": 4.0,
+            "samples": 4096, "plan_tbt_ms": 91.0},
+           {"event": "delivery_allowance", "allowance_ms": 7.5, "configured_ms": 5.0, "measured_ms": 2.5,
+            "samples": 4096, "plan_tbt_ms": 92.5}]
+    v = delivery_view(log)
+    assert (v["configured_ms"], v["measured_ms_max"], v["allowance_ms_max"]) == (5.0, 4.0, 9.0)
+    assert v["last"]["plan_tbt_ms"] == 92.5 and delivery_view([]) == {}
 
 
 @pytest.mark.parametrize("k", [1.0, 4.0])

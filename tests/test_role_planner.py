@@ -90,6 +90,18 @@ def test_the_decode_step_is_judged_as_the_guard_plans_it() -> None:
     assert run(measured, dict(noisy, decode_step_planned_s=None), fleet(3, 1), 0.0, 60.0)[0] == []
 
 
+def test_the_decode_step_is_judged_against_the_budget_the_guard_plans_to() -> None:
+    """With a delivery allowance the guard plans decode steps to the SLO less it (delivery.py):
+    a pool full at that budget is short, though its steps stay under step_hi of the SLO itself."""
+    full = dict(CALM, decode_step_s=0.082, prefill_queue_s=0.3)  # 0.95 x (100 - 14) ms: as full as planned
+    p = RolePlanner(cfg(decode_lean=False))
+    assert run(p, full, fleet(3, 1), 0.0, 60.0)[0] == []  # judged against 100 ms: 0.82, not short
+    p = RolePlanner(cfg(decode_lean=False))
+    p.tbt_budget = 0.086
+    flips, _ = run(p, full, fleet(3, 1), 0.0, 60.0)
+    assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+
+
 def test_off_switch_bounds_and_pins() -> None:
     assert run(RolePlanner(PlannerConfig(enabled=False)), DECODE_SHORT, fleet(2, 2), 0.0, 300.0)[0] == []
     log = Rec()

@@ -18,6 +18,7 @@ import pytest
 
 from common import messages as m
 from common.config import RouterConfig
+from common.router_core.delivery import DeliveryAllowance
 from common.router_core.requests import Event, Events, Request
 from common.tokenizer import SimpleTokenizer, TextStream, fingerprint
 from services.router import openai_schema as schema
@@ -32,6 +33,7 @@ class _Router:
     def __init__(self) -> None:
         self.cfg = RouterConfig()
         self.stopped: list[str] = []
+        self.delivery = DeliveryAllowance()
 
     def stop_early(self, req: Request) -> None:
         self.stopped.append(req.request_id)

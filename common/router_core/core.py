@@ -44,6 +44,7 @@ from common.policy import (
     make_policy,
 )
 from common.router_core.admission import Admission, shortage
+from common.router_core.delivery import DeliveryAllowance
 from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
 from common.router_core.membership import Membership
@@ -57,6 +58,7 @@ from common.router_core.waiting import Waiting
 from common.router_core.workers import WorkerEntry, WorkerTable
 
 NO_HOOKS = Hooks()
+DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
 
 
@@ -105,6 +107,13 @@ class RouterCore:
         self.table = WorkerTable(self.profile.model, per_worker_models=cfg.per_worker_models,
                                  bias_correction=cfg.bias_correction, me=self.incarnation)
         self.prefix = RouterPrefix(enabled=cfg.prefix_cache, max_blocks=cfg.prefix_index_blocks)
+        try:  # the TBT budget less what delivery adds (delivery.py); the HTTP layer feeds the measured part
+            self.delivery = DeliveryAllowance(cfg.tbt_delivery_allowance_ms / 1000.0,
+                                              measured=cfg.tbt_delivery_measured)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        self.delivery_logged = -1.0  # the allowance (ms) the last delivery_allowance line said
+        self.delivery_logged_at = -DELIVERY_LOG_S  # ... and when
         self.requests: dict[str, Request] = {}
         self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
         self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
@@ -254,7 +263,7 @@ class RouterCore:
         does only its own part; the shell calls it when its loop is free after `views_changed`."""
         policy = self.policy
         if policy.prepares:  # else no view is built for it
-            policy.prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.cfg.tbt_slo)
+            policy.prepare(self.table.view(use_ledger=self.cfg.ledger), now, self.delivery.plan_slo(self.cfg.tbt_slo))
 
     def retry_waiting(self, now: float, heartbeat: bool = False) -> None:
         """Room may have opened for the waiting requests: decide them again, now or when the
@@ -481,6 +490,7 @@ class RouterCore:
         p = self.planner
         if p is None or p.pending is not None:
             return None
+        p.tbt_budget = self.delivery.plan_slo(self.cfg.tbt_slo)  # the step room it judges: what steps are planned to
         flip = p.observe(measure(self.table, self.kv_waiting), now)
         if flip is None:
             return None
@@ -576,6 +586,17 @@ class RouterCore:
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
         self.membership.telemetry(now, loop_lag_ms)
+        d, slo = self.delivery, self.cfg.tbt_slo
+        allowance = d.total_s(slo)
+        self.metrics.set_delivery_allowance(allowance)
+        ms = round(allowance * 1000.0, 1)
+        # a line when it moved by a millisecond or more, at most every DELIVERY_LOG_S (the gauge follows it)
+        if abs(ms - self.delivery_logged) >= 1.0 and now - self.delivery_logged_at >= DELIVERY_LOG_S:
+            self.delivery_logged, self.delivery_logged_at = ms, now
+            say = self.log.warning if d.capped(slo) else self.log.info
+            say("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
+                measured_ms=round(d.measured_s * 1000.0, 1), samples=d.samples,
+                plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1), capped=d.capped(slo))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from common import messages as m
 from common.config import RouterConfig
 from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
+from common.router_core.delivery import DeliveryAllowance
 from common.router_core.ports import Hooks, Log, Metrics, Outbox
 from common.router_core.prefix import RouterPrefix
 from common.router_core.requests import Request
@@ -34,6 +35,8 @@ from common.router_core.workers import WorkerEntry, WorkerTable
 
 class Sender(Protocol):
     """What dispatch asks of the rest of the router core (core.py's RouterCore is one)."""
+
+    delivery: DeliveryAllowance  # the TBT budget less delivery: what work is planned to (delivery.py)
 
     def send(self, w: WorkerEntry, msg: m.Msg) -> None:
         """To a registered worker (marked unreachable, and the work placed again, if it fails)."""
@@ -72,8 +75,9 @@ class Dispatcher:
         if req.hash_memo_from != req.resume_from:  # migrated since: another prompt
             req.hash_memo, req.hash_memo_from = {}, req.resume_from
         cached, hashes = self.prefix.lookup(prompt, req.hash_memo)
+        tbt = self.core.delivery.plan_slo(req.tbt_slo)  # what its steps are planned to (delivery.py)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
-                           max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+                           max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=tbt,
                            cached_tokens=req.cached_tokens, cached=cached)
         if not rejected:
             decision = self.policy.decide(spec, view, now)
@@ -103,13 +107,13 @@ class Dispatcher:
             self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
                                              prompt_token_ids=prompt, sampling=sampling, decode_worker=dw.worker_id,
                                              deadline_s=remaining, cached_tokens=req.cached_tokens, retain=True,
-                                             tbt_slo=req.tbt_slo, resume_tokens=req.resume_from,
+                                             tbt_slo=tbt, resume_tokens=req.resume_from,
                                              traceparent=req.traceparent, tracestate=req.tracestate))
         elif decision.route == "deflect":
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
-                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        tbt_slo=tbt, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s,
                                         model_bias=dw.bias, traceparent=req.traceparent,
@@ -121,7 +125,7 @@ class Dispatcher:
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="handoff",
                                         prompt_token_ids=prompt, sampling=sampling,
-                                        tbt_slo=req.tbt_slo, deadline_s=remaining,
+                                        tbt_slo=tbt, deadline_s=remaining,
                                         prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, traceparent=req.traceparent,
                                         tracestate=req.tracestate))

@@ -176,6 +176,9 @@ class Inbound:
                 if w.end_deflection(req.request_id):
                     freed = True
                 self._kv_consumed(req)
+                req.step_s = -1.0  # no gap of the worker's to compare its delivery with (delivery.py)
+            else:
+                req.step_s = b.step_s
             if req.first_token_at is None:
                 req.first_token_at = now
             else:

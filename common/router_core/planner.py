@@ -24,7 +24,8 @@ The rules (`PlannerConfig`, defaults in brackets):
   the prefill queues were under `queue_lo` of the TTFT SLO counts as waiting for decode: it was
   held because no decode worker had room to prefill it in place), or the decode step used at
   least `step_hi` [0.9] of the TBT SLO's room above the step's fixed cost (a lone sequence's step:
-  the weights read every step, which no batch size changes) on average over the window or over
+  the weights read every step, which no batch size changes; the SLO less the router's delivery
+  allowance, the budget steps are planned to: `tbt_budget`) on average over the window or over
   its last `recent` [0.34: two of six samples] share (a decode load that rises is judged as it
   is now); and the prefill pool can spare a worker: requests waited for a
   prefill worker in at most `wait_lo` [5 %] of the samples, and the predicted prefill queue,
@@ -231,6 +232,9 @@ class RolePlanner:
         self.last_flip_at = -float("inf")  # when the last flip was decided
         self.flips: dict[str, int] = {}    # by reason
         self._held = ""                   # the last reason a flip was held back (logged once per change)
+        # the TBT budget decode steps are planned to now, the SLO less the router's delivery allowance
+        # (common/router_core/delivery.py), set by the router core before each tick; None: `cfg.tbt_slo`
+        self.tbt_budget: float | None = None
 
     def _record(self, load: Load, now: float) -> None:
         """Note since when each worker holds its role, and keep the sample."""
@@ -312,7 +316,8 @@ class RolePlanner:
             # the share of the step's room above its fixed cost that the decodes use: that part grows
             # with the batch (and shrinks with one decode worker more); the fixed part never does
             above = sum(max(0.0, x.step_judged_s - x.decode_step_floor_s) for x in xs) / len(xs)
-            room = cfg.tbt_slo - sum(x.decode_step_floor_s for x in xs) / len(xs)
+            budget = cfg.tbt_slo if self.tbt_budget is None else self.tbt_budget
+            room = budget - sum(x.decode_step_floor_s for x in xs) / len(xs)
             if room <= 0:
                 # a lone sequence's step (planned with its error margin) already passes the SLO: no
                 # split keeps TBT, and a decode worker more would not lower that floor, so the step is

@@ -108,6 +108,9 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    step_s: float = -1.0   # the step time the worker reported for its last tokens (< 0: an attempt's first token)
+    written_at: float = 0.0  # when the HTTP layer last wrote its tokens (the delivery allowance's measure)
+    write_gap_max: float = 0.0  # ... and its largest gap between two such writes (request_done write_gap_max_s)
     n_out: int = 0
     out_ids: list[int] = field(default_factory=list)  # every token id sent to the client, in order
     resume_from: int = 0   # tokens already sent when this attempt was dispatched (a migrated request)

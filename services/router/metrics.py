@@ -42,6 +42,10 @@ ITL = Histogram("kairos_router_inter_token_latency_seconds", "Gaps between conse
 E2E = Histogram("kairos_router_e2e_request_latency_seconds", "End-to-end latency of requests that finished ok.",
                 ["route"], buckets=E2E_BUCKETS)
 IN_FLIGHT = Gauge("kairos_router_requests_in_flight", "Requests admitted and not finished.")
+DELIVERY_ALLOWANCE = Gauge("kairos_tbt_delivery_allowance_seconds",
+                           "The part of the TBT SLO the decode guard leaves for delivery (configured "
+                           "tbt_delivery_allowance_ms plus the measured P99 of the router's write gap less the "
+                           "worker's step): steps are planned to the SLO less this.")
 WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining ones excluded).", ["role"])
 REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")
 MIGRATIONS = Counter("kairos_router_migrations", "Streaming requests whose decode worker died or froze: resumed "
@@ -164,6 +168,10 @@ def observe_held(outcome: str) -> None:
 
 def set_in_flight(n: int) -> None:
     IN_FLIGHT.set(n)
+
+
+def set_delivery_allowance(seconds: float) -> None:
+    DELIVERY_ALLOWANCE.set(seconds)
 
 
 def set_workers(prefill: int, decode: int) -> None:

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from common.router_core.requests import Event
+from common.router_core.delivery import DeliveryAllowance
+from common.router_core.requests import Event, Request
 from services.router.errors import error_object
 from services.router.openai_render import Choice, unary_choice, usage
 from services.router.openai_schema import Plan
@@ -248,10 +249,12 @@ class _Direct:
     when the turn's other callbacks are done (`_flush_due`) or before the task writes anything
     itself (`flush`), so the order on the wire is the order of the events."""
 
-    __slots__ = ("c", "direct", "ids", "template", "texts")
+    __slots__ = ("c", "delivery", "direct", "ids", "template", "texts")
 
-    def __init__(self, template: Plain, c: Choice, direct: DirectWrite) -> None:
+    def __init__(self, template: Plain, c: Choice, direct: DirectWrite,
+                 delivery: DeliveryAllowance | None = None) -> None:
         self.template, self.c, self.direct = template, c, direct
+        self.delivery = delivery
         self.ids: list[int] = []
         self.texts: list[str] = []
 
@@ -303,6 +306,22 @@ class _Direct:
         body = self.template.commit(self.c, ids, text)
         if self.direct.open():
             self.direct.write(body)
+            if self.delivery is not None:
+                wrote(self.delivery, self.c.req, time.monotonic())
+
+
+def wrote(delivery: DeliveryAllowance, req: Request, now: float) -> None:
+    """A stream's tokens were written to its socket at `now`: the gap since its last write less
+    the step time the worker reported for them is one sample of the delivery allowance's measured
+    part (common/router_core/delivery.py); none for an attempt's first token (`step_s` < 0) or a
+    worker that reports no step time."""
+    last, req.written_at = req.written_at, now
+    if last > 0.0:
+        gap = now - last
+        if gap > req.write_gap_max:
+            req.write_gap_max = gap
+        if req.step_s > 0.0:
+            delivery.observe(gap - req.step_s)
 
 
 _due: list[_Direct] = []  # streams with tokens accepted in this turn of the loop
@@ -375,7 +394,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
     last = b""  # the last choice's final chunk, written with the stream's end
     if direct is None:
         direct = DIRECT_WRITE.get()
-    writer = _Direct(templates[0], choices[0], direct) if templates and direct is not None \
+    delivery = router.delivery if len(choices) == 1 else None  # one stream's writes: its gaps
+    writer = _Direct(templates[0], choices[0], direct, delivery) if templates and direct is not None \
         and len(choices) == 1 else None
     if writer is not None:
         events.sink, events.tokens = writer.offer, writer.tokens
@@ -389,6 +409,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 body = templates[i].take(c, evs)
                 if body is not None:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if delivery is not None:
+                        wrote(delivery, req, time.monotonic())
                     continue
             feed(router, c, evs)
             if c.error is not None:
@@ -443,6 +465,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
                 last = body  # the stream's last chunk goes out with its end: one write, not two
                 continue
             await send({"type": "http.response.body", "body": body, "more_body": True})
+            if delivery is not None and (text or ids):
+                wrote(delivery, req, time.monotonic())
         tail = last
         if p.include_usage:
             u = usage(p, choices, details=router.cfg.enable_prompt_tokens_details, stream=True)
@@ -450,6 +474,8 @@ async def stream(router: Router, send: Send, p: Plan, choices: list[Choice],
             final = {**head, "choices": [], "usage": u, "system_fingerprint": fingerprint}
             tail += b"data: " + _json.encode({k: v for k, v in final.items() if v is not None}) + b"\n\n"
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+        if delivery is not None and last:
+            wrote(delivery, req, time.monotonic())
     finally:
         events.sink = events.tokens = None
         if writer is not None:

@@ -63,6 +63,7 @@ class Router:
         self.waiting, self.kv_waiting = core.waiting, core.kv_waiting
         self.migration, self.parked, self.membership = core.migration, core.parked, core.membership
         self.gate, self.routes, self.reasons = core.gate, core.routes, core.reasons
+        self.delivery = core.delivery  # the streams' writes feed its measured part (openai_serve.py `wrote`)
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         self.tool_calling: ToolCalling | None = None
         if cfg.tool_call_parser:
@@ -326,7 +327,8 @@ class Router:
               ttft_pred_s=round(rec.ttft_pred_s, 4) if rec.ttft_pred_s is not None else None,
               tbt_p50_s=rec.tbt_p50_s and round(rec.tbt_p50_s, 4),
               tbt_p99_s=rec.tbt_p99_s and round(rec.tbt_p99_s, 4),
-              tbt_max_s=rec.tbt_max_s and round(rec.tbt_max_s, 4), e2e_s=round(rec.e2e_s, 4),
+              tbt_max_s=rec.tbt_max_s and round(rec.tbt_max_s, 4),
+              write_gap_max_s=round(req.write_gap_max, 4) if req.write_gap_max else None, e2e_s=round(rec.e2e_s, 4),
               outcome=rec.outcome, attempts=rec.attempts, migrations=rec.migrations, kv_fallback=rec.kv_fallback,
               waited_for=req.wait_reason or None,
               placed_s=round(req.decided_at - req.arrival, 4) if req.decision is not None else None)

@@ -25,7 +25,10 @@ response's body chunks written to the socket at once, without the ASGI `send` co
 router's plain SSE streams write each token chunk from the bus reader this way: no task switch
 per chunk). It writes only what `send` would write, and refuses (`ready()` False) whenever `send`
 would have to wait or do more: the response not started or over, not chunked, the client gone,
-or the socket's buffer full (then `send` waits for it to drain).
+or the socket's buffer full (then `send` waits for it to drain). Its `on_lost` names a function
+the connection calls when the client goes before the response is over, from the protocol's own
+`connection_lost`: what a task awaiting `receive()` for `http.disconnect` would learn, without a
+task per request.
 """
 
 from __future__ import annotations
@@ -55,10 +58,27 @@ _CYCLE = ("response_started", "response_complete", "chunked_encoding", "disconne
 class DirectWrite:
     """One request's response body chunks straight to its connection (see the module's docstring)."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "lost")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+        self.lost: Callable[[], None] | None = None  # `on_lost`'s function, until the response is over
+
+    def on_lost(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn` (once, on the event loop, from the connection's `connection_lost`) when the
+        client goes before this response is over; at once if it has gone already. None: no more."""
+        self.lost = fn
+        if fn is not None and self._cycle.disconnected:
+            self.lost = None
+            fn()
+
+    def _connection_lost(self) -> None:
+        fn, self.lost = self.lost, None
+        if fn is not None and self._cycle.disconnected:  # (uvicorn: lost before the response was complete)
+            try:
+                fn()
+            except Exception:  # the connection's teardown goes on whatever the callback does
+                log.exception("disconnect_callback_failed")
 
     def ready(self) -> bool:
         """A chunk may be written now, with the bytes and in the order `send` would write it."""
@@ -110,6 +130,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
         _serving = False  # from a request's complete headers to its complete response
         _host = ""
         _registered = False  # counted in the edge's tables (not a refused connection)
+        _direct: DirectWrite | None = None  # the DirectWrite of the request being served
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -202,7 +223,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             # this request's cycle (not an upgrade's), of a uvicorn whose cycle has what DirectWrite reads
             if cycle is not None and cycle.scope is self.scope and all(hasattr(cycle, a) for a in _CYCLE):
                 ext: dict[str, Any] = self.scope.setdefault("extensions", {})
-                ext[DIRECT] = DirectWrite(cycle)
+                ext[DIRECT] = self._direct = DirectWrite(cycle)
 
         def on_message_complete(self) -> None:
             self._arm(None)
@@ -217,5 +238,8 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._forget()
             super().connection_lost(exc)
+            direct, self._direct = self._direct, None
+            if direct is not None:
+                direct._connection_lost()
 
     return EdgeProtocol

@@ -126,7 +126,9 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
     edge = _Edge(limits)
 
     class EdgeProtocol(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
+        _timer: asyncio.TimerHandle | None = None  # the connection's one timer (`_arm`)
+        _due = 0.0  # loop time at which the armed check is due
+        _fire: Callable[[], None] | None = None  # the check armed (None: none)
         _serving = False  # from a request's complete headers to its complete response
         _host = ""
         _registered = False  # counted in the edge's tables (not a refused connection)
@@ -171,7 +173,10 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
                 self.transport.close()
 
         def _forget(self) -> None:
-            self._arm(None)
+            self._fire = None
+            if self._timer is not None:  # closing: nothing may keep the connection alive
+                self._timer.cancel()
+                self._timer = None
             if not self._registered:
                 return
             self._registered = False
@@ -183,11 +188,35 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
                     del edge.by_client[self._host]
 
         def _arm(self, delay: float | None, fire: Callable[[], None] | None = None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if delay is not None and fire is not None:
-                self._timer = self.loop.call_later(delay, fire)
+            """Call `fire` `delay` seconds from now, instead of what was armed (None: nothing).
+            One timer per connection, moved only when the new check is due before it fires: a
+            request re-arms three times (its body, its end, the next request's headers), which
+            cost a timer made and one cancelled each; now the timer fires once per timeout
+            period at most and `_due_check` sets it again for what is due then."""
+            if delay is None or fire is None:
+                self._fire = None
+                return
+            due = self.loop.time() + delay
+            self._due, self._fire = due, fire
+            timer = self._timer
+            if timer is not None:
+                if timer.when() <= due:
+                    return
+                timer.cancel()
+            self._timer = self.loop.call_at(due, self._due_check)
+
+        def _due_check(self) -> None:
+            self._timer = None
+            fire = self._fire
+            if fire is None:
+                return
+            # re-armed since for later (by more than a timer's rounding: uvloop's clock is whole
+            # milliseconds, and a check fired a hair early must not spin)
+            if self._due - self.loop.time() > 0.005:
+                self._timer = self.loop.call_at(self._due, self._due_check)
+                return
+            self._fire = None
+            fire()
 
         def _idle(self) -> None:
             """No request in progress: idle (longest-idle order), and the next request's headers timed."""
@@ -197,12 +226,10 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             self._arm(edge.limits.header_timeout_s, self._header_timeout)
 
         def _header_timeout(self) -> None:
-            self._timer = None
             if not self._serving:
                 self._close("header_timeout")
 
         def _body_timeout(self) -> None:
-            self._timer = None
             cycle = self.cycle
             if cycle is None or not cycle.more_body or cycle.response_started:
                 return

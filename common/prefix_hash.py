@@ -8,8 +8,13 @@ the hash of block i-1, so equal hashes mean equal prefixes, not just equal block
 holds block i's KV holds the whole prefix up to it.
 
 Hashes are 63-bit non-negative ints (they fit msgpack's int64 and Python's small-int paths) from
-BLAKE2b, keyed by nothing: the same ids give the same hashes in every process and on every host,
-unlike Python's `hash()`.
+XXH3-64 seeded with the parent's hash: the same ids give the same hashes in every process and on
+every host, unlike Python's `hash()`. XXH3 is not a cryptographic hash (it was BLAKE2b until
+2026-12-06; a hash here names a cached prefix, and a collision costs a mispriced request, nothing
+else); it is about ten times cheaper per block (0.29 against 2.85 µs for a 16-token block on the
+2-core VM), and the router hashes every prompt. Processes of both versions side by side do not
+share names: a router and workers on either side of the change see no prefix hits from each other
+until both run the same version.
 
 Traces that publish `hash_ids` (one id per block, equal ids meaning equal content) go through
 `chain_ids`, which turns them into the same kind of prefix hashes.
@@ -19,16 +24,15 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from hashlib import blake2b
+
+from xxhash import xxh3_64_intdigest
 
 ROOT = 0  # the parent of a prompt's first block
 _MASK = (1 << 63) - 1
 
 
 def _link(parent: int, payload: bytes) -> int:
-    h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-    h.update(payload)
-    return int.from_bytes(h.digest(), "little") & _MASK
+    return xxh3_64_intdigest(payload, parent) & _MASK
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int, parent: int = ROOT) -> list[int]:
@@ -44,9 +48,7 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, parent: int = ROOT
     step = block_tokens * 8
     out: list[int] = []
     for start in range(0, n * step, step):
-        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        h.update(raw[start:start + step])
-        parent = int.from_bytes(h.digest(), "little") & _MASK
+        parent = xxh3_64_intdigest(raw[start:start + step], parent) & _MASK
         out.append(parent)
     return out
 

@@ -38,3 +38,13 @@ def test_request_path_times_every_stage(capsys: pytest.CaptureFixture[str]) -> N
     assert request_path.main(["--requests", "3", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert all(stage in out for stage in request_path.STAGES) and "total" in out
+
+
+def test_decode_admit_times_admitted_deflections(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import decode_admit
+
+    monkeypatch.setattr(decode_admit.logs, "configure", lambda *a, **k: None)
+    assert decode_admit.main(["--requests", "5", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "DecodeWork handled:" in out and "µs wall" in out and "5 x 128-token deflections x 1 runs" in out

@@ -201,6 +201,33 @@ def test_sim_engine_reports_its_prefix_cache() -> None:
     assert off.take_prefix_events() is None
 
 
+def test_a_decode_workers_engine_hashes_a_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode worker asks its engine what of a deflection's prompt its cache holds, then adds
+    the same prompt: the simulated engine hashes it once (on the request's way to its first
+    token), a different list with the same ids again, and the request's hashes are the same."""
+    from common.engines import sim as sim_engine
+    from common.engines.base import EngineRequest
+
+    calls: list[int] = []
+
+    def counted(ids: list[int], bt: int, parent: int = 0) -> list[int]:
+        calls.append(len(ids))
+        return block_hashes(ids, bt, parent)
+
+    monkeypatch.setattr(sim_engine, "block_hashes", counted)
+    eng = sim_engine.SimEngine("decode", load_profile("fast"), prefix_block_tokens=16)
+    prompt = list(range(100, 164))
+    assert eng.prefix_cached(prompt) == 0 and calls == [64]
+    eng.add(EngineRequest(request_id="a", attempt=0, prompt_token_ids=prompt, sampling=m.Sampling(max_tokens=4),
+                          mode="deflect"))
+    assert calls == [64]
+    seq = eng.batcher.get("a")
+    assert seq is not None and seq.hashes == block_hashes(prompt, 16)
+    eng.add(EngineRequest(request_id="b", attempt=0, prompt_token_ids=list(prompt),
+                          sampling=m.Sampling(max_tokens=4), mode="deflect"))
+    assert calls == [64, 64]  # not the list it was asked about: hashed
+
+
 # ------------------------------------------------------------------------------ traces
 
 

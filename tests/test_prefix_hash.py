@@ -46,3 +46,11 @@ def test_cached_prefix_stops_at_first_miss() -> None:
     assert cached_prefix_blocks(hs, {hs[1]}) == 0
     with pytest.raises(ValueError):
         block_hashes([1], 0)
+
+
+def test_the_names_are_pinned() -> None:
+    """XXH3-64 seeded by the parent, 63 bits: every process and host, and the next version, must
+    name a prefix alike (a change here means routers and workers of two versions share no hits)."""
+    assert block_hashes(list(range(64)), 16) == [7457343487171506586, 6537589335131001229,
+                                                 1728977786130880931, 8529065062271386352]
+    assert chain_ids([1, 2, 3]) == [3439722301264460078, 4995176245941517448, 2696305910825636934]

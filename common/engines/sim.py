@@ -106,6 +106,9 @@ class SimEngine(Engine):
         self._resume: dict[str, int] = {}  # request -> output tokens streamed before it came here
         self._reqs: dict[str, EngineRequest] = {}
         self._step = asyncio.Lock()  # held by the step loop for a step (plan to emit): `between_steps`
+        # the last prompt `prefix_cached` hashed, and its hashes: the decode worker asks it about a
+        # DecodeWork's prompt just before `add`ing the same list (one hashing per prompt, not two)
+        self._hashed: tuple[list[int], list[int]] | None = None
 
     def _take_role(self, role: Literal["prefill", "decode"]) -> None:
         """What the role decides: the token budget, the KV it offers, and a new batcher (with an
@@ -175,8 +178,7 @@ class SimEngine(Engine):
                   schedule=deque(req.chunk_schedule) if req.chunk_schedule else None,
                   deflected=req.mode == "deflect", arrived=time.monotonic(), retain=req.mode == "retain",
                   user=token_key(req.request_id, req.sampling.seed),
-                  hashes=block_hashes(req.prompt_token_ids, self.prefix_block_tokens)
-                  if self.batcher.cache is not None else None)
+                  hashes=self._hashes(req.prompt_token_ids) if self.batcher.cache is not None else None)
         if (self.role == "decode" or seq.retain) and not self.batcher.can_admit(seq):
             raise Overloaded(f"{self.role} engine KV full ({self.batcher.kv_free()} tokens free, "
                              f"{seq.kv_reserve} needed)")
@@ -208,8 +210,18 @@ class SimEngine(Engine):
         cache = self.batcher.cache
         if cache is None:
             return 0
-        hits = cache.match(block_hashes(prompt_token_ids, self.prefix_block_tokens))
+        hashes = block_hashes(prompt_token_ids, self.prefix_block_tokens)
+        self._hashed = (prompt_token_ids, hashes)
+        hits = cache.match(hashes)
         return max(0, min(hits * cache.block_tokens, len(prompt_token_ids) - 1))
+
+    def _hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's block hashes: those `prefix_cached` just made when it is the very same
+        list (a message's prompt is not changed after it is decoded), else computed."""
+        hashed, self._hashed = self._hashed, None
+        if hashed is not None and hashed[0] is prompt_token_ids:
+            return hashed[1]
+        return block_hashes(prompt_token_ids, self.prefix_block_tokens)
 
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of a held request its prefix cache held when it was added."""

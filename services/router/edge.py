@@ -25,7 +25,10 @@ response's body chunks written to the socket at once, without the ASGI `send` co
 router's plain SSE streams write each token chunk from the bus reader this way: no task switch
 per chunk). It writes only what `send` would write, and refuses (`ready()` False) whenever `send`
 would have to wait or do more: the response not started or over, not chunked, the client gone,
-or the socket's buffer full (then `send` waits for it to drain).
+or the socket's buffer full (then `send` waits for it to drain). Its `on_lost` names a function
+the connection calls when the client goes before the response is over, from the protocol's own
+`connection_lost`: what a task awaiting `receive()` for `http.disconnect` would learn, without a
+task per request.
 """
 
 from __future__ import annotations
@@ -55,10 +58,27 @@ _CYCLE = ("response_started", "response_complete", "chunked_encoding", "disconne
 class DirectWrite:
     """One request's response body chunks straight to its connection (see the module's docstring)."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "lost")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+        self.lost: Callable[[], None] | None = None  # `on_lost`'s function, until the response is over
+
+    def on_lost(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn` (once, on the event loop, from the connection's `connection_lost`) when the
+        client goes before this response is over; at once if it has gone already. None: no more."""
+        self.lost = fn
+        if fn is not None and self._cycle.disconnected:
+            self.lost = None
+            fn()
+
+    def _connection_lost(self) -> None:
+        fn, self.lost = self.lost, None
+        if fn is not None and self._cycle.disconnected:  # (uvicorn: lost before the response was complete)
+            try:
+                fn()
+            except Exception:  # the connection's teardown goes on whatever the callback does
+                log.exception("disconnect_callback_failed")
 
     def ready(self) -> bool:
         """A chunk may be written now, with the bytes and in the order `send` would write it."""
@@ -106,10 +126,13 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
     edge = _Edge(limits)
 
     class EdgeProtocol(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
+        _timer: asyncio.TimerHandle | None = None  # the connection's one timer (`_arm`)
+        _due = 0.0  # loop time at which the armed check is due
+        _fire: Callable[[], None] | None = None  # the check armed (None: none)
         _serving = False  # from a request's complete headers to its complete response
         _host = ""
         _registered = False  # counted in the edge's tables (not a refused connection)
+        _direct: DirectWrite | None = None  # the DirectWrite of the request being served
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -150,7 +173,10 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
                 self.transport.close()
 
         def _forget(self) -> None:
-            self._arm(None)
+            self._fire = None
+            if self._timer is not None:  # closing: nothing may keep the connection alive
+                self._timer.cancel()
+                self._timer = None
             if not self._registered:
                 return
             self._registered = False
@@ -162,11 +188,35 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
                     del edge.by_client[self._host]
 
         def _arm(self, delay: float | None, fire: Callable[[], None] | None = None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if delay is not None and fire is not None:
-                self._timer = self.loop.call_later(delay, fire)
+            """Call `fire` `delay` seconds from now, instead of what was armed (None: nothing).
+            One timer per connection, moved only when the new check is due before it fires: a
+            request re-arms three times (its body, its end, the next request's headers), which
+            cost a timer made and one cancelled each; now the timer fires once per timeout
+            period at most and `_due_check` sets it again for what is due then."""
+            if delay is None or fire is None:
+                self._fire = None
+                return
+            due = self.loop.time() + delay
+            self._due, self._fire = due, fire
+            timer = self._timer
+            if timer is not None:
+                if timer.when() <= due:
+                    return
+                timer.cancel()
+            self._timer = self.loop.call_at(due, self._due_check)
+
+        def _due_check(self) -> None:
+            self._timer = None
+            fire = self._fire
+            if fire is None:
+                return
+            # re-armed since for later (by more than a timer's rounding: uvloop's clock is whole
+            # milliseconds, and a check fired a hair early must not spin)
+            if self._due - self.loop.time() > 0.005:
+                self._timer = self.loop.call_at(self._due, self._due_check)
+                return
+            self._fire = None
+            fire()
 
         def _idle(self) -> None:
             """No request in progress: idle (longest-idle order), and the next request's headers timed."""
@@ -176,12 +226,10 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             self._arm(edge.limits.header_timeout_s, self._header_timeout)
 
         def _header_timeout(self) -> None:
-            self._timer = None
             if not self._serving:
                 self._close("header_timeout")
 
         def _body_timeout(self) -> None:
-            self._timer = None
             cycle = self.cycle
             if cycle is None or not cycle.more_body or cycle.response_started:
                 return
@@ -202,7 +250,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             # this request's cycle (not an upgrade's), of a uvicorn whose cycle has what DirectWrite reads
             if cycle is not None and cycle.scope is self.scope and all(hasattr(cycle, a) for a in _CYCLE):
                 ext: dict[str, Any] = self.scope.setdefault("extensions", {})
-                ext[DIRECT] = DirectWrite(cycle)
+                ext[DIRECT] = self._direct = DirectWrite(cycle)
 
         def on_message_complete(self) -> None:
             self._arm(None)
@@ -217,5 +265,8 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._forget()
             super().connection_lost(exc)
+            direct, self._direct = self._direct, None
+            if direct is not None:
+                direct._connection_lost()
 
     return EdgeProtocol

@@ -30,6 +30,7 @@ headers go out says `x-kairos-route: held` and nothing of a route (the log line 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import importlib.metadata
@@ -49,7 +50,7 @@ from services.router import openai_responses as responses
 from services.router import openai_schema as schema
 from services.router import openai_serve as serve
 from services.router import openapi
-from services.router.edge import DIRECT
+from services.router.edge import DIRECT, DirectWrite
 from services.router.errors import error_object
 from services.router.openai_render import Choice
 from services.router.service import Router
@@ -263,8 +264,9 @@ class App:
         subs = await self._admit(scope, p)
         req = subs[0]
         choices = [Choice(i, i // p.n, r, p, router.tokenizer) for i, r in enumerate(subs)]
-        serve.DIRECT_WRITE.set(scope.get("extensions", {}).get(DIRECT))  # this request's task only
-        watcher = asyncio.create_task(self._watch_disconnect(receive, subs))
+        direct = scope.get("extensions", {}).get(DIRECT)
+        serve.DIRECT_WRITE.set(direct)  # this request's task only
+        watcher = self._watch_disconnect(receive, subs, direct)
         try:
             if p.stream:
                 refused = await serve.placed(choices)  # a request waiting at the router: its status waits
@@ -280,7 +282,7 @@ class App:
         except OSError:  # the client went away mid-response (uvicorn's ClientDisconnected)
             pass
         finally:
-            watcher.cancel()
+            self._unwatch(watcher, direct)
             for r in subs:
                 if not r.done:
                     router.abort(r)
@@ -303,7 +305,8 @@ class App:
         s = p.samplings[0]
         answer = responses.Answer(body, p.model, s.max_tokens, s.temperature, s.top_p, s.presence_penalty,
                                   s.frequency_penalty)
-        watcher = asyncio.create_task(self._watch_disconnect(receive, [req]))
+        direct = scope.get("extensions", {}).get(DIRECT)
+        watcher = self._watch_disconnect(receive, [req], direct)
         try:
             if p.stream:
                 refused = await serve.placed([c])  # as a completion's stream: its status waits while it waits
@@ -319,7 +322,7 @@ class App:
         except OSError:
             pass
         finally:
-            watcher.cancel()
+            self._unwatch(watcher, direct)
             if not req.done:
                 router.abort(req)
 
@@ -393,14 +396,35 @@ class App:
             raise HttpError(404, f"The model '{model}' does not exist; this server serves '{name}'",
                             param="model", code="model_not_found")
 
-    async def _watch_disconnect(self, receive: Receive, subs: list[Request]) -> None:
+    def _watch_disconnect(self, receive: Receive, subs: list[Request], direct: DirectWrite | None
+                          ) -> asyncio.Task[None] | None:
+        """A client that goes before its response is over has its requests aborted (the workers
+        told at once): on the router's edge by the connection's own `connection_lost` (no task
+        per request, `DirectWrite.on_lost`), elsewhere (another server, an ASGI test client) by a
+        task awaiting `receive()`'s `http.disconnect`. `_unwatch` ends either."""
+        if direct is not None:
+            direct.on_lost(functools.partial(self._client_gone, subs))
+            return None
+        return asyncio.create_task(self._await_disconnect(receive, subs))
+
+    @staticmethod
+    def _unwatch(watcher: asyncio.Task[None] | None, direct: DirectWrite | None) -> None:
+        if watcher is not None:
+            watcher.cancel()
+        elif direct is not None:
+            direct.on_lost(None)
+
+    async def _await_disconnect(self, receive: Receive, subs: list[Request]) -> None:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                for req in subs:
-                    self.router.abort(req)
-                    req.events.put_nowait(Event(error="client disconnected", error_code="client_disconnected"))
+                self._client_gone(subs)
                 return
+
+    def _client_gone(self, subs: list[Request]) -> None:
+        for req in subs:
+            self.router.abort(req)
+            req.events.put_nowait(Event(error="client disconnected", error_code="client_disconnected"))
 
     # ------------------------------------------------------------------ vLLM's utility routes
     async def _tokenize(self, send: Send, raw: bytes) -> None:

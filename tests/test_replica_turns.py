@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from common import messages as m
 from common.config import RouterConfig
@@ -270,3 +271,34 @@ def test_admission_counts_the_requests_waiting_at_the_other_replicas_before_a_ne
     assert refused(4, others)       # 0.9 s + 0.2 s of the others' queued prompts: past the 1 s budget
     assert not refused(4, 0)        # nothing waits there (only the count, no tokens): within it
     assert not refused(1, others)   # one router: no other replica's queue counts (it has none)
+
+
+def test_a_replica_sees_the_work_another_sent_a_prefill_worker_before_its_next_decision() -> None:
+    # two long prompts 1 ms apart, one at each replica (round-robin), two idle prefill workers: the
+    # prefill worker the first went to heartbeats at once (common/worker_core/prefill.py, `on_work`),
+    # so the second replica sees it busy and sends the second prompt to the other one; with the 2 ms
+    # coalescing delay it saw both idle and queued the second behind the first (its TTFT about twice)
+    from common.policy import make_policy
+    from common.traces import TraceRequest
+    from sim.core import Simulation
+
+    prof = load_profile("a100-dsv2-lite")
+    trace = [TraceRequest(0.0, 16_000, 2), TraceRequest(0.001, 16_000, 2)]
+
+    def run(routers: int) -> list[float]:
+        cfg = SimConfig(prefill=2, decode=1, routers=routers, heartbeat_interval=0.05)
+        recs = Simulation(prof, make_policy("disagg-least-loaded", default_model=prof.model), cfg).run(trace).records
+        assert all(r.route == "disagg" and r.ttft is not None for r in recs)
+        return [r.ttft for r in recs]  # type: ignore[misc]
+
+    first, second = run(2)
+    assert second < 1.2 * first  # prefilled side by side, as one router (its own ledger) places them
+    one = run(1)
+    assert second == pytest.approx(one[1], rel=0.05)
+
+
+def test_a_prefill_worker_heartbeats_at_once_when_it_takes_work() -> None:
+    from tests.test_worker_core import prefill_core, pwork
+
+    core, ports = prefill_core()
+    assert core.on_work(pwork("r")) and ports.at_once == 1  # no coalescing delay (the shell's, with replicas)

@@ -80,7 +80,7 @@ def run_one(a: argparse.Namespace, routers: int, label: str, out: Path) -> dict[
     d.mkdir(parents=True, exist_ok=True)
     logs = d / "kairos-logs"
     env = {"KAIROS_PLANNER": "true" if a.planner == "on" else "false", "KAIROS_LOG_REQUESTS": "true",
-           **scaled_env(k)}
+           **scaled_env(k), **dict(kv.split("=", 1) for kv in a.router_env)}
     spec = ClusterSpec.ephemeral(prefill=a.prefill, decode=a.decode, engine="sim", profile=a.profile,
                                  policy="kairos", kv_transport="modeled", monitor=False, log_dir=str(logs),
                                  log_level="info", time_scale=k, routers=routers, router_env=env)
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the scenario K times slower, for the CPU (see above; default 2)")
     p.add_argument("--planner", choices=("on", "off"), default="off",
                    help="the role planner (default off: its flips would change the cluster mid-run)")
+    p.add_argument("--router-env", action="append", default=[], metavar="KAIROS_X=VALUE",
+                   help="a router setting for every run, e.g. KAIROS_REPLICA_STAGGER_MS=10 (repeatable)")
+    p.add_argument("--replicas-only", action="store_true",
+                   help="only the R-replica runs (--pairs of them), to compare a setting with an earlier series")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--profile", default="h100-llama2-70b-tp4")
@@ -167,16 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--time-scale must be positive (1: the profile's own timing)")
     if a.routers < 2 or a.pairs < 1:
         p.error("--routers must be 2 or more and --pairs 1 or more")
+    if bad := [kv for kv in a.router_env if not kv.startswith("KAIROS_") or "=" not in kv]:
+        p.error(f"--router-env takes KAIROS_NAME=VALUE (got {bad[0]!r}; `kairos router --help` lists the settings)")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "trace": a.trace, "slice": [a.start, a.start + a.duration], "rate_scale": a.rate_scale,
-        "time_scale": a.time_scale, "planner": a.planner, "routers": a.routers,
+        "time_scale": a.time_scale, "planner": a.planner, "routers": a.routers, "router_env": a.router_env,
         "shape": f"{a.prefill}P{a.decode}D", "profile": a.profile, "runs": []}
     summary = out / "replicas-live.json"
-    for routers, label in order(a.routers, a.pairs):
+    runs = order(a.routers, a.pairs)
+    if a.replicas_only:
+        runs = [(r, label) for r, label in runs if r > 1]
+    for routers, label in runs:
         res["runs"].append(run_one(a, routers, label, out))
         res["pairs"] = ratios(res["runs"], a.routers)
         summary.write_text(json.dumps(res, indent=2))  # after every run: an interrupted series keeps its runs

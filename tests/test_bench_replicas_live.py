@@ -36,3 +36,8 @@ def test_each_pair_compares_the_replicas_served_p95_with_one_routers() -> None:
 def test_it_refuses_a_comparison_without_replicas(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--routers", "1"])
+
+
+def test_a_router_setting_must_be_named_as_the_environment_names_it(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--router-env", "REPLICA_STAGGER_MS=10"])

@@ -129,6 +129,7 @@ class WorkerService(abc.ABC):
         self.prefix = PrefixReporter(engine)  # the prefix cache's changes, summarised in heartbeats
         self.left = False
         self._beat_now = asyncio.Event()
+        self._at_once = False  # the beat asked for goes without the coalescing delay (`beat_now`)
         self._hello_now = first.hello_now
         self.answered = first.answered    # the router answered a Hello (Welcome or Refused)
         self.bus: WorkerBus                # the first router's sockets
@@ -393,10 +394,12 @@ class WorkerService(abc.ABC):
         while True:
             try:
                 await asyncio.wait_for(self._beat_now.wait(), timeout=self.hb_interval)
-                await asyncio.sleep(0.002)  # coalesce a burst of state changes into one beat
+                if not self._at_once:
+                    await asyncio.sleep(0.002)  # coalesce a burst of state changes into one beat
             except TimeoutError:
                 pass
             self._beat_now.clear()
+            self._at_once = False
             if self.left:
                 return
             hb = self.heartbeat()
@@ -434,7 +437,11 @@ class WorkerService(abc.ABC):
                 self.fitted = model.to_coeffs()
                 self.engine.predict_with(model)  # its step error is measured against what the routers are told
 
-    def beat_now(self) -> None:
+    def beat_now(self, at_once: bool = False) -> None:
+        """Heartbeat soon (2 ms, changes coalesced); `at_once` without that delay, where this
+        worker serves several router replicas (common/worker_core/ports.py)."""
+        if at_once and len(self.links) > 1:
+            self._at_once = True
         self._beat_now.set()
 
     async def _recv_loop(self, link: RouterLink) -> None:

@@ -218,17 +218,23 @@ class Simulation:
         w.hb = w.heartbeat(now)
         self.routers.heartbeat(w, stored, removed, now)  # every router has it now
 
-    def _soon(self, w: Worker, now: float) -> None:
+    def _soon(self, w: Worker, now: float, at_once: bool = False) -> None:
         """`w`'s state changed: it heartbeats `prompt_beat` later (one beat for every change
-        until then), unless prompt beats are off or the views are always fresh anyway."""
+        until then), unless prompt beats are off or the views are always fresh anyway. `at_once`
+        (a prefill worker took work) with several router replicas: now, as live (common/worker.py),
+        without the coalescing delay (the beat already due later then comes now instead)."""
         d = self.cfg.prompt_beat
-        if d >= 0 and self.cfg.heartbeat_interval > 0 and w.beat_at < 0:
+        if d < 0 or self.cfg.heartbeat_interval <= 0:
+            return
+        if at_once and self.cfg.routers > 1:
+            d = 0.0
+        if w.beat_at < 0 or now + d < w.beat_at:
             w.beat_at = now + d
             self._push(w.beat_at, _BEAT, w, None)
 
-    def _beat_soon(self, w: Worker) -> None:
+    def _beat_soon(self, w: Worker, at_once: bool = False) -> None:
         """The core's `beat_now` port."""
-        self._soon(w, w.now)
+        self._soon(w, w.now, at_once)
 
     def _start_if_idle(self, w: Worker) -> None:
         """A request joined `w`'s engine (the core's `start` port): it steps, if it was idle."""
@@ -236,7 +242,7 @@ class Simulation:
             self._start(w, w.now)
 
     def _beat(self, w: Worker, now: float) -> None:
-        if w.retired:
+        if w.retired or w.beat_at != now:  # (not the beat due: an earlier one came instead, `_soon`)
             return
         w.beat_at = -1.0
         self._touch(w, now)

@@ -168,7 +168,11 @@ def router_name(i: int) -> str:
 MODEL = "sim"  # the served model name every simulated worker registers with
 
 
-def _no_beat(w: Worker) -> None:
+def _no_beat(w: Worker, at_once: bool = False) -> None:
+    return None
+
+
+def _no_start(w: Worker) -> None:
     return None
 
 
@@ -194,8 +198,9 @@ class Worker:
         self.now = 0.0  # the simulated clock at the call into the core in progress
         self.outbox: list[m.Msg] = []  # what the core sent (RequestFailed), for the router shell to deliver
         self.reqs: dict[str, Req] = {}  # work the core may start, by request id
-        self.on_beat: Callable[[Worker], None] = _no_beat  # the simulation's prompt heartbeat (sim/core.py)
-        self.on_start: Callable[[Worker], None] = _no_beat  # ... and its step loop, when a request joins
+        # the simulation's prompt heartbeat (sim/core.py), and whether without the coalescing delay
+        self.on_beat: Callable[[Worker, bool], None] = _no_beat
+        self.on_start: Callable[[Worker], None] = _no_start  # ... and its step loop, when a request joins
         self.busy = False
         self.busy_s = 0.0
         self.phase = phase
@@ -249,8 +254,8 @@ class Worker:
     def abort(self, request_id: str) -> None:
         self.batcher.remove(request_id)
 
-    def beat_now(self) -> None:
-        self.on_beat(self)
+    def beat_now(self, at_once: bool = False) -> None:
+        self.on_beat(self, at_once)
 
     def router_of(self, request_id: str) -> str:
         r = self.reqs.get(request_id)

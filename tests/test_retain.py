@@ -188,7 +188,7 @@ class Ports:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def beat_now(self) -> None:
+    def beat_now(self, at_once: bool = False) -> None:
         pass
 
     def router_of(self, request_id: str) -> str:

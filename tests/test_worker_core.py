@@ -27,6 +27,7 @@ class Ports:
         self.aborted: list[str] = []
         self.released: list[str] = []
         self.beats = 0
+        self.at_once = 0  # of which, asked for without the coalescing delay
         self.take = True  # whether the engine takes what it is given
 
     def send(self, msg: m.Msg) -> None:
@@ -40,8 +41,9 @@ class Ports:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def beat_now(self) -> None:
+    def beat_now(self, at_once: bool = False) -> None:
         self.beats += 1
+        self.at_once += at_once
 
     def router_of(self, request_id: str) -> str:
         return "router-a"

@@ -112,7 +112,9 @@ class PrefillCore(WorkerCore):
         if w.retain:
             self.decoding.add(w.request_id)
             self.counters["retained"] += 1
-        self.ports.beat_now()
+        # at once: router replicas see a prefill queue only through its heartbeats (each one's
+        # ledger holds only its own dispatches), so each learns of another's sooner
+        self.ports.beat_now(at_once=True)
         return True
 
     def on_cancel(self, c: m.Cancel) -> bool:

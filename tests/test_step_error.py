@@ -419,3 +419,34 @@ def test_a_step_beside_a_chunk_is_held_to_the_decode_steps_overrun_chance() -> N
         slow.observe(0.05, 0.05 * 1.15)
     assert ChunkGuard(MODEL, exact).margin() == 1.0
     assert ChunkGuard(MODEL, slow).margin() == pytest.approx(1.15)  # a bias is not a spread
+
+
+def test_a_uniformly_slow_decode_worker_gets_the_decode_room_of_a_model_that_knows_its_speed() -> None:
+    """Issue 44 (slow44): an engine 15 % slower than its profile, no noise. Its bias reaches the
+    router once: the model is scaled by it and the margin left beside it is 1, so the decode
+    room is that of a profile that models the slow engine exactly, and the decode-only step it
+    allows runs the guard's decode_beta x the SLO, no less (counted twice, it would run 0.95 x SLO
+    / 1.15 and a decode worker would hold 19 % fewer sequences than it can)."""
+    import msgspec
+
+    from common import messages as wire
+    from common.policy.kairos import _room
+    from common.router_core.workers import WorkerTable
+
+    est = StepErrorEstimator()
+    src = StepError(scale=1.15).source(0, random.Random(0))
+    for _ in range(100):
+        pred = MODEL.decode_time(100, 80_000)
+        est.observe(pred, pred * src.factor(0.0))
+    table = WorkerTable(MODEL)
+    table.register(_hello("decode", "decode-0"), b"d", 0.0)
+    table.heartbeat(wire.DecodeHeartbeat(worker_id="decode-0", incarnation="i", seq=1, batch=100, kv_tokens=80_000,
+                                         kv_free_tokens=10**6, kv_capacity_tokens=10**6, resident_prefill_tokens=0,
+                                         deflections=0, strictest_tbt_slo=SLO, token_budget=2048,
+                                         step_margin=est.margin(), step_bias=est.bias()), 1.0)
+    d = table.view(use_ledger=True).decode[0]
+    exact = msgspec.structs.replace(d, model=MODEL.scaled(1.15), step_margin=1.0)
+    room = _room(d.model, d, SLO, 0.95)
+    assert room > 0 and room == pytest.approx(_room(exact.model, exact, SLO, 0.95))
+    # the step with the new request at that context, as the slow engine runs it: 0.95 x the SLO
+    assert MODEL.decode_time(101, 80_000 + int(room)) * 1.15 == pytest.approx(0.95 * SLO, rel=1e-3)

@@ -145,7 +145,7 @@ class DecodeCore(WorkerCore):
             return "refused"
         if w.mode == "handoff":
             self.pending[w.request_id] = Pending(w, now + min(w.deadline_s, self.kv_handoff_timeout))
-            self.ports.beat_now()
+            self.ports.beat_now(at_once=True)  # took work: the other replicas learn of it sooner (`admit`)
             return "pending"
         if own_cached is not None and w.chunk_schedule and own_cached != (planned := self.planned_cached(w)):
             work = len(w.prompt_token_ids) - own_cached
@@ -231,7 +231,11 @@ class DecodeCore(WorkerCore):
         self.counters["handoffs" if mode == "handoff" else "deflected"] += 1
         self.log.debug("request_admitted", request_id=w.request_id, attempt=w.attempt, mode=mode,
                        prompt_tokens=len(w.prompt_token_ids), chunk_schedule=list(schedule))
-        self.ports.beat_now()
+        # a deflection taken: at once where this worker serves several router replicas. Each sees
+        # the deflections another sent only in heartbeats (`held`, and the step time they add), so
+        # until then it may deflect onto this worker as if they were not there, and be turned away
+        # here ("deflect_rejected"); a handoff whose KV landed was taken earlier (`on_work`)
+        self.ports.beat_now(at_once=mode == "deflect")
         return True
 
     # -- a handoff's KV --------------------------------------------------------------------------

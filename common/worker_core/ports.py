@@ -36,9 +36,10 @@ class WorkerPorts(Protocol):
     def beat_now(self, at_once: bool = False) -> None:
         """The worker's state changed: heartbeat soon (live: within 2 ms, changes coalesced).
         `at_once`: without the coalescing delay where the worker serves several router replicas
-        (a prefill worker that took work: until its heartbeat, each of the other replicas sees
-        its queue without that work and may place onto it as if it were not there); with one
-        router, as `beat_now()`: that router's own ledger already counts what it sent."""
+        (a prefill or decode worker that took work: until its heartbeat, each of the other
+        replicas sees its queue, room and held deflections without that work and may place onto
+        it as if it were not there); with one router, as `beat_now()`: that router's own
+        ledger already counts what it sent."""
         ...
 
     def router_of(self, request_id: str) -> str:

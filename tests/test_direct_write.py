@@ -86,12 +86,26 @@ class _Socket:
         self.lost = fn
 
 
+async def _serve(r: Any, sock: _Socket, receive: Any, send: Any) -> asyncio.Task[None]:
+    """The router's HTTP app serving one POST /v1/completions with `sock` as the connection's
+    DirectWrite, run until the router holds the request."""
+    from services.router import http
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("10.0.0.7", 1),
+             "extensions": {DIRECT: sock}}
+    task = asyncio.create_task(http.App(r)(scope, receive, send))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if r.requests:
+            break
+    return task
+
+
 async def test_the_http_layer_hands_a_plain_stream_the_connections_direct_write() -> None:
     """services/router/http.py passes the scope's DirectWrite to the stream: the middle chunks of
     a plain streamed completion go that way, in order with what goes through `send`."""
     from common import codec, config
     from common import messages as m
-    from services.router import http
     from services.router.service import Router
     from tests.router_fakes import FakeOutbox, hello
 
@@ -116,13 +130,7 @@ async def test_the_http_layer_hands_a_plain_stream_the_connections_direct_write(
         if msg["type"] == "http.response.body":
             out.append(msg["body"])
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("10.0.0.7", 1),
-             "extensions": {DIRECT: sock}}
-    task = asyncio.create_task(http.App(r)(scope, receive, send))
-    for _ in range(100):
-        await asyncio.sleep(0)
-        if r.requests:
-            break
+    task = await _serve(r, sock, receive, send)
     (req,) = r.requests.values()
     for k, fin in enumerate([None, None, "length"]):
         r._on_work_frames([b"decode-0", codec.encode(m.TokenBatch(worker_id="decode-0", items=[
@@ -148,7 +156,6 @@ async def test_a_client_that_goes_mid_stream_is_aborted_by_its_connection_withou
     is aborted (its worker told) and the handler ends."""
     from common import config
     from common import messages as m
-    from services.router import http
     from services.router.service import Router
     from tests.router_fakes import FakeOutbox, hello
 
@@ -172,13 +179,7 @@ async def test_a_client_that_goes_mid_stream_is_aborted_by_its_connection_withou
     async def send(msg: dict[str, Any]) -> None:
         pass
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("10.0.0.7", 1),
-             "extensions": {DIRECT: sock}}
-    task = asyncio.create_task(http.App(r)(scope, receive, send))
-    for _ in range(100):
-        await asyncio.sleep(0)
-        if r.requests:
-            break
+    task = await _serve(r, sock, receive, send)
     for _ in range(10):
         await asyncio.sleep(0)
     (req,) = r.requests.values()

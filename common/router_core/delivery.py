@@ -93,10 +93,7 @@ class DeliveryAllowance:
     def plan_slo(self, slo: float) -> float:
         """The TBT budget the guard plans a request of TBT SLO `slo` to: the SLO less the allowance
         (exactly `slo` when there is none)."""
-        a = self.configured_s + self.measured_s
-        if a <= 0.0:
-            return slo
-        return slo - min(a, CAP * slo)
+        return slo - self.total_s(slo)
 
     def capped(self, slo: float) -> bool:
         return self.configured_s + self.measured_s > CAP * slo

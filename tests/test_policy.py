@@ -496,8 +496,8 @@ def test_decode_room_holds_a_noisy_worker_s_step_to_the_slo_over_its_margin_not_
     stricter for DECODE_TARGET (`decode_limit`), not decode_beta x that: the margin alone already
     holds the step past the SLO to DECODE_TARGET; decode_beta on top held it to ~2e-6 (10 % noise:
     0.95 x 100 ms / 1.50 = 63 ms instead of 67 ms; branch noise44c). A worker whose next step with
-    the request lands between the two takes it; past SLO / margin it has none. The third path's
-    limit is the same. With an exact model decode_beta still applies (the test above)."""
+    the request lands between the two takes it; past SLO / margin it has none. With an exact
+    model decode_beta still applies (the test above)."""
     m = 1.4  # 10 % step noise: the margin read at TARGET (stricter_margin: about 1.50)
     strict = stricter_margin(m)
     assert 1.45 < strict < 1.55

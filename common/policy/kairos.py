@@ -91,18 +91,22 @@ def step_budget(beta: float, margin: float, slo: float) -> float:
 
 
 def decode_limit(decode_beta: float, margin: float, slo: float) -> float:
-    """The predicted time a decode-only step (the decode room, `_room`) or a retained decode's
-    step (the third path) is planned to: `decode_beta` x the TBT SLO or the SLO / the worker's
-    margin made stricter for `DECODE_TARGET` (`stricter_margin`), whichever is less; not their
-    product. The margin is the measured noise, read so that a step predicted at SLO / margin
-    passes the SLO with chance `DECODE_TARGET`, which is what that target promises;
+    """The predicted time a decode-only step is planned to by the decode room (`_room`):
+    `decode_beta` x the TBT SLO or the SLO / the worker's margin made stricter for
+    `DECODE_TARGET` (`stricter_margin`), whichever is less; not their product. The margin is
+    the measured noise, read so that a step predicted at SLO / margin passes the SLO with
+    chance `DECODE_TARGET`, which is what that target promises;
     `decode_beta` is for what the model misses even when it is exact (the residents' contexts
     grow after the check, a handoff's prompt is longer than the batch's mean: under 0.1 ms on a
     95 ms step, issue 44). Multiplied, they held a decode step under 10 % noise to 0.95 x 100 ms /
     1.50 = 63 ms, which passes 100 ms at a 1.58 draw (4.6 sigma, about 2e-6 a step): ten times
     stricter than `DECODE_TARGET` (branch noise44c, docs/cost-model.md). A worker whose margin
     is below 1 (faster than the model it is predicted with) keeps `decode_beta` x SLO / margin,
-    as before. A deflection's chunks are planned with `step_budget` (the same rule with `beta`)."""
+    as before. A deflection's chunks are planned with `step_budget` (the same rule with `beta`).
+    The third path (`_retain`) keeps the product: its step carries the prefill worker's own
+    chunks, and `decode_beta` there also keeps the prefill room (planned to the less, chat under
+    10 % noise at x1 lost 3.1 points: more retained decodes, 299 instead of 190 retained requests
+    late on their own prefill)."""
     m = stricter_margin(margin) if margin > 0 else 1.0
     return min(decode_beta / min(m, 1.0), 1.0 / m) * slo
 
@@ -616,7 +620,8 @@ class Kairos(Policy):
                 continue
             m = self._model(p.model)
             slo = min(req.tbt_slo, p.strictest_tbt_slo) if p.strictest_tbt_slo is not None else req.tbt_slo
-            limit = decode_limit(cfg.decode_beta, p.step_margin, slo)
+            # decode_beta x the product, not `decode_limit`: the prefill worker's own chunks need the room
+            limit = cfg.decode_beta * slo / max(stricter_margin(p.step_margin), 1e-9)
             n, kv = p.decodes + 1, p.decode_kv_tokens + req.prompt_tokens
             chi = min(cfg.retain_chunk, max(tokens, 1))  # its own last chunk, over the rest of its prompt
             if m.step_time(n, kv, [(chi, max(0, req.prompt_tokens - chi))]) > limit:

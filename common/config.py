@@ -204,12 +204,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again slack-first (those that can "
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     decode_room: Annotated[bool, doc("kairos: keep a request at the router while every decode worker's decode step, "
-                                     "with it added, times the worker's measured margin would pass decode_beta x "
-                                     "the TBT SLO of the requests running there, on both paths (protects TBT when "
+                                     "with it added, would pass the less of decode_beta x the TBT SLO of the "
+                                     "requests running there and that SLO / the worker's measured margin, on both paths (protects TBT when "
                                      "the decode pool is the bottleneck, costs TTFT; docs/cost-model.md)")] = True
     decode_beta: Annotated[float, doc("kairos decode room: plan decode-only steps to this fraction of the strictest "
-                                      "resident TBT SLO (before the measured margin): the decodes' contexts grow "
-                                      "after the check")] = 0.95
+                                      "resident TBT SLO, or less where the worker's measured margin asks for less: "
+                                      "the decodes' contexts grow after the check")] = 0.95
     retain: Annotated[bool, doc("kairos: the third path (route retain): a request no decode worker has room for "
                                 "is decoded by a prefill worker itself (no KV transfer) when its decodes, this one "
                                 "added, leave a retain_chunk prefill chunk within decode_beta x the TBT SLO and "

@@ -235,10 +235,11 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                         "take it, and dispatch it when one frees room (default on)")
     k.add_argument("--decode-room", choices=("on", "off"), default=None,
                    help="keep a request at the router while every decode worker's decode step, with it added, "
-                        "times the worker's measured margin would pass --decode-beta x its residents' TBT SLO, "
-                        "on both paths (default on)")
+                        "would pass the less of --decode-beta x its residents' TBT SLO and that SLO / the "
+                        "worker's measured margin, on both paths (default on)")
     k.add_argument("--decode-beta", type=float, default=None, metavar="F",
-                   help="decode room: plan decode-only steps to F x the strictest resident TBT SLO (default 0.95)")
+                   help="decode room: plan decode-only steps to F x the strictest resident TBT SLO, or less where the "
+                        "worker's measured margin asks for less (default 0.95)")
     k.add_argument("--retain", choices=("on", "off"), default=None,
                    help="the third path: a request no decode worker has room for is decoded by a prefill worker "
                         "itself, its prefill chunks cut to its decodes' TBT SLO (default on)")

@@ -207,6 +207,38 @@ def test_the_batcher_cuts_a_scheduled_chunk_and_carries_the_rest() -> None:
     assert seq.schedule[0] == planned - chi  # the cut-off part runs next step
 
 
+def test_a_scheduled_chunk_that_not_one_token_of_fits_beside_the_decodes_waits_a_step() -> None:
+    """A step with a chunk costs the model's fixed `a6` (17 ms on the H100 profile) more than a
+    decode-only one, so beside a decode batch within a6 of the guard's limit no chunk fits. The
+    decode worker's batcher then ran the deflection one token a step anyway, each step ~17 ms
+    over the limit (`shift-code`, 10 % noise, x1.25: steps predicted at 82 ms against a 67 ms
+    limit, five of them past 100 ms, 119 requests missed TBT; branch noise44c). Now the chunk
+    waits, the decodes step alone, and it runs once the batch leaves it room."""
+    est = StepErrorEstimator(min_samples=1)
+    est.observe(1.0, 1.3)
+    guard = ChunkGuard(MODEL, est)
+    limit = SLO / guard.margin()
+    n = next(n for n in range(1, 400) if MODEL.step_time(n, n * 1000, []) > limit - MODEL.a6 / 2)
+    assert MODEL.step_time(n, n * 1000, []) <= limit < MODEL.step_time(n, n * 1000, [(1, 0)])  # the premise
+    b = Batcher(role="decode", token_budget=8192, max_batch=512, kv_capacity_tokens=10_000_000, default_chunk=512,
+                prefix_cache=None, guard=guard)
+    for i in range(n):
+        b.add(Seq(request_id=f"d{i}", attempt=0, prompt_len=1000, max_tokens=1000, computed=1000, tbt_slo=SLO))
+    b.add(Seq(request_id="x", attempt=0, prompt_len=512, max_tokens=4, tbt_slo=SLO, schedule=deque([256, 256]),
+              deflected=True))
+    plan = b.plan()
+    assert plan is not None and plan.batch == n and plan.chunks == []  # the decodes step alone
+    assert MODEL.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) <= limit
+    b.commit(plan)
+    seq = b.get("x")
+    assert seq is not None and seq.computed == 0 and list(seq.schedule or ()) == [256, 256]  # nothing lost
+    for i in range(n // 2):  # half the decodes finish: now a chunk fits
+        b.remove(f"d{i}")
+    plan = b.plan()
+    assert plan is not None and len(plan.chunks) == 1 and plan.chunks[0][1] >= 1
+    assert MODEL.step_time(plan.batch, plan.kv_tokens, plan.chunk_pairs()) <= limit
+
+
 # ------------------------------------------------------------------ the router's bias correction
 
 

@@ -346,9 +346,15 @@ class Batcher:
                 chi = min(sched[0], seq.remaining_prompt, budget)
             else:  # no schedule, or one that ran out (the cache held less of the prompt than the router thought)
                 chi = min(self.default_chunk, seq.remaining_prompt, budget)
-            if sched is not None and guard is not None and chi > 1:
+            if sched is not None and guard is not None and chi > 0:
                 # planned by the router for the TBT SLO: never past what the measured model error allows
-                chi = guard.fit(len(decodes), kv, [(c, k) for _, c, k in chunks], chi, seq.computed, slo)
+                pairs = [(c, k) for _, c, k in chunks]
+                chi = guard.fit(len(decodes), kv, pairs, chi, seq.computed, slo)
+                if not guard.fits(len(decodes), kv, pairs, chi, seq.computed, slo):
+                    # not even one token fits beside the decodes (a step with a chunk costs the
+                    # model's fixed a6 more than a decode-only one): the prefill waits a step, as
+                    # on a prefill worker, rather than run one token a step over the guard's limit
+                    continue
             if chi <= 0:
                 continue
             chunks.append((seq, chi, seq.computed))

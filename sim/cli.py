@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "do (default 0.002, their coalescing delay); -1: only the periodic heartbeats")
     c.add_argument("--relay-ms", type=float, default=0.0, metavar="MS",
                    help="with several routers, a worker's heartbeat at once (it took work) reaches the replicas MS "
-                        "later: live's relay (the bus and the processes' wake-ups; 10-20 ms on a loaded 2-core "
-                        "host) emulated; default 0 (at once)")
+                        "later: live's relay (the bus and the processes' wake-ups; P50 2-8 ms, P90 4-11 ms on a "
+                        "loaded 2-core host) emulated; default 0 (at once)")
     c.add_argument("--kv-wait-timeout", type=float, default=30.0,
                    help="seconds a request that finds no KV room waits in the router's queue before it is "
                         "rejected (default 30; 0: reject at once)")

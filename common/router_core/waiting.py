@@ -176,7 +176,7 @@ class Waiting:
         measures if longer (`WorkerTable.relay_p90`: its dispatches' acknowledgement by the workers'
         heartbeats, which reach every replica alike), at most TURN_MAX_S. A turn closer to the one
         before it than the relay decides blind to that one's dispatches: on the shared 2-core host
-        the relay was 10-20 ms live, where 3 ms were assumed (docs/results/router-replicas.md)."""
+        the relay's P90 was 4-11 ms live, where 3 ms were assumed (docs/results/router-replicas.md)."""
         stagger = self.cfg.replica_stagger_ms / 1000.0
         return max(stagger, min(TURN_MAX_S, self.table.relay_p90()))
 

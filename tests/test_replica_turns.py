@@ -325,9 +325,9 @@ def test_a_decode_worker_heartbeats_at_once_when_it_takes_work() -> None:
 
 
 def test_turns_are_spaced_by_the_relay_the_replica_measures_when_longer_than_the_stagger() -> None:
-    # live, on a loaded host, a dispatch took 10-20 ms to show in another replica's view
-    # (docs/results/router-replicas.md, 2026-12-07): a turn 3 ms after the one before it decided
-    # blind to that one's dispatches. Each replica measures the relay on its own dispatches (to the
+    # live, on a loaded host, a dispatch took 2-8 ms (P50) and 4-11 ms (P90) to be acknowledged
+    # (the relay; docs/results/router-replicas.md, 2026-12-07): a turn 3 ms after the one before it
+    # may decide blind to that one's dispatches. Each replica measures the relay on its own dispatches (to the
     # heartbeat that acknowledges them: the workers heartbeat every replica alike) and spaces its
     # turns by its P90 when that is longer than replica_stagger_ms
     import structlog

@@ -437,7 +437,7 @@ class RouterCore:
                 continue
             req.raced = True
             w = self.table.workers.get(wid)
-            entry = None
+            no = entry = None
             if w is not None:  # decide as if it were not there (its own ledger entry out of the view)
                 no = next((k for k, e in w.ledger.items() if e.request_id == rid), None)
                 if no is not None:

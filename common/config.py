@@ -135,9 +135,10 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "the turns before it have dispatched and the workers' heartbeats show it, as one router decides "
         "one request after another")] = 1
     replica_stagger_ms: Annotated[float, doc(
-        "milliseconds between the replicas' turns at a heartbeat's room: more than the workers' heartbeat "
-        "coalescing (2 ms) plus the bus's delay, so that each turn sees the dispatches of the turns before "
-        "it (0: every replica decides at once, each blind to the others' dispatches)")] = 3.0
+        "milliseconds between the replicas' turns at a heartbeat's room, at least: each replica spaces them by "
+        "the relay it measures (its dispatches to the heartbeats that acknowledge them, P90, at most 50 ms; "
+        "the replica_relay log line) when that is longer, so that each turn sees the dispatches of the turns "
+        "before it (0: every replica decides at once, each blind to the others' dispatches)")] = 3.0
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     drain_grace_s: Annotated[float, doc(
         "on SIGTERM, keep serving this many seconds with /ready answering 503 and every response closing "

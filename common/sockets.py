@@ -515,6 +515,18 @@ class Inbox:
                 return
             self._read()  # a full batch: more may wait (the read scheduled meanwhile finds what is left)
 
+    def read_queued(self) -> None:
+        """Read what is queued now (one batch), before returning, paused or not. A busy loop reads
+        the socket only when its reader callback's turn comes: a router replica deciding a request
+        in a callback that runs first would decide on a view without the heartbeats already
+        waiting here (another replica's dispatch, acknowledged by its worker)."""
+        if self._closed:
+            return
+        if self._paused is not None:
+            self.catch_up()
+            return
+        self._read()
+
     def _resume(self) -> None:
         self._paused = None
         if not self._closed:

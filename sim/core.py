@@ -222,12 +222,14 @@ class Simulation:
         """`w`'s state changed: it heartbeats `prompt_beat` later (one beat for every change
         until then), unless prompt beats are off or the views are always fresh anyway. `at_once`
         (a prefill worker took work) with several router replicas: now, as live (common/worker.py),
-        without the coalescing delay (the beat already due later then comes now instead)."""
+        without the coalescing delay (the beat already due later then comes now instead). `relay`
+        (several replicas only) emulates live's relay (the bus and the processes' wake-ups between
+        a worker and the replicas): every prompt beat that much later."""
         d = self.cfg.prompt_beat
         if d < 0 or self.cfg.heartbeat_interval <= 0:
             return
-        if at_once and self.cfg.routers > 1:
-            d = 0.0
+        if self.cfg.routers > 1:  # (relay 0: at once; else live's relay, emulated, on every prompt beat)
+            d = self.cfg.relay if at_once else d + self.cfg.relay
         if w.beat_at < 0 or now + d < w.beat_at:
             w.beat_at = now + d
             self._push(w.beat_at, _BEAT, w, None)

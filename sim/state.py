@@ -59,6 +59,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # several routers take turns this far apart at room a heartbeat shows (RouterConfig.replica_stagger_ms); 0: at once
     replica_stagger_ms: float = 3.0
     prompt_beat: float = 0.002  # a worker also heartbeats this long after its state changes (live: 2 ms); < 0: never
+    # with several routers, a worker's heartbeat "at once" (it took work) comes this much later: live's
+    # relay (replica -> worker -> heartbeat -> replica: the bus and two processes' wake-ups on a loaded
+    # host, P50 2-8 ms and P90 4-11 ms on the shared 2-core VM, docs/results/router-replicas.md); 0: at once
+    relay: float = 0.0
     # the role planner (common/router_core/planner.py), run by router 0: workers move between the
     # prefill and decode roles as the load asks; a flip drains the worker (it takes no new work and
     # finishes what it holds), then its engine is out `planner_switch_s` seconds and rejoins under the

@@ -104,3 +104,26 @@ async def test_catch_up_reads_past_one_batch() -> None:
             assert [f[1] for f in got[1:]] == [b"hb%d" % i for i in range(7)]  # four reads of two, at once
         finally:
             inbox.close()
+
+
+async def test_read_queued_reads_what_waits_at_once_when_busy_too() -> None:
+    """A router replica deciding a request (or taking its turn) while its loop is busy: what already
+    waits on the socket (another replica's dispatch, in a worker's heartbeat) is read before the
+    decision, not when the reader callback's turn comes; `catch_up` does that only while paused."""
+    async with _pair("inbox-read-queued") as (router, peer):
+        got: list[list[bytes]] = []
+        inbox = Inbox(router, got.append)  # busy: no idle gap, never paused
+        sync_peer: zmq.Socket[bytes] = zmq.Socket.shadow(peer.underlying)
+        try:
+            sync_peer.send(b"hello")
+            assert await _until(lambda: len(got) == 1)
+            sync_peer.send(b"hb1")  # queued: the loop has not run since (no await)
+            sync_peer.send(b"hb2")
+            inbox.catch_up()  # not paused: nothing
+            assert len(got) == 1
+            inbox.read_queued()
+            assert [f[1] for f in got] == [b"hello", b"hb1", b"hb2"]
+            inbox.read_queued()  # nothing waits: nothing happens
+            assert len(got) == 3
+        finally:
+            inbox.close()

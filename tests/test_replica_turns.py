@@ -322,3 +322,122 @@ def test_a_decode_worker_heartbeats_at_once_when_it_takes_work() -> None:
     p = core.kv_arrived("h", 0)
     assert p is not None and core.admit(p.work, "handoff", (), None)
     assert ports.at_once == 2 and ports.beats == 3
+
+
+def test_turns_are_spaced_by_the_relay_the_replica_measures_when_longer_than_the_stagger() -> None:
+    # live, on a loaded host, a dispatch took 2-8 ms (P50) and 4-11 ms (P90) to be acknowledged
+    # (the relay; docs/results/router-replicas.md, 2026-12-07): a turn 3 ms after the one before it
+    # may decide blind to that one's dispatches. Each replica measures the relay on its own dispatches (to the
+    # heartbeat that acknowledges them: the workers heartbeat every replica alike) and spaces its
+    # turns by its P90 when that is longer than replica_stagger_ms
+    import structlog
+
+    clock = Clock()
+    later: list[float] = []
+    core, box = _core(2, later)
+    core.on_message(b"decode-0", _beat(1, KV, []), clock.now)
+    core.submit([0] * 1000, m.Sampling(max_tokens=100), clock.now)  # dispatched: dispatch 1
+    assert len(_dispatched(box)) == 1 and core.waiting.turn_spacing() == pytest.approx(0.003)
+    acked = msgspec.structs.replace(_beat(2, 0, []), last_dispatch=1)
+    core.on_message(b"decode-0", acked, clock.advance(0.015))  # acknowledged 15 ms later
+    assert list(core.table.relays) == [pytest.approx(0.015)] and core.table.relay_p90() == pytest.approx(0.015)
+    core.submit([0] * 1000, m.Sampling(max_tokens=100), clock.now)  # no KV free: it waits
+    assert len(core.kv_waiting) == 1
+    older = m.RouterQueue(router="ra", oldest_at=clock.now - 0.5, late=False, waiting=2)
+    core.on_message(b"decode-0", _beat(3, KV, [older]), clock.advance(0.1))
+    assert later == [pytest.approx(0.015)]  # one turn behind "ra": the relay, not 3 ms
+    with structlog.testing.capture_logs() as logs:
+        core.tick(clock.advance(10.0))
+    line = next(e for e in logs if e["event"] == "replica_relay")
+    assert line["p90_ms"] == 15.0 and line["turn_spacing_ms"] == 15.0 and line["samples"] == 1
+    # capped: a relay past TURN_MAX_S (a stalled host) does not push the turns further apart than that
+    from common.router_core.waiting import TURN_MAX_S
+
+    core.table.relays.extend([1.0] * 64)
+    core.table._relay_p90 = None
+    assert core.waiting.turn_spacing() == TURN_MAX_S
+    # one router: no turns, whatever it measures
+    one, _ = _core(1, [])
+    one.table.relays.extend([0.02] * 8)
+    assert one.waiting.turn_delay(0.0) == 0.0
+
+
+def test_sim_relay_emulates_live_a_replica_blind_to_another_dispatch_within_it() -> None:
+    # `kairos sim --relay-ms`: the workers' heartbeats at once reach the replicas that much later,
+    # as live (the bus and two processes' wake-ups): two long prompts 1 ms apart at two replicas,
+    # two idle prefill workers; within a 5 ms relay the second replica does not see the first's
+    # dispatch and queues its prompt behind it (as live); 10 ms apart, it sees it
+    from common.policy import make_policy
+    from common.traces import TraceRequest
+    from sim.core import Simulation
+
+    prof = load_profile("a100-dsv2-lite")
+
+    def run(gap: float, relay: float) -> list[float]:
+        trace = [TraceRequest(0.0, 16_000, 2), TraceRequest(gap, 16_000, 2)]
+        cfg = SimConfig(prefill=2, decode=1, routers=2, heartbeat_interval=0.05, relay=relay)
+        recs = Simulation(prof, make_policy("disagg-least-loaded", default_model=prof.model), cfg).run(trace).records
+        return [r.ttft for r in recs]  # type: ignore[misc]
+
+    first, second = run(0.001, 0.0)
+    assert second < 1.2 * first  # no relay: side by side
+    first, second = run(0.001, 0.005)
+    assert second > 1.6 * first  # blind within the relay: behind the first
+    first, second = run(0.010, 0.005)
+    assert second < 1.2 * first
+
+
+def _pbeat(wid: str, seq: int, queued: int, last: int = 0) -> m.PrefillHeartbeat:
+    return m.PrefillHeartbeat(worker_id=wid, incarnation=f"inc-{wid}", seq=seq, queued_tokens=queued,
+                              queued_requests=1 if queued else 0, token_budget=2048, last_dispatch=last)
+
+
+def _two_prefill(replicas: int, other_queue: int) -> tuple[RouterCore, FakeOutbox, Clock]:
+    from tests.router_fakes import make_core
+
+    clock = Clock()
+    core, box = make_core("disagg-least-loaded", replicas=replicas)
+    for wid, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        core.on_message(wid.encode(), hello(wid, role), clock.now)  # type: ignore[arg-type]
+    core.on_message(b"prefill-0", _pbeat("prefill-0", 1, 0), clock.now)
+    core.on_message(b"prefill-1", _pbeat("prefill-1", 1, other_queue), clock.now)
+    box.take()
+    return core, box, clock
+
+
+def test_a_prefill_dispatch_found_behind_another_replicas_work_is_decided_again() -> None:
+    # live, within the relay (p50 3-5 ms, p90 7-11 ms measured on the shared host) two replicas send
+    # work to the same prefill worker, each blind to the other's; the second waits behind the first
+    # (35-42 requests a four-replica run, their TTFT 0.24-0.27 s past prediction at the median). The
+    # worker's heartbeat that does not acknowledge a dispatch yet (it had not reached it) shows the
+    # queue it will join: more than the replica saw when it decided, so it decides that one again
+    core, box, clock = _two_prefill(2, 500)
+    req = core.submit([0] * 4000, m.Sampling(max_tokens=10), clock.advance(0.001))
+    assert req.prefill_worker == "prefill-0" and req.attempt == 0
+    box.take()
+    core.on_message(b"prefill-0", _pbeat("prefill-0", 2, 16_000), clock.advance(0.004))  # another's prompt
+    assert req.prefill_worker == "prefill-1" and req.attempt == 1 and core.counts["raced_replaced"] == 1
+    out = box.take()
+    cancels = sorted((p, msg.attempt) for p, msg in out if isinstance(msg, m.Cancel))
+    assert cancels == [("decode-0", 0), ("prefill-0", 0)]
+    assert [p for p, msg in out if isinstance(msg, m.PrefillWork)] == ["prefill-1"]
+    # once: decided again, it is not watched any more
+    core.on_message(b"prefill-1", _pbeat("prefill-1", 2, 30_000), clock.advance(0.004))
+    assert req.prefill_worker == "prefill-1" and req.attempt == 1
+
+
+def test_a_raced_prefill_dispatch_stays_where_one_router_would_still_send_it() -> None:
+    # the other prefill worker is deeper still: one router seeing both would send it there anyway,
+    # so it keeps its place (nothing cancelled, no new attempt); one router never looks
+    core, box, clock = _two_prefill(2, 40_000)
+    req = core.submit([0] * 4000, m.Sampling(max_tokens=10), clock.advance(0.001))
+    assert req.prefill_worker == "prefill-0"
+    box.take()
+    core.on_message(b"prefill-0", _pbeat("prefill-0", 2, 16_000), clock.advance(0.004))
+    assert req.prefill_worker == "prefill-0" and req.attempt == 0 and core.counts["raced_stayed"] == 1
+    assert not [msg for _, msg in box.take() if isinstance(msg, m.Cancel)]
+    assert 1 in core.table.workers["prefill-0"].ledger  # its ledger entry kept
+    one, _, clock1 = _two_prefill(1, 500)
+    r1 = one.submit([0] * 4000, m.Sampling(max_tokens=10), clock1.advance(0.001))
+    one.on_message(b"prefill-0", _pbeat("prefill-0", 2, 16_000), clock1.advance(0.004))
+    assert r1.prefill_worker == "prefill-0" and r1.attempt == 0

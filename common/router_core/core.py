@@ -60,6 +60,7 @@ from common.router_core.workers import WorkerEntry, WorkerTable
 NO_HOOKS = Hooks()
 DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
+RELAY_LOG_S = 10.0  # with router replicas, a replica_relay line at most this often (when dispatches were acknowledged)
 
 
 def build_policy(cfg: RouterConfig, profile: Profile) -> Policy:
@@ -114,6 +115,8 @@ class RouterCore:
             raise ConfigError(str(e)) from e
         self.delivery_logged = -1.0  # the allowance (ms) the last delivery_allowance line said
         self.delivery_logged_at = -DELIVERY_LOG_S  # ... and when
+        self.relay_logged_at = 0.0  # when the last replica_relay line was written (`log_relay`)
+        self.relay_seen = 0  # how many relays the table had measured then
         self.requests: dict[str, Request] = {}
         self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
         self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
@@ -419,6 +422,42 @@ class RouterCore:
                          prefill_worker=req.prefill_worker if placed else None,
                          **({} if placed else {"waiting": req.wait_reason or "parked"}))
 
+    def reconsider(self, now: float) -> None:
+        """With router replicas: this replica's requests that a prefill worker's heartbeat showed
+        queued behind work they were decided blind to (`WorkerTable.raced`: another replica's, sent
+        to it within the relay, before it) are decided again, once each, as one router would have
+        decided them had it seen that work: where the policy would now send it elsewhere (or hold
+        it), its work is cancelled there (it has not started: it is behind that work) and it is
+        placed again; where it would send it there again, it stays (its place in the queue kept)."""
+        raced, self.table.raced = self.table.raced, []
+        for wid, rid in raced:
+            req = self.requests.get(rid)
+            if (req is None or req.done or req.raced or req.streamed or req.prefill is not None
+                    or req.prefill_worker != wid or req.decision is None or req.decision.route != "disagg"):
+                continue
+            req.raced = True
+            w = self.table.workers.get(wid)
+            no = entry = None
+            if w is not None:  # decide as if it were not there (its own ledger entry out of the view)
+                no = next((k for k, e in w.ledger.items() if e.request_id == rid), None)
+                if no is not None:
+                    entry = w.ledger.pop(no)
+                    w.touch()
+            if self.dispatcher.would_stay(req, now):
+                if w is not None and entry is not None and no is not None:
+                    w.ledger[no] = entry
+                    w.ledger = dict(sorted(w.ledger.items()))  # (in dispatch order)
+                    w.touch()
+                self.counts["raced_stayed"] += 1
+                continue
+            self.counts["raced_replaced"] += 1
+            self.log.info("prefill_raced", request_id=rid, prefill_worker=wid,
+                          why="another router replica's work reached it first, unseen when it was decided")
+            if req.indexed:  # it will not be cached there: what the dispatch told the prefix index is not so
+                self.prefix.undo(wid, req.indexed.pop(wid, (-1, [])))
+            self.next_attempt(req, "prefill_raced", None)
+            self.dispatch_again(req, now)
+
     def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
         """What every new attempt of a request starts with (a re-dispatch, a migration): its work
         stopped where it ran (Cancel with `reason`), its reservations there released, the worker it
@@ -565,9 +604,26 @@ class RouterCore:
             self.fail(req, f"deadline of {self.cfg.request_timeout:.0f}s exceeded", "deadline_exceeded", now)
         if self.planner is not None:
             self.tick_planner(now)
+        if self.cfg.replicas > 1 and now - self.relay_logged_at >= RELAY_LOG_S:
+            self.log_relay(now)
         if now >= self.audit_at:  # once per liveness window: a safety net, not a hot path
             self.audit_at = now + self.liveness_s
             self.audit(now)
+
+    def log_relay(self, now: float) -> None:
+        """With router replicas: the relay, how long this replica's dispatches took to be
+        acknowledged in the workers' heartbeats (the latest RELAY_SAMPLES; about how long one
+        replica's dispatch takes to show in the others' views), and the spacing of the replicas'
+        turns it sets (waiting.py, `turn_spacing`). Only when dispatches were acknowledged since."""
+        t = self.table
+        self.relay_logged_at = now
+        if t.relays_seen == self.relay_seen:
+            return
+        self.relay_seen = t.relays_seen
+        xs = sorted(t.relays)
+        self.log.info("replica_relay", p50_ms=round(1000 * xs[len(xs) // 2], 2), p90_ms=round(1000 * t.relay_p90(), 2),
+                      max_ms=round(1000 * xs[-1], 2), samples=len(xs),
+                      turn_spacing_ms=round(1000 * self.waiting.turn_spacing(), 2))
 
     def audit(self, now: float) -> None:
         """Every request in flight must have an owner: a worker holding it, the wait queue or the

@@ -46,6 +46,8 @@ from common.router_core.requests import Request
 from common.router_core.workers import WorkerTable
 from common.wait_queue import Outcome, WaitQueue
 
+TURN_MAX_S = 0.05  # the replicas' turns at most this far apart, whatever the relay (`Waiting.turn_spacing`)
+
 
 def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, float]]) -> int:
     """This replica's turn (0: first) at the room a worker's heartbeat may show, among the replicas
@@ -167,7 +169,16 @@ class Waiting:
         if at == 0.0:
             return 0.0
         turn = replica_turn((late, at, self.table.me), self._others(now))
-        return turn * cfg.replica_stagger_ms / 1000.0
+        return turn * self.turn_spacing() if turn else 0.0
+
+    def turn_spacing(self) -> float:
+        """Seconds between the replicas' turns: `replica_stagger_ms`, or the relay this replica
+        measures if longer (`WorkerTable.relay_p90`: its dispatches' acknowledgement by the workers'
+        heartbeats, which reach every replica alike), at most TURN_MAX_S. A turn closer to the one
+        before it than the relay decides blind to that one's dispatches: on the shared 2-core host
+        the relay's P90 was 4-11 ms live, where 3 ms were assumed (docs/results/router-replicas.md)."""
+        stagger = self.cfg.replica_stagger_ms / 1000.0
+        return max(stagger, min(TURN_MAX_S, self.table.relay_p90()))
 
     def blocker(self) -> Request | None:
         """The first request waiting for decode room (KV or decode step time; not a held one), which a

@@ -12,6 +12,7 @@ sent it, and the view adds the other routers' ones to this router's exact record
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from common import messages as m
@@ -30,6 +31,9 @@ class LedgerEntry:
     deflect: bool
     at: float = 0.0  # router clock (monotonic) when dispatched: when it joins the worker's queue
     retain: bool = False  # route "retain": a prefill worker decodes it itself, after its prefill
+    # with router replicas, a prefill dispatch: the queue (tokens) it was placed behind as this replica
+    # saw it (-1: not watched; `WorkerTable.heartbeat` looks for another replica's work ahead of it)
+    ahead: int = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -177,6 +181,15 @@ class WorkerEntry:
                           busy_until=busy_until, inflight=inflight, step_s=step_s, step_margin=margin)
 
 
+# the relay: how long a dispatch takes to be acknowledged in the worker's heartbeat (router clock),
+# over this many of the latest dispatches; with router replicas, about how long it takes to show in
+# another replica's view (the worker heartbeats every replica alike, at once when it takes work)
+RELAY_SAMPLES = 64
+# a replica's prefill dispatch found behind at least this many tokens of work it did not see (another
+# replica's, sent within the relay) is decided again (`WorkerTable.raced`, core.py `reconsider`)
+RACE_TOKENS = 1024
+
+
 class WorkerTable:
     def __init__(self, default_model: PerfModel, *, per_worker_models: bool = True, bias_correction: bool = True,
                  me: str = "") -> None:
@@ -192,6 +205,20 @@ class WorkerTable:
         self._cv_ledger = False
         self._at: dict[str, tuple[bool, int]] = {}  # worker id -> (decode?, position) in `_cv`
         self._dirty: set[WorkerEntry] = set()
+        self.relays: deque[float] = deque(maxlen=RELAY_SAMPLES)  # seconds, dispatch to acknowledgement
+        self._relay_p90: float | None = None  # cached `relay_p90` (None: samples came since)
+        self.relays_seen = 0  # relays measured so far, all told
+        # (worker, request) of this replica's prefill dispatches that a heartbeat showed behind another
+        # replica's work they were decided blind to; the core takes them (`reconsider`)
+        self.raced: list[tuple[str, str]] = []
+
+    def relay_p90(self) -> float:
+        """The 90th percentile of the latest dispatches' relay (`relays`: dispatch to the heartbeat
+        that acknowledged it, on this router's clock); 0.0 before any."""
+        if self._relay_p90 is None:
+            xs = sorted(self.relays)
+            self._relay_p90 = xs[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else 0.0
+        return self._relay_p90
 
     def register(self, hello: m.Hello, identity: bytes, now: float) -> tuple[WorkerEntry, WorkerEntry | None]:
         """Add or refresh a worker, `now` on the router's monotonic clock. Returns (entry, replaced
@@ -239,6 +266,20 @@ class WorkerTable:
             e.drain = None if d is None else Tail(e.hb_at + d.start_s * b, tuple(d.chunks), d.used,
                                                   e.hb_at + d.end_s * b)
         e.draining = e.draining or hb.draining
+        if e.ledger:
+            for k, le in e.ledger.items():  # (in dispatch order)
+                if k > hb.last_dispatch:
+                    if le.ahead >= 0 and isinstance(hb, m.PrefillHeartbeat):
+                        # not there yet when the worker beat: what it holds then is ahead of it. More
+                        # than this replica saw when it decided (and its own dispatches since are in
+                        # that figure): another replica's work, sent within the relay
+                        if hb.queued_tokens - le.ahead >= RACE_TOKENS:
+                            self.raced.append((e.worker_id, le.request_id))
+                            le.ahead = -1  # once
+                    continue
+                self.relays.append(now - le.at)
+                self.relays_seen += 1
+                self._relay_p90 = None
         e.acknowledge(hb.last_dispatch)
         e.touch()
         return e
@@ -307,27 +348,28 @@ class WorkerTable:
         return ClusterView(prefill=tuple(p), decode=tuple(d))
 
     def record_dispatch(self, d: Decision, request_id: str, prompt_tokens: int, reserve_tokens: int,
-                        now: float) -> tuple[int, int]:
+                        now: float, ahead: int = -1) -> tuple[int, int]:
         """What a dispatch leaves in the table (dispatch.py): the ledger entries of the worker(s)
         chosen (what the policy will see of them until their heartbeats acknowledge the work) and, for a deflection, its
         record on the decode worker (reserved step cost, largest chunk, predicted end of its
         prefill; `WorkerEntry.end_deflection` at its first token). `prompt_tokens` is the prompt
         as sent, `reserve_tokens` the KV it may grow to. Returns the dispatch numbers the work
-        messages carry: (decode worker's, prefill worker's or 0)."""
+        messages carry: (decode worker's, prefill worker's or 0). `ahead`: see LedgerEntry."""
         dw = self.workers[d.decode_worker]
         work = prompt_tokens - d.cached_tokens  # what the prefilling worker computes, as the index knows
         if d.route == "retain":  # the prefill worker prefills it and then decodes it: one entry, with KV kept
             return 0, dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=False, at=now,
                                                    retain=True))
         if d.route == "deflect":
-            no = dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=True))
+            no = dw.next_dispatch(LedgerEntry(request_id, work, reserve_tokens, deflect=True, at=now))
             dw.add_deflection(request_id,
                               reserved_step_cost(dw.model, d.chunk_schedule, dw.hello.token_budget, d.cached_tokens),
                               max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             return no, 0
         assert d.prefill_worker is not None
-        pno = self.workers[d.prefill_worker].next_dispatch(LedgerEntry(request_id, work, 0, deflect=False, at=now))
-        return dw.next_dispatch(LedgerEntry(request_id, prompt_tokens, reserve_tokens, deflect=False)), pno
+        pno = self.workers[d.prefill_worker].next_dispatch(LedgerEntry(request_id, work, 0, deflect=False, at=now,
+                                                                       ahead=ahead))
+        return dw.next_dispatch(LedgerEntry(request_id, prompt_tokens, reserve_tokens, deflect=False, at=now)), pno
 
     def count(self, role: m.Role) -> int:
         return sum(1 for e in self.workers.values() if e.role == role and not e.draining and not e.unreachable)

@@ -194,10 +194,15 @@ class Router:
         if not self.accepting:
             metrics.observe_rejected("shutting_down")
             raise Unavailable("router is shutting down", retry_after_s=2.0)
-        if self._inbox is not None and not self.requests:
-            # idle, the work socket is read only every idle_read_ms: fold in the heartbeats that
-            # came since the last read, so that this decision sees the fleet as it is now
-            self._inbox.catch_up()
+        if self._inbox is not None:
+            if not self.requests:
+                # idle, the work socket is read only every idle_read_ms: fold in the heartbeats that
+                # came since the last read, so that this decision sees the fleet as it is now
+                self._inbox.catch_up()
+            elif self.cfg.replicas > 1:
+                # busy, with replicas: what waits unread (another replica's dispatch, as its worker's
+                # heartbeat tells it) is read before this decision, not after it (sockets.py, `read_queued`)
+                self._inbox.read_queued()
         return self.core.submit(prompt_ids, sampling, time.monotonic(), ttft_slo=ttft_slo, tbt_slo=tbt_slo,
                                 request_id=request_id, cached_tokens=cached_tokens, client=client,
                                 traceparent=traceparent, tracestate=tracestate)
@@ -289,6 +294,8 @@ class Router:
 
     def _take_turn(self) -> None:
         self._turn = None
+        if self._inbox is not None:  # the turns before this one as the workers' heartbeats tell them, first
+            self._inbox.read_queued()
         self.core.retry_now(time.monotonic(), turn=True)
 
     def _prepare_now(self) -> None:

@@ -250,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heartbeats phase: seconds between one worker's heartbeats (default 0.1)")
     p.add_argument("--py-spy", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a request step at RATE req/s")
+    p.add_argument("--account", type=float, default=None, metavar="RATE",
+                   help="also account for the router's CPU during a request step at RATE req/s: per thread user and "
+                        "system time, syscalls per thread (perf stat), bus messages by type (strace), perf record "
+                        "by shared object (bench/router_account.py; needs perf and strace, and root or "
+                        "perf_event_paranoid <= 1)")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a token step at RATE req/s")
     p.add_argument("--syscalls-tokens", type=float, default=None, metavar="RATE",
@@ -423,6 +428,21 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("_rows")
             results[key] = {"step": s, "profile": prof}
             _print_profile(console, key, rate, s, prof)
+        if args.account is not None:
+            from bench.router_account import account, summary
+            acc: dict[str, Any] = {}
+            adir = (Path(args.out).parent if args.out else Path(log_dir)) / "account"
+
+            def account_during(d: float, _a: dict[str, Any] = acc, _dir: Path = adir) -> None:
+                w = max(1.0, (d - 4.0) / 3)  # three windows and a short strace, inside the step
+                _a.update(account(bench.router_pid, args.account, w, min(2.0, max(0.0, d - 3 * w - 1)), _dir))
+
+            s = bench.step(args.account, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens,
+                           during=account_during)
+            s.pop("_rows")
+            results["account"] = {"step": s, **acc}
+            for line in summary(acc, s["completed_rate"]):
+                console.print(line, markup=False, highlight=False)
         if args.syscalls_tokens is not None:
             counts: dict[str, Any] = {}
             sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "syscalls_tokens"

@@ -129,15 +129,21 @@ def perf_profile(pid: int, seconds: float, out_dir: Path) -> dict[str, Any]:
     return {"by_thread_dso": report("comm", "dso"), "by_symbol": report("comm", "dso", "sym")[:60], "data": str(data)}
 
 
-def account(pid: int, rate: float, window: float, strace_s: float, out_dir: Path) -> dict[str, Any]:
-    """The three windows above, one after the other; `rate` the requests per second the step sends."""
+def account(pid: int, rate: float, window: float, strace_s: float, out_dir: Path,
+            workers: dict[str, int] | None = None) -> dict[str, Any]:
+    """The four windows above, one after the other; `rate` the requests per second the step sends.
+    `workers` (name: pid): their threads are read in the first window too (the other side of the
+    router's bus messages, and of a request's first token)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"rate": rate, "window_s": window}
+    workers = workers or {}
+    wa = {n: threads(p) for n, p in workers.items()}
     a, t0 = threads(pid), time.perf_counter()
     time.sleep(window)
     b, t1 = threads(pid), time.perf_counter()
     res["threads"] = thread_delta(a, b, pid)
     res["threads_s"] = t1 - t0
+    res["worker_threads"] = {n: thread_delta(wa[n], threads(p), p) for n, p in workers.items()}
     res["perf"] = perf_profile(pid, window, out_dir)
     perf = shutil.which("perf")
     pstat = out_dir / "router-syscalls-per-thread.txt"
@@ -171,6 +177,10 @@ def summary(res: dict[str, Any], completed_rate: float) -> list[str]:
             continue
         lines.append(f"  thread {t['name']:<16} user {1e6 * t['utime'] / n:7.1f} us  sys {1e6 * t['stime'] / n:7.1f} us"
                      f"  vol. switches {t['vcs'] / n:5.2f}  invol. {t['nvcs'] / n:5.2f} per request")
+    for w, rows in sorted(res.get("worker_threads", {}).items()):
+        lines.append(f"  {w}: " + ", ".join(
+            f"{t['name']} user {1e6 * t['utime'] / n:.1f} us sys {1e6 * t['stime'] / n:.1f} us "
+            f"switches {t['vcs'] / n:.2f}" for t in rows if t["utime"] + t["stime"] > 0 or t["vcs"] > 0))
     ns = completed_rate * res.get("syscalls_s", 1.0)
     for th, calls in sorted(res.get("syscalls", {}).items()):
         top = sorted(((k, v) for k, v in calls.items() if k != "all"), key=lambda kv: -kv[1])[:10]

@@ -435,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
 
             def account_during(d: float, _a: dict[str, Any] = acc, _dir: Path = adir) -> None:
                 w = max(1.0, (d - 4.0) / 3)  # three windows and a short strace, inside the step
-                _a.update(account(bench.router_pid, args.account, w, min(2.0, max(0.0, d - 3 * w - 1)), _dir))
+                ws = {n: svc.proc.pid for n, svc in cluster.services.items()
+                      if svc.proc and svc.proc.pid in bench.worker_pids}
+                _a.update(account(bench.router_pid, args.account, w, min(2.0, max(0.0, d - 3 * w - 1)), _dir, ws))
 
             s = bench.step(args.account, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens,
                            during=account_during)

@@ -28,6 +28,9 @@ and kept the TTFT p50 within 2x (+2 ms) of the lowest step's. `router_us_per_req
 dedicated router core independently of what the rest of the machine could feed it.
 With --py-spy RATE, it also samples the router with py-spy during a request-rate step at RATE
 and reports where the router's time goes (self and inclusive, by function).
+With --account RATE, it accounts for the router's CPU during a request step at RATE from outside
+the process (bench/router_account.py): user and system time and switches per thread, the workers'
+threads too, perf record by shared object, syscalls per thread, bus messages by type.
 4. reference (with the requests phase): the same request-rate steps against a minimal ASGI app
    (bench/reference_app.py: uvicorn with the router's settings, a fixed SSE answer) pinned to
    the router's CPUs, driven by the same load generator processes. `router_cost_ratio` =

@@ -9,9 +9,13 @@ import gc
 import os
 import signal
 
+import pytest
+import structlog
+
 from common.config import RouterConfig
 from common.ports import free_ports
 from common.service import settle_heap
+from services.router import __main__ as router_main
 from services.router.__main__ import serve
 
 
@@ -27,7 +31,9 @@ def test_settle_heap_moves_what_is_alive_out_of_the_collectors_sight() -> None:
         gc.unfreeze()
 
 
-def test_the_router_freezes_its_start_up_heap_when_ready() -> None:
+def test_the_router_freezes_its_start_up_heap_when_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve() configures structlog for the whole process; the test session keeps its own
+    monkeypatch.setattr(router_main.logging, "configure", lambda *a, **k: structlog.get_logger())
     http, work, tele, metrics = free_ports(4)
     cfg = RouterConfig(http_port=http, work_port=work, telemetry_port=tele, metrics_port=metrics,
                        log_level="warning")

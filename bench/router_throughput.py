@@ -28,6 +28,9 @@ and kept the TTFT p50 within 2x (+2 ms) of the lowest step's. `router_us_per_req
 dedicated router core independently of what the rest of the machine could feed it.
 With --py-spy RATE, it also samples the router with py-spy during a request-rate step at RATE
 and reports where the router's time goes (self and inclusive, by function).
+With --account RATE, it accounts for the router's CPU during a request step at RATE from outside
+the process (bench/router_account.py): user and system time and switches per thread, the workers'
+threads too, perf record by shared object, syscalls per thread, bus messages by type.
 4. reference (with the requests phase): the same request-rate steps against a minimal ASGI app
    (bench/reference_app.py: uvicorn with the router's settings, a fixed SSE answer) pinned to
    the router's CPUs, driven by the same load generator processes. `router_cost_ratio` =
@@ -250,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heartbeats phase: seconds between one worker's heartbeats (default 0.1)")
     p.add_argument("--py-spy", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a request step at RATE req/s")
+    p.add_argument("--account", type=float, default=None, metavar="RATE",
+                   help="also account for the router's CPU during a request step at RATE req/s: per thread user and "
+                        "system time, syscalls per thread (perf stat), bus messages by type (strace), perf record "
+                        "by shared object (bench/router_account.py; needs perf and strace, and root or "
+                        "perf_event_paranoid <= 1)")
     p.add_argument("--py-spy-tokens", type=float, default=None, metavar="RATE",
                    help="also sample the router with py-spy during a token step at RATE req/s")
     p.add_argument("--syscalls-tokens", type=float, default=None, metavar="RATE",
@@ -423,6 +431,23 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("_rows")
             results[key] = {"step": s, "profile": prof}
             _print_profile(console, key, rate, s, prof)
+        if args.account is not None:
+            from bench.router_account import account, summary
+            acc: dict[str, Any] = {}
+            adir = (Path(args.out).parent if args.out else Path(log_dir)) / "account"
+
+            def account_during(d: float, _a: dict[str, Any] = acc, _dir: Path = adir) -> None:
+                w = max(1.0, (d - 4.0) / 3)  # three windows and a short strace, inside the step
+                ws = {n: svc.proc.pid for n, svc in cluster.services.items()
+                      if svc.proc and svc.proc.pid in bench.worker_pids}
+                _a.update(account(bench.router_pid, args.account, w, min(2.0, max(0.0, d - 3 * w - 1)), _dir, ws))
+
+            s = bench.step(args.account, args.step, max_tokens=1, prompt_tokens=args.prompt_tokens,
+                           during=account_during)
+            s.pop("_rows")
+            results["account"] = {"step": s, **acc}
+            for line in summary(acc, s["completed_rate"]):
+                console.print(line, markup=False, highlight=False)
         if args.syscalls_tokens is not None:
             counts: dict[str, Any] = {}
             sdir = (Path(args.out).parent if args.out else Path(log_dir)) / "syscalls_tokens"

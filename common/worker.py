@@ -72,7 +72,7 @@ from common.errors import Overloaded
 from common.loop_lag import LoopLag
 from common.prefix_report import PrefixReporter
 from common.router_link import Origins, RouterLink, router_addresses
-from common.service import install_signals
+from common.service import install_signals, settle_heap
 from common.sockets import WorkerBus, send_nowait
 from common.worker_core import EngineInfo, WorkerCore
 
@@ -222,10 +222,13 @@ class WorkerService(abc.ABC):
         self.log.info("role_started" if self.engine_started else "worker_starting", role=self.role,
                       engine=self.engine.name, incarnation=self.incarnation,
                       routers=[link.address for link in self.links])
-        if not self.engine_started:
+        first = not self.engine_started
+        if first:
             await self.engine.start()
         self.core.info = self.engine_info()  # vLLM knows its KV capacity and block size only now
         await self.setup()
+        if first:  # the engine's and the service's start-up heap out of the collector's full passes
+            settle_heap()
         buses = [link.bus if link.bus is not None else link.open(self.worker_id) for link in self.links]
         self.bus = buses[0]
         if self.engine_task is None or self.engine_task.done():

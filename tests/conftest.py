@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,3 +31,12 @@ def fast_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtu
     c = start_cluster(tmp_path_factory.mktemp("cluster"), prefill=1, decode=1, profile="fast", policy=policy)
     yield c
     c.stop(15)
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen() -> Iterator[None]:
+    """A router or worker started in this process freezes the heap (common/service.py `settle_heap`),
+    the test session's too: thaw it after each test, so later tests' garbage is collected as before."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

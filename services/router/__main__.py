@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from common.metrics_http import serve_metrics
 from common.policy import REGISTRY
 from common.router_core.planner import planner_on
-from common.service import HttpServer, install_signals, listen_socket, run
+from common.service import HttpServer, install_signals, listen_socket, run, settle_heap
 from common.startup import guard
 from services.router.edge import EdgeLimits, edge_protocol
 from services.router.http import asgi_app
@@ -148,8 +148,9 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                           hint="is the port in use? pick another with --http-port")
                 stop.set()
             else:
+                frozen = settle_heap()  # the start-up heap out of the collector's full passes (service.py)
                 log.info("router_ready", api=f"http://{cfg.http_host}:{cfg.http_port}/v1", policy=cfg.policy,
-                         planner="on" if planner_on(cfg) else "off", **router.cost_model())
+                         planner="on" if planner_on(cfg) else "off", heap_frozen=frozen, **router.cost_model())
                 if ready is not None:
                     ready.set()
             await stop.wait()

@@ -422,42 +422,6 @@ class RouterCore:
                          prefill_worker=req.prefill_worker if placed else None,
                          **({} if placed else {"waiting": req.wait_reason or "parked"}))
 
-    def reconsider(self, now: float) -> None:
-        """With router replicas: this replica's requests that a prefill worker's heartbeat showed
-        queued behind work they were decided blind to (`WorkerTable.raced`: another replica's, sent
-        to it within the relay, before it) are decided again, once each, as one router would have
-        decided them had it seen that work: where the policy would now send it elsewhere (or hold
-        it), its work is cancelled there (it has not started: it is behind that work) and it is
-        placed again; where it would send it there again, it stays (its place in the queue kept)."""
-        raced, self.table.raced = self.table.raced, []
-        for wid, rid in raced:
-            req = self.requests.get(rid)
-            if (req is None or req.done or req.raced or req.streamed or req.prefill is not None
-                    or req.prefill_worker != wid or req.decision is None or req.decision.route != "disagg"):
-                continue
-            req.raced = True
-            w = self.table.workers.get(wid)
-            no = entry = None
-            if w is not None:  # decide as if it were not there (its own ledger entry out of the view)
-                no = next((k for k, e in w.ledger.items() if e.request_id == rid), None)
-                if no is not None:
-                    entry = w.ledger.pop(no)
-                    w.touch()
-            if self.dispatcher.would_stay(req, now):
-                if w is not None and entry is not None and no is not None:
-                    w.ledger[no] = entry
-                    w.ledger = dict(sorted(w.ledger.items()))  # (in dispatch order)
-                    w.touch()
-                self.counts["raced_stayed"] += 1
-                continue
-            self.counts["raced_replaced"] += 1
-            self.log.info("prefill_raced", request_id=rid, prefill_worker=wid,
-                          why="another router replica's work reached it first, unseen when it was decided")
-            if req.indexed:  # it will not be cached there: what the dispatch told the prefix index is not so
-                self.prefix.undo(wid, req.indexed.pop(wid, (-1, [])))
-            self.next_attempt(req, "prefill_raced", None)
-            self.dispatch_again(req, now)
-
     def next_attempt(self, req: Request, reason: str, bad_worker: str | None) -> None:
         """What every new attempt of a request starts with (a re-dispatch, a migration): its work
         stopped where it ran (Cancel with `reason`), its reservations there released, the worker it

@@ -23,7 +23,7 @@ import structlog
 
 from common import messages as m
 from common.config import RouterConfig
-from common.policy import ClusterView, NoWorkers, Policy, RequestSpec
+from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
 from common.router_core.delivery import DeliveryAllowance
 from common.router_core.ports import Hooks, Log, Metrics, Outbox
@@ -60,10 +60,15 @@ class Dispatcher:
         self.routes: Counter[str] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
 
-    def _spec(self, req: Request, prompt: list[int],
-              sampling: m.Sampling) -> tuple[ClusterView, RequestSpec, dict[int, list[int]]]:
-        """The view the request is decided on (the table's, less the workers it avoids) and its
-        spec for the policy; and its prompt's block hashes (the prefix index's)."""
+    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
+        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
+        away, so decide again with those closed to deflections (common/policy/admission.py),
+        or, with no prefill worker live, deflect again without the admission check."""
+        before_view = self.hooks.before_view
+        if before_view is not None:
+            before_view(now)  # (not timed: the simulator's engines, not the router's work)
+        t0 = time.perf_counter()
+        prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
         small = too_small(self.table, len(prompt))
         exclude = frozenset(req.exclude) | small if req.exclude else small
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
@@ -74,32 +79,6 @@ class Dispatcher:
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=tbt,
                            cached_tokens=req.cached_tokens, cached=cached)
-        return view, spec, hashes
-
-    def would_stay(self, req: Request, now: float) -> bool:
-        """Whether the policy, deciding now on the current view, would send `req` (on the
-        disaggregated path) to the prefill worker it was sent to: nothing is recorded or sent."""
-        if self.hooks.before_view is not None:
-            self.hooks.before_view(now)
-        prompt, sampling = req.work()
-        view, spec, _ = self._spec(req, prompt, sampling)
-        try:
-            d = self.policy.decide(spec, view, now)
-        except NoWorkers:  # late binding would hold it now (or nothing could take it): not there
-            return False
-        return d.route == "disagg" and d.prefill_worker == req.prefill_worker
-
-    def dispatch(self, req: Request, now: float, *, rejected: bool = False) -> None:
-        """Decide and send. `rejected`: decode workers (`req.rejected_by`) turned its deflection
-        away, so decide again with those closed to deflections (common/policy/admission.py),
-        or, with no prefill worker live, deflect again without the admission check."""
-        before_view = self.hooks.before_view
-        if before_view is not None:
-            before_view(now)  # (not timed: the simulator's engines, not the router's work)
-        t0 = time.perf_counter()
-        prompt, sampling = req.work()  # a migrated request: its prompt + the tokens sent, and the rest
-        view, spec, hashes = self._spec(req, prompt, sampling)
-        tbt = spec.tbt_slo
         if not rejected:
             decision = self.policy.decide(spec, view, now)
         elif view.prefill:
@@ -122,10 +101,7 @@ class Dispatcher:
             req.indexed = self.prefix.dispatched([w for w in dict.fromkeys((decision.decode_worker,
                                                                              decision.prefill_worker)) if w],
                                                  hashes, tokens, decision.cached_tokens)
-        ahead = -1  # with replicas: the prefill queue it was placed behind, as this replica saw it
-        if self.cfg.replicas > 1 and decision.route == "disagg" and not req.raced:
-            ahead = next((p.queued_tokens for p in view.prefill if p.worker_id == decision.prefill_worker), -1)
-        no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now, ahead)
+        no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
         if decision.route == "retain":  # the prefill worker keeps it and decodes it itself: no KV moves
             dw.holding.add(req.request_id)
             self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,

@@ -45,9 +45,6 @@ class Router(Protocol):
     def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
         """Place again (or fail) a request its worker no longer holds."""
 
-    def reconsider(self, now: float) -> None:
-        """Decide again this replica's prefill dispatches a heartbeat showed raced (`WorkerTable.raced`)."""
-
     def retry_waiting(self, now: float, heartbeat: bool = False) -> None:
         """Room may have opened: decide the waiting requests again."""
 
@@ -181,8 +178,6 @@ class Membership:
                 self.ask_hello(hb.worker_id, now)
             return
         self.prefix.on_heartbeat(hb)
-        if self.table.raced:
-            self.core.reconsider(now)
         if self.core.kv_waiting:
             self.core.retry_waiting(now, heartbeat=True)  # its view may show room now (KV, a shorter prefill queue)
         self.hooks.views_changed()

@@ -123,7 +123,6 @@ class Request:
     prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)
     rejected_by: set[str] = field(default_factory=set)  # decode workers whose admission turned its deflection away
-    raced: bool = False  # decided again once already: its prefill worker had another replica's work ahead of it
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then
     held: bool = False          # ... because the policy held it (late binding), not for KV room

@@ -31,9 +31,6 @@ class LedgerEntry:
     deflect: bool
     at: float = 0.0  # router clock (monotonic) when dispatched: when it joins the worker's queue
     retain: bool = False  # route "retain": a prefill worker decodes it itself, after its prefill
-    # with router replicas, a prefill dispatch: the queue (tokens) it was placed behind as this replica
-    # saw it (-1: not watched; `WorkerTable.heartbeat` looks for another replica's work ahead of it)
-    ahead: int = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -185,9 +182,6 @@ class WorkerEntry:
 # over this many of the latest dispatches; with router replicas, about how long it takes to show in
 # another replica's view (the worker heartbeats every replica alike, at once when it takes work)
 RELAY_SAMPLES = 64
-# a replica's prefill dispatch found behind at least this many tokens of work it did not see (another
-# replica's, sent within the relay) is decided again (`WorkerTable.raced`, core.py `reconsider`)
-RACE_TOKENS = 1024
 
 
 class WorkerTable:
@@ -208,9 +202,6 @@ class WorkerTable:
         self.relays: deque[float] = deque(maxlen=RELAY_SAMPLES)  # seconds, dispatch to acknowledgement
         self._relay_p90: float | None = None  # cached `relay_p90` (None: samples came since)
         self.relays_seen = 0  # relays measured so far, all told
-        # (worker, request) of this replica's prefill dispatches that a heartbeat showed behind another
-        # replica's work they were decided blind to; the core takes them (`reconsider`)
-        self.raced: list[tuple[str, str]] = []
 
     def relay_p90(self) -> float:
         """The 90th percentile of the latest dispatches' relay (`relays`: dispatch to the heartbeat
@@ -269,14 +260,7 @@ class WorkerTable:
         if e.ledger:
             for k, le in e.ledger.items():  # (in dispatch order)
                 if k > hb.last_dispatch:
-                    if le.ahead >= 0 and isinstance(hb, m.PrefillHeartbeat):
-                        # not there yet when the worker beat: what it holds then is ahead of it. More
-                        # than this replica saw when it decided (and its own dispatches since are in
-                        # that figure): another replica's work, sent within the relay
-                        if hb.queued_tokens - le.ahead >= RACE_TOKENS:
-                            self.raced.append((e.worker_id, le.request_id))
-                            le.ahead = -1  # once
-                    continue
+                    break
                 self.relays.append(now - le.at)
                 self.relays_seen += 1
                 self._relay_p90 = None
@@ -348,13 +332,13 @@ class WorkerTable:
         return ClusterView(prefill=tuple(p), decode=tuple(d))
 
     def record_dispatch(self, d: Decision, request_id: str, prompt_tokens: int, reserve_tokens: int,
-                        now: float, ahead: int = -1) -> tuple[int, int]:
+                        now: float) -> tuple[int, int]:
         """What a dispatch leaves in the table (dispatch.py): the ledger entries of the worker(s)
         chosen (what the policy will see of them until their heartbeats acknowledge the work) and, for a deflection, its
         record on the decode worker (reserved step cost, largest chunk, predicted end of its
         prefill; `WorkerEntry.end_deflection` at its first token). `prompt_tokens` is the prompt
         as sent, `reserve_tokens` the KV it may grow to. Returns the dispatch numbers the work
-        messages carry: (decode worker's, prefill worker's or 0). `ahead`: see LedgerEntry."""
+        messages carry: (decode worker's, prefill worker's or 0)."""
         dw = self.workers[d.decode_worker]
         work = prompt_tokens - d.cached_tokens  # what the prefilling worker computes, as the index knows
         if d.route == "retain":  # the prefill worker prefills it and then decodes it: one entry, with KV kept
@@ -367,8 +351,7 @@ class WorkerTable:
                               max(d.chunk_schedule, default=0), now + (d.ttft_decode_pred or 0.0))
             return no, 0
         assert d.prefill_worker is not None
-        pno = self.workers[d.prefill_worker].next_dispatch(LedgerEntry(request_id, work, 0, deflect=False, at=now,
-                                                                       ahead=ahead))
+        pno = self.workers[d.prefill_worker].next_dispatch(LedgerEntry(request_id, work, 0, deflect=False, at=now))
         return dw.next_dispatch(LedgerEntry(request_id, prompt_tokens, reserve_tokens, deflect=False, at=now)), pno
 
     def count(self, role: m.Role) -> int:

@@ -172,6 +172,8 @@ def summary(res: dict[str, Any], completed_rate: float) -> list[str]:
     """Per-request lines for the console (and the docs' table)."""
     n = completed_rate * res["threads_s"]
     lines = [f"accounting at {completed_rate:.0f} req/s completed over {res['threads_s']:.1f} s ({n:.0f} requests)"]
+    if n <= 0:  # nothing completed in the step (the router failed or refused every request): no per-request figure
+        return [*lines, "  no request completed in the step: no per-request figures (see the router's log)"]
     for t in res["threads"]:
         if t["utime"] + t["stime"] == 0 and t["vcs"] == 0:
             continue
@@ -181,7 +183,7 @@ def summary(res: dict[str, Any], completed_rate: float) -> list[str]:
         lines.append(f"  {w}: " + ", ".join(
             f"{t['name']} user {1e6 * t['utime'] / n:.1f} us sys {1e6 * t['stime'] / n:.1f} us "
             f"switches {t['vcs'] / n:.2f}" for t in rows if t["utime"] + t["stime"] > 0 or t["vcs"] > 0))
-    ns = completed_rate * res.get("syscalls_s", 1.0)
+    ns = max(completed_rate * res.get("syscalls_s", 1.0), 1e-9)
     for th, calls in sorted(res.get("syscalls", {}).items()):
         top = sorted(((k, v) for k, v in calls.items() if k != "all"), key=lambda kv: -kv[1])[:10]
         lines.append(f"  syscalls {th}: {calls.get('all', 0) / ns:.2f} per request: "

@@ -3,7 +3,7 @@ type in an strace log (their msgspec tag, its length byte escaped as strace writ
 
 from __future__ import annotations
 
-from bench.router_account import bus_messages, parse_perf_per_thread
+from bench.router_account import bus_messages, parse_perf_per_thread, summary
 
 
 def test_perf_stat_per_thread_lines_are_read_by_thread_and_syscall() -> None:
@@ -32,3 +32,11 @@ def test_bus_messages_are_counted_by_type_and_direction() -> None:
     got = bus_messages(log)
     assert got["out"] == {"DecodeWork": 1}
     assert got["in"] == {"TokenBatch": 2, "DecodeHeartbeat": 1}
+
+
+def test_a_step_with_no_completed_request_says_so_instead_of_dividing_by_zero() -> None:
+    res = {"threads_s": 5.0, "threads": [{"name": "python", "utime": 1.0, "stime": 0.1, "vcs": 10, "nvcs": 1}],
+           "syscalls_s": 5.0, "syscalls": {"python": {"all": 100, "poll": 50}}, "perf": {"error": "no perf"}}
+    lines = summary(res, 0.0)
+    assert "no request completed" in lines[-1] and len(lines) == 2
+    assert any("per request" in line for line in summary(res, 10.0))

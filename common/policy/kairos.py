@@ -660,7 +660,8 @@ class Kairos(Policy):
                            f"request ({req.prompt_tokens} prompt tokens) added; the most room is on "
                            f"{best[0].worker_id}, {max(best[14], 0.0):.0f} tokens of context within {best[1] * 1000:g} "
                            f"ms (planned to {self.cfg.decode_beta:g} x it, or less by the worker's measured step "
-                           f"margin); waits for a decode to finish")
+                           f"margin, or less by a {self.cfg.retain_chunk}-token chunk step where a deflected "
+                           f"prompt is still prefilling); waits for a decode to finish")
 
     def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

@@ -206,7 +206,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                    "still meet the TTFT SLO) or fifo")] = "slack"
     decode_room: Annotated[bool, doc("kairos: keep a request at the router while every decode worker's decode step, "
                                      "with it added, would pass the less of decode_beta x the TBT SLO of the "
-                                     "requests running there and that SLO / the worker's measured margin, on both paths (protects TBT when "
+                                     "requests running there and that SLO / the worker's measured margin (less a retain_chunk chunk "
+                                     "step's cost where a deflected prompt is still prefilling there), on both paths (protects TBT when "
                                      "the decode pool is the bottleneck, costs TTFT; docs/cost-model.md)")] = True
     decode_beta: Annotated[float, doc("kairos decode room: plan decode-only steps to this fraction of the strictest "
                                       "resident TBT SLO, or less where the worker's measured margin asks for less: "
@@ -218,7 +219,9 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
                                 "a prefill worker, vLLM's, are never sent one)")] = True
     retain_chunk: Annotated[int, doc("kairos retain: the prefill chunk (tokens) a prefill worker must keep room for "
                                      "beside the requests it decodes (64: on an A100 a chunk of 512 beside even one "
-                                     "decode takes longer than a 100 ms TBT SLO, so the path never opened there)")] = 64
+                                     "decode takes longer than a 100 ms TBT SLO, so the path never opened there); the decode "
+                                     "room also keeps a chunk step of this size beside a deflected prompt still "
+                                     "prefilling on a decode worker")] = 64
     retain_max: Annotated[int, doc("kairos retain: requests a prefill worker decodes at most")] = 64
     per_worker_models: Annotated[bool, doc("kairos: use each worker's own model coefficients from its heartbeats")] = True
     bias_correction: Annotated[bool, doc("scale each worker's model by the step bias its heartbeats report (median "

@@ -298,7 +298,8 @@ def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     """KV room for the request, and decode room (`decode_room`): the decode-only step with it and
     everything the worker holds or was sent (at the batch's mean context) times the worker's
     margin, made stricter for decode steps, within decode_beta x the residents' strictest TBT SLO
-    (none running: any request)."""
+    (none running: any request); with a deflected prompt prefilling there, that step and a
+    `retain_chunk`-token chunk's added cost within the SLO too."""
     if d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
         return False
     if not cfg.decode_room or d.strictest_tbt_slo is None:
@@ -306,6 +307,10 @@ def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     others = d.pending + d.deflections
     kv = d.kv_tokens + others * (d.kv_tokens / d.batch if d.batch else 0) + d.resident_prefill_tokens
     step = d.model.decode_time(d.batch + others + 1, 0) + d.model.a2 * (kv + req.prompt_tokens)
+    if d.deflections or d.resident_prefill_tokens:  # a prompt prefilling there keeps a chunk step's room
+        chunk = d.model.chunk_cost(cfg.retain_chunk, 0, d.batch + others + 1)
+        if (step + chunk) * stricter_margin(d.step_margin) > d.strictest_tbt_slo * (1 + 1e-12):
+            return False
     return step * stricter_margin(d.step_margin) <= cfg.decode_beta * d.strictest_tbt_slo * (1 + 1e-12)
 
 
@@ -513,6 +518,45 @@ def test_decode_room_holds_a_noisy_worker_s_step_to_the_slo_over_its_margin_not_
     with pytest.raises(NoDecodeRoom, match="within 100 ms"):
         decide("kairos", rq(1000), cluster([pv(queued=50_000)], [dv(batch=k, kv=k * 1000, margin=m)]),
                decode_room=True)
+
+
+def test_decode_room_leaves_a_chunk_step_beside_a_deflection_still_prefilling() -> None:
+    """A decode worker with a deflected prompt still prefilling (in flight, or resident prefill
+    tokens left) plans its decode-only step to the chunk guard's limit (SLO / margin) less a
+    `retain_chunk`-token chunk's added cost (the model's fixed a6 and the chunk), not to
+    decode_beta x the SLO: the worker's guard runs a chunk only when one fits beside its decodes,
+    and a pool refilled by handoffs up to 95 ms (a6 is 17 ms on the H100) left the prompt no
+    step until its residents drained or its request timed out. A worker whose next decode step
+    with the handoff lands between (limit - a6) and the limit takes it with no prompt
+    prefilling there, and not with one."""
+    h = load_profile("h100-llama2-70b-tp4").model
+    assert h.a6 > 0.015  # the premise: a step with a chunk costs the fixed a6 more
+    lim = decode_limit(0.95, 1.0, 0.1)
+    chunk = 64
+    room = lim - h.a6  # below this the chunk's own cost decides; above it no chunk step fits at all
+
+    def step(b: int) -> float:  # the decode-only step with b decodes running, one in flight and the handoff
+        return h.decode_time(b + 2, 0) + h.a2 * ((b + 1) * 500 + 1000 + 500)
+
+    b = next(b for b in range(1, 1000) if step(b) + h.chunk_cost(chunk, 0, b + 2) > 0.1 + 0.001)
+    assert room < step(b) < lim, step(b)  # the premise: within decode_beta x the SLO, with no chunk room
+    view = cluster([pv(queued=50_000)], [dv(batch=b, kv=b * 500, defl=1, res=1000, model=h)])
+    with pytest.raises(NoDecodeRoom):
+        decide("kairos", rq(500), view, decode_room=True, retain_chunk=chunk)
+    # resident prefill tokens alone (the deflection landed, its prompt still prefilling) count too
+    with pytest.raises(NoDecodeRoom):
+        decide("kairos", rq(500), cluster([pv(queued=50_000)], [dv(batch=b + 1, kv=(b + 1) * 500, res=1000,
+                                                                    model=h)]), decode_room=True, retain_chunk=chunk)
+    # no prompt prefilling there: the same decode step takes the handoff (decode_beta x the SLO)
+    free = dv(batch=b + 1, kv=(b + 1) * 500 + 1000, model=h)
+    got = decide("kairos", rq(500), cluster([pv(queued=50_000)], [free]), decode_room=True, retain_chunk=chunk)
+    assert got.decode_worker == "decode-0"
+    # with the chunk step's room left the deflection's worker takes it again
+    small = next(s for s in range(b, 0, -1) if h.decode_time(s + 2, 0) + h.a2 * ((s + 1) * 500 + 2000)
+                 + h.chunk_cost(chunk, 0, s + 2) <= 0.1)
+    got = decide("kairos", rq(500), cluster([pv(queued=50_000)], [dv(batch=small, kv=small * 500, defl=1, res=1000,
+                                                                      model=h)]), decode_room=True, retain_chunk=chunk)
+    assert got.decode_worker == "decode-0"
 
 
 @pytest.mark.parametrize(("policy", "decode"), NO_DECODE)

@@ -187,7 +187,7 @@ def retry_order(cfg: KairosConfig | None, latest: Sequence[float], now: float) -
     return [i for i, t in enumerate(latest) if t > now] + [i for i, t in enumerate(latest) if t <= now]
 
 
-def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 1.0) -> float:
+def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 1.0, chunk: int = 0) -> float:
     """Decode room (`KairosConfig.decode_room`): the largest context (prompt tokens) a new decode
     may bring to decode worker `d` so that its decode-only step, with every request it holds or
     is sent decoding (the handoffs dispatched to it and its deflections, each at the batch's
@@ -203,14 +203,27 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 
     and handoffs land with prompts longer than the batch's mean, and a pool planned to the SLO
     itself missed it by under 0.1 ms on half its requests (issue 44). It protects the requests
     already there: a worker running none (`slo` None) takes any request, so a request whose own
-    SLO no step could meet is still served. -inf when not even an empty prompt fits."""
+    SLO no step could meet is still served. -inf when not even an empty prompt fits.
+
+    A worker with a deflected prompt still prefilling (deflections in flight or resident prefill
+    tokens left) and `chunk` > 0 also keeps a chunk step's room: its decode-only step is planned
+    to at most the chunk guard's limit (SLO / the same stricter margin, `ChunkGuard.fit`) less
+    the added cost of a `chunk`-token prefill chunk beside those decodes (the model's fixed a6
+    and the chunk's tokens, `PerfModel.chunk_cost`). The worker's guard runs a chunk only when
+    at least one token fits (common/engines/batcher.py); a pool refilled by handoffs up to
+    `decode_limit` alone (95 ms at SLO 100 ms, a6 17 ms on the H100) left such a prompt no step
+    until its residents drained or its request timed out."""
     if slo is None:
         return _INF
     b = d.batch
     n = b + d.pending + d.deflections + 1
     mean_ctx = d.kv_tokens / b if b else 0.0
     kv = d.kv_tokens + (d.pending + d.deflections) * mean_ctx + d.resident_prefill_tokens
-    left = decode_limit(decode_beta, d.step_margin, slo) - dm.decode_time(n, 0) - dm.a2 * kv
+    limit = decode_limit(decode_beta, d.step_margin, slo)
+    if chunk > 0 and (d.deflections or d.resident_prefill_tokens):
+        m = stricter_margin(d.step_margin) if d.step_margin > 0 else 1.0
+        limit = min(limit, slo / m - dm.chunk_cost(chunk, 0, n))
+    left = limit - dm.decode_time(n, 0) - dm.a2 * kv
     if left < 0.0:
         return -_INF
     return left / dm.a2 if dm.a2 > 0.0 else _INF
@@ -330,7 +343,7 @@ class Kairos(Policy):
         got = self._dprep[d.worker_id] = (d, slo, dm, budget_s, busy_until, stale, cap, cands, terms, relief,
                                           stuck, (b + d.pending + d.deflections, d.kv_tokens, d.worker_id), doom,
                                           (dm.a0 + dm.a1 * (b + 1), dm.a2, dm._gemm(b + 1)),
-                                          _room(dm, d, d.strictest_tbt_slo, cfg.decode_beta)
+                                          _room(dm, d, d.strictest_tbt_slo, cfg.decode_beta, cfg.retain_chunk)
                                           if cfg.decode_room else _INF)
         return got
 
@@ -647,7 +660,8 @@ class Kairos(Policy):
                            f"request ({req.prompt_tokens} prompt tokens) added; the most room is on "
                            f"{best[0].worker_id}, {max(best[14], 0.0):.0f} tokens of context within {best[1] * 1000:g} "
                            f"ms (planned to {self.cfg.decode_beta:g} x it, or less by the worker's measured step "
-                           f"margin); waits for a decode to finish")
+                           f"margin, or less by a {self.cfg.retain_chunk}-token chunk step where a deflected "
+                           f"prompt is still prefilling); waits for a decode to finish")
 
     def _reason_without_schedule(self, req: RequestSpec, preps: list[_Prep], tokens: int, ttft_p: float,
                                  status: dict[str, int], now: float, per_worker: bool = False) -> str:

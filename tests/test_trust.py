@@ -298,14 +298,16 @@ def test_forged_token_batch_from_an_unregistered_peer_never_reaches_a_client(
     from tests.conftest import start_cluster
 
     c = start_cluster(tmp_path_factory.mktemp("forged"), prefill=1, decode=1, profile="a100-dsv2-lite",
-                      policy="kairos", kv_transport="modeled")  # real step times: ~2 s of streaming
+                      policy="kairos", kv_transport="modeled")  # real step times: ~8 s of streaming
     ctx = zmq.Context()
     try:
         rogue = ctx.socket(zmq.DEALER)
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.setsockopt(zmq.IDENTITY, b"intruder")
         rogue.connect(f"tcp://127.0.0.1:{c.spec.work_port}")
-        body = {"prompt": "hello there", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        # long enough that the stream is still going after the forged batch is counted on a loaded
+        # host (at 100 tokens, ~2 s, it had ended by then once, under a CI run and other tests)
+        body = {"prompt": "hello there", "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", c.spec.api + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
@@ -329,7 +331,7 @@ def test_forged_token_batch_from_an_unregistered_peer_never_reaches_a_client(
                 ch = json.loads(ln[6:])["choices"][0]
                 words += ch["text"].split()
                 finish = ch["finish_reason"] or finish
-        assert finish == "length" and len(words) == 100  # its own 100 tokens; not the forged 50 and "stop"
+        assert finish == "length" and len(words) == 400  # its own 400 tokens; not the forged 50 and "stop"
         log = (tmp_path_factory.getbasetemp()).glob("forged*/router.log")
         assert any('"message_dropped"' in p.read_text() and "intruder" in p.read_text() for p in log)
     finally:

@@ -615,7 +615,7 @@ class RouterCore:
             self.delivery_logged, self.delivery_logged_at = ms, now
             say = self.log.warning if d.capped(slo) else self.log.info
             say("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
-                measured_ms=round(d.measured_s * 1000.0, 1), samples=d.samples,
+                measured_ms=round(d.measured_s * 1000.0, 1), samples=d.samples, stalls=d.stalls,
                 plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1), capped=d.capped(slo))
 
     # ------------------------------------------------------------------ introspection

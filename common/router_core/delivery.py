@@ -14,7 +14,12 @@ Two parts, added:
   the step time the worker reported for the later token (`TokenBatch.step_s`): what the worker's
   loop, the bus and the router's loop and write add, which the worker's step timing does not see.
   A high quantile (`QUANTILE`) of the last `WINDOW` samples (to `BIN_S`, rounded up), counted
-  once `MIN_SAMPLES` are in.
+  once `MIN_SAMPLES` are in. A sample of `STALL_S` or more is a stall (the router's loop stopped:
+  a SIGSTOP, a swap-in, a debugger), not a delivery cost: it is counted (`stalls`) and kept out
+  of the window. No smaller step can absorb it, and kept in, one 10 s freeze under 50 streams put
+  50 samples past the cap into a window of ~1,100 and held the decode guard at half the TBT SLO
+  for the next minute, with requests waiting at the router for decode room until their deadline
+  (tests/chaos/test_stranded_live.py, 2026-12-07).
   Only the live router's HTTP layer feeds it: the simulator has no delivery path, so its measured
   part is 0 and its results are those of the configured part alone.
 - configured (`RouterConfig.tbt_delivery_allowance_ms`): what the router cannot see (the network
@@ -38,6 +43,7 @@ RECOMPUTE_EVERY = 256  # samples between two readings of the quantile off the hi
 BIN_S = 0.00025  # the histogram's resolution: a quarter of a millisecond (the quantile is a bin's upper edge)
 BINS = 800  # up to 200 ms; a sample past it counts in the last bin
 CAP = 0.5  # the allowance, configured and measured, is at most this fraction of the TBT SLO
+STALL_S = 0.1  # an extra gap this long or longer is a stall of the router's loop: counted, not in the window
 
 
 class DeliveryAllowance:
@@ -45,7 +51,7 @@ class DeliveryAllowance:
     The window is kept as its samples' bins (a ring) and a histogram of them, so a sample costs
     O(1) and a reading of the quantile a scan of `BINS` counts."""
 
-    __slots__ = ("_counts", "_ring", "_since", "configured_s", "measured", "measured_s")
+    __slots__ = ("_counts", "_ring", "_since", "configured_s", "measured", "measured_s", "stalls")
 
     def __init__(self, configured_s: float = 0.0, *, measured: bool = True) -> None:
         if not configured_s >= 0.0 or math.isinf(configured_s):
@@ -56,6 +62,7 @@ class DeliveryAllowance:
         self._counts = [0] * BINS
         self.measured_s = 0.0
         self._since = 0  # samples since the quantile was last read
+        self.stalls = 0  # samples of STALL_S or more, kept out of the window
 
     @property
     def samples(self) -> int:
@@ -65,6 +72,9 @@ class DeliveryAllowance:
     def observe(self, extra_s: float) -> None:
         """One token's write gap less its step time (negative: its write came sooner; kept as 0)."""
         if not self.measured:
+            return
+        if extra_s >= STALL_S:
+            self.stalls += 1
             return
         b = min(BINS - 1, int(extra_s / BIN_S)) if extra_s > 0.0 else 0
         ring, counts = self._ring, self._counts

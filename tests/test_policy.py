@@ -297,8 +297,8 @@ def test_largest_safe_schedule_matches_algorithm1(seed: int) -> None:
 def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     """KV room for the request, and decode room (`decode_room`): the decode-only step with it and
     everything the worker holds or was sent (at the batch's mean context) times the worker's
-    margin, made stricter for decode steps, within decode_beta x the residents' strictest TBT SLO
-    (none running: any request); with a deflected prompt prefilling there, that step and a
+    margin, made stricter for decode steps, within the less of decode_beta x the residents'
+    strictest TBT SLO and that SLO over the margin (none running: any request); with a deflected prompt prefilling there, that step and a
     `retain_chunk`-token chunk's added cost within the SLO too."""
     if d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
         return False
@@ -311,7 +311,9 @@ def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
         chunk = d.model.chunk_cost(cfg.retain_chunk, 0, d.batch + others + 1)
         if (step + chunk) * stricter_margin(d.step_margin) > d.strictest_tbt_slo * (1 + 1e-12):
             return False
-    return step * stricter_margin(d.step_margin) <= cfg.decode_beta * d.strictest_tbt_slo * (1 + 1e-12)
+    m = stricter_margin(d.step_margin)  # the less of decode_beta x the SLO and the SLO / margin (noise44c)
+    limit = min(cfg.decode_beta / min(m, 1.0), 1.0 / m) * d.strictest_tbt_slo
+    return step <= limit * (1 + 1e-12)
 
 
 def reference_kairos(req: RequestSpec, view: ClusterView, cfg: KairosConfig) -> tuple[str, str | None, str | None,

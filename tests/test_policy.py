@@ -298,8 +298,9 @@ def has_room(req: RequestSpec, d: DecodeView, cfg: KairosConfig) -> bool:
     """KV room for the request, and decode room (`decode_room`): the decode-only step with it and
     everything the worker holds or was sent (at the batch's mean context) times the worker's
     margin, made stricter for decode steps, within the less of decode_beta x the residents'
-    strictest TBT SLO and that SLO over the margin (none running: any request); with a deflected prompt prefilling there, that step and a
-    `retain_chunk`-token chunk's added cost within the SLO too."""
+    strictest TBT SLO and that SLO over the margin (none running: any request); with a deflected
+    prompt prefilling there, that step and a `retain_chunk`-token chunk's added cost within the SLO
+    too."""
     if d.kv_free_tokens < req.prompt_tokens + req.max_tokens:
         return False
     if not cfg.decode_room or d.strictest_tbt_slo is None:

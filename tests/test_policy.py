@@ -676,3 +676,29 @@ def test_kairos_schedule_is_timed_by_the_measured_model(name: str) -> None:
         assert acc == pytest.approx(found[1], rel=1e-12) and found[1] == pytest.approx(ref[1], rel=1e-12)
         scheduled += 1
     assert scheduled >= 2
+
+
+def test_the_decode_room_equals_the_reference_rule_on_random_workers() -> None:
+    """`_room` (the most prompt a new decode may bring) against `has_room`'s straight rule, on
+    random workers with noisy margins, deflections and resident prefills, near the limit: the
+    random cluster comparison above seldom turns the room on or lands near its edge."""
+    from common.policy.kairos import _room
+
+    rng = random.Random(44)
+    cfg = KairosConfig(decode_room=True)
+    slow = M.scaled(1.4)
+    checked = 0
+    for _ in range(4000):
+        model = rng.choice([M, slow])
+        slo = rng.choice([0.05, 0.1, 0.2])
+        d = dv(batch=rng.randint(1, 300), kv=rng.randint(0, 600_000), defl=rng.choice([0, 0, 1, 2]),
+               res=rng.choice([0, 0, 3000]), slo=slo, pending=rng.choice([0, 0, 2]), model=model,
+               margin=rng.choice([1.0, 1.05, 1.1, 1.25, 1.5]))
+        room = _room(model, d, d.strictest_tbt_slo, cfg.decode_beta, cfg.retain_chunk)
+        for prompt in (1, 500, 4000, 20_000):
+            req = rq(prompt, out=1)
+            if abs(room - prompt) < 1.0:
+                continue  # at the boundary itself rounding may go either way
+            assert (room >= prompt) == has_room(req, d, cfg), (d, prompt, room)
+            checked += 1
+    assert checked > 10_000

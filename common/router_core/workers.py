@@ -87,13 +87,15 @@ class WorkerEntry:
         self.touch()
         return self.dispatch_no
 
-    def acknowledge(self, last_dispatch: int) -> None:
-        if self.ledger:
-            done = [k for k in self.ledger if k <= last_dispatch]
-            for k in done:
-                del self.ledger[k]
-            if done:
-                self.touch()
+    def acknowledge(self, last_dispatch: int) -> list[LedgerEntry]:
+        """Drop the dispatches a heartbeat acknowledges (numbers up to `last_dispatch`); returns
+        them, in dispatch order."""
+        if not self.ledger:
+            return []
+        done = [self.ledger.pop(k) for k in [k for k in self.ledger if k <= last_dispatch]]
+        if done:
+            self.touch()
+        return done
 
     def add_deflection(self, request_id: str, reserved_s: float, largest_chunk: int, end: float) -> None:
         """A deflection this router sent it: its reserved step cost, largest chunk and predicted
@@ -257,14 +259,11 @@ class WorkerTable:
             e.drain = None if d is None else Tail(e.hb_at + d.start_s * b, tuple(d.chunks), d.used,
                                                   e.hb_at + d.end_s * b)
         e.draining = e.draining or hb.draining
-        if e.ledger:
-            for k, le in e.ledger.items():  # (in dispatch order)
-                if k > hb.last_dispatch:
-                    break
-                self.relays.append(now - le.at)
-                self.relays_seen += 1
-                self._relay_p90 = None
-        e.acknowledge(hb.last_dispatch)
+        acked = e.acknowledge(hb.last_dispatch)
+        if acked:  # the relay of each: dispatch to this acknowledgement
+            self.relays.extend(now - le.at for le in acked)
+            self.relays_seen += len(acked)
+            self._relay_p90 = None
         e.touch()
         return e
 

@@ -474,6 +474,11 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     # and the worker's tokenizer matches): the ids' decode, less a character still incomplete at the
     # end (it comes with a later item); None: the router decodes the ids itself
     text: str | None = None
+    # the output position of token_ids[0] (0 = the request's first output token; a migrated
+    # attempt continues at the position the stream reached): the router checks that nothing was
+    # lost or repeated between worker and router (a bus connection that broke drops what was in
+    # flight); -1: not reported (an older worker)
+    pos: int = -1
 
 
 class TokenBatch(Msg, frozen=True):

@@ -11,7 +11,7 @@ KV hand-off messages and hand-backs go to the router that sent it.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgspec
 
@@ -23,6 +23,8 @@ from common.sockets import WorkerBus
 # Requests remembered against their router; the oldest are forgotten past this many (a request
 # still alive after this many newer ones then answers on the first link).
 ORIGIN_CAP = 1 << 16
+# what a worker keeps for a router while their connection is broken (RouterLink.hold), at most
+HOLD_MAX_BYTES = 64 << 20
 
 
 def router_addresses(cfg: WorkerConfig) -> list[BusConfig]:
@@ -58,12 +60,72 @@ class RouterLink:
         self.refused = ""                 # why the router refuses us, while it does
         self.incarnation: str | None = None
         self.connected = True             # False from a disconnection until the next handshake
+        self.just_back = False            # reconnected, and no Hello answered since (redial at once if not)
+        # a break in the connection: what this worker sends the router waits here, in order,
+        # until the router welcomes it again (`hold`, `release`)
+        self.broken = False
+        self.held_out: deque[bytes] = deque()
+        self.held_bytes = 0
+        self.held_rids: set[str] = set()  # the requests those messages are about (Hello.held names them)
+        # the token batches sent in the last `replay_s` (RouterLink.sent): a connection that breaks
+        # is noticed only once the ZeroMQ heartbeat times out, and what was sent on it meanwhile
+        # may be lost with it; they are sent again after the break (the router drops repeats by
+        # TokenItem.pos)
+        self.replay_s = 3.0 * bus_cfg.zmq_heartbeat_s + 1.0
+        self.recent: deque[tuple[float, bytes, m.TokenBatch]] = deque()
         self.last_dispatch = 0            # the highest dispatch number this router sent us
         self.bus: WorkerBus | None = None
 
     def open(self, worker_id: str) -> WorkerBus:
         self.bus = WorkerBus(self.cfg, worker_id)
         return self.bus
+
+    @property
+    def holding_out(self) -> bool:
+        """Whether messages to the router wait (`hold`): from a break in the connection until the
+        router welcomes this worker again. A message sent meanwhile would be lost: queued on a
+        connection that is gone, or on a new one the router does not hear yet (common/sockets.py,
+        WorkerBus.reconnect)."""
+        return self.broken or not self.connected
+
+    def hold(self, payload: bytes, msg: m.Msg) -> bool:
+        """Keep a message until `release`; False when the hold is full (HOLD_MAX_BYTES): the message
+        is dropped (the router's position check resumes a request whose tokens went missing)."""
+        if self.held_bytes + len(payload) > HOLD_MAX_BYTES:
+            return False
+        self.held_out.append(payload)
+        self.held_bytes += len(payload)
+        if isinstance(msg, m.TokenBatch):
+            self.held_rids.update(it.request_id for it in msg.items)
+        else:
+            rid = getattr(msg, "request_id", None)
+            if isinstance(rid, str):
+                self.held_rids.add(rid)
+        return True
+
+    def sent(self, now: float, payload: bytes, msg: m.Msg) -> None:
+        """Note a token batch sent now (the others are not sent again: see `recent`)."""
+        if isinstance(msg, m.TokenBatch):
+            recent = self.recent
+            recent.append((now, payload, msg))
+            while recent[0][0] < now - self.replay_s:
+                recent.popleft()
+
+    def on_break(self) -> None:
+        """The connection broke: what was sent on it lately is held again, ahead of anything else."""
+        self.broken = True
+        for _, payload, msg in self.recent:
+            self.hold(payload, msg)
+        self.recent.clear()
+
+    def release(self) -> list[bytes]:
+        """The router welcomed this worker again: what waited, in order, to send now."""
+        self.broken = False
+        out = list(self.held_out)
+        self.held_out.clear()
+        self.held_bytes = 0
+        self.held_rids.clear()
+        return out
 
     def saw(self, msg: object) -> None:
         """Note the dispatch number of work that arrived on this link (its heartbeats acknowledge it)."""

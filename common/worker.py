@@ -344,6 +344,8 @@ class WorkerService(abc.ABC):
         held = self.held_ids()
         if link is not None and len(self.links) > 1:  # only what this router sent: it names what it no longer tracks
             held = [rid for rid in held if self.origins.of(rid) is link]
+        if link is not None and link.held_rids:  # ended here, their last messages still waiting to go
+            held = list(dict.fromkeys([*held, *link.held_rids]))
         return self.core.hello(held=held, coeffs=self.coeffs(), fixed_role=not self.engine.can_switch_role,
                                **self.extra_hello())
 
@@ -356,7 +358,11 @@ class WorkerService(abc.ABC):
             await link.bus.send(codec.encode(self.hello(link)))
             if not await _either(link.answered, link.hello_now, timeout=1.0):
                 unanswered += 1
-                if unanswered % REDIAL_AFTER == 0:  # perhaps ignored as a duplicate of our old connection
+                # perhaps ignored as a duplicate of our old connection; at once when the connection
+                # has just come back (the router is awake: its handshake succeeded) and the router
+                # still did not answer in a second, so its liveness window does not pass meanwhile
+                just_back, link.just_back = link.just_back, False
+                if unanswered % REDIAL_AFTER == 0 or just_back:
                     self.log.warning("router_not_answering", router=link.address, hellos=unanswered,
                                      action="reconnecting")
                     link.bus.reconnect()
@@ -366,6 +372,7 @@ class WorkerService(abc.ABC):
             unanswered = 0
             if not link.answered.is_set():  # reconnected meanwhile: say Hello again at once
                 continue
+            link.just_back = False
             if not link.welcomed.is_set():  # refused: say why, try again later (the cluster may change)
                 try:
                     await asyncio.wait_for(link.hello_now.wait(), timeout=REFUSED_RETRY_S)
@@ -383,6 +390,7 @@ class WorkerService(abc.ABC):
             event = await link.bus.connection_event()
             if event == zmq.EVENT_DISCONNECTED:
                 broken = True
+                link.on_break()
                 link.connected = False  # its heartbeats stop naming this router (the planner's leader)
                 self.log.info("router_disconnected", router=link.address)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -390,6 +398,7 @@ class WorkerService(abc.ABC):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
                 broken = False
                 self.log.info("router_reconnected", router=link.address)
+                link.just_back = True
                 link.welcomed.clear()
                 link.hello_now.set()
 
@@ -480,6 +489,11 @@ class WorkerService(abc.ABC):
                 link.refused = ""
                 link.welcomed.set()
                 link.answered.set()
+                if link.broken:  # what waited while the connection was broken, in order, first
+                    held = link.release()
+                    assert link.bus is not None
+                    sent = sum(send_nowait(link.bus.work, p) for p in held)
+                    self.log.info("held_messages_sent", router=link.address, messages=len(held), sent=sent)
                 self._drop_untracked(msg.drop if len(self.links) == 1
                                      else [rid for rid in msg.drop if self.origins.of(rid) is link])
             case m.Refused():
@@ -567,11 +581,20 @@ class WorkerService(abc.ABC):
         self.core.engine_failed(request_id, attempt, reason, retryable)
 
     def send(self, msg: m.Msg) -> None:
-        """To the router that sent the request (every router for a message about none)."""
+        """To the router that sent the request (every router for a message about none); while the
+        connection to it is broken, kept until it welcomes this worker again (RouterLink.hold)."""
         for link, part in self.origins.split(msg):
             assert link.bus is not None
-            if not send_nowait(link.bus.work, codec.encode(part)):
+            payload = codec.encode(part)
+            if link.holding_out:
+                if not link.hold(payload, part):
+                    self.log.error("send_failed", message=type(msg).__name__, router=link.address,
+                                   reason="the connection is broken and what waits for it is full")
+                continue
+            if not send_nowait(link.bus.work, payload):
                 self.log.error("send_failed", message=type(msg).__name__, router=link.address)
+            else:
+                link.sent(time.monotonic(), payload, part)
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event, *, timeout: float) -> bool:

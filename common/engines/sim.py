@@ -320,5 +320,5 @@ class SimEngine(Engine):
             if finish is not None:
                 self._reqs.pop(s.request_id, None)
                 resume.pop(s.request_id, None)
-            items.append(TokenItem(s.request_id, s.attempt, [tok], finish, lps, plps))
+            items.append(TokenItem(s.request_id, s.attempt, [tok], finish, lps, plps, pos=pos))
         self.on_tokens(items, step_s)

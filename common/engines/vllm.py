@@ -751,11 +751,13 @@ class VllmEngine(Engine):
                     # a handoff's prompt was added to the prefill engine's cache, not to this one's
                     created = h.created if h.created is not None and not h.in_place else \
                         int(out.num_cache_creation_tokens or 0)
+            pos = req.resume_tokens + h.generated  # the output position of tokens[0] (TokenItem.pos)
             h.generated += len(tokens)
             lps = _logprobs(comp.logprobs) if req.sampling.logprobs is not None and tokens else None
             plps = _prompt_logprobs(out.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None
             if tokens or finish is not None or plps:
-                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish, lps, plps, cached, created))
+                self._emit(TokenItem(req.request_id, req.attempt, tokens, finish, lps, plps, cached, created,
+                                     pos=pos))
             if out.finished:
                 return None
 

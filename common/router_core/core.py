@@ -335,7 +335,7 @@ class RouterCore:
             if req is None or req.done or req.attempt != attempt:
                 continue
             self.counts["unsent_replaced"] += 1
-            self.redispatch(req, f"its work could not be sent to worker {wid}", wid, now)
+            self.redispatch(req, f"its work could not be sent to worker {wid}", wid, now, never_ran=True)
 
     def owned(self, req: Request) -> bool:
         """Whether someone is responsible for this in-flight request: the decode worker it was
@@ -403,12 +403,15 @@ class RouterCore:
         self.metrics.set_in_flight(len(self.requests))
         self.hooks.request_done(req, finished_reason, rec)
 
-    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
-        """Retry a request no token of which reached the client; else fail it clearly."""
+    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float, *,
+                   never_ran: bool = False) -> None:
+        """Retry a request no token of which reached the client; else resume it from the last token
+        the client has (`never_ran`: this attempt's work never reached a worker, so it is not
+        counted against max_migrations)."""
         if req.done:
             return
         if req.streamed:
-            self.migration.resume(req, why, bad_worker, now)  # on another decode worker, or a clear failure
+            self.migration.resume(req, why, bad_worker, now, counted=not never_ran)  # or a clear failure
             return
         if req.attempt + 1 >= self.cfg.max_attempts:
             self.fail(req, f"gave up after {req.attempt + 1} attempts (last: {why})", "retries_exhausted", now)

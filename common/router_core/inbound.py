@@ -172,6 +172,8 @@ class Inbound:
                 if it.finish_reason is None:  # a stale attempt still running there
                     send(w, m.Cancel(request_id=it.request_id, attempt=it.attempt, reason="stale_attempt"))
                 continue
+            if it.pos >= 0 and it.pos != req.n_out and self._out_of_order(req, it, w, now):
+                continue
             if req.n_out == req.resume_from:  # this attempt's first token: its prefill is over, its KV read
                 if w.end_deflection(req.request_id):
                     freed = True
@@ -197,6 +199,24 @@ class Inbound:
                 self.core.finish(req, it.finish_reason, now)
         if freed and self.core.waiting.queue:
             self.core.retry_waiting(now)
+
+    def _out_of_order(self, req: Request, it: m.TokenItem, w: WorkerEntry, now: float) -> bool:
+        """A token item that does not continue the stream where the client is (`TokenItem.pos`
+        against `Request.n_out`). True: it was dropped. Tokens already streamed (a repeat) are
+        dropped; a hole (what the worker sent before this was lost on the way: a bus connection
+        that broke, e.g. a router frozen past the ZeroMQ heartbeat timeout, drops what was in
+        flight) resumes the request from the last token the client has, as a migration does, so
+        the client never sees a stream with tokens missing."""
+        if it.pos < req.n_out and it.pos + len(it.token_ids) <= req.n_out and it.finish_reason is None:
+            self.counts["tokens_repeated"] += 1
+            return True
+        self.counts["token_gaps"] += 1
+        self.log.warning("tokens_lost_in_transit", request_id=req.request_id, attempt=req.attempt,
+                         worker=w.worker_id, expected_pos=req.n_out, got_pos=it.pos,
+                         action="resume from the last token the client has")
+        self.core.redispatch(req, f"the stream is at token {req.n_out} but {w.worker_id} sent token {it.pos}: "
+                                  "tokens lost in transit (its bus connection broke?)", None, now)
+        return True
 
     def _on_prefill_done(self, p: m.PrefillDone, pw: WorkerEntry, now: float) -> None:
         req = self.requests.get(p.request_id)

@@ -38,11 +38,13 @@ class Router(Protocol):
 
     requests: dict[str, Request]   # in flight, by the router's request id
     kv_waiting: WaitQueue[Request]
+    unsent: dict[str, tuple[int, str]]  # request -> (attempt, worker) whose work could not be sent to it
 
     def send(self, w: WorkerEntry, msg: m.Msg) -> None:
         """To a registered worker (marked unreachable if it fails)."""
 
-    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
+    def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float, *,
+                   never_ran: bool = False) -> None:
         """Place again (or fail) a request its worker no longer holds."""
 
     def retry_waiting(self, now: float, heartbeat: bool = False) -> None:
@@ -50,6 +52,11 @@ class Router(Protocol):
 
     def drop_frame(self, source: str, event: str, **fields: object) -> None:
         """Count and log (rate-limited) a frame that cannot be used."""
+
+
+# after a stall of this router: how long a worker whose connection broke may take to be heard
+# again (its first Hello on the new connection unanswered for 1 s, then it dials again)
+STALL_REDIAL_S = 1.5
 
 
 @dataclass(eq=False)
@@ -69,6 +76,7 @@ class Membership:
     hooks: Hooks                   # views_changed, worker_joined
     wall_offset: float = 0.0       # wall-clock time = now + wall_offset
     asked_hello: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked to Hello again
+    excused_until: float = 0.0     # no worker is judged silent before this (`excuse_stall`)
     log: Log = field(default_factory=structlog.get_logger)
 
     @property
@@ -95,6 +103,8 @@ class Membership:
             self.log.info("worker_joined", worker=h.worker_id, role=h.role, engine=h.engine, incarnation=h.incarnation,
                      token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
                      kv_transport=h.kv_transport)
+        if not is_new:
+            self.ends_unheard(entry, h.held, now)
         # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
         drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
         if drop:
@@ -103,6 +113,24 @@ class Membership:
                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
         if not entry.draining:
             self.hooks.worker_joined()  # requests held at admission try again
+
+    def ends_unheard(self, w: WorkerEntry, held: list[str], now: float) -> None:
+        """A registered worker says Hello again (its bus connection broke and came back, or our
+        answers were late): a request it streamed tokens of in this attempt but no longer holds
+        ended there, and its end (last tokens, or a hand-back) was lost in transit with the
+        connection: without this it would wait for its deadline. Resumed from the last token the
+        client has (migrate.py), or finished if every token is out. Messages on one connection
+        arrive in order, so an end the worker sent before this Hello was read before it."""
+        still = set(held)
+        for rid in [r for r in w.holding if r not in still]:
+            req = self.core.requests.get(rid)
+            if req is None or req.done or req.decode_worker != w.worker_id or req.n_out <= req.resume_from:
+                continue  # not streaming from it (a dispatch it may not have read yet is not lost)
+            self.counts["ends_unheard"] += 1
+            self.log.warning("request_end_lost_in_transit", request_id=rid, attempt=req.attempt, worker=w.worker_id,
+                             sent_tokens=req.n_out, action="resume from the last token the client has")
+            self.core.redispatch(req, f"{w.worker_id} no longer holds it and its end never arrived (lost in "
+                                      "transit: its bus connection broke?)", None, now)
 
     def role_changed(self, old: WorkerEntry, entry: WorkerEntry, h: m.Hello, now: float) -> None:
         """The same worker (same incarnation) says Hello under its other role: a role flip whose
@@ -190,9 +218,19 @@ class Membership:
                                                                  reason="unknown worker")):
             last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
 
+    def excuse_stall(self, now: float) -> None:
+        """This router did not run for a while (a pause, CPU starvation): a stall past the bus's
+        ZeroMQ heartbeat timeout broke the workers' connections, and a worker's new connection may
+        go unheard until it dials again (common/sockets.py, WorkerBus.reconnect: one unanswered
+        Hello after the reconnection, a second). Judge no worker silent before then, or every
+        worker is declared lost and every stream migrated for a pause the workers did not cause."""
+        self.excused_until = max(self.excused_until, now + self.liveness_s + STALL_REDIAL_S)
+
     def expire(self, now: float) -> None:
         """Remove the workers silent past the liveness window; what they held is re-dispatched or
         migrated (a worker that said Goodbye and went quiet holding nothing has left)."""
+        if now < self.excused_until:
+            return
         for w in self.table.expired(self.liveness_s, now):
             self.table.remove(w.worker_id)
             self.prefix.forget(w.worker_id)
@@ -222,7 +260,8 @@ class Membership:
             if w.role == "prefill" and (req.prefill_done or req.prefill_worker != w.worker_id) \
                     and req.decode_worker != w.worker_id:  # (a request it decodes itself: route retain)
                 continue
-            self.core.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now)
+            never_ran = self.core.unsent.get(rid, (-1, ""))[0] == req.attempt  # its work was not sent
+            self.core.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now, never_ran=never_ran)
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
         """Each worker's state and the router's counters (and its event loop's lag, the shell's

@@ -78,21 +78,23 @@ class Migration:
         self.log = log if log is not None else structlog.get_logger()
         self.parked: dict[str, Request] = {}  # lost their worker with none left to go to
 
-    def resume(self, req: Request, why: str, bad_worker: str | None, now: float) -> None:
+    def resume(self, req: Request, why: str, bad_worker: str | None, now: float, *, counted: bool = True) -> None:
         """Settle a request that streamed tokens and lost its decode worker: resume it elsewhere,
-        or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`."""
+        or fail it with a clear error. The caller has checked `req.streamed` and `not req.done`.
+        `counted` False: its last attempt never reached a worker (its work could not be sent), so
+        this is no new migration and the limit does not apply."""
         limit = self.cfg.max_migrations
         lost = f"worker failed after streaming {req.n_out} tokens ({why})"
         if req.n_out >= req.sampling.max_tokens:  # every token is out; only the end event was lost
             self.core.finish(req, "length", now)
             return
-        if req.migrations >= limit:
+        if counted and req.migrations >= limit:
             self.metrics.observe_migration("limit")
             self.core.fail(req, f"{lost}; not resumed: it was already resumed {req.migrations} times (limit "
                                 f"{limit}); the output is incomplete", "worker_lost_midstream", now)
             return
         self.core.next_attempt(req, "migrated", bad_worker)
-        req.migrations += 1
+        req.migrations += counted
         req.resume_from = req.n_out
         self.counts["migrated"] += 1
         where: dict[str, Any]

@@ -395,7 +395,9 @@ class WorkerService(abc.ABC):
                 self.log.info("router_disconnected", router=link.address)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connected = True
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and not self.draining:
+            # a draining worker says Hello too when it holds what it sent across the break: only
+            # the router's Welcome releases that (its heartbeats tell the router it is draining)
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and (not self.draining or link.broken):
                 broken = False
                 self.log.info("router_reconnected", router=link.address)
                 link.just_back = True

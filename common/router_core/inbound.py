@@ -153,7 +153,9 @@ class Inbound:
         for i, rid in enumerate(b.kv_fallback):
             r = reqs.get(rid)
             if r is not None and self._assigned(w, r, b, role="decode"):
-                r.kv_fallback = True
+                if r.kv_fallback_attempt == r.attempt:  # a batch sent again after a break (RouterLink.recent)
+                    continue
+                r.kv_fallback, r.kv_fallback_attempt = True, r.attempt
                 if i < len(b.kv_fallback_reasons):
                     r.kv_error = r.kv_error or b.kv_fallback_reasons[i]
                 self.counts["kv_fallbacks"] += 1

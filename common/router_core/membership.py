@@ -139,7 +139,10 @@ class Membership:
         says it decodes here, past its prefill; whatever else the old entry held is re-dispatched
         (the worker no longer has it). Nothing is counted lost: the worker left one role for the other."""
         held = set(h.held)
-        kept = [rid for rid in old.holding if rid in held and self._tracks(rid, h.worker_id)]
+        # only what it decodes itself (a retained request, a decode): Hello.held also names the
+        # requests whose messages wait in its hold (a PrefillDone of a hand-off to another worker)
+        kept = [rid for rid in old.holding if rid in held and self._tracks(rid, h.worker_id)
+                and self.core.requests[rid].decode_worker == h.worker_id]
         for rid in kept:
             entry.holding.add(rid)
             req = self.core.requests[rid]

@@ -119,6 +119,7 @@ class Request:
     done: bool = False
     outcome: str = ""
     kv_fallback: bool = False
+    kv_fallback_attempt: int = -1  # the attempt whose fallback was counted (a batch sent again counts once)
     kv_error: str = ""
     prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)

@@ -154,6 +154,8 @@ async def test_a_role_flip_does_not_take_a_request_whose_prefill_done_is_held_fo
     assert req.done or req.attempt > 0
 
 
+@pytest.mark.xfail(strict=True, reason="not fixed on review55: only token batches are replayed; "
+                   "ends_unheard skips requests with nothing streamed in this attempt")
 async def test_a_refusal_lost_in_a_break_does_not_leave_the_request_to_its_deadline() -> None:
     """(A gap the commit leaves, not a regression.) Only token batches are sent again after a
     break (RouterLink.recent); any other message sent in the seconds before the worker noticed
@@ -174,6 +176,8 @@ async def test_a_refusal_lost_in_a_break_does_not_leave_the_request_to_its_deadl
     assert req.attempt > 0 or req.done, "a minute later, still waiting on a worker that does not hold it"
 
 
+@pytest.mark.xfail(strict=True, reason="not fixed on review55: excuse_stall follows any stall over "
+                   "liveness/2, and recurring stalls keep extending it")
 async def test_a_short_router_stall_does_not_suspend_worker_liveness() -> None:
     """`router_stalled` fires for any stall over half the liveness window (0.5 s by default),
     and `excuse_stall` then judges no worker for liveness + 1.5 s (2.5 s). A stall that short

@@ -99,6 +99,9 @@ class Hello(Msg, frozen=True):
     kv_block_tokens: int = 0      # tokens per KV block, where KV moves in blocks (nixl)
     held: list[str] = []          # request ids the worker holds now (the router answers which to drop)
     fixed_role: bool = False      # its engine cannot change role in place: the role planner never moves it
+    # the highest dispatch number it has seen from this router: work of a lower number it no longer
+    # holds ended or was refused there, and the router, if it still tracks it, never heard so
+    last_dispatch: int = 0
 
 
 class Welcome(Msg, frozen=True):

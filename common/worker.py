@@ -347,6 +347,7 @@ class WorkerService(abc.ABC):
         if link is not None and link.held_rids:  # ended here, their last messages still waiting to go
             held = list(dict.fromkeys([*held, *link.held_rids]))
         return self.core.hello(held=held, coeffs=self.coeffs(), fixed_role=not self.engine.can_switch_role,
+                               last_dispatch=link.last_dispatch if link is not None and len(self.links) > 1 else None,
                                **self.extra_hello())
 
     async def _hello_loop(self, link: RouterLink) -> None:
@@ -397,7 +398,7 @@ class WorkerService(abc.ABC):
                 link.connected = True
             # a draining worker says Hello too when it holds what it sent across the break: only
             # the router's Welcome releases that (its heartbeats tell the router it is draining)
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and broken and (not self.draining or link.broken):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and ((broken and not self.draining) or link.broken):
                 broken = False
                 self.log.info("router_reconnected", router=link.address)
                 link.just_back = True

@@ -141,7 +141,7 @@ async def test_after_a_stall_of_the_router_no_worker_is_judged_before_it_could_r
     from common.router_core.membership import STALL_REDIAL_S
     r, _ = make_router("deflect-all")
     live = r.liveness_s
-    r.membership.excuse_stall(NOW + 10.0)                       # woke at NOW + 10, workers last heard at NOW
+    r.membership.excuse_stall(NOW + 10.0, 10.0)                      # woke at NOW + 10, workers last heard at NOW
     r.tick(NOW + 10.0 + live + 0.1)
     assert set(r.table.workers) == {"prefill-0", "decode-0", "decode-1"}
     r.tick(NOW + 10.0 + live + STALL_REDIAL_S + 0.1)            # still silent past the grace: lost

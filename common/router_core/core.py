@@ -434,6 +434,7 @@ class RouterCore:
         if bad_worker:
             req.exclude.add(bad_worker)
         req.attempt += 1
+        req.dispatched.clear()
 
     def dispatch_again(self, req: Request, now: float) -> bool:
         """Dispatch a request's next attempt (a re-dispatch, a migration): away from the workers it

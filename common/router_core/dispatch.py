@@ -102,6 +102,9 @@ class Dispatcher:
                                                                              decision.prefill_worker)) if w],
                                                  hashes, tokens, decision.cached_tokens)
         no, pno = self.table.record_dispatch(decision, req.request_id, tokens, reserve, now)
+        req.dispatched[decision.decode_worker] = pno if decision.route == "retain" else no
+        if decision.prefill_worker and decision.route != "retain":
+            req.dispatched[decision.prefill_worker] = pno
         if decision.route == "retain":  # the prefill worker keeps it and decodes it itself: no KV moves
             dw.holding.add(req.request_id)
             self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,

@@ -104,7 +104,7 @@ class Membership:
                      token_budget=h.token_budget, kv_capacity_tokens=h.kv_capacity_tokens,
                      kv_transport=h.kv_transport)
         if not is_new:
-            self.ends_unheard(entry, h.held, now)
+            self.ends_unheard(entry, h, now)
         # What the worker holds that we do not track (we restarted, or re-dispatched it): drop it.
         drop = [rid for rid in h.held if not self._tracks(rid, h.worker_id)]
         if drop:
@@ -114,22 +114,28 @@ class Membership:
         if not entry.draining:
             self.hooks.worker_joined()  # requests held at admission try again
 
-    def ends_unheard(self, w: WorkerEntry, held: list[str], now: float) -> None:
+    def ends_unheard(self, w: WorkerEntry, h: m.Hello, now: float) -> None:
         """A registered worker says Hello again (its bus connection broke and came back, or our
-        answers were late): a request it streamed tokens of in this attempt but no longer holds
-        ended there, and its end (last tokens, or a hand-back) was lost in transit with the
-        connection: without this it would wait for its deadline. Resumed from the last token the
-        client has (migrate.py), or finished if every token is out. Messages on one connection
-        arrive in order, so an end the worker sent before this Hello was read before it."""
-        still = set(held)
+        answers were late): a request of ours it no longer holds, though it streamed tokens of
+        this attempt or had seen this attempt's work (its number is at most `h.last_dispatch`),
+        ended there, or was refused, and that word was lost in transit with the connection (or the
+        work itself was: a later dispatch arrived): without this it would wait for its deadline.
+        Resumed from the last token the client has (migrate.py), finished if every token is out,
+        or placed again. Messages on one connection arrive in order, so an end the worker sent
+        before this Hello was read before it; work not yet seen (in flight) is left alone."""
+        still = set(h.held)
+        wid = w.worker_id
         for rid in [r for r in w.holding if r not in still]:
             req = self.core.requests.get(rid)
-            if req is None or req.done or req.decode_worker != w.worker_id or req.n_out <= req.resume_from:
-                continue  # not streaming from it (a dispatch it may not have read yet is not lost)
+            if req is None or req.done:
+                continue
+            streaming = req.decode_worker == wid and req.n_out > req.resume_from
+            if not streaming and not 0 < req.dispatched.get(wid, 0) <= h.last_dispatch:
+                continue  # not streaming from it, and its work may not have reached it yet
             self.counts["ends_unheard"] += 1
-            self.log.warning("request_end_lost_in_transit", request_id=rid, attempt=req.attempt, worker=w.worker_id,
-                             sent_tokens=req.n_out, action="resume from the last token the client has")
-            self.core.redispatch(req, f"{w.worker_id} no longer holds it and its end never arrived (lost in "
+            self.log.warning("request_end_lost_in_transit", request_id=rid, attempt=req.attempt, worker=wid,
+                             sent_tokens=req.n_out, action="resume from the client's last token (or place it again)")
+            self.core.redispatch(req, f"{wid} no longer holds it and its end never arrived (lost in "
                                       "transit: its bus connection broke?)", None, now)
 
     def role_changed(self, old: WorkerEntry, entry: WorkerEntry, h: m.Hello, now: float) -> None:
@@ -221,12 +227,16 @@ class Membership:
                                                                  reason="unknown worker")):
             last[worker_id] = now  # not yet reachable (reconnecting): ask again at its next heartbeat
 
-    def excuse_stall(self, now: float) -> None:
+    def excuse_stall(self, now: float, late_s: float) -> None:
         """This router did not run for a while (a pause, CPU starvation): a stall past the bus's
         ZeroMQ heartbeat timeout broke the workers' connections, and a worker's new connection may
         go unheard until it dials again (common/sockets.py, WorkerBus.reconnect: one unanswered
         Hello after the reconnection, a second). Judge no worker silent before then, or every
-        worker is declared lost and every stream migrated for a pause the workers did not cause."""
+        worker is declared lost and every stream migrated for a pause the workers did not cause.
+        A shorter stall (`late_s` under the heartbeat timeout, 3 x zmq_heartbeat_s) broke nothing
+        and is not excused."""
+        if self.cfg.zmq_heartbeat_s <= 0 or late_s < 3.0 * self.cfg.zmq_heartbeat_s:
+            return
         self.excused_until = max(self.excused_until, now + self.liveness_s + STALL_REDIAL_S)
 
     def expire(self, now: float) -> None:

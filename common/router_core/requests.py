@@ -123,6 +123,7 @@ class Request:
     kv_error: str = ""
     prefill: m.PrefillDone | None = None
     exclude: set[str] = field(default_factory=set)
+    dispatched: dict[str, int] = field(default_factory=dict)  # worker -> dispatch number of this attempt's work there
     rejected_by: set[str] = field(default_factory=set)  # decode workers whose admission turned its deflection away
     events: Events = field(default_factory=Events)
     kv_wait_until: float = 0.0  # > 0: waiting in the router's queue for KV room until then

@@ -61,7 +61,7 @@ class WorkerCore(abc.ABC):
     # -- registration -----------------------------------------------------------------------
     def hello(self, *, held: list[str] | None = None, coeffs: m.Coeffs | None = None,
               kv_agent: m.KvAgentInfo | None = None, kv_block_tokens: int | None = None,
-              fixed_role: bool = False) -> m.Hello:
+              fixed_role: bool = False, last_dispatch: int | None = None) -> m.Hello:
         """What it registers with: its engine's settings, the step-time model it asks to be
         predicted with (`coeffs`; None: the router's profile) and what it holds (`held`; None:
         everything); `fixed_role`: its engine cannot change role in place (the planner leaves it)."""
@@ -72,7 +72,8 @@ class WorkerCore(abc.ABC):
                        kv_transport=self.kv_transport, kv_agent=kv_agent,
                        held=self.held_ids() if held is None else held, max_model_len=i.max_model_len,
                        kv_block_tokens=i.block_size if kv_block_tokens is None else kv_block_tokens,
-                       fixed_role=fixed_role)
+                       fixed_role=fixed_role,
+                       last_dispatch=self.last_dispatch if last_dispatch is None else last_dispatch)
 
     def welcomed(self, drop: list[str]) -> int:
         """The router's Welcome named requests it no longer tracks (it restarted, or re-dispatched

@@ -154,7 +154,7 @@ class Router:
                 # this process did not run for a while (CPU starvation, a pause): the heartbeats
                 # of that time may still be unread, so judge no worker before reading them
                 log.warning("router_stalled", late_s=round(late, 3))
-                self.membership.excuse_stall(now)
+                self.membership.excuse_stall(now, late)
                 continue
             self.core.tick(now)
 

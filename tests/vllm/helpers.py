@@ -28,10 +28,17 @@ class Collector:
     done: dict[str, asyncio.Event] = field(default_factory=dict)
     calls: list[int] = field(default_factory=list)  # items per on_tokens call
     cached: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # (cached, created) tokens
+    starts: dict[str, int] = field(default_factory=dict)  # request -> TokenItem.pos of its first token
+    pos_errors: list[tuple[str, int, int]] = field(default_factory=list)  # (request, expected pos, got)
 
     def on_tokens(self, items: list[TokenItem], step_s: float) -> None:
         self.calls.append(len(items))
         for it in items:
+            if it.token_ids:  # positions continue the stream: the router's hole check relies on it
+                start = self.starts.setdefault(it.request_id, it.pos)
+                want = start + len(self.tokens.get(it.request_id, []))
+                if it.pos != want:
+                    self.pos_errors.append((it.request_id, want, it.pos))
             self.tokens.setdefault(it.request_id, []).extend(it.token_ids)
             if it.cached_tokens is not None:
                 self.cached[it.request_id] = (it.cached_tokens, it.cache_created_tokens)

@@ -64,6 +64,7 @@ async def test_disaggregated_matches_single_engine(pd: PD) -> None:
     got = await pd.out.wait("pd")
     assert got == want
     assert pd.decode.waiting_kv() == 0
+    assert pd.out.starts["pd"] == 0 and not pd.out.pos_errors  # TokenItem.pos from the first token on
     # the decode engine computed only the last prompt token: the other 299 came over NIXL
     assert [(chi, k) for _, chi, k in steps_of(pd, "pd:0")] == [(1, len(LONG) - 1)]
     assert pd.out.fallbacks == []

@@ -44,6 +44,7 @@ async def test_a_resumed_greedy_run_continues_the_uninterrupted_one(pd: PD) -> N
     assert await pd.decode.reset_prefix_cache()
     assert sent + rest == full
     assert pd.out.finish["resumed"] == "length"
+    assert pd.out.starts["resumed"] == len(sent) and not pd.out.pos_errors  # positions go on from the resume
 
 
 NAME_SCHEMA = StructuredOutputs(json=msgspec.json.encode({

@@ -248,3 +248,38 @@ async def test_a_request_resumed_by_route_retain_continues_its_stream_on_the_pre
     events = drain(req)
     assert [t for ev in events for t in (ev.token_ids or [])] == want
     assert req.done and req.outcome == "ok" and req.n_out == 10 and req.migrations == 1
+
+
+
+async def test_a_resumed_request_counts_min_tokens_from_the_client_and_asks_no_prompt_logprobs() -> None:
+    """Found by a hostile live run (kill -9 a decode worker mid-stream; `kairos up`, sim engine):
+    the resumed attempt's Sampling kept the client's `min_tokens`, which the engine counts from the
+    attempt's own first token, so the `stop_token_ids` hit where the client's run stops was
+    skipped (13 of 20 such requests ran 120 tokens past it); and it kept `prompt_logprobs`, so the
+    new worker scored the resumed prompt (the prompt plus the output already sent) and its longer
+    list replaced the client's: non-streamed `prompt_logprobs` ran past the prompt, and `echo`
+    with `logprobs` failed with HTTP 500 (openai_render.completion_logprobs: zip strict). The
+    resumed attempt asks for the min_tokens left and no prompt logprobs (the client has them)."""
+    r, sent = make_router("deflect-all")
+    prompt = list(range(100, 140))
+    want = [synthetic_token("seed:7", i) for i in range(20)]
+    st = want[9]
+    stop = next(i for i in range(7, 20) if want[i] == st)  # the client's run: the first hit with 8 generated
+    req = r.submit(prompt, m.Sampling(max_tokens=20, min_tokens=8, stop_token_ids=(st,), prompt_logprobs=1,
+                                      seed=7), NOW)
+    rid = req.request_id
+    first, _ = work_for(sent, rid, 0)
+    r.on_message(first.encode(), tokens(first, rid, 0, want[:4]), NOW)
+    sent.clear()
+
+    lose(r, first)
+
+    second, work1 = work_for(sent, rid, 1)
+    assert work1.resume_tokens == 4 and work1.sampling.max_tokens == 16
+    assert work1.sampling.min_tokens == 4 and work1.sampling.prompt_logprobs is None
+    for item in await decode_on_sim(work1):
+        r.on_message(second.encode(), m.TokenBatch(worker_id=second, items=[item]), NOW)
+    events = drain(req)
+    assert [t for ev in events for t in (ev.token_ids or [])] == want[:stop + 1]
+    assert [ev.finish_reason for ev in events if ev.finish_reason] == ["stop"]
+    assert not [ev for ev in events if ev.prompt_logprobs]

@@ -154,11 +154,16 @@ class Request:
 
     def work(self) -> tuple[list[int], m.Sampling]:
         """The prompt and sampling this attempt is dispatched with: the client's, or, for a request
-        resumed after a migration, its prompt plus the tokens already sent and the tokens left."""
+        resumed after a migration, its prompt plus the tokens already sent and the tokens left. The
+        engine counts `min_tokens` from the attempt's own first token, so a resumed attempt asks for
+        those left; and no `prompt_logprobs`: the client had the prompt's with its first token (the
+        resumed prompt's would run past the prompt and replace them)."""
         if not self.resume_from:
             return self.prompt_token_ids, self.sampling
+        s = self.sampling
         return (self.prompt_token_ids + self.out_ids[:self.resume_from],
-                msgspec_replace(self.sampling, max_tokens=self.sampling.max_tokens - self.resume_from))
+                msgspec_replace(s, max_tokens=s.max_tokens - self.resume_from,
+                                min_tokens=max(0, s.min_tokens - self.resume_from), prompt_logprobs=None))
 
     def record(self, now: float, wall_offset: float = 0.0) -> m.RequestRecord:
         """Its record at its end, `now` (the router's monotonic clock; wall time = now + wall_offset)."""

@@ -33,6 +33,18 @@ def configure(service: str, *, level: str = "info", fmt: str = "auto", **context
         logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=True,
     )
+    # what libraries log through the standard library (uvicorn's traceback of a request that
+    # failed, asyncio's "Task exception was never retrieved", pyzmq's warnings) comes out as the
+    # same lines, with `service`, `level` and the traceback as `exception`; warnings and up only
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_logger_name,
+                           structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(lvl, logging.WARNING))
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service, **context)
     log: structlog.stdlib.BoundLogger = structlog.get_logger()

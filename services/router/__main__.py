@@ -133,7 +133,7 @@ async def serve(cfg: config.RouterConfig, *, ready: asyncio.Event | None = None)
                                     max_per_client=cfg.http_max_connections_per_client))
     server = HttpServer(uvicorn.Config(asgi_app(router, cfg.forwarded_allow_ips), host=cfg.http_host,
                                        port=cfg.http_port, lifespan="off", proxy_headers=False,
-                                       access_log=False, log_level="warning", http=edge,
+                                       access_log=False, log_level="warning", log_config=None, http=edge,
                                        timeout_graceful_shutdown=5, backlog=4096))
     try:
         async with asyncio.TaskGroup() as tg:

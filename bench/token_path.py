@@ -126,6 +126,8 @@ async def one_run(chat: bool, streams: int, tokens: int, direct: bool, worker_te
         ts = TextStream(r.tokenizer, skip_special_tokens=not p.samplings[0].text_keep_special)
         texts = [ts.push([t]) for t in ids]
     kw_text: list[dict[str, Any]] = [{"text": t} if t is not None else {} for t in texts]
+    if "pos" in m.TokenItem.__struct_fields__:  # positions, checked by the router (trees that have them)
+        kw_text = [{**kw, "pos": k} for k, kw in enumerate(kw_text)]
     frames = [[b"decode-0", codec.encode(m.TokenBatch(worker_id="decode-0", items=[
         m.TokenItem(request_id=q.request_id, attempt=q.attempt, token_ids=[ids[k]], **kw_text[k]) for q in reqs]))]
         for k in range(tokens)]

@@ -1,15 +1,15 @@
-"""Review of 0586bc4 ("No token lost to a broken bus connection"): cases the commit's tests do
-not cover. Each test here FAILS on 0586bc4 and shows one bug (see the review report).
+"""Edges of the transit rules (docs/benchmarks/transit.md), each found by a review of the first
+version and failing on it (0586bc4):
 
-- a draining worker whose connection breaks holds what it sends for good: it never says Hello
-  on a draining link, so it is never welcomed and never releases the hold;
-- a replayed token batch counts its KV fallbacks a second time;
-- Hello.held names every request a held message is about, and a role flip (prefill -> decode,
-  same incarnation) takes each of those for a kept decode: a request whose PrefillDone waits in
-  the hold is moved off its real decode worker and hangs until its deadline;
-- (a design risk, not a wrong stream) a router stall of over half the liveness window, even one
-  far shorter than the ZeroMQ heartbeat timeout that could break a connection, suspends worker
-  liveness for the liveness window + 1.5 s; stalls that recur within that time suspend it for good.
+- a draining worker whose connection breaks still says Hello, so the router's Welcome releases
+  what it held across the break;
+- a replayed token batch counts its KV fallbacks once;
+- a role flip (prefill -> decode, same incarnation) keeps only what the worker decodes itself,
+  not a request named in Hello.held because its PrefillDone waits in the hold;
+- a refusal lost in a break: work the worker had seen (Hello.last_dispatch) and no longer holds
+  is placed again, work still on the way is not;
+- only a router stall past the ZeroMQ heartbeat timeout (which can break a connection) suspends
+  worker liveness; shorter, recurring stalls do not.
 """
 
 from __future__ import annotations

@@ -422,7 +422,7 @@ def hand_to_io_thread() -> None:
     whatever Python the loop ran after the send: measured on this project's 2-core VM, a DEALER's
     message whose sender ran 300 us of Python after the send reached its peer 0.52 ms later
     against 0.32-0.35 ms when the sender yielded (0.34-0.37 either way with nothing after the
-    send); router-throughput.md, "The first token waits for the CPU the sender holds". One
+    send); router-throughput.md, "The first token waits for the CPU its sender holds". One
     `sched_yield` hands the CPU to that thread (and back when it has written); a no-op unless this
     process runs on one CPU: elsewhere the woken thread takes an idle CPU. Call it right after a
     latency-bound send (work to a worker, a step's tokens to the router), not for each message of

@@ -416,17 +416,17 @@ def on_one_cpu() -> bool:
 def hand_to_io_thread() -> None:
     """Let libzmq's I/O thread put what was just queued on the wire now. A send only queues the
     message for the context's I/O thread and signals it; where that thread shares the only CPU
-    with the event loop (a pinned process), the scheduler lets it run when the loop sleeps or its
-    time slice ends, not when it is signalled (EEVDF and CFS both leave a running task running on
-    a wake-up, within its slice). So a request's work or its first token waited on the wire for
-    whatever Python the loop ran after the send: measured on this project's 2-core VM, a DEALER's
-    message whose sender ran 300 us of Python after the send reached its peer 0.52 ms later
-    against 0.32-0.35 ms when the sender yielded (0.34-0.37 either way with nothing after the
-    send); router-throughput.md, "The first token waits for the CPU its sender holds". One
-    `sched_yield` hands the CPU to that thread (and back when it has written); a no-op unless this
-    process runs on one CPU: elsewhere the woken thread takes an idle CPU. Call it right after a
-    latency-bound send (work to a worker, a step's tokens to the router), not for each message of
-    a batch."""
+    with the event loop (a pinned process), the scheduler (EEVDF, measured on kernel 6.18) let it
+    run when the loop slept or its slice ended, not when it was signalled. So a request's work or
+    its first token waited for whatever Python the loop ran after the send: on this project's
+    2-core VM (`python -m bench.bus_handoff`) a message whose sender ran 300 us of Python after
+    the send reached its peer 0.53 ms later, 0.33-0.37 ms when the sender yielded, and the same
+    0.34-0.40 either way with nothing after the send; router-throughput.md, "The first token waits
+    for the CPU its sender holds". One `sched_yield` hands the CPU to that thread (and back when it
+    has written): about a microsecond, the thread's switch earlier rather than extra. A no-op
+    unless this process may run on one CPU only: elsewhere the woken thread takes an idle CPU. On a
+    CPU shared with other runnable processes the yield hands it to them too. The router calls it
+    after each send to a worker, a worker after each send to its routers."""
     if on_one_cpu():
         os.sched_yield()
 

@@ -33,6 +33,7 @@ zmq_heartbeat_s, when the host itself went away).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -396,6 +397,38 @@ class MonitorBus:
     def close(self) -> None:
         self.telemetry.close(linger=0)
         self.ctx.term()
+
+
+_one_cpu: list[bool] = []  # (computed at the first hand-off: a process is pinned before it runs)
+
+
+def on_one_cpu() -> bool:
+    """This process may run on one CPU only (`taskset -c N`, a cpuset of one): libzmq's I/O
+    thread then shares that CPU with the event loop that sends."""
+    if not _one_cpu:
+        try:
+            _one_cpu.append(len(os.sched_getaffinity(0)) == 1 and hasattr(os, "sched_yield"))
+        except (AttributeError, OSError):  # (not Linux)
+            _one_cpu.append(False)
+    return _one_cpu[0]
+
+
+def hand_to_io_thread() -> None:
+    """Let libzmq's I/O thread put what was just queued on the wire now. A send only queues the
+    message for the context's I/O thread and signals it; where that thread shares the only CPU
+    with the event loop (a pinned process), the scheduler (EEVDF, measured on kernel 6.18) let it
+    run when the loop slept or its slice ended, not when it was signalled. So a request's work or
+    its first token waited for whatever Python the loop ran after the send: on this project's
+    2-core VM (`python -m bench.bus_handoff`) a message whose sender ran 300 us of Python after
+    the send reached its peer 0.53 ms later, 0.33-0.37 ms when the sender yielded, and the same
+    0.34-0.40 either way with nothing after the send; router-throughput.md, "The first token waits
+    for the CPU its sender holds". One `sched_yield` hands the CPU to that thread (and back when it
+    has written): about a microsecond, the thread's switch earlier rather than extra. A no-op
+    unless this process may run on one CPU only: elsewhere the woken thread takes an idle CPU. On a
+    CPU shared with other runnable processes the yield hands it to them too. The router calls it
+    after each send to a worker, a worker after each send to its routers."""
+    if on_one_cpu():
+        os.sched_yield()
 
 
 def send_nowait(sock: zmq.Socket[Any] | zmq.asyncio.Socket, frames: list[bytes] | bytes) -> bool:

@@ -73,7 +73,7 @@ from common.loop_lag import LoopLag
 from common.prefix_report import PrefixReporter
 from common.router_link import Origins, RouterLink, router_addresses
 from common.service import install_signals, settle_heap
-from common.sockets import WorkerBus, send_nowait
+from common.sockets import WorkerBus, hand_to_io_thread, send_nowait
 from common.worker_core import EngineInfo, WorkerCore
 
 REFUSED_RETRY_S = 5.0
@@ -598,6 +598,9 @@ class WorkerService(abc.ABC):
                 self.log.error("send_failed", message=type(msg).__name__, router=link.address)
             else:
                 link.sent(time.monotonic(), payload, part)
+        # a step's tokens on the wire now, not after the step loop has planned and armed the next
+        # step: a pinned worker's I/O thread waits for the CPU (common/sockets.py hand_to_io_thread)
+        hand_to_io_thread()
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event, *, timeout: float) -> bool:

@@ -27,7 +27,7 @@ from common.router_core.core import RouterCore
 from common.router_core.planner import RolePlanner, planner_config, planner_on
 from common.router_core.ports import Hooks, Outbox
 from common.router_core.requests import Request
-from common.sockets import Inbox, RouterBus, fingerprint, send_nowait
+from common.sockets import Inbox, RouterBus, fingerprint, hand_to_io_thread, send_nowait
 from common.tokenizer import make_tokenizer
 from services.router import metrics, vllm_metrics
 from services.router.openai_tools import ToolCalling
@@ -79,7 +79,11 @@ class Router:
 
     # ------------------------------------------------------------------ the core's outbox
     def send(self, identity: bytes, msg: m.Msg) -> bool:
-        return self._work_send([identity, codec.encode(msg)])
+        sent = self._work_send([identity, codec.encode(msg)])
+        # on the wire now, not when the loop next sleeps: the handler runs on (the stream's start,
+        # the records) while a pinned router's I/O thread waits for the CPU (hand_to_io_thread)
+        hand_to_io_thread()
+        return sent
 
     def publish(self, msg: m.Msg) -> None:
         if self.bus is not None:

@@ -67,12 +67,12 @@ class RouterLink:
         self.held_out: deque[bytes] = deque()
         self.held_bytes = 0
         self.held_rids: set[str] = set()  # the requests those messages are about (Hello.held names them)
-        # the token batches sent in the last `replay_s` (RouterLink.sent): a connection that breaks
-        # is noticed only once the ZeroMQ heartbeat times out, and what was sent on it meanwhile
-        # may be lost with it; they are sent again after the break (the router drops repeats by
-        # TokenItem.pos)
+        # the token batches and prefill results sent in the last `replay_s` (RouterLink.sent): a
+        # connection that breaks is noticed only once the ZeroMQ heartbeat times out, and what was
+        # sent on it meanwhile may be lost with it; they are sent again after the break (the
+        # router drops repeats: tokens by TokenItem.pos, a PrefillDone it already has)
         self.replay_s = 3.0 * bus_cfg.zmq_heartbeat_s + 1.0
-        self.recent: deque[tuple[float, bytes, m.TokenBatch]] = deque()
+        self.recent: deque[tuple[float, bytes, m.Msg]] = deque()
         self.last_dispatch = 0            # the highest dispatch number this router sent us
         self.bus: WorkerBus | None = None
 
@@ -104,8 +104,9 @@ class RouterLink:
         return True
 
     def sent(self, now: float, payload: bytes, msg: m.Msg) -> None:
-        """Note a token batch sent now (the others are not sent again: see `recent`)."""
-        if isinstance(msg, m.TokenBatch):
+        """Note a message sent now: token batches and prefill results are sent again after a break
+        (`recent`); the rest are not (a lost refusal or end is found at the next Hello instead)."""
+        if isinstance(msg, (m.TokenBatch, m.PrefillDone)):
             recent = self.recent
             recent.append((now, payload, msg))
             while recent[0][0] < now - self.replay_s:

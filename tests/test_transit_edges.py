@@ -9,7 +9,9 @@ version and failing on it (0586bc4):
 - a refusal lost in a break: work the worker had seen (Hello.last_dispatch) and no longer holds
   is placed again, work still on the way is not;
 - only a router stall past the ZeroMQ heartbeat timeout (which can break a connection) suspends
-  worker liveness; shorter, recurring stalls do not.
+  worker liveness; shorter, recurring stalls do not;
+- prefill results are kept and sent again after a break too, and the router starts a request's
+  KV hand-off once however many times its PrefillDone arrives.
 """
 
 from __future__ import annotations
@@ -192,3 +194,32 @@ async def test_a_short_router_stall_does_not_suspend_worker_liveness() -> None:
         r.tick(t + 1.0)
     assert t + 1.0 - NOW > 10 * live
     assert not r.table.workers, f"dead for {t + 1.0 - NOW:.0f} s, still registered: {sorted(r.table.workers)}"
+
+
+def test_a_worker_sends_token_batches_and_prefill_results_again_after_a_break() -> None:
+    from common.router_link import RouterLink
+
+    link = RouterLink(0, config.load(config.WorkerConfig, env={}, overrides={}))
+    tb = m.TokenBatch(worker_id="w", items=[m.TokenItem("a", 0, [1], pos=0)])
+    kv = m.KvHandle(transport="modeled", source_worker="w", tokens=40)
+    pd = m.PrefillDone(request_id="b", attempt=0, worker_id="w", kv=kv, queue_s=0.0, prefill_s=0.1)
+    rf = m.RequestFailed(request_id="c", attempt=0, worker_id="w", reason="kv_full", retryable=True)
+    for i, msg in enumerate((tb, pd, rf)):
+        link.sent(100.0 + i * 0.1, f"payload-{i}".encode(), msg)
+    link.on_break()
+    assert list(link.held_out) == [b"payload-0", b"payload-1"] and link.held_rids == {"a", "b"}
+    assert link.holding_out and link.release() == [b"payload-0", b"payload-1"] and not link.holding_out
+
+
+async def test_a_prefill_result_sent_again_starts_the_kv_handoff_once() -> None:
+    r, sent = make_router("disagg-least-loaded")
+    req = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    pw = req.prefill_worker
+    assert pw is not None
+    kv = m.KvHandle(transport="modeled", source_worker=pw, tokens=40)
+    pd = m.PrefillDone(request_id=req.request_id, attempt=0, worker_id=pw, kv=kv, queue_s=0.0, prefill_s=0.1)
+    sent.clear()
+    r.on_message(pw.encode(), pd, NOW)
+    r.on_message(pw.encode(), pd, NOW)  # the same, again after a break
+    assert len([msg for _, msg in sent if isinstance(msg, m.KvReady)]) == 1
+    assert r.counts["prefill_done_repeated"] == 1

@@ -224,6 +224,9 @@ class Inbound:
         req = self.requests.get(p.request_id)
         if req is not None and not self._assigned(pw, req, p, role="prefill"):
             return
+        if req is not None and req.prefill is not None and req.prefill.attempt == p.attempt and req.prefill_done:
+            self.counts["prefill_done_repeated"] += 1  # sent again after a break (RouterLink.recent)
+            return
         self.metrics.observe_prefill_done(p)
         pw.holding.discard(p.request_id)
         pw.last_seen = now

@@ -227,10 +227,12 @@ class Inbound:
         if req is not None and req.prefill is not None and req.prefill.attempt == p.attempt and req.prefill_done:
             self.counts["prefill_done_repeated"] += 1  # sent again after a break (RouterLink.recent)
             return
+        pw.last_seen = now
+        if req is not None and req.attempt != p.attempt:  # an older attempt's (sent again after a break):
+            return                                        # the current one may be held here
         self.metrics.observe_prefill_done(p)
         pw.holding.discard(p.request_id)
-        pw.last_seen = now
-        if req is None or req.attempt != p.attempt or req.done:
+        if req is None or req.done:
             return
         req.prefill_done = True
         req.prefill = p

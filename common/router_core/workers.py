@@ -230,6 +230,8 @@ class WorkerTable:
                             identity=identity, hello=hello, model=model, base_model=model, joined=now,
                             last_seen=now, coeffs=hello.coeffs if model is not self.default_model else None,
                             _dirty=self._dirty)
+        if old is not None and old.incarnation == hello.incarnation:
+            entry.dispatch_no = old.dispatch_no  # a role flip: its links keep the highest number seen
         self.workers[hello.worker_id] = entry
         return entry, old
 

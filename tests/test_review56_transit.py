@@ -99,3 +99,43 @@ def test_a_replayed_prefill_done_of_an_old_attempt_does_not_orphan_a_retained_st
     r.on_message(b"prefill-0", pd0, NOW + 0.3)   # attempt 0's PrefillDone, sent again after a break
     r.audit(NOW + 0.4)
     assert req.attempt == 1 and r.counts["orphaned"] == 0, "a healthy retained stream was placed again"
+
+
+def test_after_a_router_restart_new_work_does_not_look_seen() -> None:
+    """The worker's dispatch number (WorkerCore.last_dispatch, RouterLink.last_dispatch) is never
+    reset when its router restarts; the restarted router numbers its dispatches from 1. At the
+    worker's next re-Hello (a later break), Hello.last_dispatch is the old router's highest number,
+    so work of the new router still on its way (neither seen nor held) is cancelled and placed
+    again."""
+    r, _ = make_router("deflect-all")            # the restarted router
+    w = "survivor"
+    r.on_message(w.encode(), hello(w, "decode", last_dispatch=500), NOW)  # saw 500 from the old one
+    for other in ("decode-0", "decode-1"):
+        r.table.workers[other].draining = True
+    req = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW + 1.0)
+    assert req.decode_worker == w
+    # its connection breaks before that DecodeWork arrives; it says Hello again
+    r.on_message(w.encode(), hello(w, "decode", held=[], last_dispatch=500), NOW + 1.1)
+    assert req.attempt == 0, "work still on its way was taken for seen and placed again"
+
+
+def test_a_worker_declared_lost_and_back_does_not_make_new_work_look_seen() -> None:
+    """The same with one router: a worker silent past liveness (a partition) is removed, comes
+    back with the same incarnation and is registered anew, numbered from 1 again, while its core
+    keeps the highest number it saw before (3 here)."""
+    from tests.test_migrate import lose
+
+    r, _ = make_router("deflect-all")
+    for other in ("decode-0", "decode-1"):
+        r.table.workers[other].draining = True
+    w = "partitioned"
+    r.on_message(w.encode(), hello(w, "decode"), NOW)
+    for _ in range(3):
+        r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    assert r.table.workers[w].dispatch_no == 3
+    lose(r, w)
+    r.on_message(w.encode(), hello(w, "decode", held=[], last_dispatch=3), NOW + 5.0)  # back
+    req = r.submit(list(range(200, 240)), m.Sampling(max_tokens=4), NOW + 5.1)
+    assert req.decode_worker == w
+    r.on_message(w.encode(), hello(w, "decode", held=[], last_dispatch=3), NOW + 5.2)  # a break
+    assert req.attempt == 0, "work still on its way was taken for seen and placed again"

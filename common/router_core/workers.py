@@ -230,8 +230,11 @@ class WorkerTable:
                             identity=identity, hello=hello, model=model, base_model=model, joined=now,
                             last_seen=now, coeffs=hello.coeffs if model is not self.default_model else None,
                             _dirty=self._dirty)
-        if old is not None and old.incarnation == hello.incarnation:
-            entry.dispatch_no = old.dispatch_no  # a role flip: its links keep the highest number seen
+        # its dispatch numbers go on above any it has seen (Hello.last_dispatch: from a router that
+        # restarted since; a role flip's old entry: its links keep the highest number), so a number
+        # it reports never covers work of ours still on its way (heartbeat acks, ends_unheard)
+        entry.dispatch_no = max(hello.last_dispatch,
+                                old.dispatch_no if old is not None and old.incarnation == hello.incarnation else 0)
         self.workers[hello.worker_id] = entry
         return entry, old
 

@@ -1,5 +1,8 @@
-"""Review 56 of 6922675 / 4386378 (Hello.last_dispatch, ends_unheard, PrefillDone replay): each
-test fails on main at 4386378."""
+"""The transit rules must not re-place a healthy request (docs/benchmarks/transit.md): a resent
+PrefillDone of an older attempt changes nothing, and `Hello.last_dispatch` never covers work still
+on its way, across the resets of the router's dispatch numbering (a role flip under router
+replicas, a router restart, a worker declared lost and back: a newly registered worker's numbers
+start above what it has seen). Found by a review; each test fails at 4386378."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ zmq_heartbeat_s, when the host itself went away).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import socket
@@ -399,18 +400,14 @@ class MonitorBus:
         self.ctx.term()
 
 
-_one_cpu: list[bool] = []  # (computed at the first hand-off: a process is pinned before it runs)
-
-
+@functools.cache  # (read at the first hand-off: a process is pinned before it runs)
 def on_one_cpu() -> bool:
     """This process may run on one CPU only (`taskset -c N`, a cpuset of one): libzmq's I/O
     thread then shares that CPU with the event loop that sends."""
-    if not _one_cpu:
-        try:
-            _one_cpu.append(len(os.sched_getaffinity(0)) == 1 and hasattr(os, "sched_yield"))
-        except (AttributeError, OSError):  # (not Linux)
-            _one_cpu.append(False)
-    return _one_cpu[0]
+    try:
+        return len(os.sched_getaffinity(0)) == 1 and hasattr(os, "sched_yield")
+    except (AttributeError, OSError):  # (not Linux)
+        return False
 
 
 def hand_to_io_thread() -> None:

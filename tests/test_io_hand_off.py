@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def yields(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def yields(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """os.sched_yield counted, not called; the cached pinning forgotten before and after."""
     calls: list[int] = []
     monkeypatch.setattr(os, "sched_yield", lambda: calls.append(1))
-    monkeypatch.setattr(sockets, "_one_cpu", [])
-    return calls
+    sockets.on_one_cpu.cache_clear()
+    yield calls
+    sockets.on_one_cpu.cache_clear()
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, cpus: set[int]) -> None:
@@ -38,7 +40,7 @@ def test_yields_only_on_one_cpu(monkeypatch: pytest.MonkeyPatch, yields: list[in
     assert not sockets.on_one_cpu()
     sockets.hand_to_io_thread()
     assert yields == []
-    monkeypatch.setattr(sockets, "_one_cpu", [])
+    sockets.on_one_cpu.cache_clear()
     _pinned(monkeypatch, {1})
     assert sockets.on_one_cpu()
     sockets.hand_to_io_thread()

@@ -107,8 +107,14 @@ def decode_limit(decode_beta: float, margin: float, slo: float) -> float:
     chunks, and `decode_beta` there also keeps the prefill room (planned to the less, chat under
     10 % noise at x1 lost 3.1 points: more retained decodes, 299 instead of 190 retained requests
     late on their own prefill)."""
-    m = stricter_margin(margin) if margin > 0 else 1.0
+    m = decode_margin(margin)
     return min(decode_beta / min(m, 1.0), 1.0 / m) * slo
+
+
+def decode_margin(margin: float) -> float:
+    """A worker's measured margin made stricter for a decode step (`stricter_margin`); 1.0
+    before any is measured."""
+    return stricter_margin(margin) if margin > 0 else 1.0
 
 
 class KairosConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,8 +227,7 @@ def _room(dm: PerfModel, d: DecodeView, slo: float | None, decode_beta: float = 
     kv = d.kv_tokens + (d.pending + d.deflections) * mean_ctx + d.resident_prefill_tokens
     limit = decode_limit(decode_beta, d.step_margin, slo)
     if chunk > 0 and (d.deflections or d.resident_prefill_tokens):
-        m = stricter_margin(d.step_margin) if d.step_margin > 0 else 1.0
-        limit = min(limit, slo / m - dm.chunk_cost(chunk, 0, n))
+        limit = min(limit, slo / decode_margin(d.step_margin) - dm.chunk_cost(chunk, 0, n))
     left = limit - dm.decode_time(n, 0) - dm.a2 * kv
     if left < 0.0:
         return -_INF

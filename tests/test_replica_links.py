@@ -33,11 +33,13 @@ SAMPLING = m.Sampling(max_tokens=3, ignore_eos=True)
 class Fake:
     """One fake router: its work socket, on which the worker's heartbeats arrive too."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, *, like: Fake | None = None) -> None:
+        """`like`: a router again on that one's ports (it closed: a restart, or a broken connection)."""
         self.name = name
         self.work = ctx.socket(zmq.ROUTER)
         self.work.setsockopt(zmq.LINGER, 0)
-        self.work_port, self.hb_port = free_port(), free_port()  # the heartbeat port: configured, unused
+        # the heartbeat port: configured, unused
+        self.work_port, self.hb_port = (like.work_port, like.hb_port) if like else (free_port(), free_port())
         self.work.bind(f"tcp://127.0.0.1:{self.work_port}")
         self.got: list[m.Msg] = []
         self._pending: list[m.Msg] = []  # work messages read while waiting for a heartbeat

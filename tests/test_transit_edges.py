@@ -24,15 +24,11 @@ import zmq.asyncio
 
 from common import config
 from common import messages as m
-from common import worker as worker_mod
-from common.engines.sim import SimEngine
-from common.perf_model import load_profile
 from common.router_link import RouterLink
-from services.decode_worker.service import DecodeWorker
 from tests.router_fakes import hello
 from tests.test_migrate import NOW, make_router, work_for
 from tests.test_replica_links import Fake, work
-from tests.test_transit_hold import _until, positions
+from tests.test_transit_hold import _until, positions, worker_of
 from tests.test_transit_loss import batch, item
 
 
@@ -40,23 +36,16 @@ from tests.test_transit_loss import batch, item
 async def test_a_draining_worker_whose_connection_broke_still_streams_to_its_router(
         monkeypatch: pytest.MonkeyPatch, hold: bool) -> None:
     """SIGTERM (a rolling restart), then the router freezes past the ZeroMQ heartbeat timeout (or
-    a network blip): the worker reconnects but, draining, says no Hello (common/worker.py
-    `_connection_loop`: `not self.draining`), so no Welcome ever releases its hold. Its tokens
-    wait there until the process exits (drain_timeout, 30 s by default) and are then thrown
-    away; the router sees the streams stall, then resumes each elsewhere at Goodbye("drained"),
-    a migration each (those at max_migrations fail). Before the hold (hold=False) the tokens
-    flowed again on the new connection as soon as it was up."""
-    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
+    a network blip): the draining worker reconnects and, holding what it sent across the break,
+    says Hello all the same, so the router's Welcome releases its hold and its streams go on.
+    (In the first version a draining worker said no Hello: its tokens waited in the hold until
+    the process exited and were thrown away; the router resumed each stream elsewhere at
+    Goodbye("drained"), a migration each.) Without the hold (hold=False) the tokens flow again
+    on the new connection as soon as it is up."""
     ctx = zmq.asyncio.Context()
     a = Fake(ctx, "A")
-    cfg = config.load(config.WorkerConfig, env={}, overrides={
-        "router_host": "127.0.0.1", "work_port": a.work_port, "heartbeat_port": a.hb_port,
-        "kv_transport": "modeled", "worker_id": "decode-r", "refit_interval": 0, "drain_timeout": 30.0})
-    w = DecodeWorker(cfg, SimEngine("decode", load_profile("fast"), time_scale=20.0))
+    w = worker_of(a, monkeypatch, hold=hold, drain_timeout=30.0)
     link = w.links[0]
-    if not hold:  # as before RouterLink.hold
-        monkeypatch.setattr(type(link), "holding_out", property(lambda self: False))
-        monkeypatch.setattr(type(link), "on_break", lambda self: None)
     task = asyncio.create_task(w.run())
     b: Fake | None = None
     try:
@@ -68,11 +57,7 @@ async def test_a_draining_worker_whose_connection_broke_still_streams_to_its_rou
         await a.until(lambda x: isinstance(x, m.Goodbye))
         a.close()                                              # ... and the connection breaks
         await _until(lambda: not link.connected)
-        b = Fake.__new__(Fake)                                 # the router is back, same port
-        b.name, b.work_port, b.hb_port, b.got, b._pending = "B", a.work_port, a.hb_port, [], []
-        b.work = ctx.socket(zmq.ROUTER)
-        b.work.setsockopt(zmq.LINGER, 0)
-        b.work.bind(f"tcp://127.0.0.1:{a.work_port}")
+        b = Fake(ctx, "B", like=a)                             # the router is back, same port
         await _until(lambda: link.connected)
         # "long" still has seconds of tokens to go (400 steps of tens of ms): they must reach the
         # router (which, like a real one, welcomes a Hello)

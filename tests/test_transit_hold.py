@@ -31,6 +31,21 @@ async def _until(cond: object, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def worker_of(router: Fake, monkeypatch: pytest.MonkeyPatch, *, hold: bool, drain_timeout: float) -> DecodeWorker:
+    """A decode worker (sim engine, steps of tens of ms) of the fake `router`; `hold` False: as
+    before RouterLink.hold, nothing kept across a break and nothing sent again."""
+    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
+    cfg = config.load(config.WorkerConfig, env={}, overrides={
+        "router_host": "127.0.0.1", "work_port": router.work_port, "heartbeat_port": router.hb_port,
+        "kv_transport": "modeled", "worker_id": "decode-r", "refit_interval": 0, "drain_timeout": drain_timeout})
+    w = DecodeWorker(cfg, SimEngine("decode", load_profile("fast"), time_scale=20.0))
+    if not hold:
+        link = type(w.links[0])
+        monkeypatch.setattr(link, "holding_out", property(lambda self: False))
+        monkeypatch.setattr(link, "on_break", lambda self: None)
+    return w
+
+
 def positions(got: list[m.Msg], rid: str) -> list[int]:
     return [i.pos + k for x in got if isinstance(x, m.TokenBatch) for i in x.items if i.request_id == rid
             for k in range(len(i.token_ids))]
@@ -39,17 +54,10 @@ def positions(got: list[m.Msg], rid: str) -> list[int]:
 @pytest.mark.parametrize("hold", [True, False])
 async def test_what_a_worker_sent_around_a_break_reaches_the_router_after_it(
         monkeypatch: pytest.MonkeyPatch, hold: bool) -> None:
-    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
     ctx = zmq.asyncio.Context()
     a = Fake(ctx, "A")
-    cfg = config.load(config.WorkerConfig, env={}, overrides={
-        "router_host": "127.0.0.1", "work_port": a.work_port, "heartbeat_port": a.hb_port,
-        "kv_transport": "modeled", "worker_id": "decode-r", "refit_interval": 0, "drain_timeout": 1.0})
-    w = DecodeWorker(cfg, SimEngine("decode", load_profile("fast"), time_scale=20.0))  # steps of tens of ms
+    w = worker_of(a, monkeypatch, hold=hold, drain_timeout=1.0)
     link = w.links[0]
-    if not hold:  # as before RouterLink.hold: nothing kept, nothing sent again
-        monkeypatch.setattr(type(link), "holding_out", property(lambda self: False))
-        monkeypatch.setattr(type(link), "on_break", lambda self: None)
     task = asyncio.create_task(w.run())
     b: Fake | None = None
     try:
@@ -63,11 +71,7 @@ async def test_what_a_worker_sent_around_a_break_reaches_the_router_after_it(
         a.close()                         # ... and are lost with it (a router frozen past the heartbeat timeout)
         await _until(lambda: not link.connected)
         await asyncio.sleep(0.5)          # the worker goes on producing tokens; "short" ends meanwhile
-        b = Fake.__new__(Fake)            # a router again, on the same port
-        b.name, b.work_port, b.hb_port, b.got, b._pending = "B", a.work_port, a.hb_port, [], []
-        b.work = ctx.socket(zmq.ROUTER)
-        b.work.setsockopt(zmq.LINGER, 0)
-        b.work.bind(f"tcp://127.0.0.1:{a.work_port}")
+        b = Fake(ctx, "B", like=a)        # a router again, on the same port
         h = await b.until(lambda x: isinstance(x, m.Hello))
         assert isinstance(h, m.Hello)
         await b.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.1))

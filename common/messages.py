@@ -196,6 +196,7 @@ class PrefillHeartbeat(Msg, frozen=True):
     queued_requests: int
     token_budget: int
     last_dispatch: int = 0
+    missed: list[int] = []  # dispatch numbers skipped, noticed in the last few seconds (RouterLink.missed)
     step_ms_p50: float = 0.0
     steps: int = 0
     coeffs: Coeffs | None = None
@@ -260,6 +261,7 @@ class DecodeHeartbeat(Msg, frozen=True):
     token_budget: int
     waiting_kv: int = 0
     last_dispatch: int = 0
+    missed: list[int] = []  # as PrefillHeartbeat's
     step_ms_p50: float = 0.0
     step_ms_max: float = 0.0
     tbt_slack_ms: float | None = None

@@ -25,6 +25,10 @@ from common.sockets import WorkerBus
 ORIGIN_CAP = 1 << 16
 # what a worker keeps for a router while their connection is broken (RouterLink.hold), at most
 HOLD_MAX_BYTES = 64 << 20
+# dispatch numbers skipped (`RouterLink.saw`): named in heartbeats this long; a jump past
+# MISSED_MAX is a numbering that started again, not work lost
+MISSED_REPORT_S = 10.0
+MISSED_MAX = 256
 
 
 def router_addresses(cfg: WorkerConfig) -> list[BusConfig]:
@@ -74,6 +78,9 @@ class RouterLink:
         self.replay_s = 3.0 * bus_cfg.zmq_heartbeat_s + 1.0
         self.recent: deque[tuple[float, bytes, m.Msg]] = deque()
         self.last_dispatch = 0            # the highest dispatch number this router sent us
+        # dispatch numbers skipped -> when noticed: work sent into a connection that had broken
+        # is lost with it, and the router, its send having succeeded, cannot tell (`saw`)
+        self.missed: dict[int, float] = {}
         self.bus: WorkerBus | None = None
 
     def open(self, worker_id: str) -> WorkerBus:
@@ -128,11 +135,33 @@ class RouterLink:
         self.held_rids.clear()
         return out
 
-    def saw(self, msg: object) -> None:
-        """Note the dispatch number of work that arrived on this link (its heartbeats acknowledge it)."""
+    def saw(self, msg: object, now: float) -> None:
+        """Note the dispatch number of work that arrived on this link (its heartbeats acknowledge
+        it). The router numbers each worker's work 1, 2, 3, ... and sends it in that order on one
+        connection, so a number skipped was lost on the way: a connection that broke drops what
+        it held, and a send into one whose break the router had not noticed yet succeeded. The
+        heartbeats name it (`missed_now`) and the router places that work again
+        (common/router_core/membership.py, `lost_dispatches`). One that turns up late is struck off."""
         d = getattr(msg, "dispatch", None)
-        if isinstance(d, int) and d > self.last_dispatch:
+        if not isinstance(d, int):
+            return
+        last = self.last_dispatch
+        if d > last:
+            if 0 < last and d - last <= MISSED_MAX:  # (a larger jump: numbering the router restarted)
+                for k in range(last + 1, d):
+                    self.missed[k] = now
             self.last_dispatch = d
+        elif self.missed:
+            self.missed.pop(d, None)
+
+    def missed_now(self, now: float) -> list[int]:
+        """The dispatch numbers skipped in the last MISSED_REPORT_S (each heartbeat repeats them:
+        a heartbeat can be lost too; the router acts on each once)."""
+        if not self.missed:
+            return []
+        for k in [k for k, at in self.missed.items() if now - at > MISSED_REPORT_S]:
+            del self.missed[k]
+        return list(self.missed)
 
 
 class Origins:

@@ -424,12 +424,15 @@ class WorkerService(abc.ABC):
                        if link.incarnation and link.connected and link.welcomed.is_set()]
             if summary is not None or lag_ms or routers:
                 hb = msgspec.structs.replace(hb, prefix=summary, loop_lag_ms=lag_ms, routers=routers)
+            now = time.monotonic()
             if len(self.links) == 1:
-                await self.bus.beat(codec.encode(hb))
+                missed = self.links[0].missed_now(now)
+                await self.bus.beat(codec.encode(msgspec.structs.replace(hb, missed=missed) if missed else hb))
                 continue
             for link in self.links:  # each router's own dispatch numbers, acknowledged to it alone
                 assert link.bus is not None
-                await link.bus.beat(codec.encode(msgspec.structs.replace(hb, last_dispatch=link.last_dispatch)))
+                await link.bus.beat(codec.encode(msgspec.structs.replace(hb, last_dispatch=link.last_dispatch,
+                                                                         missed=link.missed_now(now))))
 
     def coeffs(self) -> m.Coeffs | None:
         """The step-time model the router should predict this worker with: the online refit when
@@ -475,7 +478,7 @@ class WorkerService(abc.ABC):
                 rid = getattr(msg, "request_id", None)
                 if isinstance(rid, str):
                     self.origins.note(rid, link)
-                link.saw(msg)
+            link.saw(msg, time.monotonic())
             try:
                 await self._on_inbox(msg, link)
             except Exception as e:  # one bad message fails its request, never the worker

@@ -47,7 +47,7 @@ def test_a_role_flip_under_router_replicas_does_not_make_new_work_look_seen() ->
     link = RouterLink(0, config.load(config.WorkerConfig, env={}, overrides={}))
     for d in range(1, 6):                      # prefill role: dispatches 1..5 from this router
         link.saw(m.PrefillWork(request_id=f"p{d}", attempt=0, dispatch=d, prompt_token_ids=[1],
-                               sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0))
+                               sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW)
     stale = link.last_dispatch                 # kept across the flip to decode (same link object)
     assert stale == 5
     r, sent = make_router("deflect-all")

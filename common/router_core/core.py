@@ -60,6 +60,8 @@ from common.router_core.workers import WorkerEntry, WorkerTable
 NO_HOOKS = Hooks()
 DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
+# the codes of a request refused for overload after it waited (waiting.py: its budget ran out)
+OVERLOAD_CODES = frozenset({"prefill_busy", "decode_busy", "kv_full"})
 RELAY_LOG_S = 10.0  # with router replicas, a replica_relay line at most this often (when dispatches were acknowledged)
 
 
@@ -374,8 +376,24 @@ class RouterCore:
             req.events.put_nowait(Event(finish_reason=finish_reason))
             self._done(req, finish_reason, now)
 
+    def _log_failure(self, req: Request, message: str, code: str) -> None:
+        """Every failure is in the log, whatever --log-requests says: an operator tracing a client's
+        error finds why here (the client got the same message). Refusals for overload (a wait past
+        its budget: what was short, as at the door's 429) come in storms: at most one line per
+        code every DROP_LOG_S, with how many were left out."""
+        held: int | None = 0
+        if code in OVERLOAD_CODES:
+            held = self.dropped.admit(("request_failed", code))
+            if held is None:
+                return
+        self.log.warning("request_failed", request_id=req.request_id, client_request_id=req.client_request_id or None,
+                         code=code, reason=message, attempt=req.attempt, sent_tokens=req.n_out,
+                         decode_worker=req.decode_worker, prefill_worker=req.prefill_worker,
+                         **({"suppressed_since_last": held} if held else {}))
+
     def fail(self, req: Request, message: str, code: str, now: float) -> None:
         if self._end(req, code, "failed", now, cancel=True):
+            self._log_failure(req, message, code)
             req.events.put_nowait(Event(error=message, error_code=code))
             self._done(req, None, now)
 

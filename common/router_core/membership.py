@@ -54,6 +54,8 @@ class Router(Protocol):
         """Count and log (rate-limited) a frame that cannot be used."""
 
 
+# work a live worker has not acknowledged this long after it was sent is taken as lost (at least)
+LOST_DISPATCH_MIN_S = 2.0
 # after a stall of this router: how long a worker whose connection broke may take to be heard
 # again (its first Hello on the new connection unanswered for 1 s, then it dials again)
 STALL_REDIAL_S = 1.5
@@ -214,10 +216,49 @@ class Membership:
             if w is None or w.incarnation != hb.incarnation:
                 self.ask_hello(hb.worker_id, now)
             return
+        if entry.ledger:
+            lost = [no for no in hb.missed if no in entry.ledger]
+            if now >= self.excused_until and now - next(iter(entry.ledger.values())).at > self.lost_dispatch_s:
+                lost += [no for no, le in entry.ledger.items() if now - le.at > self.lost_dispatch_s]
+            if lost:
+                self.lost_dispatches(entry, lost, now)
         self.prefix.on_heartbeat(hb)
         if self.core.kv_waiting:
             self.core.retry_waiting(now, heartbeat=True)  # its view may show room now (KV, a shorter prefill queue)
         self.hooks.views_changed()
+
+    @property
+    def lost_dispatch_s(self) -> float:
+        """Work a live worker's heartbeats have not acknowledged this long after it was sent never
+        reached it (`lost_dispatches`)."""
+        return max(LOST_DISPATCH_MIN_S, 3.0 * self.cfg.zmq_heartbeat_s, 2.0 * self.liveness_s)
+
+    def lost_dispatches(self, w: WorkerEntry, numbers: list[int], now: float) -> None:
+        """Work sent to `w` that never reached it: the dispatch `numbers` its heartbeat says it
+        skipped (`missed`: a later number arrived, so these were lost on the way; common/router_link.py,
+        `RouterLink.saw`), or that its heartbeats still do not acknowledge `lost_dispatch_s` after
+        it was sent while they keep coming (the last work sent into a broken connection: no later
+        number shows the hole). A send into a connection that had already broken (the worker
+        dialled again; ZeroMQ drops what the old one held, and the send did not fail: the router's
+        side of it had not closed yet) loses it without a word; without this the request waited for
+        its deadline (a frozen router, tests/chaos/stranded.py). Each request still waiting on
+        that work is placed again, away from `w` if another worker can take it, without spending a
+        migration. Should the work arrive after all, the new attempt's Cancel follows it on the
+        same connection."""
+        for no in dict.fromkeys(numbers):
+            le = w.ledger.pop(no, None)
+            if le is None:
+                continue
+            req = self.core.requests.get(le.request_id)
+            if req is None or req.done or req.dispatched.get(w.worker_id) != no:
+                continue  # ended, or placed again since
+            self.counts["dispatches_lost"] += 1
+            self.log.warning("dispatch_lost_in_transit", request_id=req.request_id, attempt=req.attempt,
+                             worker=w.worker_id, dispatch=no, acknowledged=w.hb.last_dispatch if w.hb else 0,
+                             sent_s_ago=round(now - le.at, 3), action="place it again")
+            self.core.redispatch(req, f"its work (dispatch {no}) never reached {w.worker_id}: lost in transit "
+                                      "(its bus connection broke?)", w.worker_id, now, never_ran=True)
+        w.touch()
 
     def ask_hello(self, worker_id: str, now: float) -> None:
         last = self.asked_hello

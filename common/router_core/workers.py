@@ -87,12 +87,12 @@ class WorkerEntry:
         self.touch()
         return self.dispatch_no
 
-    def acknowledge(self, last_dispatch: int) -> list[LedgerEntry]:
-        """Drop the dispatches a heartbeat acknowledges (numbers up to `last_dispatch`); returns
-        them, in dispatch order."""
+    def acknowledge(self, last_dispatch: int, missed: list[int] | tuple[int, ...] = ()) -> list[LedgerEntry]:
+        """Drop the dispatches a heartbeat acknowledges (numbers up to `last_dispatch`, but for
+        those it says it `missed`: membership.py, `lost_dispatches`); returns them, in dispatch order."""
         if not self.ledger:
             return []
-        done = [self.ledger.pop(k) for k in [k for k in self.ledger if k <= last_dispatch]]
+        done = [self.ledger.pop(k) for k in [k for k in self.ledger if k <= last_dispatch and k not in missed]]
         if done:
             self.touch()
         return done
@@ -264,7 +264,7 @@ class WorkerTable:
             e.drain = None if d is None else Tail(e.hb_at + d.start_s * b, tuple(d.chunks), d.used,
                                                   e.hb_at + d.end_s * b)
         e.draining = e.draining or hb.draining
-        acked = e.acknowledge(hb.last_dispatch)
+        acked = e.acknowledge(hb.last_dispatch, hb.missed)
         if acked:  # the relay of each: dispatch to this acknowledgement
             self.relays.extend(now - le.at for le in acked)
             self.relays_seen += len(acked)

@@ -44,10 +44,10 @@ def rss_mb(pid: int) -> float:
 
 
 async def run(log_dir: Path, *, streams: int, freezes: int, freeze_s: float, deadline: float,
-              seed: int = 48) -> dict[str, Any]:
+              seed: int = 48, log_level: str = "info") -> dict[str, Any]:
     spec = ClusterSpec.ephemeral(log_dir=str(log_dir), prefill=1, decode=2, profile="a100-dsv2-lite",
                                  policy="kairos", monitor=False,
-                                 router_env={"KAIROS_REQUEST_TIMEOUT": str(deadline)})
+                                 router_env={"KAIROS_REQUEST_TIMEOUT": str(deadline)}, log_level=log_level)
     c = Cluster(spec)
     c.start(timeout=60)
     try:
@@ -91,7 +91,8 @@ async def run(log_dir: Path, *, streams: int, freezes: int, freeze_s: float, dea
                           "errors": dict(total.errors)},
                 "router_rss_mb": {"before": round(rss0, 1), "after": round(rss1, 1), "after_10s": round(rss2, 1)},
                 "router_events": {k: events[k] for k in ("send_to_worker_failed", "request_redispatched",
-                                                         "request_orphaned", "worker_lost", "router_stalled")}}
+                                                         "request_orphaned", "worker_lost", "router_stalled",
+                                                         "dispatch_lost_in_transit", "request_failed")}}
     finally:
         c.stop(20)
 
@@ -116,10 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--freezes", type=int, default=5, help="rounds, one router freeze each (default 5)")
     p.add_argument("--freeze-s", type=float, default=10.0, help="how long the router is stopped (default 10)")
     p.add_argument("--deadline", type=float, default=60.0, help="the router's request_timeout, s (default 60)")
+    p.add_argument("--log-level", default="info", help="every service's (debug: each request's way, to find one "
+                                                      "that stranded; default info)")
+    p.add_argument("--keep-logs", metavar="DIR", help="write the services' logs here (default: a temporary "
+                                                      "directory, removed)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kairos-stranded-") as d:
-        result = asyncio.run(run(Path(d), streams=a.streams, freezes=a.freezes, freeze_s=a.freeze_s,
-                                 deadline=a.deadline))
+        if a.keep_logs:
+            Path(a.keep_logs).mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(run(Path(a.keep_logs or d), streams=a.streams, freezes=a.freezes, freeze_s=a.freeze_s,
+                                 deadline=a.deadline, log_level=a.log_level))
     print(json.dumps(result, indent=2))
     bad = stranded(result)
     for b in bad:

@@ -74,8 +74,10 @@ class RouterLink:
         # the token batches and prefill results sent in the last `replay_s` (RouterLink.sent): a
         # connection that breaks is noticed only once the ZeroMQ heartbeat times out, and what was
         # sent on it meanwhile may be lost with it; they are sent again after the break (the
-        # router drops repeats: tokens by TokenItem.pos, a PrefillDone it already has)
-        self.replay_s = 3.0 * bus_cfg.zmq_heartbeat_s + 1.0
+        # router drops repeats: tokens by TokenItem.pos, a PrefillDone it already has). ZeroMQ
+        # pings every zmq_heartbeat_s and gives up 3 x that after a ping unanswered, so a break is
+        # noticed up to 4 x zmq_heartbeat_s after the last traffic; a second more for the wake-up
+        self.replay_s = 4.0 * bus_cfg.zmq_heartbeat_s + 1.0
         self.recent: deque[tuple[float, bytes, m.Msg]] = deque()
         self.last_dispatch = 0            # the highest dispatch number this router sent us
         # dispatch numbers skipped -> when noticed: work sent into a connection that had broken

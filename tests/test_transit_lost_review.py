@@ -1,0 +1,123 @@
+"""A review of 76bf95f (work lost on its way to a live worker, docs/benchmarks/transit.md): cases
+where its two rules (a skipped dispatch number named in heartbeats, `missed`; work unacknowledged
+`lost_dispatch_s` after its send) re-place a healthy request, or miss a lost one."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from common import config
+from common import messages as m
+from common import worker as worker_mod
+from common.engines.sim import SimEngine
+from common.perf_model import load_profile
+from services.decode_worker.service import DecodeWorker
+from services.prefill_worker.service import PrefillWorker
+from tests.test_migrate import NOW, make_router, work_for
+from tests.test_transit_dispatch import beat
+
+
+@pytest.mark.parametrize("beat_before", [False, True])
+def test_a_stale_heartbeat_read_at_a_thaw_before_the_stall_is_excused_is_not_evidence(beat_before: bool) -> None:
+    """The live router reads its work socket from a reader callback (common/sockets.py, Inbox:
+    up to 256 messages per wakeup, at once), and notices its own stall only when its liveness
+    loop's sleep wakes late (services/router/service.py, `liveness_loop`, which then calls
+    `excuse_stall`). At a thaw asyncio runs the I/O callback first: the backlog is read before
+    the stall is excused. A heartbeat the worker sent just before the work reached it (queued,
+    unread, when the router froze) then says the work is unacknowledged 10 s after its send, and
+    the healthy request is re-placed; the next heartbeats in the same backlog acknowledge it.
+    test_work_sent_just_before_a_router_stall_is_judged_by_fresh_heartbeats_only excuses the
+    stall first, which the live order does not do."""
+    r, sent = make_router("deflect-all")
+    if beat_before:  # the workers beat steadily before (here, one beat of each read just before the send)
+        for other in list(r.table.workers):
+            r.on_message(other.encode(), beat(other, 1, 0), NOW - 0.05)
+    req = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    wid, work = work_for(sent, req.request_id, 0)
+    thaw = NOW + 10.0                              # the router froze right after the send
+    for e in r.table.workers.values():
+        e.last_seen = thaw
+    # the reader callback, first: the oldest heartbeat (sent before the work arrived), then fresh ones
+    r.on_message(wid.encode(), beat(wid, 2, work.dispatch - 1), thaw)
+    r.on_message(wid.encode(), beat(wid, 3, work.dispatch), thaw + 0.001)
+    r.membership.excuse_stall(thaw + 0.002, 10.0)  # then the liveness loop wakes, late
+    for k, t in enumerate((thaw + 0.1, thaw + 2.0, thaw + 5.0)):
+        for e in r.table.workers.values():
+            e.last_seen = t                        # (the others beat too)
+        r.on_message(wid.encode(), beat(wid, 10 + k, work.dispatch), t)
+        r.tick(t)
+    assert r.counts["dispatches_lost"] == 0 and req.attempt == 0, "a healthy request was re-placed at a thaw"
+
+
+def _flipped(monkeypatch: pytest.MonkeyPatch, seen: int) -> tuple[DecodeWorker, PrefillWorker]:
+    """A decode worker of one router that had seen dispatches 1..`seen`, flipped to prefill
+    (services/roles.py: the next role's service takes over the links; a flip that keeps no decode
+    gets a new incarnation)."""
+    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
+    cfg = config.load(config.WorkerConfig, env={}, overrides={
+        "router_host": "127.0.0.1", "work_port": 47011, "heartbeat_port": 47012, "kv_transport": "modeled",
+        "worker_id": "flipper", "refit_interval": 0})
+    old = DecodeWorker(cfg, SimEngine("decode", load_profile("fast"), time_scale=20.0))
+    for d in range(1, seen + 1):                  # what its recv loop did for each
+        old.links[0].saw(m.DecodeWork(request_id=f"d{d}", attempt=0, dispatch=d, mode="deflect",
+                                      prompt_token_ids=[1], sampling=m.Sampling(max_tokens=1), tbt_slo=0.1,
+                                      deadline_s=5.0), NOW)
+        old.core.saw_dispatch(d)
+    new = PrefillWorker(cfg, old.engine, previous=old)
+    assert new.links[0] is old.links[0] and new.incarnation != old.incarnation
+    return old, new
+
+
+def test_after_a_role_flip_a_single_router_worker_still_names_the_work_it_skipped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one router, Hello.last_dispatch is the core's (common/worker.py `hello`: the link's
+    only with replicas); a flip makes a new core (last_dispatch 0) and, keeping no decode, a new
+    incarnation, so the router numbers the new role's work from 1 (WorkerTable.register) while
+    the link, kept across the flip, has seen up to 50: RouterLink.saw takes every new number for
+    a late one and never notes a skipped one. A PrefillWork lost on the way (2) is then
+    acknowledged by the next one's number (the core's) and its request waits for its deadline,
+    the very loss 76bf95f fixes, for the first 50 dispatches of every flipped worker."""
+    _, new = _flipped(monkeypatch, seen=50)
+    link = new.links[0]
+    h = new.hello(link)
+    assert h.last_dispatch >= link.last_dispatch, "Hello.last_dispatch below what the link has seen"
+    # the router numbers from Hello.last_dispatch; the worker gets the 1st and 3rd, not the 2nd
+    first = h.last_dispatch
+    for d in (first + 1, first + 3):
+        link.saw(m.PrefillWork(request_id=f"p{d}", attempt=0, dispatch=d, prompt_token_ids=[1],
+                               sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW + 1)
+    assert link.missed_now(NOW + 1) == [first + 2]
+
+
+def test_an_old_roles_skipped_number_does_not_make_the_new_roles_work_look_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other face of the same reset: the old role's link noted a skipped number (7) a moment
+    before the flip, and its heartbeats name it for 10 s. The new role's entry numbers from the
+    Hello's last_dispatch (0 on main), so its own dispatch 7, healthy and on its way, is in its
+    ledger when a heartbeat (sent before it arrived) names 7: the router re-places it."""
+    monkeypatch.setattr(worker_mod, "install_signals", lambda stop: None)
+    cfg = config.load(config.WorkerConfig, env={}, overrides={
+        "router_host": "127.0.0.1", "work_port": 47011, "heartbeat_port": 47012, "kv_transport": "modeled",
+        "worker_id": "prefill-0", "refit_interval": 0})
+    old = DecodeWorker(cfg, SimEngine("decode", load_profile("fast"), time_scale=20.0))
+    for d in (*range(1, 7), 8):                   # 7 lost on its way to the old role
+        old.links[0].saw(m.DecodeWork(request_id=f"d{d}", attempt=0, dispatch=d, mode="deflect",
+                                      prompt_token_ids=[1], sampling=m.Sampling(max_tokens=1), tbt_slo=0.1,
+                                      deadline_s=5.0), NOW - 1.0)
+        old.core.saw_dispatch(d)
+    new = PrefillWorker(cfg, old.engine, previous=old)
+    r, sent = make_router("disagg-least-loaded")
+    r.on_message(b"prefill-0", new.hello(new.links[0]), NOW)   # the flipped worker: a new incarnation
+    reqs = [r.submit(list(range(100 + 50 * k, 140 + 50 * k)), m.Sampling(max_tokens=4), NOW + 0.01 * k)
+            for k in range(7)]
+    pw = [x for w, x in sent if w == "prefill-0" and isinstance(x, m.PrefillWork)]
+    assert [x.dispatch for x in pw][-1] == pw[0].dispatch + 6
+    for x in pw[:-1]:                              # the worker has them all but the last, still on its way
+        new.links[0].saw(x, NOW + 0.1)
+        new.core.saw_dispatch(x.dispatch)
+    hb = new.heartbeat()
+    hb = msgspec.structs.replace(hb, missed=new.links[0].missed_now(NOW + 0.1))
+    r.on_message(b"prefill-0", hb, NOW + 0.1)
+    assert r.counts["dispatches_lost"] == 0 and all(q.attempt == 0 for q in reqs), \
+        "a dispatch on its way was taken for the old role's skipped number"

@@ -161,3 +161,63 @@ def test_a_burst_of_lost_work_longer_than_missed_max_is_named() -> None:
     link.saw(m.PrefillWork(request_id="b", attempt=0, dispatch=302, prompt_token_ids=[1],
                            sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW)
     assert link.missed_now(NOW) == list(range(2, 302))
+
+
+def _pbeat(worker: str, seq: int, last_dispatch: int) -> m.PrefillHeartbeat:
+    return m.PrefillHeartbeat(worker_id=worker, incarnation=f"inc-{worker}", seq=seq, queued_tokens=0,
+                              queued_requests=0, token_budget=2048, last_dispatch=last_dispatch)
+
+
+@pytest.mark.parametrize("lost", ["prefill", "decode"])
+def test_a_handoff_whose_one_work_was_lost_is_placed_again_once(lost: str) -> None:
+    """A hand-off sends two works (DecodeWork to the decode worker, PrefillWork to the prefill
+    worker, each with that worker's own number); only one is lost. The request is placed again
+    once, as a new attempt not counted as a migration, and the worker that did get its work is
+    told to stop (Cancel). (Passes on main: pinned.)"""
+    r, sent = make_router("disagg-least-loaded")
+    req = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    pw, dw = req.prefill_worker, req.decode_worker
+    assert pw is not None and dw is not None
+    pno = next(x.dispatch for w, x in sent if w == pw and isinstance(x, m.PrefillWork))
+    dno = next(x.dispatch for w, x in sent if w == dw and isinstance(x, m.DecodeWork))
+    t, k = NOW + 0.05, 1
+    while t < NOW + r.membership.lost_dispatch_s + 1.0:
+        for e in r.table.workers.values():
+            e.last_seen = t
+        r.on_message(pw.encode(), _pbeat(pw, k, pno - (lost == "prefill")), t)
+        r.on_message(dw.encode(), beat(dw, k, dno - (lost == "decode")), t)
+        for other in r.table.workers:
+            if other not in (pw, dw):
+                r.on_message(other.encode(), beat(other, k, 0), t)
+        r.tick(t)
+        t, k = t + 0.1, k + 1
+    assert req.attempt == 1 and req.migrations == 0 and r.counts["dispatches_lost"] == 1 and not req.done
+    stayed = dw if lost == "prefill" else pw
+    assert any(isinstance(x, m.Cancel) and x.attempt == 0 for w, x in sent if w == stayed)
+
+
+@pytest.mark.parametrize("tick_first", [False, True])
+def test_work_whose_send_failed_is_placed_again_once_whichever_rule_sees_it_first(tick_first: bool) -> None:
+    """A send that failed (core.send: `unsent`, re-placed at the next tick) leaves its number
+    skipped; the worker registered again before that tick (same incarnation: `unreachable`
+    cleared) and took the next work, so its heartbeat names the number as missed too. One rule
+    or the other places it again, never both. (Passes on main: pinned.)"""
+    from tests.router_fakes import hello, make_core
+    r, box = make_core("deflect-all")
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        r.on_message(wid.encode(), hello(wid, role), NOW)  # type: ignore[arg-type]
+    r.table.workers["decode-1"].draining = True
+    box.unreachable.add("decode-0")
+    a = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    assert r.unsent and r.table.workers["decode-0"].unreachable
+    box.unreachable.clear()
+    r.on_message(b"decode-0", hello("decode-0", "decode", held=[], last_dispatch=0), NOW + 0.01)
+    b = r.submit(list(range(200, 240)), m.Sampling(max_tokens=4), NOW + 0.02)
+    (_, wb), = [(w, x) for w, x in box.sent if isinstance(x, m.DecodeWork) and x.request_id == b.request_id]
+    hb = msgspec.structs.replace(beat("decode-0", 1, wb.dispatch), missed=list(range(1, wb.dispatch)))
+    if tick_first:
+        r.tick(NOW + 0.03)
+    r.on_message(b"decode-0", hb, NOW + 0.04)
+    r.tick(NOW + 0.05)
+    assert a.attempt == 1 and b.attempt == 0 and not a.done
+    assert r.counts["dispatches_lost"] + r.counts["unsent_replaced"] == 1

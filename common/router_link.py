@@ -149,7 +149,9 @@ class RouterLink:
             return
         last = self.last_dispatch
         if d > last:
-            if 0 < last and d - last <= MISSED_MAX:  # (a larger jump: numbering the router restarted)
+            # (a larger jump: numbering the router restarted). From 0 too: the router numbers from
+            # the Hello's last_dispatch, this link's, so a link that has seen nothing gets 1 first
+            if d - last <= MISSED_MAX:
                 for k in range(last + 1, d):
                     self.missed[k] = now
             self.last_dispatch = d

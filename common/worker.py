@@ -347,7 +347,8 @@ class WorkerService(abc.ABC):
         if link is not None and link.held_rids:  # ended here, their last messages still waiting to go
             held = list(dict.fromkeys([*held, *link.held_rids]))
         return self.core.hello(held=held, coeffs=self.coeffs(), fixed_role=not self.engine.can_switch_role,
-                               last_dispatch=link.last_dispatch if link is not None and len(self.links) > 1 else None,
+                               # the link's, with one router too: it survives a role flip, the core does not
+                               last_dispatch=link.last_dispatch if link is not None else None,
                                **self.extra_hello())
 
     async def _hello_loop(self, link: RouterLink) -> None:

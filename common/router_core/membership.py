@@ -204,6 +204,9 @@ class Membership:
         if w is not None and w.identity != identity:
             self.gate.drop(identity, "heartbeat_from_another_connection", hb)
             return
+        # the router clock of this worker's previous heartbeat (or of its registration: none yet)
+        prev_at = (w.hb_at if w.hb is not None else w.joined) if w is not None and w.incarnation == hb.incarnation \
+            else None
         try:
             entry = self.table.heartbeat(hb, now)
         except Exception as e:  # e.g. coefficients no model can be built from
@@ -216,9 +219,17 @@ class Membership:
             if w is None or w.incarnation != hb.incarnation:
                 self.ask_hello(hb.worker_id, now)
             return
+        if prev_at is not None and now - prev_at > self.liveness_s / 2:
+            # the first heartbeat after a silence (this router stalled, or the worker or its
+            # connection did): what it and those read with it say may be old, sent before work
+            # since reached the worker. At a thaw the work socket's backlog is read before the
+            # liveness loop wakes to excuse the stall (services/router/service.py), so that excuse
+            # comes too late for them: judge no silence until heartbeats come in a steady stream
+            entry.steady_at = now + self.liveness_s
         if entry.ledger:
             lost = [no for no in hb.missed if no in entry.ledger]
-            if now >= self.excused_until and now - next(iter(entry.ledger.values())).at > self.lost_dispatch_s:
+            if now >= max(self.excused_until, entry.steady_at) and \
+                    now - next(iter(entry.ledger.values())).at > self.lost_dispatch_s:
                 lost += [no for no, le in entry.ledger.items() if now - le.at > self.lost_dispatch_s]
             if lost:
                 self.lost_dispatches(entry, lost, now)

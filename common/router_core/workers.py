@@ -51,6 +51,8 @@ class WorkerEntry:
     deflect_info: dict[str, tuple[int, float]] = field(default_factory=dict)  # request -> (largest chunk,
     # predicted end of its prefill on the router clock)
     hb_at: float = 0.0                   # router clock when the last heartbeat came
+    steady_at: float = 0.0               # its heartbeats are judged for unacknowledged work from then on
+    # (membership.py, `on_heartbeat`: not the backlog read after a silence)
     backlog: tuple[tuple[int, int], ...] | None = None  # the last prefill heartbeat's, as a tuple
     drain: Tail | None = None            # the last prefill heartbeat's drain, on the router clock
     holding: set[str] = field(default_factory=set)             # requests this worker is working on

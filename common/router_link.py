@@ -25,10 +25,10 @@ from common.sockets import WorkerBus
 ORIGIN_CAP = 1 << 16
 # what a worker keeps for a router while their connection is broken (RouterLink.hold), at most
 HOLD_MAX_BYTES = 64 << 20
-# dispatch numbers skipped (`RouterLink.saw`): named in heartbeats this long; a jump past
-# MISSED_MAX is a numbering that started again, not work lost
+# dispatch numbers skipped (`RouterLink.saw`): named in heartbeats this long, at most the
+# MISSED_MAX latest (a heartbeat then carries up to about 20 KB more, for 10 s)
 MISSED_REPORT_S = 10.0
-MISSED_MAX = 256
+MISSED_MAX = 4096
 
 
 def router_addresses(cfg: WorkerConfig) -> list[BusConfig]:
@@ -149,11 +149,15 @@ class RouterLink:
             return
         last = self.last_dispatch
         if d > last:
-            # (a larger jump: numbering the router restarted). From 0 too: the router numbers from
-            # the Hello's last_dispatch, this link's, so a link that has seen nothing gets 1 first
-            if d - last <= MISSED_MAX:
-                for k in range(last + 1, d):
-                    self.missed[k] = now
+            # the router numbers from the Hello's last_dispatch, this link's (0 for a link that has
+            # seen nothing: it sends 1 first), so every jump is work lost on the way (or, after a
+            # role flip that kept decodes, the old entry's numbers, which the router ignores).
+            # At most the MISSED_MAX latest are named: heartbeats stay bounded
+            missed = self.missed
+            for k in range(max(last + 1, d - MISSED_MAX), d):
+                missed[k] = now
+            while len(missed) > MISSED_MAX:  # the oldest out (numbers only rise)
+                del missed[next(iter(missed))]
             self.last_dispatch = d
         elif self.missed:
             self.missed.pop(d, None)

@@ -179,7 +179,7 @@ class WorkerService(abc.ABC):
         """The worker's core, with this shell as its ports."""
 
     @abc.abstractmethod
-    def heartbeat(self) -> m.Msg: ...
+    def heartbeat(self) -> m.PrefillHeartbeat | m.DecodeHeartbeat: ...
 
     @abc.abstractmethod
     async def on_message(self, msg: Any) -> None: ...
@@ -426,9 +426,12 @@ class WorkerService(abc.ABC):
             if summary is not None or lag_ms or routers:
                 hb = msgspec.structs.replace(hb, prefix=summary, loop_lag_ms=lag_ms, routers=routers)
             now = time.monotonic()
-            if len(self.links) == 1:
-                missed = self.links[0].missed_now(now)
-                await self.bus.beat(codec.encode(msgspec.structs.replace(hb, missed=missed) if missed else hb))
+            if len(self.links) == 1:  # (the link's number: it survives a role flip, the core's does not)
+                link = self.links[0]
+                missed = link.missed_now(now)
+                if missed or hb.last_dispatch != link.last_dispatch:
+                    hb = msgspec.structs.replace(hb, last_dispatch=link.last_dispatch, missed=missed)
+                await self.bus.beat(codec.encode(hb))
                 continue
             for link in self.links:  # each router's own dispatch numbers, acknowledged to it alone
                 assert link.bus is not None

@@ -12,7 +12,7 @@ from common import messages as m
 from common import worker as worker_mod
 from common.engines.sim import SimEngine
 from common.perf_model import load_profile
-from common.router_link import RouterLink
+from common.router_link import MISSED_MAX, RouterLink
 from services.decode_worker.service import DecodeWorker
 from services.prefill_worker.service import PrefillWorker
 from tests.test_migrate import NOW, make_router, work_for
@@ -146,21 +146,24 @@ def test_the_first_dispatch_a_link_gets_lost_is_named_too() -> None:
     assert reqs[0].attempt == 1 and reqs[1].attempt == 0, "the first work, lost, was taken as acknowledged"
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a burst of more than MISSED_MAX (256) lost dispatches is "
-                   "taken for a numbering that started again, and acknowledged")
-def test_a_burst_of_lost_work_longer_than_missed_max_is_named() -> None:
-    """RouterLink.saw takes a jump of more than MISSED_MAX (256) for a numbering the router
-    started again, and notes nothing; the jump's numbers are then acknowledged cumulatively. Since
-    Hello.last_dispatch, the router's numbering goes on from what the link has seen, so a jump is
-    work lost (or, after a flip that keeps decodes, numbers of the old entry, which the router
-    ignores). A router that thaws with a long wait queue dispatches it at once, into connections
-    that broke during its stall: 300 to one worker is a large burst, not an impossible one."""
+def test_a_burst_of_lost_work_is_named_up_to_missed_max() -> None:
+    """Since Hello.last_dispatch, the router's numbering goes on from what the link has seen, so
+    a jump is work lost (or, after a flip that keeps decodes, numbers of the old entry, which the
+    router ignores). A router that thaws with a long wait queue dispatches it at once, into
+    connections that broke during its stall: 300 to one worker is a large burst, not an impossible
+    one. (The first version took a jump of more than 256 for a numbering that started again and
+    named nothing: every one of them waited for its deadline.) Beyond MISSED_MAX, the latest."""
     link = RouterLink(0, config.load(config.WorkerConfig, env={}, overrides={}))
     link.saw(m.PrefillWork(request_id="a", attempt=0, dispatch=1, prompt_token_ids=[1],
                            sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW)
     link.saw(m.PrefillWork(request_id="b", attempt=0, dispatch=302, prompt_token_ids=[1],
                            sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW)
     assert link.missed_now(NOW) == list(range(2, 302))
+    far = 302 + MISSED_MAX + 50
+    link.saw(m.PrefillWork(request_id="c", attempt=0, dispatch=far, prompt_token_ids=[1],
+                           sampling=m.Sampling(max_tokens=1), decode_worker="decode-0", deadline_s=5.0), NOW + 1)
+    named = link.missed_now(NOW + 1)
+    assert named == list(range(far - MISSED_MAX, far))
 
 
 def _pbeat(worker: str, seq: int, last_dispatch: int) -> m.PrefillHeartbeat:

@@ -143,3 +143,32 @@ async def test_a_real_worker_names_the_work_that_never_reached_it(monkeypatch: p
         await asyncio.wait_for(task, 20)
         a.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("back_as", ["same", "restarted"])
+def test_a_kv_handshake_relay_that_failed_is_sent_again_after_the_workers_hello(back_as: str) -> None:
+    """The prefill worker's KvWant reaches the router while the decode worker's connection is
+    broken: the relay fails (unroutable). When the decode worker says Hello again (same
+    incarnation) the router sends it the KvWant after the Welcome, instead of leaving the hand-off
+    to the prefill worker's kv_timeout (10 s) and a prefill in place. A worker back as another
+    incarnation gets nothing: what it held is placed again."""
+    from tests.router_fakes import FakeOutbox, make_core
+    box = FakeOutbox()
+    r, _ = make_core("disagg-least-loaded", box)
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        r.on_message(wid.encode(), hello(wid, role), NOW)  # type: ignore[arg-type]
+    req = r.submit(list(range(100, 140)), m.Sampling(max_tokens=4), NOW)
+    assert req.prefill_worker == "prefill-0" and req.decode_worker == "decode-0"
+    box.unreachable.add("decode-0")
+    want = m.KvWant(request_id=req.request_id, attempt=req.attempt, tokens=40)
+    r.on_message(b"prefill-0", want, NOW + 0.1)
+    box.unreachable.clear()
+    box.take()
+    inc = "" if back_as == "same" else "inc-decode-0-again"
+    r.on_message(b"decode-0", hello("decode-0", "decode", held=[req.request_id], last_dispatch=1,
+                                    incarnation=inc), NOW + 1.0)
+    to_decode = [type(x).__name__ for w, x in box.take() if w == "decode-0"]
+    if back_as == "same":
+        assert to_decode == ["Welcome", "KvWant"]
+    else:
+        assert "KvWant" not in to_decode

@@ -60,6 +60,8 @@ from common.router_core.workers import WorkerEntry, WorkerTable
 NO_HOOKS = Hooks()
 DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
+# KV handshake messages whose relay to one worker failed, kept for its next Hello (at most)
+RELAYS_HELD_MAX = 1024
 # the codes of a request refused for overload after it waited (waiting.py: its budget ran out)
 OVERLOAD_CODES = frozenset({"prefill_busy", "decode_busy", "kv_full"})
 RELAY_LOG_S = 10.0  # with router replicas, a replica_relay line at most this often (when dispatches were acknowledged)
@@ -121,6 +123,9 @@ class RouterCore:
         self.relay_seen = 0  # how many relays the table had measured then
         self.requests: dict[str, Request] = {}
         self.unsent: dict[str, tuple[int, str]] = {}  # request id -> (attempt, worker) whose work send failed
+        # worker -> the KV handshake messages (KvWant, KvTarget) whose relay to it failed: sent again
+        # when it says Hello again (membership.py, `resend_relays`)
+        self.relays_unsent: dict[str, list[m.KvWant | m.KvTarget]] = {}
         self.audit_at = 0.0  # when `tick` next checks that every request in flight has an owner
         self.counts: Counter[str] = Counter()
         self.dropped = Throttle(DROP_LOG_S)  # a line per kind of dropped frame per DROP_LOG_S at most
@@ -312,21 +317,28 @@ class RouterCore:
             if w.role == "decode" and not w.unreachable:
                 self.outbox.send(w.identity, msg)  # a worker that misses it hears the next change
 
-    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
-        if not self.outbox.send(w.identity, msg):
-            # unroutable (gone, or reconnected under its id while the old connection lingered) or
-            # its queue is full: nothing was queued. The next tick declares it lost, whatever it
-            # still sends, and re-dispatches what it held; its next heartbeat then asks it to
-            # register again. Work that was not sent is re-placed at the next tick whatever
-            # happens meanwhile: the worker may register again (same incarnation) before that
-            # tick, which clears `unreachable`, and would then hold a request it never received.
-            rid = getattr(msg, "request_id", None)
-            self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__,
-                             **({"request_id": rid, "attempt": getattr(msg, "attempt", 0)} if rid else {}))
-            w.unreachable = True
-            w.touch()
-            if isinstance(msg, (m.DecodeWork, m.PrefillWork)):
-                self.unsent[msg.request_id] = (msg.attempt, w.worker_id)
+    def send(self, w: WorkerEntry, msg: m.Msg) -> bool:
+        """To a registered worker; False (and the worker marked unreachable) if it failed."""
+        if self.outbox.send(w.identity, msg):
+            return True
+        # unroutable (gone, or reconnected under its id while the old connection lingered) or
+        # its queue is full: nothing was queued. The next tick declares it lost, whatever it
+        # still sends, and re-dispatches what it held; its next heartbeat then asks it to
+        # register again. Work that was not sent is re-placed at the next tick whatever
+        # happens meanwhile: the worker may register again (same incarnation) before that
+        # tick, which clears `unreachable`, and would then hold a request it never received.
+        rid = getattr(msg, "request_id", None)
+        self.log.warning("send_to_worker_failed", worker=w.worker_id, message=type(msg).__name__,
+                         **({"request_id": rid, "attempt": getattr(msg, "attempt", 0)} if rid else {}))
+        w.unreachable = True
+        w.touch()
+        if isinstance(msg, (m.DecodeWork, m.PrefillWork)):
+            self.unsent[msg.request_id] = (msg.attempt, w.worker_id)
+        elif isinstance(msg, (m.KvWant, m.KvTarget)):
+            held = self.relays_unsent.setdefault(w.worker_id, [])
+            if len(held) < RELAYS_HELD_MAX:
+                held.append(msg)
+        return False
 
     def replace_unsent(self, now: float) -> None:
         """Re-place every request whose work could not be sent (`send`), unless something else

@@ -38,7 +38,7 @@ class Sender(Protocol):
 
     delivery: DeliveryAllowance  # the TBT budget less delivery: what work is planned to (delivery.py)
 
-    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
+    def send(self, w: WorkerEntry, msg: m.Msg) -> bool:
         """To a registered worker (marked unreachable, and the work placed again, if it fails)."""
 
 

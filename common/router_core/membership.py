@@ -39,9 +39,10 @@ class Router(Protocol):
     requests: dict[str, Request]   # in flight, by the router's request id
     kv_waiting: WaitQueue[Request]
     unsent: dict[str, tuple[int, str]]  # request -> (attempt, worker) whose work could not be sent to it
+    relays_unsent: dict[str, list[m.KvWant | m.KvTarget]]  # worker -> KV handshake relays that failed
 
-    def send(self, w: WorkerEntry, msg: m.Msg) -> None:
-        """To a registered worker (marked unreachable if it fails)."""
+    def send(self, w: WorkerEntry, msg: m.Msg) -> bool:
+        """To a registered worker (marked unreachable if it fails: False)."""
 
     def redispatch(self, req: Request, why: str, bad_worker: str | None, now: float, *,
                    never_ran: bool = False) -> None:
@@ -113,6 +114,8 @@ class Membership:
             self.log.info("worker_told_to_drop", worker=h.worker_id, requests=len(drop))
         self.core.send(entry, m.Welcome(router_incarnation=self.incarnation,
                                    heartbeat_interval_s=self.cfg.heartbeat_interval, drop=drop))
+        if h.worker_id in self.core.relays_unsent:
+            self.resend_relays(entry, resend=not is_new)
         if not entry.draining:
             self.hooks.worker_joined()  # requests held at admission try again
 
@@ -139,6 +142,21 @@ class Membership:
                              sent_tokens=req.n_out, action="resume from the client's last token (or place it again)")
             self.core.redispatch(req, f"{wid} no longer holds it and its end never arrived (lost in "
                                       "transit: its bus connection broke?)", None, now)
+
+    def resend_relays(self, w: WorkerEntry, *, resend: bool) -> None:
+        """The KV handshake messages (KvWant, KvTarget) whose relay to `w` failed (its connection
+        had broken: core.py, `send`), sent now that it said Hello again, after the Welcome, for
+        each request still on that attempt with `w` as one of its two workers. Without this the
+        hand-off waited for the prefill worker's `kv_timeout` (10 s) and the decode worker then
+        prefilled it in place. Dropped (`resend` False) when it comes back as another incarnation
+        or another role: what it held was placed again."""
+        for msg in self.core.relays_unsent.pop(w.worker_id, []):
+            req = self.core.requests.get(msg.request_id)
+            if not resend or req is None or req.done or req.attempt != msg.attempt or \
+                    w.worker_id not in (req.prefill_worker, req.decode_worker):
+                continue
+            self.counts["relays_resent"] += 1
+            self.core.send(w, msg)
 
     def role_changed(self, old: WorkerEntry, entry: WorkerEntry, h: m.Hello, now: float) -> None:
         """The same worker (same incarnation) says Hello under its other role: a role flip whose
@@ -311,6 +329,7 @@ class Membership:
             self.worker_gone(w, why, now)
 
     def worker_gone(self, w: WorkerEntry, why: str, now: float) -> None:
+        self.core.relays_unsent.pop(w.worker_id, None)
         self.metrics.observe_worker_lost(w.role)
         self.prefix.forget(w.worker_id)
         self.outbox.publish(m.WorkerLost(worker_id=w.worker_id, role=w.role, reason=why, at=now + self.wall_offset))

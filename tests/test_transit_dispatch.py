@@ -19,7 +19,7 @@ from common.router_core.core import RouterCore
 from tests.router_fakes import hello
 from tests.test_migrate import NOW, make_router, work_for
 from tests.test_replica_links import Fake, work
-from tests.test_transit_hold import worker_of
+from tests.test_transit_hold import welcome, worker_of
 
 
 def beat(worker: str, seq: int, last_dispatch: int) -> m.DecodeHeartbeat:
@@ -132,8 +132,7 @@ async def test_a_real_worker_names_the_work_that_never_reached_it(monkeypatch: p
     w = worker_of(a, monkeypatch, hold=True, drain_timeout=1.0)
     task = asyncio.create_task(w.run())
     try:
-        await a.until(lambda x: isinstance(x, m.Hello))
-        await a.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.05))
+        await welcome(a, heartbeat_interval_s=0.05)
         await a.send(work("one", dispatch=1))
         await a.send(work("three", dispatch=3))
         hb = await a.beat_until(lambda x: x.last_dispatch == 3, timeout=5.0)

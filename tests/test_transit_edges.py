@@ -27,8 +27,8 @@ from common import messages as m
 from common.router_link import RouterLink
 from tests.router_fakes import hello
 from tests.test_migrate import NOW, make_router, work_for
-from tests.test_replica_links import Fake, work
-from tests.test_transit_hold import _until, positions, worker_of
+from tests.test_replica_links import Fake
+from tests.test_transit_hold import _until, positions, start_long, worker_of
 from tests.test_transit_loss import batch, item
 
 
@@ -49,10 +49,7 @@ async def test_a_draining_worker_whose_connection_broke_still_streams_to_its_rou
     task = asyncio.create_task(w.run())
     b: Fake | None = None
     try:
-        await a.until(lambda x: isinstance(x, m.Hello))
-        await a.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.1))
-        await a.send(work("long", dispatch=1, max_tokens=400))
-        await a.until(lambda x: isinstance(x, m.TokenBatch) and any(i.request_id == "long" for i in x.items))
+        await start_long(a)
         w.signalled.set()                                      # SIGTERM: the drain begins ...
         await a.until(lambda x: isinstance(x, m.Goodbye))
         a.close()                                              # ... and the connection breaks

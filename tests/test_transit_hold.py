@@ -46,6 +46,20 @@ def worker_of(router: Fake, monkeypatch: pytest.MonkeyPatch, *, hold: bool, drai
     return w
 
 
+async def welcome(router: Fake, heartbeat_interval_s: float = 0.1) -> None:
+    """The worker's first Hello to the fake `router`, answered."""
+    await router.until(lambda x: isinstance(x, m.Hello))
+    await router.send(m.Welcome(router_incarnation=router.name, heartbeat_interval_s=heartbeat_interval_s))
+
+
+async def start_long(router: Fake) -> None:
+    """Welcome the worker and give it "long" (400 tokens, seconds of steps; dispatch 1); returns
+    once its first tokens reached the router."""
+    await welcome(router)
+    await router.send(work("long", dispatch=1, max_tokens=400))
+    await router.until(lambda x: isinstance(x, m.TokenBatch) and any(i.request_id == "long" for i in x.items))
+
+
 def positions(got: list[m.Msg], rid: str) -> list[int]:
     return [i.pos + k for x in got if isinstance(x, m.TokenBatch) for i in x.items if i.request_id == rid
             for k in range(len(i.token_ids))]
@@ -61,10 +75,7 @@ async def test_what_a_worker_sent_around_a_break_reaches_the_router_after_it(
     task = asyncio.create_task(w.run())
     b: Fake | None = None
     try:
-        await a.until(lambda x: isinstance(x, m.Hello))
-        await a.send(m.Welcome(router_incarnation="A", heartbeat_interval_s=0.1))
-        await a.send(work("long", dispatch=1, max_tokens=400))
-        await a.until(lambda x: isinstance(x, m.TokenBatch) and any(i.request_id == "long" for i in x.items))
+        await start_long(a)
         before = positions(a.got, "long")
         await a.send(work("short", dispatch=2, max_tokens=4))
         await asyncio.sleep(0.3)          # token batches wait unread in the router's queue ...

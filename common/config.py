@@ -184,10 +184,11 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "router prepares nothing and the next request's decision prepares what changed since (at most the "
         "whole fleet's views once: about 10 us a worker)")] = False
     idle_read_ms: Annotated[float, doc(
-        "while no request is in flight, the work socket is read at most this often, milliseconds: a large "
-        "fleet's heartbeats are then read in batches, not one per event-loop wakeup (256 workers send 2,560 a "
-        "second); a request arriving in a pause has what waits read first, so its decision sees every heartbeat; "
-        "a request's own messages are read as they come (0: read every message as it comes)")] = 50.0
+        "while no request is in flight, the work socket is read at most this often, milliseconds, with 256 "
+        "workers or more (proportionally less often with fewer: 6 workers, every 1.2 ms): a large fleet's "
+        "heartbeats are then read in batches, not one per event-loop wakeup (256 workers send 2,560 a second); "
+        "a request arriving in a pause has what waits read first, so its decision sees every heartbeat; a "
+        "request's own messages are read as they come (0: read every message as it comes)")] = 50.0
     alpha: Annotated[float, doc("kairos: deflect iff TTFT_D <= alpha x TTFT_P")] = 1.6
     beta: Annotated[float, doc("kairos: TBT budget = beta x strictest resident TBT SLO")] = 0.9
     candidates: Annotated[str, doc("kairos: chunk candidates, comma separated")] = "2048,1024,512,256,128"

@@ -10,7 +10,8 @@ import pytest
 
 from common import messages as m
 from common.policy import kairos, prepared
-from services.router.service import Router
+from services.router import service as router_service
+from services.router.service import IDLE_READ_FLEET, Router, idle_gap
 from tests.test_trust import SAMPLING, frame, hello, make_router
 
 
@@ -153,4 +154,46 @@ async def test_a_request_at_an_idle_router_decides_on_the_heartbeats_not_yet_rea
         assert inbox.caught_up == 1  # a request in flight: every message is read as it comes, nothing waits
     finally:
         r._inbox = None
+        r.close()
+
+
+def test_an_idle_routers_read_gap_grows_with_its_fleet() -> None:
+    """`idle_read_ms` is the gap for a fleet of 256 workers (its heartbeats then batch); a small
+    fleet's few heartbeats are read nearly as they come, so that a request arriving at an idle
+    router does not read a backlog of them on its first token's path (issue 47)."""
+    assert idle_gap(0.05, 300) == 0.05
+    assert idle_gap(0.05, IDLE_READ_FLEET) == 0.05
+    assert idle_gap(0.05, 6) == pytest.approx(0.05 * 6 / 256)
+    assert idle_gap(0.05, 0) == 0.0
+
+
+async def test_the_router_reads_its_socket_with_the_fleet_scaled_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's work loop gives its Inbox that gap: none while a request is in flight, the
+    fleet-scaled one while idle, read afresh as workers join."""
+    gaps: list[object] = []
+
+    class Capture:
+        def __init__(self, sock: object, on_frames: object, **kw: object) -> None:
+            gaps.append(kw["idle_gap"])
+            self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(router_service, "Inbox", Capture)
+    r = make_router(open_bus=True, idle_read_ms=50.0)
+    try:
+        loop = asyncio.create_task(r._work_loop())
+        await asyncio.sleep(0)
+        gap = gaps[0]
+        assert callable(gap)
+        assert gap() == 0.0  # no worker yet
+        for i in range(6):
+            frame(r, f"decode-{i}".encode(), hello(f"decode-{i}"))
+        assert gap() == pytest.approx(0.05 * 6 / 256)
+        r.requests["x"] = object()  # type: ignore[assignment]  # a request in flight: read as they come
+        assert gap() == 0.0
+        r.requests.clear()
+        loop.cancel()
+    finally:
         r.close()

@@ -276,13 +276,14 @@ class SimEngine(Engine):
         # keep the modeled cadence: sleep to an absolute deadline so callback time is not added
         deadline = max(deadline, started - dt) + dt
         await timer.sleep_until(deadline)
-        elapsed = time.monotonic() - started
+        end = time.monotonic()
+        elapsed = end - started
+        self._inflight = None
+        self._emit(plan, elapsed)  # its tokens on their way first; then what the step measured
         self.estimator.observe(pred, elapsed)  # the real clock: event-loop lag counts as error too
-        self.step_errors.observe(pred, elapsed, time.monotonic())
+        self.step_errors.observe(pred, elapsed, end)
         self._step_ms.append(elapsed * 1000.0)
         self.samples.append(StepSample(plan.batch, plan.kv_tokens, plan.chunk_pairs(), max(elapsed, 1e-6)))
-        self._inflight = None
-        self._emit(plan, elapsed)
         return deadline
 
     def _emit(self, plan: StepPlan, step_s: float) -> None:

@@ -47,7 +47,7 @@ async def one_run(n: int, prompt_tokens: int) -> tuple[float, float]:
     c0 = time.process_time()  # (once per run: the CPU clock's own call costs tens of µs on some VMs)
     for wk in works:
         t0 = time.perf_counter()
-        await w.on_message(wk)
+        w.on_message(wk)
         wall += time.perf_counter() - t0
         if wk.request_id not in w.core.active:
             raise SystemExit(f"bench.decode_admit: {wk.request_id} was not admitted; this bench times admissions")

@@ -311,7 +311,13 @@ class RouterBus:
 class WorkerBus:
     """A worker's socket: DEALER (work and heartbeats, identity = worker id), connected. Heartbeats
     travel on the connection the worker registered on, so the router takes a heartbeat for worker
-    X only from X's own connection (a peer that knows X's id and incarnation cannot speak for it)."""
+    X only from X's own connection (a peer that knows X's id and incarnation cannot speak for it).
+
+    While a worker service reads the socket it does so through an `Inbox` (`inbox`), and every send
+    goes through that Inbox too: any operation on a ZeroMQ socket may consume its file
+    descriptor's (edge-triggered) read event, and only the Inbox knows to read again after its own
+    sends. Without one (before the service's loops start, after they end) the asyncio socket is
+    used, which knows the same."""
 
     def __init__(self, cfg: BusConfig, worker_id: str) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -327,6 +333,7 @@ class WorkerBus:
         self.events = self.work.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._work_ep = endpoint(cfg.router_host, cfg.work_port)
         self.work.connect(self._work_ep)
+        self.inbox: Inbox | None = None  # the reader of the work socket, while a service has one
 
     def reconnect(self) -> None:
         """Drop the work connection and dial again. A ROUTER without ROUTER_HANDOVER keeps a
@@ -336,19 +343,40 @@ class WorkerBus:
         never heard. A fresh connection, once the old one is gone, is."""
         self.work.disconnect(self._work_ep)
         self.work.connect(self._work_ep)
+        if self.inbox is not None:
+            self.inbox.kick()  # (the calls above may have consumed the read edge)
+
+    def send_now(self, payload: bytes) -> bool:
+        """Queue a message without waiting; False when the router's queue is full (or it is
+        unroutable). Through the Inbox while one reads the socket (see the class docstring)."""
+        if self.inbox is not None:
+            return self.inbox.send([payload])
+        return send_nowait(self.work, payload)
 
     async def send(self, payload: bytes) -> None:
-        await self.work.send(payload)
+        """Send, waiting while the queue to the router is full."""
+        while True:
+            inbox = self.inbox
+            if inbox is None:
+                await self.work.send(payload)
+                return
+            if inbox.send([payload]):
+                return
+            # full: wait as a blocking send would, but not on the asyncio socket, whose wait would
+            # take the FD's watch from the Inbox
+            await asyncio.sleep(0.01)
 
     async def beat(self, payload: bytes) -> None:
-        """Send a heartbeat now or drop it. Through the asyncio socket, never a plain shadow of it:
-        any operation on a ZeroMQ socket may consume its file descriptor's (edge-triggered) read
-        event, and only the asyncio wrapper knows to look again, so a shadow's send could leave
-        work that arrived meanwhile unread."""
+        """Send a heartbeat now or drop it (not connected, or the router is not reading: the
+        next heartbeat supersedes it). Never through a plain shadow of the socket outside an
+        Inbox: its send could leave work that arrived meanwhile unread (see the class docstring)."""
+        if self.inbox is not None:
+            self.inbox.send([payload])
+            return
         try:
             await self.work.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
-            pass  # not connected, or the router is not reading: the next heartbeat supersedes it
+            pass
 
     async def connection_event(self) -> int:
         """The next connection event of the work socket (zmq.EVENT_HANDSHAKE_SUCCEEDED or _DISCONNECTED)."""
@@ -505,6 +533,10 @@ class Inbox:
         finally:
             self._kick()
         return True
+
+    def kick(self) -> None:
+        """Read soon: something else operated on the socket (and may have consumed its read edge)."""
+        self._kick()
 
     def _kick(self) -> None:
         if self._paused is not None:  # a send during a pause: read soon, whatever the gap

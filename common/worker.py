@@ -73,7 +73,7 @@ from common.loop_lag import LoopLag
 from common.prefix_report import PrefixReporter
 from common.router_link import Origins, RouterLink, router_addresses
 from common.service import install_signals, settle_heap
-from common.sockets import WorkerBus, hand_to_io_thread, send_nowait
+from common.sockets import Inbox, WorkerBus, hand_to_io_thread
 from common.worker_core import EngineInfo, WorkerCore
 
 REFUSED_RETRY_S = 5.0
@@ -182,7 +182,7 @@ class WorkerService(abc.ABC):
     def heartbeat(self) -> m.PrefillHeartbeat | m.DecodeHeartbeat: ...
 
     @abc.abstractmethod
-    async def on_message(self, msg: Any) -> None: ...
+    def on_message(self, msg: Any) -> None: ...
 
     def extra_hello(self) -> dict[str, Any]:
         return {}
@@ -339,6 +339,14 @@ class WorkerService(abc.ABC):
             assert link.bus is not None
             await link.bus.send(payload)
 
+    def _to_all_now(self, msg: m.Msg) -> None:
+        """`_to_all` without waiting (from the inbox's callback); a router whose queue is full misses it."""
+        payload = codec.encode(msg)
+        for link in self.links:
+            assert link.bus is not None
+            if not link.bus.send_now(payload):
+                self.log.error("send_failed", message=type(msg).__name__, router=link.address)
+
     # -- loops --------------------------------------------------------------------------
     def hello(self, link: RouterLink | None = None) -> m.Hello:
         held = self.held_ids()
@@ -467,28 +475,43 @@ class WorkerService(abc.ABC):
         self._beat_now.set()
 
     async def _recv_loop(self, link: RouterLink) -> None:
-        assert link.bus is not None
-        sock = link.bus.work
+        """Read the router's messages from the socket's reader callback (`Inbox`: no Future and no
+        loop turn per message, as zmq.asyncio's `recv` costs), each handled there as it is read."""
+        bus = link.bus
+        assert bus is not None
         several = len(self.links) > 1
-        while True:
-            payload = await sock.recv()
+
+        def on_frames(frames: list[bytes]) -> None:
+            if len(frames) != 1:
+                self.counters["bad_frames"] += 1
+                self.log.warning("bad_frame_dropped", frames=len(frames))
+                return
+            payload = frames[0]
             try:
                 msg = self.decoder.decode(payload)
             except codec.DecodeError as e:
                 self.counters["bad_frames"] += 1
                 self.log.warning("bad_frame_dropped", error=str(e)[:200], bytes=len(payload))
-                continue
+                return
             if several:
                 rid = getattr(msg, "request_id", None)
                 if isinstance(rid, str):
                     self.origins.note(rid, link)
             link.saw(msg, time.monotonic())
             try:
-                await self._on_inbox(msg, link)
+                self._on_inbox(msg, link)
             except Exception as e:  # one bad message fails its request, never the worker
                 self._on_handler_error(msg, e)
 
-    async def _on_inbox(self, msg: Any, link: RouterLink | None = None) -> None:
+        inbox = bus.inbox = Inbox(bus.work, on_frames)
+        try:
+            await inbox.failed  # the reader callback does the work; this ends only on a bug
+        finally:
+            inbox.close()
+            if bus.inbox is inbox:
+                bus.inbox = None
+
+    def _on_inbox(self, msg: Any, link: RouterLink | None = None) -> None:
         link = link or self.links[0]
         match msg:
             case m.Welcome():
@@ -502,7 +525,7 @@ class WorkerService(abc.ABC):
                 if link.broken:  # what waited while the connection was broken, in order, first
                     held = link.release()
                     assert link.bus is not None
-                    sent = sum(send_nowait(link.bus.work, p) for p in held)
+                    sent = sum(link.bus.send_now(p) for p in held)
                     self.log.info("held_messages_sent", router=link.address, messages=len(held), sent=sent)
                 self._drop_untracked(msg.drop if len(self.links) == 1
                                      else [rid for rid in msg.drop if self.origins.of(rid) is link])
@@ -515,7 +538,7 @@ class WorkerService(abc.ABC):
                 link.welcomed.clear()
                 link.answered.set()
             case m.SetRole():
-                await self._set_role(msg)
+                self._set_role(msg)
             case m.Reregister():
                 if self.draining:  # leaving: a router that does not know us has nothing of ours
                     return
@@ -524,9 +547,9 @@ class WorkerService(abc.ABC):
                 link.welcomed.clear()
                 link.hello_now.set()
             case _:
-                await self.on_message(msg)
+                self.on_message(msg)
 
-    async def _set_role(self, msg: m.SetRole) -> None:
+    def _set_role(self, msg: m.SetRole) -> None:
         """The router's role planner moves this worker to `msg.role`: drain (no new work, what it
         holds finishes or is handed back), then `run` returns for the new role's service."""
         if not self.engine.can_switch_role:
@@ -542,7 +565,7 @@ class WorkerService(abc.ABC):
         if bye is None:
             return
         self.next_role = msg.role
-        await self._to_all(bye)
+        self._to_all_now(bye)
         self.stop.set()
 
     def _drop_untracked(self, ids: list[str]) -> None:
@@ -601,7 +624,7 @@ class WorkerService(abc.ABC):
                     self.log.error("send_failed", message=type(msg).__name__, router=link.address,
                                    reason="the connection is broken and what waits for it is full")
                 continue
-            if not send_nowait(link.bus.work, payload):
+            if not link.bus.send_now(payload):
                 self.log.error("send_failed", message=type(msg).__name__, router=link.address)
             else:
                 link.sent(time.monotonic(), payload, part)

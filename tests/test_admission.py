@@ -160,8 +160,8 @@ async def test_decode_worker_rejects_a_deflection_that_does_not_fit_beside_the_a
     w, router = decode
     await asyncio.wait_for(w.answered.wait(), 10)  # welcomed: it knows the router's incarnation
     # back to back, no engine step between them: the first is accepted and still prefilling
-    await w.on_message(deflection("first", 0.00085))
-    await w.on_message(deflection("second", 0.00085, dispatch=2))
+    w.on_message(deflection("first", 0.00085))
+    w.on_message(deflection("second", 0.00085, dispatch=2))
     assert set(w.accepted) == {"first"}
     hb = w.heartbeat()
     assert hb.held == [m.HeldDeflection(router="fake", reserved_s=pytest.approx(0.0002),  # type: ignore[arg-type]
@@ -175,7 +175,7 @@ async def test_decode_worker_rejects_a_deflection_that_does_not_fit_beside_the_a
     await router.until(lambda x: isinstance(x, m.TokenBatch) and any(
         it.request_id == "first" and it.finish_reason == "length" for it in x.items))
     assert w.accepted == {} and w.heartbeat().held == []
-    await w.on_message(deflection("third", 0.00085, dispatch=3))
+    w.on_message(deflection("third", 0.00085, dispatch=3))
     assert set(w.accepted) == {"third"}
     await router.until(lambda x: isinstance(x, m.TokenBatch) and any(
         it.request_id == "third" and it.finish_reason == "length" for it in x.items))
@@ -183,8 +183,8 @@ async def test_decode_worker_rejects_a_deflection_that_does_not_fit_beside_the_a
 
 async def test_decode_worker_admission_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     async for w, router in _start("decode", monkeypatch, deflect_admission=False):
-        await w.on_message(deflection("first", 0.00085))
-        await w.on_message(deflection("second", 0.00085, dispatch=2))
+        w.on_message(deflection("first", 0.00085))
+        w.on_message(deflection("second", 0.00085, dispatch=2))
         assert {"first", "second"} <= set(w.active) and w.counters["deflect_rejected"] == 0
         done: set[str] = set()
         while done != {"first", "second"}:
@@ -195,7 +195,7 @@ async def test_decode_worker_admission_can_be_switched_off(monkeypatch: pytest.M
 
 async def test_a_cancelled_deflection_frees_its_reservation(decode: tuple[DecodeWorker, FakeRouter]) -> None:
     w, router = decode
-    await w.on_message(deflection("first", 0.00085, schedule=(1000,) * 50))
+    w.on_message(deflection("first", 0.00085, schedule=(1000,) * 50))
     assert set(w.accepted) == {"first"}
     await router.send(m.Cancel(request_id="first", attempt=0, reason="client_disconnected"))
     await router.send(deflection("second", 0.00085, dispatch=2))

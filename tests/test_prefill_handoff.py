@@ -54,7 +54,7 @@ async def test_a_stale_hand_off_does_not_take_the_new_attempts_kv_target(monkeyp
     await asyncio.sleep(0)
     assert [x.attempt for x in sent if isinstance(x, m.KvWant)] == [1, 3]
     agent = m.KvAgentInfo(agent_name="decode-1", metadata=b"", block_bytes=16 * 16, num_blocks=64)
-    await w.on_message(m.KvTarget(request_id="r", attempt=3, decode_worker="decode-1", agent_name="decode-1",
+    w.on_message(m.KvTarget(request_id="r", attempt=3, decode_worker="decode-1", agent_name="decode-1",
                                   block_ids=[7, 8, 9], kv_agent=agent))
     assert await asyncio.wait_for(fresh, 5) == (3, "")
     assert tx.pushes == [("r:3", [7, 8, 9])]  # only the new attempt wrote, into its own blocks
@@ -62,5 +62,5 @@ async def test_a_stale_hand_off_does_not_take_the_new_attempts_kv_target(monkeyp
     assert not stale.done()                   # the stale one still waits for its own target (or its timeout)
     stale.cancel()
     # a target for an attempt this worker no longer holds is ignored
-    await w.on_message(m.KvTarget(request_id="r", attempt=1, decode_worker="decode-1", block_ids=[1]))
+    w.on_message(m.KvTarget(request_id="r", attempt=1, decode_worker="decode-1", block_ids=[1]))
     assert ("r", 1) not in w.targets

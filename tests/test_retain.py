@@ -308,7 +308,7 @@ async def test_prefill_worker_shell_streams_a_retained_request_to_the_router() -
     w.send = sent.append  # type: ignore[method-assign]
     loop = asyncio.create_task(w.engine.run())
     try:
-        await w.on_message(work("k", prompt=300, out=6))
+        w.on_message(work("k", prompt=300, out=6))
         beats = []
         for _ in range(500):
             beats.append(w.heartbeat())

@@ -101,10 +101,10 @@ async def test_decode_worker_writes_prefill_and_decode_spans_under_the_routers()
     w = DecodeWorker(cfg, SimEngine("decode", load_profile("fast")))
     w.tracing, exporter = traced("kairos-decode-worker")
     w.send = lambda msg: None  # type: ignore[method-assign]
-    await w.on_message(m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect",
+    w.on_message(m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect",
                                     prompt_token_ids=[1] * 50, sampling=m.Sampling(max_tokens=3), tbt_slo=0.1,
                                     deadline_s=5.0, traceparent=CLIENT))
-    await w.on_message(m.DecodeWork(request_id="u", attempt=0, dispatch=2, mode="deflect",
+    w.on_message(m.DecodeWork(request_id="u", attempt=0, dispatch=2, mode="deflect",
                                     prompt_token_ids=[1] * 50, sampling=m.Sampling(max_tokens=3), tbt_slo=0.1,
                                     deadline_s=5.0))  # untraced
     tokens = w.engine.on_tokens  # what the engine calls with each step's tokens

@@ -345,7 +345,7 @@ async def test_the_live_decode_worker_replans_against_its_engines_own_cache() ->
     worker = DecodeWorker(cfg, engine)
     worker.send = lambda msg: None  # type: ignore[method-assign]
     assert engine.prefix_cached([1] * 3000) == 0
-    await worker.on_message(m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect",
+    worker.on_message(m.DecodeWork(request_id="r", attempt=0, dispatch=1, mode="deflect",
                                          prompt_token_ids=[1] * 3000, sampling=m.Sampling(max_tokens=4), tbt_slo=0.1,
                                          deadline_s=30.0, chunk_schedule=(512, 488)))  # planned after 2,000 cached
     seq = engine.batcher.get("r")

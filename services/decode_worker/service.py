@@ -171,7 +171,7 @@ class DecodeWorker(WorkerService):
         return self._model[1]
 
     # -- inbox ---------------------------------------------------------------------------------
-    async def on_message(self, msg: Any) -> None:
+    def on_message(self, msg: Any) -> None:
         match msg:
             case m.DecodeWork():
                 own = self.engine.prefix_cached(msg.prompt_token_ids) if msg.chunk_schedule else None

@@ -102,7 +102,7 @@ class PrefillWorker(WorkerService):
     def extra_hello(self) -> dict[str, Any]:
         return {"kv_block_tokens": self.cfg.kv_block_tokens} if self.tx is not None else {}
 
-    async def on_message(self, msg: Any) -> None:
+    def on_message(self, msg: Any) -> None:
         match msg:
             case m.PrefillWork():
                 self.core.on_work(msg, self.engine.load() if msg.retain else None)

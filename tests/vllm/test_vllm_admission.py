@@ -92,8 +92,8 @@ async def test_vllm_decode_worker_admits_what_fits_and_rejects_what_does_not(
     reserved = reserved_step_cost(model, SCHEDULE, TOKEN_BUDGET)
     budget = alone + 0.5 * reserved  # one fits alone, a second does not beside the first
 
-    await w.on_message(deflection("first", budget, 1))
-    await w.on_message(deflection("second", budget, 2))  # back to back: the first is still prefilling
+    w.on_message(deflection("first", budget, 1))
+    w.on_message(deflection("second", budget, 2))  # back to back: the first is still prefilling
     assert set(w.accepted) == {"first"}
     f = await router.until(lambda x: isinstance(x, m.RequestFailed), timeout=30)
     assert isinstance(f, m.RequestFailed) and (f.request_id, f.code) == ("second", REJECTED_REASON)
@@ -101,10 +101,10 @@ async def test_vllm_decode_worker_admits_what_fits_and_rejects_what_does_not(
     await finished(router, "first")
     assert w.accepted == {}
 
-    await w.on_message(deflection("tight", alone * 0.5, 3))  # does not fit even alone
+    w.on_message(deflection("tight", alone * 0.5, 3))  # does not fit even alone
     f = await router.until(lambda x: isinstance(x, m.RequestFailed), timeout=30)
     assert isinstance(f, m.RequestFailed) and f.request_id == "tight" and f.reason.startswith("step 1 of 2")
 
-    await w.on_message(deflection("roomy", 10.0, 4))
+    w.on_message(deflection("roomy", 10.0, 4))
     await finished(router, "roomy")
     assert w.counters["deflect_rejected"] == 2

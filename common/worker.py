@@ -157,10 +157,6 @@ class WorkerService(abc.ABC):
         return self.core.draining
 
     @property
-    def last_dispatch(self) -> int:
-        return self.core.last_dispatch
-
-    @property
     def refused(self) -> str:
         """Why the (first) router refuses this worker, while it does."""
         return self.links[0].refused

@@ -49,6 +49,7 @@ class Tally:
     ttft: list[float] = field(default_factory=list)    # per accepted request: send to first token, s
     stall: list[float] = field(default_factory=list)   # per accepted request: longest gap between tokens, s
     streaming: Counter[str] = field(default_factory=Counter)  # decode worker -> streams it is sending now
+    streaming_at_fault: int = -1  # the faulted decode worker's streams when the fault came (-1: not counted)
     # router replica (x-kairos-router; "" before any header came) -> outcome -> requests
     by_router: dict[str, Counter[str]] = field(default_factory=dict)
     open_by_router: Counter[str] = field(default_factory=Counter)  # router replica -> responses open now

@@ -152,10 +152,13 @@ async def scenario(up: Up, kind: str, name: str, *, rate: float = 20.0, duration
                                         hang_after=60.0, count=round(rate * duration), tally=tally))
     await asyncio.sleep(at)
     if name.startswith("decode") and kind != "none":
-        # hit a decode worker while it streams (what the scenario is about): wait up to 2 s more
-        deadline = time.monotonic() + 2.0
+        # hit a decode worker while it streams (what the scenario is about): wait for two of its
+        # streams up to the end of the load's arrivals (on a loaded CI machine 2 s were not always
+        # enough: the requests it held were still being prefilled, and the freeze found it idle)
+        deadline = time.monotonic() + max(2.0, duration - at)
         while tally.streaming[name] < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        tally.streaming_at_fault = tally.streaming[name]
     pid = await fault(up, kind, name, freeze_s=freeze_s)
     await load
     if kind == "kill":  # the supervisor restarts it under the same id, with a new pid

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.chaos.load import Tally
 from tests.chaos.supervised import WORKERS, Up, scenario
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -36,7 +37,7 @@ def router_log(up: Up) -> str:
     return (up.log_dir / "router.log").read_text(errors="replace")
 
 
-async def check(up: Up, kind: str, name: str, seed: int) -> dict[str, int]:
+async def check(up: Up, kind: str, name: str, seed: int) -> tuple[dict[str, int], Tally]:
     tally, delta = await scenario(up, kind, name, seed=seed)
     print(f"\n{kind} {name}: {tally.row('')}  {tally.worst()}  router: {delta}")
     assert tally.sent == 120
@@ -45,11 +46,12 @@ async def check(up: Up, kind: str, name: str, seed: int) -> dict[str, int]:
     # still serving: every worker registered (scenario waited for it), and a request goes through
     r = httpx.post(up.api + "/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    return delta
+    return delta, tally
 
 
 async def test_kill_decode_worker_midstream_no_manual_restart(up: Up) -> None:
-    delta = await check(up, "kill", "decode-0", seed=11)
+    delta, tally = await check(up, "kill", "decode-0", seed=11)
+    assert tally.streaming_at_fault >= 1, "decode-0 streamed nothing while the load arrived: the scenario hit it idle"
     assert delta.get("migrated", 0) >= 1  # streams were running on it and were resumed elsewhere
     exits = [e for e in up.lines() if e.get("event") == "service_exited" and e.get("service") == "decode-0"]
     assert exits and exits[-1]["exit"] == "killed by SIGKILL"
@@ -71,7 +73,8 @@ async def test_kill_prefill_worker_no_manual_restart(up: Up) -> None:
 
 
 async def test_freeze_decode_worker(up: Up) -> None:
-    delta = await check(up, "freeze", "decode-1", seed=13)
+    delta, tally = await check(up, "freeze", "decode-1", seed=13)
+    assert tally.streaming_at_fault >= 1, "decode-1 streamed nothing while the load arrived: the scenario hit it idle"
     assert delta.get("migrated", 0) >= 1
     assert len(up.pids("decode-1")) == 1  # it came back by itself: same process
     # Two ways back, both correct: the router (which declared it lost) asks it to re-register at

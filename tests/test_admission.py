@@ -14,7 +14,7 @@ import pytest
 
 from common import messages as m
 from common.perf_model import PerfModel, load_profile, save_profile
-from common.policy import ClusterView, DecodeView, PrefillView, RequestSpec, make_policy
+from common.policy import ClusterView, DecodeView, Hold, KairosConfig, PrefillView, RequestSpec, make_policy
 from common.policy.admission import REJECTED_REASON, Accepted, accepted_entry, check_deflection, decide_without
 from common.policy.schedule import reserved_step_cost
 from common.router_core.workers import LedgerEntry
@@ -130,6 +130,29 @@ def test_the_fallback_deflects_to_a_worker_that_did_not_reject() -> None:
     assert (d.route, d.decode_worker) == ("deflect", "decode-1")
     d = decide_without(make_policy("deflect-all"), req, view, 0.0, frozenset({"decode-0", "decode-1"}))
     assert (d.route, d.prefill_worker, d.decode_worker) == ("disagg", "prefill-0", "decode-0")
+
+
+def test_a_rejected_deflection_that_late_binding_holds_waits_instead_of_joining_a_deep_prefill_queue() -> None:
+    # issue 44 (branch gap44): deflections the decode workers' admission turned away at the change
+    # from an output-heavy phase to a prompt-heavy one were sent to the one prefill worker
+    # whatever its queue (up to 200k tokens: 20 s), late themselves and every prompt behind them.
+    # Decided again, Kairos holds such a request (the queue is deep, no other decode worker can
+    # prefill it in place): it waits at the router like any held request, and the same for no
+    # decode room (NoDecodeRoom): the least-loaded fallback is only for a policy that cannot decide
+    model = load_profile("a100-dsv2-lite").model
+    view = _views(model)
+    deep = msgspec.structs.replace(view.prefill[0], queued_tokens=40 * 2048, backlog=((40 * 2048, 0),))
+    view = ClusterView(prefill=(deep, msgspec.structs.replace(deep, worker_id="prefill-1")), decode=view.decode)
+    req = RequestSpec(request_id="r", prompt_tokens=500, max_tokens=10, ttft_slo=2.0, tbt_slo=0.1)
+    pol = make_policy("kairos", kairos=KairosConfig(late_binding=True), default_model=model)
+    assert pol.decide(req, view, 0.0).route == "deflect"
+    with pytest.raises(Hold):
+        decide_without(pol, req, view, 0.0, frozenset({"decode-0", "decode-1"}))
+    with pytest.raises(Hold):
+        decide_without(pol, req, view, 0.0)
+    # without late binding the same request is committed to the prefill path, as before
+    d = decide_without(make_policy("kairos", default_model=model), req, view, 0.0)
+    assert (d.route, d.reason) == ("disagg", REJECTED_REASON)
 
 
 def test_kairos_plans_under_beta_times_the_strictest_slo() -> None:

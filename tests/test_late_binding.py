@@ -74,6 +74,17 @@ def test_retry_order() -> None:
     assert retry_order(None, deadlines, 3.0) == [0, 1, 2, 3]
     assert retry_order(KairosConfig(late_binding=True, late_order="fifo"), deadlines, 3.0) == [0, 1, 2, 3]
     assert retry_order(LATE, deadlines, 3.0) == [1, 3, 0, 2]  # those that can still make it first
+    # "short" (the default): among those that can still make it, the shortest prompt first (ties by
+    # arrival); the others after them by arrival, whatever their size; without sizes it is "slack"
+    assert LATE.late_order == "short"
+    sizes = [100, 4000, 9000, 700]
+    assert retry_order(LATE, deadlines, 3.0, sizes) == [3, 1, 0, 2]
+    assert retry_order(LATE, [5.0, 6.0, 7.0], 3.0, [700, 300, 700]) == [1, 0, 2]
+    slack = KairosConfig(late_binding=True, late_order="slack")
+    assert retry_order(slack, deadlines, 3.0, sizes) == [1, 3, 0, 2]
+    assert retry_order(KairosConfig(late_binding=True, late_order="fifo"), deadlines, 3.0, sizes) == [0, 1, 2, 3]
+    assert Kairos(LATE).wait_order(deadlines, sizes, 3.0) == [3, 1, 0, 2]
+    assert Kairos(KairosConfig()).wait_order(deadlines, sizes, 3.0) == [0, 1, 2, 3]  # late binding off: FIFO
 
 
 def one_p_one_d(kcfg: KairosConfig, trace: list[TraceRequest], **cfg: object) -> Simulation:

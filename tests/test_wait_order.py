@@ -31,13 +31,22 @@ BUDGET = 2048
 class SlackOrder:
     """Kairos's wait order (late binding on, `late_order` "slack"): the policy side `Waiting` asks."""
 
-    cfg = KairosConfig(late_binding=True)
+    cfg = KairosConfig(late_binding=True, late_order="slack")
 
     def orders_waiting(self) -> bool:
         return True
 
     def retry_order(self, latest: list[float], now: float) -> list[int]:
         return retry_order(self.cfg, latest, now)
+
+    def wait_order(self, latest: list[float], sizes: list[int], now: float) -> list[int]:
+        return retry_order(self.cfg, latest, now, sizes)
+
+
+class ShortOrder(SlackOrder):
+    """... with `late_order` "short" (Kairos's default)."""
+
+    cfg = KairosConfig(late_binding=True)
 
 
 @dataclass
@@ -88,11 +97,11 @@ def prefill_worker(queued_tokens: int) -> Entry:
                  hb)
 
 
-def waiting(room: int, queued_tokens: int = 0) -> tuple[Waiting, Placer]:
+def waiting(room: int, queued_tokens: int = 0, order: type[SlackOrder] = SlackOrder) -> tuple[Waiting, Placer]:
     cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast"})
     placer = Placer(room)
     table = Table({"p0": prefill_worker(queued_tokens)})
-    return Waiting(cfg, cast(Policy, SlackOrder()), cast(WorkerTable, table), Counter(), placer), placer
+    return Waiting(cfg, cast(Policy, order()), cast(WorkerTable, table), Counter(), placer), placer
 
 
 def request(rid: str, arrival: float, *, prompt: int = 64, held: bool = False) -> Request:
@@ -118,6 +127,30 @@ def test_the_retry_looks_past_more_than_scan_requests_whose_slo_is_over() -> Non
     placer.room = 2
     w.retry(now)
     assert placer.placed == ["fresh", "late0", "late1"]
+
+
+def test_a_free_slot_goes_to_the_shortest_prompt_that_can_still_make_it() -> None:
+    # Kairos's default order ("short"): room for one goes to the shortest of the requests that can
+    # still meet their TTFT SLO, not to the oldest; one past its SLO comes after them, whatever its size
+    w, placer = waiting(room=1, order=ShortOrder)
+    now = 100.0
+    late = request("late", arrival=90.0, prompt=16)
+    old = request("old", arrival=now - 0.5, prompt=3000)
+    short = request("short", arrival=now - 0.2, prompt=200)
+    mid = request("mid", arrival=now - 0.1, prompt=900)
+    w.queue.extend([late, old, short, mid])
+    assert w.first(now) == (False, short.arrival)
+    w.retry(now)
+    assert placer.placed == ["short"]
+    placer.room = 3
+    w.retry(now)
+    assert placer.placed == ["short", "mid", "old", "late"]
+    # "slack": the oldest that can still make it first
+    w, placer = waiting(room=1)
+    w.queue.extend([request("late", arrival=90.0, prompt=16), request("old", arrival=now - 0.5, prompt=3000),
+                    request("short", arrival=now - 0.2, prompt=200)])
+    w.retry(now)
+    assert placer.placed == ["old"]
 
 
 @dataclass(eq=False)

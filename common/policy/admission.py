@@ -37,6 +37,7 @@ from common.perf_model import PerfModel
 from common.policy.base import (
     ClusterView,
     Decision,
+    NoKvRoom,
     NoWorkers,
     Policy,
     RequestSpec,
@@ -93,11 +94,19 @@ def decide_without(policy: Policy, req: RequestSpec, view: ClusterView, now: flo
     in `closed` (None: every one) are shown at `max_deflections`, so the policy deflects to
     another one or takes the disaggregated path with its own prefill-path prediction; a policy
     that deflects anyway to a closed worker (deflect-all) gets the least-loaded prefill and
-    decode workers. Raises NoWorkers when that needs a prefill worker and none is live."""
+    decode workers. Raises NoWorkers when that needs a prefill worker and none is live, and the
+    policy's own NoKvRoom (Kairos: `Hold`, the prefill queues are deep and no open decode worker
+    can prefill it in place; `NoDecodeRoom`): the request then waits at the router like any other
+    (`RouterCore.unplaced`). Before (issue 44, branch gap44) such a request went to the
+    least-loaded prefill worker whatever its queue: at the change from an output-heavy phase to a
+    prompt-heavy one, ~100 rejected deflections (H100 `shift` seed 12 x1.62) piled ~200k tokens
+    (20 s) on the one prefill worker, late themselves and every prompt behind them."""
     shut = tuple(msgspec.structs.replace(d, deflections=1 << 30) if closed is None or d.worker_id in closed else d
                  for d in view.decode)
     try:
         d = policy.decide(req, ClusterView(view.prefill, shut), now)
+    except NoKvRoom:
+        raise
     except NoWorkers:
         d = None
     if d is not None and d.route == "deflect" and closed is not None and d.decode_worker not in closed:

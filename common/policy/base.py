@@ -133,10 +133,11 @@ class Policy(Protocol):
       next decision that depends only on the view (Kairos's replayed queues). The core calls it
       only when `prepares` is true, so a policy with nothing to prepare costs the core no view.
       Default: nothing.
-    - `orders_waiting` / `retry_order`: the order the router's wait queue decides its waiting
-      requests again in (common/router_core/waiting.py). When `orders_waiting()` is true the core
-      computes each waiting request's `latest_start` (kairos.py) and `retry_order` returns the
-      indices to try in; default: arrival order (FIFO), with no `latest_start` computed.
+    - `orders_waiting` / `retry_order` / `wait_order`: the order the router's wait queue decides its
+      waiting requests again in (common/router_core/waiting.py). When `orders_waiting()` is true the
+      core computes each waiting request's `latest_start` (kairos.py) and `wait_order` (given also
+      each one's prompt tokens; by default it is `retry_order`) returns the indices to try in;
+      default: arrival order (FIFO), with no `latest_start` computed.
     """
 
     name: str
@@ -156,6 +157,11 @@ class Policy(Protocol):
         """Indices into `latest` (the waiting requests' latest starts, in arrival order; zeros when
         `orders_waiting()` is false) in the order to decide them again: by default, arrival order."""
         return list(range(len(latest)))
+
+    def wait_order(self, latest: Sequence[float], sizes: Sequence[int], now: float) -> list[int]:
+        """`retry_order` told also each waiting request's prompt tokens (`sizes`, in the same
+        order), which the router's wait queue calls; by default `retry_order`, sizes unused."""
+        return self.retry_order(latest, now)
 
 
 def least_loaded_decode(view: ClusterView, req: RequestSpec) -> DecodeView:

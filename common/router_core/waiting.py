@@ -6,8 +6,9 @@ A request waiting for KV room blocks the queue (FIFO: nobody overtakes it). Held
 not: a new arrival is still decided at once. The queue is decided again when room may have
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
-stand: `Waiting.head`), in the policy's `retry_order` (`Policy.retry_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, by arrival), past the held
+stand: `Waiting.head`), in the policy's `wait_order` (`Policy.wait_order`; Kairos late binding: first those that can
+still meet their TTFT SLO, `latest_start`, the shortest prompt first among them; with router replicas by arrival
+among them: `Waiting._order`), past the held
 ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
 HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
 `kv_wait_timeout`;
@@ -122,8 +123,17 @@ class Waiting:
         if not head:
             return False, 0.0
         latest = self._latest(head)
-        i = next(iter(self.policy.retry_order(latest, now)))
+        i = next(iter(self._order(latest, head, now)))
         return self.policy.orders_waiting() and latest[i] <= now, head[i].arrival + self.wall_offset
+
+    def _order(self, latest: list[float], head: list[Request], now: float) -> list[int]:
+        """The policy's order for `head` (`wait_order`, told each one's prompt tokens). With router
+        replicas, `retry_order` (no sizes): their turns at room go by arrival (`replica_turn`, the
+        queue heads the decode workers echo carry no size), so each replica keeps an order that is
+        by arrival among the requests that can still make it (Kairos's "short" is "slack" there)."""
+        if self.cfg.replicas > 1:
+            return self.policy.retry_order(latest, now)
+        return self.policy.wait_order(latest, [len(r.prompt_token_ids) for r in head], now)
 
     def _latest(self, head: list[Request]) -> list[float]:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
@@ -227,7 +237,7 @@ class Waiting:
             ls = self._latest(head)
             for r, t in zip(head, ls, strict=True):
                 latest[r.request_id] = t
-            return policy.retry_order(ls, now)
+            return self._order(ls, head, now)
 
         def place(req: Request) -> Outcome:
             nonlocal placed

@@ -29,7 +29,7 @@ from tests.test_trust import frame, make_router, sent
 from tests.test_trust import hello as trust_hello
 
 KV = 10_000
-SLACK = {"late_order": "slack"}  # the wait order router replicas keep (`Waiting._order`)
+SLACK = {"late_order": "slack"}  # late binding's wait order by arrival (the shipped one is "short")
 
 
 def _core(replicas: int, later: list[float], me: str = "rb") -> tuple[RouterCore, FakeOutbox]:
@@ -175,9 +175,9 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
 
     def run(routers: int, stagger_ms: float) -> tuple[float, int]:
-        # one router in the wait order replicas keep (by arrival among those that can still make
-        # it: `Waiting._order`), so that the comparison is of the turns alone ("short", one
-        # router's default, gets 90.0 % here)
+        # one router and the replicas in one wait order, "slack" (by arrival among those that
+        # can still make it), so that the comparison is of the turns alone. In the shipped
+        # "short" order: one router 90.0 %, turns 90.6 % (docs/results/router-replicas.md)
         policy, prof = build("kairos", shipped("kairos", Setup(policy=SLACK), None), prof0)
         res = simulate(burst, prof, policy, SimConfig(routers=routers, replica_stagger_ms=stagger_ms))
         both = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)["slo_attainment"]
@@ -211,7 +211,9 @@ def test_sim_replicas_with_the_live_admission_serve_as_one_router() -> None:
     burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
 
     def run(routers: int) -> tuple[float, int]:
-        # in the order replicas keep, as above ("short", one router's default: P95 1.037 s here)
+        # in "slack", as above. In the shipped "short" order four replicas' served P95 is 1.189 s
+        # against one router's 1.037 s (x1.15: they refuse 46 against 52 and keep both SLOs for
+        # 86.9 % against 84.9 %): the 10 % below does not hold there (router-replicas.md)
         policy, prof = build("kairos", shipped("kairos", Setup(policy=SLACK), None), prof0)
         res = simulate(burst, prof, policy, SimConfig(routers=routers, queue_budget=0.0))
         s = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)

@@ -97,8 +97,10 @@ def prefill_worker(queued_tokens: int) -> Entry:
                  hb)
 
 
-def waiting(room: int, queued_tokens: int = 0, order: type[SlackOrder] = SlackOrder) -> tuple[Waiting, Placer]:
-    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast"})
+def waiting(room: int, queued_tokens: int = 0, order: type[SlackOrder] = SlackOrder,
+            replicas: int = 1) -> tuple[Waiting, Placer]:
+    cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast",
+                                                               "replicas": replicas})
     placer = Placer(room)
     table = Table({"p0": prefill_worker(queued_tokens)})
     return Waiting(cfg, cast(Policy, order()), cast(WorkerTable, table), Counter(), placer), placer
@@ -145,6 +147,11 @@ def test_a_free_slot_goes_to_the_shortest_prompt_that_can_still_make_it() -> Non
     placer.room = 3
     w.retry(now)
     assert placer.placed == ["short", "mid", "old", "late"]
+    # a router replica orders its own queue the same way (its turns at room go by arrival)
+    w, placer = waiting(room=1, order=ShortOrder, replicas=4)
+    w.queue.extend([request("old", arrival=now - 0.5, prompt=3000), request("short", arrival=now - 0.2, prompt=200)])
+    w.retry(now)
+    assert placer.placed == ["short"]
     # "slack": the oldest that can still make it first
     w, placer = waiting(room=1)
     w.queue.extend([request("late", arrival=90.0, prompt=16), request("old", arrival=now - 0.5, prompt=3000),

@@ -7,8 +7,7 @@ not: a new arrival is still decided at once. The queue is decided again when roo
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
 stand: `Waiting.head`), in the policy's `wait_order` (`Policy.wait_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, the shortest prompt first among them; with router replicas by arrival
-among them: `Waiting._order`), past the held
+still meet their TTFT SLO, `latest_start`, the shortest prompt first among them: `Waiting._order`), past the held
 ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
 HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
 `kv_wait_timeout`;
@@ -128,11 +127,11 @@ class Waiting:
 
     def _order(self, latest: list[float], head: list[Request], now: float) -> list[int]:
         """The policy's order for `head` (`wait_order`, told each one's prompt tokens). With router
-        replicas, `retry_order` (no sizes): their turns at room go by arrival (`replica_turn`, the
-        queue heads the decode workers echo carry no size), so each replica keeps an order that is
-        by arrival among the requests that can still make it (Kairos's "short" is "slack" there)."""
-        if self.cfg.replicas > 1:
-            return self.policy.retry_order(latest, now)
+        replicas too: their turns at room go by the arrival of each replica's first waiting request
+        (`replica_turn`; the queue heads the decode workers echo carry no size), and within its
+        turn each replica takes its own requests in this order. Measured (router-replicas.md,
+        2026-12-07): on the code slice four replicas' P95 TTFT 1.81 s in arrival order ("slack"),
+        1.13 s in this one; one router 0.96 s in this one."""
         return self.policy.wait_order(latest, [len(r.prompt_token_ids) for r in head], now)
 
     def _latest(self, head: list[Request]) -> list[float]:

@@ -243,6 +243,7 @@ class RouterQueue(msgspec.Struct, frozen=True, array_like=True):
     late: bool
     waiting: int
     waiting_tokens: int = 0
+    first_tokens: int = 0  # that first request's prompt tokens (a wait order by size compares them)
 
 
 class DecodeHeartbeat(Msg, frozen=True):
@@ -452,6 +453,7 @@ class QueueHead(Msg, frozen=True):
     late: bool        # it can no longer meet its TTFT SLO (late binding decides those last)
     waiting: int
     waiting_tokens: int = 0  # the prompt tokens of the requests waiting (the others' admission counts them)
+    first_tokens: int = 0    # the first one's prompt tokens: the turns of a wait order by size compare them
 
 
 class Cancel(Msg, frozen=True):

@@ -19,7 +19,7 @@ from common.errors import Overloaded
 from common.perf_model import load_profile
 from common.router_core.core import RouterCore
 from common.router_core.ports import Hooks
-from common.router_core.waiting import replica_turn
+from common.router_core.waiting import replica_turn, turn_key
 from common.traces import load_trace, trace_path
 from sim.core import SimConfig, simulate
 from sim.knobs import Setup, build, shipped
@@ -29,7 +29,6 @@ from tests.test_trust import frame, make_router, sent
 from tests.test_trust import hello as trust_hello
 
 KV = 10_000
-SLACK = {"late_order": "slack"}  # late binding's wait order by arrival (the shipped one is "short")
 
 
 def _core(replicas: int, later: list[float], me: str = "rb") -> tuple[RouterCore, FakeOutbox]:
@@ -61,12 +60,24 @@ def _dispatched(box: FakeOutbox) -> list[Any]:
 
 
 def test_turns_go_in_one_routers_retry_order() -> None:
-    # those that can still make their SLO first, then by arrival, ties by incarnation
-    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 4.0), "rc": (False, 6.0)}) == 1
-    assert replica_turn((False, 5.0, "rb"), {"ra": (True, 1.0), "rc": (False, 6.0)}) == 0
-    assert replica_turn((True, 5.0, "rb"), {"ra": (False, 9.0), "rc": (True, 4.0)}) == 2
-    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 5.0), "rc": (False, 5.0)}) == 1
-    assert replica_turn((False, 5.0, "rb"), {"ra": (False, 0.0)}) == 0  # nothing waits there
+    # those that can still make their SLO first, then by arrival, ties by incarnation (keys from
+    # `turn_key`: the size is 0 in an order not by size, and for a late request)
+    assert replica_turn((False, 0, 5.0, "rb"), {"ra": (False, 0, 4.0), "rc": (False, 0, 6.0)}) == 1
+    assert replica_turn((False, 0, 5.0, "rb"), {"ra": (True, 0, 1.0), "rc": (False, 0, 6.0)}) == 0
+    assert replica_turn((True, 0, 5.0, "rb"), {"ra": (False, 0, 9.0), "rc": (True, 0, 4.0)}) == 2
+    assert replica_turn((False, 0, 5.0, "rb"), {"ra": (False, 0, 5.0), "rc": (False, 0, 5.0)}) == 1
+    assert replica_turn((False, 0, 5.0, "rb"), {"ra": (False, 0, 0.0)}) == 0  # nothing waits there
+
+
+def test_turns_in_an_order_by_size_go_shortest_first() -> None:
+    """Kairos's "short" order: of the replicas' first requests that can still make their SLO, the
+    shortest prompt's replica goes first, whatever the arrivals; a late one's size does not count."""
+    assert turn_key(False, 300, 5.0, by_size=True) == (False, 300, 5.0)
+    assert turn_key(False, 300, 5.0, by_size=False) == (False, 0, 5.0)
+    assert turn_key(True, 300, 5.0, by_size=True) == (True, 0, 5.0)
+    mine = (*turn_key(False, 200, 5.0, True), "rb")
+    assert replica_turn(mine, {"ra": turn_key(False, 3000, 4.0, True), "rc": turn_key(False, 100, 6.0, True)}) == 1
+    assert replica_turn(mine, {"ra": turn_key(True, 16, 1.0, True)}) == 0
 
 
 def test_a_replica_behind_an_older_request_of_another_waits_its_turn() -> None:
@@ -82,7 +93,7 @@ def test_a_replica_behind_an_older_request_of_another_waits_its_turn() -> None:
     assert later == [0.003] and len(core.kv_waiting) == 1 and not _dispatched(box)
     core.retry_now(clock.advance(0.003), turn=True)  # its turn (the shell's timer)
     assert len(core.kv_waiting) == 0 and len(_dispatched(box)) == 1
-    assert core.queue_told == (False, 0.0, 0, 0)  # and the workers were told: nothing waits here now
+    assert core.queue_told == (False, 0.0, 0, 0, 0)  # and the workers were told: nothing waits here now
 
 
 def test_a_replica_first_in_line_takes_the_room_at_once() -> None:
@@ -175,10 +186,8 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
 
     def run(routers: int, stagger_ms: float) -> tuple[float, int]:
-        # one router and the replicas in one wait order, "slack" (by arrival among those that
-        # can still make it), so that the comparison is of the turns alone. In the shipped
-        # "short" order: one router 90.0 %, turns 90.6 % (docs/results/router-replicas.md)
-        policy, prof = build("kairos", shipped("kairos", Setup(policy=SLACK), None), prof0)
+        # Kairos as shipped: the wait order "short", the replicas' turns in it (`turn_key`)
+        policy, prof = build("kairos", shipped("kairos", Setup(), None), prof0)
         res = simulate(burst, prof, policy, SimConfig(routers=routers, replica_stagger_ms=stagger_ms))
         both = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)["slo_attainment"]
         assert isinstance(both, float)
@@ -187,16 +196,18 @@ def test_sim_replicas_taking_turns_decide_nearer_one_router() -> None:
     one, one_rejected = run(1, 3.0)
     blind, blind_rejected = run(4, 0.0)
     turns, turns_rejected = run(4, 3.0)
-    # (both SLOs: one router 84.6 %, turns 85.7 %, blind 60.3 %; deflections turned away: 7, 0
-    # and 73. Before the decode workers' heartbeat at once (common/worker_core/decode.py: a
-    # deflection taken was invisible to the other replicas for the 2 ms coalescing delay), turns
-    # 84.9 %, 15 turned away, blind 58.9 %, 106: the bound on turns was then "3 x one router's",
+    # (as shipped since 2026-12-07, the "short" order and turns in it: one router 90.0 %, turns
+    # 90.3 %, blind 66.0 %; turned away 15, 0 and 234. In "slack": one router 84.6 %, turns
+    # 85.7 %, blind 60.3 %; deflections turned away: 7, 0 and 73. Before the decode workers'
+    # heartbeat at once (common/worker_core/decode.py: a deflection taken was invisible to the
+    # other replicas for the 2 ms coalescing delay), turns 84.9 %, 15 turned away, blind 58.9 %,
+    # 106: the bound on turns was then "3 x one router's",
     # and on blind "over 12 x one router's"; blind replicas now see one another's deflections
     # sooner too, so theirs is "over 4 x". Before the prefill workers' heartbeat at once
     # (prefill.py), turns 84.3 %, 8, blind 55.1 %, 107; before the out-of-turn rule of
     # waiting.py, turns turned away 4: docs/results/router-replicas.md)
     assert turns > blind + 0.1 and turns > one - 0.02
-    assert turns_rejected <= one_rejected < blind_rejected / 4  # fails with the 2 ms delay (15 > 7)
+    assert turns_rejected <= one_rejected < blind_rejected / 4  # (slack: failed with the 2 ms delay, 15 > 7)
 
 
 def test_sim_replicas_with_the_live_admission_serve_as_one_router() -> None:
@@ -211,10 +222,10 @@ def test_sim_replicas_with_the_live_admission_serve_as_one_router() -> None:
     burst = [msgspec.structs.replace(r, t=r.t - full[650].t) for r in full[650:1000]]
 
     def run(routers: int) -> tuple[float, int]:
-        # in "slack", as above. In the shipped "short" order four replicas' served P95 is 1.189 s
-        # against one router's 1.037 s (x1.15: they refuse 46 against 52 and keep both SLOs for
-        # 86.9 % against 84.9 %): the 10 % below does not hold there (router-replicas.md)
-        policy, prof = build("kairos", shipped("kairos", Setup(policy=SLACK), None), prof0)
+        # as shipped ("short"). With the turns by arrival in that order four replicas' served P95
+        # was 1.189 s against one router's 1.037 s (x1.15); with the turns in the order, 1.096 s
+        # (x1.06), 37 refused against 52, both SLOs 89.4 % against 84.9 % (router-replicas.md)
+        policy, prof = build("kairos", shipped("kairos", Setup(), None), prof0)
         res = simulate(burst, prof, policy, SimConfig(routers=routers, queue_budget=0.0))
         s = summarize(res.records, ttft_slo=2.0, tbt_slo=0.1)
         return s["ttft_p95_served"], s["rejected"]

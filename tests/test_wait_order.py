@@ -42,6 +42,9 @@ class SlackOrder:
     def wait_order(self, latest: list[float], sizes: list[int], now: float) -> list[int]:
         return retry_order(self.cfg, latest, now, sizes)
 
+    def orders_by_size(self) -> bool:
+        return self.cfg.late_order == "short"
+
 
 class ShortOrder(SlackOrder):
     """... with `late_order` "short" (Kairos's default)."""
@@ -59,12 +62,16 @@ class Entry:
     hello: Any
     hb: Any = None
     draining: bool = False
+    hb_at: float = 0.0
 
 
 @dataclass
 class Table:
     workers: dict[str, Entry] = field(default_factory=dict)
     me: str = "router-0"
+
+    def relay_p90(self) -> float:
+        return 0.0
 
 
 class Placer:
@@ -100,7 +107,7 @@ def prefill_worker(queued_tokens: int) -> Entry:
 def waiting(room: int, queued_tokens: int = 0, order: type[SlackOrder] = SlackOrder,
             replicas: int = 1) -> tuple[Waiting, Placer]:
     cfg = config.load(config.RouterConfig, env={}, overrides={"policy": "kairos", "profile": "fast",
-                                                               "replicas": replicas})
+                                                               "replicas": replicas, "replica_stagger_ms": 3.0})
     placer = Placer(room)
     table = Table({"p0": prefill_worker(queued_tokens)})
     return Waiting(cfg, cast(Policy, order()), cast(WorkerTable, table), Counter(), placer), placer
@@ -184,3 +191,31 @@ def test_the_head_without_late_ones_is_the_first_scan_in_queue_order() -> None:
     q.retry(lambda head: [1, 0, 2], place, lambda r: r.late)  # tries d first
     assert [r.name for r in q] == ["a", "b", "c", "e", "f"]
 
+
+
+def test_a_replica_waits_its_turn_behind_another_replicas_shorter_request() -> None:
+    """Router replicas take turns at room by each one's first request in one router's order
+    (`replica_turn`, `turn_key`). In Kairos's "short" order that compares sizes: another replica's
+    first request, younger but shorter (both can still make their SLO), comes first, so this
+    replica waits its turn and, out of turn, places nothing; by arrival ("slack") it would go
+    first. (Before 2026-12-07 the turns went by arrival in either order: on the code slice four
+    replicas' P95 TTFT was 1.18x one router's; since, 1.08x: router-replicas.md.)"""
+    now = 100.0
+
+    def at(order: type[SlackOrder]) -> tuple[float, list[str]]:
+        w, placer = waiting(room=1, order=order, replicas=2)
+        table = cast(Table, w.table)
+        table.me = "rb"
+        other = m.RouterQueue(router="ra", oldest_at=now - 0.2, late=False, waiting=1, first_tokens=200)
+        table.workers["d0"] = Entry("d0", "decode", None, None, m.DecodeHeartbeat(
+            worker_id="d0", incarnation="i", seq=1, batch=0, kv_tokens=0, kv_free_tokens=10_000,
+            kv_capacity_tokens=10_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+            token_budget=BUDGET, queues=[other]), hb_at=now)
+        w.queue.append(request("mine", arrival=now - 0.5, prompt=3000))
+        assert w.first_of(now) == (False, now - 0.5, 3000)
+        delay = w.turn_delay(now)
+        w.retry(now)  # out of turn
+        return delay, placer.placed
+
+    assert at(ShortOrder) == (0.003, [])
+    assert at(SlackOrder) == (0.0, ["mine"])

@@ -376,6 +376,17 @@ def test_a_change_in_how_many_wait_goes_with_the_next_heartbeat_not_a_prompt_one
     assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 7.0, False, 3, 5000)]
 
 
+def test_a_replicas_first_request_size_is_echoed_and_a_change_of_it_beats_soon() -> None:
+    """In an order by size the replicas' turns compare their first requests' prompt tokens
+    (`turn_key`): a decode worker echoes them, and a new first request of another size is a change
+    of the first request (a prompt heartbeat), as a new arrival time is."""
+    core, ports = decode_core()
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=7.0, late=False, waiting=2, first_tokens=300))
+    core.on_queue_head(m.QueueHead(router_incarnation="ra", oldest_at=7.0, late=False, waiting=2, first_tokens=90))
+    assert ports.beats == 2
+    assert core.heartbeat(idle()).queues == [m.RouterQueue("ra", 7.0, False, 2, 0, 90)]
+
+
 def test_text_deltas_go_with_the_tokens_only_to_a_router_with_the_same_tokenizer() -> None:
     """A request whose router asked for text with this worker's tokenizer (Sampling.text) gets each
     item's text delta; another tokenizer's, a resumed request or a plain one gets ids only; the

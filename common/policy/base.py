@@ -158,6 +158,11 @@ class Policy(Protocol):
         `orders_waiting()` is false) in the order to decide them again: by default, arrival order."""
         return list(range(len(latest)))
 
+    def orders_by_size(self) -> bool:
+        """Whether `wait_order` puts a shorter prompt first among those that can still make their
+        TTFT SLO (router replicas then compare their first requests' sizes too); default: no."""
+        return False
+
     def wait_order(self, latest: Sequence[float], sizes: Sequence[int], now: float) -> list[int]:
         """`retry_order` told also each waiting request's prompt tokens (`sizes`, in the same
         order), which the router's wait queue calls; by default `retry_order`, sizes unused."""

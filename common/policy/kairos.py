@@ -457,6 +457,9 @@ class Kairos(Policy):
     def retry_order(self, latest: Sequence[float], now: float) -> list[int]:
         return retry_order(self.cfg if self.cfg.late_binding else None, latest, now)
 
+    def orders_by_size(self) -> bool:
+        return self.cfg.late_binding and self.cfg.late_order == "short"
+
     def wait_order(self, latest: Sequence[float], sizes: Sequence[int], now: float) -> list[int]:
         return retry_order(self.cfg if self.cfg.late_binding else None, latest, now, sizes)
 

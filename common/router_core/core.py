@@ -142,8 +142,8 @@ class RouterCore:
         # the wait queue: requests waiting for KV room on a decode worker, or held by late binding
         self.waiting = Waiting(cfg, self.policy, self.table, self.counts, self, wall_offset)
         # what `tell_queue` last told the decode workers: the first waiting request (late, arrival), how many
-        # wait and their prompt tokens
-        self.queue_told: tuple[bool, float, int, int] = (False, 0.0, 0, 0)
+        # wait and their prompt tokens, the first one's prompt tokens
+        self.queue_told: tuple[bool, float, int, int, int] = (False, 0.0, 0, 0, 0)
         self.kv_waiting = self.waiting.queue
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, self, metrics=metrics, log=self.log)
@@ -304,15 +304,15 @@ class RouterCore:
         as one router's queue would have them before it."""
         if self.cfg.replicas <= 1:
             return
-        first = self.waiting.first(now)
+        late, at, tokens = self.waiting.first_of(now)
         waiting = self.kv_waiting
         live = [r for r in waiting if not r.done]
-        told = (*first, len(live), sum(len(r.prompt_token_ids) for r in live))
+        told = (late, at, len(live), sum(len(r.prompt_token_ids) for r in live), tokens)
         if told == self.queue_told:
             return
         self.queue_told = told
-        msg = m.QueueHead(router_incarnation=self.incarnation, late=first[0], oldest_at=first[1],
-                          waiting=told[2], waiting_tokens=told[3])
+        msg = m.QueueHead(router_incarnation=self.incarnation, late=late, oldest_at=at,
+                          waiting=told[2], waiting_tokens=told[3], first_tokens=tokens)
         for w in self.table.workers.values():
             if w.role == "decode" and not w.unreachable:
                 self.outbox.send(w.identity, msg)  # a worker that misses it hears the next change

@@ -21,11 +21,12 @@ dispatches show; each replica tells the decode workers the request it would deci
 (`QueueHead`), and their heartbeats echo every replica's. In its turn a replica places its own
 requests only up to the first another replica waits with (one router's queue would decide that
 one next; at least one, so that a stale echo slows a replica, never stops it): the first replica
-in turn does not take the whole room for requests newer than the others'. Out of turn (room only
+in turn does not take the whole room for requests the others' come before. "First" is in the
+policy's wait order, by size too where the order is (`turn_key`; QueueHead.first_tokens). Out of turn (room only
 this replica hears of at once: its own deflection's first token, its own request's end) it places
 none past that request: the room is the others' too, and the worker's next heartbeat shows it to
-every replica, which then take their turns at it (one router would give it to the oldest request,
-wherever it waits). The queue and its
+every replica, which then take their turns at it (one router would give it to its first request
+in order, wherever it waits). The queue and its
 retry are common/wait_queue.py's; what is the router's here is how a request is tried and
 failed. The simulator runs this class as part of the core (sim/router.py), on its own timing of
 retries.
@@ -49,15 +50,23 @@ from common.wait_queue import Outcome, WaitQueue
 TURN_MAX_S = 0.05  # the replicas' turns at most this far apart, whatever the relay (`Waiting.turn_spacing`)
 
 
-def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, float]]) -> int:
+TurnKey = tuple[bool, int, float]  # a replica's first waiting request: (late, size if the order is by size, arrival)
+
+
+def turn_key(late: bool, tokens: int, at: float, by_size: bool) -> TurnKey:
+    """Where one router's wait order would put a request: those that can still make their TTFT
+    SLO first (`late` False), among them the shortest prompt first when the order is by size
+    (Kairos's "short"), then by arrival; the late ones by arrival."""
+    return late, tokens if by_size and not late else 0, at
+
+
+def replica_turn(mine: tuple[bool, int, float, str], others: dict[str, TurnKey]) -> int:
     """This replica's turn (0: first) at the room a worker's heartbeat may show, among the replicas
-    that have requests waiting. `mine`: the request its retry would decide first (`Waiting.first`:
-    whether it can no longer meet its TTFT SLO, its arrival on the wall clock) and this replica's
-    incarnation; `others`: the other replicas' first requests as the decode workers' heartbeats
-    echo them (`DecodeHeartbeat.queues`; arrival 0.0: none waits there). The replica whose first
-    request one router's queue would decide first goes first (those that can still make their
-    SLO before those that cannot, then by arrival; ties by incarnation), so the room goes as one
-    router's retry order would give it.
+    that have requests waiting. `mine`: the `turn_key` of the request its retry would decide first
+    (`Waiting.first`) and this replica's incarnation; `others`: the other replicas' first requests'
+    keys as the decode workers' heartbeats echo them (`DecodeHeartbeat.queues`; arrival 0.0: none
+    waits there). The replica whose first request one router's queue would decide first goes first
+    (ties by incarnation), so the room goes as one router's wait order would give it.
 
     Every replica hears a heartbeat at once; deciding together, each blind to what the others send
     until the workers' next heartbeats show it, they would place up to as many times what the room
@@ -66,7 +75,7 @@ def replica_turn(mine: tuple[bool, float, str], others: dict[str, tuple[bool, fl
     prefill queues), and the room taken by whoever decides first rather than by how long the
     requests have waited. Taking turns `replica_stagger_ms` apart, each decides after the ones
     before it have dispatched and the workers' heartbeats have said so."""
-    return sum(1 for r, (late, at) in others.items() if at > 0.0 and (late, at, r) < mine)
+    return sum(1 for r, key in others.items() if key[2] > 0.0 and (*key, r) < mine)
 
 
 class Placer(Protocol):
@@ -118,20 +127,23 @@ class Waiting:
     def first(self, now: float) -> tuple[bool, float]:
         """The request a retry now would decide first: (whether it can no longer meet its TTFT
         SLO, its arrival on the wall clock); (False, 0.0) when none waits."""
+        late, at, _ = self.first_of(now)
+        return late, at
+
+    def first_of(self, now: float) -> tuple[bool, float, int]:
+        """`first`, and that request's prompt tokens (0 when none waits)."""
         head = [r for r in self.head(now) if not r.done]
         if not head:
-            return False, 0.0
+            return False, 0.0, 0
         latest = self._latest(head)
         i = next(iter(self._order(latest, head, now)))
-        return self.policy.orders_waiting() and latest[i] <= now, head[i].arrival + self.wall_offset
+        r = head[i]
+        return self.policy.orders_waiting() and latest[i] <= now, r.arrival + self.wall_offset, len(r.prompt_token_ids)
 
     def _order(self, latest: list[float], head: list[Request], now: float) -> list[int]:
-        """The policy's order for `head` (`wait_order`, told each one's prompt tokens). With router
-        replicas too: their turns at room go by the arrival of each replica's first waiting request
-        (`replica_turn`; the queue heads the decode workers echo carry no size), and within its
-        turn each replica takes its own requests in this order. Measured (router-replicas.md,
-        2026-12-07): on the code slice four replicas' P95 TTFT 1.81 s in arrival order ("slack"),
-        1.13 s in this one; one router 0.96 s in this one."""
+        """The policy's order for `head` (`wait_order`, told each one's prompt tokens), with router
+        replicas too: their turns at room go by each replica's first request in this order
+        (`replica_turn`, `turn_key`: its size too when the order is by size)."""
         return self.policy.wait_order(latest, [len(r.prompt_token_ids) for r in head], now)
 
     def _latest(self, head: list[Request]) -> list[float]:
@@ -156,9 +168,10 @@ class Waiting:
                         others[q.router] = (w.hb_at, q)
         return [q for _, q in others.values() if q.oldest_at >= oldest]
 
-    def _others(self, now: float) -> dict[str, tuple[bool, float]]:
-        """The other replicas' first waiting requests (`_queues`; arrival 0.0: none waits there)."""
-        return {q.router: (q.late, q.oldest_at) for q in self._queues(now)}
+    def _others(self, now: float) -> dict[str, TurnKey]:
+        """The other replicas' first waiting requests' `turn_key`s (`_queues`; arrival 0.0: none waits there)."""
+        by_size = self.policy.orders_by_size()
+        return {q.router: turn_key(q.late, q.first_tokens, q.oldest_at, by_size) for q in self._queues(now)}
 
     def others_waiting(self, now: float) -> tuple[int, int]:
         """How many requests wait at the other replicas, and their prompt tokens (`_queues`): one
@@ -174,10 +187,11 @@ class Waiting:
         cfg = self.cfg
         if cfg.replicas <= 1 or cfg.replica_stagger_ms <= 0.0:
             return 0.0
-        late, at = self.first(now)
+        late, at, tokens = self.first_of(now)
         if at == 0.0:
             return 0.0
-        turn = replica_turn((late, at, self.table.me), self._others(now))
+        turn = replica_turn((*turn_key(late, tokens, at, self.policy.orders_by_size()), self.table.me),
+                            self._others(now))
         return turn * self.turn_spacing() if turn else 0.0
 
     def turn_spacing(self) -> float:
@@ -224,9 +238,10 @@ class Waiting:
         # up to it, and at least one (so that a stale echo slows it, never stops it); out of turn,
         # none past it (the room shows to every replica at the worker's next heartbeat: theirs too)
         cfg = self.cfg
-        bound: tuple[bool, float, str] | None = None
+        bound: tuple[bool, int, float, str] | None = None
+        by_size = policy.orders_by_size()
         if cfg.replicas > 1 and cfg.replica_stagger_ms > 0.0:
-            heads = [(late, at, r) for r, (late, at) in self._others(now).items() if at > 0.0]
+            heads = [(*key, r) for r, key in self._others(now).items() if key[2] > 0.0]
             bound = min(heads, default=None)
         me = self.table.me
         placed = 0
@@ -243,8 +258,8 @@ class Waiting:
             if req.done:
                 return Outcome.GONE
             if bound is not None and (placed or not turn):
-                key = (policy.orders_waiting() and latest.get(req.request_id, 0.0) <= now,
-                       req.arrival + self.wall_offset, me)
+                key = (*turn_key(policy.orders_waiting() and latest.get(req.request_id, 0.0) <= now,
+                                 len(req.prompt_token_ids), req.arrival + self.wall_offset, by_size), me)
                 if key > bound:  # another replica's first request comes before it: that one's turn first
                     return Outcome.NO_ROOM
             try:

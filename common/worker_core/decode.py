@@ -117,8 +117,8 @@ class DecodeCore(WorkerCore):
         admission.py), with the next heartbeat that comes anyway."""
         old = self.queues.get(q.router_incarnation)
         self.queues[q.router_incarnation] = m.RouterQueue(q.router_incarnation, q.oldest_at, q.late, q.waiting,
-                                                          q.waiting_tokens)
-        if old is None or (old.oldest_at, old.late) != (q.oldest_at, q.late):
+                                                          q.waiting_tokens, q.first_tokens)
+        if old is None or (old.oldest_at, old.late, old.first_tokens) != (q.oldest_at, q.late, q.first_tokens):
             self.ports.beat_now()
 
     def held_requests(self) -> list[tuple[str, int]]:

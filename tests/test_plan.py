@@ -229,13 +229,14 @@ def test_several_noise_seeds_judge_a_candidate_by_its_worst_run(tmp_path: Path,
     trace = prompts(40, 0.4)(1.0)
     sim = SimConfig(step_noise=0.3)
 
-    def att(seeds: tuple[int, ...]) -> float:
-        return float(planmod.run_job(planmod.Job(cand=cand, trace=trace, profile=PROFILE, sim=sim, rate_scale=1.0,
-                                                 seeds=seeds))["slo_attainment"])
+    def run(seeds: tuple[int, ...]) -> dict[str, object]:
+        return planmod.run_job(planmod.Job(cand=cand, trace=trace, profile=PROFILE, sim=sim, rate_scale=1.0,
+                                           seeds=seeds))
 
-    one, other, both = att((0,)), att((1,)), att((0, 1))
-    assert one != other  # the seeds draw different noise
-    assert both == min(one, other)
+    one, other, both = run((0,)), run((1,)), run((0, 1))
+    assert one["ttft_p95"] != other["ttft_p95"]  # the seeds draw different noise (the attainments may tie)
+    worst = min(one, other, key=planmod.rank)  # the plan's ranking: both SLOs, TBT, then P95 TTFT
+    assert {k: v for k, v in both.items() if k != "seeds"} == {k: v for k, v in worst.items() if k != "seeds"}
     # without random error there is nothing to draw: a clear error, not N identical runs
     f = write_jsonl(tmp_path / "t.jsonl", prompts(4, 1.0)(1.0))
     assert main(["--trace", str(f), "--noise-seeds", "3", "--quiet"]) == 2

@@ -370,13 +370,7 @@ class WorkerBus:
         """Send a heartbeat now or drop it (not connected, or the router is not reading: the
         next heartbeat supersedes it). Never through a plain shadow of the socket outside an
         Inbox: its send could leave work that arrived meanwhile unread (see the class docstring)."""
-        if self.inbox is not None:
-            self.inbox.send([payload])
-            return
-        try:
-            await self.work.send(payload, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self.send_now(payload)
 
     async def connection_event(self) -> int:
         """The next connection event of the work socket (zmq.EVENT_HANDSHAKE_SUCCEEDED or _DISCONNECTED)."""
@@ -522,7 +516,7 @@ class Inbox:
         self.wakeups = 0  # reads, and messages read: their ratio is the batching the load allowed
         self.messages = 0
         self._loop.add_reader(self._fd, self._readable)
-        self._kick()
+        self.kick()
 
     def send(self, frames: list[bytes]) -> bool:
         """Queue a message without waiting; False if the peer is unroutable or its queue is full."""
@@ -531,14 +525,12 @@ class Inbox:
         except zmq.ZMQError:
             return False
         finally:
-            self._kick()
+            self.kick()
         return True
 
     def kick(self) -> None:
-        """Read soon: something else operated on the socket (and may have consumed its read edge)."""
-        self._kick()
-
-    def _kick(self) -> None:
+        """Read soon: after a send, or after something else operated on the socket (either may
+        have consumed its read edge)."""
         if self._paused is not None:  # a send during a pause: read soon, whatever the gap
             self._paused.cancel()
             self._resume()
@@ -630,7 +622,7 @@ class Inbox:
                 self.failed.set_exception(e)
             return
         self.messages += n
-        self._kick()  # more may be queued: go on after the loop has served the others
+        self.kick()  # more may be queued: go on after the loop has served the others
 
     def close(self) -> None:
         if not self._closed:

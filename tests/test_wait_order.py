@@ -128,7 +128,7 @@ def test_the_retry_looks_past_more_than_scan_requests_whose_slo_is_over() -> Non
     late = [request(f"late{i}", arrival=90.0 + i * 0.01) for i in range(SCAN + 6)]
     fresh = request("fresh", arrival=now - 0.2)
     w.queue.extend([*late, fresh])
-    assert w.first(now) == (False, fresh.arrival)  # what a replica's turn is decided by, too
+    assert w.first(now) == (False, fresh.arrival, 64)  # what a replica's turn is decided by, too
     w.retry(now)
     assert placer.placed == ["fresh"]
     assert len(w.queue) == SCAN + 6 and fresh not in w.queue
@@ -148,7 +148,7 @@ def test_a_free_slot_goes_to_the_shortest_prompt_that_can_still_make_it() -> Non
     short = request("short", arrival=now - 0.2, prompt=200)
     mid = request("mid", arrival=now - 0.1, prompt=900)
     w.queue.extend([late, old, short, mid])
-    assert w.first(now) == (False, short.arrival)
+    assert w.first(now) == (False, short.arrival, 200)
     w.retry(now)
     assert placer.placed == ["short"]
     placer.room = 3
@@ -212,7 +212,7 @@ def test_a_replica_waits_its_turn_behind_another_replicas_shorter_request() -> N
             kv_capacity_tokens=10_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
             token_budget=BUDGET, queues=[other]), hb_at=now)
         w.queue.append(request("mine", arrival=now - 0.5, prompt=3000))
-        assert w.first_of(now) == (False, now - 0.5, 3000)
+        assert w.first(now) == (False, now - 0.5, 3000)
         delay = w.turn_delay(now)
         w.retry(now)  # out of turn
         return delay, placer.placed

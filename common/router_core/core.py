@@ -304,7 +304,7 @@ class RouterCore:
         as one router's queue would have them before it."""
         if self.cfg.replicas <= 1:
             return
-        late, at, tokens = self.waiting.first_of(now)
+        late, at, tokens = self.waiting.first(now)
         waiting = self.kv_waiting
         live = [r for r in waiting if not r.done]
         told = (late, at, len(live), sum(len(r.prompt_token_ids) for r in live), tokens)

@@ -124,14 +124,9 @@ class Waiting:
         """The waiting requests a retry now would decide again (`WaitQueue.head`)."""
         return self.queue.head(self.late(now))
 
-    def first(self, now: float) -> tuple[bool, float]:
+    def first(self, now: float) -> tuple[bool, float, int]:
         """The request a retry now would decide first: (whether it can no longer meet its TTFT
-        SLO, its arrival on the wall clock); (False, 0.0) when none waits."""
-        late, at, _ = self.first_of(now)
-        return late, at
-
-    def first_of(self, now: float) -> tuple[bool, float, int]:
-        """`first`, and that request's prompt tokens (0 when none waits)."""
+        SLO, its arrival on the wall clock, its prompt tokens); (False, 0.0, 0) when none waits."""
         head = [r for r in self.head(now) if not r.done]
         if not head:
             return False, 0.0, 0
@@ -187,7 +182,7 @@ class Waiting:
         cfg = self.cfg
         if cfg.replicas <= 1 or cfg.replica_stagger_ms <= 0.0:
             return 0.0
-        late, at, tokens = self.first_of(now)
+        late, at, tokens = self.first(now)
         if at == 0.0:
             return 0.0
         turn = replica_turn((*turn_key(late, tokens, at, self.policy.orders_by_size()), self.table.me),

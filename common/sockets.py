@@ -37,6 +37,7 @@ import functools
 import os
 import re
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -515,6 +516,9 @@ class Inbox:
         self._paused: asyncio.TimerHandle | None = None  # the FD unwatched until this read
         self.wakeups = 0  # reads, and messages read: their ratio is the batching the load allowed
         self.messages = 0
+        # time.monotonic() when a read last found the socket empty: every message read after it
+        # was sent after it, less its transit (a busy reader's backlog makes a message older)
+        self.drained_at = time.monotonic()
         self._loop.add_reader(self._fd, self._readable)
         self.kick()
 
@@ -607,6 +611,7 @@ class Inbox:
                     f = recv(noblock, copy=False)
                 except zmq.Again:  # nothing more (and the FD's edge re-armed): once per wakeup
                     self.messages += n
+                    self.drained_at = time.monotonic()
                     return
                 n += 1
                 frames = [f.bytes]

@@ -127,3 +127,31 @@ async def test_read_queued_reads_what_waits_at_once_when_busy_too() -> None:
             assert len(got) == 3
         finally:
             inbox.close()
+
+
+async def test_drained_at_moves_only_when_a_read_finds_the_socket_empty() -> None:
+    """`drained_at` (the router judges a heartbeat's age by it: Membership.sent_after) is the last
+    read that found nothing more: a backlog read in batches keeps it where the backlog began, so a
+    message read from it is known to be at most that old, never younger than it is."""
+    async with _pair("inbox-drained") as (router, peer):
+        seen: list[float] = []
+        inbox: Inbox | None = None
+
+        def on_frames(frames: list[bytes]) -> None:
+            assert inbox is not None
+            seen.append(inbox.drained_at)
+
+        inbox = Inbox(router, on_frames, batch=2)
+        sync_peer: zmq.Socket[bytes] = zmq.Socket.shadow(peer.underlying)
+        try:
+            sync_peer.send(b"first")
+            assert await _until(lambda: len(seen) == 1)
+            drained = inbox.drained_at
+            assert drained >= seen[0]  # read empty after it
+            for i in range(6):  # three batches of two, read on three loop passes
+                sync_peer.send(b"m%d" % i)
+            assert await _until(lambda: len(seen) == 7)
+            assert seen[1:] == [drained] * 6  # each read from the backlog, none at a drained socket
+            assert inbox.drained_at > drained  # and the last read found it empty
+        finally:
+            inbox.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -365,6 +366,90 @@ def test_router_index_follows_heartbeats_and_forgets() -> None:
     assert off.lookup(prompt) == ((), {})
 
 
+def test_the_index_version_moves_with_every_change_hits_could_see_and_only_then() -> None:
+    idx = PrefixIndex(max_blocks=4)
+
+    def moved(op: Callable[[], object]) -> bool:
+        v = idx.version
+        op()
+        return idx.version != v
+
+    assert moved(lambda: idx.join("d0", BT, "a"))
+    assert not moved(lambda: idx.join("d0", BT, "a"))  # the same incarnation again
+    assert moved(lambda: idx.stored("d0", [1, 2, 3]))
+    assert not moved(lambda: idx.stored("d0", [1, 2, 3]))  # held already (only their recency moves)
+    assert not moved(lambda: idx.hits([1, 2, 3]))
+    assert moved(lambda: idx.removed("d0", [3]))
+    assert not moved(lambda: idx.removed("d0", [3]))
+    assert moved(lambda: idx.stored("d0", [5, 6, 7]))  # past max_blocks: block 1 evicted
+    assert idx.hits([1, 2]) == {}
+    assert moved(lambda: idx.clear("d0"))
+    assert moved(lambda: idx.forget("d0"))
+    assert not moved(lambda: idx.forget("d0"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lookup_kept_between_decisions_answers_as_a_fresh_one_and_walks_the_index_only_after_a_change(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting request is decided again at every heartbeat: its prefix lookup is kept (`Seen`)
+    while the index is unchanged. Random heartbeats, dispatches, evictions, restarts and lost
+    heartbeats: after each, the kept answer is the fresh one, and asking twice in a row walks the
+    index at most once (a burst of 6,000-token prompts held the router's loop for tens of seconds
+    walking it per waiting request per heartbeat)."""
+    import random
+
+    from common.router_core.prefix import RouterPrefix, Seen
+
+    rng = random.Random(seed)
+    rp = RouterPrefix(max_blocks=12)
+    prompts = [list(range(k, k + 24)) for k in (0, 0, 100)]  # two alike, one apart
+    prompts[1][17] = -1  # ... alike up to their fifth block
+    hashes = [block_hashes(p, BT) for p in prompts]
+    seen = [Seen() for _ in prompts]
+    seq = {"d0": 0, "d1": 0}
+    inc = {"d0": "a", "d1": "b"}
+    walks = 0
+    real_hits = PrefixIndex.hits
+
+    def counted(self: PrefixIndex, hs: list[int], among: object = None) -> dict[str, int]:
+        nonlocal walks
+        walks += 1
+        return real_hits(self, hs, among)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PrefixIndex, "hits", counted)
+    for _ in range(120):
+        w = rng.choice(["d0", "d1"])
+        op = rng.randrange(7)
+        i = rng.randrange(len(prompts))
+        hs = hashes[i][:rng.randrange(1, len(hashes[i]) + 1)]
+        if op == 0:
+            seq[w] += 1
+            rp.on_heartbeat(_hb(w, inc[w], seq[w], stored=hs))
+        elif op == 1:
+            seq[w] += 1
+            rp.on_heartbeat(_hb(w, inc[w], seq[w], removed=hs[rng.randrange(len(hs)):]))
+        elif op == 2:
+            seq[w] += 2  # one lost: the worker's entries are forgotten
+            rp.on_heartbeat(_hb(w, inc[w], seq[w]))
+        elif op == 3:
+            added = rp.dispatched([w], {BT: hashes[i]}, 24, 0)
+            if rng.random() < 0.5 and w in added:
+                rp.undo(w, added[w])
+        elif op == 4:
+            inc[w] += "'"  # restarted
+            seq[w] = 1
+            rp.on_heartbeat(_hb(w, inc[w], 1, stored=[]))
+        elif op == 5:
+            rp.forget(w)
+        for k, p in enumerate(prompts):
+            fresh = rp.lookup(p)
+            before = walks
+            kept = rp.lookup(p, {BT: hashes[k]}, seen[k])
+            again = rp.lookup(p, {BT: hashes[k]}, seen[k])
+            assert dict(kept[0]) == dict(fresh[0]) and kept == again
+            assert walks - before <= 1, "a lookup kept while the index did not change walked it again"
+
+
 def test_router_index_takes_back_a_dispatch_turned_away_unless_a_heartbeat_came_between() -> None:
     from common.router_core.prefix import RouterPrefix
 
@@ -410,3 +495,47 @@ def test_a_waiting_request_hashes_its_prompt_once(monkeypatch: pytest.MonkeyPatc
     req.resume_from, req.out_ids = 2, [7, 7]  # as after a migration: the work prompt grew
     r.retry_waiting(now + 0.1)
     assert calls == [400, 402]
+
+
+def test_a_waiting_request_decided_again_at_every_heartbeat_walks_the_index_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router core keeps a waiting request's lookup (Request.prefix_seen): forty heartbeats
+    that change nothing in the index decide it again forty times and walk its blocks once."""
+    from tests.test_migrate import NOW, make_router
+
+    r, _ = make_router("disagg-least-loaded")
+    walks = 0
+    real_hits = PrefixIndex.hits
+
+    def counted(self: PrefixIndex, hs: list[int], among: object = None) -> dict[str, int]:
+        nonlocal walks
+        walks += 1
+        return real_hits(self, hs, among)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PrefixIndex, "hits", counted)
+
+    def beat(w: str, seq: int, summary: m.PrefixSummary | None = None) -> m.DecodeHeartbeat:
+        return m.DecodeHeartbeat(worker_id=w, incarnation=f"inc-{w}", seq=seq, batch=0, kv_tokens=0,
+                                 kv_free_tokens=0, kv_capacity_tokens=100_000, resident_prefill_tokens=0,
+                                 deflections=0, strictest_tbt_slo=None, token_budget=2048, prefix=summary)
+
+    for w in ("decode-0", "decode-1"):  # no KV room anywhere: it waits
+        r.on_message(w.encode(), beat(w, 1, m.PrefixSummary(block_tokens=16, stored=[], removed=[])), NOW)
+    req = r.submit(list(range(6000)), m.Sampling(max_tokens=4), NOW)
+    assert not req.done and req in r.waiting.queue and walks == 1
+    lookups = 0
+    real_lookup = r.prefix.lookup
+
+    def counted_lookup(*a: object) -> object:
+        nonlocal lookups
+        lookups += 1
+        return real_lookup(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.prefix, "lookup", counted_lookup)
+    for k in range(2, 22):
+        for w in ("decode-0", "decode-1"):
+            r.on_message(w.encode(), beat(w, k), NOW + 0.1 * k)
+    assert lookups >= 40 and not req.done  # decided again at each heartbeat
+    assert walks == 1, f"walked the index {walks} times for one waiting request"
+    r.on_message(b"decode-0", beat("decode-0", 22, m.PrefixSummary(block_tokens=16, stored=[7], removed=[])), NOW + 3)
+    assert walks == 2  # the index changed: looked up again

@@ -7,6 +7,10 @@ wait for the summary). Bounded: at most `max_blocks` hashes, the least recently 
 first (a dropped hash only costs a missed hit). A worker that restarts (a new incarnation),
 departs, or reports a cleared cache is forgotten at once: its entries are tagged with the
 worker's epoch, and entries of an older epoch do not count (they are dropped when next seen).
+
+`version` changes whenever an answer of `hits` could: a block newly held, one removed or evicted,
+a worker joining, cleared or forgotten. A caller that asks again for the same prompt at the same
+version may keep the answer it had (the router does for its waiting requests: RouterPrefix.lookup).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class PrefixIndex:
         self._incarnation: dict[str, str] = {}
         self.block_tokens: dict[str, int] = {}  # worker -> its KV block size (tokens)
         self._epochs = itertools.count(1)
+        self.version = 0  # changes with every change an answer of `hits` could see (module docstring)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -44,18 +49,22 @@ class PrefixIndex:
         same = (worker_id in self._epoch and self._incarnation.get(worker_id) == incarnation
                 and self.block_tokens.get(worker_id) == block_tokens)
         if not same:
+            self.version += 1
             self._epoch[worker_id] = next(self._epochs)
             self._incarnation[worker_id] = incarnation
             self.block_tokens[worker_id] = block_tokens
 
     def forget(self, worker_id: str) -> None:
         """The worker left (or its cache was dropped): none of its entries count any more."""
+        if worker_id in self._epoch:
+            self.version += 1
         self._epoch.pop(worker_id, None)
         self._incarnation.pop(worker_id, None)
         self.block_tokens.pop(worker_id, None)
 
     def clear(self, worker_id: str) -> None:
         if worker_id in self._epoch:
+            self.version += 1
             self._epoch[worker_id] = next(self._epochs)
 
     # -- updates --------------------------------------------------------------------------
@@ -78,14 +87,18 @@ class PrefixIndex:
                 blocks.move_to_end(h)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
+        if new:  # (an eviction above only follows a new block)
+            self.version += 1
         return new
 
     def removed(self, worker_id: str, hashes: Iterable[int]) -> None:
         blocks = self._blocks
         for h in hashes:
             holders = blocks.get(h)
-            if holders is not None and holders.pop(worker_id, None) is not None and not holders:
-                del blocks[h]
+            if holders is not None and holders.pop(worker_id, None) is not None:
+                self.version += 1
+                if not holders:
+                    del blocks[h]
 
     # -- queries --------------------------------------------------------------------------
     def hits(self, hashes: Sequence[int], among: Iterable[str] | None = None) -> dict[str, int]:

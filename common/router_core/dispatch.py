@@ -27,7 +27,7 @@ from common.policy import Policy, RequestSpec
 from common.policy.admission import decide_without
 from common.router_core.delivery import DeliveryAllowance
 from common.router_core.ports import Hooks, Log, Metrics, Outbox
-from common.router_core.prefix import RouterPrefix
+from common.router_core.prefix import RouterPrefix, Seen
 from common.router_core.requests import Request
 from common.router_core.trust import too_small
 from common.router_core.workers import WorkerEntry, WorkerTable
@@ -73,8 +73,8 @@ class Dispatcher:
         exclude = frozenset(req.exclude) | small if req.exclude else small
         view = self.table.view(use_ledger=self.cfg.ledger, exclude=exclude)
         if req.hash_memo_from != req.resume_from:  # migrated since: another prompt
-            req.hash_memo, req.hash_memo_from = {}, req.resume_from
-        cached, hashes = self.prefix.lookup(prompt, req.hash_memo)
+            req.hash_memo, req.hash_memo_from, req.prefix_seen = {}, req.resume_from, Seen()
+        cached, hashes = self.prefix.lookup(prompt, req.hash_memo, req.prefix_seen)
         tbt = self.core.delivery.plan_slo(req.tbt_slo)  # what its steps are planned to (delivery.py)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=tbt,

@@ -15,6 +15,7 @@ common/router_core/core.py builds it with the core, which is one). It reads no c
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,6 +81,10 @@ class Membership:
     wall_offset: float = 0.0       # wall-clock time = now + wall_offset
     asked_hello: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked to Hello again
     excused_until: float = 0.0     # no worker is judged silent before this (`excuse_stall`)
+    # the earliest time a message being read now can have been sent, router clock (the shell's
+    # Inbox.drained_at: a backlog on its socket makes a heartbeat older than its reading); None:
+    # read as it comes (the simulator)
+    sent_after: Callable[[], float] | None = None
     log: Log = field(default_factory=structlog.get_logger)
 
     @property
@@ -246,9 +251,14 @@ class Membership:
             entry.steady_at = now + self.liveness_s
         if entry.ledger:
             lost = [no for no in hb.missed if no in entry.ledger]
+            # unacknowledged for lost_dispatch_s, counted to when this heartbeat can have been sent
+            # at the earliest: one that waited in this router's backlog (a busy loop reads a batch
+            # of hundreds) says nothing of work sent while it waited (a burst's false losses, each
+            # request placed again until its retries ran out: stranded.md)
+            sent = now if self.sent_after is None else min(now, self.sent_after())
             if now >= max(self.excused_until, entry.steady_at) and \
-                    now - next(iter(entry.ledger.values())).at > self.lost_dispatch_s:
-                lost += [no for no, le in entry.ledger.items() if now - le.at > self.lost_dispatch_s]
+                    sent - next(iter(entry.ledger.values())).at > self.lost_dispatch_s:
+                lost += [no for no, le in entry.ledger.items() if sent - le.at > self.lost_dispatch_s]
             if lost:
                 self.lost_dispatches(entry, lost, now)
         self.prefix.on_heartbeat(hb)

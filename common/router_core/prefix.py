@@ -18,6 +18,17 @@ from common.policy.prefix_index import PrefixIndex
 from common.prefix_hash import block_hashes
 
 
+class Seen:
+    """A prompt's last answer from `RouterPrefix.lookup`, and the index version it was for."""
+
+    __slots__ = ("cached", "hashes", "version")
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.cached: tuple[tuple[str, int], ...] = ()
+        self.hashes: dict[int, list[int]] = {}
+
+
 class RouterPrefix:
     def __init__(self, *, enabled: bool = True, max_blocks: int = 1 << 20) -> None:
         self.enabled = enabled
@@ -57,13 +68,20 @@ class RouterPrefix:
         self._seq.pop(worker_id, None)
         self.index.forget(worker_id)
 
-    def lookup(self, prompt: list[int], memo: dict[int, list[int]] | None = None
+    def lookup(self, prompt: list[int], memo: dict[int, list[int]] | None = None, seen: Seen | None = None
                ) -> tuple[tuple[tuple[str, int], ...], dict[int, list[int]]]:
         """(per worker: prompt tokens it holds, the prompt's hashes per block size) for a prompt;
         `memo`: the prompt's hashes per block size the caller already has (the simulator's trace,
-        an earlier lookup), used as they are; those it lacks are computed and filled in."""
+        an earlier lookup), used as they are; those it lacks are computed and filled in. `seen`:
+        this prompt's previous answer, kept by the caller: returned as it is while the index has
+        not changed since (`PrefixIndex.version`), else replaced. A waiting request is decided
+        again at every heartbeat; walking its blocks each time (375 for a 6,000-token prompt, for
+        each of up to 64 waiting requests) held the router's loop for tens of seconds in a burst of
+        long prompts (docs/benchmarks/stranded.md, "A second burst of long prompts")."""
         if not self.enabled or not self.index.block_tokens:
             return (), {}
+        if seen is not None and seen.version == self.index.version:
+            return seen.cached, seen.hashes
         by_bt: dict[int, list[str]] = {}
         for w, bt in self.index.block_tokens.items():
             by_bt.setdefault(bt, []).append(w)
@@ -79,7 +97,10 @@ class RouterPrefix:
             hashes[bt] = hs
             if hs:
                 cached.extend((w, n * bt) for w, n in self.index.hits(hs, among=workers).items())
-        return tuple(cached), hashes
+        out = tuple(cached)
+        if seen is not None:  # (`hits` changes no answer: the version is the one it answered at)
+            seen.version, seen.cached, seen.hashes = self.index.version, out, hashes
+        return out, hashes
 
     def dispatched(self, worker_ids: list[str], hashes: dict[int, list[int]], prompt_tokens: int,
                    cached_tokens: int) -> dict[str, tuple[int, list[int]]]:

@@ -10,6 +10,7 @@ from msgspec.structs import replace as msgspec_replace
 
 from common import messages as m
 from common.policy.base import Decision
+from common.router_core.prefix import Seen
 
 
 @dataclass(slots=True)
@@ -141,6 +142,7 @@ class Request:
     # resume_from they are for
     hash_memo: dict[int, list[int]] = field(default_factory=dict)
     hash_memo_from: int = 0
+    prefix_seen: Seen = field(default_factory=Seen)  # ... and its last prefix lookup (RouterPrefix.lookup)
     traceparent: str = ""  # W3C trace context the workers' spans hang under (common/tracing.py; "": untraced)
     tracestate: str = ""
     span: object = None    # the router shell's span for it, when tracing

@@ -385,10 +385,13 @@ class Router:
         requests, workers = self.requests, self.table.workers
         self._inbox = Inbox(self.bus.work, self._on_work_frames, keyed=bool(self.cfg.curve_keys_dir),
                             idle_gap=(lambda: 0.0 if requests else idle_gap(gap, len(workers))) if gap > 0 else None)
+        inbox = self._inbox
+        self.membership.sent_after = lambda: inbox.drained_at  # (a heartbeat's age: Membership.sent_after)
         try:
-            await self._inbox.failed  # the reader callback does the work; this ends only on a bug
+            await inbox.failed  # the reader callback does the work; this ends only on a bug
         finally:
-            self._inbox.close()
+            self.membership.sent_after = None
+            inbox.close()
             self._inbox = None
 
     def _on_work_frames(self, frames: list[bytes], key: str | None = None) -> None:

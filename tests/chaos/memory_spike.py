@@ -21,24 +21,41 @@ from kairos.up import Cluster, ClusterSpec
 from tests.chaos.stranded import rss_mb
 
 
-async def burst(url: str, streams: int, prompt: int) -> dict[str, int]:
+async def burst(url: str, streams: int, prompt: int) -> dict[str, object]:
+    """Each stream's outcome: its status, or `200 error` when an error event came in a 200 stream
+    (a failure the status alone hides), or the client's exception; and the slowest first byte and
+    end of the 200 streams, seconds from the burst's start."""
     outcome: dict[str, int] = {}
+    first: list[float] = []
+    ends: list[float] = []
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=16)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits) as client:
+
         async def one(i: int) -> None:
             body = {"prompt": [1000 + (i + k) % 997 for k in range(prompt)], "max_tokens": 16, "stream": True,
                     "ignore_eos": True}
             try:
                 async with client.stream("POST", url, json=body) as r:
-                    async for _ in r.aiter_lines():
-                        pass
                     key = str(r.status_code)
+                    got = False
+                    async for line in r.aiter_lines():
+                        if not got and line.startswith("data:"):
+                            got = True
+                            if r.status_code == 200:
+                                first.append(loop.time() - t0)
+                        if r.status_code == 200 and line.startswith("data:") and '"error"' in line:
+                            key = "200 error"
+                    if key == "200":
+                        ends.append(loop.time() - t0)
             except httpx.HTTPError as e:
                 key = type(e).__name__
             outcome[key] = outcome.get(key, 0) + 1
 
         await asyncio.gather(*(one(i) for i in range(streams)))
-    return outcome
+    return {**outcome, "first_byte_max_s": round(max(first, default=0.0), 2),
+            "end_max_s": round(max(ends, default=0.0), 2)}
 
 
 async def run(log_dir: Path, streams: int, prompt: int, rounds: int) -> dict[str, object]:

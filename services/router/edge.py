@@ -33,7 +33,10 @@ task per request.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +52,32 @@ log = structlog.get_logger()
 CLOSED = Counter("kairos_router_http_connections_closed", "HTTP connections the router closed or refused at its "
                  "edge: header_timeout, body_timeout, idle_evicted (the connection limit neared), "
                  "client_evicted (its address at its limit), refused_full, refused_client.", ["reason"])
+
+
+# A connection's timeout (uvicorn's keep-alive, the edge's header timeout) may fire while the
+# client's next request already waits unread in the socket: a loop turn runs its due timers
+# before it reads, and after the router's loop did not run for a while (a freeze, CPU starvation,
+# a burst's parsing) the client had sent it in good time. Closing then resets a connection that
+# carries a request: the client reads an error for a request it sent before any timeout (5-6 of
+# 1,000 requests in tests.chaos.stranded's five 10 s freezes, and every keep-alive connection
+# used during a freeze longer than uvicorn's 5 s keep-alive). So a timeout that finds bytes unread
+# on the socket, or fires more than STALL_S late, is checked again STALL_GRACE_S later instead,
+# once per timeout (a client trickling its headers gains one grace, not a way round the timeout).
+STALL_S = 0.5
+STALL_GRACE_S = 1.0
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for the connection that the loop has not read yet (0 if unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        buf = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+    except (OSError, ValueError):
+        return 0
+    return int(buf[0])
 
 
 DIRECT = "kairos.direct_write"  # the scope extension holding a request's DirectWrite
@@ -133,6 +162,8 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
         _host = ""
         _registered = False  # counted in the edge's tables (not a refused connection)
         _direct: DirectWrite | None = None  # the DirectWrite of the request being served
+        _graced = False  # the armed check was put off once already (STALL_S)
+        _ka_graced = False  # ... uvicorn's keep-alive timeout, since the last response
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -196,6 +227,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             if delay is None or fire is None:
                 self._fire = None
                 return
+            self._graced = False
             due = self.loop.time() + delay
             self._due, self._fire = due, fire
             timer = self._timer
@@ -210,13 +242,30 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             fire = self._fire
             if fire is None:
                 return
+            now = self.loop.time()
             # re-armed since for later (by more than a timer's rounding: uvloop's clock is whole
             # milliseconds, and a check fired a hair early must not spin)
-            if self._due - self.loop.time() > 0.005:
+            if self._due - now > 0.005:
+                self._timer = self.loop.call_at(self._due, self._due_check)
+                return
+            if not self._graced and (now - self._due > STALL_S or unread_bytes(self.transport)):
+                self._graced = True  # the client's bytes may be waiting: read them first (STALL_S)
+                self._due = now + STALL_GRACE_S
                 self._timer = self.loop.call_at(self._due, self._due_check)
                 return
             self._fire = None
             fire()
+
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn's keep-alive timeout (closes a connection idle since its last response), but
+            not on a late timer: see `STALL_S`."""
+            task = self.timeout_keep_alive_task
+            if task is not None and not self._ka_graced and \
+                    (self.loop.time() - task.when() > STALL_S or unread_bytes(self.transport)):
+                self._ka_graced = True
+                self.timeout_keep_alive_task = self.loop.call_later(STALL_GRACE_S, self.timeout_keep_alive_handler)
+                return
+            super().timeout_keep_alive_handler()
 
         def _idle(self) -> None:
             """No request in progress: idle (longest-idle order), and the next request's headers timed."""
@@ -257,6 +306,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
+            self._ka_graced = False  # (uvicorn arms its keep-alive timeout anew)
             super().on_response_complete()
             cycle = self.cycle
             if self._registered and not self.transport.is_closing() and (cycle is None or cycle.response_complete):

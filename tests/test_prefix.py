@@ -388,6 +388,19 @@ def test_the_index_version_moves_with_every_change_hits_could_see_and_only_then(
     assert not moved(lambda: idx.forget("d0"))
 
 
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[how many times PrefixIndex.hits has walked the index since]"""
+    walks = [0]
+    real_hits = PrefixIndex.hits
+
+    def counted(self: PrefixIndex, hs: list[int], among: object = None) -> dict[str, int]:
+        walks[0] += 1
+        return real_hits(self, hs, among)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PrefixIndex, "hits", counted)
+    return walks
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_lookup_kept_between_decisions_answers_as_a_fresh_one_and_walks_the_index_only_after_a_change(
         seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,15 +421,7 @@ def test_a_lookup_kept_between_decisions_answers_as_a_fresh_one_and_walks_the_in
     seen = [Seen() for _ in prompts]
     seq = {"d0": 0, "d1": 0}
     inc = {"d0": "a", "d1": "b"}
-    walks = 0
-    real_hits = PrefixIndex.hits
-
-    def counted(self: PrefixIndex, hs: list[int], among: object = None) -> dict[str, int]:
-        nonlocal walks
-        walks += 1
-        return real_hits(self, hs, among)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(PrefixIndex, "hits", counted)
+    walks = _count_walks(monkeypatch)
     for _ in range(120):
         w = rng.choice(["d0", "d1"])
         op = rng.randrange(7)
@@ -443,11 +448,11 @@ def test_a_lookup_kept_between_decisions_answers_as_a_fresh_one_and_walks_the_in
             rp.forget(w)
         for k, p in enumerate(prompts):
             fresh = rp.lookup(p)
-            before = walks
+            before = walks[0]
             kept = rp.lookup(p, {BT: hashes[k]}, seen[k])
             again = rp.lookup(p, {BT: hashes[k]}, seen[k])
             assert dict(kept[0]) == dict(fresh[0]) and kept == again
-            assert walks - before <= 1, "a lookup kept while the index did not change walked it again"
+            assert walks[0] - before <= 1, "a lookup kept while the index did not change walked it again"
 
 
 def test_router_index_takes_back_a_dispatch_turned_away_unless_a_heartbeat_came_between() -> None:
@@ -504,15 +509,7 @@ def test_a_waiting_request_decided_again_at_every_heartbeat_walks_the_index_once
     from tests.test_migrate import NOW, make_router
 
     r, _ = make_router("disagg-least-loaded")
-    walks = 0
-    real_hits = PrefixIndex.hits
-
-    def counted(self: PrefixIndex, hs: list[int], among: object = None) -> dict[str, int]:
-        nonlocal walks
-        walks += 1
-        return real_hits(self, hs, among)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(PrefixIndex, "hits", counted)
+    walks = _count_walks(monkeypatch)
 
     def beat(w: str, seq: int, summary: m.PrefixSummary | None = None) -> m.DecodeHeartbeat:
         return m.DecodeHeartbeat(worker_id=w, incarnation=f"inc-{w}", seq=seq, batch=0, kv_tokens=0,
@@ -522,7 +519,7 @@ def test_a_waiting_request_decided_again_at_every_heartbeat_walks_the_index_once
     for w in ("decode-0", "decode-1"):  # no KV room anywhere: it waits
         r.on_message(w.encode(), beat(w, 1, m.PrefixSummary(block_tokens=16, stored=[], removed=[])), NOW)
     req = r.submit(list(range(6000)), m.Sampling(max_tokens=4), NOW)
-    assert not req.done and req in r.waiting.queue and walks == 1
+    assert not req.done and req in r.waiting.queue and walks[0] == 1
     lookups = 0
     real_lookup = r.prefix.lookup
 
@@ -536,6 +533,6 @@ def test_a_waiting_request_decided_again_at_every_heartbeat_walks_the_index_once
         for w in ("decode-0", "decode-1"):
             r.on_message(w.encode(), beat(w, k), NOW + 0.1 * k)
     assert lookups >= 40 and not req.done  # decided again at each heartbeat
-    assert walks == 1, f"walked the index {walks} times for one waiting request"
+    assert walks[0] == 1, f"walked the index {walks[0]} times for one waiting request"
     r.on_message(b"decode-0", beat("decode-0", 22, m.PrefixSummary(block_tokens=16, stored=[7], removed=[])), NOW + 3)
-    assert walks == 2  # the index changed: looked up again
+    assert walks[0] == 2  # the index changed: looked up again

@@ -139,6 +139,12 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "the relay it measures (its dispatches to the heartbeats that acknowledge them, P90, at most 50 ms; "
         "the replica_relay log line) when that is longer, so that each turn sees the dispatches of the turns "
         "before it (0: every replica decides at once, each blind to the others' dispatches)")] = 3.0
+    heartbeat_retry_ms: Annotated[float, doc(
+        "a worker's heartbeat decides the waiting requests again at most once per this many "
+        "milliseconds (the heartbeats between are folded into the next retry); a request's end or a "
+        "deflection's first token still retries at once. Each retry decides up to 64 waiting requests, "
+        "so under overload a fleet's heartbeats (2,560 a second from 256 workers) would otherwise cost "
+        "the router more than a core (0: at every heartbeat)")] = 10.0
     request_timeout: Annotated[float, doc("deadline of a request from arrival, seconds")] = 300.0
     drain_grace_s: Annotated[float, doc(
         "on SIGTERM, keep serving this many seconds with /ready answering 503 and every response closing "

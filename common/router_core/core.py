@@ -145,6 +145,7 @@ class RouterCore:
         # wait and their prompt tokens, the first one's prompt tokens
         self.queue_told: tuple[bool, float, int, int, int] = (False, 0.0, 0, 0, 0)
         self.kv_waiting = self.waiting.queue
+        self.hb_retry_at = -1e9  # when a heartbeat last decided the waiting requests again (`retry_waiting`)
         # mid-stream migration and parking: `parked`, requests that lost their worker with none left to go to
         self.migration = Migration(cfg, self.counts, self, metrics=metrics, log=self.log)
         self.parked = self.migration.parked
@@ -279,14 +280,20 @@ class RouterCore:
         """Room may have opened for the waiting requests: decide them again, now or when the
         `room` hook says (the simulator's timing). `heartbeat`: a worker's heartbeat may show it,
         which every router replica hears at once: this replica's turn among them (waiting.py,
-        `replica_turn`) may come later, through the `retry_later` hook."""
+        `replica_turn`) may come later, through the `retry_later` hook; and a heartbeat retries at
+        most once per `heartbeat_retry_ms`, the heartbeats between folded into the next retry
+        (through the same hook; without it, at once)."""
         if self.hooks.room is not None:
             self.hooks.room(now)
             return
         delay = self.waiting.turn_delay(now) if heartbeat else 0.0
+        if heartbeat and delay <= 0.0:  # at most one heartbeat's retry per heartbeat_retry_ms
+            delay = self.hb_retry_at + self.cfg.heartbeat_retry_ms / 1000.0 - now
         if delay > 0.0 and self.hooks.retry_later is not None:
             self.hooks.retry_later(delay)
         else:
+            if heartbeat:
+                self.hb_retry_at = now
             self.retry_now(now, turn=heartbeat)
 
     def retry_now(self, now: float, turn: bool = False) -> None:

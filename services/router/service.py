@@ -289,7 +289,8 @@ class Router:
 
     def _retry_later(self, delay: float) -> None:
         """The core's `retry_later` hook: this replica's turn at the room a heartbeat shows comes
-        in `delay` seconds (common/router_core/waiting.py, `replica_turn`); one timer, the earliest."""
+        in `delay` seconds (common/router_core/waiting.py, `replica_turn`), or the next heartbeat
+        retry is due then (`heartbeat_retry_ms`); one timer, the earliest."""
         due = time.monotonic() + delay
         if self._turn is not None:
             if self._turn[0] <= due:
@@ -301,7 +302,8 @@ class Router:
         self._turn = None
         if self._inbox is not None:  # the turns before this one as the workers' heartbeats tell them, first
             self._inbox.read_queued()
-        self.core.retry_now(time.monotonic(), turn=True)
+        now = self.core.hb_retry_at = time.monotonic()
+        self.core.retry_now(now, turn=True)
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False

@@ -201,7 +201,7 @@ def evaluate_workload(w: Workload, profile: Profile, sim: SimConfig, args: argpa
                 passes=args.passes, stress=args.stress) for p in policies]
     tuned = dict(zip(policies, pmap(timed_tune, jobs, args.jobs), strict=True))
     log(f"{w.name}: tuned ({time.monotonic() - t0:.0f} s); report sweep")
-    setups = {p: _setup({**e["engine"], **e["policy"]}) for p, e in tuned.items()}
+    setups = {p: _setup(p, {**e["engine"], **e["policy"]}) for p, e in tuned.items()}
     scales = sorted({round(regime * m, 4) for m in (w.sweep or SWEEP)})
     runs = [Run(w, w.report, x, p, setups[p], profile, tuned_sim(sim, tuned[p])) for x in scales for p in policies]
     outs = pmap(execute, runs, args.jobs)
@@ -245,9 +245,9 @@ def ablate(w: Workload, profile: Profile, sim: SimConfig, tuned: dict[str, Any],
     every swept rate: each sweep point gets `ablation[ABLATION]`. When the tuner left late binding
     off, the row would be Kairos's own, so none is added (the report says so)."""
     k = tuned.get("kairos")
-    if k is None or not knob_values("kairos", _setup({**k["engine"], **k["policy"]})).get("late_binding"):
+    if k is None or not knob_values("kairos", _setup("kairos", {**k["engine"], **k["policy"]})).get("late_binding"):
         return
-    setup = _setup({**k["engine"], **k["policy"], "late_binding": False})
+    setup = _setup("kairos", {**k["engine"], **k["policy"], "late_binding": False})
     runs = [Run(w, w.report, pt["rate_scale"], "kairos", setup, profile, tuned_sim(sim, k)) for pt in sweep]
     for pt, o in zip(sweep, pmap(execute, runs, jobs), strict=True):
         pt.setdefault("ablation", {})[ABLATION] = {key: o.get(key) for key in _ABLATION_KEPT}

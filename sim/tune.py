@@ -170,10 +170,16 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     fixed: dict[str, Any] = {}  # policy knobs held at these values (not searched)
 
 
-def _setup(values: dict[str, Any]) -> Setup:
+def _setup(policy: str, values: dict[str, Any]) -> Setup:
+    """The settings `policy` runs with when tuned to `values`: its shipped ones (sim/knobs.py
+    SHIPPED, as `kairos sim --tuned` replays a tuned file) under the searched values. Knobs outside
+    the search keep what the policy ships with, not its config class's defaults: the fair
+    evaluation of 2026-12-07 ran Kairos with `retain_chunk` 512 (the class's) where it ships 64, so
+    its tuned Kairos was not the one a tuned file replays (1.19x the best baseline's goodput on
+    `shift` against 1.26x)."""
     engine = {k: v for k, v in values.items() if k in ENGINE_KNOBS}
-    return Setup(engine=EngineSettings(**engine),
-                 policy={k: v for k, v in values.items() if k not in ENGINE_KNOBS and k != SPLIT})
+    return shipped(policy, Setup(engine=EngineSettings(**engine),
+                                 policy={k: v for k, v in values.items() if k not in ENGINE_KNOBS and k != SPLIT}))
 
 
 def split_grid(policy: str, workers: int) -> dict[str, tuple[Any, ...]]:
@@ -203,7 +209,7 @@ def cluster(job: Job, values: dict[str, Any]) -> tuple[int, int]:
 
 
 def evaluate(job: Job, values: dict[str, Any], trace: Sequence[TraceRequest]) -> dict[str, Any]:
-    policy, prof = build(job.policy, _setup({**values, **job.fixed}), job.profile)
+    policy, prof = build(job.policy, _setup(job.policy, {**values, **job.fixed}), job.profile)
     n_p, n_d = cluster(job, values)
     cfg = with_planner(job.policy, msgspec.structs.replace(job.sim, prefill=n_p, decode=n_d))
     res = simulate(trace, prof, policy, cfg)
@@ -278,7 +284,7 @@ def tune_one(job: Job) -> dict[str, Any]:
             break
     report = evaluate(job, best, job.report_trace)
     start = run(defaults(job))
-    setup = _setup({**best, **job.fixed})
+    setup = _setup(job.policy, {**best, **job.fixed})
     out = {"engine": {k: v for k, v in msgspec.structs.asdict(setup.engine).items() if v}, "policy": setup.policy,
            "cluster": "{}P{}D".format(*cluster(job, best)),
            "split": {"prefill": int(best.get(SPLIT, job.sim.prefill)),

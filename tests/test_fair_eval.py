@@ -169,11 +169,11 @@ def test_the_late_binding_ablation_replays_kairos_tuned_setting_with_it_off() ->
              {"engine": {"decode_token_budget": 512}, "policy": {}}}
     sweep = []
     for x in (0.7, 1.4):
-        pols = {p: execute(Run(w, w.report, x, p, _setup({**e["engine"], **e["policy"]}), prof, sim))
+        pols = {p: execute(Run(w, w.report, x, p, _setup(p, {**e["engine"], **e["policy"]}), prof, sim))
                 for p, e in tuned.items()}
         sweep.append({"rate_scale": x, "prefill_load": 0.0, "peak_load": 0.0, "policies": pols})
     ablate(w, prof, sim, tuned, sweep, jobs=1)
-    off = execute(Run(w, w.report, 1.4, "kairos", _setup({"prefill_token_budget": 512, **knobs,
+    off = execute(Run(w, w.report, 1.4, "kairos", _setup("kairos", {"prefill_token_budget": 512, **knobs,
                                                           "late_binding": False}), prof, sim))
     row = sweep[1]["ablation"][ABLATION]
     assert row["slo_attainment"] == off["slo_attainment"] and row["ttft_p95"] == off["ttft_p95"]

@@ -445,3 +445,21 @@ def test_tune_can_choose_a_split_and_a_decode_guard_off_the_shipped_ones(monkeyp
 def test_tune_help_says_it_searches_the_split_and_the_decode_guard() -> None:
     text = tune.build_parser().format_help()
     assert "--fixed-split" in text and "split" in text and "decode room" in text and "decode_beta" in text
+
+
+def test_a_tuned_policy_runs_its_shipped_knobs_where_the_search_does_not_reach() -> None:
+    """What tuning evaluates (and the fair evaluation reports) is what `kairos sim --tuned`
+    replays: the searched knobs over the policy's shipped settings, not over its config class's
+    defaults. Kairos ships `retain_chunk` 64 (the class says 512, which the search does not
+    reach): the fair evaluation of 2026-12-07 ran its tuned Kairos with 512."""
+    from sim.knobs import SHIPPED, Setup, shipped
+    from sim.tune import _setup
+
+    values = {"alpha": 2.0, "prefill_token_budget": 1024}
+    got = _setup("kairos", values)
+    replayed = shipped("kairos", Setup(), tuned=Setup(engine=got.engine, policy={"alpha": 2.0}))
+    assert got == replayed
+    assert got.policy["retain_chunk"] == SHIPPED["kairos"].policy["retain_chunk"] == 64
+    assert got.policy["alpha"] == 2.0 and got.engine.prefill_token_budget == 1024
+    assert got.engine.decode_token_budget == SHIPPED["kairos"].engine.decode_token_budget
+    assert _setup("disagg-least-loaded", {"prefill_token_budget": 1024}).policy == {}  # ships nothing of its own

@@ -27,7 +27,7 @@ shifting workloads made after issue 44's tuning to check its claim on traffic it
     shift-conv              the Azure conv trace's windows (x2 its rate) spliced with output-heavy
                             phases of 60 and 180 s (the second a ramp); conv trace time from
                             1200 s (seed 20) tune, from 2400 s (seed 21) report (the conv
-                            workloads use [0, 1200) s)
+                            workloads use [0, 1200) s; any other seed: from 0 s)
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ from sim.knobs import (
     with_planner,
 )
 from sim.stats import json_safe, summarize
-from sim.workloads import WORKLOADS, load
+from sim.workloads import EVAL_WORKLOADS as WORKLOADS
+from sim.workloads import load
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,19 @@ and the policies compared on it.
                             shift-code: the Azure code trace's own windows alternating with
                             output-heavy phases, trace time [0, 600) s (seed 10) tune,
                             [600, 1200) s (seed 11) report; both 600 s, 2P2D
+
+Held out (UNSEEN below; `python -m sim.shipped_eval` runs them, `make fair-eval` does not): two
+shifting workloads made after issue 44's tuning to check its claim on traffic it never saw
+(`scheduled` below; docs/results/decode-bottleneck.md, "Unseen shifting workloads"):
+
+    shift-ramp              synthetic phases of 60, 120 and 300 s in a fixed order not in
+                            `shift`, with a 300 s output-heavy phase whose rate ramps from
+                            x0.3 to x1.3 and a phase mixing prompt- and output-heavy traffic;
+                            seed 20 tune, seed 21 report
+    shift-conv              the Azure conv trace's windows (x2 its rate) spliced with output-heavy
+                            phases of 60 and 180 s (the second a ramp); conv trace time from
+                            1200 s (seed 20) tune, from 2400 s (seed 21) report (the conv
+                            workloads use [0, 1200) s; any other seed: from 0 s)
 """
 
 from __future__ import annotations
@@ -170,6 +183,52 @@ def shifting(phases: tuple[str, ...], seed: int, *, duration: float = SYNTH_DURA
     return out
 
 
+# A held-out workload's schedule: (kind, seconds, rate multiple at the phase's start, at its end).
+# kind: a PHASES kind, a TRACE_PHASES trace, or "a+b" (both superposed). A multiple that changes
+# over the phase is a linear ramp (arrivals thinned from the phase's peak rate).
+Schedule = tuple[tuple[str, float, float, float], ...]
+RAMP_SCHEDULE: Schedule = (("burst", 60.0, 1.0, 1.0), ("output", 300.0, 0.3, 1.3), ("prompt", 60.0, 1.0, 1.0),
+                           ("prompt+output", 120.0, 0.6, 0.6), ("output", 60.0, 1.0, 1.0))
+CONV_SCHEDULE: Schedule = (("conv", 120.0, 1.0, 1.0), ("output", 60.0, 1.0, 1.0), ("conv", 60.0, 1.0, 1.0),
+                           ("output", 180.0, 0.5, 1.2), ("conv", 180.0, 1.0, 1.0))
+
+
+def scheduled(schedule: Schedule, seed: int, *, trace_start: float = 0.0) -> list[TraceRequest]:
+    """A trace whose phases follow `schedule` (kind, seconds, rate multiple at start, at end),
+    deterministic from `seed`. A synthetic phase i is PHASES[kind] (seed x 1000 + i; a second kind
+    of the same phase seed x 1000 + 500 + i) at the multiple, a ramp thinned from the phase's peak
+    multiple with a linearly changing keep probability. A trace phase is that Azure trace's own
+    requests at its TRACE_PHASES multiple, continuing from `trace_start` (trace time) phase after
+    phase, as in `shifting` (no ramp: its multiple must be 1)."""
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    cursor = dict.fromkeys(TRACE_PHASES, trace_start)
+    t0 = 0.0
+    for i, (kind, secs, m0, m1) in enumerate(schedule):
+        got: list[TraceRequest] = []
+        for j, part in enumerate(kind.split("+")):
+            if part in TRACE_PHASES:
+                if m0 != 1.0 or m1 != 1.0:
+                    raise ValueError(f"a trace phase ({part}) takes no rate multiple")
+                x = TRACE_PHASES[part]
+                whole = _whole_trace(part)
+                k = bisect.bisect_left([r.t for r in whole], cursor[part])
+                start = whole[k].t if k < len(whole) else cursor[part]
+                cursor[part] = start + secs * x
+                got += [TraceRequest(t=(r.t - start) / x, input_length=r.input_length,
+                                     output_length=r.output_length) for r in whole[k:] if r.t < cursor[part]]
+                continue
+            rate, arrival, cv, lengths = PHASES[part]
+            peak = max(m0, m1)
+            drawn = synthetic(rate=rate * peak, duration=secs, arrival=arrival, cv=cv, seed=seed * 1000 + 500 * j + i,
+                              **lengths)  # type: ignore[arg-type]
+            got += [r for r in drawn if rng.random() < (m0 + (m1 - m0) * r.t / secs) / peak]
+        got.sort(key=lambda r: r.t)
+        out += [TraceRequest(t=t0 + r.t, input_length=r.input_length, output_length=r.output_length) for r in got]
+        t0 += secs
+    return out
+
+
 @functools.lru_cache(maxsize=2)
 def _whole_trace(name: str) -> tuple[TraceRequest, ...]:
     return tuple(load_trace(trace_path(name)))
@@ -179,6 +238,12 @@ def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[Tr
     """One slice of a workload at `scale` x its rate: a seed of a synthetic one, else a window of
     trace time [start, end), re-based on its start. A shifting workload's slice is a seed (its
     code windows: the tune slice [0, 600) s of trace time, the report slice [600, 1200) s)."""
+    if w.trace == "scheduled":
+        seed = int(which) if isinstance(which, int) else int(which[0])
+        sched: Schedule = w.synth["schedule"]
+        start = w.synth["trace_start"][w.synth["seeds"].index(seed)] if seed in w.synth["seeds"] else 0.0
+        return [TraceRequest(t=r.t / scale, input_length=r.input_length, output_length=r.output_length)
+                for r in scheduled(sched, seed, trace_start=start)]
     if w.trace == "shift":
         seed = int(which) if isinstance(which, int) else int(which[0])
         window = (0.0, SYNTH_DURATION) if seed == w.synth["seeds"][0] else (SYNTH_DURATION, 2 * SYNTH_DURATION)
@@ -196,3 +261,18 @@ def load(w: Workload, which: tuple[float, float] | int, scale: float) -> list[Tr
                              hash_ids=r.hash_ids)
                 for r in session_trace(s["kind"], s["rate"], s["duration"], s["seed"]) if start <= r.t < end]
     return load_trace(trace_path(w.trace), start=start, duration=end - start, rate_scale=scale)
+
+
+# Held out: not in WORKLOADS, so `make fair-eval` and every committed result are as before.
+UNSEEN: dict[str, Workload] = {w.name: w for w in (
+    Workload("shift-ramp", "unseen: phases of 60-300 s, an output ramp x0.3 -> x1.3, a mixed phase, 2P2D", "scheduled",
+             (0.5, 0.75, 1.0, 1.25), {"schedule": RAMP_SCHEDULE, "seeds": (20, 21), "trace_start": (0.0, 0.0)},
+             tune=20, report=21, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5), policies=SHIFT_POLICIES,
+             regime_why="fixed nominally; the held-out check picks its load from the baselines"),
+    Workload("shift-conv", "unseen: Azure conv trace windows (x2) spliced with output-heavy phases, 2P2D",
+             "scheduled", (0.5, 0.75, 1.0, 1.25),
+             {"schedule": CONV_SCHEDULE, "seeds": (20, 21), "trace_start": (1200.0, 2400.0)},
+             tune=20, report=21, regime=1.0, sweep=(0.5, 0.75, 1.0, 1.25, 1.5), policies=SHIFT_POLICIES,
+             regime_why="fixed nominally; the held-out check picks its load from the baselines"),
+)}
+EVAL_WORKLOADS: dict[str, Workload] = {**WORKLOADS, **UNSEEN}  # what `python -m sim.shipped_eval` can run

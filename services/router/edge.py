@@ -11,6 +11,9 @@ protocol with these instead:
   opening (or of its previous response), however it trickles them; else it is closed;
 - body timeout: a request's body must arrive within `body_timeout_s` of its headers; else the
   client gets a 408 (OpenAI error shape) and the connection is closed;
+- a timeout (these, and uvicorn's keep-alive) that fires late or finds the client's bytes unread
+  looks again a second later, once (`STALL_S`): after a stall the loop runs due timers before it
+  reads, and closing would reset a connection whose request came in time;
 - connection limit: past `max_connections`, a new connection closes the connection that has
   been idle longest (no request in progress: never one being served); only when every
   connection is busy is the new one refused (503, `connection: close`);

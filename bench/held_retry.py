@@ -68,7 +68,6 @@ def run(gap_ms: float, spacing: float) -> tuple[float, int]:
             now += spacing
             if due and now >= min(due):  # the shell's timer: the folded heartbeats' retry
                 due.clear()
-                r.hb_retry_at = now
                 r.retry_now(now, turn=True)
             r.on_message(w.encode(), _dhb(w, k), now)
             n += 1

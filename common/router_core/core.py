@@ -292,13 +292,14 @@ class RouterCore:
         if delay > 0.0 and self.hooks.retry_later is not None:
             self.hooks.retry_later(delay)
         else:
-            if heartbeat:
-                self.hb_retry_at = now
             self.retry_now(now, turn=heartbeat)
 
     def retry_now(self, now: float, turn: bool = False) -> None:
         """Decide the waiting requests again now (and tell the decode workers if the first changed);
-        `turn`: at this replica's turn at room a heartbeat showed (`Waiting.retry`)."""
+        `turn`: at this replica's turn at room a heartbeat showed (`Waiting.retry`), which is the
+        heartbeats' retry `heartbeat_retry_ms` counts from."""
+        if turn:
+            self.hb_retry_at = now
         self.waiting.retry(now, turn)
         self.tell_queue(now)
 

@@ -251,7 +251,7 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             if self._due - now > 0.005:
                 self._timer = self.loop.call_at(self._due, self._due_check)
                 return
-            if not self._graced and (now - self._due > STALL_S or unread_bytes(self.transport)):
+            if not self._graced and self._read_first(self._due):
                 self._graced = True  # the client's bytes may be waiting: read them first (STALL_S)
                 self._due = now + STALL_GRACE_S
                 self._timer = self.loop.call_at(self._due, self._due_check)
@@ -259,12 +259,16 @@ def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
             self._fire = None
             fire()
 
+        def _read_first(self, due: float) -> bool:
+            """A timeout due at `due` fires now: put it off (`STALL_S`) if it fired late or the
+            client's bytes wait unread."""
+            return self.loop.time() - due > STALL_S or unread_bytes(self.transport) > 0
+
         def timeout_keep_alive_handler(self) -> None:
             """uvicorn's keep-alive timeout (closes a connection idle since its last response), but
             not on a late timer: see `STALL_S`."""
             task = self.timeout_keep_alive_task
-            if task is not None and not self._ka_graced and \
-                    (self.loop.time() - task.when() > STALL_S or unread_bytes(self.transport)):
+            if task is not None and not self._ka_graced and self._read_first(task.when()):
                 self._ka_graced = True
                 self.timeout_keep_alive_task = self.loop.call_later(STALL_GRACE_S, self.timeout_keep_alive_handler)
                 return

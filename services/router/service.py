@@ -302,8 +302,7 @@ class Router:
         self._turn = None
         if self._inbox is not None:  # the turns before this one as the workers' heartbeats tell them, first
             self._inbox.read_queued()
-        now = self.core.hb_retry_at = time.monotonic()
-        self.core.retry_now(now, turn=True)
+        self.core.retry_now(time.monotonic(), turn=True)
 
     def _prepare_now(self) -> None:
         self._prepare_queued = False

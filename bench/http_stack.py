@@ -1,5 +1,7 @@
 """The HTTP server's own CPU per request: uvicorn (httptools, uvloop: what the router runs) against
-granian, each serving the same bare ASGI app (bench/reference_app.py, one SSE token per request).
+granian, each serving the same bare ASGI app (bench/reference_app.py, one SSE token per request),
+and against the same answer from httptools' parser on a plain asyncio Protocol, no ASGI cycle
+(bench/raw_http_app.py: the floor of an HTTP path of the router's own in Python).
 
     python -m bench.http_stack                       # 300 req/s for 4 s, 3 alternated rounds
     python -m bench.http_stack --rate 300 --seconds 4 --rounds 3 --granian /opt/granian/bin/granian
@@ -13,7 +15,7 @@ ticks (10 ms): at 300 req/s for 4 s that is about 8 us per request of resolution
 
 granian is not a dependency of Kairos: install it anywhere (`python -m venv /opt/granian &&
 /opt/granian/bin/pip install granian`) and give --granian, or put it on PATH; without it only
-uvicorn is measured.
+uvicorn and the raw protocol are measured.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def tree_cpu(pid: int) -> float:
 
 
 def server(kind: str, port: int, granian: str) -> subprocess.Popen[bytes]:
-    if kind == "uvicorn":
+    if kind == "raw":
+        cmd = [sys.executable, "-m", "bench.raw_http_app", "--port", str(port)]
+    elif kind == "uvicorn":
         cmd = [sys.executable, "-c", "import uvicorn, bench.reference_app as r; r.set_model('reference'); "
                f"uvicorn.run(r.app, host='127.0.0.1', port={port}, lifespan='off', access_log=False, "
                "log_level='warning', http='httptools', loop='uvloop')"]
@@ -83,7 +87,7 @@ async def drive(port: int, rate: float, seconds: float) -> tuple[int, int, float
 async def run(a: argparse.Namespace) -> dict[str, list[float]]:
     from common.ports import free_port
 
-    kinds = ["uvicorn"] + (["granian"] if a.granian else [])
+    kinds = ["uvicorn", "raw"] + (["granian"] if a.granian else [])
     out: dict[str, list[float]] = {k: [] for k in kinds}
     for rnd in range(a.rounds):
         for kind in kinds:
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the granian command (default: on PATH; none: uvicorn only)")
     a = p.parse_args(argv)
     if not a.granian:
-        print("bench.http_stack: granian not found (give --granian or put it on PATH); measuring uvicorn only")
+        print("bench.http_stack: granian not found (give --granian or put it on PATH); measuring uvicorn and the raw "
+              "protocol only")
     os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})
     out = asyncio.run(run(a))
     for kind, xs in out.items():

@@ -210,8 +210,8 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
     late_depth: Annotated[float, doc("kairos late binding: hold while the prefill worker has this many token "
                                      "budgets queued")] = 1.0
     late_order: Annotated[str, doc("kairos late binding: decide waiting requests again short (those that can still "
-                                   "meet the TTFT SLO first, the shortest prompt first among them), slack (those "
-                                   "first, by arrival) or fifo")] = "short"
+                                   "meet the TTFT SLO first, the shortest prefill first among them: the prompt less "
+                                   "the prefix a prefill worker holds), slack (those first, by arrival) or fifo")] = "short"
     decode_room: Annotated[bool, doc("kairos: keep a request at the router while every decode worker's decode step, "
                                      "with it added, would pass the less of decode_beta x the TBT SLO of the "
                                      "requests running there and that SLO / the worker's measured margin (less a retain_chunk chunk "

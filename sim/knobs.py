@@ -247,7 +247,7 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="late binding: hold while the chosen prefill worker has N token budgets queued (default 1)")
     k.add_argument("--late-order", choices=("short", "slack", "fifo"), default=None,
                    help="late binding: decide waiting requests again first those that can still meet the TTFT SLO, "
-                        "the shortest prompt first among them (short), those first by arrival (slack), or all by "
+                        "the shortest prefill first among them (short), those first by arrival (slack), or all by "
                         "arrival (fifo) (default short)")
     k.add_argument("--no-prefix-aware", action="store_true", default=None,
                    help="price every prompt whole, ignoring the prefix-cache hits the router knows of")

@@ -167,6 +167,33 @@ def test_a_free_slot_goes_to_the_shortest_prompt_that_can_still_make_it() -> Non
     assert placer.placed == ["old"]
 
 
+def test_a_session_turn_is_ordered_by_what_its_prefill_computes_not_by_its_whole_conversation() -> None:
+    # "short" gives a free prefill slot to the prompt that takes the least of it. A session's next
+    # turn carries the whole conversation (6,000 tokens) but the prefill worker holds 5,800 of them
+    # (the router's last prefix lookup for it, Request.prefix_seen): its prefill is 200 tokens, less
+    # than a fresh 900-token prompt's. Raw prompt length put it last (agent sessions at 1P2D, H100:
+    # both-SLO 85-96 % before, 91-99 % after on six draws; docs/results/decode-bottleneck.md)
+    from common.router_core.prefix import Seen
+
+    w, placer = waiting(room=1, order=ShortOrder)
+    now = 100.0
+    fresh = request("fresh", arrival=now - 0.5, prompt=900)
+    turn = request("turn", arrival=now - 0.2, prompt=6000)
+    turn.prefix_seen = Seen()
+    turn.prefix_seen.cached = (("p0", 5800),)
+    w.queue.extend([fresh, turn])
+    assert w.first(now) == (False, turn.arrival, 200)
+    w.retry(now)
+    assert placer.placed == ["turn"]
+    # held by a decode worker only (the KV a hand-off left there): a prefill worker computes it all
+    w, placer = waiting(room=1, order=ShortOrder)
+    turn.prefix_seen.cached = (("d0", 5800),)
+    w.queue.extend([request("fresh", arrival=now - 0.5, prompt=900), turn])
+    assert w.first(now) == (False, now - 0.5, 900)
+    w.retry(now)
+    assert placer.placed == ["fresh"]
+
+
 @dataclass(eq=False)
 class R:
     name: str

@@ -32,18 +32,20 @@ uncached tokens plus the transfer of what the disaggregated path's decode worker
   decides again when a worker's heartbeat or the ledger may show room, so it goes to whichever
   frees first: a prefill queue that dropped below the depth, or a decode worker whose TBT slack
   now admits a chunk schedule. The rule is `holds` (one implementation, for router and simulator).
-  `late_order` is the order the waiting requests are decided again in (`retry_order`): "fifo"
-  by arrival; "slack": first those that can still meet their TTFT SLO (arrival + SLO, less
-  their own prefill time on an idle worker, is still ahead), by arrival, then the others; or
-  "short" (default): those that can still meet it first as "slack", but the shortest prompt
-  first among them (ties by arrival), then the others by arrival. FIFO spreads a burst's wait
-  over every request, so more of them miss the SLO each by a little; "slack" keeps the ones that
-  can still make it on time; "short" gives a free prefill slot to the prompt that takes the least
-  of it, so that when the prompts arriving outrun the prefill capacity (a prompt-heavy phase
-  right after an output-heavy one, whose long answers fill the decode workers: issue 44) the
-  most of them still start in time. Its price is the long prompts' share under such overload
-  (branch gap44: H100 `shift` x1.62 seed 12, prompts of 4-8k tokens 50 -> 44 % on time, every
-  other size up).
+  `late_order` is the order the waiting requests are decided again in (`retry_order`): "fifo" by
+  arrival; "slack": first those that can still meet their TTFT SLO (arrival + SLO, less their own
+  prefill time on an idle worker, is still ahead), by arrival, then the others; or "short"
+  (default): those that can still meet it first as "slack", but the shortest prefill first among
+  them (the prompt less the prefix a prefill worker holds, as the router's prefix index last found
+  it: `waiting.prefill_tokens`; ties by arrival), then the others by arrival. FIFO spreads a
+  burst's wait over every request, so more of them miss the SLO each by a little; "slack" keeps
+  the ones that can still make it on time; "short" gives a free prefill slot to the prompt that
+  takes the least of it, so that when the prompts arriving outrun the prefill capacity (a
+  prompt-heavy phase right after an output-heavy one, whose long answers fill the decode workers:
+  issue 44) the most of them still start in time. Its price is the long prompts' share under such
+  overload (branch gap44: H100 `shift` x1.62 seed 12, prompts of 4-8k tokens 50 -> 44 % on time,
+  every other size up). A held request's latest start counts the same prefill (its cached prefix
+  off).
 """
 
 from __future__ import annotations

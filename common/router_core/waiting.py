@@ -7,7 +7,7 @@ not: a new arrival is still decided at once. The queue is decided again when roo
 opened (any worker's heartbeat, a deflection's first token, a request's end): the first
 `SCAN` waiting requests (under Kairos's wait order, the first `SCAN` whose TTFT SLO is not over yet, wherever they
 stand: `Waiting.head`), in the policy's `wait_order` (`Policy.wait_order`; Kairos late binding: first those that can
-still meet their TTFT SLO, `latest_start`, the shortest prompt first among them: `Waiting._order`), past the held
+still meet their TTFT SLO, `latest_start`, the shortest prefill first among them: `Waiting._order`), past the held
 ones, up to the first that still waits for KV room. Every waiting request is bounded by `kv_wait_timeout` (then
 HTTP 503, the code naming what was short: `prefill_wait_timeout` for a held one, `decode_wait_timeout`,
 `kv_wait_timeout`;
@@ -35,7 +35,7 @@ retries.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Protocol
 
 from common import messages as m
@@ -53,10 +53,21 @@ TURN_MAX_S = 0.05  # the replicas' turns at most this far apart, whatever the re
 TurnKey = tuple[bool, int, float]  # a replica's first waiting request: (late, size if the order is by size, arrival)
 
 
+def prefill_tokens(r: Request, prefill: Container[str]) -> int:
+    """The prompt tokens a prefill worker has to compute for `r`: its prompt less the longest
+    prefix one of the `prefill` workers holds, as the router's last prefix lookup for it found
+    (`Request.prefix_seen`: a hint, the worker's own cache decides). A session's later turn
+    carries its whole conversation but prefills only what is new; ordering the wait queue by raw
+    prompt length put it behind shorter prompts that cost more."""
+    n = len(r.prompt_token_ids)
+    best = max((t for w, t in r.prefix_seen.cached if w in prefill), default=0)
+    return n - min(n, best)
+
+
 def turn_key(late: bool, tokens: int, at: float, by_size: bool) -> TurnKey:
     """Where one router's wait order would put a request: those that can still make their TTFT
-    SLO first (`late` False), among them the shortest prompt first when the order is by size
-    (Kairos's "short"), then by arrival; the late ones by arrival."""
+    SLO first (`late` False), among them the shortest prefill (`prefill_tokens`) first when the
+    order is by size (Kairos's "short"), then by arrival; the late ones by arrival."""
     return late, tokens if by_size and not late else 0, at
 
 
@@ -106,6 +117,10 @@ class Waiting:
         self.room_short = room_short  # told when a retry finds no decode room (Admission.room_short)
         self.queue: WaitQueue[Request] = WaitQueue(cfg.kv_wait_max)
 
+    def prefill_ids(self) -> frozenset[str]:
+        """The prefill workers' ids (whose caches `prefill_tokens` counts)."""
+        return frozenset(wid for wid, w in self.table.workers.items() if w.role == "prefill")
+
     def alone_s(self, tokens: int) -> float:
         """The prompt's prefill time on the fastest idle prefill worker (0 when none is live)."""
         times = [w.model.prefill_exec(tokens, w.hello.token_budget) for w in self.table.workers.values()
@@ -126,26 +141,30 @@ class Waiting:
 
     def first(self, now: float) -> tuple[bool, float, int]:
         """The request a retry now would decide first: (whether it can no longer meet its TTFT
-        SLO, its arrival on the wall clock, its prompt tokens); (False, 0.0, 0) when none waits."""
+        SLO, its arrival on the wall clock, the tokens its prefill computes: `prefill_tokens`); (False,
+        0.0, 0) when none waits."""
         head = [r for r in self.head(now) if not r.done]
         if not head:
             return False, 0.0, 0
         latest = self._latest(head)
         i = next(iter(self._order(latest, head, now)))
         r = head[i]
-        return self.policy.orders_waiting() and latest[i] <= now, r.arrival + self.wall_offset, len(r.prompt_token_ids)
+        return (self.policy.orders_waiting() and latest[i] <= now, r.arrival + self.wall_offset,
+                prefill_tokens(r, self.prefill_ids()))
 
     def _order(self, latest: list[float], head: list[Request], now: float) -> list[int]:
         """The policy's order for `head` (`wait_order`, told each one's prompt tokens), with router
         replicas too: their turns at room go by each replica's first request in this order
         (`replica_turn`, `turn_key`: its size too when the order is by size)."""
-        return self.policy.wait_order(latest, [len(r.prompt_token_ids) for r in head], now)
+        pf = self.prefill_ids()
+        return self.policy.wait_order(latest, [prefill_tokens(r, pf) for r in head], now)
 
     def _latest(self, head: list[Request]) -> list[float]:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
         if not self.policy.orders_waiting():
             return [0.0] * len(head)
-        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(len(r.prompt_token_ids))) for r in head]
+        pf = self.prefill_ids()
+        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(prefill_tokens(r, pf))) for r in head]
 
     def _queues(self, now: float) -> list[m.RouterQueue]:
         """The other replicas' wait queues, as the decode workers' heartbeats last echoed them

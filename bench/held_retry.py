@@ -9,6 +9,7 @@ a small fleet's). The shell's timer (the `retry_later` hook) is played by the lo
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -74,8 +75,13 @@ def run(gap_ms: float, spacing: float) -> tuple[float, int]:
     return (time.process_time() - t0) * 1e6 / n, len(r.waiting.queue)
 
 
-def main() -> int:
-    gap_ms, spacing = float(sys.argv[1]), float(sys.argv[2])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.held_retry", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("gap_ms", type=float, help="heartbeat_retry_ms (0: every heartbeat retries the wait queue)")
+    p.add_argument("spacing_s", type=float, help="seconds between two heartbeats (0.0004: a 256-worker fleet)")
+    a = p.parse_args(argv)
+    gap_ms, spacing = a.gap_ms, a.spacing_s
     us, waiting = run(gap_ms, spacing)
     print(f"heartbeat_retry_ms {gap_ms:g}, heartbeats {spacing * 1e3:.1f} ms apart: {us:.0f} µs of CPU per "
           f"heartbeat, {waiting} requests waiting at the end")

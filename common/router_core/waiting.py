@@ -146,25 +146,28 @@ class Waiting:
         head = [r for r in self.head(now) if not r.done]
         if not head:
             return False, 0.0, 0
-        latest = self._latest(head)
-        i = next(iter(self._order(latest, head, now)))
+        sizes = self._sizes(head)
+        latest = self._latest(head, sizes)
+        i = next(iter(self._order(latest, sizes, now)))
         r = head[i]
-        return (self.policy.orders_waiting() and latest[i] <= now, r.arrival + self.wall_offset,
-                prefill_tokens(r, self.prefill_ids()))
+        return self.policy.orders_waiting() and latest[i] <= now, r.arrival + self.wall_offset, sizes[i]
 
-    def _order(self, latest: list[float], head: list[Request], now: float) -> list[int]:
-        """The policy's order for `head` (`wait_order`, told each one's prompt tokens), with router
+    def _sizes(self, head: list[Request]) -> list[int]:
+        """Each one's `prefill_tokens` (what its prefill computes), the size the order goes by."""
+        pf = self.prefill_ids()
+        return [prefill_tokens(r, pf) for r in head]
+
+    def _order(self, latest: list[float], sizes: list[int], now: float) -> list[int]:
+        """The policy's order for the head (`wait_order`, told each one's `_sizes`), with router
         replicas too: their turns at room go by each replica's first request in this order
         (`replica_turn`, `turn_key`: its size too when the order is by size)."""
-        pf = self.prefill_ids()
-        return self.policy.wait_order(latest, [prefill_tokens(r, pf) for r in head], now)
+        return self.policy.wait_order(latest, sizes, now)
 
-    def _latest(self, head: list[Request]) -> list[float]:
+    def _latest(self, head: list[Request], sizes: list[int]) -> list[float]:
         """Each one's `latest_start` (late binding's retry order), else 0.0 (no order but FIFO)."""
         if not self.policy.orders_waiting():
             return [0.0] * len(head)
-        pf = self.prefill_ids()
-        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(prefill_tokens(r, pf))) for r in head]
+        return [latest_start(r.arrival, r.ttft_slo, self.alone_s(n)) for r, n in zip(head, sizes, strict=True)]
 
     def _queues(self, now: float) -> list[m.RouterQueue]:
         """The other replicas' wait queues, as the decode workers' heartbeats last echoed them
@@ -262,10 +265,11 @@ class Waiting:
         latest: dict[str, float] = {}
 
         def order(head: list[Request]) -> list[int]:
-            ls = self._latest(head)
+            sizes = self._sizes(head)
+            ls = self._latest(head, sizes)
             for r, t in zip(head, ls, strict=True):
                 latest[r.request_id] = t
-            return self._order(ls, head, now)
+            return self._order(ls, sizes, now)
 
         def place(req: Request) -> Outcome:
             nonlocal placed

@@ -319,3 +319,27 @@ def test_a_step_floor_over_the_tbt_slo_is_no_reason_to_flip() -> None:
     waiting = dict(tight, waits_decode=3)
     flips, _ = run(RolePlanner(cfg(tbt_slo=0.00001)), waiting, fleet(2, 1), 0.0, 60.0)
     assert [(f.to, f.reason) for _, f in flips] == [("decode", "decode_short")]
+
+
+def test_the_decodes_a_flipped_worker_kept_are_no_sign_of_a_decode_shortage() -> None:
+    # a decode worker moved to prefill keeps its running decodes (planner_keep): its heartbeat counts them
+    # with the requests it decodes itself, but they say nothing about the decode pool's room now
+    p = RolePlanner(cfg(min_gap_s=0.0))
+    p.observe(Load(workers=fleet(2, 2), **CALM), 0.0)  # type: ignore[arg-type]
+    p.flip_done("d0", "prefill", 1.0)
+    moved = (*fleet(2, 0), WorkerLoad("d0", "prefill", 0.0, decodes=14), WorkerLoad("d1", "decode", 0.0))
+    # its 14 kept decodes finish over the next half minute, nothing else changes: no decode shortage
+    t = 5.0
+    for kept in (14, 11, 8, 5, 2, 0):
+        workers = (*moved[:2], WorkerLoad("d0", "prefill", 0.0, decodes=kept), moved[3])
+        assert p.observe(Load(workers=workers, retained=kept, **CALM), t) is None  # type: ignore[arg-type]
+        t += 5.0
+    assert p._judge(Load(workers=moved, **CALM)).decode_wait == 0.0  # type: ignore[arg-type]
+    # a request it decodes beyond what it kept is one no decode worker could take: evidence again
+    q = RolePlanner(cfg(min_gap_s=0.0))
+    q.flip_done("d0", "prefill", 0.0)
+    more = (*moved[:2], WorkerLoad("d0", "prefill", 0.0, decodes=9), moved[3])
+    q.observe(Load(workers=more, retained=9, **CALM), 5.0)  # type: ignore[arg-type]
+    grown = (*moved[:2], WorkerLoad("d0", "prefill", 0.0, decodes=12), moved[3])
+    q.observe(Load(workers=grown, retained=12, **CALM), 10.0)  # type: ignore[arg-type]
+    assert [x.retained for _, x in q.samples] == [0, 3]

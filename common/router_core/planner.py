@@ -36,6 +36,9 @@ The rules (`PlannerConfig`, defaults in brackets):
   place, and a worker moved for it drains its decodes only to be needed back) and the decode pool
   can spare a worker (decode waits, retained decodes included, in <= `wait_lo`, the step, judged
   as above, scaled to one decode worker fewer <= `step_lo` [0.6]).
+- The requests a worker moved to prefill kept from its decode role (a flip keeps its running
+  decodes) are not counted as retained, no sign of a decode shortage: the fewest it has decoded
+  since the flip are its own.
 - The gap between each pair of thresholds is the hysteresis; besides it: a worker keeps its
   role at least `min_dwell_s` [60 s] after a role change the planner saw (none before its first),
   flips are `min_gap_s` [30 s] apart at least and one at a time (the worker moved is the one
@@ -64,6 +67,7 @@ simulator runs it with `disagg-least-loaded` routing (`dynamo-planner` in sim/kn
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -235,15 +239,31 @@ class RolePlanner:
         # the TBT budget decode steps are planned to now, the SLO less the router's delivery allowance
         # (common/router_core/delivery.py), set by the router core before each tick; None: `cfg.tbt_slo`
         self.tbt_budget: float | None = None
+        # prefill worker -> how many of the requests it decodes it kept from its decode role (a flip keeps
+        # a worker's running decodes): the least it has held since, which only its own finishing lowers
+        self.kept: dict[str, int] = {}
 
     def _record(self, load: Load, now: float) -> None:
-        """Note since when each worker holds its role, and keep the sample."""
+        """Note since when each worker holds its role, and keep the sample (its retained decodes less
+        those a worker flipped to prefill kept from its decode role: no sign of a decode shortage)."""
+        kept = 0
         for w in load.workers:
             seen = self.since.get(w.worker_id)
             if seen is None:  # the dwell counts from a role change the planner saw, not from its first look
                 self.since[w.worker_id] = (w.role, -float("inf"))
             elif seen[0] != w.role:
                 self.since[w.worker_id] = (w.role, now)
+                if w.role == PREFILL:
+                    self.kept[w.worker_id] = _ALL
+            if w.worker_id in self.kept:
+                k = min(self.kept[w.worker_id], w.decodes) if w.role == PREFILL else 0
+                if k > 0:
+                    self.kept[w.worker_id] = k
+                    kept += k
+                else:
+                    del self.kept[w.worker_id]
+        if kept:
+            load = dataclasses.replace(load, retained=max(0, load.retained - kept))
         self.samples.append((now, load))
 
     def observe(self, load: Load, now: float) -> Flip | None:
@@ -290,6 +310,8 @@ class RolePlanner:
         """The flipped worker is back under `role` (or the flip was abandoned: it keeps its old
         one). New evidence starts now."""
         self.since[worker_id] = (role, now)
+        if role == PREFILL:  # what it decodes at its next sample it kept from its decode role
+            self.kept[worker_id] = _ALL
         self.pending = None
         self.settled_at = now
         self.samples.clear()
@@ -423,6 +445,8 @@ def measure(table: WorkerTable, waiting: Iterable[Request]) -> Load:
                 decode_step_planned_s=sum(planned_s) / len(planned_s) if planned_s else 0.0,
                 decode_step_floor_s=sum(floor_s) / len(floor_s) if floor_s else 0.0)
 
+
+_ALL = 1 << 30  # RolePlanner.kept before a flipped worker's first sample: all it decodes then
 
 THRESHOLD_EVERY_S = 5.0   # ThresholdPlanner: seconds between decisions
 THRESHOLD_LOW = 0.8       # ... an estimate below this share of its SLA can give up a worker

@@ -2,6 +2,8 @@
 
     nice -n 10 python -m sim.fair_bounded --workload shift --workload shift-code \\
         --condition exact --condition noise --out results/tuned-baselines.json
+    nice -n 10 python -m sim.fair_bounded --profile a100-llama2-70b-tp4 --rate 0.35 \\
+        --condition exact --out results/a100-exact.json
 
 Issue 44's must-show compares Kairos as shipped (2P2D, no tuning) against every baseline at its
 best split, tuned as in the fair evaluation (`python -m sim.fair_eval`: `kairos tune`'s search on
@@ -12,11 +14,12 @@ search, reduced so that it fits in about an hour on a shared 2-CPU host:
 - the tune slice at x1 only (the fair evaluation also replays it at x2, `--stress 1,2`);
 - smaller grids (BOUNDED below, against sim/tune.py GRIDS); the split is the first knob, so every
   other knob is tuned at the best split (prefill workers 1..3 of 4, the worker total fixed);
-- the regime load fixed at x1 (as the fair evaluation fixes it for these workloads), no sweep, no
-  probe, no ablation.
+- the regime load fixed (as the fair evaluation fixes it for these workloads): x1 on the H100
+  profile, --rate for another (the A100's regime is x0.35); both slices at that scale; no sweep,
+  no probe, no ablation.
 
 For each condition, policy by policy (ORDER) and for each workload, it tunes the baseline under
-that condition and runs its winner on the REPORT slice at x1, and runs Kairos at its shipped
+that condition and runs its winner on the REPORT slice at that load, and runs Kairos at its shipped
 settings on 2P2D (not tuned) there; it writes every row as JSON as it goes (--out), so a run cut
 short keeps what it finished.
 """
@@ -55,13 +58,19 @@ BOUNDED: dict[str, dict[str, tuple[Any, ...]]] = {
 BASELINES = tuple(BOUNDED)
 # the run's order: the baselines strongest in the untuned tables first, then Kairos as shipped
 ORDER = ("chunked-prefill", "disagg-least-loaded", "kairos", "dynamo-planner", "conditional-disagg")
+DEFAULT_PROFILE = "h100-llama2-70b-tp4"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.fair_bounded", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", default="h100-llama2-70b-tp4", help="performance profile (default h100-llama2-70b-tp4)")
+    p.add_argument("--profile", default=None,
+                   help=f"performance profile (default {DEFAULT_PROFILE}; with --edges, RESULT's)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="rate scale of both slices, the regime load: the tune slice is tuned and the report slice "
+                        "judged at it (default 1, the H100 profile's regime; the A100's is 0.35; with --edges, "
+                        "RESULT's)")
     p.add_argument("--workload", action="append", choices=("shift", "shift-code"), default=None,
                    help="repeat for both (default shift and shift-code)")
     p.add_argument("--condition", action="append", choices=tuple(CONDITIONS), default=None,
@@ -95,8 +104,9 @@ def beyond(policy: str, knob: str, value: Any, tried: set[Any]) -> list[Any]:
     return [v for v in out if v not in tried]
 
 
-def edges_pass(result: dict[str, Any], profile: Any, log: Any) -> list[dict[str, Any]]:
-    """One step past the reduced grid's edges for every tuned row of `result` (see --edges)."""
+def edges_pass(result: dict[str, Any], profile: Any, log: Any, rate: float = 1.0) -> list[dict[str, Any]]:
+    """One step past the reduced grid's edges for every tuned row of `result` (see --edges), both
+    slices at rate scale `rate`."""
     rows = []
     for r in result["rows"]:
         if not r.get("tuned"):
@@ -104,8 +114,8 @@ def edges_pass(result: dict[str, Any], profile: Any, log: Any) -> list[dict[str,
         pol, name, cond = r["policy"], r["workload"], r["condition"]
         w = WORKLOADS[name]
         sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[cond])
-        job = Job(policy=pol, profile=profile, sim=sim, tune_trace=load(w, w.tune, 1.0),
-                  report_trace=load(w, w.report, 1.0), grid=BOUNDED[pol], passes=1, stress=(1.0,))
+        job = Job(policy=pol, profile=profile, sim=sim, tune_trace=load(w, w.tune, rate),
+                  report_trace=load(w, w.report, rate), grid=BOUNDED[pol], passes=1, stress=(1.0,))
         best = {**defaults(job), **r["engine"], **r["knobs"], SPLIT: r["split"]["prefill"]}
         best_s, tried_more = r["tune"], []
         start = defaults(job)
@@ -131,13 +141,25 @@ def edges_pass(result: dict[str, Any], profile: Any, log: Any) -> list[dict[str,
     return rows
 
 
+def same(flag: str, given: Any, recorded: Any, default: Any) -> Any:
+    """A setting --edges takes from its RESULT (`recorded`, None if RESULT has none): given and
+    recorded must agree; else whichever there is, else `default`."""
+    if given is not None and recorded is not None and given != recorded:
+        raise ConfigError(f"{flag} {given} differs from the {recorded} the --edges result was run at")
+    return given if given is not None else recorded if recorded is not None else default
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        profile = load_profile(args.profile)
+        res = json.loads(Path(args.edges).read_text()) if args.edges else {}
+        profile = load_profile(same("--profile", args.profile, res.get("profile"), DEFAULT_PROFILE))
+        rate = float(same("--rate", args.rate, res.get("rate_scale"), 1.0))
         if args.passes < 1:
             raise ConfigError("--passes must be >= 1")
-    except (ConfigError, ValueError) as e:
+        if not rate > 0:
+            raise ConfigError(f"--rate must be > 0 (got {rate})")
+    except (ConfigError, ValueError, OSError) as e:
         print(f"fair_bounded: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
@@ -146,17 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
 
     if args.edges:
-        res = json.loads(Path(args.edges).read_text())
-        rows = edges_pass(res, profile, log)
+        rows = edges_pass(res, profile, log, rate)
         _write(Path(args.out), {"command": "python -m sim.fair_bounded " + " ".join(sys.argv[1:] if argv is None
                                                                                     else argv),
-                                "from": args.edges, "rows": rows, "wall_s": time.monotonic() - t0})
+                                "from": args.edges, "profile": profile.name, "rate_scale": rate, "rows": rows,
+                                "wall_s": time.monotonic() - t0})
         return 0
 
     out: dict[str, Any] = {
         "command": "python -m sim.fair_bounded " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "profile": profile.name,
-        "objective": OBJECTIVE, "passes": args.passes, "stress": [1.0], "rate_scale": 1.0,
+        "objective": OBJECTIVE, "passes": args.passes, "stress": [1.0], "rate_scale": rate,
         "grids": {p: {k: list(v) for k, v in BOUNDED[p].items()} for p in BASELINES},
         "full_grids": {p: {k: list(v) for k, v in GRIDS[p].items()} for p in BASELINES},
         "loadavg_start": os.getloadavg(), "rows": []}
@@ -165,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for cond in args.condition or ["exact"]:
         sim = SimConfig(prefill=2, decode=2, ttft_slo=2.0, tbt_slo=0.1, **CONDITIONS[cond])
         names = args.workload or ["shift", "shift-code"]
-        traces = {n: (load(WORKLOADS[n], WORKLOADS[n].tune, 1.0), load(WORKLOADS[n], WORKLOADS[n].report, 1.0))
+        traces = {n: (load(WORKLOADS[n], WORKLOADS[n].tune, rate), load(WORKLOADS[n], WORKLOADS[n].report, rate))
                   for n in names}
         order = [p for p in ORDER if p in (args.policy or BASELINES) or (p == "kairos" and not args.no_kairos)]
         for pol in order:  # policy first: a run cut short has the strongest baselines on both workloads
@@ -173,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 w = WORKLOADS[name]
                 if pol == "kairos":
                     t1 = time.monotonic()
-                    s = execute(Run(w, w.report, 1.0, "kairos", shipped("kairos", Setup()), profile, sim))
+                    s = execute(Run(w, w.report, rate, "kairos", shipped("kairos", Setup()), profile, sim))
                     out["rows"].append({"workload": name, "condition": cond, "policy": "kairos", "tuned": False,
                                         "cluster": s["cluster"], "report": {k: s.get(k) for k in (
                                             "requests", "rejected", "slo_attainment", "ttft_slo_attainment",

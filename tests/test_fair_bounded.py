@@ -56,3 +56,39 @@ def test_edges_steps_one_value_past_the_reduced_grid_never_past_the_full_one() -
     assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 2.0, {2.0, 1000.0}) == [1.0, 4.0]
     assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 1000.0, {2.0, 1000.0}) == []
     assert fair_bounded.beyond("conditional-disagg", "eff_isl_threshold", 0, {0, 2048}) == []
+
+
+def test_rate_and_profile_reach_both_slices_kairos_and_the_edges_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--profile and --rate (the A100's regime, x0.35): both slices and Kairos's run load at that
+    scale on that profile, the file records both, and --edges takes them from its RESULT (a
+    --rate or --profile that differs from RESULT's is refused)."""
+    rate, arrival, cv, lengths = PHASES["output"]
+    trace = synthetic(rate=rate, duration=10, arrival=arrival, cv=cv, seed=3, **lengths)  # type: ignore[arg-type]
+    asked: list[Any] = []
+
+    def load(w: Any, which: Any, scale: float) -> list[Any]:
+        asked.append((which, scale))
+        return trace
+
+    monkeypatch.setattr(fair_bounded, "load", load)
+    monkeypatch.setattr("sim.fair_eval.load", load)
+    monkeypatch.setattr(fair_bounded, "BOUNDED",
+                        {"disagg-least-loaded": {SPLIT: (2,), "prefill_token_budget": (2048,)}})
+    monkeypatch.setattr(fair_bounded, "BASELINES", ("disagg-least-loaded",))
+    out, edges = tmp_path / "rows.json", tmp_path / "edges.json"
+    assert fair_bounded.main(["--workload", "shift", "--profile", "a100-llama2-70b-tp4", "--rate", "0.35",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert asked == [(10, 0.35), (11, 0.35), (11, 0.35)]  # tune slice, report slice, Kairos's report run
+    assert res["profile"] == "a100-llama2-70b-tp4" and res["rate_scale"] == 0.35
+    assert [r["policy"] for r in res["rows"]] == ["disagg-least-loaded", "kairos"]
+    asked.clear()
+    assert fair_bounded.main(["--edges", str(out), "--out", str(edges)]) == 0
+    assert asked and all(scale == 0.35 for _, scale in asked)
+    e = json.loads(edges.read_text())
+    assert e["profile"] == "a100-llama2-70b-tp4" and e["rate_scale"] == 0.35 and len(e["rows"]) == 1
+    assert fair_bounded.main(["--edges", str(out), "--rate", "1", "--out", str(edges)]) == 2
+    assert fair_bounded.main(["--edges", str(out), "--profile", "h100-llama2-70b-tp4", "--out", str(edges)]) == 2
+    assert "differs" in capsys.readouterr().err
+    assert fair_bounded.main(["--workload", "shift", "--rate", "0", "--out", str(out)]) == 2

@@ -89,18 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def beyond(policy: str, knob: str, value: Any, tried: set[Any]) -> list[Any]:
-    """The full grid's next value past `value` where it is the smallest or largest tried."""
-    full = sorted(v for v in GRIDS[policy].get(knob, ()) if isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and v != OFF.get(knob))
-    nums = sorted(v for v in tried if isinstance(v, (int, float)) and not isinstance(v, bool) and v != OFF.get(knob))
-    if value == OFF.get(knob) or not nums or value not in full:
+    """The full grid's next value past `value` where it is the smallest or largest tried. `value`
+    need not be in the full grid: a profile's own default (the A100's decode budget 320, chunk
+    192) steps to the full grid's nearest value beyond it (256, 128)."""
+    def num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v != OFF.get(knob)
+
+    full = sorted(v for v in GRIDS[policy].get(knob, ()) if num(v))
+    nums = sorted(v for v in tried if num(v))
+    if not num(value) or not nums:
         return []
     out = []
-    i = full.index(value)
-    if value <= nums[0] and i > 0:
-        out.append(full[i - 1])
-    if value >= nums[-1] and i + 1 < len(full):
-        out.append(full[i + 1])
+    below, above = [v for v in full if v < value], [v for v in full if v > value]
+    if value <= nums[0] and below:
+        out.append(below[-1])
+    if value >= nums[-1] and above:
+        out.append(above[0])
     return [v for v in out if v not in tried]
 
 

@@ -56,6 +56,10 @@ def test_edges_steps_one_value_past_the_reduced_grid_never_past_the_full_one() -
     assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 2.0, {2.0, 1000.0}) == [1.0, 4.0]
     assert fair_bounded.beyond("conditional-disagg", "prefill_busy_threshold", 1000.0, {2.0, 1000.0}) == []
     assert fair_bounded.beyond("conditional-disagg", "eff_isl_threshold", 0, {0, 2048}) == []
+    # a profile's default off the full grid (the A100's decode budget 320, chunk 192): the nearest beyond it
+    assert fair_bounded.beyond("chunked-prefill", "decode_token_budget", 320, {320, 512, 1024}) == [256]
+    assert fair_bounded.beyond("chunked-prefill", "decode_chunk", 192, {192, 256, 1024}) == [128]
+    assert fair_bounded.beyond("chunked-prefill", "decode_token_budget", 768, {512, 768, 1024}) == []
 
 
 def test_rate_and_profile_reach_both_slices_kairos_and_the_edges_pass(

@@ -40,8 +40,9 @@ from common.perf_model import load_profile
 from common.sessions import sessions
 from common.traces import LENGTHS, TraceRequest, load_trace, synthetic, trace_path
 from sim.core import SimConfig, SimResult, simulate
-from sim.knobs import Setup, build, shape, shipped
+from sim.knobs import Setup, build, shape, shipped, with_planner
 from sim.stats import RequestTiming, summarize
+from sim.workloads import WORKLOADS, load
 
 FORMAT = "kairos-sim-regress/1"
 WALL_KEYS = ("wall_s",)          # stats that measure this machine, not the simulation
@@ -160,6 +161,13 @@ CASES: tuple[Case, ...] = (
          lambda: sessions("chat", rate=0.5, duration=300.0, seed=4), policy="kv-aware"),
     Case("conv-least-loaded", "Azure conv [600,900) s x1.5, 1P3D, disagg-least-loaded",
          _azure("conv", 600.0, 300.0, 1.5), policy="disagg-least-loaded", prefill=1, decode=3),
+    # the two role planners on a shifting mix (issue 44): the threshold planner's untuned figures
+    # moved once with nothing here to show it (docs/results/decode-bottleneck-log.md, tuned44)
+    Case("shift-dynamo-planner", "shift (report seed 11) x1, the threshold planner (dynamo-planner) from 2P2D",
+         lambda: load(WORKLOADS["shift"], 11, 1.0), policy="dynamo-planner"),
+    Case("shift-kairos-a100-noise", "shift (report seed 11) x0.35, A100 profile, Kairos as shipped (its role "
+         "planner), step noise 0.1",
+         lambda: load(WORKLOADS["shift"], 11, 0.35), profile="a100-llama2-70b-tp4", sim={"step_noise": 0.1}),
 )
 
 
@@ -177,7 +185,7 @@ def run_case(case: Case) -> Outcome:
     setup = shipped(case.policy, Setup(policy=case.knobs))
     policy, prof = build(case.policy, setup, load_profile(case.profile))
     n_p, n_d = shape(case.policy, case.prefill, case.decode)
-    cfg = SimConfig(prefill=n_p, decode=n_d, **case.sim)
+    cfg = with_planner(case.policy, SimConfig(prefill=n_p, decode=n_d, **case.sim))
     res = simulate(trace, prof, policy, cfg)
     s = summarize(res.records, ttft_slo=cfg.ttft_slo, tbt_slo=cfg.tbt_slo)
     summary = {"requests": len(res.records), "slo_attainment": s["slo_attainment"],

@@ -123,6 +123,11 @@ def _synth(seed: int, duration: float, scale: float, *, rate: float, arrival: st
     return make
 
 
+def _report(workload: str, scale: float) -> Callable[[], list[TraceRequest]]:
+    """A fair-evaluation workload's report slice (sim/workloads.py) at `scale`."""
+    return lambda: load(WORKLOADS[workload], WORKLOADS[workload].report, scale)
+
+
 def _bursty(seed: int, duration: float, scale: float) -> Callable[[], list[TraceRequest]]:
     """sim/fair_eval.py's bursty workload (on/off arrivals, the code trace's lengths)."""
     return _synth(seed, duration, scale, rate=2.57, arrival="onoff", cv=2.2, lengths="code")
@@ -164,10 +169,10 @@ CASES: tuple[Case, ...] = (
     # the two role planners on a shifting mix (issue 44): the threshold planner's untuned figures
     # moved once with nothing here to show it (docs/results/decode-bottleneck-log.md, tuned44)
     Case("shift-dynamo-planner", "shift (report seed 11) x1, the threshold planner (dynamo-planner) from 2P2D",
-         lambda: load(WORKLOADS["shift"], 11, 1.0), policy="dynamo-planner"),
+         _report("shift", 1.0), policy="dynamo-planner"),
     Case("shift-kairos-a100-noise", "shift (report seed 11) x0.35, A100 profile, Kairos as shipped (its role "
          "planner), step noise 0.1",
-         lambda: load(WORKLOADS["shift"], 11, 0.35), profile="a100-llama2-70b-tp4", sim={"step_noise": 0.1}),
+         _report("shift", 0.35), profile="a100-llama2-70b-tp4", sim={"step_noise": 0.1}),
 )
 
 

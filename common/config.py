@@ -101,7 +101,7 @@ class RouterConfig(BusConfig, frozen=True, kw_only=True):
         "request_done records (tbt_max_s) do not; the allowance in force is the router's "
         "kairos_tbt_delivery_allowance_seconds gauge and its delivery_allowance log lines")] = 0.0
     tbt_delivery_measured: Annotated[bool, doc(
-        "add the measured delivery delay to tbt_delivery_allowance_ms: the P99 of the router's gap between two "
+        "add the measured delivery delay to tbt_delivery_allowance_ms: the P99.9 of the router's gap between two "
         "socket writes of a stream's tokens less the step time the worker reported (the worker's loop, the bus, "
         "the router's loop and write); off: the configured part alone")] = True
     heartbeat_interval: Annotated[float, doc("worker heartbeat interval the router asks for, seconds")] = 0.1

@@ -44,7 +44,7 @@ E2E = Histogram("kairos_router_e2e_request_latency_seconds", "End-to-end latency
 IN_FLIGHT = Gauge("kairos_router_requests_in_flight", "Requests admitted and not finished.")
 DELIVERY_ALLOWANCE = Gauge("kairos_tbt_delivery_allowance_seconds",
                            "The part of the TBT SLO the decode guard leaves for delivery (configured "
-                           "tbt_delivery_allowance_ms plus the measured P99 of the router's write gap less the "
+                           "tbt_delivery_allowance_ms plus the measured P99.9 of the router's write gap less the "
                            "worker's step): steps are planned to the SLO less this.")
 WORKERS = Gauge("kairos_router_workers", "Registered workers by role (draining ones excluded).", ["role"])
 REDISPATCHES = Counter("kairos_router_redispatches", "Requests sent again after a worker died or refused.")

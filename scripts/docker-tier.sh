@@ -78,11 +78,15 @@ base=$(bash scripts/docker-base-image.sh)
 say "base image: $base ($((SECONDS - t0)) s)"
 export KAIROS_BASE_IMAGE="$base" KAIROS_IMAGE=kairos:cpu
 old_image=$(docker image inspect -f '{{.Id}}' kairos:cpu 2>/dev/null || true)
+build_start=$(date +%s)
 docker-compose -f docker-compose.sim.yml build -q router >/dev/null   # KAIROS_BASE_IMAGE -> PYTHON_IMAGE
-# a rebuild leaves the previous kairos:cpu untagged (~0.7 GB a run): remove it unless a container holds it
+# a rebuild leaves the previous kairos:cpu untagged, and its build stage's last images (~1.4 GB a run):
+# remove the old image unless a container holds it, and this Dockerfile's build-stage images that no
+# image uses any more and that are older than this build (its own are the next build's cache)
 if [[ -n "$old_image" && "$old_image" != "$(docker image inspect -f '{{.Id}}' kairos:cpu)" ]]; then
   docker image rm "$old_image" >/dev/null 2>&1 && say "removed the previous kairos:cpu image (${old_image:7:12})" || true
 fi
+docker image prune -f --filter label=io.kairos.stage=build --filter "until=$build_start" >/dev/null 2>&1 || true
 say "built kairos:cpu, $(docker image inspect -f '{{.Size}}' kairos:cpu | awk '{printf "%d MB", $1/1e6}') ($((SECONDS - t0)) s)"
 if [[ "$mode" == "--prepare" ]]; then
   trap - EXIT

@@ -87,11 +87,14 @@ trap side_stop EXIT
 
 # the run's disk at its peak: .venv-vllm ~3 GB, the fresh clone's .venv ~0.8 GB, Docker images ~1.2 GB,
 # pip's unpacking and the tiers' temporary files: about 6-8 GB beside the .venv already made
-free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 {printf "%d", $4 / 1048576}'; }
+# (one line per filesystem: /tmp is skipped when it is the repository's)
+seen_mounts=""
 for d in . /tmp; do
-  [[ "$d" == /tmp && "$(df -P /tmp | awk 'NR == 2 {print $6}')" == "$(df -P . | awk 'NR == 2 {print $6}')" ]] && continue
-  if [[ -n "$(free_gb "$d")" && "$(free_gb "$d")" -lt 10 ]]; then
-    echo "WARNING: $(free_gb "$d") GB free under $(cd "$d" && pwd); a full run needs about 8 GB (the vLLM"
+  read -r mount gb < <(df -Pk "$d" 2>/dev/null | awk 'NR == 2 {printf "%s %d\n", $6, $4 / 1048576}') || continue
+  [[ " $seen_mounts " == *" $mount "* ]] && continue
+  seen_mounts+=" $mount"
+  if [[ "$gb" -lt 10 ]]; then
+    echo "WARNING: $gb GB free under $(cd "$d" && pwd); a full run needs about 8 GB (the vLLM"
     echo "  CPU build, a second .venv, Docker images): an install that runs out fails with 'No space left'"
   fi
 done

@@ -16,10 +16,10 @@ Two parts, added:
   A high quantile (`QUANTILE`, the P99.9: a request's SLO is on its largest gap) of the last
   `WINDOW` samples (to `BIN_S`, rounded up), counted once `MIN_SAMPLES` are in. A sample of
   `STALL_S` or more is a stall (the router's loop stopped: a SIGSTOP, a swap-in, a debugger), not
-  a delivery cost: it is counted (`stalls`) and kept out
-  of the window. No smaller step can absorb it, and kept in, one 10 s freeze under 50 streams put
-  50 samples past the cap into a window of ~1,100 and held the decode guard at half the TBT SLO
-  for the next minute, with requests waiting at the router for decode room until their deadline
+  a delivery cost: it is counted (`stalls`) and kept out of the window. No smaller step can
+  absorb it, and kept in, one 10 s freeze under 50 streams put 50 samples past the cap into a
+  window of ~1,100 and held the decode guard at half the TBT SLO for the next minute, with
+  requests waiting at the router for decode room until their deadline
   (tests/chaos/test_stranded_live.py, 2026-12-07).
   Only the live router's HTTP layer feeds it: the simulator has no delivery path, so its measured
   part is 0 and its results are those of the configured part alone.

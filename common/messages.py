@@ -15,9 +15,10 @@ Which message arrives where (each inbox has one union alias and one decoder):
     RouterInbox   (ROUTER, from workers)   Hello, PrefillDone, KvWant, KvTarget, TokenBatch, RequestFailed, Goodbye,
                                            PrefillHeartbeat, DecodeHeartbeat (protocol 2: heartbeats travel on the
                                            worker's own connection, so the router knows who sent them)
-    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain, SetRole
+    PrefillInbox  (DEALER, from router)    Welcome, Refused, Reregister, PrefillWork, KvTarget, Cancel, Drain, SetRole,
+                                           PlanBudget
     DecodeInbox   (DEALER, from router)    Welcome, Refused, Reregister, DecodeWork, KvWant, KvReady, Cancel, Drain,
-                                           SetRole, QueueHead
+                                           SetRole, QueueHead, PlanBudget
     TelemetryInbox (SUB, from router)      WorkerSeen, WorkerLost, DecisionRecord, RequestRecord, RouterStats
 
 Schema evolution: every field added after version 1 has a default, and decoders ignore
@@ -364,6 +365,10 @@ class PrefillWork(Msg, frozen=True):
     # router as a decode worker does (TokenBatch), its running decodes within `tbt_slo`
     retain: bool = False
     tbt_slo: float = 0.1
+    # what the router took off the request's TBT SLO for the serving path when it sent this (its
+    # delivery allowance then; the request's own SLO is tbt_slo + allowance_s): a later PlanBudget
+    # moves tbt_slo by how much the allowance moved since
+    allowance_s: float = 0.0
     # route "retain" of a migrated request: the last resume_tokens prompt ids are output already
     # streamed (as DecodeWork.resume_tokens; the engine continues the stream at that position)
     resume_tokens: int = 0
@@ -409,6 +414,7 @@ class DecodeWork(Msg, frozen=True):
     model_bias: float = 1.0  # deflect: the router planned with this worker's model x this (its measured bias)
     traceparent: str = ""  # W3C trace context of the router's span for this request ("": not traced)
     tracestate: str = ""
+    allowance_s: float = 0.0  # as PrefillWork.allowance_s: the request's own TBT SLO is tbt_slo + allowance_s
 
 
 class KvWant(Msg, frozen=True):
@@ -454,6 +460,22 @@ class QueueHead(Msg, frozen=True):
     waiting: int
     waiting_tokens: int = 0  # the prompt tokens of the requests waiting (the others' admission counts them)
     first_tokens: int = 0    # the first one's prompt tokens: the turns of a wait order by size compare them
+
+
+class PlanBudget(Msg, frozen=True):
+    """Router -> every worker: its TBT delivery allowance moved (common/router_core/delivery.py).
+    The requests this router sent that a worker still runs were planned with the allowance of their
+    dispatch (`DecodeWork.allowance_s`, `PrefillWork.allowance_s`); each is planned from now on to
+    its own SLO less this allowance (at most `cap` x its SLO), as a new dispatch would be. A worker
+    applies it to work that reaches it later too (a handoff whose KV lands after it)."""
+
+    router_incarnation: str
+    allowance_s: float  # configured + measured, not capped
+    cap: float          # the allowance taken off a request's SLO is at most this fraction of it
+
+    def budget(self, slo: float) -> float:
+        """What a request whose own TBT SLO is `slo` is planned to now (DeliveryAllowance.plan_slo)."""
+        return slo - min(self.allowance_s, self.cap * slo) if self.allowance_s > 0.0 else slo
 
 
 class Cancel(Msg, frozen=True):
@@ -608,13 +630,13 @@ class RouterStats(Msg, frozen=True):
 RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye | PrefillHeartbeat
                | DecodeHeartbeat)
 HeartbeatInbox = PrefillHeartbeat | DecodeHeartbeat
-PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain | SetRole
+PrefillInbox = Welcome | Refused | Reregister | PrefillWork | KvTarget | Cancel | Drain | SetRole | PlanBudget
 DecodeInbox = (Welcome | Refused | Reregister | DecodeWork | KvWant | KvReady | Cancel | Drain | SetRole
-               | QueueHead)
+               | QueueHead | PlanBudget)
 TelemetryInbox = WorkerSeen | WorkerLost | RoleFlip | DecisionRecord | RequestRecord | RouterStats
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
     Hello, Welcome, Refused, Reregister, Goodbye, Drain, SetRole, PrefillHeartbeat, DecodeHeartbeat, PrefillWork,
-    PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, QueueHead, TokenBatch, RequestFailed, WorkerSeen,
-    WorkerLost, RoleFlip, DecisionRecord, RequestRecord, RouterStats,
+    PrefillDone, DecodeWork, KvWant, KvTarget, KvReady, Cancel, QueueHead, PlanBudget, TokenBatch, RequestFailed,
+    WorkerSeen, WorkerLost, RoleFlip, DecisionRecord, RequestRecord, RouterStats,
 )

@@ -207,6 +207,9 @@ class WorkerService(abc.ABC):
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        return self.engine.set_tbt_slo(request_id, tbt_slo)
+
     def release_kv(self, key: str) -> None:
         """No KV landing space is reserved by this worker (the decode worker's NIXL receiver is)."""
 
@@ -535,6 +538,8 @@ class WorkerService(abc.ABC):
                 link.answered.set()
             case m.SetRole():
                 self._set_role(msg)
+            case m.PlanBudget():
+                self.core.on_plan_budget(msg)
             case m.Reregister():
                 if self.draining:  # leaving: a router that does not know us has nothing of ours
                     return

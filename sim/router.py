@@ -318,6 +318,12 @@ class SimRouter:
                     eng.deliver(qw, now)
                     qw.core.on_queue_head(msg)
                 continue
+            if isinstance(msg, m.PlanBudget):  # the delivery allowance moved (only a configured one here: constant)
+                bw = self.d_by_id.get(to.decode()) or self.p_by_id.get(to.decode())
+                if bw is not None:
+                    eng.deliver(bw, now)
+                    bw.core.on_plan_budget(msg)
+                continue
             if not isinstance(msg, (m.DecodeWork, m.PrefillWork)):
                 continue
             creq = self.creqs.get(msg.request_id)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 
 from common import messages as m
+from common.engines.base import EngineRequest
+from common.engines.batcher import Batcher, Seq
 from common.engines.step_error import ChunkGuard, StepErrorEstimator
 from common.errors import ConfigError
 from common.router_core import delivery as dl
 from common.router_core.delivery import DeliveryAllowance
+from common.worker_core import DecodeCore, EngineInfo
 from services.router.openai_serve import wrote
 from tests.router_fakes import Clock, FakeOutbox, hello, make_core
 
@@ -199,3 +202,73 @@ def test_a_stall_of_the_router_s_loop_is_counted_but_does_not_shrink_the_budget(
     assert 0.0 < d.measured_s <= 0.004 + dl.BIN_S and not d.capped(0.1)
     d.observe(dl.STALL_S - 0.001)  # just under a stall: a delivery cost, in the window
     assert d.stalls == 50 and d.samples == 1001 + dl.RECOMPUTE_EVERY
+
+
+class _BatcherPorts:
+    """A decode worker core's ports onto a real Batcher (the simulated engine's), as sim/state.py."""
+
+    def __init__(self, router: str) -> None:
+        self.router = router
+        self.batcher = Batcher(role="decode", token_budget=2048, max_batch=256, kv_capacity_tokens=10**7,
+                               default_chunk=512)
+
+    def send(self, msg: m.Msg) -> None:
+        pass
+
+    def start(self, req: EngineRequest) -> bool:
+        self.batcher.add(Seq(request_id=req.request_id, attempt=req.attempt, prompt_len=len(req.prompt_token_ids),
+                             max_tokens=req.sampling.max_tokens, tbt_slo=req.tbt_slo, computed=0))
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.batcher.remove(request_id)
+
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        return self.batcher.set_tbt_slo(request_id, tbt_slo)
+
+    def beat_now(self, at_once: bool = False) -> None:
+        pass
+
+    def router_of(self, request_id: str) -> str:
+        return self.router
+
+    def release_kv(self, key: str) -> None:
+        pass
+
+
+def test_a_risen_allowance_reaches_the_requests_already_on_a_worker() -> None:
+    """A request dispatched while the allowance was 0 is planned to the whole SLO. When the
+    measured part rises to ~10 ms the router tells every worker once (PlanBudget, at its next
+    telemetry tick), the worker plans that request to ~90 ms from then on (the batcher's
+    strictest TBT SLO, which its heartbeats report and its chunk guard plans beside), and a
+    request dispatched after carries ~90 ms and the allowance it was planned with."""
+    core, box = make_core("deflect-all")
+    clock = Clock()
+    core.on_message(b"decode-0", hello("decode-0", "decode"), clock.now)
+    core.on_message(b"decode-1", hello("decode-1", "decode"), clock.now)
+    box.take()
+    worker = DecodeCore("decode-0", "inc-decode-0", EngineInfo(engine="sim", token_budget=2048), ports :=
+                        _BatcherPorts(core.incarnation), model="kairos-sim")
+    core.submit(list(range(100)), SAMPLING, clock.now)
+    first = next(x for peer, x in box.take() if isinstance(x, m.DecodeWork) and peer == "decode-0")
+    assert first.tbt_slo == 0.1 and first.allowance_s == 0.0
+    worker.on_work(first, clock.now, ports.batcher.load(kv_capacity_tokens=10**7, inflight=None, busy_s=0.0), None)
+    assert ports.batcher.strictest_tbt_slo() == 0.1
+    core.telemetry(clock.advance(1.0))
+    assert not [x for _, x in box.take() if isinstance(x, m.PlanBudget)]  # nothing moved: nothing told
+    for _ in range(dl.RECOMPUTE_EVERY * 4):
+        core.delivery.observe(0.010)
+    core.telemetry(clock.advance(1.0))
+    told = [(peer, x) for peer, x in box.take() if isinstance(x, m.PlanBudget)]
+    assert sorted(peer for peer, _ in told) == ["decode-0", "decode-1"]
+    news = told[0][1]
+    assert news.allowance_s == pytest.approx(0.010, abs=1.01 * dl.BIN_S) and news.cap == dl.CAP
+    assert worker.on_plan_budget(news) == 1
+    assert ports.batcher.strictest_tbt_slo() == pytest.approx(0.1 - news.allowance_s)
+    core.telemetry(clock.advance(1.0))
+    assert not [x for _, x in box.take() if isinstance(x, m.PlanBudget)]  # told once per move
+    core.submit(list(range(100)), SAMPLING, clock.now)
+    later = next(x for _, x in box.take() if isinstance(x, m.DecodeWork))
+    assert later.tbt_slo == pytest.approx(0.1 - news.allowance_s)
+    assert later.allowance_s == pytest.approx(news.allowance_s)
+    assert worker.tbt_budget(later) == pytest.approx(later.tbt_slo)

@@ -49,6 +49,7 @@ SAMPLES: list[m.Msg] = [
     m.Cancel(request_id="r", attempt=0, reason="client_disconnected"),
     m.QueueHead(router_incarnation="r1", oldest_at=1.7e9, late=True, waiting=2),
     m.QueueHead(router_incarnation="r1", oldest_at=1.7e9, late=False, waiting=3, waiting_tokens=6000),
+    m.PlanBudget(router_incarnation="r1", allowance_s=0.0105, cap=0.5),
     m.TokenBatch(worker_id="decode-0", items=[m.TokenItem("r", 0, [7]), m.TokenItem("s", 2, [8, 9], "length")],
                  step_s=0.02, kv_fallback=["q"]),
     m.RequestFailed(request_id="r", attempt=0, worker_id="decode-0", reason="kv_full", retryable=True),

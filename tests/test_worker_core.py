@@ -4,6 +4,7 @@ clock. The live services and the simulator run these same cores."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from common import messages as m
 from common.engines.base import EngineLoad, EngineRequest, Prefilled
@@ -29,6 +30,8 @@ class Ports:
         self.beats = 0
         self.at_once = 0  # of which, asked for without the coalescing delay
         self.take = True  # whether the engine takes what it is given
+        self.budgets: dict[str, float] = {}  # request -> the TBT budget set_tbt_slo gave it
+        self.routers: dict[str, str] = {}  # request -> its router, where not "router-a"
 
     def send(self, msg: m.Msg) -> None:
         self.sent.append(msg)
@@ -45,8 +48,15 @@ class Ports:
         self.beats += 1
         self.at_once += at_once
 
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        req = next((r for r in reversed(self.started) if r.request_id == request_id), None)
+        if req is None or request_id in self.aborted or self.budgets.get(request_id, req.tbt_slo) == tbt_slo:
+            return False
+        self.budgets[request_id] = tbt_slo
+        return True
+
     def router_of(self, request_id: str) -> str:
-        return "router-a"
+        return self.routers.get(request_id, "router-a")
 
     def release_kv(self, key: str) -> None:
         self.released.append(key)
@@ -413,3 +423,44 @@ def test_text_deltas_go_with_the_tokens_only_to_a_router_with_the_same_tokenizer
     assert texts[0] == {"a": " the model", "other": None, "resumed": None, "ids": None, "cancelled": " the model"}
     assert texts[1] == {"a": " and the cache", "other": None, "resumed": None, "ids": None}
     assert core.texts == {}
+
+
+# ------------------------------------------------------------------ the delivery allowance moves (PlanBudget)
+def test_a_moved_delivery_allowance_replans_its_router_s_running_requests_and_later_ones() -> None:
+    """Each request is planned to its own SLO (its tbt_slo + the allowance its router took off)
+    less the allowance its router last told, capped at `cap` x its SLO; another router's requests
+    keep theirs, and a handoff whose KV lands after the news starts with the new budget."""
+    core, ports = decode_core()
+    core.on_work(msgspec.structs.replace(deflection("a", (64,), 0.05, tbt_slo=0.095), allowance_s=0.005), 0.0,
+                 idle(), MODEL)
+    ports.routers["b"] = "router-b"
+    core.on_work(msgspec.structs.replace(deflection("b", (64,), 0.05, tbt_slo=0.1, dispatch=2)), 0.0, idle(), MODEL)
+    core.on_work(msgspec.structs.replace(handoff("late", 100), tbt_slo=0.095, allowance_s=0.005), 0.0, idle(), MODEL)
+    assert [r.tbt_slo for r in ports.started] == [0.095, 0.1]
+    beats = ports.beats
+    assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.012, cap=0.5)) == 1
+    assert ports.budgets == {"a": pytest.approx(0.088)} and ports.beats == beats + 1
+    p = core.kv_arrived("late", 0)
+    kv = m.KvHandle(transport="modeled", source_worker="prefill-0", tokens=100)
+    assert p is not None and core.admit(p.work, "handoff", (), MODEL, kv=kv)
+    assert ports.started[-1].tbt_slo == pytest.approx(0.088)
+    # the same news again moves nothing (and asks for no heartbeat); a cap of half the SLO holds
+    beats = ports.beats
+    assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.012, cap=0.5)) == 0
+    assert ports.beats == beats
+    assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.2, cap=0.5)) == 2
+    assert ports.budgets["a"] == ports.budgets["late"] == pytest.approx(0.05) and "b" not in ports.budgets
+    # it falls back: the requests are planned to more again, as a new dispatch would be
+    core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.0, cap=0.5))
+    assert ports.budgets["a"] == pytest.approx(0.1)
+
+
+def test_a_prefill_worker_replans_the_requests_it_decodes_itself_not_its_prefills() -> None:
+    core, ports = prefill_core()
+    retained = m.PrefillWork(request_id="kept", attempt=0, dispatch=1, prompt_token_ids=[1] * 10, sampling=SAMPLING,
+                             decode_worker="prefill-0", deadline_s=30.0, retain=True, tbt_slo=0.094,
+                             allowance_s=0.006)
+    plain = msgspec.structs.replace(retained, request_id="plain", retain=False, dispatch=2)
+    assert core.on_work(retained, idle()) and core.on_work(plain)
+    assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.010, cap=0.5)) == 1
+    assert ports.budgets == {"kept": pytest.approx(0.090)}

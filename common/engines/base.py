@@ -165,6 +165,12 @@ class Engine(abc.ABC):
         """Drop a request; True if it was held."""
 
     @abc.abstractmethod
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan a held request's steps to `tbt_slo` from now on (its router's delivery allowance
+        moved: PlanBudget); its load's `strictest_tbt_slo` follows. False when it does not hold
+        it or it had that budget already."""
+
+    @abc.abstractmethod
     def load(self) -> EngineLoad: ...
 
     @abc.abstractmethod

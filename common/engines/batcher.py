@@ -148,6 +148,14 @@ class Batcher:
     def kv_free(self) -> int:
         return self.kv_capacity - self.kv_reserved
 
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan `request_id`'s steps (and the chunks beside it) to `tbt_slo` from now on."""
+        seq = self._by_id.get(request_id)
+        if seq is None or seq.tbt_slo == tbt_slo:
+            return False
+        seq.tbt_slo = tbt_slo
+        return True
+
     def can_admit(self, seq: Seq) -> bool:
         return self.kv_reserved + seq.kv_reserve <= self.kv_capacity
 

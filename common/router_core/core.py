@@ -44,6 +44,7 @@ from common.policy import (
     make_policy,
 )
 from common.router_core.admission import Admission, shortage
+from common.router_core.delivery import CAP as DELIVERY_CAP
 from common.router_core.delivery import DeliveryAllowance
 from common.router_core.dispatch import Dispatcher
 from common.router_core.inbound import Inbound
@@ -59,6 +60,9 @@ from common.router_core.workers import WorkerEntry, WorkerTable
 
 NO_HOOKS = Hooks()
 DELIVERY_LOG_S = 10.0  # at most one delivery_allowance line per this many seconds
+# the workers hear of the allowance (PlanBudget) when it moved by this much since they last did: a
+# quarter of a millisecond is the measured part's resolution (delivery.BIN_S)
+DELIVERY_TELL_S = 0.00025
 DROP_LOG_S = 10.0  # at most one log line per this many seconds per kind of dropped frame
 # KV handshake messages whose relay to one worker failed, kept for its next Hello (at most)
 RELAYS_HELD_MAX = 1024
@@ -119,6 +123,7 @@ class RouterCore:
             raise ConfigError(str(e)) from e
         self.delivery_logged = -1.0  # the allowance (ms) the last delivery_allowance line said
         self.delivery_logged_at = -DELIVERY_LOG_S  # ... and when
+        self.delivery_told = self.delivery.raw_s  # the allowance the workers last heard (PlanBudget)
         self.relay_logged_at = 0.0  # when the last replica_relay line was written (`log_relay`)
         self.relay_seen = 0  # how many relays the table had measured then
         self.requests: dict[str, Request] = {}
@@ -648,6 +653,7 @@ class RouterCore:
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
         self.membership.telemetry(now, loop_lag_ms)
+        self.tell_allowance()
         d, slo = self.delivery, self.cfg.tbt_slo
         allowance = d.total_s(slo)
         self.metrics.set_delivery_allowance(allowance)
@@ -659,6 +665,21 @@ class RouterCore:
             say("delivery_allowance", allowance_ms=ms, configured_ms=round(d.configured_s * 1000.0, 1),
                 measured_ms=round(d.measured_s * 1000.0, 1), samples=d.samples, stalls=d.stalls,
                 plan_tbt_ms=round(d.plan_slo(slo) * 1000.0, 1), tbt_slo_ms=round(slo * 1000.0, 1), capped=d.capped(slo))
+
+    def tell_allowance(self) -> None:
+        """When the delivery allowance moved: tell every worker (PlanBudget), so the requests it
+        runs for this router are planned from now on as a new dispatch would be. A request keeps
+        the budget of its dispatch otherwise, and in a burst after a quiet spell most of them are
+        dispatched while the measured part is still rising (delivery.py). A worker that misses it
+        hears the next move; what it is sent later carries the allowance in force."""
+        a = self.delivery.raw_s
+        if abs(a - self.delivery_told) < DELIVERY_TELL_S:
+            return
+        self.delivery_told = a
+        msg = m.PlanBudget(router_incarnation=self.incarnation, allowance_s=a, cap=DELIVERY_CAP)
+        for w in self.table.workers.values():
+            if not w.unreachable:
+                self.outbox.send(w.identity, msg)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

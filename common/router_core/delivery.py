@@ -29,8 +29,11 @@ Two parts, added:
 The sum is capped at `CAP` x the SLO (a planning SLO below half the SLO would mean the serving
 path, not the engine, is the problem: the cap keeps the guard from shutting the pool).
 
-A request is planned with the allowance in force when it is dispatched; work already on a worker
-keeps the budget it was sent with (its worker's heartbeat reports the strictest of them)."""
+A request is planned with the allowance in force when it is dispatched (its work says how much was
+taken off: `allowance_s`); when the allowance moves, the router tells every worker (`PlanBudget`,
+RouterCore.tell_allowance) and the requests they run for it are planned from then on to their SLO
+less the new allowance (common/worker_core/base.py, `on_plan_budget`; their worker's heartbeat
+reports the strictest of them)."""
 
 from __future__ import annotations
 
@@ -100,6 +103,11 @@ class DeliveryAllowance:
                     if seen >= k:
                         self.measured_s = (i + 1) * BIN_S if i else 0.0
                         break
+
+    @property
+    def raw_s(self) -> float:
+        """The allowance before the cap (configured + measured): what PlanBudget tells the workers."""
+        return self.configured_s + self.measured_s
 
     def total_s(self, slo: float) -> float:
         """The allowance taken off a TBT SLO of `slo` seconds (capped at `CAP` x it)."""

@@ -76,6 +76,7 @@ class Dispatcher:
             req.hash_memo, req.hash_memo_from, req.prefix_seen = {}, req.resume_from, Seen()
         cached, hashes = self.prefix.lookup(prompt, req.hash_memo, req.prefix_seen)
         tbt = self.core.delivery.plan_slo(req.tbt_slo)  # what its steps are planned to (delivery.py)
+        allowance = req.tbt_slo - tbt  # ... and what was taken off for that (a PlanBudget moves it later)
         spec = RequestSpec(request_id=req.request_id, prompt_tokens=len(prompt),
                            max_tokens=sampling.max_tokens, ttft_slo=req.ttft_slo, tbt_slo=tbt,
                            cached_tokens=req.cached_tokens, cached=cached)
@@ -110,13 +111,13 @@ class Dispatcher:
             self.core.send(dw, m.PrefillWork(request_id=req.request_id, attempt=req.attempt, dispatch=pno,
                                              prompt_token_ids=prompt, sampling=sampling, decode_worker=dw.worker_id,
                                              deadline_s=remaining, cached_tokens=req.cached_tokens, retain=True,
-                                             tbt_slo=tbt, resume_tokens=req.resume_from,
+                                             tbt_slo=tbt, allowance_s=allowance, resume_tokens=req.resume_from,
                                              traceparent=req.traceparent, tracestate=req.tracestate))
         elif decision.route == "deflect":
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="deflect",
                                         prompt_token_ids=prompt, sampling=sampling,
-                                        tbt_slo=tbt, deadline_s=remaining,
+                                        tbt_slo=tbt, allowance_s=allowance, deadline_s=remaining,
                                         chunk_schedule=decision.chunk_schedule, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, step_budget_s=decision.step_budget_s,
                                         model_bias=dw.bias, traceparent=req.traceparent,
@@ -128,7 +129,7 @@ class Dispatcher:
             dw.holding.add(req.request_id)
             self.core.send(dw, m.DecodeWork(request_id=req.request_id, attempt=req.attempt, dispatch=no, mode="handoff",
                                         prompt_token_ids=prompt, sampling=sampling,
-                                        tbt_slo=tbt, deadline_s=remaining,
+                                        tbt_slo=tbt, allowance_s=allowance, deadline_s=remaining,
                                         prefill_worker=pw.worker_id, cached_tokens=req.cached_tokens,
                                         resume_tokens=req.resume_from, traceparent=req.traceparent,
                                         tracestate=req.tracestate))

@@ -40,6 +40,7 @@ class WorkerCore(abc.ABC):
         self.new_role: m.Role | None = None  # a role change under way (`set_role`): the role it drains for
         self.keep_running = False  # ... and it keeps its running decodes across it (`set_role(keep=True)`)
         self.counters: dict[str, int] = {"refused": 0}
+        self.told: dict[str, m.PlanBudget] = {}  # router -> the delivery allowance it last told (PlanBudget)
 
     # -- what it holds ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -118,6 +119,34 @@ class WorkerCore(abc.ABC):
 
     def saw_dispatch(self, dispatch: int) -> None:
         self.last_dispatch = max(self.last_dispatch, dispatch)
+
+    # -- the TBT budget each request is planned to --------------------------------------------
+    def tbt_budget(self, w: m.PrefillWork | m.DecodeWork) -> float:
+        """The TBT budget `w`'s steps are planned to now: as its router sent it, or, once that
+        router told a newer delivery allowance (PlanBudget), its own SLO less that allowance."""
+        t = self.told.get(self.ports.router_of(w.request_id))
+        return w.tbt_slo if t is None else t.budget(w.tbt_slo + w.allowance_s)
+
+    def planned_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        """The work in its engine whose steps are planned to a TBT budget (what it decodes or will)."""
+        return []
+
+    def on_plan_budget(self, msg: m.PlanBudget) -> int:
+        """A router's delivery allowance moved (common/router_core/delivery.py): its requests in
+        the engine are planned from now on to their own SLO less it, as a new dispatch would be,
+        and so is its work that starts later (`tbt_budget`). Returns how many moved; a heartbeat
+        soon when any did (its strictest TBT SLO is the routers' view of its room)."""
+        self.told[msg.router_incarnation] = msg
+        moved = 0
+        for w in self.planned_work():
+            if self.ports.router_of(w.request_id) == msg.router_incarnation and \
+                    self.ports.set_tbt_slo(w.request_id, msg.budget(w.tbt_slo + w.allowance_s)):
+                moved += 1
+        self.log.info("plan_budget", router=msg.router_incarnation, allowance_ms=round(msg.allowance_s * 1000.0, 2),
+                      moved=moved)
+        if moved:
+            self.ports.beat_now()
+        return moved
 
     # -- drain ----------------------------------------------------------------------------------
     def start_drain(self) -> m.Goodbye:

@@ -121,6 +121,9 @@ class DecodeCore(WorkerCore):
         if old is None or (old.oldest_at, old.late, old.first_tokens) != (q.oldest_at, q.late, q.first_tokens):
             self.ports.beat_now()
 
+    def planned_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return list(self.active.values())
+
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.active.items()] + [
             (rid, p.work.attempt) for rid, p in self.pending.items()]
@@ -214,7 +217,7 @@ class DecodeCore(WorkerCore):
         KV has landed (`kv`). False when the engine would not take it (the shell said why)."""
         if not self.ports.start(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                               prompt_token_ids=w.prompt_token_ids, sampling=w.sampling, mode=mode,
-                                              tbt_slo=w.tbt_slo, chunk_schedule=schedule, kv=kv,
+                                              tbt_slo=self.tbt_budget(w), chunk_schedule=schedule, kv=kv,
                                               cached_tokens=w.cached_tokens, resume_tokens=w.resume_tokens,
                                               trace_headers=tracing.headers(w.traceparent, w.tracestate))):
             return False
@@ -347,6 +350,7 @@ class DecodeCore(WorkerCore):
         """Take over the running decodes a prefill core of this engine kept across its flip to
         decode: they are this worker's handoffs from now on (the engine holds their KV)."""
         ids = []
+        self.told.update(old.told)
         for pw in old.kept_work():
             if not isinstance(pw, m.PrefillWork):
                 return super().adopt(old)
@@ -355,7 +359,8 @@ class DecodeCore(WorkerCore):
             self.active[rid] = m.DecodeWork(request_id=rid, attempt=pw.attempt, dispatch=pw.dispatch, mode="handoff",
                                             prompt_token_ids=pw.prompt_token_ids,
                                             sampling=msgspec.structs.replace(pw.sampling, text=""),
-                                            tbt_slo=pw.tbt_slo, deadline_s=pw.deadline_s,
+                                            tbt_slo=pw.tbt_slo, allowance_s=pw.allowance_s,
+                                            deadline_s=pw.deadline_s,
                                             prefill_worker=self.worker_id, cached_tokens=pw.cached_tokens,
                                             resume_tokens=pw.resume_tokens, traceparent=pw.traceparent,
                                             tracestate=pw.tracestate)

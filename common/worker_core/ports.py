@@ -33,6 +33,11 @@ class WorkerPorts(Protocol):
         """Stop a request in the engine and free what it holds there (its KV included)."""
         ...
 
+    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan a running request's steps to `tbt_slo` from now on (PlanBudget). False when the
+        engine does not hold it or it already had that budget."""
+        ...
+
     def beat_now(self, at_once: bool = False) -> None:
         """The worker's state changed: heartbeat soon (live: within 2 ms, changes coalesced).
         `at_once`: without the coalescing delay where the worker serves several router replicas

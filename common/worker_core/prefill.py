@@ -65,6 +65,9 @@ class PrefillCore(WorkerCore):
             kv_free_tokens=max(0, load.kv_free_tokens) if self.can_retain else 0,
             step_margin=load.step_margin)
 
+    def planned_work(self) -> list[m.PrefillWork | m.DecodeWork]:
+        return [self.work[rid] for rid in self.decoding if rid in self.work]
+
     def held_requests(self) -> list[tuple[str, int]]:
         return [(rid, w.attempt) for rid, w in self.work.items()]
 
@@ -103,7 +106,7 @@ class PrefillCore(WorkerCore):
             return False
         if not self.ports.start(EngineRequest(request_id=w.request_id, attempt=w.attempt,
                                               prompt_token_ids=w.prompt_token_ids, sampling=w.sampling,
-                                              mode="retain" if w.retain else "prefill", tbt_slo=w.tbt_slo,
+                                              mode="retain" if w.retain else "prefill", tbt_slo=self.tbt_budget(w),
                                               cached_tokens=w.cached_tokens,
                                               resume_tokens=w.resume_tokens if w.retain else 0,
                                               trace_headers=tracing.headers(w.traceparent, w.tracestate))):
@@ -230,6 +233,7 @@ class PrefillCore(WorkerCore):
         prefill: they are requests this worker decodes itself (route "retain") from now on."""
         kept = old.kept_work()  # (its engine steps them on: it kept them, `can_retain` or not)
         ids = []
+        self.told.update(old.told)
         for dw in kept:
             if not isinstance(dw, m.DecodeWork):
                 return super().adopt(old)
@@ -238,6 +242,7 @@ class PrefillCore(WorkerCore):
                                            prompt_token_ids=dw.prompt_token_ids, sampling=dw.sampling,
                                            decode_worker=self.worker_id, deadline_s=dw.deadline_s,
                                            cached_tokens=dw.cached_tokens, retain=True, tbt_slo=dw.tbt_slo,
+                                           allowance_s=dw.allowance_s,
                                            resume_tokens=dw.resume_tokens, traceparent=dw.traceparent,
                                            tracestate=dw.tracestate)
             self.decoding.add(rid)

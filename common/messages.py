@@ -465,9 +465,10 @@ class QueueHead(Msg, frozen=True):
 class PlanBudget(Msg, frozen=True):
     """Router -> every worker: its TBT delivery allowance moved (common/router_core/delivery.py).
     The requests this router sent that a worker still runs were planned with the allowance of their
-    dispatch (`DecodeWork.allowance_s`, `PrefillWork.allowance_s`); each is planned from now on to
-    its own SLO less this allowance (at most `cap` x its SLO), as a new dispatch would be. A worker
-    applies it to work that reaches it later too (a handoff whose KV lands after it)."""
+    dispatch (`DecodeWork.allowance_s`, `PrefillWork.allowance_s`); each whose budget is more than
+    its own SLO less this allowance (at most `cap` x its SLO) is planned to that from now on, as a
+    new dispatch would be (budgets only fall: common/worker_core/base.py, `on_plan_budget`). A
+    worker applies it to work that reaches it later too (a handoff whose KV lands after it)."""
 
     router_incarnation: str
     allowance_s: float  # configured + measured, not capped

@@ -207,8 +207,8 @@ class WorkerService(abc.ABC):
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        return self.engine.set_tbt_slo(request_id, tbt_slo)
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        return self.engine.lower_tbt_slo(request_id, tbt_slo)
 
     def release_kv(self, key: str) -> None:
         """No KV landing space is reserved by this worker (the decode worker's NIXL receiver is)."""

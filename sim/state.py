@@ -258,8 +258,8 @@ class Worker:
     def abort(self, request_id: str) -> None:
         self.batcher.remove(request_id)
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        return self.batcher.set_tbt_slo(request_id, tbt_slo)
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        return self.batcher.lower_tbt_slo(request_id, tbt_slo)
 
     def beat_now(self, at_once: bool = False) -> None:
         self.on_beat(self, at_once)

@@ -223,8 +223,8 @@ class _BatcherPorts:
     def abort(self, request_id: str) -> None:
         self.batcher.remove(request_id)
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        return self.batcher.set_tbt_slo(request_id, tbt_slo)
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        return self.batcher.lower_tbt_slo(request_id, tbt_slo)
 
     def beat_now(self, at_once: bool = False) -> None:
         pass
@@ -272,3 +272,9 @@ def test_a_risen_allowance_reaches_the_requests_already_on_a_worker() -> None:
     assert later.tbt_slo == pytest.approx(0.1 - news.allowance_s)
     assert later.allowance_s == pytest.approx(news.allowance_s)
     assert worker.tbt_budget(later) == pytest.approx(later.tbt_slo)
+    # the allowance falls back: told, but the running request keeps its smaller budget
+    core.delivery = DeliveryAllowance()
+    core.telemetry(clock.advance(1.0))
+    back = [x for _, x in box.take() if isinstance(x, m.PlanBudget)]
+    assert len(back) == 2 and back[0].allowance_s == 0.0 and worker.on_plan_budget(back[0]) == 0
+    assert ports.batcher.strictest_tbt_slo() == pytest.approx(0.1 - news.allowance_s)

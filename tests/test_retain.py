@@ -188,7 +188,7 @@ class Ports:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
         return False
 
     def beat_now(self, at_once: bool = False) -> None:

@@ -30,7 +30,7 @@ class Ports:
         self.beats = 0
         self.at_once = 0  # of which, asked for without the coalescing delay
         self.take = True  # whether the engine takes what it is given
-        self.budgets: dict[str, float] = {}  # request -> the TBT budget set_tbt_slo gave it
+        self.budgets: dict[str, float] = {}  # request -> the TBT budget lower_tbt_slo gave it
         self.routers: dict[str, str] = {}  # request -> its router, where not "router-a"
 
     def send(self, msg: m.Msg) -> None:
@@ -48,9 +48,9 @@ class Ports:
         self.beats += 1
         self.at_once += at_once
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
         req = next((r for r in reversed(self.started) if r.request_id == request_id), None)
-        if req is None or request_id in self.aborted or self.budgets.get(request_id, req.tbt_slo) == tbt_slo:
+        if req is None or request_id in self.aborted or self.budgets.get(request_id, req.tbt_slo) <= tbt_slo:
             return False
         self.budgets[request_id] = tbt_slo
         return True
@@ -428,8 +428,9 @@ def test_text_deltas_go_with_the_tokens_only_to_a_router_with_the_same_tokenizer
 # ------------------------------------------------------------------ the delivery allowance moves (PlanBudget)
 def test_a_moved_delivery_allowance_replans_its_router_s_running_requests_and_later_ones() -> None:
     """Each request is planned to its own SLO (its tbt_slo + the allowance its router took off)
-    less the allowance its router last told, capped at `cap` x its SLO; another router's requests
-    keep theirs, and a handoff whose KV lands after the news starts with the new budget."""
+    less the allowance its router last told, capped at `cap` x its SLO, where that is less than
+    its budget; another router's requests keep theirs, and a handoff whose KV lands after the news
+    starts with the new budget."""
     core, ports = decode_core()
     core.on_work(msgspec.structs.replace(deflection("a", (64,), 0.05, tbt_slo=0.095), allowance_s=0.005), 0.0,
                  idle(), MODEL)
@@ -450,9 +451,14 @@ def test_a_moved_delivery_allowance_replans_its_router_s_running_requests_and_la
     assert ports.beats == beats
     assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.2, cap=0.5)) == 2
     assert ports.budgets["a"] == ports.budgets["late"] == pytest.approx(0.05) and "b" not in ports.budgets
-    # it falls back: the requests are planned to more again, as a new dispatch would be
-    core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.0, cap=0.5))
-    assert ports.budgets["a"] == pytest.approx(0.1)
+    # it falls back: budgets only fall (a new dispatch gets the smaller allowance; work that starts
+    # now keeps the budget of its dispatch)
+    assert core.on_plan_budget(m.PlanBudget(router_incarnation="router-a", allowance_s=0.0, cap=0.5)) == 0
+    assert ports.budgets["a"] == pytest.approx(0.05)
+    core.on_work(msgspec.structs.replace(handoff("later", 100), tbt_slo=0.095, allowance_s=0.005), 0.0, idle(), MODEL)
+    p = core.kv_arrived("later", 0)
+    assert p is not None and core.admit(p.work, "handoff", (), MODEL, kv=kv)
+    assert ports.started[-1].tbt_slo == 0.095
 
 
 def test_a_prefill_worker_replans_the_requests_it_decodes_itself_not_its_prefills() -> None:

@@ -165,10 +165,10 @@ class Engine(abc.ABC):
         """Drop a request; True if it was held."""
 
     @abc.abstractmethod
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        """Plan a held request's steps to `tbt_slo` from now on (its router's delivery allowance
-        moved: PlanBudget); its load's `strictest_tbt_slo` follows. False when it does not hold
-        it or it had that budget already."""
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan a held request's steps to `tbt_slo` from now on where that is less than its budget
+        now (its router's delivery allowance rose: PlanBudget); its load's `strictest_tbt_slo`
+        follows. False when it does not hold it or its budget is that or less already."""
 
     @abc.abstractmethod
     def load(self) -> EngineLoad: ...

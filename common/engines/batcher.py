@@ -148,10 +148,10 @@ class Batcher:
     def kv_free(self) -> int:
         return self.kv_capacity - self.kv_reserved
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        """Plan `request_id`'s steps (and the chunks beside it) to `tbt_slo` from now on."""
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan `request_id`'s steps (and the chunks beside it) to `tbt_slo` from now on, if less."""
         seq = self._by_id.get(request_id)
-        if seq is None or seq.tbt_slo == tbt_slo:
+        if seq is None or seq.tbt_slo <= tbt_slo:
             return False
         seq.tbt_slo = tbt_slo
         return True

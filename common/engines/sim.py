@@ -196,11 +196,11 @@ class SimEngine(Engine):
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
         return self.batcher.kv_free() >= prompt_tokens + max_tokens
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
         req = self._reqs.get(request_id)
         if req is not None:
-            req.tbt_slo = tbt_slo
-        return self.batcher.set_tbt_slo(request_id, tbt_slo)
+            req.tbt_slo = min(req.tbt_slo, tbt_slo)
+        return self.batcher.lower_tbt_slo(request_id, tbt_slo)
 
     def held(self) -> list[str]:
         return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting, *self.batcher.decoding)]

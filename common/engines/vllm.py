@@ -549,11 +549,11 @@ class VllmEngine(Engine):
     def held(self) -> list[str]:
         return list(self._held)
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
         """Its budget as the load reports it (`strictest_tbt_slo`: the routers' view of this
         worker's room). The steps themselves follow the chunk schedules the router planned."""
         h = self._held.get(request_id)
-        if h is None or h.req.tbt_slo == tbt_slo:
+        if h is None or h.req.tbt_slo <= tbt_slo:
             return False
         h.req.tbt_slo = tbt_slo
         return True

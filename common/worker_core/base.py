@@ -122,10 +122,10 @@ class WorkerCore(abc.ABC):
 
     # -- the TBT budget each request is planned to --------------------------------------------
     def tbt_budget(self, w: m.PrefillWork | m.DecodeWork) -> float:
-        """The TBT budget `w`'s steps are planned to now: as its router sent it, or, once that
-        router told a newer delivery allowance (PlanBudget), its own SLO less that allowance."""
+        """The TBT budget `w`'s steps are planned to now: as its router sent it, or less where that
+        router told a larger delivery allowance since (PlanBudget): its own SLO less that allowance."""
         t = self.told.get(self.ports.router_of(w.request_id))
-        return w.tbt_slo if t is None else t.budget(w.tbt_slo + w.allowance_s)
+        return w.tbt_slo if t is None else min(w.tbt_slo, t.budget(w.tbt_slo + w.allowance_s))
 
     def planned_work(self) -> list[m.PrefillWork | m.DecodeWork]:
         """The work in its engine whose steps are planned to a TBT budget (what it decodes or will)."""
@@ -133,14 +133,18 @@ class WorkerCore(abc.ABC):
 
     def on_plan_budget(self, msg: m.PlanBudget) -> int:
         """A router's delivery allowance moved (common/router_core/delivery.py): its requests in
-        the engine are planned from now on to their own SLO less it, as a new dispatch would be,
-        and so is its work that starts later (`tbt_budget`). Returns how many moved; a heartbeat
-        soon when any did (its strictest TBT SLO is the routers' view of its room)."""
+        the engine whose budget is more than their own SLO less it are planned to that from now
+        on, as a new dispatch would be, and so is its work that starts later (`tbt_budget`).
+        Budgets only fall: the allowance is a high quantile of a window that moves both ways by
+        a few milliseconds, and the client's own read, which it does not see, rides on the
+        margin a request keeps from the allowance of its dispatch (live floods that raised them
+        again when it fell: client TBT lower in four pairs of four). Returns how many moved; a
+        heartbeat soon when any did (its strictest TBT SLO is the routers' view of its room)."""
         self.told[msg.router_incarnation] = msg
         moved = 0
         for w in self.planned_work():
             if self.ports.router_of(w.request_id) == msg.router_incarnation and \
-                    self.ports.set_tbt_slo(w.request_id, msg.budget(w.tbt_slo + w.allowance_s)):
+                    self.ports.lower_tbt_slo(w.request_id, msg.budget(w.tbt_slo + w.allowance_s)):
                 moved += 1
         self.log.info("plan_budget", router=msg.router_incarnation, allowance_ms=round(msg.allowance_s * 1000.0, 2),
                       moved=moved)

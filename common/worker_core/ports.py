@@ -33,9 +33,10 @@ class WorkerPorts(Protocol):
         """Stop a request in the engine and free what it holds there (its KV included)."""
         ...
 
-    def set_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        """Plan a running request's steps to `tbt_slo` from now on (PlanBudget). False when the
-        engine does not hold it or it already had that budget."""
+    def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
+        """Plan a running request's steps to `tbt_slo` from now on where that is less than its
+        budget now (PlanBudget). False when the engine does not hold it or its budget is that or
+        less already."""
         ...
 
     def beat_now(self, at_once: bool = False) -> None:

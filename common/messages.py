@@ -103,6 +103,9 @@ class Hello(Msg, frozen=True):
     # the highest dispatch number it has seen from this router: work of a lower number it no longer
     # holds ended or was refused there, and the router, if it still tracks it, never heard so
     last_dispatch: int = 0
+    # it takes PlanBudget (the router tells only such workers: one from before it, mid-upgrade, would
+    # drop each as a frame it cannot decode, with a warning)
+    plan_budget: bool = False
 
 
 class Welcome(Msg, frozen=True):

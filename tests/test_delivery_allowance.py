@@ -244,13 +244,20 @@ def test_a_risen_allowance_reaches_the_requests_already_on_a_worker() -> None:
     request dispatched after carries ~90 ms and the allowance it was planned with."""
     core, box = make_core("deflect-all")
     clock = Clock()
-    core.on_message(b"decode-0", hello("decode-0", "decode"), clock.now)
-    core.on_message(b"decode-1", hello("decode-1", "decode"), clock.now)
+    core.on_message(b"decode-0", hello("decode-0", "decode", plan_budget=True), clock.now)
+    core.on_message(b"decode-1", hello("decode-1", "decode", plan_budget=True), clock.now)
+    core.on_message(b"decode-2", hello("decode-2", "decode"), clock.now)  # from before PlanBudget: told nothing
     box.take()
     worker = DecodeCore("decode-0", "inc-decode-0", EngineInfo(engine="sim", token_budget=2048), ports :=
                         _BatcherPorts(core.incarnation), model="kairos-sim")
     core.submit(list(range(100)), SAMPLING, clock.now)
-    first = next(x for peer, x in box.take() if isinstance(x, m.DecodeWork) and peer == "decode-0")
+    sent = box.take()
+    for _ in range(3):  # deflect-all spreads requests over the decode workers
+        if any(peer == "decode-0" for peer, x in sent if isinstance(x, m.DecodeWork)):
+            break
+        core.submit(list(range(100)), SAMPLING, clock.now)
+        sent = box.take()
+    first = next(x for peer, x in sent if isinstance(x, m.DecodeWork) and peer == "decode-0")
     assert first.tbt_slo == 0.1 and first.allowance_s == 0.0
     worker.on_work(first, clock.now, ports.batcher.load(kv_capacity_tokens=10**7, inflight=None, busy_s=0.0), None)
     assert ports.batcher.strictest_tbt_slo() == 0.1

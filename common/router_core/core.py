@@ -678,7 +678,7 @@ class RouterCore:
         self.delivery_told = a
         msg = m.PlanBudget(router_incarnation=self.incarnation, allowance_s=a, cap=DELIVERY_CAP)
         for w in self.table.workers.values():
-            if not w.unreachable:
+            if not w.unreachable and w.hello.plan_budget:
                 self.outbox.send(w.identity, msg)
 
     # ------------------------------------------------------------------ introspection

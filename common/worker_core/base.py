@@ -73,7 +73,7 @@ class WorkerCore(abc.ABC):
                        kv_transport=self.kv_transport, kv_agent=kv_agent,
                        held=self.held_ids() if held is None else held, max_model_len=i.max_model_len,
                        kv_block_tokens=i.block_size if kv_block_tokens is None else kv_block_tokens,
-                       fixed_role=fixed_role,
+                       fixed_role=fixed_role, plan_budget=True,
                        last_dispatch=self.last_dispatch if last_dispatch is None else last_dispatch)
 
     def welcomed(self, drop: list[str]) -> int:

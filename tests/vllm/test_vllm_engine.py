@@ -116,6 +116,10 @@ async def test_step_samples_and_load(pd: PD) -> None:
     during = d.load()
     assert during.deflections == 1 and during.queued_requests == 1
     assert during.kv_free_tokens == d.kv_capacity_tokens - (len(LONG) + 200)
+    # a moved delivery allowance (PlanBudget) lowers a held request's budget, never raises it
+    assert during.strictest_tbt_slo == 0.1
+    assert d.lower_tbt_slo("held", 0.09) and not d.lower_tbt_slo("held", 0.095) and not d.lower_tbt_slo("gone", 0.05)
+    assert d.load().strictest_tbt_slo == pytest.approx(0.09)
     assert d.abort("held") and not d.abort("held")
     assert d.held() == []
     saved = d.max_queue_requests

@@ -494,6 +494,8 @@ def kairos_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         out[key] = _diff(after.get(key) or {}, (before or {}).get(key) or {})
     if after.get("workers"):
         out["workers"] = after["workers"]  # as the run left them
+    if "delivery_allowance_ms" in after:
+        out["delivery_allowance_ms"] = after["delivery_allowance_ms"]  # ... and the TBT budget's delivery part
     return out
 
 

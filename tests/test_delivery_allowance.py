@@ -185,6 +185,7 @@ def test_the_allowance_in_force_is_a_gauge_and_a_log_line_when_it_moves() -> Non
     lines = log.named("delivery_allowance")
     assert [x["configured_ms"] for x in lines] == [4.0, 4.0] and lines[0]["plan_tbt_ms"] == 96.0
     assert lines[1]["measured_ms"] == pytest.approx(6.0, abs=0.3) and lines[1]["samples"] == dl.RECOMPUTE_EVERY
+    assert core.stats()["delivery_allowance_ms"] == pytest.approx(10.0, abs=0.3)  # GET /v1/kairos/stats
 
 
 def test_a_stall_of_the_router_s_loop_is_counted_but_does_not_shrink_the_budget() -> None:

@@ -209,7 +209,8 @@ class HeldServer(PlainServer):
             ended = {"deflect": 3, "disagg": 1} if self.stats_calls > 1 else {}
             return httpx.Response(200, json={"policy": "kairos", "routes": {"deflect": 3, "disagg": 1},
                                              "ended": ended, "reasons": {}, "counts": {},
-                                             "workers": {"decode-0": {"role": "decode", "step_margin": 1.5}}})
+                                             "workers": {"decode-0": {"role": "decode", "step_margin": 1.5}},
+                                             "delivery_allowance_ms": 4.8})
         resp = await super().__call__(request)
         if request.url.path == "/v1/completions":
             resp.headers["x-kairos-route"] = "held" if len(json.loads(request.content)["prompt"]) % 2 else "deflect"
@@ -235,6 +236,13 @@ async def test_a_held_streams_route_comes_from_the_routers_count() -> None:
     assert "2 streams went out while late binding held them" in gap and "margins" not in gap
     far = demo.deflection_gap(res, {"deflection_rate": 0.9}) or ""
     assert "(within 5: no)" in far and "margins decode-0 1.50" in far  # outside it, what the workers planned with
+    # ... and the simulation rerun with the live router's delivery allowance, when the demo ran it
+    told = demo.deflection_gap(res, {"deflection_rate": 0.9}, {"deflection_rate": 0.82}) or ""
+    assert "decode steps to 95.2 of the 100 ms TBT SLO" in told and "with that allowance, kairos deflects 82.0%" in told
+    assert "the allowance accounts for -8.0 of the -15.0 points" in told
+    res["kairos"]["workers"]["decode-0"]["step_margin"] = 1.01  # a margin near 1 is not named as a cause
+    near = demo.deflection_gap(res, {"deflection_rate": 0.9}, {"deflection_rate": 0.82}) or ""
+    assert "margins decode-0" not in near and "step margins (at most 1.01)" in near
     # without the router's count (a plain server), the headers' figure stands
     assert demo.live_deflection({"deflection_rate": 0.5, "deflection_rate_router": None}) == 0.5
 

@@ -701,6 +701,8 @@ class RouterCore:
                                       "step_margin": w.hb.step_margin if w.hb is not None else 1.0, "bias": w.bias}
                         for w in self.table.workers.values()},
             "prefix": self.prefix.stats(),
+            # what the decode guard leaves of the TBT SLO for delivery now (delivery.py): steps are planned to the rest
+            "delivery_allowance_ms": round(self.delivery.total_s(self.cfg.tbt_slo) * 1000.0, 2),
             **({"planner": self.planner_stats()} if self.planner is not None else {}),
         }
 

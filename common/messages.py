@@ -370,7 +370,7 @@ class PrefillWork(Msg, frozen=True):
     tbt_slo: float = 0.1
     # what the router took off the request's TBT SLO for the serving path when it sent this (its
     # delivery allowance then; the request's own SLO is tbt_slo + allowance_s): a later PlanBudget
-    # moves tbt_slo by how much the allowance moved since
+    # with a larger allowance lowers its budget by how much more it is
     allowance_s: float = 0.0
     # route "retain" of a migrated request: the last resume_tokens prompt ids are output already
     # streamed (as DecodeWork.resume_tokens; the engine continues the stream at that position)

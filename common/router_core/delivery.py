@@ -31,9 +31,9 @@ path, not the engine, is the problem: the cap keeps the guard from shutting the 
 
 A request is planned with the allowance in force when it is dispatched (its work says how much was
 taken off: `allowance_s`); when the allowance moves, the router tells every worker (`PlanBudget`,
-RouterCore.tell_allowance) and the requests they run for it are planned from then on to their SLO
-less the new allowance (common/worker_core/base.py, `on_plan_budget`; their worker's heartbeat
-reports the strictest of them)."""
+RouterCore.tell_allowance) and the requests they run for it whose budget is more than their SLO
+less the new allowance are planned to that from then on (budgets only fall:
+common/worker_core/base.py, `on_plan_budget`; their worker's heartbeat reports the strictest)."""
 
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ class WorkerCore(abc.ABC):
             if self.ports.router_of(w.request_id) == msg.router_incarnation and \
                     self.ports.lower_tbt_slo(w.request_id, msg.budget(w.tbt_slo + w.allowance_s)):
                 moved += 1
-        self.log.info("plan_budget", router=msg.router_incarnation, allowance_ms=round(msg.allowance_s * 1000.0, 2),
-                      moved=moved)
+        (self.log.info if moved else self.log.debug)("plan_budget", router=msg.router_incarnation,
+                                                      allowance_ms=round(msg.allowance_s * 1000.0, 2), moved=moved)
         if moved:
             self.ports.beat_now()
         return moved

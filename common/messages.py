@@ -629,6 +629,7 @@ class RouterStats(Msg, frozen=True):
     failed: int
     rejected: int
     loop_lag_ms: float = 0.0  # the router's event loop: its worst wake-up lag since the last RouterStats
+    delivery_allowance_ms: float = 0.0  # the part of the TBT SLO left for delivery now: steps are planned to the rest
 
 
 RouterInbox = (Hello | PrefillDone | KvWant | KvTarget | TokenBatch | RequestFailed | Goodbye | PrefillHeartbeat

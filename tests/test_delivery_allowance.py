@@ -286,3 +286,30 @@ def test_a_risen_allowance_reaches_the_requests_already_on_a_worker() -> None:
     back = [x for _, x in box.take() if isinstance(x, m.PlanBudget)]
     assert len(back) == 2 and back[0].allowance_s == 0.0 and worker.on_plan_budget(back[0]) == 0
     assert ports.batcher.strictest_tbt_slo() == pytest.approx(0.1 - news.allowance_s)
+
+
+def test_the_allowance_reaches_the_monitor_and_kairos_top() -> None:
+    """RouterStats carries the allowance in force; the monitor keeps the largest among its routers
+    and `kairos top` shows it on the router line."""
+    import io
+
+    from rich.console import Console
+
+    from services.monitor import top
+    from services.monitor.state import MonitorState
+
+    core, box = make_core("kairos", tbt_delivery_allowance_ms=2.0)
+    core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    for _ in range(dl.RECOMPUTE_EVERY):
+        core.delivery.observe(0.0049)  # its bin: 4.75-5.0 ms, read as 5.0
+    core.telemetry(2.0)
+    stats = [x for x in box.published if isinstance(x, m.RouterStats)]
+    assert stats[-1].delivery_allowance_ms == pytest.approx(7.0)
+    st = MonitorState()
+    for x in box.published:
+        st.on_message(x, 10.0)  # type: ignore[arg-type]
+    snap = st.snapshot(10.0)
+    assert snap["router"]["delivery_allowance_ms"] == pytest.approx(7.0)
+    out = Console(file=io.StringIO(), width=250)
+    out.print(top.render(snap, "http://monitor"))
+    assert "delivery allowance 7.0 ms" in out.file.getvalue()  # type: ignore[attr-defined]

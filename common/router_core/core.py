@@ -652,10 +652,10 @@ class RouterCore:
             self.redispatch(req, "no worker, queue or park held it", None, now)
 
     def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
-        self.membership.telemetry(now, loop_lag_ms)
-        self.tell_allowance()
         d, slo = self.delivery, self.cfg.tbt_slo
         allowance = d.total_s(slo)
+        self.membership.telemetry(now, loop_lag_ms, round(allowance * 1000.0, 2))
+        self.tell_allowance()
         self.metrics.set_delivery_allowance(allowance)
         ms = round(allowance * 1000.0, 1)
         # a line when it moved by a millisecond or more, at most every DELIVERY_LOG_S (the gauge follows it)

@@ -357,7 +357,7 @@ class Membership:
             never_ran = self.core.unsent.get(rid, (-1, ""))[0] == req.attempt  # its work was not sent
             self.core.redispatch(req, f"{w.role} worker {w.worker_id} {why}", w.worker_id, now, never_ran=never_ran)
 
-    def telemetry(self, now: float, loop_lag_ms: float = 0.0) -> None:
+    def telemetry(self, now: float, loop_lag_ms: float = 0.0, delivery_allowance_ms: float = 0.0) -> None:
         """Each worker's state and the router's counters (and its event loop's lag, the shell's
         measure), to the monitor."""
         at = now + self.wall_offset
@@ -389,4 +389,5 @@ class Membership:
         self.metrics.set_worker_roles({w.worker_id: w.role for w in self.table.workers.values()})
         self.outbox.publish(m.RouterStats(at=at, in_flight=len(self.core.requests), accepted=self.counts["accepted"],
                                           completed=self.counts["completed"], failed=self.counts["failed"],
-                                          rejected=self.counts["rejected"], loop_lag_ms=loop_lag_ms))
+                                          rejected=self.counts["rejected"], loop_lag_ms=loop_lag_ms,
+                                          delivery_allowance_ms=delivery_allowance_ms))

@@ -156,6 +156,9 @@ class MonitorState:
                              accepted=sum(r.accepted for r in rs), completed=sum(r.completed for r in rs),
                              failed=sum(r.failed for r in rs), rejected=sum(r.rejected for r in rs),
                              loop_lag_ms=max(r.loop_lag_ms for r, t in self.routers.values() if t >= fresh)
+                             if any(t >= fresh for _, t in self.routers.values()) else 0.0,
+                             delivery_allowance_ms=max(r.delivery_allowance_ms for r, t in self.routers.values()
+                                                       if t >= fresh)
                              if any(t >= fresh for _, t in self.routers.values()) else 0.0)
 
     @property
@@ -408,6 +411,7 @@ class MonitorState:
             router = {"in_flight": r.in_flight, "accepted": r.accepted, "completed": r.completed,
                       "failed": r.failed, "rejected": r.rejected, "age_s": round(now - self.router_seen, 3),
                       "loop_lag_ms": round(r.loop_lag_ms, 2),
+                      "delivery_allowance_ms": round(r.delivery_allowance_ms, 2),
                       "replicas": [{"name": name or "router", "in_flight": st.in_flight, "accepted": st.accepted,
                                     "failed": st.failed, "age_s": round(now - t, 3),
                                     "loop_lag_ms": round(st.loop_lag_ms, 2)}

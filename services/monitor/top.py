@@ -137,7 +137,8 @@ def render(s: dict[str, Any], url: str) -> Group:
         silent = [x["name"] for x in reps if x["age_s"] > 5]
         who = f"{len(reps)} routers" if len(reps) > 1 else "router"
         router = Text(f"{who} ok · {r['in_flight']} in flight · {r['accepted']} accepted · {r['failed']} failed "
-                      f"· {r['rejected']} rejected · loop lag {r.get('loop_lag_ms', 0.0):.0f} ms",
+                      f"· {r['rejected']} rejected · loop lag {r.get('loop_lag_ms', 0.0):.0f} ms"
+                      f" · delivery allowance {r.get('delivery_allowance_ms', 0.0):.1f} ms",
                       style="bold yellow" if r.get("loop_lag_ms", 0.0) >= LOOP_LAG_WARN_MS else "green")
         if silent:
             router = Text(f"{len(silent)} of {len(reps)} routers silent ({', '.join(silent)}) · {r['in_flight']} in "

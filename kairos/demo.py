@@ -203,17 +203,23 @@ def _why_gap(res: dict[str, Any], sv: float, gap: float, sim_allowance: dict[str
                 f"whole SLO); simulated with that allowance, kairos deflects {fmt(sa, '%')}: the allowance accounts "
                 f"for {part:+.1f} of the {gap:+.1f} points.")
     workers = (res.get("kairos") or {}).get("workers") or {}
-    margins = {w: v.get("step_margin") for w, v in sorted(workers.items()) if v.get("role") == "decode"}
+    decode = {w: v for w, v in sorted(workers.items()) if v.get("role") == "decode"}
+    # the largest margin each planned with during the run (a burst's), else the one it ended with
+    margins = {w: v.get("step_margin_max", v.get("step_margin")) for w, v in decode.items()}
+    rejected = sum(n for k, n in ((res.get("kairos") or {}).get("reasons") or {}).items()
+                   if k.endswith(":deflect_rejected"))
     if margins and None not in margins.values() and max(margins.values()) >= MARGIN_SHOWN:
-        out += (" The live decode workers ended the run planning their steps with margins "
+        out += (" The live decode workers planned their steps with margins of up to "
                 + ", ".join(f"{w} {v:.2f}" for w, v in margins.items())
-                + " (measured / predicted step time at their overrun target; the simulation measures only the error "
-                  "it is given, none by default): a busy host wakes the simulated engines late, the workers count "
-                  "that as step error and leave more of the TBT SLO unplanned, so fewer prompts fit beside the "
-                  "decodes.")
+                + " during the run (measured / predicted step time at their overrun target; the simulation "
+                  "measures only the error it is given, none by default): a busy host wakes the simulated engines "
+                  "late, the workers count that as step error and leave more of the TBT SLO unplanned, so fewer "
+                  "prompts fit beside the decodes"
+                + (f", and they turned away {rejected} deflections whose chunks no longer fit" if rejected else "")
+                + ".")
     elif margins and None not in margins.values():
-        out += (f" The live decode workers' step margins (at most {max(margins.values()):.2f}) were no larger "
-                "than the simulation's; the rest of the gap is not something this demo measures "
+        out += (f" The live decode workers' step margins (at most {max(margins.values()):.2f} during the run) were "
+                "no larger than the simulation's; the rest of the gap is not something this demo measures "
                 "(docs/benchmarks/demo.md has what earlier runs found).")
     return out
 

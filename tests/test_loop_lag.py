@@ -105,3 +105,17 @@ async def test_a_workers_heartbeat_carries_its_worst_lag_since_the_last_one() ->
     await asyncio.wait_for(w.heartbeat_loop(), 5)
     assert beats[0].loop_lag_ms == 200.0
     assert beats[1].loop_lag_ms == 0.0  # taken by the first beat
+
+
+def test_router_stats_keep_each_workers_largest_step_margin() -> None:
+    """`kairos demo` explains a live deflection gap with the margins the workers planned with during
+    the run: a burst's margin is gone from the last heartbeat by the end, so the stats keep the largest."""
+    core, _ = make_core()
+    core.on_message(b"decode-0", hello("decode-0", "decode"), 1.0)
+    for seq, margin in enumerate((1.0, 1.3, 1.02), start=1):
+        core.on_message(b"decode-0", m.DecodeHeartbeat(
+            worker_id="decode-0", incarnation="inc-decode-0", seq=seq, batch=0, kv_tokens=0, kv_free_tokens=100_000,
+            kv_capacity_tokens=100_000, resident_prefill_tokens=0, deflections=0, strictest_tbt_slo=None,
+            token_budget=2048, step_margin=margin), 1.0 + seq)
+    w = core.stats()["workers"]["decode-0"]
+    assert w["step_margin"] == 1.02 and w["step_margin_max"] == 1.3

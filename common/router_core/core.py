@@ -694,11 +694,12 @@ class RouterCore:
             "ended": dict(self.ended),
             "reasons": {f"{r}:{why}": n for (r, why), n in self.reasons.items()},
             # step_margin: the measured / predicted step time its last heartbeat said it plans with (the
-            # quantile a decode worker holds its chunks to; 1: none measured); bias: what the router
-            # scales its model by (step_error.bias_factor)
+            # quantile a decode worker holds its chunks to; 1: none measured), step_margin_max the largest
+            # since it registered; bias: what the router scales its model by (step_error.bias_factor)
             "workers": {w.worker_id: {"role": w.role, "engine": w.hello.engine, "draining": w.draining,
                                       "holding": len(w.holding),
-                                      "step_margin": w.hb.step_margin if w.hb is not None else 1.0, "bias": w.bias}
+                                      "step_margin": w.hb.step_margin if w.hb is not None else 1.0,
+                                      "step_margin_max": w.margin_max, "bias": w.bias}
                         for w in self.table.workers.values()},
             "prefix": self.prefix.stats(),
             # what the decode guard leaves of the TBT SLO for delivery now (delivery.py): steps are planned to the rest

@@ -58,6 +58,7 @@ class WorkerEntry:
     holding: set[str] = field(default_factory=set)             # requests this worker is working on
     draining: bool = False
     heartbeats: int = 0
+    margin_max: float = 1.0              # the largest step margin its heartbeats said since it registered
     bias: float = 1.0                    # the measured step bias `model` is scaled by (step_error.bias_factor)
     coeffs: m.Coeffs | None = None       # the coefficients base_model was built from (heartbeats resend them)
     # a send to it failed (unroutable, or its queue full): out of every view and expired at once,
@@ -250,6 +251,8 @@ class WorkerTable:
         e.hb = hb
         e.heartbeats += 1
         e.last_seen = e.hb_at = now
+        if hb.step_margin > e.margin_max:
+            e.margin_max = hb.step_margin
         # workers send their coefficients in every heartbeat: a new model object only when they change
         refit = hb.coeffs is not None and self.per_worker_models and hb.coeffs != e.coeffs
         if refit:

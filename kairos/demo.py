@@ -212,11 +212,12 @@ def _why_gap(res: dict[str, Any], sv: float, gap: float, sim_allowance: dict[str
         out += (" The live decode workers planned their steps with margins of up to "
                 + ", ".join(f"{w} {v:.2f}" for w, v in margins.items())
                 + " during the run (measured / predicted step time at their overrun target; the simulation "
-                  "measures only the error it is given, none by default): a busy host wakes the simulated engines "
-                  "late, the workers count that as step error and leave more of the TBT SLO unplanned, so fewer "
-                  "prompts fit beside the decodes"
-                + (f", and they turned away {rejected} deflections whose chunks no longer fit" if rejected else "")
-                + ".")
+                  "measures only the error it is given, none by default): where a busy host wakes the simulated "
+                  "engines late, the workers count that as step error and leave more of the TBT SLO unplanned, so "
+                  "fewer prompts fit beside the decodes"
+                + (f"; they turned away {rejected} deflections whose chunks no longer fit" if rejected else "")
+                + ". Runs with a small gap have shown such margins too: read them as a possible cause, not a "
+                  "measured one (docs/benchmarks/demo.md).")
     elif margins and None not in margins.values():
         out += (f" The live decode workers' step margins (at most {max(margins.values()):.2f} during the run) were "
                 "no larger than the simulation's; the rest of the gap is not something this demo measures "

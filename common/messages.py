@@ -465,6 +465,12 @@ class QueueHead(Msg, frozen=True):
     first_tokens: int = 0    # the first one's prompt tokens: the turns of a wait order by size compare them
 
 
+def planned_tbt(slo: float, allowance_s: float, cap: float) -> float:
+    """The TBT budget a request of TBT SLO `slo` is planned to: the SLO less the delivery allowance,
+    which is at most `cap` x the SLO (the router's dispatch and a worker's PlanBudget both use it)."""
+    return slo - min(allowance_s, cap * slo) if allowance_s > 0.0 else slo
+
+
 class PlanBudget(Msg, frozen=True):
     """Router -> every worker: its TBT delivery allowance moved (common/router_core/delivery.py).
     The requests this router sent that a worker still runs were planned with the allowance of their
@@ -479,7 +485,7 @@ class PlanBudget(Msg, frozen=True):
 
     def budget(self, slo: float) -> float:
         """What a request whose own TBT SLO is `slo` is planned to now (DeliveryAllowance.plan_slo)."""
-        return slo - min(self.allowance_s, self.cap * slo) if self.allowance_s > 0.0 else slo
+        return planned_tbt(slo, self.allowance_s, self.cap)
 
 
 class Cancel(Msg, frozen=True):

@@ -170,16 +170,21 @@ def live_allowance_ms(res: dict[str, Any]) -> float:
     return float((res.get("kairos") or {}).get("delivery_allowance_ms") or 0.0)
 
 
+def gap_points(live_res: dict[str, Any], sim_res: dict[str, Any]) -> float | None:
+    """Live less simulated deflection rate, in points as printed (None if either is unknown)."""
+    lv, sv = live_deflection(live_res), sim_res.get("deflection_rate")
+    return None if lv is None or sv is None else round((lv - sv) * 100, 1)
+
+
 def deflection_gap(live_res: dict[str, Any], sim_res: dict[str, Any],
                    sim_allowance: dict[str, Any] | None = None, tbt_slo: float = 0.1) -> str | None:
     """Sentences comparing a policy's live and simulated deflection rates (None if either is
     unknown); past GAP_POINTS, what was measured of why: the simulation rerun with the live
     router's delivery allowance (`sim_allowance`), and the live workers' step margins."""
-    lv, sv = live_deflection(live_res), sim_res.get("deflection_rate")
-    if lv is None or sv is None:
+    gap = gap_points(live_res, sim_res)
+    if gap is None:
         return None
-    sv = float(sv)
-    gap = round((lv - sv) * 100, 1)  # points, as printed
+    lv, sv = live_deflection(live_res), float(sim_res["deflection_rate"])
     held = (live_res.get("ttft_by_route") or {}).get("held", {}).get("requests", 0)
     return (f"Deflection rate: {fmt(lv, '%')} live, {fmt(sv, '%')} simulated, a gap of {gap:+.1f} points "
             f"(within {GAP_POINTS:g}: {'yes' if abs(gap) <= GAP_POINTS else 'no'})"
@@ -330,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     # a deflection-rate gap: the simulation again with what the live router planned with (delivery.py)
     sim_allowance = None
     allowance = live_allowance_ms(livers["kairos"])
-    lv, sv = live_deflection(livers["kairos"]), sims["kairos"].get("deflection_rate")
-    if allowance > 0 and lv is not None and sv is not None and abs(lv - sv) * 100 > GAP_POINTS:
+    gap = gap_points(livers["kairos"], sims["kairos"])  # as deflection_gap judges it, the same rounding
+    if allowance > 0 and gap is not None and abs(gap) > GAP_POINTS:
         sim_allowance = simulated(reqs, profile, args, policies=("kairos",), allowance_ms=allowance)["kairos"]
     plot_path = out_dir / "ttft.png"
     plot(runs, str(plot_path), ttft_slo=args.ttft_slo,

@@ -197,10 +197,7 @@ class SimEngine(Engine):
         return self.batcher.kv_free() >= prompt_tokens + max_tokens
 
     def lower_tbt_slo(self, request_id: str, tbt_slo: float) -> bool:
-        req = self._reqs.get(request_id)
-        if req is not None:
-            req.tbt_slo = min(req.tbt_slo, tbt_slo)
-        return self.batcher.lower_tbt_slo(request_id, tbt_slo)
+        return self.batcher.lower_tbt_slo(request_id, tbt_slo)  # (the batcher's Seq is what steps read)
 
     def held(self) -> list[str]:
         return [s.request_id for s in (*self.batcher.running, *self.batcher.waiting, *self.batcher.decoding)]

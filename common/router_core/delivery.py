@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from common.messages import planned_tbt
+
 # of the measured extra gap, per token. The TBT SLO is on a request's *largest* gap, over hundreds of
 # tokens: at the P99, with the decode pool full (every step planned to the budget), one token in a
 # hundred passed it and most 200-token streams broke their SLO at the router's socket by a fraction of
@@ -111,13 +113,13 @@ class DeliveryAllowance:
 
     def total_s(self, slo: float) -> float:
         """The allowance taken off a TBT SLO of `slo` seconds (capped at `CAP` x it)."""
-        a = self.configured_s + self.measured_s
+        a = self.raw_s
         return min(a, CAP * slo) if a > 0.0 else 0.0
 
     def plan_slo(self, slo: float) -> float:
         """The TBT budget the guard plans a request of TBT SLO `slo` to: the SLO less the allowance
         (exactly `slo` when there is none)."""
-        return slo - self.total_s(slo)
+        return planned_tbt(slo, self.raw_s, CAP)
 
     def capped(self, slo: float) -> bool:
         return self.configured_s + self.measured_s > CAP * slo
